@@ -1,0 +1,38 @@
+"""The catalogue of model presets: names people type, mapped to `ModelSpec`s.
+
+Shapes follow GPT-3's table; `gpt-1.3b` is the paper's GPT-3 XL (24 layers, hidden 2048,
+16 heads, sequence 2048). `gpt-tiny` and `gpt-mini` use the byte-level vocabulary (256) so
+they train on a CPU in seconds. Pure data: no torch, no grpc.
+"""
+
+from __future__ import annotations
+
+from protos.spec import ModelSpec
+
+GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
+
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        ModelSpec("gpt-tiny", vocab_size=256, n_layers=4, d_model=64, n_heads=4, seq_len=64),
+        ModelSpec("gpt-mini", vocab_size=256, n_layers=6, d_model=128, n_heads=4, seq_len=128),
+        ModelSpec("gpt-small", vocab_size=256, n_layers=8, d_model=256, n_heads=8, seq_len=256),
+        ModelSpec("gpt-125m", GPT2_VOCAB, n_layers=12, d_model=768, n_heads=12, seq_len=2048),
+        ModelSpec("gpt-350m", GPT2_VOCAB, n_layers=24, d_model=1024, n_heads=16, seq_len=2048),
+        ModelSpec("gpt-760m", GPT2_VOCAB, n_layers=24, d_model=1536, n_heads=16, seq_len=2048),
+        ModelSpec("gpt-1.3b", GPT2_VOCAB, n_layers=24, d_model=2048, n_heads=16, seq_len=2048),
+        ModelSpec("gpt-2.7b", GPT2_VOCAB, n_layers=32, d_model=2560, n_heads=32, seq_len=2048),
+        ModelSpec("gpt-6.7b", GPT2_VOCAB, n_layers=32, d_model=4096, n_heads=32, seq_len=2048),
+        ModelSpec("gpt-13b", GPT2_VOCAB, n_layers=40, d_model=5120, n_heads=40, seq_len=2048),
+    )
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    """The preset called `name`, or a ValueError that lists the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}"
+        ) from None

@@ -1,0 +1,185 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("kind", "name", "memory_bytes", "flops", "cores")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    memory_bytes: int
+    flops: float
+    cores: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ...) -> None: ...
+
+class AgentInfo(_message.Message):
+    __slots__ = ("agent_id", "host", "port", "device", "version")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    host: str
+    port: int
+    device: DeviceInfo
+    version: str
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    D_MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    D_FF_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    d_ff: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ...) -> None: ...
+
+class TrainConfig(_message.Message):
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches")
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    DP_MODE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    global_batch: int
+    micro_batches: int
+    steps: int
+    seed: int
+    schedule: str
+    dp_mode: str
+    lr: float
+    warmup_steps: int
+    grad_clip: float
+    weight_decay: float
+    data_path: str
+    checkpoint_dir: str
+    dtype: str
+    checkpoint_every: int
+    eval_batches: int
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    DP_GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PREV_RANK_FIELD_NUMBER: _ClassVar[int]
+    NEXT_RANK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    stage: int
+    replica: int
+    stages: int
+    replicas: int
+    layer_begin: int
+    layer_end: int
+    dp_group_ranks: _containers.RepeatedScalarFieldContainer[int]
+    prev_rank: int
+    next_rank: int
+    model: ModelSpec
+    train: TrainConfig
+    backend: str
+    layer_splits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LinkSample(_message.Message):
+    __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    delay_ms: float
+    bandwidth_gbps: float
+    reachable: bool
+    error: str
+    measured_unix_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., delay_ms: _Optional[float] = ..., bandwidth_gbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., measured_unix_s: _Optional[float] = ...) -> None: ...
+
+class LinkMatrix(_message.Message):
+    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable")
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    delay_ms: _containers.RepeatedScalarFieldContainer[float]
+    bandwidth_gbps: _containers.RepeatedScalarFieldContainer[float]
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PlanStage(_message.Message):
+    __slots__ = ("agent_ids",)
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    DP_COST_FIELD_NUMBER: _ClassVar[int]
+    PP_COST_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    stages: int
+    replicas: int
+    grid: _containers.RepeatedCompositeFieldContainer[PlanStage]
+    cost: float
+    dp_cost: float
+    pp_cost: float
+    seconds: float
+    algorithm: str
+    epoch: int
+    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,207 @@
+from protos.dtfm.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGENT_STATE_UNSPECIFIED: _ClassVar[AgentState]
+    AGENT_STATE_ALIVE: _ClassVar[AgentState]
+    AGENT_STATE_LOST: _ClassVar[AgentState]
+    AGENT_STATE_LEFT: _ClassVar[AgentState]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_IDLE: _ClassVar[JobState]
+    JOB_STATE_WAITING: _ClassVar[JobState]
+    JOB_STATE_MEASURING: _ClassVar[JobState]
+    JOB_STATE_SCHEDULING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_RECOVERING: _ClassVar[JobState]
+    JOB_STATE_DONE: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+AGENT_STATE_UNSPECIFIED: AgentState
+AGENT_STATE_ALIVE: AgentState
+AGENT_STATE_LOST: AgentState
+AGENT_STATE_LEFT: AgentState
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_IDLE: JobState
+JOB_STATE_WAITING: JobState
+JOB_STATE_MEASURING: JobState
+JOB_STATE_SCHEDULING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_RECOVERING: JobState
+JOB_STATE_DONE: JobState
+JOB_STATE_FAILED: JobState
+
+class JoinRequest(_message.Message):
+    __slots__ = ("agent",)
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    agent: _common_pb2.AgentInfo
+    def __init__(self, agent: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("agent_id", "heartbeat_interval_s", "liveness_timeout_s")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    heartbeat_interval_s: float
+    liveness_timeout_s: float
+    def __init__(self, agent_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ...) -> None: ...
+
+class PeerTarget(_message.Message):
+    __slots__ = ("agent_id", "address")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    address: str
+    def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class MeasureLinksCommand(_message.Message):
+    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PING_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerTarget]
+    ping_count: int
+    probe_seconds: float
+    probe_max_bytes: int
+    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ...) -> None: ...
+
+class StopCommand(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("seq", "welcome", "measure", "assign", "stop")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    welcome: Welcome
+    measure: MeasureLinksCommand
+    assign: _common_pb2.Assignment
+    stop: StopCommand
+    def __init__(self, seq: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., measure: _Optional[_Union[MeasureLinksCommand, _Mapping]] = ..., assign: _Optional[_Union[_common_pb2.Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopCommand, _Mapping]] = ...) -> None: ...
+
+class LinkReport(_message.Message):
+    __slots__ = ("agent_id", "round_id", "samples")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    round_id: str
+    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.LinkSample]
+    def __init__(self, agent_id: _Optional[str] = ..., round_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.LinkSample, _Mapping]]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProgressReport(_message.Message):
+    __slots__ = ("agent_id", "job_id", "epoch", "worker_state", "step", "loss", "tokens_per_s", "error", "total_steps")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    job_id: str
+    epoch: int
+    worker_state: str
+    step: int
+    loss: float
+    tokens_per_s: float
+    error: str
+    total_steps: int
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., worker_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AgentStatus(_message.Message):
+    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    JOINED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.AgentInfo
+    state: AgentState
+    last_seen_unix_s: float
+    joined_unix_s: float
+    progress: ProgressReport
+    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_WANTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    model: str
+    agents_wanted: int
+    epoch: int
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_s: float
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("agents", "job", "plan", "links", "now_unix_s")
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    agents: _containers.RepeatedCompositeFieldContainer[AgentStatus]
+    job: JobStatus
+    plan: _common_pb2.Plan
+    links: _common_pb2.LinkMatrix
+    now_unix_s: float
+    def __init__(self, agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., job: _Optional[_Union[JobStatus, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., links: _Optional[_Union[_common_pb2.LinkMatrix, _Mapping]] = ..., now_unix_s: _Optional[float] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MeasureRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...

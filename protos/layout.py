@@ -1,0 +1,112 @@
+"""The one place that knows how (stage, replica) maps to ranks, like torchtitan's ParallelDims.
+
+Conventions used everywhere in dtfm: a plan is a grid `grid[stage][replica] -> device`, pipeline
+`k` runs `grid[0][k] -> grid[1][k] -> ...`, and in a worker world `rank = replica * stages +
+stage`. No other module does rank arithmetic; they ask a `Layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A job's parallel shape: `stages` pipeline stages times `replicas` data-parallel copies."""
+
+    stages: int
+    replicas: int
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.replicas < 1:
+            raise ValueError(
+                f"a layout needs at least 1 stage and 1 replica, got stages={self.stages} "
+                f"replicas={self.replicas}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.replicas
+
+    def rank(self, stage: int, replica: int) -> int:
+        if not (0 <= stage < self.stages and 0 <= replica < self.replicas):
+            raise ValueError(f"(stage={stage}, replica={replica}) is outside {self}")
+        return replica * self.stages + stage
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of a rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        return rank % self.stages, rank // self.stages
+
+    def stage_of(self, rank: int) -> int:
+        return self.coords(rank)[0]
+
+    def replica_of(self, rank: int) -> int:
+        return self.coords(rank)[1]
+
+    def dp_ranks(self, stage: int) -> list[int]:
+        """Ranks holding `stage`: its data-parallel group, in replica order."""
+        return [self.rank(stage, r) for r in range(self.replicas)]
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """Ranks of pipeline `replica`, first stage first."""
+        return [self.rank(s, replica) for s in range(self.stages)]
+
+    def prev_rank(self, rank: int) -> int | None:
+        stage, replica = self.coords(rank)
+        return None if stage == 0 else self.rank(stage - 1, replica)
+
+    def next_rank(self, rank: int) -> int | None:
+        stage, replica = self.coords(rank)
+        return None if stage == self.stages - 1 else self.rank(stage + 1, replica)
+
+    def is_first(self, rank: int) -> bool:
+        return self.stage_of(rank) == 0
+
+    def is_last(self, rank: int) -> bool:
+        return self.stage_of(rank) == self.stages - 1
+
+    def devices_by_rank(self, grid: Sequence[Sequence[int | str]]) -> list[int | str]:
+        """Flatten a plan grid (grid[stage][replica] -> device) into rank order."""
+        if len(grid) != self.stages or any(len(row) != self.replicas for row in grid):
+            raise ValueError(
+                f"grid shape {len(grid)}x{len(grid[0]) if grid else 0} does not match "
+                f"{self.stages} stages x {self.replicas} replicas"
+            )
+        return [grid[self.stage_of(r)][self.replica_of(r)] for r in range(self.world_size)]
+
+
+def layer_splits(n_layers: int, stages: int, splits: Sequence[int] | None = None) -> list[int]:
+    """Layers per stage: as even as possible (earlier stages take the remainder), or `splits`.
+
+    24 layers on 5 stages gives [5, 5, 5, 5, 4].
+    """
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    if stages > n_layers:
+        raise ValueError(
+            f"cannot split {n_layers} layers into {stages} stages: use at most {n_layers} stages"
+        )
+    if splits is not None and len(splits) > 0:
+        splits = list(splits)
+        if len(splits) != stages or sum(splits) != n_layers or min(splits) < 1:
+            raise ValueError(
+                f"layer splits {splits} must have {stages} entries, each >= 1, summing to "
+                f"{n_layers}"
+            )
+        return splits
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def layer_ranges(
+    n_layers: int, stages: int, splits: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """[begin, end) layer range of every stage."""
+    ranges, begin = [], 0
+    for count in layer_splits(n_layers, stages, splits):
+        ranges.append((begin, begin + count))
+        begin += count
+    return ranges
