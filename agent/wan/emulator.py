@@ -19,7 +19,8 @@ Spec (JSON)::
 
     {"hosts": [{"namespace": "dtfm-ab12cd-0", "ifname": "wan0", "address": "10.213.0.1"}, ...],
      "delay_ms": [[...]], "bandwidth_mbps": [[...]] or null (null entries: unlimited),
-     "queue_ms": null, "watch_stdin": true, "cleanup_on_orphan": true}
+     "queue_ms": null, "watch_stdin": true, "cleanup_on_orphan": true,
+     "stats_path": null}   # where to write the counters (JSON) on exit
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -59,9 +61,15 @@ class Counters:
     dropped_unroutable: int = 0
     dropped_queue: int = 0
     dropped_write: int = 0
+    late_s_total: float = 0.0  # sum over delivered packets of (write time - due time)
+    late_s_max: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.__dict__)
+        out["late_ms_mean"] = 1e3 * self.late_s_total / self.forwarded if self.forwarded else 0.0
+        out["late_ms_max"] = 1e3 * out.pop("late_s_max")
+        del out["late_s_total"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class Spec:
     queue_ms: float | None = None
     watch_stdin: bool = True
     cleanup_on_orphan: bool = True
+    stats_path: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -91,6 +100,7 @@ class Spec:
             queue_ms=data.get("queue_ms"),
             watch_stdin=bool(data.get("watch_stdin", True)),
             cleanup_on_orphan=bool(data.get("cleanup_on_orphan", True)),
+            stats_path=data.get("stats_path"),
         )
 
 
@@ -148,7 +158,7 @@ class Forwarder:
         heap = self.heap
         counters = self.counters
         while heap and heap[0][0] <= now:
-            _, _, dst, pkt = heapq.heappop(heap)
+            due, _, dst, pkt = heapq.heappop(heap)
             try:
                 os.write(self.fds[dst], pkt)
             except OSError as exc:
@@ -157,6 +167,10 @@ class Forwarder:
                 continue
             counters.forwarded += 1
             counters.forwarded_bytes += len(pkt)
+            late = now - due
+            counters.late_s_total += late
+            if late > counters.late_s_max:
+                counters.late_s_max = late
 
     def run(self, control_fd: int | None) -> str:
         """Forward until SIGTERM (returns "stopped") or EOF on ``control_fd`` ("orphaned")."""
@@ -168,11 +182,19 @@ class Forwarder:
                 ep.register(control_fd, select.EPOLLIN | select.EPOLLHUP)
             clock = time.monotonic
             while True:
-                timeout = -1.0 if not self.heap else max(0.0, self.heap[0][0] - clock())
-                try:
-                    events = ep.poll(timeout)
-                except _Stop:
-                    return "stopped"
+                # epoll rounds its timeout up to whole milliseconds, which would make every
+                # delivery up to 1 ms late: wait whole milliseconds rounded down, then sleep
+                # the sub-millisecond rest (nanosleep is precise) if nothing arrived meanwhile.
+                if self.heap:
+                    wait = self.heap[0][0] - clock()
+                    timeout = max(0.0, math.floor(wait * 1e3) / 1e3)
+                else:
+                    timeout = -1.0
+                events = ep.poll(timeout)
+                if not events and self.heap:
+                    rest = self.heap[0][0] - clock()
+                    if rest > 0:
+                        time.sleep(rest)
                 now = clock()
                 for fd, _ in events:
                     if fd == control_fd:
@@ -246,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        log.info("%s; %s", outcome, forwarder.counters.as_dict())
+        stats = forwarder.counters.as_dict()
+        log.info("%s; %s", outcome, stats)
+        if spec.stats_path:
+            with contextlib.suppress(OSError):
+                Path(spec.stats_path).write_text(json.dumps(stats))
     if outcome == "orphaned" and spec.cleanup_on_orphan:
         log.warning("owner went away; deleting namespaces %s", spec.namespaces)
         cleanup_namespaces(spec.namespaces)

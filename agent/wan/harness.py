@@ -121,6 +121,9 @@ class WanEmulator:
         self._prev_sigterm: Any = None
         self._started = False
         self._closed = False
+        self.stats: dict[str, float] | None = None
+        """The forwarder's counters once closed: forwarded, forwarded_bytes, dropped_*,
+        late_ms_mean / late_ms_max (how far behind schedule packets were delivered)."""
 
     # ---------------------------------------------------------------- info
 
@@ -246,6 +249,7 @@ class WanEmulator:
             "queue_ms": self._queue_ms,
             "watch_stdin": True,
             "cleanup_on_orphan": True,
+            "stats_path": str(work / "stats.json"),
         }
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -312,6 +316,8 @@ class WanEmulator:
             except Exception as exc:
                 errors.append(f"deleting {name}: {exc}")
         if self._workdir is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.stats = json.loads((Path(self._workdir.name) / "stats.json").read_text())
             log.debug("emulator log:\n%s", self.emulator_log())
             self._workdir.cleanup()
         self._restore_sigterm()

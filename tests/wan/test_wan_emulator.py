@@ -22,124 +22,16 @@ from typing import Any
 
 import pytest
 
-from agent.wan import WanEmulator, netns
+from agent.wan import WanEmulator, netns, probe
 
 AVAILABLE, REASON = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=REASON or "WAN emulation available")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PORT = 7000
-
-# One small program, run inside the namespaces:
-#   serve ADDR PORT          echo ("E") and bulk sink ("B") server; prints "listening"
-#   ping ADDR PORT COUNT     prints JSON list of TCP echo round trips in ms
-#   bulk ADDR PORT NBYTES    sends NBYTES, prints the sink's JSON {"bytes", "seconds"}
-NETTOOL = textwrap.dedent(
-    """
-    import json, socket, sys, threading, time
-
-    def recv_exact(s, n):
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-        return buf
-
-    def handle(conn):
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            mode = recv_exact(conn, 1)
-            if mode == b"E":
-                while True:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    conn.sendall(data)
-            warmup, total, t_warm = 256 * 1024, 0, None
-            while True:
-                data = conn.recv(1 << 20)
-                if not data:
-                    break
-                total += len(data)
-                if t_warm is None and total >= warmup:
-                    t_warm, at_warm = time.monotonic(), total
-            t_end = time.monotonic()
-            reply = {"bytes": total - at_warm, "seconds": t_end - t_warm}
-            conn.sendall(json.dumps(reply).encode())
-
-    def main():
-        cmd, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-        if cmd == "serve":
-            srv = socket.create_server((addr, port))
-            print("listening", flush=True)
-            while True:
-                conn, _ = srv.accept()
-                threading.Thread(target=handle, args=(conn,), daemon=True).start()
-        s = socket.create_connection((addr, port), timeout=30)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if cmd == "ping":
-            s.sendall(b"E")
-            rtts = []
-            for _ in range(int(sys.argv[4]) + 2):
-                t0 = time.perf_counter()
-                s.sendall(b"x" * 64)
-                recv_exact(s, 64)
-                rtts.append((time.perf_counter() - t0) * 1e3)
-            print(json.dumps(rtts[2:]))
-        elif cmd == "bulk":
-            s.sendall(b"B")
-            left, block = int(sys.argv[4]), b"\\0" * (1 << 16)
-            while left > 0:
-                n = min(left, len(block))
-                s.sendall(block[:n])
-                left -= n
-            s.shutdown(socket.SHUT_WR)
-            data = b""
-            while True:
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-            print(data.decode())
-
-    main()
-    """
-)
-
-
-def serve(wan: WanEmulator, host: int) -> subprocess.Popen[str]:
-    proc = wan.popen(
-        host,
-        [sys.executable, "-c", NETTOOL, "serve", wan.address(host), str(PORT)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "listening"
-    return proc
-
-
-def run_tool(wan: WanEmulator, host: int, args: list[str], timeout: float = 30) -> Any:
-    out = subprocess.run(
-        wan.command(host, [sys.executable, "-c", NETTOOL, *args]),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=True,
-    )
-    return json.loads(out.stdout)
 
 
 def echo_rtt_ms(wan: WanEmulator, src: int, dst: int, count: int = 10) -> float:
-    rtts = run_tool(wan, src, ["ping", wan.address(dst), str(PORT), str(count)])
-    return float(statistics.median(rtts))
-
-
-def bulk_mbps(wan: WanEmulator, src: int, dst: int, nbytes: int) -> float:
-    reply = run_tool(wan, src, ["bulk", wan.address(dst), str(PORT), str(nbytes)])
-    return reply["bytes"] * 8 / reply["seconds"] / 1e6
+    return float(statistics.median(probe.echo_rtts_ms(wan, src, dst, count=count)))
 
 
 def assert_rtt(measured: float, expected: float) -> None:
@@ -192,6 +84,7 @@ def two_hosts() -> Iterator[WanEmulator]:
         wan.namespace_inodes,
         [p for p in [wan.emulator_pid] if p is not None],
     )
+    assert wan.stats is not None and wan.stats["forwarded"] > 0, wan.stats
 
 
 @pytest.mark.timeout(60)
@@ -199,9 +92,9 @@ def test_two_hosts_rtt_and_bandwidth(two_hosts: WanEmulator) -> None:
     wan = two_hosts
     assert wan.size == 2
     assert wan.address(0) != wan.address(1)
-    server = serve(wan, 1)
+    server = probe.start_server(wan, 1)
     rtt = echo_rtt_ms(wan, 0, 1, count=15)
-    rate = bulk_mbps(wan, 0, 1, nbytes=5_000_000)
+    rate = probe.bulk_mbps(wan, 0, 1, nbytes=5_000_000)
     print(f"2 hosts, 40 ms one-way, 20 Mbit/s: echo RTT {rtt:.1f} ms, bulk {rate:.1f} Mbit/s")
     assert_rtt(rtt, 80.0)
     assert abs(rate - 20.0) <= 0.20 * 20.0, f"bulk {rate:.1f} Mbit/s, expected 20 +- 20 %"
@@ -214,7 +107,7 @@ def test_asymmetric_three_hosts() -> None:
     with WanEmulator(delay_ms=delay) as wan:
         names = [wan.namespace(i) for i in range(3)]
         inodes = wan.namespace_inodes
-        servers = [serve(wan, i) for i in range(3)]
+        servers = [probe.start_server(wan, i) for i in range(3)]
         measured = {}
         for a, b in [(0, 1), (0, 2), (1, 2), (2, 0)]:
             measured[(a, b)] = rtt = echo_rtt_ms(wan, a, b)
