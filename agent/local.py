@@ -1,0 +1,343 @@
+"""`agent local`: a whole training job on this machine, like `torchrun --standalone`.
+
+Owns turning a handful of flags into one `dtfm.v1.Assignment` per rank (the same message the
+coordinator sends), spawning the workers exactly as the agent's supervisor does
+(`python -m agent.worker --assignment PATH --progress PATH`), merging their progress into
+one stream, and tearing the job down the moment any worker fails: the rest are killed and
+the error names the rank, its exit code and its last stderr lines. This is the one worker-side
+module allowed to read `coordinator.catalogue`, to turn a preset name into a spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from coordinator.catalogue import PRESETS, get_preset
+from protos.layout import Layout, layer_ranges, layer_splits
+from protos.spec import ModelSpec, TrainConfig
+
+POLL_S = 0.05
+KILL_GRACE_S = 3.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `agent local` flags."""
+    p = parser
+    p.add_argument("--model", default="gpt-tiny", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
+    p.add_argument("--replicas", type=int, default=2, help="data-parallel replicas R")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per replica")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--dp-mode", choices=("allreduce", "sharded"), default="allreduce")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10, help="LR warmup steps")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--layer-splits", default="", help="layers per stage, e.g. 3,1")
+    p.add_argument("--data", default="", help="uint16 .bin token file or dir (train/val.bin)")
+    p.add_argument("--checkpoint-dir", default="", help="resume from / write checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: auto)")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    p.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--json", action="store_true", help="one JSON object per step, then done")
+    p.add_argument("--workdir", default="", help="keep assignments, progress and logs here")
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port for the rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_assignments(
+    spec: ModelSpec, layout: Layout, train: TrainConfig, splits: list[int] | None,
+    port: int, backend: str, job_id: str = "local",
+) -> list[Any]:
+    """One `dtfm.v1.Assignment` per rank, in rank order."""
+    from protos.dtfm.v1 import common_pb2
+
+    counts = layer_splits(spec.n_layers, layout.stages, splits)
+    ranges = layer_ranges(spec.n_layers, layout.stages, counts)
+    out = []
+    for rank in range(layout.world_size):
+        stage, replica = layout.coords(rank)
+        prev, nxt = layout.prev_rank(rank), layout.next_rank(rank)
+        out.append(common_pb2.Assignment(
+            job_id=job_id, epoch=0, master_addr="127.0.0.1", master_port=port,
+            world_size=layout.world_size, rank=rank, stage=stage, replica=replica,
+            stages=layout.stages, replicas=layout.replicas,
+            layer_begin=ranges[stage][0], layer_end=ranges[stage][1],
+            dp_group_ranks=layout.dp_ranks(stage),
+            prev_rank=-1 if prev is None else prev, next_rank=-1 if nxt is None else nxt,
+            model=spec.to_proto(), train=train.to_proto(), backend=backend,
+            layer_splits=counts,
+        ))
+    return out
+
+
+@dataclass
+class Proc:
+    rank: int
+    popen: subprocess.Popen[bytes]
+    progress: Path
+    stderr: Path
+    _offset: int = 0
+    _partial: str = ""
+    done: dict[str, Any] | None = None
+    error: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def read_events(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.progress, encoding="utf-8") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+                self._offset = f.tell()
+        except FileNotFoundError:
+            return []
+        text = self._partial + chunk
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        events = []
+        for line in lines:
+            if line.strip():
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return events
+
+    def stderr_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.stderr.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no stderr)"
+        return "\n".join(lines[-n:]) or "(empty stderr)"
+
+
+class Job:
+    """The spawned workers of one local job."""
+
+    def __init__(self, args: argparse.Namespace, out: IO[str]) -> None:
+        self.args, self.out = args, out
+        self.spec = get_preset(args.model)
+        self.layout = Layout(args.stages, args.replicas)
+        self.train = TrainConfig(
+            global_batch=args.batch, micro_batches=args.micro_batches, steps=args.steps,
+            seed=args.seed, schedule=args.schedule, dp_mode=args.dp_mode, lr=args.lr,
+            warmup_steps=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
+            data_path=str(Path(args.data).resolve()) if args.data else "",
+            checkpoint_dir=str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else "",
+            dtype=args.dtype, checkpoint_every=args.checkpoint_every,
+            eval_batches=args.eval_batches,
+        )
+        self.train.validate(args.replicas)
+        splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
+        self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
+        self.backend = "nccl" if args.device == "cuda" else "gloo"
+        self.procs: list[Proc] = []
+        self.report_rank = self.layout.rank(self.layout.stages - 1, 0)
+
+    def spawn(self, workdir: Path) -> None:
+        a = self.args
+        port = free_port()
+        assignments = build_assignments(
+            self.spec, self.layout, self.train, self.splits, port, self.backend
+        )
+        threads = a.threads or max(1, (os.cpu_count() or 1) // self.layout.world_size)
+        env = dict(os.environ)
+        env.update({
+            "OMP_NUM_THREADS": str(threads), "DTFM_NUM_THREADS": str(threads),
+            "DTFM_TIMEOUT_S": str(a.timeout), "PYTHONUNBUFFERED": "1",
+        })
+        gpus = 0
+        if a.device == "cuda":
+            import torch
+
+            gpus = torch.cuda.device_count()
+            if gpus == 0:
+                raise RuntimeError("--device cuda, but torch sees no CUDA device")
+        for msg in assignments:
+            r = msg.rank
+            apath, ppath = workdir / f"rank{r}.assignment", workdir / f"rank{r}.progress.jsonl"
+            epath = workdir / f"rank{r}.stderr.log"
+            apath.write_bytes(msg.SerializeToString())
+            renv = dict(env)
+            if gpus:
+                renv["LOCAL_RANK"] = str(r % gpus)
+            with open(epath, "wb") as err:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "agent.worker", "--assignment", str(apath),
+                     "--progress", str(ppath)],
+                    stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=renv,
+                    start_new_session=True,
+                )
+            self.procs.append(Proc(r, popen, ppath, epath))
+
+    def kill_all(self) -> None:
+        live = [p for p in self.procs if p.popen.poll() is None]
+        for p in live:
+            _signal(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_S
+        for p in live:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p.popen, signal.SIGKILL)
+                p.popen.wait()
+
+    def describe(self, p: Proc) -> str:
+        stage, replica = self.layout.coords(p.rank)
+        return f"rank {p.rank} (stage {stage}, replica {replica})"
+
+    def monitor(self) -> int:
+        """Merge progress until every worker exits; 0 on success, 1 on the first failure."""
+        t_start, last_line, steps_seen = time.monotonic(), 0, 0
+        while True:
+            for p in self.procs:
+                for ev in p.read_events():
+                    kind = ev.get("event")
+                    if kind == "error":
+                        p.error = str(ev.get("message", ""))
+                    elif kind == "done":
+                        p.done = ev
+                    elif kind == "step" and p.rank == self.report_rank:
+                        steps_seen += 1
+                        last_line = self._print_step(ev, t_start, steps_seen, last_line)
+            codes = [p.popen.poll() for p in self.procs]
+            failed = [p for p, c in zip(self.procs, codes, strict=True) if c not in (None, 0)]
+            if failed:
+                first = min(failed, key=lambda p: p.popen.returncode != 17)  # fault seam first
+                self.kill_all()
+                msg = (
+                    f"worker {self.describe(first)} exited with code {first.popen.returncode}"
+                    + (f": {first.error}" if first.error else "")
+                    + f"; stopped the other {len(self.procs) - 1} workers.\n"
+                    f"last stderr lines of rank {first.rank}:\n{first.stderr_tail()}"
+                )
+                if self.args.json:
+                    self._write({"error": msg, "rank": first.rank,
+                                 "exit_code": first.popen.returncode})
+                print(f"agent local: {msg}", file=sys.stderr, flush=True)
+                return 1
+            if all(c == 0 for c in codes):
+                for p in self.procs:  # drain the last lines
+                    for ev in p.read_events():
+                        if ev.get("event") == "done":
+                            p.done = ev
+                done = next((p.done for p in self.procs if p.rank == self.report_rank), None)
+                val = None if done is None else done.get("val_loss")
+                if self.args.json:
+                    self._write({"done": True, "val_loss": val})
+                else:
+                    print(f"done in {time.monotonic() - t_start:.1f}s | val loss {val:.4f}"
+                          if isinstance(val, float) else "done", file=self.out, flush=True)
+                return 0
+            time.sleep(POLL_S)
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self.out.write(json.dumps(obj) + "\n")
+        self.out.flush()
+
+    def _print_step(self, ev: dict[str, Any], t0: float, seen: int, last: int) -> int:
+        step, total = int(ev["step"]), int(ev.get("total_steps", self.train.steps))
+        if self.args.json:
+            self._write({"step": step, "loss": ev["loss"], "tokens_per_s": ev["tokens_per_s"]})
+            return step
+        interval = max(1, self.args.log_interval)
+        if step % interval and step != total and seen != 1:
+            return last
+        elapsed = time.monotonic() - t0
+        eta = elapsed / seen * (total - step)
+        print(
+            f"step {step:>6}/{total} | loss {ev['loss']:.4f} | "
+            f"{ev['tokens_per_s']:,.0f} tok/s | ETA {_hms(eta)}",
+            file=self.out, flush=True,
+        )
+        return step
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _signal(popen: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)  # the worker is its own session leader
+    except (ProcessLookupError, PermissionError):
+        try:
+            popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a local job; returns the process exit status."""
+    try:
+        job = Job(args, sys.stdout)
+    except (ValueError, RuntimeError) as e:
+        print(f"agent local: {e}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(
+            f"agent local: {args.model} ({job.spec.param_count():,} params) on "
+            f"{args.stages} stages x {args.replicas} replicas, layers {job.splits}, "
+            f"{args.schedule}, dp {args.dp_mode}, batch {args.batch} in "
+            f"{args.micro_batches} micro-batches, {args.steps} steps",
+            flush=True,
+        )
+    ctx = (tempfile.TemporaryDirectory(prefix="dtfm-local-") if not args.workdir
+           else _KeepDir(args.workdir))
+    with ctx as workdir:
+        try:
+            job.spawn(Path(workdir))
+            return job.monitor()
+        except KeyboardInterrupt:
+            print("agent local: interrupted; stopping workers", file=sys.stderr)
+            return 130
+        finally:
+            job.kill_all()
+
+
+class _KeepDir:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> str:
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agent local", description="Train on this machine with S x R worker processes."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

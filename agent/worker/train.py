@@ -1,0 +1,300 @@
+"""The worker's main loop: join the world, build the stage, train, checkpoint, evaluate.
+
+Owns the order of one optimizer step across ranks (pipeline, data-parallel averaging, global
+clipping, AdamW) and the progress events a supervisor reads. Everything it needs comes from
+one `dtfm.v1.Assignment`; the only other inputs are a few `DTFM_*` environment variables
+(thread count, collective timeout, and the fault-injection seam tests use).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from agent.worker import checkpoint
+from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
+from agent.worker.data_parallel import GradAverager
+from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
+from agent.worker.schedule import Pipeline, make_links
+from agent.worker.stage import Stage
+from protos.layout import Layout, layer_ranges
+from protos.spec import ModelSpec, TrainConfig
+
+log = logging.getLogger(__name__)
+
+ENV_TIMEOUT = "DTFM_TIMEOUT_S"  # seconds any collective or p2p receive may block
+ENV_THREADS = "DTFM_NUM_THREADS"  # torch intra-op threads per worker
+ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
+FAULT_EXIT_CODE = 17
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class Progress:
+    """One JSON object per line, appended and flushed (a file, or stdout)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._own = path is not None
+        self._f: IO[str] = open(path, "a", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
+
+    def emit(self, **event: Any) -> None:
+        self._f.write(json.dumps(event) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._own:
+            self._f.close()
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The fault-injection seam: `rank` fails just before running step `step` (1-based)."""
+
+    rank: int
+    step: int
+    mode: str = "exit"
+
+    @classmethod
+    def from_env(cls) -> Fault | None:
+        raw = os.environ.get(ENV_FAULT, "")
+        if not raw:
+            return None
+        parts = raw.split(":")
+        mode = parts[2] if len(parts) > 2 else "exit"
+        if mode not in ("exit", "hang"):
+            raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit' or 'hang'")
+        return cls(int(parts[0]), int(parts[1]), mode)
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        if rank != self.rank or step != self.step:
+            return
+        log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
+        if self.mode == "hang":
+            while True:
+                time.sleep(3600)
+        os._exit(FAULT_EXIT_CODE)
+
+
+def pick_device(backend: str, rank: int) -> torch.device:
+    """CPU for gloo; for NCCL the GPU of this local rank (LOCAL_RANK, else rank modulo count)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("the assignment asks for NCCL but this machine has no CUDA device")
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    if dtype == "fp32":
+        return None
+    if dtype == "bf16":
+        return torch.bfloat16
+    raise ValueError(f"dtype {dtype!r} is not supported by the worker; use fp32 or bf16")
+
+
+class Worker:
+    """One rank of a training job."""
+
+    def __init__(self, a: Any, progress: Progress) -> None:
+        self.a, self.progress = a, progress
+        self.spec = ModelSpec.from_proto(a.model)
+        self.cfg = TrainConfig.from_proto(a.train)
+        self.cfg.validate(a.replicas)
+        self.layout = Layout(a.stages, a.replicas)
+        self.rank = a.rank
+        if self.layout.coords(self.rank) != (a.stage, a.replica):
+            raise ValueError(
+                f"assignment rank {a.rank} is (stage, replica) {self.layout.coords(a.rank)} "
+                f"in a {a.stages}x{a.replicas} layout, not ({a.stage}, {a.replica})"
+            )
+        ranges = layer_ranges(self.spec.n_layers, a.stages, list(a.layer_splits) or None)
+        if ranges[a.stage] != (a.layer_begin, a.layer_end):
+            raise ValueError(
+                f"assignment layer range [{a.layer_begin}, {a.layer_end}) disagrees with "
+                f"stage {a.stage}'s range {ranges[a.stage]} from the layer splits"
+            )
+        self.timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)))
+        self.device = pick_device(a.backend or "gloo", self.rank)
+        self.amp = autocast_dtype(self.cfg.dtype, self.device)
+        self.fault = Fault.from_env()
+
+    # ---- setup ----
+    def _join(self) -> None:
+        a = self.a
+        if a.world_size != self.layout.world_size:
+            raise ValueError(f"world size {a.world_size} != stages x replicas of the layout")
+        dist.init_process_group(
+            a.backend or "gloo",
+            init_method=f"tcp://{a.master_addr}:{a.master_port}",
+            rank=self.rank,
+            world_size=a.world_size,
+            timeout=self.timeout,
+        )
+        pipelines = [self.layout.pipeline_ranks(k) for k in range(a.replicas)]
+        self.links = make_links(pipelines, self.rank)
+        self.dp_group: dist.ProcessGroup | None = None
+        if a.replicas > 1:
+            for s in range(a.stages):
+                g = dist.new_group(self.layout.dp_ranks(s))
+                if s == a.stage:
+                    self.dp_group = g
+        dp_ranks = self.layout.dp_ranks(a.stage)
+        if list(a.dp_group_ranks) and list(a.dp_group_ranks) != dp_ranks:
+            raise ValueError(f"assignment dp group {list(a.dp_group_ranks)} != {dp_ranks}")
+        self.dp_ranks = dp_ranks
+
+    def _world_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) for v in t.cpu()]
+
+    def _world_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    # ---- main ----
+    def run(self) -> None:
+        a, cfg, spec = self.a, self.cfg, self.spec
+        self._join()
+        torch.manual_seed(cfg.seed)
+        self.stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
+        opt = make_optimizer(self.stage, cfg.lr, cfg.weight_decay)
+        per_replica = cfg.global_batch // a.replicas
+        micro_size = per_replica // cfg.micro_batches
+        pipe = Pipeline(
+            self.stage, self.links, a.stage, a.stages, micro_size, self.device, self.amp,
+            timeout=self.timeout,
+        )
+        averager = GradAverager(self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode)
+        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
+        sampler = Sampler(train_tokens, spec.seq_len, cfg.seed)
+        start = self._resume(opt, sampler)
+        tokens_per_step = cfg.global_batch * spec.seq_len
+        log.info(
+            "rank %d: stage %d/%d replica %d/%d layers [%d, %d), %d params, steps %d..%d",
+            self.rank, a.stage, a.stages, a.replica, a.replicas, a.layer_begin, a.layer_end,
+            sum(p.numel() for p in self.stage.parameters()), start + 1, cfg.steps,
+        )
+        for step in range(start + 1, cfg.steps + 1):
+            if self.fault:
+                self.fault.maybe_fire(self.rank, step)
+            t0 = time.perf_counter()
+            ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
+            x, y = sampler.windows(ids)
+            lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
+            set_lr(opt, lr)
+            opt.zero_grad(set_to_none=True)
+            loss, times = pipe.train_step(
+                cfg.schedule, list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches))
+            )
+            dp_s = averager.average_()
+            sq = float(local_sq_norm(self.stage)) if a.replica == 0 else 0.0
+            loss_sum, sq_sum = self._world_sum([loss if self.stage.is_last else 0.0, sq])
+            global_loss, norm = loss_sum / a.replicas, math.sqrt(sq_sum)
+            clip_(self.stage, norm, cfg.grad_clip)
+            opt.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            self.progress.emit(
+                event="step", step=step, loss=global_loss, tokens_per_s=tokens_per_step / dt,
+                total_steps=cfg.steps, rank=self.rank, stage=a.stage, replica=a.replica,
+                lr=lr, grad_norm=norm, step_s=dt, compute_s=times.compute_s,
+                recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s, dp_s=dp_s,
+                stored_peak=times.peak_stored,
+            )
+            if cfg.checkpoint_dir and (
+                step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            ):
+                self._save(step, opt, sampler)
+        val = self._evaluate(pipe, val_tokens)
+        self.progress.emit(event="done", val_loss=val, rank=self.rank)
+        dist.destroy_process_group()
+
+    def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:
+        if self.a.replica != 0:  # every replica of a stage holds the same state
+            return
+        checkpoint.save_stage(
+            self.cfg.checkpoint_dir, self.a.stage, step,
+            {
+                "model": self.stage.state_dict(),
+                "optimizer": opt.state_dict(),
+                "data_position": sampler.position.to_dict(),
+                "layers": [self.a.layer_begin, self.a.layer_end],
+            },
+        )
+
+    def _resume(self, opt: torch.optim.Optimizer, sampler: Sampler) -> int:
+        """Load the newest checkpoint every stage holds; returns the completed step (0: none)."""
+        root = self.cfg.checkpoint_dir
+        if not root:
+            return 0
+        available = checkpoint.steps_available(root, self.a.stage)
+        step = self._world_min(available[-1] if available else 0)
+        if step == 0:
+            return 0
+        state = checkpoint.load_stage(root, self.a.stage, step)
+        if list(state["layers"]) != [self.a.layer_begin, self.a.layer_end]:
+            raise ValueError(
+                f"checkpoint for stage {self.a.stage} holds layers {state['layers']}, but this "
+                f"assignment has [{self.a.layer_begin}, {self.a.layer_end})"
+            )
+        self.stage.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sampler.position = Position.from_dict(state["data_position"])
+        log.info("rank %d: resumed from %s at step %d", self.rank, root, step)
+        return step
+
+    def _evaluate(self, pipe: Pipeline, val_tokens: Any) -> float:
+        cfg, a = self.cfg, self.a
+        if cfg.eval_batches == 0:
+            return float("nan")
+        self.stage.eval()
+        sampler = Sampler(val_tokens, self.spec.seq_len, cfg.seed)
+        total = 0.0
+        for ids in val_batches(val_tokens, self.spec.seq_len, cfg.global_batch, cfg.eval_batches):
+            x, y = sampler.windows(replica_slice(ids, a.replica, a.replicas))
+            total += pipe.eval_step(
+                list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches))
+            )
+        self.stage.train()
+        (loss_sum,) = self._world_sum([total if self.stage.is_last else 0.0])
+        return loss_sum / (a.replicas * cfg.eval_batches)
+
+
+def run_assignment(a: Any, progress_path: str | None) -> None:
+    """Run the worker for a parsed `dtfm.v1.Assignment`."""
+    threads = os.environ.get(ENV_THREADS)
+    if threads:
+        torch.set_num_threads(int(threads))
+    progress = Progress(progress_path)
+    try:
+        Worker(a, progress).run()
+    except BaseException as e:
+        progress.emit(event="error", message=f"{type(e).__name__}: {e}", rank=a.rank)
+        raise
+    finally:
+        progress.close()
+
+
+def read_assignment(path: str | Path) -> Any:
+    from protos.dtfm.v1 import common_pb2
+
+    msg = common_pb2.Assignment()
+    msg.ParseFromString(Path(path).read_bytes())
+    return msg
