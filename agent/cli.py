@@ -1,0 +1,107 @@
+"""`agent` entry point: parse flags into the typed config, call one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from protos import cliutil, rpc
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="agent", description="dtfm agent: joins a coordinator, measures links, trains")
+    sub = parser.add_subparsers(dest="command", required=True)
+    subs: dict[str, argparse.ArgumentParser] = {}
+
+    p = subs["start"] = sub.add_parser("start", help="run the agent daemon")
+    p.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT of the coordinator")
+    p.add_argument("--listen", default="127.0.0.1:0",
+                   help="HOST:PORT for this agent's own service (port 0: any free port)")
+    p.add_argument("--advertise", default="",
+                   help="host peers use to reach this agent (default: the --listen host)")
+    p.add_argument("--state-dir", default=None,
+                   help="keeps the agent id and worker files (env DTFM_STATE_DIR); each agent "
+                   "on one machine needs its own")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    cliutil.add_security_args(p)
+    cliutil.add_common_args(p)
+
+    p = subs["status"] = sub.add_parser("status", help="ask one agent how it is")
+    p.add_argument("--agent", required=True, help="HOST:PORT of the agent")
+    cliutil.add_security_args(p)
+    p.add_argument("--json", action="store_true")
+    cliutil.add_common_args(p, config_file=False)
+
+    try:
+        from agent import local
+    except ImportError:  # pragma: no cover - the runtime is part of the package
+        local = None
+    if local is not None:
+        p = subs["local"] = sub.add_parser(
+            "local", help="train on this machine: S x R worker processes, like torchrun "
+            "--standalone")
+        local.add_arguments(p)
+    return parser, subs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, subs = build_parser()
+    try:
+        if argv and argv[0] in subs:
+            cliutil.layered_defaults(subs[argv[0]], argv[1:])
+        args = parser.parse_args(argv)
+        if hasattr(args, "log_level"):
+            cliutil.setup_logging(args.log_level)
+        if args.command == "start":
+            return _start(args)
+        if args.command == "status":
+            return cliutil.run_async(_status(args))
+        if args.command == "local":
+            from agent import local
+
+            return local.run(args)
+    except rpc.ConfigError as exc:
+        return cliutil.fail(str(exc))
+    return cliutil.fail(f"unknown command {args.command}")
+
+
+def _start(args: argparse.Namespace) -> int:
+    from agent.config import AgentConfig, default_state_dir
+    from agent.server import serve
+
+    config = AgentConfig(
+        coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
+        state_dir=args.state_dir or default_state_dir(),
+        security=cliutil.security_from_args(args), device=args.device,
+    )
+    config.validate()
+    return cliutil.run_async(serve(config))
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc
+
+    async with rpc.open_channel(args.agent, cliutil.security_from_args(args)) as channel:
+        try:
+            reply = await agent_pb2_grpc.AgentStub(channel).GetStatus(
+                agent_pb2.AgentStatusRequest(), timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            return cliutil.fail(rpc.describe_rpc_error(exc, args.agent), 1)
+    data = MessageToDict(reply, preserving_proto_field_name=True)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(f"agent {reply.info.agent_id} at {reply.info.host}:{reply.info.port} "
+              f"({reply.info.device.kind}); coordinator {reply.coordinator} "
+              f"{'connected' if reply.connected else 'NOT connected'}; worker "
+              f"{reply.worker_state or 'idle'}" + (f" job {reply.job_id} step {reply.step}"
+                                                   if reply.job_id else ""))
+    return 0

@@ -1,0 +1,42 @@
+"""The agent's configuration: one dataclass, validated once at the edge."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protos.rpc import ConfigError, Security, split_hostport
+
+STATE_DIR_ENV = "DTFM_STATE_DIR"
+
+
+def default_state_dir() -> str:
+    return os.environ.get(STATE_DIR_ENV) or str(Path.home() / ".local" / "state" / "dtfm-agent")
+
+
+@dataclass
+class AgentConfig:
+    coordinator: str = "127.0.0.1:7070"
+    listen: str = "127.0.0.1:0"
+    advertise: str = ""  # host peers use to reach us; default: the listen host
+    state_dir: str = field(default_factory=default_state_dir)
+    security: Security = field(default_factory=lambda: Security(token=""))
+    device: str = "auto"  # auto, cpu or cuda
+    max_backoff_s: float = 10.0
+
+    def validate(self) -> None:
+        split_hostport(self.coordinator, "--coordinator")
+        host, _ = split_hostport(self.listen, "--listen")
+        if not self.advertise and host in ("0.0.0.0", "::", ""):
+            raise ConfigError(
+                f"--listen {self.listen} binds every interface, so peers cannot be told where "
+                "to reach this agent: add --advertise HOST (this machine's reachable address)"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        self.security.validate()
+
+    @property
+    def advertise_host(self) -> str:
+        return self.advertise or split_hostport(self.listen)[0]

@@ -1,0 +1,91 @@
+"""Measures this agent's links to peers: latency by Ping, bandwidth by a streamed probe.
+
+Latency is half the median round trip of several pings, after one warm-up ping that pays for
+the connection set-up. Bandwidth is what the receiver saw arrive between its first and last
+chunk, with the payload grown until the transfer lasts long enough to trust (about
+`probe_seconds`) or hits the cap. A peer that does not answer becomes an unreachable sample,
+never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import rpc
+from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 256 * 1024
+FIRST_PROBE_BYTES = 1024 * 1024
+PING_TIMEOUT_S = 5.0
+
+
+async def _payload(total: int) -> AsyncIterator[agent_pb2.ProbeChunk]:
+    chunk = b"\0" * CHUNK_BYTES
+    sent = 0
+    while sent < total:
+        size = min(CHUNK_BYTES, total - sent)
+        yield agent_pb2.ProbeChunk(payload=chunk if size == CHUNK_BYTES else chunk[:size])
+        sent += size
+
+
+async def measure_peer(
+    my_id: str,
+    peer: coordinator_pb2.PeerTarget,
+    security: rpc.Security,
+    ping_count: int = 5,
+    probe_seconds: float = 1.0,
+    probe_max_bytes: int = 256 * 1024 * 1024,
+) -> common_pb2.LinkSample:
+    """Measure the directed link from this agent to `peer`."""
+    peer_id, address = peer.agent_id, peer.address
+    sample = common_pb2.LinkSample(peer_id=peer_id, measured_unix_s=time.time())
+    channel = rpc.open_channel(address, security)
+    try:
+        stub = agent_pb2_grpc.AgentStub(channel)
+        await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
+                        timeout=PING_TIMEOUT_S, wait_for_ready=False)
+        rtts = []
+        for nonce in range(1, max(1, ping_count) + 1):
+            start = time.perf_counter()
+            reply = await stub.Ping(agent_pb2.PingRequest(nonce=nonce, from_agent_id=my_id),
+                                    timeout=PING_TIMEOUT_S)
+            rtts.append(time.perf_counter() - start)
+            if reply.nonce != nonce:
+                raise ValueError(f"peer echoed nonce {reply.nonce}, expected {nonce}")
+        sample.delay_ms = statistics.median(rtts) / 2 * 1000.0
+        sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes)
+        sample.reachable = True
+    except grpc.aio.AioRpcError as exc:
+        sample.reachable = False
+        sample.error = rpc.describe_rpc_error(exc, f"peer {peer_id} at {address}")
+    except (ValueError, OSError) as exc:
+        sample.reachable = False
+        sample.error = f"peer {peer_id} at {address}: {exc}"
+    finally:
+        await channel.close()
+    if not sample.reachable:
+        log.warning("link to %s unreachable: %s", peer_id, sample.error)
+    return sample
+
+
+async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int) -> float:
+    size = min(FIRST_PROBE_BYTES, cap)
+    while True:
+        result = await stub.Probe(_payload(size), timeout=max(30.0, 20 * target_s))
+        measured = result.bytes - result.first_chunk_bytes
+        seconds = result.first_to_last_s
+        if result.bytes != size:
+            raise ValueError(f"peer received {result.bytes} of {size} probe bytes")
+        if seconds > 0 and (seconds >= 0.8 * target_s or size >= cap):
+            return measured * 8 / seconds / 1e9
+        if size >= cap:
+            raise ValueError("probe too short to time even at the size cap")
+        grow = 4.0 if seconds <= 0 else min(16.0, max(2.0, 1.2 * target_s / seconds))
+        size = min(cap, int(size * grow))

@@ -1,0 +1,113 @@
+"""The agent daemon: its own `dtfm.v1.Agent` service plus the session with the coordinator.
+
+Peers call Ping and Probe here to measure their links to us; people call GetStatus. The
+daemon never trains in-process: the supervisor runs the worker as a child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from agent.config import AgentConfig
+from agent.device import detect
+from agent.identity import load_or_create_id
+from agent.session import CoordinatorSession, FatalSessionError
+from agent.supervisor import Supervisor
+from protos import rpc
+from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class AgentService(agent_pb2_grpc.AgentServicer):
+    def __init__(self, info: common_pb2.AgentInfo) -> None:
+        self.info = info
+        self.session: CoordinatorSession | None = None
+
+    async def Ping(self, request: agent_pb2.PingRequest,
+                   context: grpc.aio.ServicerContext) -> agent_pb2.PingReply:
+        return agent_pb2.PingReply(nonce=request.nonce, agent_id=self.info.agent_id)
+
+    async def Probe(self, request_iterator: AsyncIterator[agent_pb2.ProbeChunk],
+                    context: grpc.aio.ServicerContext) -> agent_pb2.ProbeResult:
+        total = chunks = first_bytes = 0
+        first = last = 0.0
+        async for chunk in request_iterator:
+            now = time.perf_counter()
+            size = len(chunk.payload)
+            if chunks == 0:
+                first, first_bytes = now, size
+            last = now
+            total += size
+            chunks += 1
+        return agent_pb2.ProbeResult(bytes=total, chunks=chunks, first_to_last_s=last - first,
+                                     first_chunk_bytes=first_bytes)
+
+    async def GetStatus(self, request: agent_pb2.AgentStatusRequest,
+                        context: grpc.aio.ServicerContext) -> agent_pb2.AgentStatusReply:
+        s = self.session
+        progress = s.supervisor.progress if s else None
+        return agent_pb2.AgentStatusReply(
+            info=self.info, coordinator=s.target if s else "",
+            connected=bool(s and s.connected),
+            worker_state=progress.state if progress else "idle",
+            job_id=progress.job_id if progress else "",
+            step=progress.step if progress else 0, loss=progress.loss if progress else 0.0,
+        )
+
+
+async def serve(config: AgentConfig) -> int:
+    """Run the agent until SIGTERM/SIGINT (0) or until the coordinator refuses it (2)."""
+    agent_id = load_or_create_id(config.state_dir)
+    info = common_pb2.AgentInfo(agent_id=agent_id, host=config.advertise_host,
+                                device=detect(config.device), version=VERSION)
+    service = AgentService(info)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        agent_pb2_grpc.add_AgentServicer_to_server(service, server)
+        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
+
+    server, port, health = await rpc.start_server(config.listen, config.security, register,
+                                                  f"agent {agent_id}")
+    info.port = port
+    log.info("agent %s serving on %s:%d (%s), coordinator %s", agent_id, info.host, port,
+             info.device.kind, config.coordinator)
+    supervisor = Supervisor(Path(config.state_dir) / "work")
+    session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
+                                 config.max_backoff_s)
+    service.session = session
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    session_task = asyncio.create_task(session.run())
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({session_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if session_task.done() and not session_task.cancelled():
+        exc = session_task.exception()
+        if isinstance(exc, FatalSessionError):
+            log.error("%s", exc)
+            code = 2
+        elif exc is not None:
+            raise exc
+    log.info("agent %s shutting down", agent_id)
+    await health.enter_graceful_shutdown()
+    await supervisor.stop("agent shutting down")
+    await session.say_goodbye()
+    for task in (session_task, stop_task):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, FatalSessionError):
+            await task
+    await server.stop(grace=1.0)
+    log.info("agent %s stopped", agent_id)
+    return code

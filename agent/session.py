@@ -1,0 +1,150 @@
+"""The agent's session with the coordinator: join, heartbeats, and pushed commands.
+
+The agent dials out (so agents behind NAT still work for control) and holds the Join stream;
+every command arrives on it. When the coordinator goes away the session retries with
+exponential backoff and jitter, and re-joins under the same id when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+
+import grpc
+
+from agent.links import measure_peer
+from agent.supervisor import Supervisor
+from protos import rpc
+from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
+               grpc.StatusCode.PERMISSION_DENIED)
+
+
+class FatalSessionError(RuntimeError):
+    """The coordinator refused us for a reason retrying cannot fix."""
+
+
+class CoordinatorSession:
+    def __init__(self, info: common_pb2.AgentInfo, target: str, security: rpc.Security,
+                 supervisor: Supervisor, max_backoff_s: float = 10.0) -> None:
+        self.info = info
+        self.target = target
+        self.security = security
+        self.supervisor = supervisor
+        self.max_backoff_s = max_backoff_s
+        self.connected = False
+        self.heartbeat_interval_s = 1.0
+        self.state = "idle"
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        """Join and serve commands until cancelled; raises FatalSessionError on refusal."""
+        backoff = 0.25
+        while True:
+            channel = rpc.open_channel(self.target, self.security)
+            self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            heartbeat: asyncio.Task[None] | None = None
+            try:
+                stream = self._stub.Join(coordinator_pb2.JoinRequest(agent=self.info))
+                async for command in stream:
+                    if command.HasField("welcome"):
+                        self.heartbeat_interval_s = command.welcome.heartbeat_interval_s or 1.0
+                        self.connected = True
+                        backoff = 0.25
+                        log.info("joined coordinator %s as %s", self.target, self.info.agent_id)
+                        if heartbeat is None:
+                            heartbeat = asyncio.create_task(self._heartbeats(stream))
+                    else:
+                        self._handle(command)
+                log.warning("coordinator %s closed the session; rejoining", self.target)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in FATAL_CODES:
+                    raise FatalSessionError(rpc.describe_rpc_error(exc, self.target)) from exc
+                if exc.code() != grpc.StatusCode.CANCELLED or self.connected:
+                    log.warning("%s; retrying in %.1f s",
+                                rpc.describe_rpc_error(exc, self.target), backoff)
+            finally:
+                self.connected = False
+                if heartbeat is not None:
+                    heartbeat.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await heartbeat
+                await channel.close()
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(self.max_backoff_s, backoff * 2)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _handle(self, command: coordinator_pb2.Command) -> None:
+        kind = command.WhichOneof("kind")
+        if kind == "measure":
+            self._spawn(self._measure(command.measure))
+        elif kind == "assign":
+            a = command.assign
+            log.info("assignment: job %s epoch %d rank %d stage %d replica %d",
+                     a.job_id, a.epoch, a.rank, a.stage, a.replica)
+            self._spawn(self.supervisor.start(a))
+        elif kind == "stop":
+            self._spawn(self.supervisor.stop(command.stop.reason or "coordinator said stop"))
+        else:
+            log.warning("ignoring unknown command %r (newer coordinator?)", kind)
+
+    async def _measure(self, cmd: coordinator_pb2.MeasureLinksCommand) -> None:
+        self.state = "measuring"
+        try:
+            samples = [
+                await measure_peer(self.info.agent_id, peer, self.security,
+                                   ping_count=cmd.ping_count or 5,
+                                   probe_seconds=cmd.probe_seconds or 1.0,
+                                   probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024)
+                for peer in cmd.peers
+            ]
+            report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
+                                                round_id=cmd.round_id, samples=samples)
+            if self._stub is not None:
+                await self._stub.ReportLinks(report, timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
+        finally:
+            self.state = "idle"
+
+    def progress_report(self) -> coordinator_pb2.ProgressReport:
+        p = self.supervisor.progress
+        state = self.state if p.state in ("idle", "stopped") else p.state
+        return coordinator_pb2.ProgressReport(
+            agent_id=self.info.agent_id, job_id=p.job_id, epoch=p.epoch,
+            worker_state="idle" if state == "stopped" else state, step=p.step,
+            loss=p.loss, tokens_per_s=p.tokens_per_s, error=p.error,
+            total_steps=p.total_steps,
+        )
+
+    async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:
+        assert self._stub is not None
+        while True:
+            try:
+                await self._stub.ReportProgress(self.progress_report(), timeout=5.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.warning("coordinator forgot us (restarted?); rejoining")
+                    stream.cancel()
+                    return
+                log.warning("heartbeat failed: %s", rpc.describe_rpc_error(exc, self.target))
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def say_goodbye(self) -> None:
+        """Tell the coordinator we are leaving on purpose, so it marks us left, not lost."""
+        if self._stub is None or not self.connected:
+            return
+        report = self.progress_report()
+        report.worker_state = "left"
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.ReportProgress(report, timeout=2.0)

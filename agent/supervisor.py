@@ -1,0 +1,155 @@
+"""Runs the training worker as a child process and follows its progress, like torchrun's agent.
+
+The daemon must never block on training, so the worker is a separate process in its own
+session (a stop kills its whole group); it appends JSON lines to a progress file that the
+supervisor tails. Whatever the worker does — finish, crash, hang on a dead peer — the
+supervisor reports a state the coordinator can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from protos.dtfm.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerProgress:
+    job_id: str = ""
+    epoch: int = 0
+    state: str = "idle"  # idle, starting, training, done, failed
+    step: int = 0
+    total_steps: int = 0
+    loss: float = 0.0
+    tokens_per_s: float = 0.0
+    error: str = ""
+
+
+class Supervisor:
+    def __init__(self, workdir: Path, on_change: Callable[[], None] = lambda: None,
+                 python: str = sys.executable) -> None:
+        self.workdir = workdir
+        self.on_change = on_change
+        self.python = python
+        self.progress = WorkerProgress()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self, assignment: common_pb2.Assignment) -> None:
+        await self.stop("replaced by a new assignment")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        stem = f"{assignment.job_id}-e{assignment.epoch}-r{assignment.rank}"
+        spec_path = self.workdir / f"{stem}.assignment.pb"
+        progress_path = self.workdir / f"{stem}.progress.jsonl"
+        log_path = self.workdir / f"{stem}.log"
+        spec_path.write_bytes(assignment.SerializeToString())
+        progress_path.unlink(missing_ok=True)
+        self.progress = WorkerProgress(job_id=assignment.job_id, epoch=assignment.epoch,
+                                       state="starting", total_steps=assignment.train.steps)
+        self.on_change()
+        with open(log_path, "ab") as log_file:
+            self._proc = await asyncio.create_subprocess_exec(
+                self.python, "-m", "agent.worker", "--assignment", str(spec_path),
+                "--progress", str(progress_path),
+                stdout=log_file, stderr=log_file, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        log.info("worker for %s rank %d (stage %d, replica %d) started as pid %d; log %s",
+                 assignment.job_id, assignment.rank, assignment.stage, assignment.replica,
+                 self._proc.pid, log_path)
+        self._task = asyncio.create_task(self._follow(self._proc, progress_path, log_path))
+
+    async def _follow(self, proc: asyncio.subprocess.Process, progress_path: Path,
+                      log_path: Path) -> None:
+        offset = 0
+        while True:
+            offset = self._read_progress(progress_path, offset)
+            if proc.returncode is not None:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 0.25)
+        self._read_progress(progress_path, offset)
+        if proc.returncode == 0 and self.progress.state != "failed":
+            self.progress.state = "done"
+        elif self.progress.state not in ("failed", "stopped"):
+            self.progress.state = "failed"
+            self.progress.error = (
+                self.progress.error
+                or f"worker exited with code {proc.returncode}: {_tail(log_path)}"
+            )
+        log.info("worker pid %d ended: %s %s", proc.pid, self.progress.state,
+                 self.progress.error)
+        self.on_change()
+
+    def _read_progress(self, path: Path, offset: int) -> int:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return offset
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            kind = event.get("event")
+            if kind == "step":
+                self.progress.state = "training"
+                self.progress.step = int(event.get("step", 0))
+                self.progress.total_steps = int(event.get("total_steps",
+                                                          self.progress.total_steps))
+                loss = event.get("loss")
+                if isinstance(loss, int | float) and loss == loss:
+                    self.progress.loss = float(loss)
+                self.progress.tokens_per_s = float(event.get("tokens_per_s", 0.0) or 0.0)
+            elif kind == "error":
+                self.progress.state = "failed"
+                self.progress.error = str(event.get("message", "unknown error"))
+            self.on_change()
+        return offset + end
+
+    async def stop(self, reason: str) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        log.info("stopping worker pid %d: %s", proc.pid, reason)
+        self.progress.state = "stopped"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 10.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.progress.state = "idle"
+        self.on_change()
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(deque(text, maxlen=lines)) or "(empty log)"

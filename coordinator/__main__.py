@@ -1,0 +1,3 @@
+from coordinator.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""`coordinator` entry point: parse flags into the typed config, call one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from protos import cliutil, rpc
+from protos.spec import DP_MODES, SCHEDULES, TrainConfig
+
+DEFAULT_LISTEN = "127.0.0.1:7070"
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=DEFAULT_LISTEN, help="HOST:PORT of the coordinator")
+    cliutil.add_security_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=d.steps)
+    g.add_argument("--batch", type=int, default=d.global_batch, help="global batch (sequences)")
+    g.add_argument("--micro-batches", type=int, default=d.micro_batches)
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    g.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
+    g.add_argument("--dp-mode", choices=DP_MODES, default=d.dp_mode)
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default=d.dtype)
+    g.add_argument("--data", default="", help="uint16 .bin token file (default: bundled corpus)")
+    g.add_argument("--checkpoint-dir", default="", help="where stages checkpoint (shared "
+                   "storage lets a rescheduled job resume)")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        global_batch=args.batch, micro_batches=args.micro_batches, steps=args.steps,
+        seed=args.seed, schedule=args.schedule, dp_mode=args.dp_mode, lr=args.lr,
+        warmup_steps=args.warmup_steps, data_path=args.data,
+        checkpoint_dir=args.checkpoint_dir, dtype=args.dtype,
+        checkpoint_every=args.checkpoint_every,
+    )
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="coordinator",
+        description="dtfm coordinator: registry, link matrix, scheduler and job control",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    subs: dict[str, argparse.ArgumentParser] = {}
+
+    p = subs["start"] = sub.add_parser("start", help="run the coordinator daemon")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT to serve on")
+    cliutil.add_security_args(p)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--liveness-timeout", type=float, default=5.0,
+                   help="seconds without heartbeat before an agent is marked lost")
+    p.add_argument("--measure-timeout", type=float, default=120.0,
+                   help="seconds a whole link measurement may take")
+    p.add_argument("--model", default="", help="model preset to train (empty: no job)")
+    p.add_argument("--agents", type=int, default=0, help="agents the job waits for")
+    p.add_argument("--stages", type=int, default=0, help="pipeline stages (0: choose)")
+    p.add_argument("--replicas", type=int, default=0, help="data-parallel replicas (0: choose)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--search-seconds", type=float, default=5.0,
+                   help="time budget of the scheduler's search")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip link measurement (plan as if all links were equal)")
+    p.add_argument("--max-restarts", type=int, default=3)
+    add_train_args(p)
+    cliutil.add_common_args(p)
+
+    p = subs["status"] = sub.add_parser("status", help="show agents, job and plan")
+    _add_client_args(p)
+    cliutil.add_common_args(p, config_file=False)
+
+    p = subs["links"] = sub.add_parser(
+        "links", help="print the measured link matrix (the --links format of `plan`)")
+    _add_client_args(p)
+    p.add_argument("--measure", action="store_true",
+                   help="measure all live agents' links now and wait for the result")
+    cliutil.add_common_args(p, config_file=False)
+
+    try:
+        from coordinator import plan as plan_cmd
+    except ImportError:  # pragma: no cover - the scheduler is part of the package
+        plan_cmd = None
+    if plan_cmd is not None:
+        p = subs["plan"] = sub.add_parser(
+            "plan", help="run the scheduler offline on a scenario or a measured matrix")
+        plan_cmd.add_arguments(p)
+
+    from coordinator import demo
+
+    p = subs["demo"] = sub.add_parser(
+        "demo", help="a local cluster on loopback (coordinator + agents) training a small GPT")
+    demo.add_arguments(p)
+    return parser, subs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, subs = build_parser()
+    try:
+        if argv and argv[0] in subs:
+            cliutil.layered_defaults(subs[argv[0]], argv[1:])
+        args = parser.parse_args(argv)
+        if hasattr(args, "log_level"):
+            cliutil.setup_logging(args.log_level)
+        if args.command == "start":
+            return _start(args)
+        if args.command in ("status", "links"):
+            return cliutil.run_async(_query(args))
+        if args.command == "plan":
+            from coordinator import plan as plan_cmd
+
+            return plan_cmd.run(args)
+        if args.command == "demo":
+            from coordinator import demo
+
+            return demo.run(args)
+    except rpc.ConfigError as exc:
+        return cliutil.fail(str(exc))
+    return cliutil.fail(f"unknown command {args.command}")
+
+
+def _start(args: argparse.Namespace) -> int:
+    from coordinator.config import CoordinatorConfig, JobConfig
+    from coordinator.server import serve
+
+    config = CoordinatorConfig(
+        listen=args.listen,
+        security=cliutil.security_from_args(args),
+        heartbeat_interval_s=args.heartbeat_interval,
+        liveness_timeout_s=args.liveness_timeout,
+        measure_timeout_s=args.measure_timeout,
+        job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
+                      replicas=args.replicas, train=train_config_from_args(args),
+                      measure_links=not args.no_measure, search_seconds=args.search_seconds,
+                      seed=args.seed, max_restarts=args.max_restarts),
+    )
+    config.validate()
+    cliutil.run_async(serve(config))
+    return 0
+
+
+async def _query(args: argparse.Namespace) -> int:
+    from coordinator.links import matrix_to_json
+    from coordinator.status import status_to_json, status_to_text
+    from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    security = cliutil.security_from_args(args)
+    async with rpc.open_channel(args.coordinator, security) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            if args.command == "links":
+                if args.measure:
+                    matrix = await stub.MeasureLinks(coordinator_pb2.MeasureRequest(),
+                                                     timeout=max(args.timeout, 600.0))
+                else:
+                    matrix = (await stub.GetStatus(coordinator_pb2.StatusRequest(),
+                                                   timeout=args.timeout)).links
+                data = matrix_to_json(matrix)
+                if not data["agents"]:
+                    return cliutil.fail("no links measured yet: run `coordinator links "
+                                        "--measure` once agents have joined", 1)
+                print(json.dumps(data) if args.json else _links_text(data))
+                return 0
+            status = await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=args.timeout)
+        except grpc.aio.AioRpcError as exc:
+            return cliutil.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
+    print(json.dumps(status_to_json(status)) if args.json else status_to_text(status))
+    return 0
+
+
+def _links_text(data: dict) -> str:
+    ids = data["agents"]
+    width = max(8, *(len(i) for i in ids))
+    lines = ["one-way delay (ms), row = from, column = to"]
+    lines.append(" " * width + "".join(i[-10:].rjust(12) for i in ids))
+    for i, row in zip(ids, data["delay_ms"], strict=True):
+        lines.append(i.ljust(width) + "".join(
+            ("-" if v is None else f"{v:.2f}").rjust(12) for v in row))
+    lines.append("bandwidth (Gbit/s)")
+    for i, row in zip(ids, data["bandwidth_gbps"], strict=True):
+        lines.append(i.ljust(width) + "".join(
+            ("-" if v is None else f"{v:.4f}").rjust(12) for v in row))
+    if data["unreachable"]:
+        lines.append("unreachable: " + ", ".join(data["unreachable"]))
+    return "\n".join(lines)

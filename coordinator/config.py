@@ -1,0 +1,71 @@
+"""The coordinator's configuration: one dataclass tree, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.rpc import ConfigError, Security, split_hostport
+from protos.spec import TrainConfig
+
+
+@dataclass
+class JobConfig:
+    """The training job the coordinator drives once enough agents are alive.
+
+    `model` empty means no job: the coordinator only keeps the registry and measures links.
+    `stages`/`replicas` 0 means: chosen from the number of agents.
+    """
+
+    model: str = ""
+    agents: int = 0
+    stages: int = 0
+    replicas: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    measure_links: bool = True
+    search_seconds: float = 5.0
+    seed: int = 0
+    max_restarts: int = 3
+
+    def validate(self) -> None:
+        if not self.model:
+            return
+        from coordinator.catalogue import get_preset
+
+        try:
+            spec = get_preset(self.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.agents < 1:
+            raise ConfigError("--agents must be >= 1 when --model is given")
+        if self.stages and self.replicas and self.stages * self.replicas != self.agents:
+            raise ConfigError(
+                f"--stages {self.stages} x --replicas {self.replicas} = "
+                f"{self.stages * self.replicas}, but --agents is {self.agents}"
+            )
+        if self.stages > spec.n_layers:
+            raise ConfigError(
+                f"--stages {self.stages} exceeds the {spec.n_layers} layers of {self.model}"
+            )
+
+
+@dataclass
+class CoordinatorConfig:
+    listen: str = "127.0.0.1:7070"
+    security: Security = field(default_factory=lambda: Security(token=""))
+    heartbeat_interval_s: float = 1.0
+    liveness_timeout_s: float = 5.0
+    measure_timeout_s: float = 120.0
+    state_dir: str = ""
+    job: JobConfig = field(default_factory=JobConfig)
+
+    def validate(self) -> None:
+        split_hostport(self.listen, "--listen")
+        self.security.validate()
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError("--heartbeat-interval must be > 0 seconds")
+        if self.liveness_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"--liveness-timeout ({self.liveness_timeout_s} s) must exceed the heartbeat "
+                f"interval ({self.heartbeat_interval_s} s), or live agents would be marked lost"
+            )
+        self.job.validate()

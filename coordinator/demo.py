@@ -1,0 +1,149 @@
+"""`coordinator demo`: the whole product on one machine, with nothing set up.
+
+Starts a coordinator and several agents as real processes on loopback (a fresh token in a
+temporary directory), lets the coordinator measure links, schedule and push assignments, and
+prints the job's progress until training ends. Everything it started is stopped on the way
+out, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from protos import cliutil, rpc
+from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-tiny", help="model preset")
+    p.add_argument("--agents", type=int, default=4, help="agents to start on loopback")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--workdir", default="", help="keep logs and state here (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
+    p.add_argument("--json", action="store_true", help="print one JSON object per update")
+    cliutil.add_common_args(p, config_file=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.stages * args.replicas != args.agents:
+        return cliutil.fail(f"--stages {args.stages} x --replicas {args.replicas} must equal "
+                            f"--agents {args.agents}")
+    with contextlib.ExitStack() as stack:
+        workdir = Path(args.workdir) if args.workdir else Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="dtfm-demo-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        token_file = workdir / "token"
+        token_file.write_text(secrets.token_hex(16))
+        token_file.chmod(0o600)
+        address = f"127.0.0.1:{free_port()}"
+        procs: list[subprocess.Popen[bytes]] = []
+        stack.callback(_stop_all, procs)
+        py = [sys.executable, "-m"]
+        common = ["--token-file", str(token_file), "--log-level", "info"]
+        coord_log = open(workdir / "coordinator.log", "wb")  # noqa: SIM115 - closed by stack
+        stack.callback(coord_log.close)
+        procs.append(subprocess.Popen(
+            [*py, "coordinator", "start", "--listen", address, *common,
+             "--model", args.model, "--agents", str(args.agents), "--stages", str(args.stages),
+             "--replicas", str(args.replicas), "--steps", str(args.steps),
+             "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
+             "--search-seconds", "2", "--checkpoint-dir", str(workdir / "checkpoints")],
+            stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True))
+        for i in range(args.agents):
+            log_file = open(workdir / f"agent-{i}.log", "wb")  # noqa: SIM115
+            stack.callback(log_file.close)
+            procs.append(subprocess.Popen(
+                [*py, "agent", "start", "--coordinator", address, "--listen", "127.0.0.1:0",
+                 "--state-dir", str(workdir / f"agent-{i}"), "--device", "cpu", *common],
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
+        print(f"demo: coordinator on {address}, {args.agents} agents, logs in {workdir}",
+              file=sys.stderr)
+        security = rpc.Security(token=token_file.read_text())
+        return cliutil.run_async(_watch(address, security, procs, args, workdir))
+    return 1  # pragma: no cover
+
+
+async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Popen[bytes]],
+                 args: argparse.Namespace, workdir: Path) -> int:
+    deadline = time.monotonic() + args.timeout
+    last_line = ""
+    start_step_time: tuple[int, float] | None = None
+    async with rpc.open_channel(address, security) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        while time.monotonic() < deadline:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                return cliutil.fail(f"a demo process exited early (code {dead[0].returncode}); "
+                                    f"see the logs in {workdir}", 1)
+            try:
+                status = await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=5.0)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
+                continue
+            job = status.job
+            state = coordinator_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+            alive = sum(a.state == coordinator_pb2.AGENT_STATE_ALIVE for a in status.agents)
+            if job.step and start_step_time is None:
+                start_step_time = (job.step, time.monotonic())
+            eta = ""
+            if start_step_time and job.step > start_step_time[0]:
+                rate = (job.step - start_step_time[0]) / (time.monotonic() - start_step_time[1])
+                eta = f"  ETA {max(0.0, (job.total_steps - job.step) / rate):.0f}s"
+            if args.json:
+                line = json.dumps({"state": state, "agents_alive": alive, "step": job.step,
+                                   "total_steps": job.total_steps, "loss": job.loss,
+                                   "tokens_per_s": job.tokens_per_s})
+            else:
+                line = (f"[{state}] agents {alive}/{args.agents}  step {job.step}/"
+                        f"{job.total_steps}  loss {job.loss:.4f}  "
+                        f"{job.tokens_per_s:.0f} tok/s{eta}  {job.message}")
+            if line != last_line:
+                print(line, flush=True)
+                last_line = line
+            if job.state == coordinator_pb2.JOB_STATE_DONE:
+                print(f"demo: trained {job.total_steps} steps; plan cost "
+                      f"{status.plan.cost:.4f} s; logs in {workdir}", file=sys.stderr)
+                return 0
+            if job.state == coordinator_pb2.JOB_STATE_FAILED:
+                return cliutil.fail(f"job failed: {job.message}; see logs in {workdir}", 1)
+            await asyncio.sleep(1.0)
+    return cliutil.fail(f"demo did not finish within {args.timeout:.0f} s; logs in {workdir}", 1)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

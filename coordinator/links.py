@@ -1,0 +1,138 @@
+"""Measured links: the schedule of measurement rounds and the matrices they fill.
+
+Two transfers through the same device disturb each other, so the coordinator pairs devices
+round-robin (the circle method): in each round every device talks to at most one other, and
+each pair measures one direction at a time. N devices need N-1 rounds (N if odd) of two phases.
+Matrices are kept by agent id, so agents that come and go do not shift anyone's row.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from protos.dtfm.v1 import common_pb2
+
+
+def round_robin_pairs(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
+    """Rounds of disjoint unordered pairs covering every pair exactly once (circle method)."""
+    players: list[str | None] = list(ids)
+    if len(players) < 2:
+        return []
+    if len(players) % 2:
+        players.append(None)
+    n = len(players)
+    rounds = []
+    for _ in range(n - 1):
+        pairs = []
+        for i in range(n // 2):
+            a, b = players[i], players[n - 1 - i]
+            if a is not None and b is not None:
+                pairs.append((a, b))
+        rounds.append(pairs)
+        players = [players[0], players[-1], *players[1:-1]]
+    return rounds
+
+
+def measurement_phases(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
+    """Directed (measurer, peer) phases: each round once forwards, once backwards."""
+    phases = []
+    for pairs in round_robin_pairs(ids):
+        phases.append([(a, b) for a, b in pairs])
+        phases.append([(b, a) for a, b in pairs])
+    return phases
+
+
+@dataclass
+class LinkEntry:
+    delay_ms: float
+    bandwidth_gbps: float
+    reachable: bool
+    error: str
+    measured_unix_s: float
+
+
+@dataclass
+class LinkStore:
+    """Latest measurement of every directed link, keyed by (from, to) agent ids."""
+
+    entries: dict[tuple[str, str], LinkEntry] = field(default_factory=dict)
+
+    def record(self, from_id: str, sample: common_pb2.LinkSample) -> None:
+        self.entries[(from_id, sample.peer_id)] = LinkEntry(
+            delay_ms=sample.delay_ms,
+            bandwidth_gbps=sample.bandwidth_gbps,
+            reachable=sample.reachable,
+            error=sample.error,
+            measured_unix_s=sample.measured_unix_s or time.time(),
+        )
+
+    def mark_unreachable(self, from_id: str, to_id: str, error: str) -> None:
+        self.entries[(from_id, to_id)] = LinkEntry(math.nan, math.nan, False, error, time.time())
+
+    def unreachable_agents(self, ids: Iterable[str]) -> list[str]:
+        """Agents with a failed link, which the scheduler must leave out.
+
+        For each failed link, the side that failed more links is blamed (ties: the peer that
+        did not answer), so one dead agent does not exclude every live one that tried it.
+        """
+        ids = list(ids)
+        failed = [(a, b) for (a, b), e in self.entries.items()
+                  if not e.reachable and a in ids and b in ids]
+        counts: dict[str, int] = {}
+        for a, b in failed:
+            counts[a] = counts.get(a, 0) + 1
+            counts[b] = counts.get(b, 0) + 1
+        blamed = set()
+        for a, b in failed:
+            blamed.add(a if counts[a] > counts[b] else b)
+        return [i for i in ids if i in blamed]
+
+    def matrix(self, ids: Sequence[str]) -> common_pb2.LinkMatrix:
+        n = len(ids)
+        delay = [math.nan] * (n * n)
+        bw = [math.nan] * (n * n)
+        unreachable = []
+        for i, a in enumerate(ids):
+            delay[i * n + i] = 0.0
+            for j, b in enumerate(ids):
+                entry = self.entries.get((a, b))
+                if i == j or entry is None:
+                    continue
+                if entry.reachable:
+                    delay[i * n + j] = entry.delay_ms
+                    bw[i * n + j] = entry.bandwidth_gbps
+                else:
+                    unreachable.append(f"{a}->{b}")
+        return common_pb2.LinkMatrix(
+            agent_ids=list(ids), delay_ms=delay, bandwidth_gbps=bw, unreachable=unreachable
+        )
+
+    def complete_for(self, ids: Sequence[str]) -> bool:
+        return all(
+            (a, b) in self.entries and self.entries[(a, b)].reachable
+            for a in ids for b in ids if a != b
+        )
+
+
+def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
+    """The `--links FILE` format of `coordinator plan`, plus what failed.
+
+    JSON has no NaN: unmeasured or unreachable cells become null.
+    """
+    n = len(m.agent_ids)
+
+    def rows(values: Sequence[float]) -> list[list[float | None]]:
+        return [
+            [None if math.isnan(v) else round(v, 6) for v in values[i * n:(i + 1) * n]]
+            for i in range(n)
+        ]
+
+    return {
+        "agents": list(m.agent_ids),
+        "delay_ms": rows(m.delay_ms),
+        "bandwidth_gbps": rows(m.bandwidth_gbps),
+        "unreachable": list(m.unreachable),
+    }

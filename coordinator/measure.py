@@ -1,0 +1,105 @@
+"""Drives link measurement: pushes one phase of probes at a time and collects the reports.
+
+The coordinator never measures anything itself; it tells agents whom to probe, in the
+round-robin phases of `coordinator.links`, so no device takes part in two transfers at once.
+A peer that does not answer ends up as an unreachable link, never a hang: every phase has a
+deadline, and agents that stay silent past it are recorded as failed links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+from coordinator.links import LinkStore, measurement_phases
+from coordinator.registry import AgentRecord, Registry
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+
+class LinkMeasurer:
+    def __init__(
+        self,
+        registry: Registry,
+        store: LinkStore,
+        phase_timeout_s: float = 30.0,
+        ping_count: int = 5,
+        probe_seconds: float = 1.0,
+        probe_max_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.phase_timeout_s = phase_timeout_s
+        self.ping_count = ping_count
+        self.probe_seconds = probe_seconds
+        self.probe_max_bytes = probe_max_bytes
+        self._pending: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self.last_seconds = 0.0
+        self.running = False
+
+    def on_report(self, report: coordinator_pb2.LinkReport) -> bool:
+        """Record a report; False if nobody asked for it (stale or forged round)."""
+        future = self._pending.get((report.round_id, report.agent_id))
+        if future is None or future.done():
+            return False
+        for sample in report.samples:
+            self.store.record(report.agent_id, sample)
+        future.set_result(None)
+        return True
+
+    async def measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
+        """Measure every directed link between `agents`; returns their matrix."""
+        async with self._lock:
+            self.running = True
+            try:
+                return await self._measure(agents)
+            finally:
+                self.running = False
+
+    async def _measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
+        by_id = {a.agent_id: a for a in agents}
+        ids = list(by_id)
+        run = next(self._ids)
+        phases = measurement_phases(ids)
+        started = time.monotonic()
+        log.info("measuring %d links of %d agents in %d phases",
+                 len(ids) * (len(ids) - 1), len(ids), len(phases))
+        for k, phase in enumerate(phases):
+            round_id = f"m{run}-p{k}"
+            waits: dict[tuple[str, str], asyncio.Future[None]] = {}
+            for a, b in phase:
+                peer = by_id[b]
+                command = coordinator_pb2.Command(
+                    measure=coordinator_pb2.MeasureLinksCommand(
+                        round_id=round_id,
+                        peers=[coordinator_pb2.PeerTarget(agent_id=b, address=peer.address)],
+                        ping_count=self.ping_count,
+                        probe_seconds=self.probe_seconds,
+                        probe_max_bytes=self.probe_max_bytes,
+                    )
+                )
+                future = asyncio.get_running_loop().create_future()
+                self._pending[(round_id, a)] = future
+                waits[(a, b)] = future
+                try:
+                    self.registry.send(a, command)
+                except KeyError:
+                    future.set_result(None)
+            await asyncio.wait(list(waits.values()), timeout=self.phase_timeout_s)
+            for (a, b), future in waits.items():
+                self._pending.pop((round_id, a), None)
+                if not future.done():
+                    future.cancel()
+                    self.store.mark_unreachable(
+                        a, b, f"agent {a} did not report its probe of {b} within "
+                        f"{self.phase_timeout_s:.0f} s",
+                    )
+            log.info("link measurement phase %d/%d done", k + 1, len(phases))
+        self.last_seconds = time.monotonic() - started
+        log.info("measured %d agents in %.1f s", len(ids), self.last_seconds)
+        return self.store.matrix(ids)

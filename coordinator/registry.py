@@ -1,0 +1,161 @@
+"""The registry of agents: who joined, who is alive, and the queue of commands for each.
+
+Liveness is the coordinator's judgement alone: an agent is alive while its heartbeats arrive
+within the liveness timeout, lost once they stop (a crash, a partition), and left when it said
+goodbye. The registry is touched only from the event loop, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+AGENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ALIVE = coordinator_pb2.AGENT_STATE_ALIVE
+LOST = coordinator_pb2.AGENT_STATE_LOST
+LEFT = coordinator_pb2.AGENT_STATE_LEFT
+STATE_NAMES = {ALIVE: "alive", LOST: "lost", LEFT: "left"}
+
+
+@dataclass
+class AgentRecord:
+    info: common_pb2.AgentInfo
+    joined: float
+    last_seen: float
+    state: int = ALIVE
+    progress: coordinator_pb2.ProgressReport = field(
+        default_factory=coordinator_pb2.ProgressReport
+    )
+    commands: asyncio.Queue[coordinator_pb2.Command] = field(default_factory=asyncio.Queue)
+    stream_generation: int = 0
+
+    @property
+    def agent_id(self) -> str:
+        return self.info.agent_id
+
+    @property
+    def address(self) -> str:
+        host = self.info.host
+        return f"[{host}]:{self.info.port}" if ":" in host else f"{host}:{self.info.port}"
+
+    def to_proto(self) -> coordinator_pb2.AgentStatus:
+        return coordinator_pb2.AgentStatus(
+            info=self.info,
+            state=self.state,  # type: ignore[arg-type]
+            last_seen_unix_s=self.last_seen,
+            joined_unix_s=self.joined,
+            progress=self.progress,
+        )
+
+
+def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
+    """Why `info` is unacceptable, or None when it is fine."""
+    if not AGENT_ID_RE.match(info.agent_id):
+        return (
+            f"agent_id {info.agent_id!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if not info.host or len(info.host) > 253 or any(c.isspace() for c in info.host):
+        return f"agent {info.agent_id}: host {info.host!r} is not a usable address (--advertise)"
+    if not 1 <= info.port <= 65535:
+        return f"agent {info.agent_id}: port {info.port} is outside 1..65535"
+    if info.device.kind not in ("cpu", "cuda"):
+        return f"agent {info.agent_id}: device kind {info.device.kind!r} is not 'cpu' or 'cuda'"
+    return None
+
+
+class Registry:
+    """Agents by id, in join order."""
+
+    def __init__(
+        self,
+        liveness_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.liveness_timeout_s = liveness_timeout_s
+        self._clock = clock
+        self._agents: dict[str, AgentRecord] = {}
+        self._seq = 0
+        self._on_change = on_change or (lambda: None)
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def get(self, agent_id: str) -> AgentRecord | None:
+        return self._agents.get(agent_id)
+
+    def all(self) -> list[AgentRecord]:
+        return list(self._agents.values())
+
+    def alive(self) -> list[AgentRecord]:
+        return [a for a in self._agents.values() if a.state == ALIVE]
+
+    def join(self, info: common_pb2.AgentInfo) -> AgentRecord:
+        """Register or re-register an agent; a re-join replaces the old command stream."""
+        now = self._clock()
+        rec = self._agents.get(info.agent_id)
+        if rec is None:
+            rec = AgentRecord(info=info, joined=now, last_seen=now)
+            self._agents[info.agent_id] = rec
+            log.info("agent %s joined from %s (%s)", info.agent_id, rec.address, info.device.kind)
+        else:
+            if rec.state != ALIVE:
+                log.info("agent %s is back (was %s)", info.agent_id, STATE_NAMES[rec.state])
+            rec.info = info
+            rec.last_seen = now
+            rec.state = ALIVE
+            rec.commands = asyncio.Queue()
+        rec.stream_generation += 1
+        self._on_change()
+        return rec
+
+    def heartbeat(self, report: coordinator_pb2.ProgressReport) -> AgentRecord | None:
+        rec = self._agents.get(report.agent_id)
+        if rec is None:
+            return None
+        rec.last_seen = self._clock()
+        if report.worker_state == "left":
+            if rec.state != LEFT:
+                log.info("agent %s left", rec.agent_id)
+                rec.state = LEFT
+                self._on_change()
+            return rec
+        rec.progress = report
+        if rec.state != ALIVE:
+            log.info("agent %s is alive again", rec.agent_id)
+            rec.state = ALIVE
+            self._on_change()
+        return rec
+
+    def sweep(self) -> list[AgentRecord]:
+        """Mark agents silent past the timeout as lost; return those newly lost."""
+        now = self._clock()
+        lost = []
+        for rec in self._agents.values():
+            if rec.state == ALIVE and now - rec.last_seen > self.liveness_timeout_s:
+                rec.state = LOST
+                lost.append(rec)
+                log.warning(
+                    "agent %s lost: no heartbeat for %.1f s (timeout %.1f s)",
+                    rec.agent_id,
+                    now - rec.last_seen,
+                    self.liveness_timeout_s,
+                )
+        if lost:
+            self._on_change()
+        return lost
+
+    def send(self, agent_id: str, command: coordinator_pb2.Command) -> None:
+        rec = self._agents[agent_id]
+        self._seq += 1
+        command.seq = self._seq
+        rec.commands.put_nowait(command)

@@ -1,0 +1,220 @@
+"""The coordinator daemon: the `dtfm.v1.Coordinator` service on grpc.aio.
+
+Owns the RPC boundary (validation, status codes) and the daemon's life (liveness sweeps,
+graceful shutdown). Cluster logic lives in the registry, the measurer and the job; this
+module only routes to them. Nothing a peer sends may crash it: every handler validates first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.job import Job
+from coordinator.links import LinkStore
+from coordinator.measure import LinkMeasurer
+from coordinator.registry import Registry, validate_agent_info
+from protos import rpc
+from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+WORKER_STATES = {"idle", "measuring", "starting", "training", "done", "failed", "left"}
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.registry = Registry(config.liveness_timeout_s, on_change=self._changed)
+        self.links = LinkStore()
+        self.measurer = LinkMeasurer(self.registry, self.links)
+        self.job = Job(config.job, self.registry, self.measurer, self.links)
+        self.stopping = asyncio.Event()
+
+    def _changed(self) -> None:
+        job = getattr(self, "job", None)
+        if job is not None:
+            job.poke()
+
+    # --- agents ---
+    async def Join(
+        self, request: coordinator_pb2.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.Command]:
+        problem = validate_agent_info(request.agent)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.stopping.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down")
+        rec = self.registry.join(request.agent)
+        generation = rec.stream_generation
+        queue = rec.commands
+        yield coordinator_pb2.Command(
+            welcome=coordinator_pb2.Welcome(
+                agent_id=rec.agent_id,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                liveness_timeout_s=self.config.liveness_timeout_s,
+            )
+        )
+        self.job.on_join(rec)
+        while not self.stopping.is_set():
+            command = await queue.get()
+            if command is None or rec.stream_generation != generation:
+                return  # shutdown, or the agent re-joined on a newer stream
+            yield command
+
+    async def ReportProgress(
+        self, request: coordinator_pb2.ProgressReport, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.Ack:
+        if request.worker_state and request.worker_state not in WORKER_STATES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"worker_state {request.worker_state!r} is not one of {sorted(WORKER_STATES)}",
+            )
+        if not (_finite(request.loss) and _finite(request.tokens_per_s)):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "loss and tokens_per_s must be finite numbers"
+            )
+        rec = self.registry.heartbeat(request)
+        if rec is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"agent {request.agent_id!r} has not joined: call Join first",
+            )
+        self.job.on_progress(rec, request)
+        return coordinator_pb2.Ack(ok=True)
+
+    async def ReportLinks(
+        self, request: coordinator_pb2.LinkReport, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.Ack:
+        if self.registry.get(request.agent_id) is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"agent {request.agent_id!r} has not joined: call Join first",
+            )
+        for s in request.samples:
+            if not s.peer_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a sample has no peer_id")
+            if s.reachable and not (
+                _finite(s.delay_ms) and s.delay_ms >= 0
+                and _finite(s.bandwidth_gbps) and s.bandwidth_gbps > 0
+            ):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"sample for {s.peer_id}: a reachable link needs delay_ms >= 0 and "
+                    f"bandwidth_gbps > 0, got {s.delay_ms} / {s.bandwidth_gbps}",
+                )
+        if not self.measurer.on_report(request):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no measurement round {request.round_id!r} is waiting for {request.agent_id}",
+            )
+        return coordinator_pb2.Ack(ok=True)
+
+    # --- people and scripts ---
+    async def GetStatus(
+        self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ClusterStatus:
+        ids = [a.agent_id for a in self.registry.all()]
+        return coordinator_pb2.ClusterStatus(
+            agents=[a.to_proto() for a in self.registry.all()],
+            job=self.job.status(),
+            plan=self.job.plan or common_pb2.Plan(),
+            links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
+            now_unix_s=time.time(),
+        )
+
+    async def GetPlan(
+        self, request: coordinator_pb2.PlanRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Plan:
+        if self.job.plan is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no plan yet: start the coordinator with --model and --agents, and wait for "
+                "the agents to join",
+            )
+        return self.job.plan
+
+    async def MeasureLinks(
+        self, request: coordinator_pb2.MeasureRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LinkMatrix:
+        if not (_finite(request.timeout_s) and request.timeout_s >= 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        agents = self.registry.alive()
+        if len(agents) < 2:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"need at least 2 live agents to measure links, have {len(agents)}",
+            )
+        if self.job.busy_training():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a training job is running: measuring now would disturb it",
+            )
+        timeout = request.timeout_s or self.config.measure_timeout_s
+        try:
+            return await asyncio.wait_for(self.measurer.measure(agents), timeout)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"measurement did not finish within {timeout:.0f} s; "
+                "partial results are in GetStatus",
+            )
+            raise  # unreachable: abort raises
+
+    # --- lifecycle ---
+    async def sweep_forever(self) -> None:
+        period = max(0.05, min(self.config.heartbeat_interval_s,
+                               self.config.liveness_timeout_s / 4))
+        while not self.stopping.is_set():
+            lost = self.registry.sweep()
+            if lost:
+                self.job.on_lost(lost)
+            await asyncio.sleep(period)
+
+    def close_streams(self) -> None:
+        self.stopping.set()
+        for rec in self.registry.all():
+            rec.commands.put_nowait(None)  # type: ignore[arg-type]
+
+
+async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
+    """Run the coordinator until SIGTERM/SIGINT."""
+    service = CoordinatorService(config)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+
+    server, port, health = await rpc.start_server(
+        config.listen, config.security, register, "coordinator"
+    )
+    log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
+             "TLS" if config.security.tls else "plaintext")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(service.sweep_forever()), asyncio.create_task(service.job.run())]
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("coordinator shutting down")
+    await health.enter_graceful_shutdown()
+    await service.job.shutdown()
+    service.close_streams()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop(grace=2.0)
+    log.info("coordinator stopped")

@@ -1,0 +1,95 @@
+"""`coordinator status` and `coordinator links`: query a running coordinator, print for people
+or for scripts. The JSON shape is an interface other tools rely on (`agents[].id`, `.state`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from coordinator.links import matrix_to_json
+from coordinator.registry import STATE_NAMES
+from protos.dtfm.v1 import coordinator_pb2
+
+
+def job_state_name(state: int) -> str:
+    return coordinator_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()
+
+
+def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
+    agents = []
+    for a in status.agents:
+        p = a.progress
+        agents.append({
+            "id": a.info.agent_id,
+            "address": f"{a.info.host}:{a.info.port}",
+            "state": STATE_NAMES.get(a.state, "unknown"),
+            "last_seen": a.last_seen_unix_s,
+            "last_seen_ago_s": round(max(0.0, status.now_unix_s - a.last_seen_unix_s), 3),
+            "joined": a.joined_unix_s,
+            "device": {"kind": a.info.device.kind, "name": a.info.device.name,
+                       "memory_bytes": a.info.device.memory_bytes,
+                       "flops": a.info.device.flops, "cores": a.info.device.cores},
+            "version": a.info.version,
+            "worker": {"state": p.worker_state or "idle", "job_id": p.job_id,
+                       "epoch": p.epoch, "step": p.step, "loss": p.loss,
+                       "tokens_per_s": p.tokens_per_s, "error": p.error},
+        })
+    j = status.job
+    plan = None
+    if status.plan.stages:
+        plan = {"stages": status.plan.stages, "replicas": status.plan.replicas,
+                "grid": [list(row.agent_ids) for row in status.plan.grid],
+                "cost": status.plan.cost, "dp_cost": status.plan.dp_cost,
+                "pp_cost": status.plan.pp_cost, "seconds": status.plan.seconds,
+                "epoch": status.plan.epoch}
+    return {
+        "agents": agents,
+        "job": {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
+                "agents_wanted": j.agents_wanted, "epoch": j.epoch, "step": j.step,
+                "total_steps": j.total_steps, "loss": j.loss, "tokens_per_s": j.tokens_per_s,
+                "message": j.message},
+        "plan": plan,
+        "links": matrix_to_json(status.links) if status.links.agent_ids else None,
+        "time": status.now_unix_s,
+    }
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds:.1f}s ago" if seconds < 120 else time.strftime(
+        "%H:%M:%S", time.localtime(time.time() - seconds))
+
+
+def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
+    data = status_to_json(status)
+    j = data["job"]
+    lines = []
+    if j["model"]:
+        lines.append(f"job {j['id']}: {j['state']}  model {j['model']}  epoch {j['epoch']}  "
+                     f"step {j['step']}/{j['total_steps']}  loss {j['loss']:.4f}  "
+                     f"{j['tokens_per_s']:.0f} tok/s")
+        if j["message"]:
+            lines.append(f"  {j['message']}")
+    else:
+        lines.append(f"job: {j['state']} ({j['message']})")
+    alive = sum(a["state"] == "alive" for a in data["agents"])
+    lines.append(f"agents: {alive} alive of {len(data['agents'])}")
+    if data["agents"]:
+        rows = [("ID", "ADDRESS", "STATE", "LAST SEEN", "DEVICE", "WORKER")]
+        for a in data["agents"]:
+            w = a["worker"]
+            worker = w["state"] + (f" step {w['step']} loss {w['loss']:.3f}"
+                                   if w["state"] == "training" else "")
+            rows.append((a["id"], a["address"], a["state"], _ago(a["last_seen_ago_s"]),
+                         f"{a['device']['kind']}", worker))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    if data["plan"]:
+        p = data["plan"]
+        lines.append(f"plan (epoch {p['epoch']}): {p['stages']} stages x {p['replicas']} "
+                     f"replicas, cost {p['cost']:.3f} s = DP {p['dp_cost']:.3f} + "
+                     f"2 x PP {p['pp_cost']:.3f}")
+        for s, row in enumerate(p["grid"]):
+            lines.append(f"  stage {s}: {'  '.join(row)}")
+    return "\n".join(lines)

@@ -1,0 +1,285 @@
+"""gRPC plumbing both daemons share: the join token, TLS, health and reflection.
+
+Security is the same on every dtfm endpoint, so it lives once here: every RPC except
+`grpc.health.v1.Health` needs `authorization: Bearer <token>`; TLS or mutual TLS when cert
+flags are given; plaintext only without them (with a warning off loopback). Callers get a
+ready `grpc.aio.Server` or channel and never touch credentials themselves.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+TOKEN_ENV = "DTFM_TOKEN"
+# Large enough for a bandwidth probe chunk and a status with a 64x64 link matrix.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class ConfigError(ValueError):
+    """A setting a person must fix before the daemon can start."""
+
+
+@dataclass(frozen=True)
+class Security:
+    """The join token and the optional TLS material of one process."""
+
+    token: str
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert or self.tls_ca)
+
+    def validate(self) -> None:
+        if not self.token:
+            raise ConfigError(
+                f"no join token: pass --token-file FILE or set {TOKEN_ENV}; every daemon and "
+                "client of one cluster must share the same token"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
+
+    @staticmethod
+    def read(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+
+def load_token(token_file: str | None) -> str:
+    """The token from `token_file`, else from $DTFM_TOKEN, else ''."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+        if not token:
+            raise ConfigError(f"token file {token_file} is empty; put the cluster's token in it")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip()
+
+
+def split_hostport(value: str, what: str = "address") -> tuple[str, int]:
+    """Parse HOST:PORT (or [v6]:PORT) with a message that says what to type instead."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what} {value!r} is not HOST:PORT (for example 127.0.0.1:7070)")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but health unless it carries the cluster's bearer token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get("authorization", "")
+        given_b = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given_b, self._expected):
+            return handler
+        reason = (
+            "missing authorization metadata: send 'authorization: Bearer <token>' "
+            "(--token-file or DTFM_TOKEN)"
+            if not given
+            else "wrong join token: use the token the coordinator was started with"
+        )
+        return _refusing_handler(handler, reason)
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        yield  # pragma: no cover - makes this an async generator
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+
+
+async def start_server(
+    listen: str,
+    security: Security,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    what: str,
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """Build, bind and start a server; `register` adds servicers and returns service names.
+
+    Returns the server, the bound port (useful with port 0) and the health servicer.
+    """
+    security.validate()
+    host, _ = split_hostport(listen, "listen address")
+    server = grpc.aio.server(
+        interceptors=[TokenAuthInterceptor(security.token)], options=SERVER_OPTIONS
+    )
+    names = list(register(server))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    if security.tls:
+        if not security.tls_cert:
+            raise ConfigError(f"{what}: --tls-ca needs --tls-cert and --tls-key to serve TLS")
+        creds = grpc.ssl_server_credentials(
+            [(Security.read(security.tls_key), Security.read(security.tls_cert))],
+            root_certificates=Security.read(security.tls_ca),
+            require_client_auth=bool(security.tls_ca),
+        )
+        port = server.add_secure_port(listen, creds)
+    else:
+        if not is_loopback(host):
+            log.warning(
+                "%s listens on %s WITHOUT TLS: the join token and all traffic cross the network "
+                "in clear; pass --tls-cert/--tls-key (and --tls-ca for mutual TLS)",
+                what,
+                listen,
+            )
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise ConfigError(f"{what}: cannot listen on {listen} (address in use or not local?)")
+    await server.start()
+    for name in names:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health
+
+
+class _TokenHeader:
+    """Adds the bearer token to a call's metadata, on plaintext and TLS channels alike.
+
+    grpc.aio files each interceptor under one call type only, so there is one subclass per
+    type below, all sharing this.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add(*self._header)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready,
+        )
+
+
+class _UnaryUnaryToken(_TokenHeader, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request)
+
+
+class _UnaryStreamToken(_TokenHeader, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request)
+
+
+class _StreamUnaryToken(_TokenHeader, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request_iterator)
+
+
+class _StreamStreamToken(_TokenHeader, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request_iterator)
+
+
+def open_channel(target: str, security: Security) -> grpc.aio.Channel:
+    """An aio channel to `target` carrying the token, over TLS when TLS material is given."""
+    split_hostport(target, "address")
+    interceptors: list[Any] = (
+        [cls(security.token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken,
+                                         _StreamStreamToken)]
+        if security.token else []
+    )
+    if security.tls:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=Security.read(security.tls_ca),
+            private_key=Security.read(security.tls_key),
+            certificate_chain=Security.read(security.tls_cert),
+        )
+        return grpc.aio.secure_channel(
+            target, creds, options=CHANNEL_OPTIONS, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def describe_rpc_error(exc: grpc.RpcError, target: str) -> str:
+    """One line a person can act on, for an RPC that failed against `target`."""
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"cannot reach {target}: {detail}. Is the daemon running there, and do the TLS "
+            "flags match its own?"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{target} refused the call: {detail}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{target} did not answer in time: {detail}"
+    name = code.name if code is not None else "ERROR"
+    return f"{target} answered {name}: {detail}"
