@@ -1,0 +1,374 @@
+"""The search: the paper's hybrid genetic algorithm, seeded with structured candidates.
+
+Owns `search_plan`, the function the coordinator and `coordinator plan` call. The algorithm
+(PAPER.md, "Search"), after Kang & Moon's multiway partitioning GA:
+
+- genome: a balanced partition of the devices into `stages` groups of `replicas` (labels),
+- population (100 for up to 128 devices): structured candidates derived from the matrix
+  (`structured`), the rank-order placement, the rest random balanced partitions,
+- each step: two random parents; the second parent's labels are renamed to agree with the
+  first's as far as possible (Kang & Moon's normalization), 5 random positions of the first
+  are copied into the second and balance is repaired by moving devices from over-full to
+  under-full groups; a random multi-group mutation now and then (a cyclic rotation of one
+  device across several groups, or swapping several devices between two groups: moves that
+  change more than one group at once, which the DP max needs); a local search of cyclic
+  single-node move chains with locking, keeping the best closed chain by cumulative gain; the
+  full evaluation; the child replaces the worse parent if it is better (and new),
+- gains: the paper's heuristic (candidate = the node with the fastest intra-partition link;
+  gain to Q = its mean link cost to Q minus that fastest intra link) or a plain Kernighan-Lin
+  gain (the node's mean link cost inside its group minus its mean cost to Q),
+- a final true-cost swap descent on the best candidate with the last part of the budget.
+
+Deterministic for a given seed and candidate budget: all randomness comes from one
+`numpy.random.Generator`. A wall-clock limit (`seconds`) is also honoured, but then the
+answer depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.scheduler.costmodel import CostModel, plan_cost
+from coordinator.scheduler.network import Network
+from coordinator.scheduler.structured import structured_candidates
+
+log = logging.getLogger(__name__)
+
+GAINS = ("paper", "kl")
+CROSSOVER_POINTS = 5
+POLISH_SHARE = 0.2  # share of the candidate budget kept for the final swap descent
+Progress = Callable[[int, float, float], None]  # (evaluated, elapsed seconds, best cost)
+
+
+def default_budget(devices: int) -> int:
+    """Candidates evaluated when neither a budget nor seconds are given (~10 s or less)."""
+    if devices <= 128:
+        return 5000
+    if devices <= 512:
+        return 400
+    return 120
+
+
+@dataclass
+class PlanResult:
+    """A plan and what it costs: grid[j][k] = device of stage j in pipeline k."""
+
+    grid: list[list[int]]
+    cost: float
+    dp_cost: float
+    pp_cost: float
+    seconds: float
+    tsp_exact: bool
+    evaluated: int
+    stages: int
+    replicas: int
+    gain: str = "paper"
+    structured_cost: float = float("inf")  # best structured seed, before the search
+    history: list[tuple[int, float]] = field(default_factory=list)  # (evaluated, best cost)
+
+
+class _Budget(Exception):
+    """Raised inside the search when the candidate or time budget is spent."""
+
+
+class _Search:
+    def __init__(
+        self,
+        model: CostModel,
+        rng: np.random.Generator,
+        budget: int | None,
+        seconds: float | None,
+        gain: str,
+        progress: Progress | None,
+    ) -> None:
+        self.m = model
+        self.rng = rng
+        self.budget = budget
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+        self.start = time.perf_counter()
+        self.gain = gain
+        self.progress = progress
+        self.evaluated = 0
+        self.best_cost = np.inf
+        self.best_labels: np.ndarray = model.rank_order_labels()
+        self.history: list[tuple[int, float]] = []
+        self._next_report = time.perf_counter() + 1.0
+        link = (model.pp_link + model.pp_link.T) / 2.0
+        self.link = link
+        self.s, self.r, self.n = model.stages, model.replicas, model.n
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def spent(self, limit: int | None = None) -> bool:
+        lim = self.budget if limit is None else limit
+        if lim is not None and self.evaluated >= lim:
+            return True
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def evaluate(self, labels: np.ndarray, limit: int | None = None) -> float:
+        if self.spent(limit):
+            raise _Budget
+        self.evaluated += 1
+        c = self.m.evaluate(labels)
+        if c < self.best_cost - 1e-12:
+            self.best_cost, self.best_labels = c, labels.copy()
+            self.history.append((self.evaluated, c))
+        now = time.perf_counter()
+        if self.progress is not None and now >= self._next_report:
+            self._next_report = now + 1.0
+            self.progress(self.evaluated, now - self.start, self.best_cost)
+        return c
+
+    # -- operators --------------------------------------------------------------------------
+    def random_labels(self) -> np.ndarray:
+        return self.rng.permutation(self.m.rank_order_labels())
+
+    def align(self, ref: np.ndarray, other: np.ndarray) -> np.ndarray:
+        """Rename `other`'s groups to agree with `ref`'s as much as possible (greedy)."""
+        s = self.s
+        overlap = np.zeros((s, s), dtype=np.int64)
+        np.add.at(overlap, (other, ref), 1)
+        rename = np.full(s, -1)
+        used = np.zeros(s, dtype=bool)
+        for flat in np.argsort(-overlap, axis=None, kind="stable"):
+            a, b = divmod(int(flat), s)
+            if rename[a] < 0 and not used[b]:
+                rename[a], used[b] = b, True
+        return rename[other]
+
+    def crossover(self, p1: np.ndarray, p2: np.ndarray) -> np.ndarray:
+        child = self.align(p1, p2).copy()
+        pos = self.rng.choice(self.n, size=min(CROSSOVER_POINTS, self.n), replace=False)
+        child[pos] = p1[pos]
+        return self.repair(child)
+
+    def repair(self, labels: np.ndarray) -> np.ndarray:
+        counts = np.bincount(labels, minlength=self.s)
+        over = [g for g in range(self.s) if counts[g] > self.r]
+        if not over:
+            return labels
+        under = [g for g in range(self.s) for _ in range(self.r - counts[g]) if counts[g] < self.r]
+        self.rng.shuffle(under)
+        movers: list[int] = []
+        for g in over:
+            members = np.flatnonzero(labels == g)
+            movers.extend(self.rng.choice(members, size=counts[g] - self.r, replace=False))
+        labels[np.asarray(movers)] = np.asarray(under)
+        return labels
+
+    def mutate(self, labels: np.ndarray) -> np.ndarray:
+        labels = labels.copy()
+        rng, s = self.rng, self.s
+        if s < 2:
+            return labels
+        if rng.random() < 0.5:
+            k = int(rng.integers(2, s + 1))
+            groups = rng.choice(s, size=k, replace=False)
+            devs = [int(rng.choice(np.flatnonzero(labels == g))) for g in groups]
+            labels[devs] = np.roll(groups, 1)
+        else:
+            a, b = rng.choice(s, size=2, replace=False)
+            t = int(rng.integers(1, max(1, self.r // 2) + 1))
+            da = rng.choice(np.flatnonzero(labels == a), size=t, replace=False)
+            db = rng.choice(np.flatnonzero(labels == b), size=t, replace=False)
+            labels[da], labels[db] = b, a
+        return labels
+
+    def _pick(self, labels: np.ndarray, group: int, locked: np.ndarray) -> tuple[int, np.ndarray]:
+        """(node, gain to every group) for moving one unlocked node out of `group`."""
+        members = np.flatnonzero(labels == group)
+        free = members[~locked[members]]
+        if len(free) == 0:
+            return -1, np.full(self.s, -np.inf)
+        link = self.link
+        onehot = np.zeros((self.n, self.s))
+        onehot[np.arange(self.n), labels] = 1.0
+        counts = onehot.sum(axis=0)
+        if self.gain == "paper":
+            intra = link[free[:, None], members[None, :]]
+            intra = np.where(free[:, None] == members[None, :], np.inf, intra)
+            fastest = intra.min(axis=1) if len(members) > 1 else np.zeros(len(free))
+            i = int(fastest.argmin())
+            v = int(free[i])
+            mean_to = (link[v] @ onehot) / np.maximum(counts, 1)
+            return v, mean_to - fastest[i]
+        sums = link[free] @ onehot  # [node, group]
+        own = sums[:, group] / max(len(members) - 1, 1)
+        mean_to = sums / np.maximum(counts, 1)[None, :]
+        gains = own[:, None] - mean_to
+        gains[:, group] = -np.inf
+        i = int(gains.max(axis=1).argmax())
+        return int(free[i]), gains[i]
+
+    def local_search(self, labels: np.ndarray) -> np.ndarray:
+        """One cyclic move chain S0 -> S1 -> ... -> S0 with locking; keep the best closed one."""
+        s = self.s
+        if s < 2:
+            return labels
+        work = labels.copy()
+        locked = np.zeros(self.n, dtype=bool)
+        start = int(self.rng.integers(s))
+        cur, visited = start, {start}
+        moves: list[tuple[int, int]] = []  # (node, new group)
+        cum, best_total, best_chain = 0.0, 1e-12, None
+        for step in range(s):
+            v, gains = self._pick(work, cur, locked)
+            if v < 0:
+                break
+            if step > 0 and cum + gains[start] > best_total:
+                best_total = cum + gains[start]
+                best_chain = moves + [(v, start)]
+            options = np.array(gains, dtype=float)
+            options[list(visited)] = -np.inf
+            nxt = int(options.argmax())
+            if not np.isfinite(options[nxt]):
+                break
+            work[v], locked[v] = nxt, True
+            cum += float(options[nxt])
+            moves.append((v, nxt))
+            visited.add(nxt)
+            cur = nxt
+        if best_chain is None:
+            return labels
+        out = labels.copy()
+        for v, g in best_chain:
+            out[v] = g
+        return out
+
+    # -- phases -----------------------------------------------------------------------------
+    def polish(self, labels: np.ndarray, cost: float) -> tuple[np.ndarray, float]:
+        """First-improvement descent over swaps of two devices in different groups."""
+        improved = True
+        while improved:
+            improved = False
+            order = self.rng.permutation(self.n)
+            for a in order:
+                for b in self.rng.permutation(self.n):
+                    if labels[a] == labels[b]:
+                        continue
+                    cand = labels.copy()
+                    cand[a], cand[b] = labels[b], labels[a]
+                    c = self.evaluate(cand)
+                    if c < cost - 1e-12:
+                        labels, cost, improved = cand, c, True
+        return labels, cost
+
+    def run(self, population: int) -> None:
+        m = self.m
+        seeds = structured_candidates(m.pp_link, self.s, self.r, self.rng)
+        seeds.append(m.rank_order_labels())
+        pop: list[np.ndarray] = []
+        costs: list[float] = []
+        seen: set[bytes] = set()
+
+        def add(labels: np.ndarray, cost: float) -> None:
+            pop.append(labels)
+            costs.append(cost)
+            seen.add(self.key(labels))
+
+        ga_limit = None
+        if self.budget is not None:
+            ga_limit = max(1, int(self.budget * (1.0 - POLISH_SHARE)))
+        for labels in seeds:
+            if self.key(labels) in seen:
+                continue
+            add(labels, self.evaluate(labels, ga_limit))
+            if len(pop) >= population:
+                break
+        self.structured = self.best_cost
+        while len(pop) < population:
+            labels = self.random_labels()
+            add(labels, self.evaluate(labels, ga_limit))
+        if len(pop) < 2:
+            return
+        while True:
+            i, j = self.rng.choice(len(pop), size=2, replace=False)
+            child = self.crossover(pop[i], pop[j])
+            if self.rng.random() < 0.3:
+                child = self.mutate(child)
+            child = self.local_search(child)
+            key = self.key(child)
+            if key in seen:
+                continue  # duplicates are not evaluated (and not counted)
+            c = self.evaluate(child, ga_limit)
+            worse = i if costs[i] >= costs[j] else j
+            if c < costs[worse]:
+                seen.discard(self.key(pop[worse]))
+                pop[worse], costs[worse] = child, c
+                seen.add(key)
+
+    def key(self, labels: np.ndarray) -> bytes:
+        """Canonical form: groups renamed in order of first appearance."""
+        _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
+        rank = np.argsort(np.argsort(first))
+        return rank[inverse].astype(np.int16).tobytes()
+
+
+def search_plan(
+    net: Network,
+    stages: int,
+    replicas: int,
+    dp_gb: float,
+    pp_gb: float,
+    seed: int = 0,
+    budget: int | None = None,
+    seconds: float | None = None,
+    *,
+    gain: str = "paper",
+    population: int | None = None,
+    rng: np.random.Generator | None = None,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Search for the cheapest plan of `stages` x `replicas` tasklets on `net`.
+
+    `budget` counts evaluated candidates, `seconds` is a wall-clock limit; with neither, the
+    budget is `default_budget(N)`. `rng` overrides `seed`. The returned cost is `plan_cost`
+    of the returned grid.
+    """
+    if gain not in GAINS:
+        raise ValueError(f"gain must be one of {GAINS}, got {gain!r}")
+    if budget is not None and budget < 1:
+        raise ValueError(f"budget must be >= 1 candidate, got {budget}")
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    t0 = time.perf_counter()
+    model = CostModel(net, stages, replicas, dp_gb, pp_gb)
+    if budget is None and seconds is None:
+        budget = default_budget(net.size)
+    if population is None:
+        population = 100 if net.size <= 128 else 24
+    search = _Search(model, rng or np.random.default_rng(seed), budget, seconds, gain, progress)
+    search.structured = np.inf
+    try:
+        search.run(population)
+    except _Budget:
+        pass
+    try:
+        search.polish(search.best_labels.copy(), search.best_cost)
+    except _Budget:
+        pass
+    grid = model.grid(search.best_labels)
+    cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb)
+    elapsed = time.perf_counter() - t0
+    log.info(
+        "plan %dx%d: cost %.4f (dp %.4f + 2 x pp %.4f) after %d candidates in %.2fs",
+        stages, replicas, cost, dp, pp, search.evaluated, elapsed,
+    )
+    return PlanResult(
+        grid=grid,
+        cost=cost,
+        dp_cost=dp,
+        pp_cost=pp,
+        seconds=elapsed,
+        tsp_exact=model.tsp_exact,
+        evaluated=search.evaluated,
+        stages=stages,
+        replicas=replicas,
+        gain=gain,
+        structured_cost=float(search.structured),
+        history=search.history,
+    )
