@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import resource
 import select
 import signal
 import socket
@@ -269,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.close(fd)
         stats = forwarder.counters.as_dict()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        stats["cpu_s"] = usage.ru_utime + usage.ru_stime
         log.info("%s; %s", outcome, stats)
         if spec.stats_path:
             with contextlib.suppress(OSError):

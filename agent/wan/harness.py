@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -62,7 +62,11 @@ class WanEmulator:
 
     ``delay_ms[i][j]`` is the one-way delay from host i to host j in milliseconds and
     ``bandwidth_mbps[i][j]`` the rate of that direction in Mbit/s (``None``, ``inf`` or a
-    missing matrix: unlimited). Diagonals are ignored. Use it as a context manager::
+    missing matrix: unlimited). Diagonals are ignored. ``queue_ms`` caps each link's queue
+    (a packet that would wait longer is dropped; default unbounded, so no loss). ``sysctls``
+    are ``net.*`` settings applied in every host (e.g. larger ``net.ipv4.tcp_rmem`` for
+    links whose bandwidth-delay product exceeds the default TCP buffers). ``subnet`` picks X
+    in 10.X.0.0/24 (default random). Use it as a context manager::
 
         with WanEmulator(delay_ms=[[0, 40], [40, 0]], bandwidth_mbps=[[0, 20], [20, 0]]) as wan:
             server = wan.popen(1, ["python", "-m", "http.server", "--bind", wan.address(1)])
@@ -77,6 +81,7 @@ class WanEmulator:
         mtu: int = DEFAULT_MTU,
         queue_ms: float | None = None,
         subnet: int | None = None,
+        sysctls: Mapping[str, str] | None = None,
         log_level: str = "INFO",
     ) -> None:
         n = _check_matrix("delay_ms", delay_ms, None)
@@ -107,6 +112,10 @@ class WanEmulator:
         self._mtu = mtu
         self._queue_ms = queue_ms
         self._log_level = log_level
+        self._sysctls = dict(sysctls or {})
+        for key in self._sysctls:
+            if not key.startswith("net."):
+                raise ValueError(f"only per-namespace net.* sysctls can be set; got {key!r}")
         self._token = secrets.token_hex(3)
         self._subnet = subnet if subnet is not None else 100 + secrets.randbelow(150)
         if not 0 <= self._subnet <= 255:
@@ -235,6 +244,8 @@ class WanEmulator:
             self._created.append(name)
             self._inodes.append(inode)
             netns.add_tun(name, DEFAULT_IFNAME, addr, 24, self._mtu)
+            if self._sysctls:
+                netns.set_sysctls(name, self._sysctls)
 
     def _start_emulator(self) -> None:
         self._workdir = tempfile.TemporaryDirectory(prefix=f"dtfm-wan-{self._token}-")

@@ -23,7 +23,7 @@ import shutil
 import signal
 import struct
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,20 @@ def add_tun(name: str, ifname: str, address: str, prefix_len: int, mtu: int) -> 
     ip("-n", name, "link", "set", "dev", ifname, "mtu", str(mtu))
     ip("-n", name, "addr", "add", f"{address}/{prefix_len}", "dev", ifname)
     ip("-n", name, "link", "set", "dev", ifname, "up")
+
+
+def set_sysctls(name: str, values: Mapping[str, str]) -> None:
+    """Set ``net.*`` sysctls (per-namespace ones only) inside namespace ``name``."""
+    for key in values:
+        if not key.startswith("net.") or "/" in key or ".." in key:
+            raise ValueError(f"only per-namespace net.* sysctls can be set; got {key!r}")
+    with entered(name):
+        for key, value in values.items():
+            path = Path("/proc/sys") / key.replace(".", "/")
+            try:
+                path.write_text(f"{value}\n")
+            except OSError as exc:
+                raise NetnsError(f"sysctl {key}={value} in {name}: {exc.strerror}") from exc
 
 
 def namespace_pids(name: str) -> list[int]:

@@ -168,3 +168,31 @@ def test_cleanup_when_owner_is_signalled(sig: signal.Signals) -> None:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+@pytest.mark.timeout(30)
+def test_sysctls_apply_inside_hosts_only() -> None:
+    root_before = Path("/proc/sys/net/ipv4/tcp_wmem").read_text()
+    value = "4096 16384 12345678"
+    with WanEmulator(delay_ms=[[0, 1], [1, 0]], sysctls={"net.ipv4.tcp_wmem": value}) as wan:
+        for i in range(wan.size):
+            out = subprocess.run(
+                wan.command(i, ["cat", "/proc/sys/net/ipv4/tcp_wmem"]),
+                capture_output=True, text=True, check=True,
+            )
+            assert out.stdout.split() == value.split()
+    assert Path("/proc/sys/net/ipv4/tcp_wmem").read_text() == root_before
+    with pytest.raises(ValueError, match="net"):
+        WanEmulator(delay_ms=[[0, 1], [1, 0]], sysctls={"kernel.pid_max": "1"})
+
+
+@pytest.mark.timeout(10)
+def test_rejects_bad_matrices() -> None:
+    with pytest.raises(ValueError, match="square"):
+        WanEmulator(delay_ms=[[0, 1, 2], [1, 0]])
+    with pytest.raises(ValueError, match=">= 0"):
+        WanEmulator(delay_ms=[[0, -1], [1, 0]])
+    with pytest.raises(ValueError, match="> 0"):
+        WanEmulator(delay_ms=[[0, 1], [1, 0]], bandwidth_mbps=[[0, 0], [5, 0]])
+    with pytest.raises(ValueError, match="rows"):
+        WanEmulator(delay_ms=[[0, 1], [1, 0]], bandwidth_mbps=[[0]])

@@ -1,0 +1,148 @@
+"""``python -m agent.wan``: bring up an emulated WAN by hand, or measure one.
+
+Owns the command-line front end of :class:`agent.wan.WanEmulator` for people: it builds the
+network from matrices given as JSON (or a spec file), prints each host's namespace and address
+with a ready-to-paste ``ip netns exec`` line, and holds until Ctrl-C or SIGTERM, then tears
+everything down. With ``--measure`` it instead runs the TCP probes over every ordered pair and
+prints measured RTT and goodput next to what the matrices promise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import statistics
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from agent.wan import probe
+from agent.wan.harness import DEFAULT_MTU, WanEmulator
+
+log = logging.getLogger("agent.wan")
+
+
+def _matrix(value: Any, n: int | None, what: str) -> list[list[Any]]:
+    """A JSON matrix as is; a JSON number broadcast to n x n (needs --hosts)."""
+    if isinstance(value, int | float) or value is None:
+        if n is None:
+            raise SystemExit(f"{what}: a single number needs --hosts N")
+        return [[value] * n for _ in range(n)]
+    if not isinstance(value, list):
+        raise SystemExit(f"{what}: expected a JSON matrix or number, got {value!r}")
+    return value
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m agent.wan",
+        description="Emulate a WAN on this machine: one network namespace per host, per-pair "
+        "one-way delay and bandwidth. Needs root.",
+        epilog='Example: python -m agent.wan --delay-ms "[[0,40],[40,0]]" '
+        '--bandwidth-mbps "[[0,20],[20,0]]" --measure',
+    )
+    p.add_argument("--spec", type=Path,
+                   help='JSON file {"delay_ms": [[..]], "bandwidth_mbps": [[..]], "queue_ms": x}')
+    p.add_argument("--delay-ms", help="one-way delay matrix (row = from) as JSON, or a number")
+    p.add_argument("--bandwidth-mbps", help="rate matrix in Mbit/s as JSON, or a number; "
+                   "default unlimited")
+    p.add_argument("--hosts", type=int, help="number of hosts when the matrices are numbers")
+    p.add_argument("--queue-ms", type=float, help="drop packets that would queue longer")
+    p.add_argument("--mtu", type=int, default=DEFAULT_MTU)
+    p.add_argument("--measure", action="store_true",
+                   help="measure RTT and goodput of every ordered pair, print them, exit")
+    p.add_argument("--bulk-seconds", type=float, default=2.0,
+                   help="--measure: about how long each bulk transfer lasts")
+    p.add_argument("--json", action="store_true", help="--measure: print JSON, not a table")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def _build(args: argparse.Namespace) -> WanEmulator:
+    spec: dict[str, Any] = {}
+    if args.spec is not None:
+        spec = json.loads(args.spec.read_text())
+    delay = spec.get("delay_ms")
+    if args.delay_ms is not None:
+        delay = json.loads(args.delay_ms)
+    if delay is None:
+        raise SystemExit("give --delay-ms or --spec")
+    bandwidth = spec.get("bandwidth_mbps")
+    if args.bandwidth_mbps is not None:
+        bandwidth = json.loads(args.bandwidth_mbps)
+    queue_ms = args.queue_ms if args.queue_ms is not None else spec.get("queue_ms")
+    delay_m = _matrix(delay, args.hosts, "--delay-ms")
+    bw_m = None if bandwidth is None else _matrix(bandwidth, len(delay_m), "--bandwidth-mbps")
+    try:
+        return WanEmulator(delay_ms=delay_m, bandwidth_mbps=bw_m, mtu=args.mtu,
+                           queue_ms=queue_ms, log_level=args.log_level.upper())
+    except ValueError as exc:
+        raise SystemExit(f"invalid network: {exc}") from exc
+
+
+def measure(wan: WanEmulator, bulk_seconds: float) -> list[dict[str, Any]]:
+    """RTT (median of 10 TCP echoes) and goodput for every ordered pair (src, dst)."""
+    for host in range(wan.size):
+        probe.start_server(wan, host)
+    rows = []
+    for src in range(wan.size):
+        for dst in range(wan.size):
+            if src == dst:
+                continue
+            expect_rtt = wan.delay_ms[src][dst] + wan.delay_ms[dst][src]
+            rate = wan.bandwidth_mbps[src][dst]
+            nbytes = int(max(2e6, (rate or 200.0) * 1e6 / 8 * bulk_seconds))
+            rtts = probe.echo_rtts_ms(wan, src, dst, count=10)
+            rows.append({
+                "src": src, "dst": dst,
+                "rtt_ms_expected": expect_rtt, "rtt_ms": statistics.median(rtts),
+                "mbps_expected": rate, "mbps": probe.bulk_mbps(wan, src, dst, nbytes),
+                "bulk_bytes": nbytes,
+            })
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'pair':>8} {'RTT want':>9} {'RTT got':>8} {'Mbit/s want':>11} {'Mbit/s got':>10}")
+    for r in rows:
+        want = "unlim" if r["mbps_expected"] is None else f"{r['mbps_expected']:.1f}"
+        print(f"{r['src']:>3} -> {r['dst']:<2} {r['rtt_ms_expected']:>9.1f} {r['rtt_ms']:>8.1f} "
+              f"{want:>11} {r['mbps']:>10.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    ok, reason = WanEmulator.available()
+    if not ok:
+        print(f"cannot emulate a WAN here: {reason}", file=sys.stderr)
+        return 2
+    wan = _build(args)
+    with wan:
+        if args.measure:
+            rows = measure(wan, args.bulk_seconds)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+            else:
+                _print_table(rows)
+        else:
+            for i in range(wan.size):
+                print(f"host {i}: {wan.address(i):<15} netns {wan.namespace(i)}   "
+                      f"run: ip netns exec {wan.namespace(i)} CMD")
+            print("holding; Ctrl-C or SIGTERM tears it down", flush=True)
+            stop = threading.Event()
+            signal.signal(signal.SIGINT, lambda *_: stop.set())
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            while not stop.wait(1.0):
+                pass
+    if wan.stats is not None and args.measure and not args.json:
+        print(f"emulator: {wan.stats}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
