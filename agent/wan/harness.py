@@ -356,11 +356,19 @@ class WanEmulator:
                     with contextlib.suppress(OSError):
                         stream.close()
 
+    @property
+    def emulator_running(self) -> bool:
+        """Whether the forwarding process is alive (if it is not, no packet moves)."""
+        return self._emulator is not None and self._emulator.poll() is None
+
     def _stop_emulator(self) -> None:
         emu = self._emulator
         if emu is None:
             return
-        if emu.poll() is None:
+        if emu.poll() is not None:
+            log.error("the WAN emulator had exited early (%s):\n%s", emu.returncode,
+                      self.emulator_log())
+        else:
             emu.terminate()
             try:
                 emu.wait(timeout=5.0)

@@ -99,6 +99,7 @@ def test_two_hosts_rtt_and_bandwidth(two_hosts: WanEmulator) -> None:
     assert_rtt(rtt, 80.0)
     assert abs(rate - 20.0) <= 0.20 * 20.0, f"bulk {rate:.1f} Mbit/s, expected 20 +- 20 %"
     assert server.poll() is None
+    assert wan.emulator_running
 
 
 @pytest.mark.timeout(60)
