@@ -109,8 +109,36 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every RPC but health unless it carries the cluster's bearer token."""
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the handler can refuse it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's fault
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _undecodable_reason(method: str, bad: _Undecodable) -> str:
+    return f"{method}: the request is not a valid protobuf message for this RPC ({bad.error})"
+
+
+class BoundaryInterceptor(grpc.aio.ServerInterceptor):
+    """The edge of every dtfm server: the bearer token, and requests that do not parse.
+
+    Every RPC but health needs the cluster's token. Bytes that are not the RPC's message get
+    INVALID_ARGUMENT (grpc's default would be an opaque INTERNAL) before any handler runs.
+    """
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -127,15 +155,15 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         given = metadata.get("authorization", "")
         given_b = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_b, self._expected):
-            return handler
-        reason = (
-            "missing authorization metadata: send 'authorization: Bearer <token>' "
-            "(--token-file or DTFM_TOKEN)"
-            if not given
-            else "wrong join token: use the token the coordinator was started with"
-        )
-        return _refusing_handler(handler, reason)
+        if not hmac.compare_digest(given_b, self._expected):
+            reason = (
+                "missing authorization metadata: send 'authorization: Bearer <token>' "
+                "(--token-file or DTFM_TOKEN)"
+                if not given
+                else "wrong join token: use the token the coordinator was started with"
+            )
+            return _refusing_handler(handler, reason)
+        return _validating_handler(handler, method)
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
@@ -147,7 +175,7 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMe
         yield  # pragma: no cover - makes this an async generator
 
     kw = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": _safe(handler.request_deserializer),
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
@@ -157,6 +185,56 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMe
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(refuse, **kw)
     return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+
+
+def _validating_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    kw = {
+        "request_deserializer": _safe(handler.request_deserializer),
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    _undecodable_reason(method, request))
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+    if handler.unary_stream:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    _undecodable_reason(method, request))
+            async for item in inner_us(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+
+    async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    _undecodable_reason(method, request))
+            yield request
+
+    if handler.stream_unary:
+        inner_su = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await inner_su(checked(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+    inner_ss = handler.stream_stream
+
+    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for item in inner_ss(checked(requests, context), context):
+            yield item
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
 
 
 async def start_server(
@@ -172,7 +250,7 @@ async def start_server(
     security.validate()
     host, _ = split_hostport(listen, "listen address")
     server = grpc.aio.server(
-        interceptors=[TokenAuthInterceptor(security.token)], options=SERVER_OPTIONS
+        interceptors=[BoundaryInterceptor(security.token)], options=SERVER_OPTIONS
     )
     names = list(register(server))
     health = HealthServicer()
