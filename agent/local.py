@@ -156,6 +156,7 @@ class Job:
         self.backend = "nccl" if args.device == "cuda" else "gloo"
         self.procs: list[Proc] = []
         self.report_rank = self.layout.rank(self.layout.stages - 1, 0)
+        self._first_step: tuple[int, float] | None = None
 
     def spawn(self, workdir: Path) -> None:
         a = self.args
@@ -266,8 +267,11 @@ class Job:
         interval = max(1, self.args.log_interval)
         if step % interval and step != total and seen != 1:
             return last
-        elapsed = time.monotonic() - t0
-        eta = elapsed / seen * (total - step)
+        now = time.monotonic()
+        if self._first_step is None:
+            self._first_step = (step, now)
+        first, t_first = self._first_step
+        eta = (now - t_first) / (step - first) * (total - step) if step > first else float("nan")
         print(
             f"step {step:>6}/{total} | loss {ev['loss']:.4f} | "
             f"{ev['tokens_per_s']:,.0f} tok/s | ETA {_hms(eta)}",
@@ -277,6 +281,8 @@ class Job:
 
 
 def _hms(seconds: float) -> str:
+    if seconds != seconds:  # NaN: not enough steps yet
+        return "-:--:--"
     s = int(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 

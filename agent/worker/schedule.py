@@ -116,10 +116,16 @@ class Pipeline:
         buf = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
         return _Recv(buf, dist.irecv(buf, src=src, group=group))
 
-    def _wait(self, r: _Recv | None, t: Timings) -> torch.Tensor:
+    def _wait(self, r: _Recv | None, t: Timings, what: str, peer: int | None) -> torch.Tensor:
         assert r is not None and r.work is not None
         t0 = time.perf_counter()
-        r.work.wait(self.timeout)
+        try:
+            r.work.wait(self.timeout)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"stage {self.stage_index} got no {what} from rank {peer} "
+                f"(timeout {self.timeout.total_seconds():g}s, or the peer died): {e}"
+            ) from e
         t.recv_wait_s += time.perf_counter() - t0
         return r.buf
 
@@ -169,7 +175,8 @@ class Pipeline:
                     x_in: torch.Tensor | None = None
                     x = inputs[i].to(self.device, non_blocking=True)
                 else:
-                    x = self._wait(fwd_recv, t).requires_grad_(True)
+                    x = self._wait(fwd_recv, t, f"activations of micro-batch {i}", ln.prev)
+                    x = x.requires_grad_(True)
                     x_in = x
                     fwd_recv = (
                         self._post_recv(ln.prev, ln.fwd_from_prev) if i + 1 < micro else None
@@ -193,7 +200,7 @@ class Pipeline:
                     t0 = time.perf_counter()
                     out.backward()
                 else:
-                    grad = self._wait(bwd_recv, t)
+                    grad = self._wait(bwd_recv, t, f"gradients of micro-batch {i}", ln.next)
                     bwd_recv = (
                         self._post_recv(ln.next, ln.bwd_from_next) if i + 1 < micro else None
                     )
@@ -216,7 +223,9 @@ class Pipeline:
             if ln.prev is None:
                 x = inputs[i].to(self.device)
             else:
-                x = self._wait(self._post_recv(ln.prev, ln.fwd_from_prev), t)
+                x = self._wait(
+                    self._post_recv(ln.prev, ln.fwd_from_prev), t, "eval activations", ln.prev
+                )
             with self._autocast():
                 out = self.stage(x)
                 if ln.next is None:
