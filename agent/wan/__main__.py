@@ -56,7 +56,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="measure RTT and goodput of every ordered pair, print them, exit")
     p.add_argument("--bulk-seconds", type=float, default=2.0,
                    help="--measure: about how long each bulk transfer lasts")
-    p.add_argument("--json", action="store_true", help="--measure: print JSON, not a table")
+    p.add_argument("--json", action="store_true",
+                   help='--measure: print {"hosts": [..], "pairs": [..]} as JSON, not a table')
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -126,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure:
             rows = measure(wan, args.bulk_seconds)
             if args.json:
-                print(json.dumps(rows, indent=1))
+                hosts = [{"namespace": wan.namespace(i), "address": wan.address(i)}
+                         for i in range(wan.size)]
+                print(json.dumps({"hosts": hosts, "pairs": rows}, indent=1))
             else:
                 _print_table(rows)
         else:

@@ -127,6 +127,7 @@ class WanEmulator:
         self._procs: list[subprocess.Popen[Any]] = []
         self._emulator: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
+        self._log_path: Path | None = None
         self._prev_sigterm: Any = None
         self._started = False
         self._closed = False
@@ -297,9 +298,11 @@ class WanEmulator:
 
     def emulator_log(self, tail: int = 4000) -> str:
         """The last ``tail`` characters of the forwarding process's log."""
+        if self._log_path is None:
+            return ""
         try:
             return self._log_path.read_text(errors="replace")[-tail:]
-        except (AttributeError, OSError):
+        except OSError:
             return ""
 
     def close(self) -> None:
@@ -391,6 +394,8 @@ class WanEmulator:
             return  # someone else handles it; leave theirs alone
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            if self._closed:
+                return  # already tearing down: let it finish
             raise SystemExit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)

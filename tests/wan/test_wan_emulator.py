@@ -197,3 +197,23 @@ def test_rejects_bad_matrices() -> None:
         WanEmulator(delay_ms=[[0, 1], [1, 0]], bandwidth_mbps=[[0, 0], [5, 0]])
     with pytest.raises(ValueError, match="rows"):
         WanEmulator(delay_ms=[[0, 1], [1, 0]], bandwidth_mbps=[[0]])
+
+
+@pytest.mark.timeout(60)
+def test_cli_measure_reports_every_pair() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "agent.wan", "--delay-ms", "5", "--hosts", "2",
+         "--bandwidth-mbps", "50", "--measure", "--json", "--bulk-seconds", "0.5"],
+        capture_output=True, text=True, timeout=50, check=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    report = json.loads(out.stdout)
+    rows = report["pairs"]
+    assert {(r["src"], r["dst"]) for r in rows} == {(0, 1), (1, 0)}
+    for r in rows:
+        assert r["rtt_ms_expected"] == 10.0
+        assert_rtt(r["rtt_ms"], 10.0)
+        assert 0 < r["mbps"] <= 50 * 1.05
+    names = {h["namespace"] for h in report["hosts"]}
+    assert len(names) == 2
+    assert not names & namespace_names(), "the CLI left namespaces behind"
