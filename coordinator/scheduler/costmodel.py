@@ -387,10 +387,21 @@ class CostModel:
     # -- whole candidates -----------------------------------------------------------------
     def evaluate(self, labels: np.ndarray) -> float:
         """The objective of a partition (labels: device -> group, balanced)."""
+        return self.evaluate_ranked(labels)[0]
+
+    def evaluate_ranked(self, labels: np.ndarray) -> tuple[float, float]:
+        """(objective, tie-breaker). The objective is made of maxima and so has wide
+        plateaus; the tie-breaker (the sum of every group's DP cost plus twice the mean
+        coarse edge per stage) tells a local search which way is downhill on them."""
         groups = self.groups(labels)
-        dp = float(self.dp_costs(groups).max()) if self.replicas > 1 else 0.0
-        pp = self.tsp(self.coarse_weights(groups))[0] if self.stages > 1 else 0.0
-        return dp + 2.0 * pp
+        dp_all = self.dp_costs(groups) if self.replicas > 1 else np.zeros(1)
+        if self.stages > 1:
+            w = self.coarse_weights(groups)
+            pp = self.tsp(w)[0]
+            smooth = 2.0 * float(w.sum()) / self.stages
+        else:
+            pp, smooth = 0.0, 0.0
+        return float(dp_all.max()) + 2.0 * pp, float(dp_all.sum()) + smooth
 
     def grid(self, labels: np.ndarray) -> list[list[int]]:
         """The plan of a partition: TSP order of the groups, pipelines from the matchings."""

@@ -17,7 +17,8 @@ Owns `search_plan`, the function the coordinator and `coordinator plan` call. Th
 - gains: the paper's heuristic (candidate = the node with the fastest intra-partition link;
   gain to Q = its mean link cost to Q minus that fastest intra link) or a plain Kernighan-Lin
   gain (the node's mean link cost inside its group minus its mean cost to Q),
-- a final true-cost swap descent on the best candidate with the last part of the budget.
+- then, with the last part of the budget, an iterated local search on the best candidate:
+  true-cost swap descent, a multi-group kick, descent again, keep if better.
 
 Deterministic for a given seed and candidate budget: all randomness comes from one
 `numpy.random.Generator`. A wall-clock limit (`seconds`) is also honoured, but then the
@@ -41,14 +42,14 @@ log = logging.getLogger(__name__)
 
 GAINS = ("paper", "kl")
 CROSSOVER_POINTS = 5
-POLISH_SHARE = 0.2  # share of the candidate budget kept for the final swap descent
+POLISH_SHARE = 0.4  # share of the candidate budget kept for the final iterated local search
 Progress = Callable[[int, float, float], None]  # (evaluated, elapsed seconds, best cost)
 
 
 def default_budget(devices: int) -> int:
     """Candidates evaluated when neither a budget nor seconds are given (~10 s or less)."""
     if devices <= 128:
-        return 5000
+        return 4000
     if devices <= 512:
         return 400
     return 120
@@ -110,10 +111,15 @@ class _Search:
         return self.deadline is not None and time.perf_counter() >= self.deadline
 
     def evaluate(self, labels: np.ndarray, limit: int | None = None) -> float:
+        return self.evaluate_ranked(labels, limit)[0]
+
+    def evaluate_ranked(
+        self, labels: np.ndarray, limit: int | None = None
+    ) -> tuple[float, float]:
         if self.spent(limit):
             raise _Budget
         self.evaluated += 1
-        c = self.m.evaluate(labels)
+        c, tie = self.m.evaluate_ranked(labels)
         if c < self.best_cost - 1e-12:
             self.best_cost, self.best_labels = c, labels.copy()
             self.history.append((self.evaluated, c))
@@ -121,7 +127,7 @@ class _Search:
         if self.progress is not None and now >= self._next_report:
             self._next_report = now + 1.0
             self.progress(self.evaluated, now - self.start, self.best_cost)
-        return c
+        return c, tie
 
     # -- operators --------------------------------------------------------------------------
     def random_labels(self) -> np.ndarray:
@@ -240,22 +246,45 @@ class _Search:
         return out
 
     # -- phases -----------------------------------------------------------------------------
-    def polish(self, labels: np.ndarray, cost: float) -> tuple[np.ndarray, float]:
-        """First-improvement descent over swaps of two devices in different groups."""
+    def descend(
+        self, labels: np.ndarray, rank: tuple[float, float]
+    ) -> tuple[np.ndarray, tuple[float, float]]:
+        """First-improvement descent over swaps of two devices in different groups, on
+        (objective, tie-breaker) in lexicographic order so plateaus are crossed."""
         improved = True
         while improved:
             improved = False
-            order = self.rng.permutation(self.n)
-            for a in order:
+            for a in self.rng.permutation(self.n):
                 for b in self.rng.permutation(self.n):
                     if labels[a] == labels[b]:
                         continue
                     cand = labels.copy()
                     cand[a], cand[b] = labels[b], labels[a]
-                    c = self.evaluate(cand)
-                    if c < cost - 1e-12:
-                        labels, cost, improved = cand, c, True
-        return labels, cost
+                    c = self.evaluate_ranked(cand)
+                    if _better(c, rank):
+                        labels, rank, improved = cand, c, True
+        return labels, rank
+
+    def kick(self, labels: np.ndarray) -> np.ndarray:
+        """A small random perturbation: a multi-group mutation, or two random swaps."""
+        if self.rng.random() < 0.3:
+            return self.mutate(labels)
+        out = labels.copy()
+        for _ in range(2):
+            a, b = self.rng.choice(self.n, size=2, replace=False)
+            out[a], out[b] = out[b], out[a]
+        return out
+
+    def polish(self) -> None:
+        """Iterated local search on the best: swap descent, then kick (a multi-group mutation)
+        and descend again, keeping the result when it is better. Runs until the budget ends."""
+        start = self.best_labels.copy()
+        labels, rank = self.descend(start, self.m.evaluate_ranked(start))
+        while True:
+            kicked = self.kick(labels)
+            kicked, c = self.descend(kicked, self.evaluate_ranked(kicked))
+            if _better(c, rank):
+                labels, rank = kicked, c
 
     def run(self, population: int) -> None:
         m = self.m
@@ -280,11 +309,15 @@ class _Search:
             if len(pop) >= population:
                 break
         self.structured = self.best_cost
-        while len(pop) < population:
+        tries = 0
+        while len(pop) < population and tries < 20 * population:
+            tries += 1
             labels = self.random_labels()
-            add(labels, self.evaluate(labels, ga_limit))
+            if self.key(labels) not in seen:
+                add(labels, self.evaluate(labels, ga_limit))
         if len(pop) < 2:
             return
+        stale = 0
         while True:
             i, j = self.rng.choice(len(pop), size=2, replace=False)
             child = self.crossover(pop[i], pop[j])
@@ -293,7 +326,11 @@ class _Search:
             child = self.local_search(child)
             key = self.key(child)
             if key in seen:
+                stale += 1
+                if stale > 50 * population:
+                    return  # the population has converged: leave the rest to the polish
                 continue  # duplicates are not evaluated (and not counted)
+            stale = 0
             c = self.evaluate(child, ga_limit)
             worse = i if costs[i] >= costs[j] else j
             if c < costs[worse]:
@@ -306,6 +343,12 @@ class _Search:
         _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
         rank = np.argsort(np.argsort(first))
         return rank[inverse].astype(np.int16).tobytes()
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    if a[0] < b[0] - 1e-12:
+        return True
+    return a[0] <= b[0] + 1e-12 and a[1] < b[1] - 1e-12
 
 
 def search_plan(
@@ -348,7 +391,7 @@ def search_plan(
     except _Budget:
         pass
     try:
-        search.polish(search.best_labels.copy(), search.best_cost)
+        search.polish()
     except _Budget:
         pass
     grid = model.grid(search.best_labels)

@@ -1,0 +1,281 @@
+"""`coordinator plan`: the offline planner on a paper scenario or a measured link matrix.
+
+Owns turning command-line flags into one `search_plan` call plus its baselines, and printing
+the answer (a table, or one JSON object with `--json`). Wired into `coordinator/cli.py` as the
+`plan` subcommand through `add_arguments` and `run`; `python -m coordinator.plan` runs it
+standalone. Bad input is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from coordinator import scenarios
+from coordinator.catalogue import PRESETS, get_preset
+from coordinator.scheduler import Network, comm_gb, search_plan
+from coordinator.scheduler.baselines import random_best, rank_order
+from coordinator.scheduler.costmodel import CostModel
+
+EXIT_USAGE = 2
+DEFAULT_RANDOM = 1000
+SEQUENCES_PER_REPLICA = 64  # default global batch = 64 x replicas (the paper used ~61)
+
+
+class PlanInputError(ValueError):
+    """Bad input: reported as one line on stderr with exit code 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scenario", choices=scenarios.SCENARIOS, help="a paper network scenario")
+    src.add_argument(
+        "--links",
+        metavar="FILE",
+        help='JSON {"delay_ms": [[...]], "bandwidth_gbps": [[...]], "agents": [...]} '
+        "(N x N, row = from, column = to)",
+    )
+    parser.add_argument(
+        "--per-city", type=int, default=None, help="devices per city for --scenario world (8)"
+    )
+    parser.add_argument("--model", choices=sorted(PRESETS), help="model preset: sizes c_DP, c_PP")
+    parser.add_argument("--stages", type=int, help="pipeline stages (D_PP)")
+    parser.add_argument("--replicas", type=int, help="data-parallel replicas (D_DP)")
+    parser.add_argument("--dp-gb", type=float, help="c_DP in GB: one stage's gradient message")
+    parser.add_argument("--pp-gb", type=float, help="c_PP in GB: one replica's activations")
+    parser.add_argument(
+        "--batch", type=int, help=f"global batch in sequences ({SEQUENCES_PER_REPLICA} x replicas)"
+    )
+    parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", type=int, help="candidates to evaluate (default: ~10 s)")
+    parser.add_argument("--seconds", type=float, help="wall-clock limit on the search")
+    parser.add_argument(
+        "--gain", choices=("paper", "kl"), default="paper", help="local search gain"
+    )
+    parser.add_argument(
+        "--random", type=int, default=DEFAULT_RANDOM, help="random allocations for the baseline"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _note(msg: str) -> None:
+    print(f"coordinator plan: {msg}", file=sys.stderr)
+
+
+def _load_links(path: str) -> tuple[Network, list[Any] | None]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as e:
+        raise PlanInputError(f"cannot read link file {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise PlanInputError(f"link file {path!r} is not valid JSON: {e}") from None
+    try:
+        net = Network.from_json(obj)
+    except ValueError as e:
+        raise PlanInputError(f"link file {path!r}: {e}") from None
+    agents = obj.get("agents")
+    if agents is not None:
+        if not isinstance(agents, list) or len(agents) != net.size:
+            raise PlanInputError(
+                f"link file {path!r}: 'agents' must list one id per device ({net.size})"
+            )
+    return net, agents
+
+
+def pick_shape(n: int, max_stages: int | None = None) -> tuple[int, int]:
+    """A factorization n = stages x replicas: stages >= replicas, as square as possible."""
+    best = (n, 1)
+    for s in range(1, n + 1):
+        if n % s:
+            continue
+        r = n // s
+        if s < r or (max_stages is not None and s > max_stages):
+            continue
+        if abs(math.log(s / r)) < abs(math.log(best[0] / best[1])) or best[0] > (
+            max_stages or n
+        ):
+            best = (s, r)
+    if max_stages is not None and best[0] > max_stages:
+        for s in range(min(n, max_stages), 0, -1):
+            if n % s == 0:
+                return s, n // s
+    return best
+
+
+def _shape(args: argparse.Namespace, n: int, layers: int | None) -> tuple[int, int, bool]:
+    s, r = args.stages, args.replicas
+    for name, v in (("--stages", s), ("--replicas", r)):
+        if v is not None and v < 1:
+            raise PlanInputError(f"{name} must be >= 1, got {v}")
+    if s is not None and r is not None:
+        if s * r != n:
+            raise PlanInputError(
+                f"{s} stages x {r} replicas = {s * r} tasklets but the network has {n} "
+                f"devices: pick --stages x --replicas = {n}"
+            )
+        return s, r, False
+    if s is not None or r is not None:
+        given = s if s is not None else r
+        assert given is not None
+        if n % given:
+            flag = "--stages" if s is not None else "--replicas"
+            raise PlanInputError(f"{flag} {given} does not divide the {n} devices")
+        other = n // given
+        return (given, other, False) if s is not None else (other, given, False)
+    s, r = pick_shape(n, layers)
+    return s, r, True
+
+
+def _sizes(args: argparse.Namespace, s: int, r: int) -> tuple[float, float, str]:
+    if (args.dp_gb is None) != (args.pp_gb is None):
+        raise PlanInputError("give both --dp-gb and --pp-gb, or neither")
+    if args.dp_gb is not None:
+        if not (args.dp_gb >= 0 and args.pp_gb >= 0):
+            raise PlanInputError("--dp-gb and --pp-gb must be >= 0")
+        return float(args.dp_gb), float(args.pp_gb), "given"
+    if args.model is not None:
+        spec = get_preset(args.model)
+        batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
+        try:
+            dp, pp = comm_gb(spec, s, r, batch, args.dtype)
+        except ValueError as e:
+            raise PlanInputError(str(e)) from None
+        return dp, pp, f"{args.model}, batch {batch}, {args.dtype}"
+    return scenarios.PAPER_DP_GB, scenarios.PAPER_PP_GB, "paper (GPT-3 XL)"
+
+
+def _progress(evaluated: int, elapsed: float, best: float) -> None:
+    if elapsed >= 2.0:
+        _note(f"searching: {evaluated} candidates, {elapsed:.0f}s, best {best:.3f}")
+
+
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan and its baselines as the JSON-ready dict `--json` prints."""
+    agents = None
+    if args.scenario is not None:
+        try:
+            net = scenarios.get_scenario(args.scenario, args.per_city)
+        except ValueError as e:
+            raise PlanInputError(str(e)) from None
+        source = f"scenario {args.scenario}"
+    else:
+        if args.per_city is not None:
+            raise PlanInputError("--per-city only applies to --scenario world")
+        net, agents = _load_links(args.links)
+        source = f"links {args.links}"
+    layers = get_preset(args.model).n_layers if args.model else None
+    s, r, picked = _shape(args, net.size, layers)
+    if layers is not None and s > layers:
+        raise PlanInputError(
+            f"{args.model} has {layers} layers, so it cannot be split into {s} stages: "
+            f"use --stages {layers} or fewer"
+        )
+    if picked and args.links is not None:
+        _note(f"{net.size} devices: planning {s} stages x {r} replicas (set --stages/--replicas)")
+    dp_gb, pp_gb, sizes_from = _sizes(args, s, r)
+    if args.budget is not None and args.budget < 1:
+        raise PlanInputError(f"--budget must be >= 1, got {args.budget}")
+    if args.seconds is not None and args.seconds <= 0:
+        raise PlanInputError(f"--seconds must be > 0, got {args.seconds}")
+    t0 = time.perf_counter()
+    res = search_plan(
+        net, s, r, dp_gb, pp_gb, seed=args.seed, budget=args.budget, seconds=args.seconds,
+        gain=args.gain, progress=_progress,
+    )
+    model = CostModel(net, s, r, dp_gb, pp_gb)
+    rnd = random_best(model, args.random, np.random.default_rng(args.seed + 1))
+    ro = rank_order(model)
+    out: dict[str, Any] = {
+        "cost": res.cost,
+        "dp_cost": res.dp_cost,
+        "pp_cost": res.pp_cost,
+        "stages": s,
+        "replicas": r,
+        "grid": res.grid,
+        "seconds": res.seconds,
+        "baselines": {"random": rnd.cost, "rank_order": ro.cost},
+        "baseline_parts": {
+            "random": {"dp_cost": rnd.dp_cost, "pp_cost": rnd.pp_cost, "samples": args.random},
+            "rank_order": {"dp_cost": ro.dp_cost, "pp_cost": ro.pp_cost},
+        },
+        "dp_gb": dp_gb,
+        "pp_gb": pp_gb,
+        "sizes_from": sizes_from,
+        "source": source,
+        "devices": net.size,
+        "seed": args.seed,
+        "evaluated": res.evaluated,
+        "tsp": "exact (Held-Karp)" if res.tsp_exact else "heuristic (nearest neighbour + 2-opt)",
+        "tsp_exact": res.tsp_exact,
+        "gain": res.gain,
+        "total_seconds": time.perf_counter() - t0,
+    }
+    if agents is not None:
+        out["agents"] = agents
+    return out
+
+
+def format_table(out: dict[str, Any]) -> str:
+    s, r, grid = out["stages"], out["replicas"], out["grid"]
+    lines = [
+        f"plan for {out['source']}: {out['devices']} devices, {s} stages x {r} replicas",
+        f"sizes: c_DP = {out['dp_gb']:.4g} GB, c_PP = {out['pp_gb']:.4g} GB ({out['sizes_from']})",
+        "",
+        "allocation (device of stage j in pipeline k; a pipeline runs down its column):",
+    ]
+    width = max(len(str(d)) for row in grid for d in row)
+    width = max(width, len(f"p{r - 1}"))
+    lines.append("stage  " + " ".join(f"{'p' + str(k):>{width}}" for k in range(r)))
+    for j, row in enumerate(grid):
+        lines.append(f"{j:>5}  " + " ".join(f"{d:>{width}}" for d in row))
+    if "agents" in out:
+        lines.append("")
+        lines.append("devices: " + ", ".join(f"{i}={a}" for i, a in enumerate(out["agents"])))
+    bp = out["baseline_parts"]
+    lines += [
+        "",
+        f"{'cost (model seconds)':<22}{'ours':>10}{'random':>10}{'rank-order':>12}",
+        f"{'DP-COST':<22}{out['dp_cost']:>10.3f}{bp['random']['dp_cost']:>10.3f}"
+        f"{bp['rank_order']['dp_cost']:>12.3f}",
+        f"{'2 x PP-COST':<22}{2 * out['pp_cost']:>10.3f}{2 * bp['random']['pp_cost']:>10.3f}"
+        f"{2 * bp['rank_order']['pp_cost']:>12.3f}",
+        f"{'total':<22}{out['cost']:>10.3f}{out['baselines']['random']:>10.3f}"
+        f"{out['baselines']['rank_order']:>12.3f}",
+        "",
+        f"search: {out['evaluated']} candidates in {out['seconds']:.2f}s, seed {out['seed']}, "
+        f"gain {out['gain']}, TSP {out['tsp']}; random = best of {bp['random']['samples']}",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = compute(args)
+    except ValueError as e:  # PlanInputError and validation errors from the library
+        print(f"coordinator plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="coordinator plan", description="Plan a placement offline (no agents needed)."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
