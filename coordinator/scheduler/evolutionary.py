@@ -306,9 +306,9 @@ class _Search:
             if self.key(labels) in seen:
                 continue
             add(labels, self.evaluate(labels, ga_limit))
+            self.structured = self.best_cost
             if len(pop) >= population:
                 break
-        self.structured = self.best_cost
         tries = 0
         while len(pop) < population and tries < 20 * population:
             tries += 1
