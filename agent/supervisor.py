@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -44,12 +45,12 @@ class Supervisor:
         self.on_change = on_change
         self.python = python
         self.progress = WorkerProgress()
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None
+        return self._proc is not None and self._proc.poll() is None
 
     async def start(self, assignment: common_pb2.Assignment) -> None:
         await self.stop("replaced by a new assignment")
@@ -63,27 +64,29 @@ class Supervisor:
         self.progress = WorkerProgress(job_id=assignment.job_id, epoch=assignment.epoch,
                                        state="starting", total_steps=assignment.train.steps)
         self.on_change()
+        # subprocess.Popen, not the event loop's fork: CPython spawns with vfork/posix_spawn,
+        # which skips grpc's fork handlers; a plain fork() of this grpc process can crash the
+        # child (seen here as SIGSEGV before exec under uvloop).
         with open(log_path, "ab") as log_file:
-            self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", "agent.worker", "--assignment", str(spec_path),
-                "--progress", str(progress_path),
-                stdout=log_file, stderr=log_file, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            self._proc = subprocess.Popen(
+                [self.python, "-m", "agent.worker", "--assignment", str(spec_path),
+                 "--progress", str(progress_path)],
+                stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL,
+                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         log.info("worker for %s rank %d (stage %d, replica %d) started as pid %d; log %s",
                  assignment.job_id, assignment.rank, assignment.stage, assignment.replica,
                  self._proc.pid, log_path)
         self._task = asyncio.create_task(self._follow(self._proc, progress_path, log_path))
 
-    async def _follow(self, proc: asyncio.subprocess.Process, progress_path: Path,
+    async def _follow(self, proc: subprocess.Popen[bytes], progress_path: Path,
                       log_path: Path) -> None:
         offset = 0
         while True:
             offset = self._read_progress(progress_path, offset)
-            if proc.returncode is not None:
+            if proc.poll() is not None:
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), 0.25)
+            await asyncio.sleep(0.25)
         self._read_progress(progress_path, offset)
         if proc.returncode == 0 and self.progress.state != "failed":
             self.progress.state = "done"
@@ -128,18 +131,20 @@ class Supervisor:
 
     async def stop(self, reason: str) -> None:
         proc = self._proc
-        if proc is None or proc.returncode is not None:
+        if proc is None or proc.poll() is not None:
             return
         log.info("stopping worker pid %d: %s", proc.pid, reason)
         self.progress.state = "stopped"
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10.0)
-        except TimeoutError:
+        for _ in range(100):
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+        else:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await asyncio.to_thread(proc.wait)
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
