@@ -154,9 +154,21 @@ class Job:
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
         self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
         self.backend = "nccl" if args.device == "cuda" else "gloo"
+        self.gpus = self._check_gpus() if args.device == "cuda" else 0
         self.procs: list[Proc] = []
         self.report_rank = self.layout.rank(self.layout.stages - 1, 0)
         self._first_step: tuple[int, float] | None = None
+
+    def _check_gpus(self) -> int:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < self.layout.world_size:
+            raise RuntimeError(
+                f"--device cuda needs one GPU per worker (NCCL cannot put two ranks on one "
+                f"device): {self.layout.world_size} workers, {gpus} GPUs visible"
+            )
+        return gpus
 
     def spawn(self, workdir: Path) -> None:
         a = self.args
@@ -170,13 +182,7 @@ class Job:
             "OMP_NUM_THREADS": str(threads), "DTFM_NUM_THREADS": str(threads),
             "DTFM_TIMEOUT_S": str(a.timeout), "PYTHONUNBUFFERED": "1",
         })
-        gpus = 0
-        if a.device == "cuda":
-            import torch
-
-            gpus = torch.cuda.device_count()
-            if gpus == 0:
-                raise RuntimeError("--device cuda, but torch sees no CUDA device")
+        gpus = self.gpus
         for msg in assignments:
             r = msg.rank
             apath, ppath = workdir / f"rank{r}.assignment", workdir / f"rank{r}.progress.jsonl"
@@ -190,7 +196,7 @@ class Job:
                     [sys.executable, "-m", "agent.worker", "--assignment", str(apath),
                      "--progress", str(ppath)],
                     stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=renv,
-                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             self.procs.append(Proc(r, popen, ppath, epath))
 
@@ -289,12 +295,22 @@ def _hms(seconds: float) -> str:
 
 def _signal(popen: subprocess.Popen[bytes], sig: int) -> None:
     try:
-        os.killpg(popen.pid, sig)  # the worker is its own session leader
-    except (ProcessLookupError, PermissionError):
-        try:
-            popen.send_signal(sig)
-        except ProcessLookupError:
-            pass
+        popen.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
         )
     ctx = (tempfile.TemporaryDirectory(prefix="dtfm-local-") if not args.workdir
            else _KeepDir(args.workdir))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     with ctx as workdir:
         try:
             job.spawn(Path(workdir))
@@ -323,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
             return 130
         finally:
             job.kill_all()
+            signal.signal(signal.SIGTERM, previous)
 
 
 class _KeepDir:
