@@ -223,7 +223,9 @@ class Worker:
             ):
                 self._save(step, opt, sampler)
         val = self._evaluate(pipe, val_tokens)
-        self.progress.emit(event="done", val_loss=val, rank=self.rank)
+        self.progress.emit(
+            event="done", val_loss=None if math.isnan(val) else val, rank=self.rank
+        )
         dist.destroy_process_group()
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:
