@@ -119,16 +119,31 @@ class Worker:
                 f"assignment rank {a.rank} is (stage, replica) {self.layout.coords(a.rank)} "
                 f"in a {a.stages}x{a.replicas} layout, not ({a.stage}, {a.replica})"
             )
-        ranges = layer_ranges(self.spec.n_layers, a.stages, list(a.layer_splits) or None)
-        if ranges[a.stage] != (a.layer_begin, a.layer_end):
-            raise ValueError(
-                f"assignment layer range [{a.layer_begin}, {a.layer_end}) disagrees with "
-                f"stage {a.stage}'s range {ranges[a.stage]} from the layer splits"
-            )
+        self._check_layers(a)
         self.timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)))
         self.device = pick_device(a.backend or "gloo", self.rank)
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()
+
+    def _check_layers(self, a: Any) -> None:
+        """The stage's layer range must agree with the splits (or, without them, be sane)."""
+        n = self.spec.n_layers
+        if list(a.layer_splits):
+            expected = layer_ranges(n, a.stages, list(a.layer_splits))[a.stage]
+            if expected != (a.layer_begin, a.layer_end):
+                raise ValueError(
+                    f"assignment layer range [{a.layer_begin}, {a.layer_end}) disagrees with "
+                    f"stage {a.stage}'s range {expected} from the layer splits"
+                )
+        bad = not 0 <= a.layer_begin < a.layer_end <= n
+        bad |= (a.stage == 0) != (a.layer_begin == 0)
+        bad |= (a.stage == a.stages - 1) != (a.layer_end == n)
+        if bad:
+            raise ValueError(
+                f"assignment layer range [{a.layer_begin}, {a.layer_end}) is impossible for "
+                f"stage {a.stage} of {a.stages} in a {n}-layer model (the first stage starts "
+                f"at layer 0, the last ends at layer {n})"
+            )
 
     # ---- setup ----
     def _join(self) -> None:

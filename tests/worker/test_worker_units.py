@@ -139,3 +139,21 @@ def test_assignments_for_the_papers_model_on_5x2() -> None:
     assert list(m.dp_group_ranks) == [2, 7] and list(m.layer_splits) == [5, 5, 5, 5, 4]
     assert msgs[0].prev_rank == -1 and msgs[4].next_rank == -1
     assert m.model.n_layers == 24 and m.train.global_batch == 8
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--stages", "5"], "cannot split 4 layers into 5 stages"),
+        (["--batch", "6"], "not divisible"),
+        (["--layer-splits", "3,2"], "layer splits"),
+        (["--model", "gpt-nope"], "unknown model preset"),
+    ],
+)
+def test_launcher_rejects_bad_flags_before_spawning(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent.local import main
+
+    assert main(flags) == 2
+    assert message in capsys.readouterr().err
