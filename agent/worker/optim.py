@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 MIN_LR_FRACTION = 0.1
@@ -40,11 +39,11 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.op
 
 def local_sq_norm(model: nn.Module) -> torch.Tensor:
     """Sum of squared gradient entries of this stage (fp32 scalar)."""
-    total = torch.zeros((), dtype=torch.float32)
-    for p in model.parameters():
-        if p.grad is not None:
-            total += p.grad.detach().float().pow(2).sum().cpu()
-    return total
+    squares = [p.grad.detach().float().pow(2).sum() for p in model.parameters()
+               if p.grad is not None]
+    if not squares:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(squares).sum().cpu()  # one device sync, not one per tensor
 
 
 def clip_(model: nn.Module, global_norm: float, max_norm: float) -> None:
@@ -61,10 +60,3 @@ def clip_(model: nn.Module, global_norm: float, max_norm: float) -> None:
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
         group["lr"] = lr
-
-
-def world_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a small fp32 vector over every rank (identity without a process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values

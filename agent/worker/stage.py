@@ -14,16 +14,6 @@ from torch import nn
 from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX, SpecLike, build_part
 
 
-def even_splits(n_layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as possible, earlier stages taking the remainder.
-
-    Mirrors `protos.layout.layer_splits` (24 layers on 5 stages -> [5, 5, 5, 5, 4]).
-    """
-    from protos.layout import layer_splits
-
-    return layer_splits(n_layers, stages)
-
-
 class Stage(nn.Module):
     """Layers [layer_begin, layer_end) of the GPT; `first`/`last` add embedding/head."""
 
