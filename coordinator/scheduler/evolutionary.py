@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 GAINS = ("paper", "kl")
 CROSSOVER_POINTS = 5
-POLISH_SHARE = 0.4  # share of the candidate budget kept for the final iterated local search
+RESTART_AFTER = 8  # kicks without improvement before the local search restarts elsewhere
+POLISH_SHARE = 0.75  # share of the budget (candidates and seconds) for the iterated local search
 Progress = Callable[[int, float, float], None]  # (evaluated, elapsed seconds, best cost)
 
 
@@ -91,6 +92,10 @@ class _Search:
         self.rng = rng
         self.budget = budget
         self.deadline = None if seconds is None else time.perf_counter() + seconds
+        self.ga_budget = None if budget is None else max(1, int(budget * (1.0 - POLISH_SHARE)))
+        self.ga_deadline = (
+            None if seconds is None else time.perf_counter() + seconds * (1.0 - POLISH_SHARE)
+        )
         self.start = time.perf_counter()
         self.gain = gain
         self.progress = progress
@@ -101,22 +106,37 @@ class _Search:
         self._next_report = time.perf_counter() + 1.0
         link = (model.pp_link + model.pp_link.T) / 2.0
         self.link = link
+        n = model.n
+        every = np.stack(np.triu_indices(n, 1), axis=1)
+        near_k = max(8, 2 * model.replicas)
+        if 2 * near_k >= n - 1:  # small: every pair is near
+            self.near_pairs, self.all_pairs = every, None
+        else:
+            ranked = np.argsort(link + np.diag(np.full(n, np.inf)), axis=1, kind="stable")
+            a = np.repeat(np.arange(n), near_k)
+            b = ranked[:, :near_k].ravel()
+            pairs = np.unique(np.stack([np.minimum(a, b), np.maximum(a, b)], axis=1), axis=0)
+            self.near_pairs, self.all_pairs = pairs, every
         self.s, self.r, self.n = model.stages, model.replicas, model.n
+        self.pop: list[np.ndarray] = []
+        self.structured = np.inf
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def spent(self, limit: int | None = None) -> bool:
-        lim = self.budget if limit is None else limit
+    def spent(self, ga: bool = False) -> bool:
+        """Budget spent? With `ga`, the genetic phase's share of candidates and seconds."""
+        lim = self.ga_budget if ga else self.budget
         if lim is not None and self.evaluated >= lim:
             return True
-        return self.deadline is not None and time.perf_counter() >= self.deadline
+        deadline = self.ga_deadline if ga else self.deadline
+        if deadline is None:
+            return False
+        return time.perf_counter() >= deadline
 
-    def evaluate(self, labels: np.ndarray, limit: int | None = None) -> float:
-        return self.evaluate_ranked(labels, limit)[0]
+    def evaluate(self, labels: np.ndarray, ga: bool = False) -> float:
+        return self.evaluate_ranked(labels, ga)[0]
 
-    def evaluate_ranked(
-        self, labels: np.ndarray, limit: int | None = None
-    ) -> tuple[float, float]:
-        if self.spent(limit):
+    def evaluate_ranked(self, labels: np.ndarray, ga: bool = False) -> tuple[float, float]:
+        if self.spent(ga):
             raise _Budget
         self.evaluated += 1
         c, tie = self.m.evaluate_ranked(labels)
@@ -246,24 +266,37 @@ class _Search:
         return out
 
     # -- phases -----------------------------------------------------------------------------
+    def _swap_pass(
+        self, labels: np.ndarray, rank: tuple[float, float], pairs: np.ndarray
+    ) -> tuple[np.ndarray, tuple[float, float], bool]:
+        """One first-improvement pass over the given device pairs, in random order."""
+        improved = False
+        for a, b in pairs[self.rng.permutation(len(pairs))].tolist():
+            if labels[a] == labels[b]:
+                continue
+            cand = labels.copy()
+            cand[a], cand[b] = labels[b], labels[a]
+            c = self.evaluate_ranked(cand)
+            if _better(c, rank):
+                labels, rank, improved = cand, c, True
+        return labels, rank, improved
+
     def descend(
         self, labels: np.ndarray, rank: tuple[float, float]
     ) -> tuple[np.ndarray, tuple[float, float]]:
-        """First-improvement descent over swaps of two devices in different groups, on
-        (objective, tie-breaker) in lexicographic order so plateaus are crossed."""
-        improved = True
-        while improved:
-            improved = False
-            for a in self.rng.permutation(self.n):
-                for b in self.rng.permutation(self.n):
-                    if labels[a] == labels[b]:
-                        continue
-                    cand = labels.copy()
-                    cand[a], cand[b] = labels[b], labels[a]
-                    c = self.evaluate_ranked(cand)
-                    if _better(c, rank):
-                        labels, rank, improved = cand, c, True
-        return labels, rank
+        """Swap descent on (objective, tie-breaker) in lexicographic order, so plateaus are
+        crossed. Swaps of nearby devices first (they keep a structured candidate's blocks and
+        fix which device of a block serves which group); when those are exhausted, one pass
+        over all pairs, and back to the near ones if it found anything."""
+        while True:
+            improved = True
+            while improved:
+                labels, rank, improved = self._swap_pass(labels, rank, self.near_pairs)
+            if self.all_pairs is None:
+                return labels, rank
+            labels, rank, improved = self._swap_pass(labels, rank, self.all_pairs)
+            if not improved:
+                return labels, rank
 
     def kick(self, labels: np.ndarray) -> np.ndarray:
         """A small random perturbation: a multi-group mutation, or two random swaps."""
@@ -276,21 +309,35 @@ class _Search:
         return out
 
     def polish(self) -> None:
-        """Iterated local search on the best: swap descent, then kick (a multi-group mutation)
-        and descend again, keeping the result when it is better. Runs until the budget ends."""
+        """Iterated local search: swap descent, then kick (two random swaps or a multi-group
+        mutation) and descend again, keeping the result when it is better. After
+        `RESTART_AFTER` kicks without progress it restarts from a member of the final GA
+        population (or a random partition). Runs until the budget ends; the best candidate
+        ever evaluated is the answer."""
         start = self.best_labels.copy()
         labels, rank = self.descend(start, self.m.evaluate_ranked(start))
+        stall = 0
         while True:
+            if stall >= RESTART_AFTER:
+                if self.pop and self.rng.random() < 0.5:
+                    start = self.pop[int(self.rng.integers(len(self.pop)))].copy()
+                else:
+                    start = self.random_labels()
+                labels, rank = self.descend(start, self.evaluate_ranked(start))
+                stall = 0
             kicked = self.kick(labels)
             kicked, c = self.descend(kicked, self.evaluate_ranked(kicked))
+            stall += 1
             if _better(c, rank):
                 labels, rank = kicked, c
+                stall = 0
 
     def run(self, population: int) -> None:
         m = self.m
-        seeds = structured_candidates(m.pp_link, self.s, self.r, self.rng)
+        orders = 3 if self.n <= 128 else 1
+        seeds = structured_candidates(m.pp_link, self.s, self.r, self.rng, orders)
         seeds.append(m.rank_order_labels())
-        pop: list[np.ndarray] = []
+        pop: list[np.ndarray] = self.pop
         costs: list[float] = []
         seen: set[bytes] = set()
 
@@ -299,13 +346,10 @@ class _Search:
             costs.append(cost)
             seen.add(self.key(labels))
 
-        ga_limit = None
-        if self.budget is not None:
-            ga_limit = max(1, int(self.budget * (1.0 - POLISH_SHARE)))
         for labels in seeds:
             if self.key(labels) in seen:
                 continue
-            add(labels, self.evaluate(labels, ga_limit))
+            add(labels, self.evaluate(labels))  # seeds may use the whole budget
             self.structured = self.best_cost
             if len(pop) >= population:
                 break
@@ -314,7 +358,7 @@ class _Search:
             tries += 1
             labels = self.random_labels()
             if self.key(labels) not in seen:
-                add(labels, self.evaluate(labels, ga_limit))
+                add(labels, self.evaluate(labels, ga=True))
         if len(pop) < 2:
             return
         stale = 0
@@ -331,7 +375,7 @@ class _Search:
                     return  # the population has converged: leave the rest to the polish
                 continue  # duplicates are not evaluated (and not counted)
             stale = 0
-            c = self.evaluate(child, ga_limit)
+            c = self.evaluate(child, ga=True)
             worse = i if costs[i] >= costs[j] else j
             if c < costs[worse]:
                 seen.discard(self.key(pop[worse]))

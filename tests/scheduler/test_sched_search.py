@@ -98,3 +98,12 @@ def test_bad_arguments() -> None:
         search_plan(net, 8, 8, DP, PP, budget=10, gain="nope")
     with pytest.raises(ValueError, match="budget"):
         search_plan(net, 8, 8, DP, PP, budget=0)
+
+
+@pytest.mark.parametrize("name", ["world", "regional"])
+def test_structure_is_found_from_the_matrix_not_the_device_order(name: str) -> None:
+    base = scenarios.get_scenario(name)
+    perm = np.random.default_rng(11).permutation(64)
+    net = Network(base.delay_ms[np.ix_(perm, perm)], base.bandwidth_gbps[np.ix_(perm, perm)])
+    res = search_plan(net, 8, 8, DP, PP, seed=0, budget=300)
+    assert res.cost <= PUBLISHED[name] + 1e-9
