@@ -42,8 +42,10 @@ async def measure_peer(
     ping_count: int = 5,
     probe_seconds: float = 1.0,
     probe_max_bytes: int = 256 * 1024 * 1024,
+    latency: bool = True,
+    bandwidth: bool = True,
 ) -> common_pb2.LinkSample:
-    """Measure the directed link from this agent to `peer`."""
+    """Measure the directed link from this agent to `peer` (latency, bandwidth or both)."""
     peer_id, address = peer.agent_id, peer.address
     sample = common_pb2.LinkSample(peer_id=peer_id, measured_unix_s=time.time())
     channel = rpc.open_channel(address, security)
@@ -51,16 +53,18 @@ async def measure_peer(
         stub = agent_pb2_grpc.AgentStub(channel)
         await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
                         timeout=PING_TIMEOUT_S, wait_for_ready=False)
-        rtts = []
-        for nonce in range(1, max(1, ping_count) + 1):
-            start = time.perf_counter()
-            reply = await stub.Ping(agent_pb2.PingRequest(nonce=nonce, from_agent_id=my_id),
-                                    timeout=PING_TIMEOUT_S)
-            rtts.append(time.perf_counter() - start)
-            if reply.nonce != nonce:
-                raise ValueError(f"peer echoed nonce {reply.nonce}, expected {nonce}")
-        sample.delay_ms = statistics.median(rtts) / 2 * 1000.0
-        sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes)
+        if latency:
+            rtts = []
+            for nonce in range(1, max(1, ping_count) + 1):
+                start = time.perf_counter()
+                reply = await stub.Ping(agent_pb2.PingRequest(nonce=nonce, from_agent_id=my_id),
+                                        timeout=PING_TIMEOUT_S)
+                rtts.append(time.perf_counter() - start)
+                if reply.nonce != nonce:
+                    raise ValueError(f"peer echoed nonce {reply.nonce}, expected {nonce}")
+            sample.delay_ms = statistics.median(rtts) / 2 * 1000.0
+        if bandwidth:
+            sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes)
         sample.reachable = True
     except grpc.aio.AioRpcError as exc:
         sample.reachable = False

@@ -105,7 +105,9 @@ class CoordinatorSession:
                 await measure_peer(self.info.agent_id, peer, self.security,
                                    ping_count=cmd.ping_count or 5,
                                    probe_seconds=cmd.probe_seconds or 1.0,
-                                   probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024)
+                                   probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
+                                   latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
+                                   bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY)
                 for peer in cmd.peers
             ]
             report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,

@@ -19,7 +19,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=DEFAULT_LISTEN, help="HOST:PORT of the coordinator")
     cliutil.add_security_args(p)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for an answer (default 10; 600 for links --measure)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -163,18 +164,20 @@ async def _query(args: argparse.Namespace) -> int:
         try:
             if args.command == "links":
                 if args.measure:
-                    matrix = await stub.MeasureLinks(coordinator_pb2.MeasureRequest(),
-                                                     timeout=max(args.timeout, 600.0))
+                    budget = args.timeout or 600.0
+                    matrix = await stub.MeasureLinks(
+                        coordinator_pb2.MeasureRequest(timeout_s=budget), timeout=budget + 10)
                 else:
                     matrix = (await stub.GetStatus(coordinator_pb2.StatusRequest(),
-                                                   timeout=args.timeout)).links
+                                                   timeout=args.timeout or 10.0)).links
                 data = matrix_to_json(matrix)
                 if not data["agents"]:
                     return cliutil.fail("no links measured yet: run `coordinator links "
                                         "--measure` once agents have joined", 1)
                 print(json.dumps(data) if args.json else _links_text(data))
                 return 0
-            status = await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=args.timeout)
+            status = await stub.GetStatus(coordinator_pb2.StatusRequest(),
+                                          timeout=args.timeout or 10.0)
         except grpc.aio.AioRpcError as exc:
             return cliutil.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     print(json.dumps(status_to_json(status)) if args.json else status_to_text(status))

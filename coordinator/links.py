@@ -37,7 +37,11 @@ def round_robin_pairs(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
 
 
 def measurement_phases(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
-    """Directed (measurer, peer) phases: each round once forwards, once backwards."""
+    """Directed (measurer, peer) phases: each round once forwards, once backwards.
+
+    The measurer is the sender, so one phase per direction keeps every device in at most
+    one transfer at a time.
+    """
     phases = []
     for pairs in round_robin_pairs(ids):
         phases.append([(a, b) for a, b in pairs])
@@ -60,12 +64,16 @@ class LinkStore:
 
     entries: dict[tuple[str, str], LinkEntry] = field(default_factory=dict)
 
-    def record(self, from_id: str, sample: common_pb2.LinkSample) -> None:
+    def record(self, from_id: str, sample: common_pb2.LinkSample, latency: bool = True,
+               bandwidth: bool = True) -> None:
+        """Store a sample; a latency-only or bandwidth-only pass keeps the other figure."""
+        old = self.entries.get((from_id, sample.peer_id))
         self.entries[(from_id, sample.peer_id)] = LinkEntry(
-            delay_ms=sample.delay_ms,
-            bandwidth_gbps=sample.bandwidth_gbps,
-            reachable=sample.reachable,
-            error=sample.error,
+            delay_ms=sample.delay_ms if latency or old is None else old.delay_ms,
+            bandwidth_gbps=(sample.bandwidth_gbps if bandwidth or old is None
+                            else old.bandwidth_gbps),
+            reachable=sample.reachable and (old is None or old.reachable or latency),
+            error=sample.error or (old.error if old is not None and not latency else ""),
             measured_unix_s=sample.measured_unix_s or time.time(),
         )
 
@@ -73,22 +81,11 @@ class LinkStore:
         self.entries[(from_id, to_id)] = LinkEntry(math.nan, math.nan, False, error, time.time())
 
     def unreachable_agents(self, ids: Iterable[str]) -> list[str]:
-        """Agents with a failed link, which the scheduler must leave out.
-
-        For each failed link, the side that failed more links is blamed (ties: the peer that
-        did not answer), so one dead agent does not exclude every live one that tried it.
-        """
+        """Agents to leave out of a plan because links to or from them failed."""
         ids = list(ids)
         failed = [(a, b) for (a, b), e in self.entries.items()
                   if not e.reachable and a in ids and b in ids]
-        counts: dict[str, int] = {}
-        for a, b in failed:
-            counts[a] = counts.get(a, 0) + 1
-            counts[b] = counts.get(b, 0) + 1
-        blamed = set()
-        for a, b in failed:
-            blamed.add(a if counts[a] > counts[b] else b)
-        return [i for i in ids if i in blamed]
+        return blame(ids, failed)
 
     def matrix(self, ids: Sequence[str]) -> common_pb2.LinkMatrix:
         n = len(ids)
@@ -117,6 +114,21 @@ class LinkStore:
         )
 
 
+def blame(ids: Sequence[str], failed: Iterable[tuple[str, str]]) -> list[str]:
+    """Which agents to leave out for these failed (from, to) links, in `ids` order.
+
+    Each failed link blames the side with more failed links (ties: the peer that did not
+    answer), so one dead agent does not exclude every live agent that tried to reach it.
+    """
+    failed = list(failed)
+    counts: dict[str, int] = {}
+    for a, b in failed:
+        counts[a] = counts.get(a, 0) + 1
+        counts[b] = counts.get(b, 0) + 1
+    blamed = {a if counts[a] > counts[b] else b for a, b in failed}
+    return [i for i in ids if i in blamed]
+
+
 def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
     """The `--links FILE` format of `coordinator plan`, plus what failed.
 
@@ -135,4 +147,5 @@ def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
         "delay_ms": rows(m.delay_ms),
         "bandwidth_gbps": rows(m.bandwidth_gbps),
         "unreachable": list(m.unreachable),
+        "excluded": blame(m.agent_ids, [tuple(p.split("->", 1)) for p in m.unreachable]),
     }

@@ -36,21 +36,29 @@ class LinkMeasurer:
         self.ping_count = ping_count
         self.probe_seconds = probe_seconds
         self.probe_max_bytes = probe_max_bytes
-        self._pending: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._pending: dict[tuple[str, str], tuple[asyncio.Future[None], int]] = {}
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self.last_seconds = 0.0
         self.running = False
 
-    def on_report(self, report: coordinator_pb2.LinkReport) -> bool:
-        """Record a report; False if nobody asked for it (stale or forged round)."""
-        future = self._pending.get((report.round_id, report.agent_id))
-        if future is None or future.done():
-            return False
+    def on_report(self, report: coordinator_pb2.LinkReport) -> str | None:
+        """Record a report; or say why it cannot be used (stale, forged, or incomplete)."""
+        pending = self._pending.get((report.round_id, report.agent_id))
+        if pending is None or pending[0].done():
+            return f"no measurement round {report.round_id!r} is waiting for {report.agent_id}"
+        future, kind = pending
         for sample in report.samples:
-            self.store.record(report.agent_id, sample)
+            if (sample.reachable and kind != coordinator_pb2.MEASURE_KIND_LATENCY
+                    and sample.bandwidth_gbps <= 0):
+                return (f"sample for {sample.peer_id}: a bandwidth round needs "
+                        f"bandwidth_gbps > 0 for a reachable link, got {sample.bandwidth_gbps}")
+        for sample in report.samples:
+            self.store.record(report.agent_id, sample,
+                              latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
+                              bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)
         future.set_result(None)
-        return True
+        return None
 
     async def measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix."""
@@ -65,14 +73,23 @@ class LinkMeasurer:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         run = next(self._ids)
-        phases = measurement_phases(ids)
+        # all latencies first, then all bandwidths: see MeasureKind in coordinator.proto
+        phases = [(kind, phase) for kind in (coordinator_pb2.MEASURE_KIND_LATENCY,
+                                             coordinator_pb2.MEASURE_KIND_BANDWIDTH)
+                  for phase in measurement_phases(ids)]
         started = time.monotonic()
         log.info("measuring %d links of %d agents in %d phases",
                  len(ids) * (len(ids) - 1), len(ids), len(phases))
-        for k, phase in enumerate(phases):
+        silent: set[str] = set()  # agents that let a phase time out: not asked again this run
+        for k, (kind, phase) in enumerate(phases):
             round_id = f"m{run}-p{k}"
             waits: dict[tuple[str, str], asyncio.Future[None]] = {}
             for a, b in phase:
+                if a in silent or b in silent:
+                    quiet = a if a in silent else b
+                    self.store.mark_unreachable(
+                        a, b, f"agent {quiet} did not answer an earlier measurement phase")
+                    continue
                 peer = by_id[b]
                 command = coordinator_pb2.Command(
                     measure=coordinator_pb2.MeasureLinksCommand(
@@ -81,25 +98,29 @@ class LinkMeasurer:
                         ping_count=self.ping_count,
                         probe_seconds=self.probe_seconds,
                         probe_max_bytes=self.probe_max_bytes,
+                        kind=kind,  # type: ignore[arg-type]
                     )
                 )
                 future = asyncio.get_running_loop().create_future()
-                self._pending[(round_id, a)] = future
+                self._pending[(round_id, a)] = (future, kind)
                 waits[(a, b)] = future
                 try:
                     self.registry.send(a, command)
                 except KeyError:
                     future.set_result(None)
-            await asyncio.wait(list(waits.values()), timeout=self.phase_timeout_s)
+            if waits:
+                await asyncio.wait(list(waits.values()), timeout=self.phase_timeout_s)
             for (a, b), future in waits.items():
                 self._pending.pop((round_id, a), None)
                 if not future.done():
                     future.cancel()
+                    silent.add(a)
                     self.store.mark_unreachable(
                         a, b, f"agent {a} did not report its probe of {b} within "
                         f"{self.phase_timeout_s:.0f} s",
                     )
-            log.info("link measurement phase %d/%d done", k + 1, len(phases))
+            log.info("link measurement phase %d/%d (%s) done", k + 1, len(phases),
+                     "latency" if kind == coordinator_pb2.MEASURE_KIND_LATENCY else "bandwidth")
         self.last_seconds = time.monotonic() - started
         log.info("measured %d agents in %.1f s", len(ids), self.last_seconds)
         return self.store.matrix(ids)

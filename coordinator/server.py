@@ -105,20 +105,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for s in request.samples:
             if not s.peer_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a sample has no peer_id")
-            if s.reachable and not (
-                _finite(s.delay_ms) and s.delay_ms >= 0
-                and _finite(s.bandwidth_gbps) and s.bandwidth_gbps > 0
-            ):
+            if not (_finite(s.delay_ms) and s.delay_ms >= 0
+                    and _finite(s.bandwidth_gbps) and s.bandwidth_gbps >= 0):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"sample for {s.peer_id}: a reachable link needs delay_ms >= 0 and "
-                    f"bandwidth_gbps > 0, got {s.delay_ms} / {s.bandwidth_gbps}",
+                    f"sample for {s.peer_id}: delay_ms and bandwidth_gbps must be finite and "
+                    f">= 0, got {s.delay_ms} / {s.bandwidth_gbps}",
                 )
-        if not self.measurer.on_report(request):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"no measurement round {request.round_id!r} is waiting for {request.agent_id}",
-            )
+        problem = self.measurer.on_report(request)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         return coordinator_pb2.Ack(ok=True)
 
     # --- people and scripts ---

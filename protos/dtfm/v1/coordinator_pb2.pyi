@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MeasureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEASURE_KIND_BOTH: _ClassVar[MeasureKind]
+    MEASURE_KIND_LATENCY: _ClassVar[MeasureKind]
+    MEASURE_KIND_BANDWIDTH: _ClassVar[MeasureKind]
+
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     AGENT_STATE_UNSPECIFIED: _ClassVar[AgentState]
@@ -26,6 +32,9 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_RECOVERING: _ClassVar[JobState]
     JOB_STATE_DONE: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
+MEASURE_KIND_BOTH: MeasureKind
+MEASURE_KIND_LATENCY: MeasureKind
+MEASURE_KIND_BANDWIDTH: MeasureKind
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_ALIVE: AgentState
 AGENT_STATE_LOST: AgentState
@@ -65,18 +74,20 @@ class PeerTarget(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class MeasureLinksCommand(_message.Message):
-    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes")
+    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes", "kind")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PING_COUNT_FIELD_NUMBER: _ClassVar[int]
     PROBE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROBE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerTarget]
     ping_count: int
     probe_seconds: float
     probe_max_bytes: int
-    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ...) -> None: ...
+    kind: MeasureKind
+    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ..., kind: _Optional[_Union[MeasureKind, str]] = ...) -> None: ...
 
 class StopCommand(_message.Message):
     __slots__ = ("job_id", "reason")

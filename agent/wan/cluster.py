@@ -1,0 +1,108 @@
+"""A dtfm cluster inside an emulated WAN: a coordinator and agents, each in its own host.
+
+Host 0 holds the coordinator (zero delay and no rate limit to everyone, so control traffic does
+not distort what is measured); hosts 1..N hold one agent each, with the link matrix the caller
+gives. Processes are started through the real command lines, so this rehearses exactly what a
+deployment runs. Used by the link-measurement tests and `bench/links.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.wan.harness import WanEmulator
+
+COORDINATOR_PORT = 7070
+AGENT_PORT = 7071
+# Big socket buffers so links with a large bandwidth-delay product are not window-limited.
+BUFFER_SYSCTLS = {
+    "net.ipv4.tcp_rmem": "4096 131072 33554432",
+    "net.ipv4.tcp_wmem": "4096 131072 33554432",
+}
+
+
+def with_coordinator_host(delay_ms: Sequence[Sequence[float]],
+                          bandwidth_mbps: Sequence[Sequence[float]]
+                          ) -> tuple[list[list[float]], list[list[float | None]]]:
+    """Prepend host 0 (the coordinator) with free links to every agent host."""
+    n = len(delay_ms)
+    delay = [[0.0] * (n + 1)] + [[0.0, *map(float, row)] for row in delay_ms]
+    bw: list[list[float | None]] = [[None] * (n + 1)] + [
+        [None, *map(float, row)] for row in bandwidth_mbps]
+    return delay, bw
+
+
+class WanCluster:
+    def __init__(self, wan: WanEmulator, workdir: Path, agents: int,
+                 coordinator_args: Sequence[str] = ()) -> None:
+        self.wan = wan
+        self.workdir = workdir
+        self.agents = agents
+        self.token = secrets.token_hex(16)
+        self.coordinator_args = list(coordinator_args)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.agent_procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def coordinator_address(self) -> str:
+        return f"{self.wan.address(0)}:{COORDINATOR_PORT}"
+
+    def env(self) -> dict[str, str]:
+        return {**{k: v for k, v in os.environ.items() if not k.startswith("DTFM_")},
+                "DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+
+    def _spawn(self, host: int, argv: Sequence[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
+        proc = self.wan.popen(host, [sys.executable, "-m", *argv], stdout=log,
+                              stderr=subprocess.STDOUT, env=self.env())
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def start(self, timeout: float = 60.0) -> list[str]:
+        """Start everything; return agent ids in host order (agent i is on host i + 1)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._spawn(0, ["coordinator", "start", "--listen", self.coordinator_address,
+                        "--liveness-timeout", "10", *self.coordinator_args], "coordinator")
+        for i in range(self.agents):
+            host = i + 1
+            self.agent_procs.append(self._spawn(host, [
+                "agent", "start", "--coordinator", self.coordinator_address,
+                "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
+                "--state-dir", str(self.workdir / f"agent-{i}")], f"agent-{i}"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                status = self.cli("status", "--json", timeout=15)
+            except RuntimeError:
+                time.sleep(0.5)
+                continue
+            by_host = {a["address"].rsplit(":", 1)[0]: a["id"] for a in status["agents"]
+                       if a["state"] == "alive"}
+            ids = [by_host.get(self.wan.address(i + 1)) for i in range(self.agents)]
+            if all(ids):
+                return [str(i) for i in ids]
+            time.sleep(0.5)
+        raise RuntimeError(f"agents did not all join within {timeout} s; logs in {self.workdir}")
+
+    def cli(self, *args: str, timeout: float = 30.0) -> Any:
+        """Run `coordinator ARGS --coordinator ...` from host 0; parse its JSON output."""
+        out = subprocess.run(
+            self.wan.command(0, [sys.executable, "-m", "coordinator", *args,
+                                 "--coordinator", self.coordinator_address]),
+            capture_output=True, text=True, env=self.env(), timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"coordinator {' '.join(args)} failed: {out.stderr.strip()}")
+        return json.loads(out.stdout)
+
+    def measure(self, timeout: float = 600.0) -> dict[str, Any]:
+        return self.cli("links", "--measure", "--json", "--timeout", str(timeout),
+                        timeout=timeout + 30)
