@@ -39,18 +39,20 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     async def Probe(self, request_iterator: AsyncIterator[agent_pb2.ProbeChunk],
                     context: grpc.aio.ServicerContext) -> agent_pb2.ProbeResult:
-        total = chunks = first_bytes = 0
-        first = last = 0.0
+        arrivals: list[tuple[float, int]] = []  # (time, bytes so far) after each chunk
+        total = 0
         async for chunk in request_iterator:
-            now = time.perf_counter()
-            size = len(chunk.payload)
-            if chunks == 0:
-                first, first_bytes = now, size
-            last = now
-            total += size
-            chunks += 1
-        return agent_pb2.ProbeResult(bytes=total, chunks=chunks, first_to_last_s=last - first,
-                                     first_chunk_bytes=first_bytes)
+            total += len(chunk.payload)
+            arrivals.append((time.perf_counter(), total))
+        if not arrivals:
+            return agent_pb2.ProbeResult()
+        first_time, first_bytes = arrivals[0]
+        last_time = arrivals[-1][0]
+        half_time, half_bytes = next((t, b) for t, b in arrivals if b >= total / 3)
+        return agent_pb2.ProbeResult(
+            bytes=total, chunks=len(arrivals), first_to_last_s=last_time - first_time,
+            first_chunk_bytes=first_bytes, tail_bytes=total - half_bytes,
+            tail_seconds=last_time - half_time)
 
     async def GetStatus(self, request: agent_pb2.AgentStatusRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.AgentStatusReply:
@@ -104,6 +106,7 @@ async def serve(config: AgentConfig) -> int:
     await health.enter_graceful_shutdown()
     await supervisor.stop("agent shutting down")
     await session.say_goodbye()
+    await session.close_peer_channels()
     for task in (session_task, stop_task):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, FatalSessionError):

@@ -42,6 +42,7 @@ class CoordinatorSession:
         self.state = "idle"
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
 
     async def run(self) -> None:
         """Join and serve commands until cancelled; raises FatalSessionError on refusal."""
@@ -101,15 +102,21 @@ class CoordinatorSession:
     async def _measure(self, cmd: coordinator_pb2.MeasureLinksCommand) -> None:
         self.state = "measuring"
         try:
-            samples = [
-                await measure_peer(self.info.agent_id, peer, self.security,
+            samples = []
+            for peer in cmd.peers:
+                channel = self._peer_channels.get(peer.address)
+                if channel is None:
+                    channel = rpc.open_channel(peer.address, self.security)
+                    self._peer_channels[peer.address] = channel
+                sample = await measure_peer(self.info.agent_id, peer, channel,
                                    ping_count=cmd.ping_count or 5,
                                    probe_seconds=cmd.probe_seconds or 1.0,
                                    probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
                                    latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
                                    bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY)
-                for peer in cmd.peers
-            ]
+                if not sample.reachable:  # start afresh next time
+                    await self._peer_channels.pop(peer.address).close()
+                samples.append(sample)
             report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
                                                 round_id=cmd.round_id, samples=samples)
             if self._stub is not None:
@@ -141,6 +148,11 @@ class CoordinatorSession:
                     return
                 log.warning("heartbeat failed: %s", rpc.describe_rpc_error(exc, self.target))
             await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def close_peer_channels(self) -> None:
+        for channel in self._peer_channels.values():
+            await channel.close()
+        self._peer_channels.clear()
 
     async def say_goodbye(self) -> None:
         """Tell the coordinator we are leaving on purpose, so it marks us left, not lost."""

@@ -72,7 +72,9 @@ class Supervisor:
                 [self.python, "-m", "agent.worker", "--assignment", str(spec_path),
                  "--progress", str(progress_path)],
                 stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1",
+                     "DTFM_SUPERVISOR_PID": str(os.getpid())},
             )
         log.info("worker for %s rank %d (stage %d, replica %d) started as pid %d; log %s",
                  assignment.job_id, assignment.rank, assignment.stage, assignment.replica,

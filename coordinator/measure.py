@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 
-from coordinator.links import LinkStore, measurement_phases
+from coordinator.links import LinkStore, measurement_phases, round_robin_pairs
 from coordinator.registry import AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -27,7 +27,7 @@ class LinkMeasurer:
         store: LinkStore,
         phase_timeout_s: float = 30.0,
         ping_count: int = 5,
-        probe_seconds: float = 1.0,
+        probe_seconds: float = 0.6,
         probe_max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self.registry = registry
@@ -53,10 +53,16 @@ class LinkMeasurer:
                     and sample.bandwidth_gbps <= 0):
                 return (f"sample for {sample.peer_id}: a bandwidth round needs "
                         f"bandwidth_gbps > 0 for a reachable link, got {sample.bandwidth_gbps}")
+        latency_only = kind == coordinator_pb2.MEASURE_KIND_LATENCY
         for sample in report.samples:
             self.store.record(report.agent_id, sample,
                               latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
-                              bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)
+                              bandwidth=not latency_only)
+            if latency_only:  # the same round trip, seen from the other end
+                mirrored = common_pb2.LinkSample()
+                mirrored.CopyFrom(sample)
+                mirrored.peer_id = report.agent_id
+                self.store.record(sample.peer_id, mirrored, latency=True, bandwidth=False)
         future.set_result(None)
         return None
 
@@ -73,10 +79,12 @@ class LinkMeasurer:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         run = next(self._ids)
-        # all latencies first, then all bandwidths: see MeasureKind in coordinator.proto
-        phases = [(kind, phase) for kind in (coordinator_pb2.MEASURE_KIND_LATENCY,
-                                             coordinator_pb2.MEASURE_KIND_BANDWIDTH)
-                  for phase in measurement_phases(ids)]
+        # All latencies first, then all bandwidths (see MeasureKind in coordinator.proto).
+        # A round trip a->b->a is b->a->b, so latency needs one probe per unordered pair.
+        phases = [(coordinator_pb2.MEASURE_KIND_LATENCY, pairs)
+                  for pairs in round_robin_pairs(ids)]
+        phases += [(coordinator_pb2.MEASURE_KIND_BANDWIDTH, phase)
+                   for phase in measurement_phases(ids)]
         started = time.monotonic()
         log.info("measuring %d links of %d agents in %d phases",
                  len(ids) * (len(ids) - 1), len(ids), len(phases))
@@ -115,10 +123,11 @@ class LinkMeasurer:
                 if not future.done():
                     future.cancel()
                     silent.add(a)
-                    self.store.mark_unreachable(
-                        a, b, f"agent {a} did not report its probe of {b} within "
-                        f"{self.phase_timeout_s:.0f} s",
-                    )
+                    why = (f"agent {a} did not report its probe of {b} within "
+                           f"{self.phase_timeout_s:.0f} s")
+                    self.store.mark_unreachable(a, b, why)
+                    if kind == coordinator_pb2.MEASURE_KIND_LATENCY:
+                        self.store.mark_unreachable(b, a, why)
             log.info("link measurement phase %d/%d (%s) done", k + 1, len(phases),
                      "latency" if kind == coordinator_pb2.MEASURE_KIND_LATENCY else "bandwidth")
         self.last_seconds = time.monotonic() - started

@@ -29,16 +29,20 @@ class ProbeChunk(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class ProbeResult(_message.Message):
-    __slots__ = ("bytes", "chunks", "first_to_last_s", "first_chunk_bytes")
+    __slots__ = ("bytes", "chunks", "first_to_last_s", "first_chunk_bytes", "tail_bytes", "tail_seconds")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TO_LAST_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     chunks: int
     first_to_last_s: float
     first_chunk_bytes: int
-    def __init__(self, bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., first_to_last_s: _Optional[float] = ..., first_chunk_bytes: _Optional[int] = ...) -> None: ...
+    tail_bytes: int
+    tail_seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., first_to_last_s: _Optional[float] = ..., first_chunk_bytes: _Optional[int] = ..., tail_bytes: _Optional[int] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
 
 class AgentStatusRequest(_message.Message):
     __slots__ = ()
