@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 
 import grpc
@@ -50,25 +49,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser, subs = build_parser()
-    try:
-        if argv and argv[0] in subs:
-            cliutil.layered_defaults(subs[argv[0]], argv[1:])
-        args = parser.parse_args(argv)
-        if hasattr(args, "log_level"):
-            cliutil.setup_logging(args.log_level)
-        if args.command == "start":
-            return _start(args)
-        if args.command == "status":
-            return cliutil.run_async(_status(args))
-        if args.command == "local":
-            from agent import local
 
-            return local.run(args)
-    except rpc.ConfigError as exc:
-        return cliutil.fail(str(exc))
-    return cliutil.fail(f"unknown command {args.command}")
+    def local(args: argparse.Namespace) -> int:
+        from agent import local as local_cmd
+
+        return local_cmd.run(args)
+
+    def status(args: argparse.Namespace) -> int:
+        return cliutil.run_async(_status(args))
+
+    return cliutil.dispatch(parser, subs, argv,
+                            {"start": _start, "status": status, "local": local})
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,9 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from agent.worker.__main__ import PARENT_ENV
 from coordinator.catalogue import PRESETS, get_preset
-from protos.layout import Layout, layer_ranges, layer_splits
-from protos.spec import ModelSpec, TrainConfig
+from protos import cliutil
+from protos.assignment import build_assignments
+from protos.layout import Layout, layer_splits
+from protos.rpc import free_port
+from protos.spec import TrainConfig
 
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
@@ -59,39 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
     p.add_argument("--json", action="store_true", help="one JSON object per step, then done")
     p.add_argument("--workdir", default="", help="keep assignments, progress and logs here")
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port for the rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def build_assignments(
-    spec: ModelSpec, layout: Layout, train: TrainConfig, splits: list[int] | None,
-    port: int, backend: str, job_id: str = "local",
-) -> list[Any]:
-    """One `dtfm.v1.Assignment` per rank, in rank order."""
-    from protos.dtfm.v1 import common_pb2
-
-    counts = layer_splits(spec.n_layers, layout.stages, splits)
-    ranges = layer_ranges(spec.n_layers, layout.stages, counts)
-    out = []
-    for rank in range(layout.world_size):
-        stage, replica = layout.coords(rank)
-        prev, nxt = layout.prev_rank(rank), layout.next_rank(rank)
-        out.append(common_pb2.Assignment(
-            job_id=job_id, epoch=0, master_addr="127.0.0.1", master_port=port,
-            world_size=layout.world_size, rank=rank, stage=stage, replica=replica,
-            stages=layout.stages, replicas=layout.replicas,
-            layer_begin=ranges[stage][0], layer_end=ranges[stage][1],
-            dp_group_ranks=layout.dp_ranks(stage),
-            prev_rank=-1 if prev is None else prev, next_rank=-1 if nxt is None else nxt,
-            model=spec.to_proto(), train=train.to_proto(), backend=backend,
-            layer_splits=counts,
-        ))
-    return out
 
 
 @dataclass
@@ -172,15 +142,18 @@ class Job:
 
     def spawn(self, workdir: Path) -> None:
         a = self.args
-        port = free_port()
         assignments = build_assignments(
-            self.spec, self.layout, self.train, self.splits, port, self.backend
+            job_id="local", epoch=0, layout=self.layout, spec=self.spec, train=self.train,
+            master_addr="127.0.0.1", master_port=free_port(), backend=self.backend,
+            splits=self.splits,
         )
         threads = a.threads or max(1, (os.cpu_count() or 1) // self.layout.world_size)
         env = dict(os.environ)
         env.update({
             "OMP_NUM_THREADS": str(threads), "DTFM_NUM_THREADS": str(threads),
             "DTFM_TIMEOUT_S": str(a.timeout), "PYTHONUNBUFFERED": "1",
+            # workers die with this launcher, even if it is SIGKILLed (see agent.worker)
+            PARENT_ENV: str(os.getpid()),
         })
         gpus = self.gpus
         for msg in assignments:
@@ -196,7 +169,6 @@ class Job:
                     [sys.executable, "-m", "agent.worker", "--assignment", str(apath),
                      "--progress", str(ppath)],
                     stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=renv,
-                    preexec_fn=_die_with_parent,
                 )
             self.procs.append(Proc(r, popen, ppath, epath))
 
@@ -300,15 +272,6 @@ def _signal(popen: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-
-
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -356,11 +319,8 @@ class _KeepDir:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agent local", description="Train on this machine with S x R worker processes."
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return cliutil.standalone("agent local", "Train on this machine with S x R worker processes.",
+                              add_arguments, run, argv)
 
 
 if __name__ == "__main__":

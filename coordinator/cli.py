@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 
 import grpc
@@ -108,29 +107,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser, subs = build_parser()
-    try:
-        if argv and argv[0] in subs:
-            cliutil.layered_defaults(subs[argv[0]], argv[1:])
-        args = parser.parse_args(argv)
-        if hasattr(args, "log_level"):
-            cliutil.setup_logging(args.log_level)
-        if args.command == "start":
-            return _start(args)
-        if args.command in ("status", "links"):
-            return cliutil.run_async(_query(args))
-        if args.command == "plan":
-            from coordinator import plan as plan_cmd
 
-            return plan_cmd.run(args)
-        if args.command == "demo":
-            from coordinator import demo
+    def plan(args: argparse.Namespace) -> int:
+        from coordinator import plan as plan_cmd
 
-            return demo.run(args)
-    except rpc.ConfigError as exc:
-        return cliutil.fail(str(exc))
-    return cliutil.fail(f"unknown command {args.command}")
+        return plan_cmd.run(args)
+
+    def demo(args: argparse.Namespace) -> int:
+        from coordinator import demo as demo_cmd
+
+        return demo_cmd.run(args)
+
+    def query(args: argparse.Namespace) -> int:
+        return cliutil.run_async(_query(args))
+
+    return cliutil.dispatch(parser, subs, argv, {
+        "start": _start, "status": query, "links": query, "plan": plan, "demo": demo})
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import grpc
 
 from protos import cliutil, rpc
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from protos.rpc import free_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,12 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
     p.add_argument("--json", action="store_true", help="print one JSON object per update")
     cliutil.add_common_args(p, config_file=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from coordinator.catalogue import PRESETS, get_preset
 from coordinator.scheduler import Network, comm_gb, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
+from protos import cliutil
 
 EXIT_USAGE = 2
 DEFAULT_RANDOM = 1000
@@ -270,11 +271,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="coordinator plan", description="Plan a placement offline (no agents needed)."
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return cliutil.standalone("coordinator plan", "Plan a placement offline (no agents needed).",
+                              add_arguments, run, argv)
 
 
 if __name__ == "__main__":

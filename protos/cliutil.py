@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import tomllib
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from protos.rpc import ConfigError, Security, load_token
@@ -102,6 +102,31 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def dispatch(parser: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentParser],
+             argv: Sequence[str] | None,
+             handlers: dict[str, Callable[[argparse.Namespace], int]]) -> int:
+    """Parse (with layered defaults for the chosen subcommand) and run its handler."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in subs:
+            layered_defaults(subs[argv[0]], argv[1:])
+        args = parser.parse_args(argv)
+        if hasattr(args, "log_level"):
+            setup_logging(args.log_level)
+        return handlers[args.command](args)
+    except ConfigError as exc:
+        return fail(str(exc))
+
+
+def standalone(prog: str, description: str,
+               add_arguments: Callable[[argparse.ArgumentParser], None],
+               run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None) -> int:
+    """`python -m MODULE` for a subcommand module that exposes add_arguments and run."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 def fail(message: str, code: int = 2) -> int:

@@ -12,6 +12,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,13 @@ def split_hostport(value: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{what} {value!r} is not HOST:PORT (for example 127.0.0.1:7070)")
     return host.strip("[]"), int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a rendezvous or a test daemon)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def is_loopback(host: str) -> bool:

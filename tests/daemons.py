@@ -18,13 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from protos.rpc import free_port
+
+__all__ = ["Daemons", "free_port", "wait_for"]
+
 TOKEN = "test-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:

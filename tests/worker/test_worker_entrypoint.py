@@ -15,16 +15,18 @@ from pathlib import Path
 import pytest
 from dtfm_worker_testlib import REPO
 
-from agent.local import build_assignments, free_port
 from coordinator.catalogue import get_preset
+from protos.assignment import build_assignments
 from protos.layout import Layout
+from protos.rpc import free_port
 from protos.spec import TrainConfig
 
 
 def _assignment(tmp_path: Path, **changes: int) -> Path:
     train = TrainConfig(global_batch=4, micro_batches=2, steps=3, eval_batches=1)
-    (msg,) = build_assignments(get_preset("gpt-tiny"), Layout(1, 1), train, None, free_port(),
-                               "gloo")
+    (msg,) = build_assignments(job_id="local", epoch=0, layout=Layout(1, 1),
+                               spec=get_preset("gpt-tiny"), train=train,
+                               master_addr="127.0.0.1", master_port=free_port())
     for k, v in changes.items():
         setattr(msg, k, v)
     path = tmp_path / "a.bin"

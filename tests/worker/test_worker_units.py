@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from agent.local import build_assignments
 from agent.worker import checkpoint
 from agent.worker.data import (
     Position,
@@ -24,6 +23,7 @@ from agent.worker.data import (
 from agent.worker.optim import lr_at
 from agent.worker.schedule import schedule_ops
 from coordinator.catalogue import get_preset
+from protos.assignment import build_assignments
 from protos.layout import Layout
 from protos.spec import TrainConfig
 
@@ -129,7 +129,9 @@ def test_assignments_for_the_papers_model_on_5x2() -> None:
     from protos.dtfm.v1 import common_pb2
 
     spec, layout = get_preset("gpt-1.3b"), Layout(5, 2)
-    msgs = build_assignments(spec, layout, TrainConfig(global_batch=8), None, 1234, "nccl")
+    msgs = build_assignments(job_id="j", epoch=0, layout=layout, spec=spec,
+                             train=TrainConfig(global_batch=8), master_addr="127.0.0.1",
+                             master_port=1234, backend="nccl")
     assert [m.rank for m in msgs] == list(range(10))
     assert [(m.layer_begin, m.layer_end) for m in msgs[:5]] == [
         (0, 5), (5, 10), (10, 15), (15, 20), (20, 24)
