@@ -61,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gain", choices=("paper", "kl"), default="paper", help="local search gain"
     )
     parser.add_argument(
-        "--random", type=int, default=DEFAULT_RANDOM, help="random allocations for the baseline"
+        "--random",
+        type=int,
+        default=None,
+        help=f"random allocations for the baseline ({DEFAULT_RANDOM}; 20 above 128 devices)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -186,13 +189,18 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanInputError(f"--budget must be >= 1, got {args.budget}")
     if args.seconds is not None and args.seconds <= 0:
         raise PlanInputError(f"--seconds must be > 0, got {args.seconds}")
+    samples = args.random
+    if samples is None:
+        samples = DEFAULT_RANDOM if net.size <= 128 else 20
+    if samples < 1:
+        raise PlanInputError(f"--random must be >= 1, got {samples}")
     t0 = time.perf_counter()
     res = search_plan(
         net, s, r, dp_gb, pp_gb, seed=args.seed, budget=args.budget, seconds=args.seconds,
         gain=args.gain, progress=_progress,
     )
     model = CostModel(net, s, r, dp_gb, pp_gb)
-    rnd = random_best(model, args.random, np.random.default_rng(args.seed + 1))
+    rnd = random_best(model, samples, np.random.default_rng(args.seed + 1))
     ro = rank_order(model)
     out: dict[str, Any] = {
         "cost": res.cost,
@@ -204,7 +212,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": res.seconds,
         "baselines": {"random": rnd.cost, "rank_order": ro.cost},
         "baseline_parts": {
-            "random": {"dp_cost": rnd.dp_cost, "pp_cost": rnd.pp_cost, "samples": args.random},
+            "random": {"dp_cost": rnd.dp_cost, "pp_cost": rnd.pp_cost, "samples": samples},
             "rank_order": {"dp_cost": ro.dp_cost, "pp_cost": ro.pp_cost},
         },
         "dp_gb": dp_gb,

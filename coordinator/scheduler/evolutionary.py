@@ -50,7 +50,7 @@ Progress = Callable[[int, float, float], None]  # (evaluated, elapsed seconds, b
 def default_budget(devices: int) -> int:
     """Candidates evaluated when neither a budget nor seconds are given (~10 s or less)."""
     if devices <= 128:
-        return 4000
+        return 10000
     if devices <= 512:
         return 400
     return 120
