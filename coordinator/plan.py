@@ -25,6 +25,8 @@ from coordinator.scheduler.costmodel import CostModel
 from protos import cliutil
 
 EXIT_USAGE = 2
+TSP_EXACT = "exact (Held-Karp)"
+TSP_HEURISTIC = "heuristic (nearest neighbour + 2-opt + or-opt)"
 DEFAULT_RANDOM = 1000
 SEQUENCES_PER_REPLICA = 64  # default global batch = 64 x replicas (the paper used ~61)
 
@@ -52,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-gb", type=float, help="c_PP in GB: one replica's activations")
     parser.add_argument(
         "--batch", type=int, help=f"global batch in sequences ({SEQUENCES_PER_REPLICA} x replicas)"
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per replica (must divide its batch; the bytes sent do not change)",
     )
     parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
     parser.add_argument("--seed", type=int, default=0)
@@ -148,6 +156,12 @@ def _sizes(args: argparse.Namespace, s: int, r: int) -> tuple[float, float, str]
     if args.model is not None:
         spec = get_preset(args.model)
         batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
+        micro = args.micro_batches
+        if batch < 1 or micro < 1 or batch % r or (batch // r) % micro:
+            raise PlanInputError(
+                f"a global batch of {batch} sequences must split evenly into {r} replicas x "
+                f"{micro} micro-batches: use a multiple of {r * max(micro, 1)}"
+            )
         try:
             dp, pp = comm_gb(spec, s, r, batch, args.dtype)
         except ValueError as e:
@@ -222,7 +236,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "devices": net.size,
         "seed": args.seed,
         "evaluated": res.evaluated,
-        "tsp": "exact (Held-Karp)" if res.tsp_exact else "heuristic (nearest neighbour + 2-opt)",
+        "tsp": TSP_EXACT if res.tsp_exact else TSP_HEURISTIC,
         "tsp_exact": res.tsp_exact,
         "gain": res.gain,
         "total_seconds": time.perf_counter() - t0,

@@ -125,18 +125,21 @@ class _HallBottleneck:
     def __init__(self, r: int) -> None:
         self.r = r
         sizes = np.array([bin(m).count("1") for m in range(1 << r)])
-        self.kth = sizes[1:] - 1
+        # flat position of "the |X|-th smallest" of subset X in a sorted (2^R, R) block
+        self.flat = r + np.arange((1 << r) - 1) * r + (sizes[1:] - 1)  # skip the empty set
+        self._buf = np.empty((0, 1 << r, r))
 
     def __call__(self, a: np.ndarray) -> np.ndarray:
         b, r = a.shape[0], self.r
-        colmin = np.empty((b, 1 << r, r))
+        if self._buf.shape[0] < b:  # reused: a fresh 0.5 MB array per call costs page faults
+            self._buf = np.empty((b, 1 << r, r))
+        colmin = self._buf[:b]
         colmin[:, 0, :] = np.inf
         for h in range(r):
             lo = 1 << h
             np.minimum(colmin[:, :lo, :], a[:, h, None, :], out=colmin[:, lo : 2 * lo, :])
-        colmin = np.sort(colmin[:, 1:, :], axis=2)
-        picked = np.take_along_axis(colmin, self.kth[None, :, None], axis=2)[:, :, 0]
-        return picked.max(axis=1)
+        colmin.sort(axis=2)
+        return colmin.reshape(b, -1)[:, self.flat].max(axis=1)
 
 
 # --------------------------------------------------------------------------- TSP

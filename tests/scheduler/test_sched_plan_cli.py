@@ -105,6 +105,8 @@ def test_other_errors_exit_2(tmp_path: Path) -> None:
         (["--scenario", "world", "--model", "gpt-tiny", "--stages", "16"], "layers"),
         (["--links", str(tmp_path / "missing.json")], "cannot read"),
         (["--scenario", "world", "--dp-gb", "0.5"], "both"),
+        (["--scenario", "world", "--model", "gpt-1.3b", "--batch", "100"], "split evenly"),
+        (["--scenario", "world", "--model", "gpt-1.3b", "--micro-batches", "3"], "split evenly"),
     ]
     for args, match in cases:
         p = plan(*args, "--budget", "10")
