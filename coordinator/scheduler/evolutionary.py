@@ -314,6 +314,8 @@ class _Search:
         `RESTART_AFTER` kicks without progress it restarts from a member of the final GA
         population (or a random partition). Runs until the budget ends; the best candidate
         ever evaluated is the answer."""
+        if self.s < 2 or self.r < 2:
+            return  # one group, or groups of one: every partition is the same
         start = self.best_labels.copy()
         labels, rank = self.descend(start, self.m.evaluate_ranked(start))
         stall = 0
@@ -359,7 +361,7 @@ class _Search:
             labels = self.random_labels()
             if self.key(labels) not in seen:
                 add(labels, self.evaluate(labels, ga=True))
-        if len(pop) < 2:
+        if len(pop) < 2 or self.s < 2 or self.r < 2:
             return
         stale = 0
         while True:

@@ -85,6 +85,8 @@ def test_degenerate_shapes() -> None:
     net = Network(delay, bw)
     one_stage = search_plan(net, 1, 6, 0.3, 0.2, budget=20)
     assert one_stage.pp_cost == 0.0 and len(one_stage.grid) == 1
+    single = search_plan(Network(np.zeros((1, 1)), np.ones((1, 1))), 1, 1, 0.3, 0.2)
+    assert single.grid == [[0]] and single.cost == 0.0
     one_replica = search_plan(net, 6, 1, 0.3, 0.2, budget=50)
     assert one_replica.dp_cost == 0.0
     assert one_replica.cost == pytest.approx(grid_cost(delay, bw, one_replica.grid, 0.3, 0.2)[0])
