@@ -115,3 +115,15 @@ def test_other_errors_exit_2(tmp_path: Path) -> None:
     bad_json = tmp_path / "x.json"
     bad_json.write_text("{nope")
     assert plan("--links", str(bad_json)).returncode == 2
+
+
+def test_pick_shape() -> None:
+    from coordinator.plan import pick_shape
+
+    assert pick_shape(64) == (8, 8)
+    assert pick_shape(12) == (4, 3)
+    assert pick_shape(32) == (8, 4)
+    assert pick_shape(7) == (7, 1)
+    assert pick_shape(1) == (1, 1)
+    assert pick_shape(64, max_stages=4) == (4, 16)
+    assert pick_shape(6, max_stages=2) == (2, 3)
