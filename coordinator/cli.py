@@ -65,6 +65,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="seconds without heartbeat before an agent is marked lost")
     p.add_argument("--measure-timeout", type=float, default=120.0,
                    help="seconds a whole link measurement may take")
+    p.add_argument("--measure-every", type=float, default=0.0,
+                   help="re-measure all links this often (s) while no job trains; 0: off")
     p.add_argument("--model", default="", help="model preset to train (empty: no job)")
     p.add_argument("--agents", type=int, default=0, help="agents the job waits for")
     p.add_argument("--stages", type=int, default=0, help="pipeline stages (0: choose)")
@@ -136,6 +138,7 @@ def _start(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         liveness_timeout_s=args.liveness_timeout,
         measure_timeout_s=args.measure_timeout,
+        measure_every_s=args.measure_every,
         job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
                       replicas=args.replicas, train=train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,

@@ -46,6 +46,17 @@ class JobConfig:
             raise ConfigError(
                 f"--stages {self.stages} exceeds the {spec.n_layers} layers of {self.model}"
             )
+        for flag, value in (("--stages", self.stages), ("--replicas", self.replicas)):
+            if value and self.agents % value:
+                raise ConfigError(f"{flag} {value} does not divide --agents {self.agents}")
+        from coordinator.job import choose_layout
+
+        layout = choose_layout(self.agents, spec.n_layers, self.stages, self.replicas)
+        try:
+            self.train.validate(layout.replicas)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
+                              f"{layout.replicas} replicas)") from None
 
 
 @dataclass
@@ -55,6 +66,7 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 1.0
     liveness_timeout_s: float = 5.0
     measure_timeout_s: float = 120.0
+    measure_every_s: float = 0.0  # re-measure all links this often while no job trains; 0: off
     state_dir: str = ""
     job: JobConfig = field(default_factory=JobConfig)
 
@@ -68,4 +80,6 @@ class CoordinatorConfig:
                 f"--liveness-timeout ({self.liveness_timeout_s} s) must exceed the heartbeat "
                 f"interval ({self.heartbeat_interval_s} s), or live agents would be marked lost"
             )
+        if self.measure_every_s < 0:
+            raise ConfigError("--measure-every must be >= 0 seconds (0 turns it off)")
         self.job.validate()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import multiprocessing
 import time
 import uuid
@@ -33,19 +32,16 @@ S = coordinator_pb2  # state constants live in the generated module
 
 
 def choose_layout(agents: int, n_layers: int, stages: int = 0, replicas: int = 0) -> Layout:
-    """stages x replicas for `agents` devices: given, or the divisor nearest sqrt(agents).
+    """stages x replicas for `agents` devices: as given, else as `coordinator plan` picks."""
+    from coordinator.plan import pick_shape
 
-    Stages must not exceed the layer count; ties go to fewer stages (less pipeline bubble).
-    """
     if stages and replicas:
         return Layout(stages, replicas)
     if stages:
         return Layout(stages, agents // stages)
     if replicas:
         return Layout(agents // replicas, replicas)
-    divisors = [s for s in range(1, agents + 1) if agents % s == 0 and s <= n_layers]
-    best = min(divisors, key=lambda s: (abs(s - math.sqrt(agents)), s))
-    return Layout(best, agents // best)
+    return Layout(*pick_shape(agents, max_stages=n_layers))
 
 
 def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int,

@@ -178,6 +178,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.job.on_lost(lost)
             await asyncio.sleep(period)
 
+    async def remeasure_forever(self) -> None:
+        """Refresh the link matrix every `measure_every_s` while no job is training."""
+        every = self.config.measure_every_s
+        while every > 0 and not self.stopping.is_set():
+            await asyncio.sleep(every)
+            agents = self.registry.alive()
+            if len(agents) < 2 or self.job.busy_training() or self.measurer.running:
+                continue
+            try:
+                await asyncio.wait_for(self.measurer.measure(agents),
+                                       self.config.measure_timeout_s)
+            except TimeoutError:
+                log.warning("periodic link measurement did not finish within %.0f s",
+                            self.config.measure_timeout_s)
+
     def close_streams(self) -> None:
         self.stopping.set()
         for rec in self.registry.all():
@@ -201,7 +216,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(service.sweep_forever()), asyncio.create_task(service.job.run())]
+    tasks = [asyncio.create_task(service.sweep_forever()), asyncio.create_task(service.job.run()),
+             asyncio.create_task(service.remeasure_forever())]
     if ready is not None:
         ready.set()
     await stop.wait()

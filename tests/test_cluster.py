@@ -104,3 +104,17 @@ def test_config_file_and_environment_layering(daemons: Daemons) -> None:
     bad.write_text("no-such-flag = 1\n")
     out = daemons.cli("coordinator", "start", "--config", str(bad))
     assert out.returncode == 2 and "unknown key 'no-such-flag'" in out.stderr
+
+
+def test_links_are_refreshed_periodically_when_asked(daemons: Daemons) -> None:
+    _, address = daemons.coordinator("--measure-every", "1")
+    for i in range(2):
+        daemons.agent(address, f"agent-{i}")
+    links = wait_for(lambda: daemons.status(address)["links"], 60, "a periodic measurement")
+    first = max(max(v or 0 for v in row) for row in links["delay_ms"])
+    assert len(links["agents"]) == 2 and links["unreachable"] == []
+    assert all(v and v > 0 for i, row in enumerate(links["bandwidth_gbps"])
+               for j, v in enumerate(row) if i != j)
+    assert first > 0
+    out = daemons.cli("coordinator", "links", "--coordinator", address, "--json")
+    assert out.returncode == 0 and '"excluded": []' in out.stdout
