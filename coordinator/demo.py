@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=int, default=4, help="agents to start on loopback")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--workdir", default="", help="keep logs and state here (default: a temp dir)")
@@ -46,9 +47,19 @@ def run(args: argparse.Namespace) -> int:
     if args.stages * args.replicas != args.agents:
         return cliutil.fail(f"--stages {args.stages} x --replicas {args.replicas} must equal "
                             f"--agents {args.agents}")
+    # a temporary workdir is removed after a clean run and kept after a failure, for its logs
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dtfm-demo-"))
+    code = 1
+    try:
+        code = _run_in(workdir, args)
+    finally:
+        if code == 0 and not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+def _run_in(workdir: Path, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
-        workdir = Path(args.workdir) if args.workdir else Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="dtfm-demo-")))
         workdir.mkdir(parents=True, exist_ok=True)
         token_file = workdir / "token"
         token_file.write_text(secrets.token_hex(16))
@@ -120,7 +131,7 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
                 last_line = line
             if job.state == coordinator_pb2.JOB_STATE_DONE:
                 print(f"demo: trained {job.total_steps} steps; plan cost "
-                      f"{status.plan.cost:.4f} s; logs in {workdir}", file=sys.stderr)
+                      f"{status.plan.cost:.4f} s", file=sys.stderr)
                 return 0
             if job.state == coordinator_pb2.JOB_STATE_FAILED:
                 return cliutil.fail(f"job failed: {job.message}; see logs in {workdir}", 1)
