@@ -23,7 +23,7 @@ from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 * 1024  # fine enough to time a 5 Mbit/s link to a few percent
+CHUNK_BYTES = 128 * 1024  # fine enough to time a 5 Mbit/s link to a few percent
 FIRST_PROBE_BYTES = 1024 * 1024
 PING_TIMEOUT_S = 5.0
 PING_SPACING_S = 0.01

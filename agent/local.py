@@ -27,6 +27,7 @@ from coordinator.catalogue import PRESETS, get_preset
 from protos import cliutil
 from protos.assignment import build_assignments
 from protos.layout import Layout, layer_splits
+from protos.procs import terminate_all
 from protos.rpc import free_port
 from protos.spec import TrainConfig
 
@@ -173,16 +174,7 @@ class Job:
             self.procs.append(Proc(r, popen, ppath, epath))
 
     def kill_all(self) -> None:
-        live = [p for p in self.procs if p.popen.poll() is None]
-        for p in live:
-            _signal(p.popen, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE_S
-        for p in live:
-            try:
-                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p.popen, signal.SIGKILL)
-                p.popen.wait()
+        terminate_all([p.popen for p in self.procs], KILL_GRACE_S, group=False)
 
     def describe(self, p: Proc) -> str:
         stage, replica = self.layout.coords(p.rank)
@@ -263,13 +255,6 @@ def _hms(seconds: float) -> str:
         return "-:--:--"
     s = int(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def _signal(popen: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        popen.send_signal(sig)
-    except ProcessLookupError:
-        pass
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

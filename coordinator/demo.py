@@ -12,10 +12,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +24,7 @@ import grpc
 
 from protos import cliutil, rpc
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from protos.procs import terminate_all
 from protos.rpc import free_port
 
 
@@ -66,7 +65,7 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
         token_file.chmod(0o600)
         address = f"127.0.0.1:{free_port()}"
         procs: list[subprocess.Popen[bytes]] = []
-        stack.callback(_stop_all, procs)
+        stack.callback(terminate_all, procs)
         py = [sys.executable, "-m"]
         common = ["--token-file", str(token_file), "--log-level", "info"]
         coord_log = open(workdir / "coordinator.log", "wb")  # noqa: SIM115 - closed by stack
@@ -137,18 +136,3 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
                 return cliutil.fail(f"job failed: {job.message}; see logs in {workdir}", 1)
             await asyncio.sleep(1.0)
     return cliutil.fail(f"demo did not finish within {args.timeout:.0f} s; logs in {workdir}", 1)
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in reversed(procs):
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()

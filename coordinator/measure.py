@@ -27,7 +27,7 @@ class LinkMeasurer:
         store: LinkStore,
         phase_timeout_s: float = 30.0,
         ping_count: int = 5,
-        probe_seconds: float = 0.6,
+        probe_seconds: float = 1.0,
         probe_max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self.registry = registry

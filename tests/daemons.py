@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from protos.procs import terminate_all
 from protos.rpc import free_port
 
 __all__ = ["Daemons", "free_port", "wait_for"]
@@ -99,15 +99,4 @@ class Daemons:
         return [a for a in self.status(address)["agents"] if a["state"] == state]
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        terminate_all(self.procs)
