@@ -1,9 +1,9 @@
 """Measures this agent's links to peers: latency by Ping, bandwidth by a streamed probe.
 
 Latency is half the median round trip of several pings, after one warm-up ping that pays for
-the connection set-up. Bandwidth is the rate at which the receiver saw the last two thirds of
-a payload arrive (the first third pays for TCP slow start and window growth), with the payload
-grown until the transfer lasts long enough to trust (about `probe_seconds`) or hits the cap.
+the connection set-up. Bandwidth comes from one continuous stream: the receiver
+reports the arrival rate of each window of time, and the sender stops once two windows after
+the first agree (the first pays for slow start and window growth) or the size cap is hit.
 A peer that does not answer becomes an unreachable sample,
 never an exception.
 """
@@ -23,24 +23,12 @@ from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 128 * 1024  # fine enough to time a 5 Mbit/s link to a few percent
-FIRST_PROBE_BYTES = 1024 * 1024
-MIN_CHUNKS = 32
-MAX_PROBES = 6
-CONVERGED = 0.15  # two probes within 15 % of each other: the windows are open
+CHUNK_BYTES = 16 * 1024  # fine enough to time a 5 Mbit/s link in a quarter second
+MAX_WINDOWS = 8
+INITIAL_INFLIGHT = 4 * 1024 * 1024
+CONVERGED = 0.1  # two windows within 10 % of each other: the flow is steady
 PING_TIMEOUT_S = 5.0
 PING_SPACING_S = 0.01
-
-
-async def _payload(total: int) -> AsyncIterator[agent_pb2.ProbeChunk]:
-    # at least MIN_CHUNKS chunks, so the receiver's arrival times resolve a slow link too
-    step = max(4096, min(CHUNK_BYTES, total // MIN_CHUNKS))
-    chunk = b"\0" * step
-    sent = 0
-    while sent < total:
-        size = min(step, total - sent)
-        yield agent_pb2.ProbeChunk(payload=chunk if size == step else chunk[:size])
-        sent += size
 
 
 async def measure_peer(
@@ -64,13 +52,14 @@ async def measure_peer(
         stub = agent_pb2_grpc.AgentStub(channel)
         await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
                         timeout=PING_TIMEOUT_S, wait_for_ready=False)
+        rtt_s = await _ping(stub, my_id, 1, delay_s=0.0)
         if latency:
             rtts = await asyncio.gather(*(
                 _ping(stub, my_id, nonce, delay_s=PING_SPACING_S * nonce)
                 for nonce in range(1, max(1, ping_count) + 1)))
             sample.delay_ms = statistics.median(rtts) / 2 * 1000.0
         if bandwidth:
-            sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes)
+            sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes, rtt_s)
         sample.reachable = True
     except grpc.aio.AioRpcError as exc:
         sample.reachable = False
@@ -96,30 +85,75 @@ async def _ping(stub: agent_pb2_grpc.AgentStub, my_id: str, nonce: int, delay_s:
     return rtt
 
 
-async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int) -> float:
-    """Steady-state rate in Gbit/s: probe until two long-enough probes agree.
+class _PacedStream:
+    """The probe's payload, never more than `limit` bytes ahead of what the peer reported.
 
-    A fresh connection reads low (the receiver's TCP buffer and window grow only while data
-    flows: a 64 Mbit/s, 240 ms path read 14 Mbit/s on its first probe and 64 on its third),
-    so a rate counts only once the next probe confirms it within CONVERGED.
+    Without a limit the sender fills every buffer on the path (HTTP/2 window, socket buffers,
+    router queues); when the probe ends that backlog still drains for seconds and delays the
+    acknowledgements of the next measurement on the reverse link.
     """
-    size = min(FIRST_PROBE_BYTES, cap)
+
+    def __init__(self, cap: int, window_s: float, limit: int) -> None:
+        self.cap = cap
+        self.window_s = window_s
+        self.limit = limit
+        self.sent = 0
+        self.received = 0
+        self.stopped = False
+        self._wake = asyncio.Event()
+
+    def report(self, received: int, limit: int) -> None:
+        self.received = received
+        self.limit = max(self.limit, limit)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._wake.set()
+
+    async def chunks(self) -> AsyncIterator[agent_pb2.ProbeChunk]:
+        chunk = b"\0" * CHUNK_BYTES
+        first = True
+        while self.sent < self.cap and not self.stopped:
+            if self.sent - self.received >= self.limit:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            yield agent_pb2.ProbeChunk(payload=chunk, window_s=self.window_s if first else 0.0)
+            first = False
+            self.sent += CHUNK_BYTES
+
+
+async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
+                     rtt_s: float) -> float:
+    """Steady-state rate in Gbit/s of one continuous, paced stream, once its windows agree.
+
+    A fresh connection reads low at first (the receiver's TCP buffer and the HTTP/2 window
+    grow only while data flows: a 64 Mbit/s, 240 ms path read 14 Mbit/s in its first
+    second), so the sender keeps streaming and the receiver reports each window's arrival
+    rate; after the first window, two consecutive windows within CONVERGED of each other end
+    the probe. The sender then waits until the receiver has everything, so the link is quiet
+    for whoever measures next.
+    """
+    window_s = target_s / 2
+    stream = _PacedStream(cap, window_s, INITIAL_INFLIGHT)
     rates: list[float] = []
-    for _ in range(MAX_PROBES):
-        result = await stub.Probe(_payload(size), timeout=max(30.0, 20 * target_s))
-        if result.bytes != size:
-            raise ValueError(f"peer received {result.bytes} of {size} probe bytes")
-        seconds = result.first_to_last_s
-        rate = result.tail_bytes * 8 / result.tail_seconds if result.tail_seconds > 0 else 0.0
-        if rate > 0 and (seconds >= 0.8 * target_s or size >= cap):
-            rates.append(rate)
-            if len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= CONVERGED * max(rates[-2:]):
-                return max(rates[-2:]) / 1e9
-        elif size >= cap:
-            raise ValueError("probe too short to time even at the size cap")
-        # aim the next probe at the target duration, by the best rate seen so far
-        best = max(rates + [rate, size * 8 / max(seconds, 1e-3)])
-        size = min(cap, max(size, int(1.2 * best * target_s / 8)))
-    if not rates:
-        raise ValueError(f"no probe lasted {0.8 * target_s:.2f} s within {MAX_PROBES} tries")
-    return max(rates) / 1e9
+    result: float | None = None
+    call = stub.Probe(stream.chunks(), timeout=max(60.0, 40 * target_s))
+    async for window in call:
+        if window.seconds > 0 and window.bytes > 0:
+            rates.append(window.bytes * 8 / window.seconds)
+        best = max(rates, default=0.0)
+        # room for what is in flight over a round trip plus a window, twice over
+        stream.report(window.total_bytes, int(2 * best / 8 * (rtt_s + window_s)))
+        if result is None:
+            steady = rates[1:]
+            if len(steady) >= 2 and abs(steady[-1] - steady[-2]) <= CONVERGED * max(steady[-2:]):
+                result = sum(steady[-2:]) / 2
+            elif len(rates) >= MAX_WINDOWS or stream.sent >= cap:
+                result = max(steady or rates or [0.0])
+            if result is not None:
+                stream.stop()  # half-close; keep reading until the peer has it all
+    if not result:
+        raise ValueError(f"the probe ended after {len(rates)} window(s) without a rate")
+    return result / 1e9

@@ -26,6 +26,9 @@ from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+DEFAULT_WINDOW_S = 0.25
+MIN_WINDOW_S = 0.01
+MAX_WINDOW_S = 10.0
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
@@ -38,21 +41,45 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         return agent_pb2.PingReply(nonce=request.nonce, agent_id=self.info.agent_id)
 
     async def Probe(self, request_iterator: AsyncIterator[agent_pb2.ProbeChunk],
-                    context: grpc.aio.ServicerContext) -> agent_pb2.ProbeResult:
-        arrivals: list[tuple[float, int]] = []  # (time, bytes so far) after each chunk
-        total = 0
-        async for chunk in request_iterator:
-            total += len(chunk.payload)
-            arrivals.append((time.perf_counter(), total))
-        if not arrivals:
-            return agent_pb2.ProbeResult()
-        first_time, first_bytes = arrivals[0]
-        last_time = arrivals[-1][0]
-        half_time, half_bytes = next((t, b) for t, b in arrivals if b >= total / 3)
-        return agent_pb2.ProbeResult(
-            bytes=total, chunks=len(arrivals), first_to_last_s=last_time - first_time,
-            first_chunk_bytes=first_bytes, tail_bytes=total - half_bytes,
-            tail_seconds=last_time - half_time)
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ProbeWindow]:
+        """Report arrivals per window of time, on a timer, until the caller half-closes.
+
+        Windows run on a clock, not on arrivals, so a caller that paces itself by these
+        reports (and so may pause) always hears back.
+        """
+        window_s = DEFAULT_WINDOW_S
+        totals = {"bytes": 0}
+        first = asyncio.Event()
+        done = asyncio.Event()
+
+        async def read() -> None:
+            nonlocal window_s
+            try:
+                async for chunk in request_iterator:
+                    totals["bytes"] += len(chunk.payload)
+                    if not first.is_set():
+                        if chunk.window_s > 0:
+                            window_s = min(max(chunk.window_s, MIN_WINDOW_S), MAX_WINDOW_S)
+                        first.set()
+            finally:
+                first.set()
+                done.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            await first.wait()
+            start, seen = time.perf_counter(), totals["bytes"]
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), window_s)
+                now, total = time.perf_counter(), totals["bytes"]
+                yield agent_pb2.ProbeWindow(bytes=total - seen, seconds=now - start,
+                                            total_bytes=total)
+                start, seen = now, total
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
     async def GetStatus(self, request: agent_pb2.AgentStatusRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.AgentStatusReply:

@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=25.0,
                         help="emulated Mbit/s per Gbit/s of the paper's matrix")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--workdir", default="", help="keep the daemons' logs here")
     args = parser.parse_args()
     ok, why = WanEmulator.available()
     if not ok:
@@ -42,9 +43,9 @@ def main() -> int:
     np.fill_diagonal(bandwidth, 0.0)
     n = len(delay)
     wan_delay, wan_bw = with_coordinator_host(delay.tolist(), bandwidth.tolist())
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-links-") as tmp, WanEmulator(
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-links-") as scratch, WanEmulator(
             delay_ms=wan_delay, bandwidth_mbps=wan_bw, sysctls=BUFFER_SYSCTLS) as wan:
-        cluster = WanCluster(wan, Path(tmp), agents=n)
+        cluster = WanCluster(wan, Path(args.workdir or scratch), agents=n)
         ids = cluster.start()
         print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
         started = time.monotonic()

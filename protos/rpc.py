@@ -29,12 +29,10 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TOKEN_ENV = "DTFM_TOKEN"
 # Large enough for a bandwidth probe chunk and a status with a 64x64 link matrix.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# A stream's flow-control window, fixed from the start: without it HTTP/2 opens the window
-# over several round trips, and a one-second probe over a 300 ms path reads low. BDP probing
-# is off because its estimate, taken during a CPU hiccup, shrank the window and held a
-# 64 Mbit/s, 240 ms path at 15 Mbit/s.
+# A stream's flow-control window from the start: without it HTTP/2 opens the window over
+# several round trips, and a probe over a 300 ms path reads low until it has.
 WINDOW_BYTES = 16 * 1024 * 1024
-FLOW_CONTROL = [("grpc.http2.lookahead_bytes", WINDOW_BYTES), ("grpc.http2.bdp_probe", 0)]
+FLOW_CONTROL = [("grpc.http2.lookahead_bytes", WINDOW_BYTES)]
 CHANNEL_OPTIONS = [
     *FLOW_CONTROL,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

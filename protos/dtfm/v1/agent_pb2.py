@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.dtfm.v1 import common_pb2 as protos_dot_dtfm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/dtfm/v1/agent.proto\x12\x07\x64tfm.v1\x1a\x1bprotos/dtfm/v1/common.proto\"3\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x15\n\rfrom_agent_id\x18\x02 \x01(\t\",\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"\x1d\n\nProbeChunk\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x8a\x01\n\x0bProbeResult\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x17\n\x0f\x66irst_to_last_s\x18\x03 \x01(\x01\x12\x19\n\x11\x66irst_chunk_bytes\x18\x04 \x01(\x04\x12\x12\n\ntail_bytes\x18\x05 \x01(\x04\x12\x14\n\x0ctail_seconds\x18\x06 \x01(\x01\"\x14\n\x12\x41gentStatusRequest\"\x9e\x01\n\x10\x41gentStatusReply\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x14\n\x0cworker_state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x32\xb4\x01\n\x05\x41gent\x12\x30\n\x04Ping\x12\x14.dtfm.v1.PingRequest\x1a\x12.dtfm.v1.PingReply\x12\x34\n\x05Probe\x12\x13.dtfm.v1.ProbeChunk\x1a\x14.dtfm.v1.ProbeResult(\x01\x12\x43\n\tGetStatus\x12\x1b.dtfm.v1.AgentStatusRequest\x1a\x19.dtfm.v1.AgentStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/dtfm/v1/agent.proto\x12\x07\x64tfm.v1\x1a\x1bprotos/dtfm/v1/common.proto\"3\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x15\n\rfrom_agent_id\x18\x02 \x01(\t\",\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"/\n\nProbeChunk\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"B\n\x0bProbeWindow\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"\x14\n\x12\x41gentStatusRequest\"\x9e\x01\n\x10\x41gentStatusReply\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x14\n\x0cworker_state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x32\xb6\x01\n\x05\x41gent\x12\x30\n\x04Ping\x12\x14.dtfm.v1.PingRequest\x1a\x12.dtfm.v1.PingReply\x12\x36\n\x05Probe\x12\x13.dtfm.v1.ProbeChunk\x1a\x14.dtfm.v1.ProbeWindow(\x01\x30\x01\x12\x43\n\tGetStatus\x12\x1b.dtfm.v1.AgentStatusRequest\x1a\x19.dtfm.v1.AgentStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PINGREPLY']._serialized_start=121
   _globals['_PINGREPLY']._serialized_end=165
   _globals['_PROBECHUNK']._serialized_start=167
-  _globals['_PROBECHUNK']._serialized_end=196
-  _globals['_PROBERESULT']._serialized_start=199
-  _globals['_PROBERESULT']._serialized_end=337
-  _globals['_AGENTSTATUSREQUEST']._serialized_start=339
-  _globals['_AGENTSTATUSREQUEST']._serialized_end=359
-  _globals['_AGENTSTATUSREPLY']._serialized_start=362
-  _globals['_AGENTSTATUSREPLY']._serialized_end=520
-  _globals['_AGENT']._serialized_start=523
-  _globals['_AGENT']._serialized_end=703
+  _globals['_PROBECHUNK']._serialized_end=214
+  _globals['_PROBEWINDOW']._serialized_start=216
+  _globals['_PROBEWINDOW']._serialized_end=282
+  _globals['_AGENTSTATUSREQUEST']._serialized_start=284
+  _globals['_AGENTSTATUSREQUEST']._serialized_end=304
+  _globals['_AGENTSTATUSREPLY']._serialized_start=307
+  _globals['_AGENTSTATUSREPLY']._serialized_end=465
+  _globals['_AGENT']._serialized_start=468
+  _globals['_AGENT']._serialized_end=650
 # @@protoc_insertion_point(module_scope)

@@ -23,26 +23,22 @@ class PingReply(_message.Message):
     def __init__(self, nonce: _Optional[int] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class ProbeChunk(_message.Message):
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "window_s")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+    window_s: float
+    def __init__(self, payload: _Optional[bytes] = ..., window_s: _Optional[float] = ...) -> None: ...
 
-class ProbeResult(_message.Message):
-    __slots__ = ("bytes", "chunks", "first_to_last_s", "first_chunk_bytes", "tail_bytes", "tail_seconds")
+class ProbeWindow(_message.Message):
+    __slots__ = ("bytes", "seconds", "total_bytes")
     BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TO_LAST_S_FIELD_NUMBER: _ClassVar[int]
-    FIRST_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
-    chunks: int
-    first_to_last_s: float
-    first_chunk_bytes: int
-    tail_bytes: int
-    tail_seconds: float
-    def __init__(self, bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., first_to_last_s: _Optional[float] = ..., first_chunk_bytes: _Optional[int] = ..., tail_bytes: _Optional[int] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
+    seconds: float
+    total_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentStatusRequest(_message.Message):
     __slots__ = ()

@@ -39,10 +39,10 @@ class AgentStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.PingRequest.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.PingReply.FromString,
                 _registered_method=True)
-        self.Probe = channel.stream_unary(
+        self.Probe = channel.stream_stream(
                 '/dtfm.v1.Agent/Probe',
                 request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeChunk.SerializeToString,
-                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeResult.FromString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeWindow.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/dtfm.v1.Agent/GetStatus',
@@ -62,7 +62,8 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Probe(self, request_iterator, context):
-        """Bandwidth probe: the caller streams payload; the agent reports what arrived and when.
+        """Bandwidth probe: the caller streams payload for as long as it likes; the agent answers
+        with the arrival rate of each window of time, so the caller can stop once it is steady.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,10 +83,10 @@ def add_AgentServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.PingRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.PingReply.SerializeToString,
             ),
-            'Probe': grpc.stream_unary_rpc_method_handler(
+            'Probe': grpc.stream_stream_rpc_method_handler(
                     servicer.Probe,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeChunk.FromString,
-                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeResult.SerializeToString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeWindow.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -141,12 +142,12 @@ class Agent:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/dtfm.v1.Agent/Probe',
             protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeChunk.SerializeToString,
-            protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeResult.FromString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.ProbeWindow.FromString,
             options,
             channel_credentials,
             insecure,
