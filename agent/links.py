@@ -2,7 +2,7 @@
 
 Latency is half the median round trip of several pings, after one warm-up ping that pays for
 the connection set-up. Bandwidth comes from one continuous stream: the receiver
-reports the arrival rate of each window of time, and the sender stops once two windows after
+reports the arrival rate of each window of time, and the sender stops once three windows after
 the first agree (the first pays for slow start and window growth) or the size cap is hit.
 A peer that does not answer becomes an unreachable sample,
 never an exception.
@@ -24,9 +24,11 @@ from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 1024  # fine enough to time a 5 Mbit/s link in a quarter second
-MAX_WINDOWS = 8
+MAX_WINDOWS = 10
+# Three windows within CONVERGED of each other: two could agree while the rate still ramps.
+STEADY_WINDOWS = 3
 INITIAL_INFLIGHT = 4 * 1024 * 1024
-CONVERGED = 0.1  # two windows within 10 % of each other: the flow is steady
+CONVERGED = 0.1  # windows within 10 % of each other: the flow is steady
 PING_TIMEOUT_S = 5.0
 PING_SPACING_S = 0.01
 
@@ -131,9 +133,9 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     A fresh connection reads low at first (the receiver's TCP buffer and the HTTP/2 window
     grow only while data flows: a 64 Mbit/s, 240 ms path read 14 Mbit/s in its first
     second), so the sender keeps streaming and the receiver reports each window's arrival
-    rate; after the first window, two consecutive windows within CONVERGED of each other end
-    the probe. The sender then waits until the receiver has everything, so the link is quiet
-    for whoever measures next.
+    rate; after the first window, STEADY_WINDOWS consecutive windows within CONVERGED of each
+    other end the probe. The sender then waits until the receiver has everything, so the
+    link is quiet for whoever measures next.
     """
     window_s = target_s / 2
     stream = _PacedStream(cap, window_s, INITIAL_INFLIGHT)
@@ -147,11 +149,11 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         # room for what is in flight over a round trip plus a window, twice over
         stream.report(window.total_bytes, int(2 * best / 8 * (rtt_s + window_s)))
         if result is None:
-            steady = rates[1:]
-            if len(steady) >= 2 and abs(steady[-1] - steady[-2]) <= CONVERGED * max(steady[-2:]):
-                result = sum(steady[-2:]) / 2
+            last = rates[1:][-STEADY_WINDOWS:]
+            if len(last) == STEADY_WINDOWS and max(last) - min(last) <= CONVERGED * max(last):
+                result = sum(last) / len(last)
             elif len(rates) >= MAX_WINDOWS or stream.sent >= cap:
-                result = max(steady or rates or [0.0])
+                result = max(rates[1:] or rates or [0.0])
             if result is not None:
                 stream.stop()  # half-close; keep reading until the peer has it all
     if not result:

@@ -1,9 +1,10 @@
-"""Drives link measurement: pushes one phase of probes at a time and collects the reports.
+"""Drives link measurement: tells agents whom to probe and collects their reports.
 
-The coordinator never measures anything itself; it tells agents whom to probe, in the
-round-robin phases of `coordinator.links`, so no device takes part in two transfers at once.
-A peer that does not answer ends up as an unreachable link, never a hang: every phase has a
-deadline, and agents that stay silent past it are recorded as failed links.
+The coordinator never measures anything itself. It hands out probes in the round-robin order
+of `coordinator.links`, starting each as soon as both of its devices are free, so no device
+takes part in two transfers at once and no slow pair holds up a whole round. A peer that does
+not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
+agent that stays silent past it is recorded as a failed link and not asked again.
 """
 
 from __future__ import annotations
@@ -79,46 +80,69 @@ class LinkMeasurer:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         run = next(self._ids)
+        started = time.monotonic()
+        log.info("measuring %d links of %d agents", len(ids) * (len(ids) - 1), len(ids))
+        silent: set[str] = set()  # agents that let a probe time out: not asked again this run
         # All latencies first, then all bandwidths (see MeasureKind in coordinator.proto).
         # A round trip a->b->a is b->a->b, so latency needs one probe per unordered pair.
-        phases = [(coordinator_pb2.MEASURE_KIND_LATENCY, pairs)
-                  for pairs in round_robin_pairs(ids)]
-        phases += [(coordinator_pb2.MEASURE_KIND_BANDWIDTH, phase)
-                   for phase in measurement_phases(ids)]
-        started = time.monotonic()
-        log.info("measuring %d links of %d agents in %d phases",
-                 len(ids) * (len(ids) - 1), len(ids), len(phases))
-        silent: set[str] = set()  # agents that let a phase time out: not asked again this run
-        for k, (kind, phase) in enumerate(phases):
-            round_id = f"m{run}-p{k}"
-            waits: dict[tuple[str, str], asyncio.Future[None]] = {}
-            for a, b in phase:
+        latency = [pair for pairs in round_robin_pairs(ids) for pair in pairs]
+        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
+        log.info("latencies measured after %.1f s", time.monotonic() - started)
+        bandwidth = [pair for phase in measurement_phases(ids) for pair in phase]
+        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent)
+        self.last_seconds = time.monotonic() - started
+        log.info("measured %d agents in %.1f s", len(ids), self.last_seconds)
+        return self.store.matrix(ids)
+
+    async def _run(self, run: int, kind: int, order: list[tuple[str, str]],
+                   by_id: dict[str, AgentRecord], silent: set[str]) -> None:
+        """Probe every (measurer, peer) in `order`, each device in one probe at a time.
+
+        No phase barrier: a probe starts as soon as both its devices are free, so one slow
+        pair holds up only the probes that need its devices, not a whole round.
+        """
+        loop = asyncio.get_running_loop()
+        pending = list(order)
+        running: dict[asyncio.Future[None], tuple[str, str, str, float]] = {}
+        busy: set[str] = set()
+        seq = itertools.count()
+        while pending or running:
+            for a, b in list(pending):
                 if a in silent or b in silent:
+                    pending.remove((a, b))
                     quiet = a if a in silent else b
                     self.store.mark_unreachable(
-                        a, b, f"agent {quiet} did not answer an earlier measurement phase")
+                        a, b, f"agent {quiet} did not answer an earlier probe")
                     continue
-                peer = by_id[b]
-                command = coordinator_pb2.Command(
-                    measure=coordinator_pb2.MeasureLinksCommand(
-                        round_id=round_id,
-                        peers=[coordinator_pb2.PeerTarget(agent_id=b, address=peer.address)],
-                        ping_count=self.ping_count,
-                        probe_seconds=self.probe_seconds,
-                        probe_max_bytes=self.probe_max_bytes,
-                        kind=kind,  # type: ignore[arg-type]
-                    )
-                )
-                future = asyncio.get_running_loop().create_future()
+                if a in busy or b in busy:
+                    continue
+                pending.remove((a, b))
+                round_id = f"m{run}-k{kind}-{next(seq)}"
+                command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
+                    round_id=round_id,
+                    peers=[coordinator_pb2.PeerTarget(agent_id=b, address=by_id[b].address)],
+                    ping_count=self.ping_count, probe_seconds=self.probe_seconds,
+                    probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
+                ))
+                future: asyncio.Future[None] = loop.create_future()
                 self._pending[(round_id, a)] = (future, kind)
-                waits[(a, b)] = future
+                running[future] = (a, b, round_id, time.monotonic() + self.phase_timeout_s)
+                busy.update((a, b))
                 try:
                     self.registry.send(a, command)
                 except KeyError:
                     future.set_result(None)
-            if waits:
-                await asyncio.wait(list(waits.values()), timeout=self.phase_timeout_s)
-            for (a, b), future in waits.items():
+            if not running:
+                continue
+            next_deadline = min(deadline for *_, deadline in running.values())
+            await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED,
+                               timeout=max(0.0, next_deadline - time.monotonic()))
+            now = time.monotonic()
+            for future, (a, b, round_id, deadline) in list(running.items()):
+                if not future.done() and now < deadline:
+                    continue
+                del running[future]
+                busy.difference_update((a, b))
                 self._pending.pop((round_id, a), None)
                 if not future.done():
                     future.cancel()
@@ -128,8 +152,3 @@ class LinkMeasurer:
                     self.store.mark_unreachable(a, b, why)
                     if kind == coordinator_pb2.MEASURE_KIND_LATENCY:
                         self.store.mark_unreachable(b, a, why)
-            log.info("link measurement phase %d/%d (%s) done", k + 1, len(phases),
-                     "latency" if kind == coordinator_pb2.MEASURE_KIND_LATENCY else "bandwidth")
-        self.last_seconds = time.monotonic() - started
-        log.info("measured %d agents in %.1f s", len(ids), self.last_seconds)
-        return self.store.matrix(ids)
