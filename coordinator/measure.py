@@ -26,14 +26,14 @@ class LinkMeasurer:
         self,
         registry: Registry,
         store: LinkStore,
-        phase_timeout_s: float = 30.0,
+        probe_timeout_s: float = 30.0,
         ping_count: int = 5,
         probe_seconds: float = 1.0,
         probe_max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self.registry = registry
         self.store = store
-        self.phase_timeout_s = phase_timeout_s
+        self.probe_timeout_s = probe_timeout_s
         self.ping_count = ping_count
         self.probe_seconds = probe_seconds
         self.probe_max_bytes = probe_max_bytes
@@ -126,7 +126,7 @@ class LinkMeasurer:
                 ))
                 future: asyncio.Future[None] = loop.create_future()
                 self._pending[(round_id, a)] = (future, kind)
-                running[future] = (a, b, round_id, time.monotonic() + self.phase_timeout_s)
+                running[future] = (a, b, round_id, time.monotonic() + self.probe_timeout_s)
                 busy.update((a, b))
                 try:
                     self.registry.send(a, command)
@@ -148,7 +148,7 @@ class LinkMeasurer:
                     future.cancel()
                     silent.add(a)
                     why = (f"agent {a} did not report its probe of {b} within "
-                           f"{self.phase_timeout_s:.0f} s")
+                           f"{self.probe_timeout_s:.0f} s")
                     self.store.mark_unreachable(a, b, why)
                     if kind == coordinator_pb2.MEASURE_KIND_LATENCY:
                         self.store.mark_unreachable(b, a, why)
