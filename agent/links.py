@@ -1,17 +1,18 @@
 """Measures this agent's links to peers: latency by Ping, bandwidth by a streamed probe.
 
 Latency is half the median round trip of several pings, after one warm-up ping that pays for
-the connection set-up. Bandwidth comes from one continuous stream: the receiver
-reports the arrival rate of each window of time, and the sender stops once three windows after
-the first agree (the first pays for slow start and window growth) or the size cap is hit.
-A peer that does not answer becomes an unreachable sample,
-never an exception.
+the connection set-up. Bandwidth comes from one continuous, paced stream: the receiver reports
+what arrived every tick, the sender sums ticks into windows and stops once three windows after
+the first agree (the first pays for slow start and window growth), after MAX_WINDOWS, or at
+the size cap. A peer that does not answer becomes an unreachable sample, never an exception.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import math
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -27,8 +28,16 @@ CHUNK_BYTES = 16 * 1024  # fine enough to time a 5 Mbit/s link in a quarter seco
 MAX_WINDOWS = 10
 # Three windows within CONVERGED of each other: two could agree while the rate still ramps.
 STEADY_WINDOWS = 3
-INITIAL_INFLIGHT = 4 * 1024 * 1024
 CONVERGED = 0.1  # windows within 10 % of each other: the flow is steady
+# The receiver reports every TICK_S; the sender sums ticks into windows. Frequent reports let
+# the sender keep little more than a round trip's worth of data in flight.
+TICK_S = 0.1
+INITIAL_INFLIGHT = 1024 * 1024  # before the first report: room for TCP's initial window
+# While the rate still climbs, allow more in flight: TCP's windows grow only while they are
+# full, so a limit that trails the measured rate would slow the climb itself.
+RAMP_FACTOR = 4.0
+MIN_INFLIGHT = 256 * 1024
+INFLIGHT_FACTOR = 1.5  # in flight: this many times the rate over a round trip and a tick
 PING_TIMEOUT_S = 5.0
 PING_SPACING_S = 0.01
 
@@ -61,7 +70,8 @@ async def measure_peer(
                 for nonce in range(1, max(1, ping_count) + 1)))
             sample.delay_ms = statistics.median(rtts) / 2 * 1000.0
         if bandwidth:
-            sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes, rtt_s)
+            sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes, rtt_s,
+                                                     peer_id)
         sample.reachable = True
     except grpc.aio.AioRpcError as exc:
         sample.reachable = False
@@ -91,13 +101,14 @@ class _PacedStream:
     """The probe's payload, never more than `limit` bytes ahead of what the peer reported.
 
     Without a limit the sender fills every buffer on the path (HTTP/2 window, socket buffers,
-    router queues); when the probe ends that backlog still drains for seconds and delays the
-    acknowledgements of the next measurement on the reverse link.
+    router queues); when the probe ends that backlog still drains for seconds and delays
+    whoever measures next. The limit follows the measured rate, so the backlog stays
+    about half a round trip's worth.
     """
 
-    def __init__(self, cap: int, window_s: float, limit: int) -> None:
+    def __init__(self, cap: int, tick_s: float, limit: int) -> None:
         self.cap = cap
-        self.window_s = window_s
+        self.tick_s = tick_s
         self.limit = limit
         self.sent = 0
         self.received = 0
@@ -106,7 +117,7 @@ class _PacedStream:
 
     def report(self, received: int, limit: int) -> None:
         self.received = received
-        self.limit = max(self.limit, limit)
+        self.limit = limit
         self._wake.set()
 
     def stop(self) -> None:
@@ -121,41 +132,84 @@ class _PacedStream:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            yield agent_pb2.ProbeChunk(payload=chunk, window_s=self.window_s if first else 0.0)
+            yield agent_pb2.ProbeChunk(payload=chunk, window_s=self.tick_s if first else 0.0)
             first = False
             self.sent += CHUNK_BYTES
 
 
+class _Windows:
+    """Sums the receiver's ticks into windows of at least `window_s` and judges them."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.rates: list[float] = []  # bit/s of each completed window
+        self._bytes = 0
+        self._seconds = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self._bytes += nbytes
+        self._seconds += seconds
+        if self._seconds >= self.window_s * 0.999:
+            self.rates.append(self._bytes * 8 / self._seconds)
+            self._bytes, self._seconds = 0, 0.0
+
+    def ramping(self) -> bool:
+        """True until two windows after the first agree."""
+        last = self.rates[1:][-2:]
+        return len(last) < 2 or max(last) - min(last) > CONVERGED * max(last)
+
+    def steady(self) -> float | None:
+        """The rate once STEADY_WINDOWS windows after the first agree, else None."""
+        last = self.rates[1:][-STEADY_WINDOWS:]
+        if len(last) == STEADY_WINDOWS and max(last) - min(last) <= CONVERGED * max(last):
+            return sum(last) / len(last)
+        return None
+
+
 async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
-                     rtt_s: float) -> float:
+                     rtt_s: float, peer_id: str) -> float:
     """Steady-state rate in Gbit/s of one continuous, paced stream, once its windows agree.
 
-    A fresh connection reads low at first (the receiver's TCP buffer and the HTTP/2 window
-    grow only while data flows: a 64 Mbit/s, 240 ms path read 14 Mbit/s in its first
-    second), so the sender keeps streaming and the receiver reports each window's arrival
-    rate; after the first window, STEADY_WINDOWS consecutive windows within CONVERGED of each
-    other end the probe. The sender then waits until the receiver has everything, so the
-    link is quiet for whoever measures next.
+    A fresh connection reads low at first (slow start, and the receiver's TCP buffer grows
+    only while data flows: a 30 Mbit/s path with 476 ms round trips takes about 2.5 s to
+    reach its rate), so the sender keeps streaming and sums the receiver's ticks into windows
+    of `target_s / STEADY_WINDOWS`; after the first window, STEADY_WINDOWS consecutive windows
+    within CONVERGED of each other end the probe, so the steady rate is watched for about
+    `target_s`. The stream is then cancelled rather than drained: the pace limit keeps the
+    backlog to about a round trip's worth, and the next probe through either device counts
+    only windows that agree, so a backlog still draining cannot pass for a steady rate.
     """
-    window_s = target_s / 2
-    stream = _PacedStream(cap, window_s, INITIAL_INFLIGHT)
-    rates: list[float] = []
+    tick_s = min(TICK_S, target_s / 4)
+    windows = _Windows(target_s / STEADY_WINDOWS)
+    # Once the rate settles, the pace limit follows the fastest tick of the last round trip,
+    # so what is still in flight when the probe ends drains within about a round trip.
+    recent: collections.deque[float] = collections.deque(
+        maxlen=math.ceil((rtt_s + tick_s) / tick_s) + 1)
+    stream = _PacedStream(cap, tick_s, INITIAL_INFLIGHT)
+    began = time.perf_counter()
     result: float | None = None
     call = stub.Probe(stream.chunks(), timeout=max(60.0, 40 * target_s))
-    async for window in call:
-        if window.seconds > 0 and window.bytes > 0:
-            rates.append(window.bytes * 8 / window.seconds)
-        best = max(rates, default=0.0)
-        # room for what is in flight over a round trip plus a window, twice over
-        stream.report(window.total_bytes, int(2 * best / 8 * (rtt_s + window_s)))
-        if result is None:
-            last = rates[1:][-STEADY_WINDOWS:]
-            if len(last) == STEADY_WINDOWS and max(last) - min(last) <= CONVERGED * max(last):
-                result = sum(last) / len(last)
-            elif len(rates) >= MAX_WINDOWS or stream.sent >= cap:
-                result = max(rates[1:] or rates or [0.0])
-            if result is not None:
-                stream.stop()  # half-close; keep reading until the peer has it all
+    async for tick in call:
+        windows.add(tick.bytes, tick.seconds)
+        if tick.seconds > 0:
+            recent.append(tick.bytes * 8 / tick.seconds)
+        rate = max(recent, default=0.0)
+        factor = RAMP_FACTOR if windows.ramping() else INFLIGHT_FACTOR
+        limit = max(MIN_INFLIGHT, int(factor * rate / 8 * (rtt_s + 2 * tick_s)))
+        stream.report(tick.total_bytes, limit)
+        result = windows.steady()
+        if result is None and (len(windows.rates) >= MAX_WINDOWS or stream.sent >= cap):
+            result = max(windows.rates[1:] or windows.rates or [0.0])
+        if result is not None:
+            stream.stop()
+            call.cancel()
+            break
+    if result is None:  # the peer ended the stream early
+        result = max(windows.rates[1:] or windows.rates or [0.0])
+    log.info("bandwidth to %s: %.1f Mbit/s after %.2f s; windows of %.2f s: %s Mbit/s",
+             peer_id, (result or 0) / 1e6, time.perf_counter() - began, windows.window_s,
+             " ".join(f"{r / 1e6:.1f}" for r in windows.rates))
     if not result:
-        raise ValueError(f"the probe ended after {len(rates)} window(s) without a rate")
+        raise ValueError(
+            f"the probe ended after {len(windows.rates)} window(s) without a rate")
     return result / 1e9

@@ -100,23 +100,18 @@ class CoordinatorSession:
             log.warning("ignoring unknown command %r (newer coordinator?)", kind)
 
     async def _measure(self, cmd: coordinator_pb2.MeasureLinksCommand) -> None:
+        """Measure the named peers and report: pings to all at once, transfers one by one.
+
+        Concurrent pings do not disturb each other (they are tiny); concurrent transfers would
+        share this device's network and CPU, so they run in turn.
+        """
         self.state = "measuring"
         try:
-            samples = []
-            for peer in cmd.peers:
-                channel = self._peer_channels.get(peer.address)
-                if channel is None:
-                    channel = rpc.open_channel(peer.address, self.security)
-                    self._peer_channels[peer.address] = channel
-                sample = await measure_peer(self.info.agent_id, peer, channel,
-                                   ping_count=cmd.ping_count or 5,
-                                   probe_seconds=cmd.probe_seconds or 1.0,
-                                   probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
-                                   latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
-                                   bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY)
-                if not sample.reachable:  # start afresh next time
-                    await self._peer_channels.pop(peer.address).close()
-                samples.append(sample)
+            if cmd.kind == coordinator_pb2.MEASURE_KIND_LATENCY:
+                samples = list(await asyncio.gather(
+                    *(self._measure_peer(cmd, peer) for peer in cmd.peers)))
+            else:
+                samples = [await self._measure_peer(cmd, peer) for peer in cmd.peers]
             report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
                                                 round_id=cmd.round_id, samples=samples)
             if self._stub is not None:
@@ -125,6 +120,24 @@ class CoordinatorSession:
             log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
         finally:
             self.state = "idle"
+
+    async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
+                            peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:
+        channel = self._peer_channels.get(peer.address)
+        if channel is None:
+            channel = rpc.open_channel(peer.address, self.security)
+            self._peer_channels[peer.address] = channel
+        sample = await measure_peer(
+            self.info.agent_id, peer, channel,
+            ping_count=cmd.ping_count or 5,
+            probe_seconds=cmd.probe_seconds or 1.0,
+            probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
+            latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
+            bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY)
+        if not sample.reachable and self._peer_channels.get(peer.address) is channel:
+            del self._peer_channels[peer.address]  # start afresh next time
+            await channel.close()
+        return sample
 
     def progress_report(self) -> coordinator_pb2.ProgressReport:
         p = self.supervisor.progress

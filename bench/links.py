@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.wan import WanEmulator
-from agent.wan.cluster import BUFFER_SYSCTLS, WanCluster, with_coordinator_host
+from agent.wan.cluster import WanCluster, measurement_wan
 from coordinator.scenarios import WORLD_CITIES, world
 
 RESULTS = Path(__file__).resolve().parent / "results" / "links.json"
@@ -42,9 +42,8 @@ def main() -> int:
     np.fill_diagonal(delay, 0.0)
     np.fill_diagonal(bandwidth, 0.0)
     n = len(delay)
-    wan_delay, wan_bw = with_coordinator_host(delay.tolist(), bandwidth.tolist())
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-links-") as scratch, WanEmulator(
-            delay_ms=wan_delay, bandwidth_mbps=wan_bw, sysctls=BUFFER_SYSCTLS) as wan:
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-links-") as scratch, measurement_wan(
+            delay.tolist(), bandwidth.tolist()) as wan:
         cluster = WanCluster(wan, Path(args.workdir or scratch), agents=n)
         ids = cluster.start()
         print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)

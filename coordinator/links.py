@@ -1,8 +1,8 @@
 """Measured links: the schedule of measurement rounds and the matrices they fill.
 
-Two transfers through the same device disturb each other, so the coordinator pairs devices
-round-robin (the circle method): in each round every device talks to at most one other, and
-each pair measures one direction at a time. N devices need N-1 rounds (N if odd) of two phases.
+Two transfers through the same device in the same direction disturb each other, so the
+coordinator rotates: in each of N-1 rounds every device sends to one peer and receives from
+another (see `rotation_rounds`).
 Matrices are kept by agent id, so agents that come and go do not shift anyone's row.
 """
 
@@ -16,37 +16,17 @@ from dataclasses import dataclass, field
 from protos.dtfm.v1 import common_pb2
 
 
-def round_robin_pairs(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
-    """Rounds of disjoint unordered pairs covering every pair exactly once (circle method)."""
-    players: list[str | None] = list(ids)
-    if len(players) < 2:
-        return []
-    if len(players) % 2:
-        players.append(None)
-    n = len(players)
-    rounds = []
-    for _ in range(n - 1):
-        pairs = []
-        for i in range(n // 2):
-            a, b = players[i], players[n - 1 - i]
-            if a is not None and b is not None:
-                pairs.append((a, b))
-        rounds.append(pairs)
-        players = [players[0], players[-1], *players[1:-1]]
-    return rounds
+def rotation_rounds(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
+    """N-1 rounds of directed (sender, receiver) links; round k sends device i to i+k.
 
-
-def measurement_phases(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
-    """Directed (measurer, peer) phases: each round once forwards, once backwards.
-
-    The measurer is the sender, so one phase per direction keeps every device in at most
-    one transfer at a time.
+    Every directed link appears once, and in each round every device sends on one link and
+    receives on another, which the two directions of a full-duplex link carry side by side.
+    A link and its reverse share a round only when k = N/2: otherwise the reverse path of
+    every transfer carries nothing but that transfer's acknowledgements, which would queue
+    behind another transfer's data and slow it down.
     """
-    phases = []
-    for pairs in round_robin_pairs(ids):
-        phases.append([(a, b) for a, b in pairs])
-        phases.append([(b, a) for a, b in pairs])
-    return phases
+    n = len(ids)
+    return [[(ids[i], ids[(i + k) % n]) for i in range(n)] for k in range(1, n)]
 
 
 @dataclass

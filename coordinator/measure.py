@@ -1,8 +1,9 @@
 """Drives link measurement: tells agents whom to probe and collects their reports.
 
-The coordinator never measures anything itself. It hands out probes in the round-robin order
-of `coordinator.links`, starting each as soon as both of its devices are free, so no device
-takes part in two transfers at once and no slow pair holds up a whole round. A peer that does
+The coordinator never measures anything itself. It has every agent ping every peer at once,
+then hands out bandwidth probes in the rotation order of `coordinator.links`, starting each as
+soon as its sender can send and its receiver can receive, so no device sends (or receives) two
+transfers at once and no slow link holds up a whole round. A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
 agent that stays silent past it is recorded as a failed link and not asked again.
 """
@@ -13,8 +14,9 @@ import asyncio
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
-from coordinator.links import LinkStore, measurement_phases, round_robin_pairs
+from coordinator.links import LinkStore, rotation_rounds
 from coordinator.registry import AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -40,6 +42,7 @@ class LinkMeasurer:
         self._pending: dict[tuple[str, str], tuple[asyncio.Future[None], int]] = {}
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
+        self._seq = itertools.count()
         self.last_seconds = 0.0
         self.running = False
 
@@ -54,16 +57,10 @@ class LinkMeasurer:
                     and sample.bandwidth_gbps <= 0):
                 return (f"sample for {sample.peer_id}: a bandwidth round needs "
                         f"bandwidth_gbps > 0 for a reachable link, got {sample.bandwidth_gbps}")
-        latency_only = kind == coordinator_pb2.MEASURE_KIND_LATENCY
         for sample in report.samples:
             self.store.record(report.agent_id, sample,
                               latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
-                              bandwidth=not latency_only)
-            if latency_only:  # the same round trip, seen from the other end
-                mirrored = common_pb2.LinkSample()
-                mirrored.CopyFrom(sample)
-                mirrored.peer_id = report.agent_id
-                self.store.record(sample.peer_id, mirrored, latency=True, bandwidth=False)
+                              bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)
         future.set_result(None)
         return None
 
@@ -83,72 +80,108 @@ class LinkMeasurer:
         started = time.monotonic()
         log.info("measuring %d links of %d agents", len(ids) * (len(ids) - 1), len(ids))
         silent: set[str] = set()  # agents that let a probe time out: not asked again this run
-        # All latencies first, then all bandwidths (see MeasureKind in coordinator.proto).
-        # A round trip a->b->a is b->a->b, so latency needs one probe per unordered pair.
-        latency = [pair for pairs in round_robin_pairs(ids) for pair in pairs]
+        # All latencies first, at once: a ping is a few hundred bytes, so pings do not queue
+        # behind each other, and every agent opens its channels to every peer on the way.
+        latency = [_Probe(holds=frozenset(), commands=((a, tuple(b for b in ids if b != a)),))
+                   for a in ids]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
         log.info("latencies measured after %.1f s", time.monotonic() - started)
-        bandwidth = [pair for phase in measurement_phases(ids) for pair in phase]
+        # Then bandwidth: each device sends one transfer and receives one at a time, and a
+        # link is never measured while its reverse is (its acknowledgements would queue).
+        bandwidth = [_Probe(holds=frozenset((f"send {a}", f"receive {b}",
+                                             f"pair {min(a, b)} {max(a, b)}")),
+                            commands=((a, (b,)),))
+                     for links in rotation_rounds(ids) for a, b in links]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d agents in %.1f s", len(ids), self.last_seconds)
         return self.store.matrix(ids)
 
-    async def _run(self, run: int, kind: int, order: list[tuple[str, str]],
+    async def _run(self, run: int, kind: int, probes: list[_Probe],
                    by_id: dict[str, AgentRecord], silent: set[str]) -> None:
-        """Probe every (measurer, peer) in `order`, each device in one probe at a time.
+        """Run `probes`, each as soon as no running probe holds what it holds.
 
-        No phase barrier: a probe starts as soon as both its devices are free, so one slow
-        pair holds up only the probes that need its devices, not a whole round.
+        No round barrier: a probe starts as soon as its devices are free, so one slow pair
+        holds up only the probes that need its devices, not a whole round.
         """
-        loop = asyncio.get_running_loop()
-        pending = list(order)
-        running: dict[asyncio.Future[None], tuple[str, str, str, float]] = {}
+        pending = list(probes)
+        running: dict[asyncio.Task[None], frozenset[str]] = {}
         busy: set[str] = set()
-        seq = itertools.count()
-        while pending or running:
-            for a, b in list(pending):
-                if a in silent or b in silent:
-                    pending.remove((a, b))
-                    quiet = a if a in silent else b
+        try:
+            while pending or running:
+                for probe in list(pending):
+                    agents = probe.agents()
+                    if agents & silent:
+                        pending.remove(probe)
+                        quiet = sorted(agents & silent)[0]
+                        for measurer, peers in probe.commands:
+                            for peer in peers:
+                                self.store.mark_unreachable(
+                                    measurer, peer,
+                                    f"agent {quiet} did not answer an earlier probe")
+                        continue
+                    if probe.holds & busy:
+                        continue
+                    pending.remove(probe)
+                    busy.update(probe.holds)
+                    task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent))
+                    running[task] = probe.holds
+                if not running:
+                    continue
+                done, _ = await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    busy.difference_update(running.pop(task))
+                    task.result()
+        finally:
+            for task in running:
+                task.cancel()
+
+    async def _probe(self, run: int, kind: int, probe: _Probe, by_id: dict[str, AgentRecord],
+                     silent: set[str]) -> None:
+        """Send the probe's commands at once; whoever stays silent past the deadline is noted."""
+        loop = asyncio.get_running_loop()
+        waiting: dict[asyncio.Future[None], tuple[str, tuple[str, ...], str]] = {}
+        for measurer, peers in probe.commands:
+            round_id = f"m{run}-k{kind}-{next(self._seq)}"
+            command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
+                round_id=round_id,
+                peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
+                       for p in peers],
+                ping_count=self.ping_count, probe_seconds=self.probe_seconds,
+                probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
+            ))
+            future: asyncio.Future[None] = loop.create_future()
+            self._pending[(round_id, measurer)] = (future, kind)
+            waiting[future] = (measurer, peers, round_id)
+            try:
+                self.registry.send(measurer, command)
+            except KeyError:
+                future.set_result(None)
+                for peer in peers:
                     self.store.mark_unreachable(
-                        a, b, f"agent {quiet} did not answer an earlier probe")
-                    continue
-                if a in busy or b in busy:
-                    continue
-                pending.remove((a, b))
-                round_id = f"m{run}-k{kind}-{next(seq)}"
-                command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
-                    round_id=round_id,
-                    peers=[coordinator_pb2.PeerTarget(agent_id=b, address=by_id[b].address)],
-                    ping_count=self.ping_count, probe_seconds=self.probe_seconds,
-                    probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
-                ))
-                future: asyncio.Future[None] = loop.create_future()
-                self._pending[(round_id, a)] = (future, kind)
-                running[future] = (a, b, round_id, time.monotonic() + self.probe_timeout_s)
-                busy.update((a, b))
-                try:
-                    self.registry.send(a, command)
-                except KeyError:
-                    future.set_result(None)
-            if not running:
-                continue
-            next_deadline = min(deadline for *_, deadline in running.values())
-            await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED,
-                               timeout=max(0.0, next_deadline - time.monotonic()))
-            now = time.monotonic()
-            for future, (a, b, round_id, deadline) in list(running.items()):
-                if not future.done() and now < deadline:
-                    continue
-                del running[future]
-                busy.difference_update((a, b))
-                self._pending.pop((round_id, a), None)
-                if not future.done():
-                    future.cancel()
-                    silent.add(a)
-                    why = (f"agent {a} did not report its probe of {b} within "
-                           f"{self.probe_timeout_s:.0f} s")
-                    self.store.mark_unreachable(a, b, why)
-                    if kind == coordinator_pb2.MEASURE_KIND_LATENCY:
-                        self.store.mark_unreachable(b, a, why)
+                        measurer, peer, f"agent {measurer} left before it could measure")
+        try:
+            _, late = await asyncio.wait(list(waiting), timeout=self.probe_timeout_s)
+            for future in late:
+                measurer, peers, _ = waiting[future]
+                future.cancel()
+                silent.add(measurer)
+                for peer in peers:
+                    self.store.mark_unreachable(
+                        measurer, peer, f"agent {measurer} did not report its probe of {peer} "
+                                        f"within {self.probe_timeout_s:.0f} s")
+        finally:
+            for future, (measurer, _, round_id) in waiting.items():
+                self._pending.pop((round_id, measurer), None)
+                future.cancel()
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """Commands sent together: (measurer, peers it measures) each."""
+
+    holds: frozenset[str]  # what no other probe may use meanwhile ("send A", "receive B")
+    commands: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def agents(self) -> frozenset[str]:
+        return frozenset(a for measurer, peers in self.commands for a in (measurer, *peers))

@@ -10,24 +10,27 @@ import numpy as np
 import pytest
 
 from agent.wan import WanEmulator
-from agent.wan.cluster import BUFFER_SYSCTLS, WanCluster, with_coordinator_host
-from coordinator.links import measurement_phases, round_robin_pairs
+from agent.wan.cluster import WanCluster, measurement_wan
+from coordinator.links import rotation_rounds
 
 AVAILABLE, WHY = WanEmulator.available()
 needs_wan = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
 
-def test_round_robin_covers_every_directed_link_once_with_no_device_twice() -> None:
+def test_rotation_covers_every_directed_link_once_and_keeps_reverse_links_apart() -> None:
     for n in range(2, 10):
         ids = [f"a{i}" for i in range(n)]
-        rounds = round_robin_pairs(ids)
-        assert len(rounds) == (n - 1 if n % 2 == 0 else n)
-        phases = measurement_phases(ids)
-        directed = [pair for phase in phases for pair in phase]
+        rounds = rotation_rounds(ids)
+        assert len(rounds) == n - 1
+        directed = [link for links in rounds for link in links]
         assert sorted(directed) == sorted((a, b) for a in ids for b in ids if a != b)
-        for phase in phases:
-            devices = [d for pair in phase for d in pair]
-            assert len(devices) == len(set(devices)), "a device in two probes at once"
+        for k, links in enumerate(rounds, start=1):
+            senders = [a for a, _ in links]
+            receivers = [b for _, b in links]
+            assert len(set(senders)) == len(senders) == n, "a device sends twice in a round"
+            assert len(set(receivers)) == n, "a device receives twice in a round"
+            reversed_too = [(a, b) for a, b in links if (b, a) in links]
+            assert not reversed_too or 2 * k == n, f"round {k} measures a link and its reverse"
 
 
 def _matrix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,9 +48,7 @@ def _matrix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def test_measured_matrix_matches_the_emulated_one(tmp_path: Path) -> None:
     n = 4
     delay, bandwidth = _matrix(n, seed=7)
-    wan_delay, wan_bw = with_coordinator_host(delay.tolist(), bandwidth.tolist())
-    with WanEmulator(delay_ms=wan_delay, bandwidth_mbps=wan_bw,
-                     sysctls=BUFFER_SYSCTLS) as wan:
+    with measurement_wan(delay.tolist(), bandwidth.tolist()) as wan:
         cluster = WanCluster(wan, tmp_path, agents=n)
         ids = cluster.start()
         measured = cluster.measure()
@@ -75,8 +76,7 @@ def test_a_dead_peer_is_reported_unreachable_and_left_out(tmp_path: Path) -> Non
     n = 3
     delay = [[0, 10, 10], [10, 0, 10], [10, 10, 0]]
     bw = [[0, 50, 50], [50, 0, 50], [50, 50, 0]]
-    wan_delay, wan_bw = with_coordinator_host(delay, bw)
-    with WanEmulator(delay_ms=wan_delay, bandwidth_mbps=wan_bw) as wan:
+    with measurement_wan(delay, bw) as wan:
         cluster = WanCluster(wan, tmp_path, agents=n)
         ids = cluster.start()
         # freeze agent 2: its heartbeats stop too late to matter, and its peers' probes hang
