@@ -43,6 +43,7 @@ class CoordinatorSession:
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self._rtt_s: dict[str, float] = {}  # by peer address, from the last latency pass
 
     async def run(self) -> None:
         """Join and serve commands until cancelled; raises FatalSessionError on refusal."""
@@ -133,10 +134,15 @@ class CoordinatorSession:
             probe_seconds=cmd.probe_seconds or 1.0,
             probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
             latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
-            bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY)
-        if not sample.reachable and self._peer_channels.get(peer.address) is channel:
-            del self._peer_channels[peer.address]  # start afresh next time
-            await channel.close()
+            bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY,
+            rtt_hint_s=self._rtt_s.get(peer.address, 0.0))
+        if sample.reachable and sample.delay_ms > 0:
+            self._rtt_s[peer.address] = 2 * sample.delay_ms / 1000
+        if not sample.reachable:  # start afresh next time
+            self._rtt_s.pop(peer.address, None)
+            if self._peer_channels.get(peer.address) is channel:
+                del self._peer_channels[peer.address]
+                await channel.close()
         return sample
 
     def progress_report(self) -> coordinator_pb2.ProgressReport:

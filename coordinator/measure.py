@@ -120,6 +120,11 @@ class LinkMeasurer:
                                     measurer, peer,
                                     f"agent {quiet} did not answer an earlier probe")
                         continue
+                    if kind == coordinator_pb2.MEASURE_KIND_BANDWIDTH and all(
+                            self._unreachable(m, p) for m, peers in probe.commands
+                            for p in peers):
+                        pending.remove(probe)  # the latency pass already said why
+                        continue
                     if probe.holds & busy:
                         continue
                     pending.remove(probe)
@@ -135,6 +140,10 @@ class LinkMeasurer:
         finally:
             for task in running:
                 task.cancel()
+
+    def _unreachable(self, a: str, b: str) -> bool:
+        entry = self.store.entries.get((a, b))
+        return entry is not None and not entry.reachable
 
     async def _probe(self, run: int, kind: int, probe: _Probe, by_id: dict[str, AgentRecord],
                      silent: set[str]) -> None:

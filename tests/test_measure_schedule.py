@@ -108,9 +108,11 @@ def test_every_agent_pings_all_its_peers_in_one_command() -> None:
     assert all(peers == set(agents.ids) - {a} for a, peers in latency)
 
 
-def test_a_silent_agent_costs_one_deadline_and_is_not_asked_again() -> None:
+def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:
     agents, matrix, store = asyncio.run(_measure(4, silent=frozenset({"a2"})))
     assert [a for a, _, _ in agents.commands].count("a2") == 1, "asked once, then skipped"
+    assert not [a for a, kind, peers in agents.commands if kind == BANDWIDTH and "a2" in peers], \
+        "no transfer to a peer that did not answer its pings"
     for other in ("a0", "a1", "a3"):
         assert not store.entries[("a2", other)].reachable
         assert not store.entries[(other, "a2")].reachable
