@@ -2,6 +2,7 @@
 # Install dtfm as system services: a `dtfm` user, a venv in /opt/dtfm, units, env files and a
 # token. Run as root from a checkout: `deploy/install.sh [coordinator|agent N...]`.
 # CPU-only hosts: TORCH_SPEC=torch==2.13.0; GPU hosts keep the default (the CUDA build).
+# Agents also get TCP buffer settings for long links (deploy/sysctl.d/); SKIP_SYSCTL=1 skips.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 role="${1:-}"
@@ -32,6 +33,11 @@ else
   [ $# -gt 0 ] || set -- 0
   [ -f /etc/dtfm/agent.env ] || install -m 0640 -g dtfm "$here/deploy/agent.env" /etc/dtfm/
   install -m 0644 "$here/deploy/dtfm-agent@.service" /etc/systemd/system/
+  if [ "${SKIP_SYSCTL:-0}" != 1 ]; then  # bigger TCP buffers for long links; see the file
+    install -m 0644 "$here/deploy/sysctl.d/60-dtfm-wan.conf" /etc/sysctl.d/
+    sysctl --quiet --load /etc/sysctl.d/60-dtfm-wan.conf \
+      || echo "install.sh: could not apply /etc/sysctl.d/60-dtfm-wan.conf now; it applies at boot" >&2
+  fi
   units=()
   for gpu in "$@"; do
     [ -f "/etc/dtfm/agent-$gpu.env" ] || echo "DTFM_LISTEN=0.0.0.0:$((7071 + gpu))" > "/etc/dtfm/agent-$gpu.env"

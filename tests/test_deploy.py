@@ -66,3 +66,22 @@ def test_install_script_parses_and_refuses_bad_usage() -> None:
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     out = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True)
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_sysctl_file_sets_real_keys_to_well_formed_values() -> None:
+    conf = DEPLOY / "sysctl.d" / "60-dtfm-wan.conf"
+    settings = {}
+    for line in conf.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            settings[key.strip()] = [int(v) for v in value.split()]
+    assert settings, "no settings"
+    for key, values in settings.items():
+        assert Path("/proc/sys", *key.split(".")).exists(), f"{key} is not a kernel setting"
+        if key.endswith(("tcp_rmem", "tcp_wmem")):
+            low, default, high = values
+            assert low <= default <= high
+            core = settings["net.core." + ("rmem_max" if "rmem" in key else "wmem_max")]
+            assert high <= core[0], f"{key}: max above the net.core cap"
+    # one stream can fill 1 Gbit/s over the longest round trip of the paper's world matrix
+    assert settings["net.ipv4.tcp_rmem"][2] >= 1e9 / 8 * 0.476
