@@ -162,6 +162,10 @@ class _Windows:
             self.rates.append(self._bytes * 8 / self._seconds)
             self._bytes, self._seconds = 0, 0.0
 
+    def best(self) -> float:
+        """The fastest window after the first (or the first, if it is all there is)."""
+        return max(self.rates[1:] or self.rates or [0.0])
+
     def ramping(self) -> bool:
         """True until two windows after the first agree."""
         last = self.rates[1:][-2:]
@@ -216,13 +220,13 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         stream.report(tick.total_bytes, limit)
         result = windows.steady()
         if result is None and (len(windows.rates) >= MAX_WINDOWS or stream.sent >= cap):
-            result = max(windows.rates[1:] or windows.rates or [0.0])
+            result = windows.best()
         if result is not None:
             stream.stop()
             call.cancel()
             break
     if result is None:  # the peer ended the stream early
-        result = max(windows.rates[1:] or windows.rates or [0.0])
+        result = windows.best()
     log.info("bandwidth to %s: %.1f Mbit/s after %.2f s; windows of %.2f s: %s Mbit/s",
              peer_id, (result or 0) / 1e6, time.perf_counter() - began, windows.window_s,
              " ".join(f"{r / 1e6:.1f}" for r in windows.rates))

@@ -82,15 +82,13 @@ class LinkMeasurer:
         silent: set[str] = set()  # agents that let a probe time out: not asked again this run
         # All latencies first, at once: a ping is a few hundred bytes, so pings do not queue
         # behind each other, and every agent opens its channels to every peer on the way.
-        latency = [_Probe(holds=frozenset(), commands=((a, tuple(b for b in ids if b != a)),))
-                   for a in ids]
+        latency = [_Probe(a, tuple(b for b in ids if b != a)) for a in ids]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
         log.info("latencies measured after %.1f s", time.monotonic() - started)
         # Then bandwidth: each device sends one transfer and receives one at a time, and a
         # link is never measured while its reverse is (its acknowledgements would queue).
-        bandwidth = [_Probe(holds=frozenset((f"send {a}", f"receive {b}",
-                                             f"pair {min(a, b)} {max(a, b)}")),
-                            commands=((a, (b,)),))
+        bandwidth = [_Probe(a, (b,), frozenset((f"send {a}", f"receive {b}",
+                                                f"pair {min(a, b)} {max(a, b)}")))
                      for links in rotation_rounds(ids) for a, b in links]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent)
         self.last_seconds = time.monotonic() - started
@@ -101,7 +99,7 @@ class LinkMeasurer:
                    by_id: dict[str, AgentRecord], silent: set[str]) -> None:
         """Run `probes`, each as soon as no running probe holds what it holds.
 
-        No round barrier: a probe starts as soon as its devices are free, so one slow pair
+        No round barrier: a probe starts as soon as its devices are free, so one slow link
         holds up only the probes that need its devices, not a whole round.
         """
         pending = list(probes)
@@ -110,19 +108,16 @@ class LinkMeasurer:
         try:
             while pending or running:
                 for probe in list(pending):
-                    agents = probe.agents()
-                    if agents & silent:
+                    quiet = sorted({probe.measurer, *probe.peers} & silent)
+                    if quiet:
                         pending.remove(probe)
-                        quiet = sorted(agents & silent)[0]
-                        for measurer, peers in probe.commands:
-                            for peer in peers:
-                                self.store.mark_unreachable(
-                                    measurer, peer,
-                                    f"agent {quiet} did not answer an earlier probe")
+                        for peer in probe.peers:
+                            self.store.mark_unreachable(
+                                probe.measurer, peer,
+                                f"agent {quiet[0]} did not answer an earlier probe")
                         continue
                     if kind == coordinator_pb2.MEASURE_KIND_BANDWIDTH and all(
-                            self._unreachable(m, p) for m, peers in probe.commands
-                            for p in peers):
+                            self._unreachable(probe.measurer, p) for p in probe.peers):
                         pending.remove(probe)  # the latency pass already said why
                         continue
                     if probe.holds & busy:
@@ -147,50 +142,44 @@ class LinkMeasurer:
 
     async def _probe(self, run: int, kind: int, probe: _Probe, by_id: dict[str, AgentRecord],
                      silent: set[str]) -> None:
-        """Send the probe's commands at once; whoever stays silent past the deadline is noted."""
-        loop = asyncio.get_running_loop()
-        waiting: dict[asyncio.Future[None], tuple[str, tuple[str, ...], str]] = {}
-        for measurer, peers in probe.commands:
-            round_id = f"m{run}-k{kind}-{next(self._seq)}"
-            command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
-                round_id=round_id,
-                peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
-                       for p in peers],
-                ping_count=self.ping_count, probe_seconds=self.probe_seconds,
-                probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
-            ))
-            future: asyncio.Future[None] = loop.create_future()
-            self._pending[(round_id, measurer)] = (future, kind)
-            waiting[future] = (measurer, peers, round_id)
+        """Send one command and wait for its report; a measurer silent past the deadline is
+        noted, so it is not asked again."""
+        measurer, peers = probe.measurer, probe.peers
+        round_id = f"m{run}-k{kind}-{next(self._seq)}"
+        command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
+            round_id=round_id,
+            peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
+                   for p in peers],
+            ping_count=self.ping_count, probe_seconds=self.probe_seconds,
+            probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
+        ))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending[(round_id, measurer)] = (future, kind)
+        try:
             try:
                 self.registry.send(measurer, command)
             except KeyError:
-                future.set_result(None)
                 for peer in peers:
                     self.store.mark_unreachable(
                         measurer, peer, f"agent {measurer} left before it could measure")
-        try:
-            _, late = await asyncio.wait(list(waiting), timeout=self.probe_timeout_s)
-            for future in late:
-                measurer, peers, _ = waiting[future]
-                future.cancel()
+                return
+            try:
+                await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s)
+            except TimeoutError:
                 silent.add(measurer)
                 for peer in peers:
                     self.store.mark_unreachable(
                         measurer, peer, f"agent {measurer} did not report its probe of {peer} "
                                         f"within {self.probe_timeout_s:.0f} s")
         finally:
-            for future, (measurer, _, round_id) in waiting.items():
-                self._pending.pop((round_id, measurer), None)
-                future.cancel()
+            self._pending.pop((round_id, measurer), None)
+            future.cancel()
 
 
 @dataclass(frozen=True)
 class _Probe:
-    """Commands sent together: (measurer, peers it measures) each."""
+    """One command: `measurer` measures its links to `peers`."""
 
-    holds: frozenset[str]  # what no other probe may use meanwhile ("send A", "receive B")
-    commands: tuple[tuple[str, tuple[str, ...]], ...]
-
-    def agents(self) -> frozenset[str]:
-        return frozenset(a for measurer, peers in self.commands for a in (measurer, *peers))
+    measurer: str
+    peers: tuple[str, ...]
+    holds: frozenset[str] = frozenset()  # what no other probe may use meanwhile ("send A")
