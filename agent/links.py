@@ -111,8 +111,8 @@ class _PacedStream:
 
     Without a limit the sender fills every buffer on the path (HTTP/2 window, socket buffers,
     router queues); when the probe ends that backlog still drains for seconds and delays
-    whoever measures next. The limit follows the measured rate, so the backlog stays
-    about half a round trip's worth.
+    whoever measures next. The limit follows the measured rate (see `_bandwidth`), so what is in
+    flight stays within about 1.5 round trips' worth.
     """
 
     def __init__(self, cap: int, tick_s: float, limit: int) -> None:
@@ -188,9 +188,10 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     reach its rate), so the sender keeps streaming and sums the receiver's ticks into windows
     of `target_s / STEADY_WINDOWS`; after the first window, STEADY_WINDOWS consecutive windows
     within CONVERGED of each other end the probe, so the steady rate is watched for about
-    `target_s`. The stream is then cancelled rather than drained: the pace limit keeps the
-    backlog to about a round trip's worth, and the next probe through either device counts
-    only windows that agree, so a backlog still draining cannot pass for a steady rate.
+    `target_s`. The stream is then cancelled rather than drained: the pace limit keeps what
+    is in flight within about 1.5 round trips' worth, and the next probe through either
+    device counts only windows that agree, so a backlog still draining cannot pass for a
+    steady rate.
     """
     tick_s = min(TICK_S, target_s / 4)
     windows = _Windows(target_s / STEADY_WINDOWS)

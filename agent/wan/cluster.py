@@ -29,28 +29,21 @@ BUFFER_SYSCTLS = {
 }
 
 # Jumbo frames for clusters whose links get measured: TCP ramps up and counts packets much as
-# it does at the Internet's 1500 bytes, and a slow link's rate over half a second is not
+# it does at the Internet's 1500 bytes, and a slow link's rate over a probe window is not
 # quantized into a handful of 64 KB packets (5 Mbit/s is 5 of them per half second), while the
 # forwarder still handles few enough packets per second.
 MEASURED_MTU = 9000
 
 
-def with_coordinator_host(delay_ms: Sequence[Sequence[float]],
-                          bandwidth_mbps: Sequence[Sequence[float]]
-                          ) -> tuple[list[list[float]], list[list[float | None]]]:
-    """Prepend host 0 (the coordinator) with free links to every agent host."""
-    n = len(delay_ms)
-    delay = [[0.0] * (n + 1)] + [[0.0, *map(float, row)] for row in delay_ms]
-    bw: list[list[float | None]] = [[None] * (n + 1)] + [
-        [None, *map(float, row)] for row in bandwidth_mbps]
-    return delay, bw
-
-
 def measurement_wan(delay_ms: Sequence[Sequence[float]],
                     bandwidth_mbps: Sequence[Sequence[float]]) -> WanEmulator:
-    """An emulator for a cluster whose links get measured: agents on hosts 1..N, the
-    coordinator on host 0, tuned hosts (BUFFER_SYSCTLS) and jumbo frames (MEASURED_MTU)."""
-    delay, bandwidth = with_coordinator_host(delay_ms, bandwidth_mbps)
+    """An emulator for a cluster whose links get measured: agents on hosts 1..N with the given
+    links, the coordinator on host 0 with free links to everyone, tuned hosts (BUFFER_SYSCTLS)
+    and jumbo frames (MEASURED_MTU)."""
+    n = len(delay_ms)
+    delay = [[0.0] * (n + 1)] + [[0.0, *map(float, row)] for row in delay_ms]
+    bandwidth: list[list[float | None]] = [[None] * (n + 1)] + [
+        [None, *map(float, row)] for row in bandwidth_mbps]
     return WanEmulator(delay_ms=delay, bandwidth_mbps=bandwidth, sysctls=BUFFER_SYSCTLS,
                        mtu=MEASURED_MTU)
 
