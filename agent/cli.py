@@ -27,6 +27,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="keeps the agent id and worker files (env DTFM_STATE_DIR); each agent "
                    "on one machine needs its own")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--bind-interface", default="",
+                   help="network interface the training worker's collectives (gloo, NCCL "
+                   "bootstrap) use; default: the one holding the --advertise address")
     cliutil.add_security_args(p)
     cliutil.add_common_args(p)
 
@@ -71,6 +74,7 @@ def _start(args: argparse.Namespace) -> int:
         coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
         state_dir=args.state_dir or default_state_dir(),
         security=cliutil.security_from_args(args), device=args.device,
+        bind_interface=args.bind_interface,
     )
     config.validate()
     return cliutil.run_async(serve(config))

@@ -24,6 +24,7 @@ class AgentConfig:
     security: Security = field(default_factory=lambda: Security(token=""))
     device: str = "auto"  # auto, cpu or cuda
     max_backoff_s: float = 10.0
+    bind_interface: str = ""  # the worker's collectives use this interface; default: advertised
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
@@ -35,6 +36,13 @@ class AgentConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.bind_interface:
+            import socket
+
+            names = [name for _, name in socket.if_nameindex()]
+            if self.bind_interface not in names:
+                raise ConfigError(f"--bind-interface {self.bind_interface!r} is not an "
+                                  f"interface of this machine (it has {', '.join(names)})")
         self.security.validate()
 
     @property

@@ -110,7 +110,8 @@ async def serve(config: AgentConfig) -> int:
     info.port = port
     log.info("agent %s serving on %s:%d (%s), coordinator %s", agent_id, info.host, port,
              info.device.kind, config.coordinator)
-    supervisor = Supervisor(Path(config.state_dir) / "work")
+    supervisor = Supervisor(Path(config.state_dir) / "work",
+                            bind_interface=config.bind_interface)
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
                                  config.max_backoff_s)
     service.session = session

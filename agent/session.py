@@ -152,7 +152,8 @@ class CoordinatorSession:
             agent_id=self.info.agent_id, job_id=p.job_id, epoch=p.epoch,
             worker_state="idle" if state == "stopped" else state, step=p.step,
             loss=p.loss, tokens_per_s=p.tokens_per_s, error=p.error,
-            total_steps=p.total_steps,
+            total_steps=p.total_steps, step_s=p.step_s, compute_s=p.compute_s,
+            pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=p.error_kind,
         )
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:

@@ -36,12 +36,18 @@ class WorkerProgress:
     loss: float = 0.0
     tokens_per_s: float = 0.0
     error: str = ""
+    error_kind: str = ""  # config, rendezvous, peer, internal (see the worker's error event)
+    step_s: float = 0.0  # the last step's time and its split
+    compute_s: float = 0.0
+    pp_wait_s: float = 0.0
+    dp_s: float = 0.0
 
 
 class Supervisor:
     def __init__(self, workdir: Path, on_change: Callable[[], None] = lambda: None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, bind_interface: str = "") -> None:
         self.workdir = workdir
+        self.bind_interface = bind_interface
         self.on_change = on_change
         self.python = python
         self.progress = WorkerProgress()
@@ -73,13 +79,18 @@ class Supervisor:
                  "--progress", str(progress_path)],
                 stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1",
-                     "DTFM_SUPERVISOR_PID": str(os.getpid())},
+                env=self._worker_env(),
             )
         log.info("worker for %s rank %d (stage %d, replica %d) started as pid %d; log %s",
                  assignment.job_id, assignment.rank, assignment.stage, assignment.replica,
                  self._proc.pid, log_path)
         self._task = asyncio.create_task(self._follow(self._proc, progress_path, log_path))
+
+    def _worker_env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DTFM_SUPERVISOR_PID": str(os.getpid())}
+        if self.bind_interface:
+            env["DTFM_BIND_INTERFACE"] = self.bind_interface
+        return env
 
     async def _follow(self, proc: subprocess.Popen[bytes], progress_path: Path,
                       log_path: Path) -> None:
@@ -125,9 +136,14 @@ class Supervisor:
                 if isinstance(loss, int | float) and loss == loss:
                     self.progress.loss = float(loss)
                 self.progress.tokens_per_s = float(event.get("tokens_per_s", 0.0) or 0.0)
+                for name in ("step_s", "compute_s", "pp_wait_s", "dp_s"):
+                    value = event.get(name)
+                    if isinstance(value, int | float) and value == value:
+                        setattr(self.progress, name, float(value))
             elif kind == "error":
                 self.progress.state = "failed"
                 self.progress.error = str(event.get("message", "unknown error"))
+                self.progress.error_kind = str(event.get("kind", "internal"))
             self.on_change()
         return offset + end
 

@@ -77,6 +77,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--placement", default="scheduled",
+                   help="scheduled (the paper's search, default), rank-order (network-blind, "
+                   "agents in address order), random[:SEED], or a plan file written by "
+                   "`coordinator plan --json` (pinned)")
     add_train_args(p)
     cliutil.add_common_args(p)
 
@@ -142,7 +146,8 @@ def _start(args: argparse.Namespace) -> int:
         job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
                       replicas=args.replicas, train=train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,
-                      seed=args.seed, max_restarts=args.max_restarts),
+                      seed=args.seed, max_restarts=args.max_restarts,
+                      placement=args.placement),
     )
     config.validate()
     cliutil.run_async(serve(config))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.placement import Placement
 from protos.rpc import ConfigError, Security, split_hostport
 from protos.spec import TrainConfig
 
@@ -25,10 +26,20 @@ class JobConfig:
     search_seconds: float = 5.0
     seed: int = 0
     max_restarts: int = 3
+    placement: str = "scheduled"  # scheduled, rank-order, random[:SEED] or a plan file
+
+    def parsed_placement(self) -> Placement:
+        try:
+            return Placement.parse(self.placement)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def validate(self) -> None:
         if not self.model:
             return
+        placement = self.parsed_placement()
+        if placement.pinned is not None:
+            self._check_pinned(placement)
         from coordinator.catalogue import get_preset
 
         try:
@@ -57,6 +68,22 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
                               f"{layout.replicas} replicas)") from None
+
+
+    def _check_pinned(self, placement: Placement) -> None:
+        pinned = placement.pinned
+        assert pinned is not None
+        n = pinned.stages * pinned.replicas
+        if self.agents != n:
+            raise ConfigError(f"--placement {placement.path} places {n} agents "
+                              f"({pinned.stages} stages x {pinned.replicas} replicas), but "
+                              f"--agents is {self.agents}")
+        for flag, value, want in (("--stages", self.stages, pinned.stages),
+                                  ("--replicas", self.replicas, pinned.replicas)):
+            if value and value != want:
+                raise ConfigError(f"{flag} {value} disagrees with the {want} of the pinned "
+                                  f"plan {placement.path}: drop the flag or fix the plan")
+        self.stages, self.replicas = pinned.stages, pinned.replicas
 
 
 @dataclass

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import statistics
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,10 +25,14 @@ from coordinator.catalogue import get_preset
 from coordinator.config import JobConfig
 from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
+from coordinator.placement import Placement, address_key, fixed_grid, score
 from coordinator.registry import AgentRecord, Registry
+from coordinator.scheduler import Network
+from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step, step_shape
 from protos.assignment import build_assignments
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from protos.layout import Layout
+from protos.layout import Layout, layer_ranges
+from protos.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 S = coordinator_pb2  # state constants live in the generated module
@@ -56,6 +63,48 @@ def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int
             "pp_cost": result.pp_cost, "seconds": result.seconds}
 
 
+STEP_WINDOW = 5  # measured step time: the median over the members' last steps
+FLOPS_PER_PARAM_TOKEN = 6.0  # forward + backward of a dense transformer
+
+
+@dataclass
+class _Prediction:
+    """The running plan's step-time model, refined as workers report their compute.
+
+    Before the first steps, compute is estimated from each agent's measured FLOP/s; once a
+    member has reported steps, its own median compute time replaces the estimate."""
+
+    net: Network
+    grid: list[list[int]]  # stage x replica -> index into `agents`
+    shape: StepShape
+    layout: Layout
+    agents: list[str]
+    flops: list[float]
+    spec: ModelSpec
+    _comm: StepTime | None = field(default=None, repr=False)
+
+    @property
+    def comm_s(self) -> float:
+        if self._comm is None:
+            self._comm = simulate_step(self.net, self.grid, self.shape)
+        return self._comm.step_s
+
+    def _estimate(self, device: int, stage: int) -> float:
+        flops = self.flops[device]
+        if flops <= 0:
+            return 0.0
+        begin, end = layer_ranges(self.spec.n_layers, self.layout.stages)[stage]
+        micro_tokens = self.shape.act_bytes / 4 / self.spec.d_model
+        return FLOPS_PER_PARAM_TOKEN * self.spec.stage_params(begin, end) * micro_tokens / flops
+
+    def predict(self, compute_per_step: dict[str, float]) -> StepTime:
+        """`compute_per_step[agent]`: its measured compute seconds per step, where known."""
+        m = self.shape.micro_batches
+        compute = [[compute_per_step[self.agents[d]] / m if self.agents[d] in compute_per_step
+                    else self._estimate(d, j) for d in row] for j, row in enumerate(self.grid)]
+        return simulate_step(self.net, self.grid, self.shape, compute)
+
+
 class Job:
     def __init__(self, config: JobConfig, registry: Registry, measurer: LinkMeasurer,
                  links: LinkStore) -> None:
@@ -73,6 +122,10 @@ class Job:
         self._wake = asyncio.Event()
         self._progress: dict[str, coordinator_pb2.ProgressReport] = {}
         self._failure: str = ""
+        self._failure_kind: str = ""
+        self._last_epoch_failure: tuple[str, int] = ("", 0)  # (kind, steps done) of the last
+        self._steps: dict[str, deque[coordinator_pb2.ProgressReport]] = {}
+        self._model: _Prediction | None = None
         self.started_unix_s = 0.0
 
     # --- events from the server ---
@@ -85,8 +138,13 @@ class Job:
     def on_progress(self, rec: AgentRecord, report: coordinator_pb2.ProgressReport) -> None:
         if report.job_id and report.job_id == self.job_id and report.epoch == self.epoch:
             self._progress[rec.agent_id] = report
+            steps = self._steps.setdefault(rec.agent_id, deque(maxlen=STEP_WINDOW))
+            if report.step >= 2 and report.step_s > 0 and (
+                    not steps or steps[-1].step != report.step):
+                steps.append(report)  # step 1 carries warm-up; later ones are steady
             if report.worker_state == "failed" and not self._failure:
                 self._failure = f"worker on {rec.agent_id} failed: {report.error or 'no reason'}"
+                self._failure_kind = report.error_kind or "internal"
             self.poke()
 
     def on_lost(self, lost: list[AgentRecord]) -> None:
@@ -100,17 +158,38 @@ class Job:
         return self.state in (S.JOB_STATE_RUNNING, S.JOB_STATE_SCHEDULING,
                               S.JOB_STATE_MEASURING)
 
+    def measured_step_s(self) -> float:
+        """Median step time over the members' last few steady steps (0 before any)."""
+        times = [r.step_s for steps in self._steps.values() for r in steps]
+        return statistics.median(times) if times else 0.0
+
+    def _refresh_prediction(self) -> None:
+        """Replace estimated compute by what members measured, once they have."""
+        if self._model is None or self.plan is None:
+            return
+        measured = {a: statistics.median(r.compute_s for r in steps)
+                    for a, steps in self._steps.items() if steps and a in self.members}
+        predicted = self._model.predict(measured)
+        self.plan.predicted_step_s = predicted.step_s
+        self.plan.predicted_compute_s = predicted.compute_s
+
     def status(self) -> coordinator_pb2.JobStatus:
         reports = list(self._progress.values())
         step = max((r.step for r in reports), default=0)
         with_loss = [r for r in reports if r.step == step and r.loss > 0]
-        tps = sum(r.tokens_per_s for r in reports if r.step == step and r.loss > 0)
+        self._refresh_prediction()
+        measured = self.measured_step_s()
+        tokens = self.config.train.global_batch * get_preset(self.config.model).seq_len \
+            if self.config.model else 0
         return coordinator_pb2.JobStatus(
             job_id=self.job_id, state=self.state, model=self.config.model,
             agents_wanted=self.config.agents, epoch=self.epoch, step=step,
             total_steps=self.config.train.steps,
             loss=with_loss[0].loss if with_loss else 0.0,
-            tokens_per_s=tps, message=self.message,
+            tokens_per_s=tokens / measured if measured else 0.0, message=self.message,
+            placement=self.plan.placement if self.plan else "",
+            predicted_step_s=self.plan.predicted_step_s if self.plan else 0.0,
+            measured_step_s=measured,
         )
 
     # --- the machine ---
@@ -137,15 +216,9 @@ class Job:
     async def _run_epoch(self) -> None:
         cfg = self.config
         spec = get_preset(cfg.model)
-        wanted = cfg.agents
-        while len(self.registry.alive()) < wanted:
-            have = len(self.registry.alive())
-            if self.state != S.JOB_STATE_RECOVERING or have:
-                self._set(S.JOB_STATE_WAITING if self.state != S.JOB_STATE_RECOVERING
-                          else S.JOB_STATE_RECOVERING,
-                          f"waiting for agents: {have} of {wanted} alive")
-            await self._wait()
-        members = self.registry.alive()[:wanted]
+        placement = cfg.parsed_placement()
+        members = await self._gather(placement)
+        wanted = len(members)
         ids = [m.agent_id for m in members]
         if cfg.measure_links and wanted > 1:
             self._set(S.JOB_STATE_MEASURING, f"measuring {wanted * (wanted - 1)} links")
@@ -166,41 +239,92 @@ class Job:
             bandwidth = np.ones((wanted, wanted))
         np.fill_diagonal(delay, 0.0)
         np.fill_diagonal(bandwidth, 1.0)
+        net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
         layout = choose_layout(wanted, spec.n_layers, cfg.stages, cfg.replicas)
-        self._set(S.JOB_STATE_SCHEDULING,
-                  f"searching {layout.stages} stages x {layout.replicas} replicas")
-        from coordinator.scheduler import comm_gb
-
-        dp_gb, pp_gb = comm_gb(spec, layout.stages, layout.replicas, cfg.train.global_batch,
-                               dtype="fp32" if cfg.train.dtype == "fp32" else "fp16")
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            found = await asyncio.get_running_loop().run_in_executor(
-                pool, _search, delay, bandwidth, layout.stages, layout.replicas, dp_gb, pp_gb,
-                cfg.seed, cfg.search_seconds)
+        self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
+                  f"{layout.replicas} replicas ({placement.label})")
+        try:
+            found = await self._place(placement, net, layout, ids, spec)
+        except ValueError as exc:
+            self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
+            return
         self.epoch += 1
+        by_rank = layout.devices_by_rank(found["grid"])
+        records = [members[int(d)] for d in by_rank]
+        self._model = _Prediction(net=net, grid=found["grid"], shape=step_shape(
+            spec, layout.stages, layout.replicas, cfg.train.global_batch,
+            cfg.train.micro_batches, cfg.train.schedule), layout=layout,
+            agents=[m.agent_id for m in members], flops=[m.info.device.flops for m in members],
+            spec=spec)
+        predicted = self._model.predict({})
         self.plan = common_pb2.Plan(
             stages=layout.stages, replicas=layout.replicas,
             grid=[common_pb2.PlanStage(agent_ids=[ids[d] for d in row]) for row in found["grid"]],
             cost=found["cost"], dp_cost=found["dp_cost"], pp_cost=found["pp_cost"],
-            seconds=found["seconds"], algorithm="hybrid-ga", epoch=self.epoch,
+            seconds=found["seconds"], algorithm=found["algorithm"], epoch=self.epoch,
+            placement=placement.label, predicted_step_s=predicted.step_s,
+            predicted_comm_s=self._model.comm_s, predicted_compute_s=predicted.compute_s,
         )
-        by_rank = layout.devices_by_rank(found["grid"])
-        records = [members[int(d)] for d in by_rank]
         assignments = build_assignments(
             job_id=self.job_id, epoch=self.epoch, layout=layout, spec=spec, train=cfg.train,
             master_addr=records[0].info.host, master_port=self._rendezvous_port(),
             backend="nccl" if all(r.info.device.kind == "cuda" for r in records) else "gloo",
+            bind_addrs=[r.info.host for r in records],
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()
-        self._failure = ""
+        self._steps.clear()
+        self._failure, self._failure_kind = "", ""
         for rec, assignment in zip(records, assignments, strict=True):
             self.registry.send(rec.agent_id, coordinator_pb2.Command(assign=assignment))
         self.started_unix_s = time.time()
         self._set(S.JOB_STATE_RUNNING,
                   f"epoch {self.epoch}: {layout.stages} stages x {layout.replicas} replicas, "
-                  f"predicted cost {found['cost']:.3f} s")
+                  f"{placement.label} placement, predicted cost {found['cost']:.3f} s, "
+                  f"predicted step {predicted.step_s:.2f} s")
         await self._follow()
+
+    async def _gather(self, placement: Placement) -> list[AgentRecord]:
+        """Wait for the agents the job needs: the pinned plan's, or any `--agents` live ones.
+
+        Members are in address order, the order a network-blind launcher would use."""
+        wanted = self.config.agents
+        pinned = placement.pinned.agents if placement.pinned is not None else []
+        while True:
+            alive = self.registry.alive()
+            if pinned:
+                by_id = {a.agent_id: a for a in alive}
+                missing = [a for a in pinned if a not in by_id]
+                if not missing:
+                    return [by_id[a] for a in pinned]
+                what = f"the pinned plan's agents: {len(missing)} of {wanted} not alive " \
+                       f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+            else:
+                if len(alive) >= wanted:
+                    return sorted(alive, key=lambda a: address_key(a.info.host,
+                                                                   a.info.port))[:wanted]
+                what = f"agents: {len(alive)} of {wanted} alive"
+            if self.state != S.JOB_STATE_RECOVERING or alive:
+                self._set(S.JOB_STATE_RECOVERING if self.state == S.JOB_STATE_RECOVERING
+                          else S.JOB_STATE_WAITING, f"waiting for {what}")
+            await self._wait()
+
+    async def _place(self, placement: Placement, net: Network, layout: Layout,
+                     ids: list[str], spec: Any) -> dict[str, Any]:
+        cfg = self.config
+        from coordinator.scheduler import comm_gb
+
+        dp_gb, pp_gb = comm_gb(spec, layout.stages, layout.replicas, cfg.train.global_batch,
+                               dtype="fp32" if cfg.train.dtype == "fp32" else "fp16")
+        grid = fixed_grid(placement, layout.stages, layout.replicas, ids)
+        if grid is not None:
+            return {"grid": grid, "seconds": 0.0, "algorithm": placement.kind,
+                    **score(net, grid, dp_gb, pp_gb)}
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            found = await asyncio.get_running_loop().run_in_executor(
+                pool, _search, net.delay_ms, net.bandwidth_gbps, layout.stages,
+                layout.replicas, dp_gb, pp_gb, cfg.seed, cfg.search_seconds)
+        return {**found, "algorithm": "hybrid-ga"}
 
     def _rendezvous_port(self) -> int:
         return 29500 + (self.epoch % 500) * 2
@@ -211,7 +335,10 @@ class Job:
                 failure = self._failure
                 await self._stop_members(f"recovering: {failure}")
                 self.restarts += 1
-                if self.restarts > self.config.max_restarts:
+                permanent = self._permanent(failure)
+                if permanent:
+                    self._set(S.JOB_STATE_FAILED, permanent)
+                elif self.restarts > self.config.max_restarts:
                     self._set(S.JOB_STATE_FAILED,
                               f"{failure}; gave up after {self.config.max_restarts} restarts")
                 else:
@@ -225,6 +352,26 @@ class Job:
                 self._set(S.JOB_STATE_DONE, f"trained {self.config.train.steps} steps")
                 return
             await self._wait()
+
+    def _permanent(self, failure: str) -> str:
+        """Why `failure` will repeat the same way on every retry ('' when a retry may help).
+
+        A rejected assignment or configuration fails identically every time; workers that
+        cannot join their world in two epochs running, without training a step in either,
+        point at addresses or ports that a retry will not fix (a lost agent would have been
+        reported as lost instead)."""
+        kind = self._failure_kind
+        steps = max((r.step for r in self._progress.values()), default=0)
+        last, self._last_epoch_failure = self._last_epoch_failure, (kind, steps)
+        if kind == "config":
+            return (f"{failure} (the job's configuration is invalid and would fail the same "
+                    f"way again: fix it and restart the coordinator)")
+        if kind == "rendezvous" and steps == 0 and last == ("rendezvous", 0):
+            return (f"{failure} (workers could not join their world twice in a row: check that "
+                    f"every agent's --advertise address is reachable from the others, that TCP "
+                    f"port {self._rendezvous_port()} and up are open between them, or set the "
+                    f"agents' --bind-interface)")
+        return ""
 
     async def _stop_members(self, reason: str) -> None:
         for agent_id in self.members:

@@ -33,7 +33,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
             "version": a.info.version,
             "worker": {"state": p.worker_state or "idle", "job_id": p.job_id,
                        "epoch": p.epoch, "step": p.step, "loss": p.loss,
-                       "tokens_per_s": p.tokens_per_s, "error": p.error},
+                       "tokens_per_s": p.tokens_per_s, "error": p.error,
+                       "error_kind": p.error_kind, "step_s": p.step_s,
+                       "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s},
         })
     j = status.job
     plan = None
@@ -42,13 +44,18 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "grid": [list(row.agent_ids) for row in status.plan.grid],
                 "cost": status.plan.cost, "dp_cost": status.plan.dp_cost,
                 "pp_cost": status.plan.pp_cost, "seconds": status.plan.seconds,
-                "epoch": status.plan.epoch}
+                "epoch": status.plan.epoch, "placement": status.plan.placement,
+                "algorithm": status.plan.algorithm,
+                "predicted_step_s": status.plan.predicted_step_s,
+                "predicted_comm_s": status.plan.predicted_comm_s,
+                "predicted_compute_s": status.plan.predicted_compute_s}
     return {
         "agents": agents,
         "job": {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
                 "agents_wanted": j.agents_wanted, "epoch": j.epoch, "step": j.step,
                 "total_steps": j.total_steps, "loss": j.loss, "tokens_per_s": j.tokens_per_s,
-                "message": j.message},
+                "message": j.message, "placement": j.placement,
+                "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s},
         "plan": plan,
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
@@ -60,6 +67,14 @@ def _ago(seconds: float) -> str:
         "%H:%M:%S", time.localtime(time.time() - seconds))
 
 
+def _split(worker: dict[str, Any]) -> str:
+    """Where a worker's last step went: compute, waiting on neighbours, data-parallel sync."""
+    if not worker["step_s"]:
+        return "-"
+    return (f"{worker['step_s']:.2f}s = compute {worker['compute_s']:.2f} + pipeline wait "
+            f"{worker['pp_wait_s']:.2f} + dp sync {worker['dp_s']:.2f}")
+
+
 def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
     data = status_to_json(status)
     j = data["job"]
@@ -68,6 +83,11 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         lines.append(f"job {j['id']}: {j['state']}  model {j['model']}  epoch {j['epoch']}  "
                      f"step {j['step']}/{j['total_steps']}  loss {j['loss']:.4f}  "
                      f"{j['tokens_per_s']:.0f} tok/s")
+        if j["placement"]:
+            measured = (f"{j['measured_step_s']:.2f} s" if j["measured_step_s"]
+                        else "not yet measured")
+            lines.append(f"  placement {j['placement']}: step time predicted "
+                         f"{j['predicted_step_s']:.2f} s, measured {measured}")
         if j["message"]:
             lines.append(f"  {j['message']}")
     else:
@@ -75,21 +95,23 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
     alive = sum(a["state"] == "alive" for a in data["agents"])
     lines.append(f"agents: {alive} alive of {len(data['agents'])}")
     if data["agents"]:
-        rows = [("ID", "ADDRESS", "STATE", "LAST SEEN", "DEVICE", "WORKER")]
+        rows = [("ID", "ADDRESS", "STATE", "LAST SEEN", "DEVICE", "WORKER", "STEP SPLIT")]
         for a in data["agents"]:
             w = a["worker"]
             worker = w["state"] + (f" step {w['step']} loss {w['loss']:.3f}"
                                    if w["state"] == "training" else "")
             rows.append((a["id"], a["address"], a["state"], _ago(a["last_seen_ago_s"]),
-                         f"{a['device']['kind']}", worker))
+                         f"{a['device']['kind']}", worker, _split(w)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
     if data["plan"]:
         p = data["plan"]
-        lines.append(f"plan (epoch {p['epoch']}): {p['stages']} stages x {p['replicas']} "
+        lines.append(f"plan (epoch {p['epoch']}, {p['placement'] or 'scheduled'}): "
+                     f"{p['stages']} stages x {p['replicas']} "
                      f"replicas, cost {p['cost']:.3f} s = DP {p['dp_cost']:.3f} + "
-                     f"2 x PP {p['pp_cost']:.3f}")
+                     f"2 x PP {p['pp_cost']:.3f}; predicted step {p['predicted_step_s']:.2f} s "
+                     f"(communication alone {p['predicted_comm_s']:.2f} s)")
         for s, row in enumerate(p["grid"]):
             lines.append(f"  stage {s}: {'  '.join(row)}")
     return "\n".join(lines)

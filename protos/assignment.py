@@ -24,9 +24,16 @@ def build_assignments(
     master_port: int,
     backend: str = "gloo",
     splits: Sequence[int] | None = None,
+    bind_addrs: Sequence[str] | None = None,
 ) -> list[common_pb2.Assignment]:
-    """One assignment per rank, in rank order."""
+    """One assignment per rank, in rank order.
+
+    `bind_addrs[rank]` is the address rank's agent advertises (its collectives bind there);
+    without it every rank binds to `master_addr`, which is right only on one machine.
+    """
     train.validate(layout.replicas)
+    if bind_addrs is not None and len(bind_addrs) != layout.world_size:
+        raise ValueError(f"{len(bind_addrs)} bind addresses for {layout.world_size} ranks")
     counts = layer_splits(spec.n_layers, layout.stages, splits)
     ranges = layer_ranges(spec.n_layers, layout.stages, counts)
     out = []
@@ -43,5 +50,6 @@ def build_assignments(
             next_rank=-1 if next_rank is None else next_rank,
             model=spec.to_proto(), train=train.to_proto(), backend=backend,
             layer_splits=counts,
+            bind_addr=bind_addrs[rank] if bind_addrs is not None else master_addr,
         ))
     return out

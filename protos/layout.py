@@ -110,3 +110,24 @@ def layer_ranges(
         ranges.append((begin, begin + count))
         begin += count
     return ranges
+
+
+def pipeline_ops(kind: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """The ("F"|"B", micro-batch) sequence one stage runs in one step.
+
+    The worker runs exactly this order and the step-time model simulates it, so both live
+    here. GPipe: every forward, then every backward. 1F1B: S - stage - 1 warm-up forwards,
+    then one forward and one backward alternately, then the remaining backwards.
+    """
+    if kind == "gpipe":
+        return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
+    if kind != "1f1b":
+        raise ValueError(f"unknown schedule {kind!r}; use 'gpipe' or '1f1b'")
+    warmup = min(stages - stage - 1, micro)
+    ops = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while f < micro:
+        ops += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    ops += [("B", i) for i in range(b, micro)]
+    return ops

@@ -87,7 +87,7 @@ class TrainConfig(_message.Message):
     def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits")
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class Assignment(_message.Message):
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYER_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    BIND_ADDR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     master_addr: str
@@ -126,7 +127,8 @@ class Assignment(_message.Message):
     train: TrainConfig
     backend: str
     layer_splits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ...) -> None: ...
+    bind_addr: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ...) -> None: ...
 
 class LinkSample(_message.Message):
     __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s")
@@ -163,7 +165,7 @@ class PlanStage(_message.Message):
     def __init__(self, agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch")
+    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,10 @@ class Plan(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_COMM_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     stages: int
     replicas: int
     grid: _containers.RepeatedCompositeFieldContainer[PlanStage]
@@ -182,4 +188,8 @@ class Plan(_message.Message):
     seconds: float
     algorithm: str
     epoch: int
-    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    placement: str
+    predicted_step_s: float
+    predicted_comm_s: float
+    predicted_compute_s: float
+    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ...) -> None: ...

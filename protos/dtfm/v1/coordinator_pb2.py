@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from protos.dtfm.v1 import common_pb2 as protos_dot_dtfm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/dtfm/v1/coordinator.proto\x12\x07\x64tfm.v1\x1a\x1bprotos/dtfm/v1/common.proto\"0\n\x0bJoinRequest\x12!\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\"U\n\x07Welcome\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1a\n\x12liveness_timeout_s\x18\x03 \x01(\x01\"/\n\nPeerTarget\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb3\x01\n\x13MeasureLinksCommand\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\"\n\x05peers\x18\x02 \x03(\x0b\x32\x13.dtfm.v1.PeerTarget\x12\x12\n\nping_count\x18\x03 \x01(\r\x12\x15\n\rprobe_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprobe_max_bytes\x18\x05 \x01(\x04\x12\"\n\x04kind\x18\x06 \x01(\x0e\x32\x14.dtfm.v1.MeasureKind\"-\n\x0bStopCommand\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc1\x01\n\x07\x43ommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12#\n\x07welcome\x18\x02 \x01(\x0b\x32\x10.dtfm.v1.WelcomeH\x00\x12/\n\x07measure\x18\x03 \x01(\x0b\x32\x1c.dtfm.v1.MeasureLinksCommandH\x00\x12%\n\x06\x61ssign\x18\x04 \x01(\x0b\x32\x13.dtfm.v1.AssignmentH\x00\x12$\n\x04stop\x18\x05 \x01(\x0b\x32\x14.dtfm.v1.StopCommandH\x00\x42\x06\n\x04kind\"V\n\nLinkReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\t\x12$\n\x07samples\x18\x03 \x03(\x0b\x32\x13.dtfm.v1.LinkSample\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xad\x01\n\x0eProgressReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cworker_state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0btotal_steps\x18\t \x01(\x04\"\x0f\n\rStatusRequest\"\xaf\x01\n\x0b\x41gentStatus\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.dtfm.v1.AgentState\x12\x18\n\x10last_seen_unix_s\x18\x03 \x01(\x01\x12\x15\n\rjoined_unix_s\x18\x04 \x01(\x01\x12)\n\x08progress\x18\x05 \x01(\x0b\x32\x17.dtfm.v1.ProgressReport\"\xca\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12 \n\x05state\x18\x02 \x01(\x0e\x32\x11.dtfm.v1.JobState\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\ragents_wanted\x18\x04 \x01(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x07 \x01(\x04\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x01\x12\x0f\n\x07message\x18\n \x01(\t\"\xab\x01\n\rClusterStatus\x12$\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x14.dtfm.v1.AgentStatus\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.dtfm.v1.JobStatus\x12\x1b\n\x04plan\x18\x03 \x01(\x0b\x32\r.dtfm.v1.Plan\x12\"\n\x05links\x18\x04 \x01(\x0b\x32\x13.dtfm.v1.LinkMatrix\x12\x12\n\nnow_unix_s\x18\x05 \x01(\x01\"\r\n\x0bPlanRequest\"#\n\x0eMeasureRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01*Z\n\x0bMeasureKind\x12\x15\n\x11MEASURE_KIND_BOTH\x10\x00\x12\x18\n\x14MEASURE_KIND_LATENCY\x10\x01\x12\x1a\n\x16MEASURE_KIND_BANDWIDTH\x10\x02*l\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41GENT_STATE_ALIVE\x10\x01\x12\x14\n\x10\x41GENT_STATE_LOST\x10\x02\x12\x14\n\x10\x41GENT_STATE_LEFT\x10\x03*\xde\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eJOB_STATE_IDLE\x10\x01\x12\x15\n\x11JOB_STATE_WAITING\x10\x02\x12\x17\n\x13JOB_STATE_MEASURING\x10\x03\x12\x18\n\x14JOB_STATE_SCHEDULING\x10\x04\x12\x15\n\x11JOB_STATE_RUNNING\x10\x05\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x06\x12\x12\n\x0eJOB_STATE_DONE\x10\x07\x12\x14\n\x10JOB_STATE_FAILED\x10\x08\x32\xd5\x02\n\x0b\x43oordinator\x12\x30\n\x04Join\x12\x14.dtfm.v1.JoinRequest\x1a\x10.dtfm.v1.Command0\x01\x12\x30\n\x0bReportLinks\x12\x13.dtfm.v1.LinkReport\x1a\x0c.dtfm.v1.Ack\x12\x37\n\x0eReportProgress\x12\x17.dtfm.v1.ProgressReport\x1a\x0c.dtfm.v1.Ack\x12;\n\tGetStatus\x12\x16.dtfm.v1.StatusRequest\x1a\x16.dtfm.v1.ClusterStatus\x12.\n\x07GetPlan\x12\x14.dtfm.v1.PlanRequest\x1a\r.dtfm.v1.Plan\x12<\n\x0cMeasureLinks\x12\x17.dtfm.v1.MeasureRequest\x1a\x13.dtfm.v1.LinkMatrixb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/dtfm/v1/coordinator.proto\x12\x07\x64tfm.v1\x1a\x1bprotos/dtfm/v1/common.proto\"0\n\x0bJoinRequest\x12!\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\"U\n\x07Welcome\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1a\n\x12liveness_timeout_s\x18\x03 \x01(\x01\"/\n\nPeerTarget\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb3\x01\n\x13MeasureLinksCommand\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\"\n\x05peers\x18\x02 \x03(\x0b\x32\x13.dtfm.v1.PeerTarget\x12\x12\n\nping_count\x18\x03 \x01(\r\x12\x15\n\rprobe_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprobe_max_bytes\x18\x05 \x01(\x04\x12\"\n\x04kind\x18\x06 \x01(\x0e\x32\x14.dtfm.v1.MeasureKind\"-\n\x0bStopCommand\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc1\x01\n\x07\x43ommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12#\n\x07welcome\x18\x02 \x01(\x0b\x32\x10.dtfm.v1.WelcomeH\x00\x12/\n\x07measure\x18\x03 \x01(\x0b\x32\x1c.dtfm.v1.MeasureLinksCommandH\x00\x12%\n\x06\x61ssign\x18\x04 \x01(\x0b\x32\x13.dtfm.v1.AssignmentH\x00\x12$\n\x04stop\x18\x05 \x01(\x0b\x32\x14.dtfm.v1.StopCommandH\x00\x42\x06\n\x04kind\"V\n\nLinkReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\t\x12$\n\x07samples\x18\x03 \x03(\x0b\x32\x13.dtfm.v1.LinkSample\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x85\x02\n\x0eProgressReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cworker_state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0btotal_steps\x18\t \x01(\x04\x12\x0e\n\x06step_s\x18\n \x01(\x01\x12\x11\n\tcompute_s\x18\x0b \x01(\x01\x12\x11\n\tpp_wait_s\x18\x0c \x01(\x01\x12\x0c\n\x04\x64p_s\x18\r \x01(\x01\x12\x12\n\nerror_kind\x18\x0e \x01(\t\"\x0f\n\rStatusRequest\"\xaf\x01\n\x0b\x41gentStatus\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.dtfm.v1.AgentState\x12\x18\n\x10last_seen_unix_s\x18\x03 \x01(\x01\x12\x15\n\rjoined_unix_s\x18\x04 \x01(\x01\x12)\n\x08progress\x18\x05 \x01(\x0b\x32\x17.dtfm.v1.ProgressReport\"\x90\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12 \n\x05state\x18\x02 \x01(\x0e\x32\x11.dtfm.v1.JobState\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\ragents_wanted\x18\x04 \x01(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x07 \x01(\x04\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x01\x12\x0f\n\x07message\x18\n \x01(\t\x12\x11\n\tplacement\x18\x0b \x01(\t\x12\x18\n\x10predicted_step_s\x18\x0c \x01(\x01\x12\x17\n\x0fmeasured_step_s\x18\r \x01(\x01\"\xab\x01\n\rClusterStatus\x12$\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x14.dtfm.v1.AgentStatus\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.dtfm.v1.JobStatus\x12\x1b\n\x04plan\x18\x03 \x01(\x0b\x32\r.dtfm.v1.Plan\x12\"\n\x05links\x18\x04 \x01(\x0b\x32\x13.dtfm.v1.LinkMatrix\x12\x12\n\nnow_unix_s\x18\x05 \x01(\x01\"\r\n\x0bPlanRequest\"#\n\x0eMeasureRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01*Z\n\x0bMeasureKind\x12\x15\n\x11MEASURE_KIND_BOTH\x10\x00\x12\x18\n\x14MEASURE_KIND_LATENCY\x10\x01\x12\x1a\n\x16MEASURE_KIND_BANDWIDTH\x10\x02*l\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41GENT_STATE_ALIVE\x10\x01\x12\x14\n\x10\x41GENT_STATE_LOST\x10\x02\x12\x14\n\x10\x41GENT_STATE_LEFT\x10\x03*\xde\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eJOB_STATE_IDLE\x10\x01\x12\x15\n\x11JOB_STATE_WAITING\x10\x02\x12\x17\n\x13JOB_STATE_MEASURING\x10\x03\x12\x18\n\x14JOB_STATE_SCHEDULING\x10\x04\x12\x15\n\x11JOB_STATE_RUNNING\x10\x05\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x06\x12\x12\n\x0eJOB_STATE_DONE\x10\x07\x12\x14\n\x10JOB_STATE_FAILED\x10\x08\x32\xd5\x02\n\x0b\x43oordinator\x12\x30\n\x04Join\x12\x14.dtfm.v1.JoinRequest\x1a\x10.dtfm.v1.Command0\x01\x12\x30\n\x0bReportLinks\x12\x13.dtfm.v1.LinkReport\x1a\x0c.dtfm.v1.Ack\x12\x37\n\x0eReportProgress\x12\x17.dtfm.v1.ProgressReport\x1a\x0c.dtfm.v1.Ack\x12;\n\tGetStatus\x12\x16.dtfm.v1.StatusRequest\x1a\x16.dtfm.v1.ClusterStatus\x12.\n\x07GetPlan\x12\x14.dtfm.v1.PlanRequest\x1a\r.dtfm.v1.Plan\x12<\n\x0cMeasureLinks\x12\x17.dtfm.v1.MeasureRequest\x1a\x13.dtfm.v1.LinkMatrixb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.dtfm.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEASUREKIND']._serialized_start=1611
-  _globals['_MEASUREKIND']._serialized_end=1701
-  _globals['_AGENTSTATE']._serialized_start=1703
-  _globals['_AGENTSTATE']._serialized_end=1811
-  _globals['_JOBSTATE']._serialized_start=1814
-  _globals['_JOBSTATE']._serialized_end=2036
+  _globals['_MEASUREKIND']._serialized_start=1769
+  _globals['_MEASUREKIND']._serialized_end=1859
+  _globals['_AGENTSTATE']._serialized_start=1861
+  _globals['_AGENTSTATE']._serialized_end=1969
+  _globals['_JOBSTATE']._serialized_start=1972
+  _globals['_JOBSTATE']._serialized_end=2194
   _globals['_JOINREQUEST']._serialized_start=74
   _globals['_JOINREQUEST']._serialized_end=122
   _globals['_WELCOME']._serialized_start=124
@@ -55,19 +55,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACK']._serialized_start=773
   _globals['_ACK']._serialized_end=807
   _globals['_PROGRESSREPORT']._serialized_start=810
-  _globals['_PROGRESSREPORT']._serialized_end=983
-  _globals['_STATUSREQUEST']._serialized_start=985
-  _globals['_STATUSREQUEST']._serialized_end=1000
-  _globals['_AGENTSTATUS']._serialized_start=1003
-  _globals['_AGENTSTATUS']._serialized_end=1178
-  _globals['_JOBSTATUS']._serialized_start=1181
-  _globals['_JOBSTATUS']._serialized_end=1383
-  _globals['_CLUSTERSTATUS']._serialized_start=1386
-  _globals['_CLUSTERSTATUS']._serialized_end=1557
-  _globals['_PLANREQUEST']._serialized_start=1559
-  _globals['_PLANREQUEST']._serialized_end=1572
-  _globals['_MEASUREREQUEST']._serialized_start=1574
-  _globals['_MEASUREREQUEST']._serialized_end=1609
-  _globals['_COORDINATOR']._serialized_start=2039
-  _globals['_COORDINATOR']._serialized_end=2380
+  _globals['_PROGRESSREPORT']._serialized_end=1071
+  _globals['_STATUSREQUEST']._serialized_start=1073
+  _globals['_STATUSREQUEST']._serialized_end=1088
+  _globals['_AGENTSTATUS']._serialized_start=1091
+  _globals['_AGENTSTATUS']._serialized_end=1266
+  _globals['_JOBSTATUS']._serialized_start=1269
+  _globals['_JOBSTATUS']._serialized_end=1541
+  _globals['_CLUSTERSTATUS']._serialized_start=1544
+  _globals['_CLUSTERSTATUS']._serialized_end=1715
+  _globals['_PLANREQUEST']._serialized_start=1717
+  _globals['_PLANREQUEST']._serialized_end=1730
+  _globals['_MEASUREREQUEST']._serialized_start=1732
+  _globals['_MEASUREREQUEST']._serialized_end=1767
+  _globals['_COORDINATOR']._serialized_start=2197
+  _globals['_COORDINATOR']._serialized_end=2538
 # @@protoc_insertion_point(module_scope)

@@ -130,7 +130,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "worker_state", "step", "loss", "tokens_per_s", "error", "total_steps")
+    __slots__ = ("agent_id", "job_id", "epoch", "worker_state", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,11 @@ class ProgressReport(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    DP_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     job_id: str
     epoch: int
@@ -149,7 +154,12 @@ class ProgressReport(_message.Message):
     tokens_per_s: float
     error: str
     total_steps: int
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., worker_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    step_s: float
+    compute_s: float
+    pp_wait_s: float
+    dp_s: float
+    error_kind: str
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., worker_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -170,7 +180,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +191,9 @@ class JobStatus(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model: str
@@ -191,7 +204,10 @@ class JobStatus(_message.Message):
     loss: float
     tokens_per_s: float
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+    placement: str
+    predicted_step_s: float
+    measured_step_s: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("agents", "job", "plan", "links", "now_unix_s")

@@ -1,0 +1,165 @@
+"""Predicted step time of one placement: the runtime's schedule, replayed on the link matrix.
+
+The paper's objective (`costmodel`) ranks placements by `DP-COST + 2 * PP-COST`: each
+pipeline link pays its latency once and carries a replica's whole batch in one message, and
+nothing overlaps. That ranks placements well, but it is not a step time: the runtime sends one
+message per micro-batch (so latency is paid per micro-batch and the links of a pipeline work
+at the same time), the pipeline fills and drains, devices compute, and the step ends with a
+gradient-norm exchange inside each pipeline. This module replays exactly that, so the
+coordinator can show a predicted step time beside the measured one and a benchmark can check
+the two against each other:
+
+- every stage runs `protos.layout.pipeline_ops` (GPipe or 1F1B), one device at a time;
+- a micro-batch's activations (and later its gradient) cross a pipeline link as one message:
+  serialized on that directed link at its bandwidth, then the link's one-way delay;
+- forward takes a third and backward two thirds of a device's per-micro-batch compute;
+- after its last backward pass, a stage's data-parallel group averages gradients with the
+  paper's sharded all-reduce cost (`2 * sum over peers (alpha + c_DP / (R * beta))`);
+- each rank then sends its stage's squared gradient norm to every rank of its pipeline, and
+  the step ends when the last of them has arrived.
+
+Pure numpy, like the rest of the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.scheduler.network import Network
+from protos.layout import layer_ranges, pipeline_ops
+from protos.spec import DTYPE_BYTES, ModelSpec
+
+FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward pass
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step and where its time goes (seconds)."""
+
+    step_s: float
+    pipeline_s: float  # until the last backward pass of any device ends
+    dp_s: float  # the slowest data-parallel group's all-reduce
+    sync_s: float  # the norm exchange after data-parallel sync
+    compute_s: float  # the busiest device's compute in one step
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step moves and runs: the job's sizes, not the paper's whole-batch messages."""
+
+    micro_batches: int
+    act_bytes: float  # one micro-batch's activations (and gradient) on a pipeline link
+    grad_bytes: Sequence[float]  # per stage: its gradient message
+    schedule: str = "gpipe"
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if not (self.act_bytes >= 0 and all(b >= 0 for b in self.grad_bytes)):
+            raise ValueError("message sizes must be >= 0 bytes")
+
+
+def _send_s(net: Network, src: int, dst: int, nbytes: float) -> float:
+    return 8.0 * nbytes / (net.bandwidth_gbps[src, dst] * 1e9)
+
+
+def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
+              compute: Sequence[float]) -> list[float]:
+    """End of each stage's last op in one pipeline (device order = stage order)."""
+    s, m = len(devices), shape.micro_batches
+    ops = [pipeline_ops(shape.schedule, j, s, m) for j in range(s)]
+    arrive_f: list[dict[int, float]] = [{} for _ in range(s)]
+    arrive_b: list[dict[int, float]] = [{} for _ in range(s)]
+    link_f, link_b = [0.0] * s, [0.0] * s  # when link j->j+1 (fwd) / j+1->j (bwd) is free
+    free, ptr = [0.0] * s, [0] * s
+    while any(ptr[j] < len(ops[j]) for j in range(s)):
+        moved = False
+        for j in range(s):
+            while ptr[j] < len(ops[j]):
+                kind, i = ops[j][ptr[j]]
+                first, last = j == 0, j == s - 1
+                dep = (0.0 if first else arrive_f[j].get(i)) if kind == "F" else (
+                    0.0 if last else arrive_b[j].get(i))
+                if dep is None:
+                    break
+                share = FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE
+                end = max(free[j], dep) + compute[j] * share
+                free[j] = end
+                ptr[j] += 1
+                moved = True
+                if kind == "F" and not last:
+                    a, b = devices[j], devices[j + 1]
+                    done = max(end, link_f[j]) + _send_s(net, a, b, shape.act_bytes)
+                    link_f[j] = done
+                    arrive_f[j + 1][i] = done + net.delay_ms[a, b] / 1000.0
+                elif kind == "B" and not first:
+                    a, b = devices[j], devices[j - 1]
+                    done = max(end, link_b[j - 1]) + _send_s(net, a, b, shape.act_bytes)
+                    link_b[j - 1] = done
+                    arrive_b[j - 1][i] = done + net.delay_ms[a, b] / 1000.0
+        if not moved:  # cannot happen with the schedules above; be loud if it ever does
+            raise RuntimeError(f"schedule {shape.schedule!r} deadlocks in the step model")
+    return free
+
+
+def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float) -> float:
+    r = len(group)
+    if r == 1:
+        return 0.0
+    g = np.asarray(group)
+    alpha = net.delay_ms[g[:, None], g[None, :]] / 1000.0
+    beta = net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9
+    cost = 2.0 * (alpha + 8.0 * grad_bytes / (r * beta))
+    np.fill_diagonal(cost, 0.0)
+    return float(cost.sum(axis=1).max())
+
+
+def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
+                  compute_s: Sequence[Sequence[float]] | None = None) -> StepTime:
+    """Predicted step of `grid` (grid[stage][replica] -> device) on `net`.
+
+    `compute_s[stage][replica]`: seconds of forward + backward compute of one micro-batch on
+    that tasklet's device (None: communication only).
+    """
+    g = np.asarray(grid, dtype=np.int64)
+    if g.ndim != 2 or g.size == 0:
+        raise ValueError("a grid must be a non-empty list of equally long rows")
+    s, r = g.shape
+    if len(shape.grad_bytes) != s:
+        raise ValueError(f"{len(shape.grad_bytes)} gradient sizes for {s} stages")
+    comp = np.zeros((s, r)) if compute_s is None else np.asarray(compute_s, dtype=float)
+    if comp.shape != (s, r) or not (np.isfinite(comp).all() and (comp >= 0).all()):
+        raise ValueError(f"compute_s must be a {s}x{r} grid of seconds >= 0")
+    last_b = np.array([_pipeline(net, g[:, k].tolist(), shape, comp[:, k].tolist())
+                       for k in range(r)]).T  # (stage, replica)
+    dp = np.array([_dp_seconds(net, g[j].tolist(), shape.grad_bytes[j]) for j in range(s)])
+    dp_end = last_b.max(axis=1) + dp
+    delay = net.delay_ms / 1000.0
+    finish = dp_end.max()
+    if s > 1:
+        for k in range(r):
+            col = g[:, k]
+            arrive = dp_end[:, None] + delay[col[:, None], col[None, :]]
+            np.fill_diagonal(arrive, 0.0)
+            finish = max(finish, float(np.maximum(arrive.max(axis=0), dp_end).max()))
+    return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()), dp_s=float(dp.max()),
+                    sync_s=float(finish - dp_end.max()),
+                    compute_s=float(comp.max() * shape.micro_batches))
+
+
+def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
+               micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
+               splits: Sequence[int] | None = None) -> StepShape:
+    """The messages of one step of `spec` as the runtime sends them (fp32 gradients)."""
+    if global_batch % (replicas * micro_batches):
+        raise ValueError(f"a global batch of {global_batch} does not split into {replicas} "
+                         f"replicas x {micro_batches} micro-batches")
+    micro_size = global_batch // (replicas * micro_batches)
+    grads = [spec.stage_params(b, e) * DTYPE_BYTES["fp32"]
+             for b, e in layer_ranges(spec.n_layers, stages, splits)]
+    return StepShape(micro_batches=micro_batches,
+                     act_bytes=spec.activation_bytes(micro_size, act_dtype),
+                     grad_bytes=grads, schedule=schedule)
