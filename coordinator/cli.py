@@ -81,6 +81,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="scheduled (the paper's search, default), rank-order (network-blind, "
                    "agents in address order), random[:SEED], or a plan file written by "
                    "`coordinator plan --json` (pinned)")
+    p.add_argument("--links", default="", metavar="FILE",
+                   help="plan on this matrix (as `coordinator links --json` writes it) instead "
+                   "of measuring; it must cover the job's agents")
     add_train_args(p)
     cliutil.add_common_args(p)
 
@@ -147,7 +150,7 @@ def _start(args: argparse.Namespace) -> int:
                       replicas=args.replicas, train=train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,
                       seed=args.seed, max_restarts=args.max_restarts,
-                      placement=args.placement),
+                      placement=args.placement, links_file=args.links),
     )
     config.validate()
     cliutil.run_async(serve(config))

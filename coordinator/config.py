@@ -27,6 +27,7 @@ class JobConfig:
     seed: int = 0
     max_restarts: int = 3
     placement: str = "scheduled"  # scheduled, rank-order, random[:SEED] or a plan file
+    links_file: str = ""  # plan on this measured matrix instead of measuring
 
     def parsed_placement(self) -> Placement:
         try:
@@ -37,6 +38,13 @@ class JobConfig:
     def validate(self) -> None:
         if not self.model:
             return
+        if self.links_file:
+            from coordinator.links import load_links_file
+
+            try:
+                load_links_file(self.links_file)
+            except ValueError as exc:
+                raise ConfigError(f"--links: {exc}") from None
         placement = self.parsed_placement()
         if placement.pinned is not None:
             self._check_pinned(placement)

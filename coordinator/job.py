@@ -220,7 +220,13 @@ class Job:
         members = await self._gather(placement)
         wanted = len(members)
         ids = [m.agent_id for m in members]
-        if cfg.measure_links and wanted > 1:
+        if cfg.links_file:
+            try:
+                delay, bandwidth = self._known_links(ids)
+            except ValueError as exc:
+                self._set(S.JOB_STATE_FAILED, str(exc))
+                return
+        elif cfg.measure_links and wanted > 1:
             self._set(S.JOB_STATE_MEASURING, f"measuring {wanted * (wanted - 1)} links")
             matrix = await self.measurer.measure(members)
             bad = self.links.unreachable_agents(ids)
@@ -283,6 +289,22 @@ class Job:
                   f"{placement.label} placement, predicted cost {found['cost']:.3f} s, "
                   f"predicted step {predicted.step_s:.2f} s")
         await self._follow()
+
+    def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The members' rows of the `--links` file (read again: it may have been refreshed)."""
+        from coordinator.links import load_links_file
+
+        obj = load_links_file(self.config.links_file)
+        index = {a: i for i, a in enumerate(obj["agents"])}
+        missing = [a for a in ids if a not in index]
+        if missing:
+            raise ValueError(f"--links {self.config.links_file} has no row for agent(s) "
+                             f"{', '.join(missing)}: measure them with `coordinator links "
+                             f"--measure --json`")
+        rows = [index[a] for a in ids]
+        pick = np.ix_(rows, rows)
+        return (np.array(obj["delay_ms"], dtype=float)[pick],
+                np.array(obj["bandwidth_gbps"], dtype=float)[pick])
 
     async def _gather(self, placement: Placement) -> list[AgentRecord]:
         """Wait for the agents the job needs: the pinned plan's, or any `--agents` live ones.

@@ -109,6 +109,37 @@ def blame(ids: Sequence[str], failed: Iterable[tuple[str, str]]) -> list[str]:
     return [i for i in ids if i in blamed]
 
 
+def load_links_file(path: str) -> dict:
+    """A matrix file as `coordinator links --json` writes it, checked: agents, delay_ms and
+    bandwidth_gbps (diagonal cells may be null). Raises ValueError naming the file."""
+    import json
+
+    from coordinator.scheduler import Network
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read link file {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"link file {path!r} is not JSON: {e}") from None
+    try:
+        for key in ("delay_ms", "bandwidth_gbps"):
+            rows = obj[key]
+            for i, row in enumerate(rows):
+                if isinstance(row, list) and i < len(row) and row[i] is None:
+                    row[i] = 0.0 if key == "delay_ms" else 1.0
+        Network.from_json(obj)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"link file {path!r}: {e}; write one with `coordinator links "
+                         f"--json > FILE`") from None
+    agents = obj.get("agents")
+    if not isinstance(agents, list) or len(agents) != len(obj["delay_ms"]):
+        raise ValueError(f"link file {path!r} must name its agents: an 'agents' list with one "
+                         f"id per row")
+    return obj
+
+
 def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
     """The `--links FILE` format of `coordinator plan`, plus what failed.
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.wan.harness import WanEmulator
+from protos.procs import terminate_all
 
 COORDINATOR_PORT = 7070
 AGENT_PORT = 7071
@@ -46,6 +47,22 @@ def measurement_wan(delay_ms: Sequence[Sequence[float]],
         [None, *map(float, row)] for row in bandwidth_mbps]
     return WanEmulator(delay_ms=delay, bandwidth_mbps=bandwidth, sysctls=BUFFER_SYSCTLS,
                        mtu=MEASURED_MTU)
+
+
+def world_links(per_city: int, mbps_per_gbps: float) -> tuple[
+        list[list[float]], list[list[float]], list[str]]:
+    """The paper's world-wide matrix for `per_city` agents in each of its 8 cities, with
+    bandwidth scaled from Gbit/s to `mbps_per_gbps` Mbit/s per Gbit/s (one machine must carry
+    every link). Returns one-way delays (ms), bandwidths (Mbit/s) and each agent's city."""
+    from coordinator.scenarios import WORLD_CITIES, world
+
+    net = world(per_city=per_city)
+    delay = [[0.0 if i == j else float(v) for j, v in enumerate(row)]
+             for i, row in enumerate(net.delay_ms)]
+    bandwidth = [[0.0 if i == j else float(v) * mbps_per_gbps for j, v in enumerate(row)]
+                 for i, row in enumerate(net.bandwidth_gbps)]
+    cities = [c for c in WORLD_CITIES for _ in range(per_city)]
+    return delay, bandwidth, cities
 
 
 class WanCluster:
@@ -100,6 +117,33 @@ class WanCluster:
                 return [str(i) for i in ids]
             time.sleep(0.5)
         raise RuntimeError(f"agents did not all join within {timeout} s; logs in {self.workdir}")
+
+    def stop(self) -> None:
+        """Stop the coordinator and agents (their workers die with them); the WAN stays up,
+        and agents started again with the same work dir keep their ids."""
+        terminate_all(self.procs, grace_s=15.0, group=False)
+        self.procs.clear()
+        self.agent_procs.clear()
+
+    def wait_job(self, timeout: float, on_status: Any = None) -> dict[str, Any]:
+        """Poll `coordinator status` until the job is done or failed; return the last status.
+
+        `on_status(status)` sees every poll (for progress lines)."""
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                status = self.cli("status", "--json", timeout=15)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                time.sleep(1.0)
+                continue
+            if on_status is not None:
+                on_status(status)
+            if status["job"]["state"] in ("done", "failed"):
+                return status
+            time.sleep(1.0)
+        raise TimeoutError(f"the job did not finish within {timeout:.0f} s (last state "
+                           f"{status.get('job', {}).get('state')}); logs in {self.workdir}")
 
     def cli(self, *args: str, timeout: float = 30.0) -> Any:
         """Run `coordinator ARGS --coordinator ...` from host 0; parse its JSON output."""

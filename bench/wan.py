@@ -1,0 +1,188 @@
+"""Benchmark: the paper's claim, measured. Scheduled placement against network-blind ones,
+training the same model for the same steps across emulated hosts of the world-wide WAN.
+
+N agents, `--per-city` in each of the paper's 8 cities, each in its own network namespace
+with the paper's one-way delays and its bandwidths scaled to Mbit/s (`--scale` Mbit/s per
+Gbit/s, so that a CPU model is communication-bound and one machine carries every link). The
+links are measured once by the agents (as a deployment does), then one job per placement runs
+on that same matrix (`coordinator start --links`): `scheduled`, `rank-order` and `random:SEED`
+for each seed. For each the table shows the cost model's objective, the predicted step time
+(link terms plus each worker's measured compute), the measured step time (median of steady
+steps), tokens/s, and the ratios to scheduled. Writes bench/results/wan.json.
+
+Needs root (network namespaces). Run: `python bench/wan.py` (16 agents, about 15 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.wan import WanEmulator
+from agent.wan.cluster import WanCluster, measurement_wan, world_links
+
+RESULTS = Path(__file__).resolve().parent / "results" / "wan.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-city", type=int, default=2, help="agents per city (8 cities)")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--model", default="gpt-mini")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
+    p.add_argument("--seeds", default="1,2,3", help="random placements to run")
+    p.add_argument("--placements", default="",
+                   help="comma-separated placements instead of scheduled, rank-order, randoms")
+    p.add_argument("--timeout", type=float, default=900.0, help="per job, seconds")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--workdir", default="", help="keep the daemons' logs here")
+    return p.parse_args(argv)
+
+
+def run_job(cluster: WanCluster, args: argparse.Namespace, placement: str,
+            links: Path) -> dict[str, Any]:
+    """Train one job under `placement`; return what the coordinator reported."""
+    agents = cluster.agents
+    cluster.coordinator_args = [
+        "--model", args.model, "--agents", str(agents), "--stages", str(args.stages),
+        "--replicas", str(agents // args.stages), "--steps", str(args.steps),
+        "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
+        "--placement", placement, "--links", str(links), "--search-seconds", "10",
+        "--max-restarts", "0"]
+    cluster.start()
+    started = time.monotonic()
+    marks: dict[str, float] = {}
+
+    def watch(status: dict[str, Any]) -> None:
+        job = status["job"]
+        now = time.monotonic() - started
+        if job["state"] == "running":
+            marks.setdefault("running", now)
+        if job["step"] >= 1:
+            marks.setdefault("first_step", now)
+        print(f"  [{placement}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
+              f"{job['total_steps']} loss {job['loss']:.3f} measured "
+              f"{job['measured_step_s']:.2f} s/step", file=sys.stderr, flush=True)
+
+    try:
+        status = cluster.wait_job(args.timeout, watch)
+    finally:
+        cluster.stop()
+    job, plan = status["job"], status["plan"] or {}
+    if job["state"] != "done":
+        raise RuntimeError(f"{placement}: job {job['state']}: {job['message']}")
+    workers = [a["worker"] for a in status["agents"] if a["worker"]["step_s"]]
+    split = {k: statistics.median(w[k] for w in workers)
+             for k in ("step_s", "compute_s", "pp_wait_s", "dp_s")} if workers else {}
+    return {
+        "placement": placement, "grid": plan.get("grid"), "cost": plan.get("cost"),
+        "dp_cost": plan.get("dp_cost"), "pp_cost": plan.get("pp_cost"),
+        "predicted_step_s": job["predicted_step_s"],
+        "predicted_comm_s": plan.get("predicted_comm_s"),
+        "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
+        "loss": job["loss"], "worker_split_median": split,
+        "assignment_to_first_step_s": (marks["first_step"] - marks["running"]
+                                       if "first_step" in marks and "running" in marks
+                                       else None),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]
+    head = (f"{'placement':<12}{'cost':>8}{'pred s':>8}{'meas s':>8}{'err %':>7}{'tok/s':>8}"
+            f"{'pred x':>8}{'meas x':>8}  split (compute / pipeline wait / dp)")
+    lines = [head]
+    for r in rows:
+        err = 100 * (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+        s = r["worker_split_median"]
+        lines.append(
+            f"{r['placement']:<12}{r['cost']:>8.2f}{r['predicted_step_s']:>8.2f}"
+            f"{r['measured_step_s']:>8.2f}{err:>7.1f}{r['tokens_per_s']:>8.0f}"
+            f"{r['predicted_step_s'] / base['predicted_step_s']:>8.2f}"
+            f"{r['measured_step_s'] / base['measured_step_s']:>8.2f}  "
+            f"{s.get('compute_s', 0):.2f} / {s.get('pp_wait_s', 0):.2f} / {s.get('dp_s', 0):.2f}")
+    return "\n".join(lines)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Speed-ups of scheduled over rank-order and the median random placement."""
+    by = {r["placement"]: r for r in rows}
+    sched = by.get("scheduled")
+    randoms = [r for r in rows if r["placement"].startswith("random")]
+    out: dict[str, Any] = {}
+    if sched is None:
+        return out
+    for name, other in (("rank_order", by.get("rank-order")),
+                        ("median_random", _median_row(randoms))):
+        if other is None:
+            continue
+        out[name] = {
+            "measured_speedup": other["measured_step_s"] / sched["measured_step_s"],
+            "predicted_speedup": other["predicted_step_s"] / sched["predicted_step_s"],
+            "cost_ratio": other["cost"] / sched["cost"],
+        }
+        m = out[name]
+        m["measured_over_predicted"] = m["measured_speedup"] / m["predicted_speedup"]
+    return out
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not rows:
+        return None
+    ranked = sorted(rows, key=lambda r: r["measured_step_s"])
+    return ranked[len(ranked) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ok, why = WanEmulator.available()
+    if not ok:
+        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+        return 2
+    placements = ([p for p in args.placements.split(",") if p] if args.placements else
+                  ["scheduled", "rank-order", *(f"random:{s}" for s in args.seeds.split(","))])
+    delay, bandwidth, cities = world_links(args.per_city, args.scale)
+    n = len(delay)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-wan-") as scratch, \
+            measurement_wan(delay, bandwidth) as wan:
+        workdir = Path(args.workdir or scratch)
+        cluster = WanCluster(wan, workdir, agents=n)
+        ids = cluster.start()
+        print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
+        t0 = time.monotonic()
+        links = cluster.measure()
+        print(f"measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        cluster.stop()
+        links_path = workdir / "links.json"
+        links_path.write_text(json.dumps(links))
+        city_of = {agent: cities[i] for i, agent in enumerate(ids)}
+        for placement in placements:
+            row = run_job(cluster, args, placement, links_path)
+            row["grid_cities"] = [[city_of[a] for a in r] for r in row["grid"] or []]
+            rows.append(row)
+    print(table(rows))
+    summary = summarize(rows)
+    for name, m in summary.items():
+        print(f"scheduled vs {name}: measured {m['measured_speedup']:.2f}x, predicted "
+              f"{m['predicted_speedup']:.2f}x (measured/predicted {m['measured_over_predicted']:.2f}),"
+              f" paper cost ratio {m['cost_ratio']:.2f}x")
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+           "agents": n, "rows": rows, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

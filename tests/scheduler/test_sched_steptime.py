@@ -1,0 +1,83 @@
+"""The step-time model replays the runtime's schedule: pinned on cases small enough to work
+out by hand, and against the paper's cost model where the two must agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import scenarios
+from coordinator.catalogue import get_preset
+from coordinator.scheduler import Network, plan_cost
+from coordinator.scheduler.steptime import StepShape, simulate_step, step_shape
+
+
+def line(n: int, delay_ms: float, gbps: float) -> Network:
+    delay = np.full((n, n), delay_ms)
+    bw = np.full((n, n), gbps)
+    np.fill_diagonal(delay, 0.0)
+    return Network(delay, bw)
+
+
+def test_one_device_is_its_compute() -> None:
+    shape = StepShape(micro_batches=4, act_bytes=1e6, grad_bytes=[1e6])
+    got = simulate_step(line(1, 0, 1), [[0]], shape, compute_s=[[0.5]])
+    assert got.step_s == pytest.approx(2.0) and got.compute_s == pytest.approx(2.0)
+
+
+def test_two_stages_gpipe_by_hand() -> None:
+    # 4 micro-batches of 1 MB over 8 Mbit/s (1 s each) and 50 ms: forwards serialise on the
+    # link (4 s + 50 ms), then the gradients do the same back, then stage 1 learns stage 0's
+    # gradient norm one delay later.
+    net = line(2, 50.0, 0.008)
+    shape = StepShape(micro_batches=4, act_bytes=1e6, grad_bytes=[0.0, 0.0])
+    got = simulate_step(net, [[0], [1]], shape)
+    assert got.pipeline_s == pytest.approx(2 * (4 + 0.05))
+    assert got.step_s == pytest.approx(2 * (4 + 0.05) + 0.05)
+    assert got.sync_s == pytest.approx(0.05)
+
+
+def test_compute_overlaps_transfers() -> None:
+    # 1 s per transfer, 0.3 s compute per micro-batch: the link, not compute, sets the pace
+    net = line(2, 0.0, 0.008)
+    shape = StepShape(micro_batches=4, act_bytes=1e6, grad_bytes=[0.0, 0.0])
+    busy = simulate_step(net, [[0], [1]], shape, compute_s=[[0.3], [0.3]])
+    idle = simulate_step(net, [[0], [1]], shape)
+    assert idle.step_s < busy.step_s < idle.step_s + 4 * 0.3
+
+
+def test_data_parallel_term_is_the_papers_sharded_all_reduce() -> None:
+    net = scenarios.world(per_city=1)
+    grad = 3e8
+    shape = StepShape(micro_batches=1, act_bytes=0.0, grad_bytes=[grad])
+    got = simulate_step(net, [list(range(8))], shape)
+    _, dp, _ = plan_cost(net, [list(range(8))], grad / 1e9, 0.0)
+    assert got.dp_s == pytest.approx(dp) and got.step_s == pytest.approx(dp)
+
+
+def test_1f1b_waits_on_round_trips_that_gpipe_overlaps() -> None:
+    # 1F1B runs a micro-batch's backward before the next forward, so on long links each
+    # stage waits a round trip per micro-batch; GPipe keeps every link streaming.
+    net = scenarios.world(per_city=1)
+    grid = np.arange(8).reshape(4, 2).tolist()
+    spec = get_preset("gpt-mini")
+    gp = simulate_step(net, grid, step_shape(spec, 4, 2, 16, 4, "gpipe"))
+    ofob = simulate_step(net, grid, step_shape(spec, 4, 2, 16, 4, "1f1b"))
+    assert 0 < gp.step_s < ofob.step_s
+
+
+def test_step_shape_counts_the_runtimes_messages() -> None:
+    spec = get_preset("gpt-mini")
+    shape = step_shape(spec, 3, 2, 16, 4)
+    assert shape.act_bytes == 2 * spec.seq_len * spec.d_model * 4  # 16 / 2 / 4 sequences
+    assert sum(shape.grad_bytes) == spec.param_count() * 4
+    with pytest.raises(ValueError, match="does not split"):
+        step_shape(spec, 3, 2, 10, 4)
+
+
+def test_bad_compute_grid_is_refused() -> None:
+    shape = StepShape(micro_batches=1, act_bytes=1.0, grad_bytes=[1.0, 1.0])
+    with pytest.raises(ValueError, match="2x1 grid"):
+        simulate_step(line(2, 1, 1), [[0], [1]], shape, compute_s=[[1.0, 2.0]])
+    with pytest.raises(ValueError, match="2x1 grid"):
+        simulate_step(line(2, 1, 1), [[0], [1]], shape, compute_s=[[float("nan")], [1.0]])
