@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -53,48 +52,18 @@ def run_job(cluster: WanCluster, args: argparse.Namespace, placement: str,
             links: Path) -> dict[str, Any]:
     """Train one job under `placement`; return what the coordinator reported."""
     agents = cluster.agents
-    cluster.coordinator_args = [
-        "--model", args.model, "--agents", str(agents), "--stages", str(args.stages),
-        "--replicas", str(agents // args.stages), "--steps", str(args.steps),
-        "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
-        "--placement", placement, "--links", str(links), "--search-seconds", "10",
-        "--max-restarts", "0"]
-    cluster.start()
-    started = time.monotonic()
-    marks: dict[str, float] = {}
+    job_args = ["--model", args.model, "--agents", str(agents), "--stages", str(args.stages),
+                "--replicas", str(agents // args.stages), "--steps", str(args.steps),
+                "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
+                "--search-seconds", "10"]
 
-    def watch(status: dict[str, Any]) -> None:
+    def watch(status: dict[str, Any], now: float) -> None:
         job = status["job"]
-        now = time.monotonic() - started
-        if job["state"] == "running":
-            marks.setdefault("running", now)
-        if job["step"] >= 1:
-            marks.setdefault("first_step", now)
         print(f"  [{placement}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
               f"{job['total_steps']} loss {job['loss']:.3f} measured "
               f"{job['measured_step_s']:.2f} s/step", file=sys.stderr, flush=True)
 
-    try:
-        status = cluster.wait_job(args.timeout, watch)
-    finally:
-        cluster.stop()
-    job, plan = status["job"], status["plan"] or {}
-    if job["state"] != "done":
-        raise RuntimeError(f"{placement}: job {job['state']}: {job['message']}")
-    workers = [a["worker"] for a in status["agents"] if a["worker"]["step_s"]]
-    split = {k: statistics.median(w[k] for w in workers)
-             for k in ("step_s", "compute_s", "pp_wait_s", "dp_s")} if workers else {}
-    return {
-        "placement": placement, "grid": plan.get("grid"), "cost": plan.get("cost"),
-        "dp_cost": plan.get("dp_cost"), "pp_cost": plan.get("pp_cost"),
-        "predicted_step_s": job["predicted_step_s"],
-        "predicted_comm_s": plan.get("predicted_comm_s"),
-        "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
-        "loss": job["loss"], "worker_split_median": split,
-        "assignment_to_first_step_s": (marks["first_step"] - marks["running"]
-                                       if "first_step" in marks and "running" in marks
-                                       else None),
-    }
+    return cluster.train(job_args, placement, links, args.timeout, watch)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -175,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     for name, m in summary.items():
         print(f"scheduled vs {name}: measured {m['measured_speedup']:.2f}x, predicted "
-              f"{m['predicted_speedup']:.2f}x (measured/predicted {m['measured_over_predicted']:.2f}),"
-              f" paper cost ratio {m['cost_ratio']:.2f}x")
+              f"{m['predicted_speedup']:.2f}x (measured / predicted "
+              f"{m['measured_over_predicted']:.2f}), paper cost ratio {m['cost_ratio']:.2f}x")
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
            "agents": n, "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

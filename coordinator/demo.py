@@ -27,22 +27,48 @@ from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from protos.procs import terminate_all
 from protos.rpc import free_port
 
+# (loopback demo, --wan world demo) defaults of the flags that differ between the two
+DEFAULTS = {"model": ("gpt-tiny", "gpt-mini"), "agents": (4, 8), "stages": (2, 4),
+            "replicas": (2, 2), "steps": (80, 10), "batch": (8, 16), "micro_batches": (2, 4)}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help="model preset")
-    p.add_argument("--agents", type=int, default=4, help="agents to start on loopback")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--model", help="model preset (gpt-tiny; gpt-mini with --wan)")
+    p.add_argument("--agents", type=int, help="agents to start (4; with --wan 8 per city)")
+    p.add_argument("--stages", type=int, help="pipeline stages (2; 4 with --wan)")
+    p.add_argument("--replicas", type=int, help="data-parallel replicas (2)")
+    p.add_argument("--steps", type=int, help="training steps (80; 10 with --wan)")
+    p.add_argument("--batch", type=int, help="global batch (8; 16 with --wan)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per replica (2; 4 with --wan)")
+    p.add_argument("--wan", choices=["world"], default=None,
+                   help="run on an emulated world-wide WAN (one network namespace per agent, "
+                   "the paper's delays; needs root) and compare the scheduled placement with "
+                   "network-blind rank order")
+    p.add_argument("--per-city", type=int, default=1, help="agents per city with --wan world")
+    p.add_argument("--scale", type=float, default=25.0,
+                   help="emulated Mbit/s per Gbit/s of the paper's bandwidths (--wan)")
     p.add_argument("--workdir", default="", help="keep logs and state here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
     p.add_argument("--json", action="store_true", help="print one JSON object per update")
     cliutil.add_common_args(p, config_file=False)
 
 
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    wan = args.wan is not None
+    for name, pair in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, pair[wan])
+    if wan:
+        args.agents = 8 * args.per_city
+        args.replicas = args.agents // args.stages
+
+
 def run(args: argparse.Namespace) -> int:
+    _resolve_defaults(args)
+    if args.wan is not None:
+        from coordinator.demo_wan import run_wan
+
+        return run_wan(args)
     if args.stages * args.replicas != args.agents:
         return cliutil.fail(f"--stages {args.stages} x --replicas {args.replicas} must equal "
                             f"--agents {args.agents}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -144,6 +145,50 @@ class WanCluster:
             time.sleep(1.0)
         raise TimeoutError(f"the job did not finish within {timeout:.0f} s (last state "
                            f"{status.get('job', {}).get('state')}); logs in {self.workdir}")
+
+    def train(self, job_args: Sequence[str], placement: str, links: Path, timeout: float,
+              on_status: Any = None) -> dict[str, Any]:
+        """Start the cluster with a job under `placement` on the measured matrix `links`, wait
+        for it to end, stop the cluster; return what the coordinator reported about it.
+
+        `job_args`: the job's own flags (--model, --agents, --stages, --steps, ...)."""
+        self.coordinator_args = [*job_args, "--placement", placement, "--links", str(links),
+                                 "--max-restarts", "0"]
+        self.start()
+        started = time.monotonic()
+        marks: dict[str, float] = {}
+
+        def watch(status: dict[str, Any]) -> None:
+            now = time.monotonic() - started
+            if status["job"]["state"] == "running":
+                marks.setdefault("running", now)
+            if status["job"]["step"] >= 1:
+                marks.setdefault("first_step", now)
+            if on_status is not None:
+                on_status(status, now)
+
+        try:
+            status = self.wait_job(timeout, watch)
+        finally:
+            self.stop()
+        job, plan = status["job"], status["plan"] or {}
+        if job["state"] != "done":
+            raise RuntimeError(f"{placement}: the job {job['state']}: {job['message']} "
+                               f"(logs in {self.workdir})")
+        workers = [a["worker"] for a in status["agents"] if a["worker"]["step_s"]]
+        split = {k: statistics.median(w[k] for w in workers)
+                 for k in ("step_s", "compute_s", "pp_wait_s", "dp_s")} if workers else {}
+        return {
+            "placement": placement, "grid": plan.get("grid"), "cost": plan.get("cost"),
+            "dp_cost": plan.get("dp_cost"), "pp_cost": plan.get("pp_cost"),
+            "predicted_step_s": job["predicted_step_s"],
+            "predicted_comm_s": plan.get("predicted_comm_s"),
+            "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
+            "loss": job["loss"], "worker_split_median": split,
+            "assignment_to_first_step_s": (marks["first_step"] - marks["running"]
+                                           if {"first_step", "running"} <= marks.keys()
+                                           else None),
+        }
 
     def cli(self, *args: str, timeout: float = 30.0) -> Any:
         """Run `coordinator ARGS --coordinator ...` from host 0; parse its JSON output."""
