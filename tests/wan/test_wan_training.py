@@ -19,15 +19,18 @@ from agent.wan.cluster import WanCluster, measurement_wan
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
-# two "cities" of two agents: 3 ms inside, 40 ms across; 40 / 15 Mbit/s
-DELAY = [[0, 3, 40, 40], [3, 0, 40, 40], [40, 40, 0, 3], [40, 40, 3, 0]]
-RATE = [[0, 40, 15, 15], [40, 0, 15, 15], [15, 15, 0, 40], [15, 15, 40, 0]]
+# two "cities" of two agents, interleaved in address order (hosts 0, 2 in one, 1, 3 in the
+# other): 3 ms and 40 Mbit/s inside a city, 40 ms and 15 Mbit/s across. gpt-tiny's gradients
+# (0.48 MB a stage) outweigh its activations (66 KB a replica), so the cost model keeps each
+# data-parallel group inside a city (0.25 s) and rank order splits them (0.37 s).
+DELAY = [[0, 40, 3, 40], [40, 0, 40, 3], [3, 40, 0, 40], [40, 3, 40, 0]]
+RATE = [[0, 15, 40, 15], [15, 0, 15, 40], [40, 15, 0, 15], [15, 40, 15, 0]]
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
        "--steps", "4", "--batch", "8", "--micro-batches", "2", "--search-seconds", "1"]
 
 
 @pytest.mark.timeout(420)
-def test_a_job_trains_across_emulated_hosts_and_the_plan_keeps_pipelines_in_a_city(
+def test_a_job_trains_across_emulated_hosts_with_each_dp_group_in_one_city(
         tmp_path: Path) -> None:
     with measurement_wan(DELAY, RATE) as wan:
         cluster = WanCluster(wan, tmp_path, agents=4)
@@ -37,11 +40,9 @@ def test_a_job_trains_across_emulated_hosts_and_the_plan_keeps_pipelines_in_a_ci
         links_path = tmp_path / "links.json"
         links_path.write_text(json.dumps(links))
         got = cluster.train(JOB, "scheduled", links_path, timeout=300)
-    city = {ids[0]: 0, ids[1]: 0, ids[2]: 1, ids[3]: 1}
-    grid = got["grid"]
-    # the slow cross-city links carry only the data-parallel sync: each pipeline in one city
-    assert {city[grid[0][k]] for k in range(2)} == {0, 1}
-    assert all(city[grid[0][k]] == city[grid[1][k]] for k in range(2)), grid
+    city = {ids[0]: 0, ids[1]: 1, ids[2]: 0, ids[3]: 1}
+    assert [{city[a] for a in row} for row in got["grid"]] in ([{0}, {1}], [{1}, {0}]), got
+    assert got["cost"] < 0.3
     assert got["measured_step_s"] > 0 and got["predicted_step_s"] > 0
     assert got["loss"] > 0
     assert got["assignment_to_first_step_s"] is not None
