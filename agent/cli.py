@@ -12,7 +12,7 @@ from protos import cliutil, rpc
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(
+    parser = cliutil.Parser(
         prog="agent", description="dtfm agent: joins a coordinator, measures links, trains")
     sub = parser.add_subparsers(dest="command", required=True)
     subs: dict[str, argparse.ArgumentParser] = {}
@@ -30,6 +30,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--bind-interface", default="",
                    help="network interface the training worker's collectives (gloo, NCCL "
                    "bootstrap) use; default: the one holding the --advertise address")
+    p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     cliutil.add_security_args(p)
     cliutil.add_common_args(p)
 
@@ -74,7 +76,7 @@ def _start(args: argparse.Namespace) -> int:
         coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
         state_dir=args.state_dir or default_state_dir(),
         security=cliutil.security_from_args(args), device=args.device,
-        bind_interface=args.bind_interface,
+        bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
     )
     config.validate()
     return cliutil.run_async(serve(config))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protos.limits import is_host
 from protos.rpc import ConfigError, Security, split_hostport
 
 STATE_DIR_ENV = "DTFM_STATE_DIR"
@@ -25,15 +27,26 @@ class AgentConfig:
     device: str = "auto"  # auto, cpu or cuda
     max_backoff_s: float = 10.0
     bind_interface: str = ""  # the worker's collectives use this interface; default: advertised
+    metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
         host, _ = split_hostport(self.listen, "--listen")
+        if self.metrics_listen:
+            split_hostport(self.metrics_listen, "--metrics-listen")
         if not self.advertise and host in ("0.0.0.0", "::", ""):
             raise ConfigError(
                 f"--listen {self.listen} binds every interface, so peers cannot be told where "
                 "to reach this agent: add --advertise HOST (this machine's reachable address)"
             )
+        if not is_host(self.advertise_host):
+            raise ConfigError(
+                f"--advertise {self.advertise_host!r} is not an IPv4/IPv6 address or a DNS "
+                "host name: give the address peers reach this machine at"
+            )
+        if not (math.isfinite(self.max_backoff_s) and self.max_backoff_s > 0):
+            raise ConfigError(f"max_backoff_s must be a finite number > 0, got "
+                              f"{self.max_backoff_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.bind_interface:

@@ -22,6 +22,7 @@ import grpc
 
 from protos import rpc
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2
+from protos.limits import clip
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ async def measure_peer(
         sample.reachable = False
         sample.error = f"peer {peer_id} at {address}: {exc}"
     if not sample.reachable:
+        sample.error = clip(sample.error)
         log.warning("link to %s unreachable: %s", peer_id, sample.error)
     return sample
 

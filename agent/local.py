@@ -29,38 +29,51 @@ from protos.assignment import build_assignments
 from protos.layout import Layout, layer_splits
 from protos.procs import terminate_all
 from protos.rpc import free_port
-from protos.spec import TrainConfig
+from protos.spec import TRAIN_DTYPES, TrainConfig
 
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
 
 
+def _splits(text: str) -> str:
+    """--layer-splits: empty, or comma-separated layer counts >= 1."""
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected layer counts >= 1 such as 3,1, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `agent local` flags."""
-    p = parser
+    """The `agent local` flags (validated by their types, as `coordinator start`'s are)."""
+    p, count, positive = parser, cliutil.count, cliutil.positive_count
     p.add_argument("--model", default="gpt-tiny", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
-    p.add_argument("--replicas", type=int, default=2, help="data-parallel replicas R")
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per replica")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stages", type=positive, default=2, help="pipeline stages S")
+    p.add_argument("--replicas", type=positive, default=2, help="data-parallel replicas R")
+    p.add_argument("--micro-batches", type=positive, default=2, help="micro-batches per replica")
+    p.add_argument("--batch", type=positive, default=8, help="global batch (sequences per step)")
+    p.add_argument("--steps", type=count, default=50)
+    p.add_argument("--seed", type=cliutil.number(int, 0, maximum=2**64 - 1), default=0)
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     p.add_argument("--dp-mode", choices=("allreduce", "sharded"), default="allreduce")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10, help="LR warmup steps")
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--layer-splits", default="", help="layers per stage, e.g. 3,1")
+    p.add_argument("--lr", type=cliutil.number(float, 0, above=True), default=1e-3)
+    p.add_argument("--warmup", type=count, default=10, help="LR warmup steps")
+    p.add_argument("--grad-clip", type=cliutil.number(float), default=1.0)
+    p.add_argument("--weight-decay", type=cliutil.number(float), default=0.1)
+    p.add_argument("--dtype", choices=TRAIN_DTYPES, default="fp32")
+    p.add_argument("--layer-splits", type=_splits, default="",
+                   help="layers per stage, e.g. 3,1")
     p.add_argument("--data", default="", help="uint16 .bin token file or dir (train/val.bin)")
     p.add_argument("--checkpoint-dir", default="", help="resume from / write checkpoints here")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--checkpoint-every", type=count, default=0,
+                   help="steps between checkpoints")
+    p.add_argument("--eval-batches", type=count, default=4)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: auto)")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
-    p.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--threads", type=cliutil.number(int, 0, maximum=4096), default=0,
+                   help="torch threads per worker (0: auto)")
+    p.add_argument("--timeout", type=cliutil.seconds, default=300.0,
+                   help="collective timeout, seconds")
+    p.add_argument("--log-interval", type=positive, default=10,
+                   help="steps between progress lines")
     p.add_argument("--json", action="store_true", help="one JSON object per step, then done")
     p.add_argument("--workdir", default="", help="keep assignments, progress and logs here")
 

@@ -94,12 +94,25 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         )
 
 
+async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.Server | None:
+    """The Prometheus endpoint of `--metrics-listen`, or None when it is off."""
+    if not config.metrics_listen:
+        return None
+    from agent.metrics import agent_registry
+    from protos.metrics import serve_metrics
+
+    server, _ = await serve_metrics(config.metrics_listen,
+                                    agent_registry(service.info, lambda: service.session))
+    return server
+
+
 async def serve(config: AgentConfig) -> int:
     """Run the agent until SIGTERM/SIGINT (0) or until the coordinator refuses it (2)."""
     agent_id = load_or_create_id(config.state_dir)
     info = common_pb2.AgentInfo(agent_id=agent_id, host=config.advertise_host,
                                 device=detect(config.device), version=VERSION)
     service = AgentService(info)
+    metrics = await start_metrics(config, service)
 
     def register(server: grpc.aio.Server) -> list[str]:
         agent_pb2_grpc.add_AgentServicer_to_server(service, server)
@@ -140,5 +153,7 @@ async def serve(config: AgentConfig) -> int:
         with contextlib.suppress(asyncio.CancelledError, FatalSessionError):
             await task
     await server.stop(grace=1.0)
+    if metrics is not None:
+        metrics.close()
     log.info("agent %s stopped", agent_id)
     return code

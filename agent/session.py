@@ -18,6 +18,7 @@ from agent.links import measure_peer
 from agent.supervisor import Supervisor
 from protos import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from protos.limits import MAX_KIND, clip
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,9 @@ class CoordinatorSession:
         return coordinator_pb2.ProgressReport(
             agent_id=self.info.agent_id, job_id=p.job_id, epoch=p.epoch,
             worker_state="idle" if state == "stopped" else state, step=p.step,
-            loss=p.loss, tokens_per_s=p.tokens_per_s, error=p.error,
+            loss=p.loss, tokens_per_s=p.tokens_per_s, error=clip(p.error),
             total_steps=p.total_steps, step_s=p.step_s, compute_s=p.compute_s,
-            pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=p.error_kind,
+            pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=clip(p.error_kind, MAX_KIND),
         )
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:
@@ -180,5 +181,11 @@ class CoordinatorSession:
             return
         report = self.progress_report()
         report.worker_state = "left"
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        try:
             await self._stub.ReportProgress(report, timeout=2.0)
+        except grpc.aio.AioRpcError:
+            pass
+        except asyncio.CancelledError:  # the coordinator left first and run() closed the channel
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.statedir import open_private_append, private_dir, write_private
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,12 @@ class Supervisor:
 
     async def start(self, assignment: common_pb2.Assignment) -> None:
         await self.stop("replaced by a new assignment")
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.workdir)
         stem = f"{assignment.job_id}-e{assignment.epoch}-r{assignment.rank}"
         spec_path = self.workdir / f"{stem}.assignment.pb"
         progress_path = self.workdir / f"{stem}.progress.jsonl"
         log_path = self.workdir / f"{stem}.log"
-        spec_path.write_bytes(assignment.SerializeToString())
+        write_private(spec_path, assignment.SerializeToString())
         progress_path.unlink(missing_ok=True)
         self.progress = WorkerProgress(job_id=assignment.job_id, epoch=assignment.epoch,
                                        state="starting", total_steps=assignment.train.steps)
@@ -73,7 +74,7 @@ class Supervisor:
         # subprocess.Popen, not the event loop's fork: CPython spawns with vfork/posix_spawn,
         # which skips grpc's fork handlers; a plain fork() of this grpc process can crash the
         # child (seen here as SIGSEGV before exec under uvloop).
-        with open(log_path, "ab") as log_file:
+        with open_private_append(log_path) as log_file:
             self._proc = subprocess.Popen(
                 [self.python, "-m", "agent.worker", "--assignment", str(spec_path),
                  "--progress", str(progress_path)],

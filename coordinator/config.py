@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from coordinator.placement import Placement
@@ -36,6 +37,7 @@ class JobConfig:
             raise ConfigError(str(exc)) from None
 
     def validate(self) -> None:
+        self._check_ranges()
         if not self.model:
             return
         if self.links_file:
@@ -78,6 +80,16 @@ class JobConfig:
                               f"{layout.replicas} replicas)") from None
 
 
+    def _check_ranges(self) -> None:
+        for flag, value in (("--agents", self.agents), ("--stages", self.stages),
+                            ("--replicas", self.replicas), ("--max-restarts", self.max_restarts),
+                            ("--seed", self.seed)):
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if not (math.isfinite(self.search_seconds) and self.search_seconds > 0):
+            raise ConfigError(f"--search-seconds must be a finite number > 0, got "
+                              f"{self.search_seconds}")
+
     def _check_pinned(self, placement: Placement) -> None:
         pinned = placement.pinned
         assert pinned is not None
@@ -102,19 +114,27 @@ class CoordinatorConfig:
     liveness_timeout_s: float = 5.0
     measure_timeout_s: float = 120.0
     measure_every_s: float = 0.0  # re-measure all links this often while no job trains; 0: off
+    evict_after_s: float = 600.0  # drop agents lost or left this long from the registry
     state_dir: str = ""
+    metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
     job: JobConfig = field(default_factory=JobConfig)
 
     def validate(self) -> None:
         split_hostport(self.listen, "--listen")
+        if self.metrics_listen:
+            split_hostport(self.metrics_listen, "--metrics-listen")
         self.security.validate()
-        if self.heartbeat_interval_s <= 0:
-            raise ConfigError("--heartbeat-interval must be > 0 seconds")
+        for flag, value in (("--heartbeat-interval", self.heartbeat_interval_s),
+                            ("--liveness-timeout", self.liveness_timeout_s),
+                            ("--measure-timeout", self.measure_timeout_s),
+                            ("--evict-after", self.evict_after_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag} must be a finite number of seconds > 0, got {value}")
         if self.liveness_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"--liveness-timeout ({self.liveness_timeout_s} s) must exceed the heartbeat "
                 f"interval ({self.heartbeat_interval_s} s), or live agents would be marked lost"
             )
-        if self.measure_every_s < 0:
+        if not (math.isfinite(self.measure_every_s) and self.measure_every_s >= 0):
             raise ConfigError("--measure-every must be >= 0 seconds (0 turns it off)")
         self.job.validate()

@@ -57,6 +57,13 @@ class LinkStore:
             measured_unix_s=sample.measured_unix_s or time.time(),
         )
 
+    def forget(self, agent_ids: Iterable[str]) -> None:
+        """Drop every link to or from these (evicted) agents."""
+        gone = set(agent_ids)
+        if gone:
+            self.entries = {k: e for k, e in self.entries.items()
+                            if k[0] not in gone and k[1] not in gone}
+
     def mark_unreachable(self, from_id: str, to_id: str, error: str) -> None:
         self.entries[(from_id, to_id)] = LinkEntry(math.nan, math.nan, False, error, time.time())
 

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"random allocations for the baseline ({DEFAULT_RANDOM}; 20 above 128 devices)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", default="",
+                        help="also draw both matrices as heat maps with the chosen stage x "
+                        "pipeline grid over them (needs matplotlib: pip install 'dtfm[plot]')")
 
 
 def _note(msg: str) -> None:
@@ -175,20 +178,24 @@ def _progress(evaluated: int, elapsed: float, best: float) -> None:
         _note(f"searching: {evaluated} candidates, {elapsed:.0f}s, best {best:.3f}")
 
 
-def compute(args: argparse.Namespace) -> dict[str, Any]:
-    """The plan and its baselines as the JSON-ready dict `--json` prints."""
-    agents = None
+def load_network(args: argparse.Namespace) -> tuple[Network, list[Any] | None, str]:
+    """The matrices to plan on, their agent ids (from a links file) and where they came from."""
     if args.scenario is not None:
         try:
-            net = scenarios.get_scenario(args.scenario, args.per_city)
+            return scenarios.get_scenario(args.scenario, args.per_city), None, \
+                f"scenario {args.scenario}"
         except ValueError as e:
             raise PlanInputError(str(e)) from None
-        source = f"scenario {args.scenario}"
-    else:
-        if args.per_city is not None:
-            raise PlanInputError("--per-city only applies to --scenario world")
-        net, agents = _load_links(args.links)
-        source = f"links {args.links}"
+    if args.per_city is not None:
+        raise PlanInputError("--per-city only applies to --scenario world")
+    net, agents = _load_links(args.links)
+    return net, agents, f"links {args.links}"
+
+
+def compute(args: argparse.Namespace,
+            loaded: tuple[Network, list[Any] | None, str] | None = None) -> dict[str, Any]:
+    """The plan and its baselines as the JSON-ready dict `--json` prints."""
+    net, agents, source = loaded or load_network(args)
     layers = get_preset(args.model).n_layers if args.model else None
     s, r, picked = _shape(args, net.size, layers)
     if layers is not None and s > layers:
@@ -279,9 +286,25 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_plot(net: Network, out: dict[str, Any], path: str) -> str:
+    """Draw the plan over its matrices into `path`; returns an error message, or ""."""
+    try:
+        from coordinator.plots import plot_plan
+    except ImportError as e:
+        return f"--plot needs matplotlib ({e}): pip install 'dtfm[plot]'"
+    title = (f"{out['source']}: {out['stages']} stages x {out['replicas']} pipelines, "
+             f"cost {out['cost']:.3f} s (rank order {out['baselines']['rank_order']:.3f} s)")
+    try:
+        plot_plan(net.delay_ms, net.bandwidth_gbps, out["grid"], path, title)
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror}"
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        out = compute(args)
+        loaded = load_network(args)
+        out = compute(args, loaded)
     except ValueError as e:  # PlanInputError and validation errors from the library
         print(f"coordinator plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -289,6 +312,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(format_table(out))
+    if getattr(args, "plot", ""):
+        problem = write_plot(loaded[0], out, args.plot)
+        if problem:
+            print(f"coordinator plan: error: {problem}", file=sys.stderr)
+            return 1
+        _note(f"wrote {args.plot}")
     return 0
 
 

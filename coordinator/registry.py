@@ -2,14 +2,14 @@
 
 Liveness is the coordinator's judgement alone: an agent is alive while its heartbeats arrive
 within the liveness timeout, lost once they stop (a crash, a partition), and left when it said
-goodbye. The registry is touched only from the event loop, so it needs no locks.
+goodbye. Rows lost or left for longer than `evict_after_s` are dropped, so churn does not grow
+the registry forever. The registry is touched only from the event loop, so it needs no locks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +18,6 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 
-AGENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ALIVE = coordinator_pb2.AGENT_STATE_ALIVE
 LOST = coordinator_pb2.AGENT_STATE_LOST
 LEFT = coordinator_pb2.AGENT_STATE_LEFT
@@ -56,22 +55,6 @@ class AgentRecord:
         )
 
 
-def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
-    """Why `info` is unacceptable, or None when it is fine."""
-    if not AGENT_ID_RE.match(info.agent_id):
-        return (
-            f"agent_id {info.agent_id!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    if not info.host or len(info.host) > 253 or any(c.isspace() for c in info.host):
-        return f"agent {info.agent_id}: host {info.host!r} is not a usable address (--advertise)"
-    if not 1 <= info.port <= 65535:
-        return f"agent {info.agent_id}: port {info.port} is outside 1..65535"
-    if info.device.kind not in ("cpu", "cuda"):
-        return f"agent {info.agent_id}: device kind {info.device.kind!r} is not 'cpu' or 'cuda'"
-    return None
-
-
 class Registry:
     """Agents by id, in join order."""
 
@@ -80,8 +63,10 @@ class Registry:
         liveness_timeout_s: float,
         clock: Callable[[], float] = time.time,
         on_change: Callable[[], None] | None = None,
+        evict_after_s: float = 600.0,
     ) -> None:
         self.liveness_timeout_s = liveness_timeout_s
+        self.evict_after_s = evict_after_s
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
         self._seq = 0
@@ -153,6 +138,32 @@ class Registry:
         if lost:
             self._on_change()
         return lost
+
+    def evict(self) -> list[str]:
+        """Drop agents lost or left for longer than `evict_after_s`; return their ids."""
+        now = self._clock()
+        gone = [rec for rec in self._agents.values()
+                if rec.state != ALIVE and now - rec.last_seen > self.evict_after_s]
+        for rec in gone:
+            del self._agents[rec.agent_id]
+            rec.commands.put_nowait(None)  # type: ignore[arg-type]  # ends a stale stream
+            log.info("agent %s evicted: %s for %.0f s (--evict-after %.0f s)", rec.agent_id,
+                     STATE_NAMES[rec.state], now - rec.last_seen, self.evict_after_s)
+        if gone:
+            self._on_change()
+        return [rec.agent_id for rec in gone]
+
+    def status_rows(self, limit: int) -> tuple[list[AgentRecord], int]:
+        """At most `limit` agents for a status answer, in join order, and how many were left out.
+
+        Alive agents come first; the rest of the room goes to the most recently seen.
+        """
+        rows = list(self._agents.values())
+        if len(rows) <= limit:
+            return rows, 0
+        ranked = sorted(rows, key=lambda r: (r.state != ALIVE, -r.last_seen))[:limit]
+        keep = {r.agent_id for r in ranked}
+        return [r for r in rows if r.agent_id in keep], len(rows) - limit
 
     def send(self, agent_id: str, command: coordinator_pb2.Command) -> None:
         rec = self._agents[agent_id]

@@ -16,17 +16,19 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from coordinator.catalogue import get_preset
 from coordinator.config import CoordinatorConfig
+from coordinator.history import History
 from coordinator.job import Job
 from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
-from coordinator.registry import Registry, validate_agent_info
+from coordinator.registry import Registry
+from coordinator.validate import validate_agent_info, validate_link_report, validate_progress
 from protos import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from protos.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
 
 log = logging.getLogger(__name__)
-
-WORKER_STATES = {"idle", "measuring", "starting", "training", "done", "failed", "left"}
 
 
 def _finite(value: float) -> bool:
@@ -36,10 +38,12 @@ def _finite(value: float) -> bool:
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.registry = Registry(config.liveness_timeout_s, on_change=self._changed)
+        self.registry = Registry(config.liveness_timeout_s, on_change=self._changed,
+                                 evict_after_s=config.evict_after_s)
         self.links = LinkStore()
         self.measurer = LinkMeasurer(self.registry, self.links)
         self.job = Job(config.job, self.registry, self.measurer, self.links)
+        self.history = History()
         self.stopping = asyncio.Event()
 
     def _changed(self) -> None:
@@ -56,6 +60,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if self.stopping.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down")
+        if self.registry.get(request.agent.agent_id) is None and len(self.registry) >= MAX_AGENTS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the registry holds {MAX_AGENTS} agents, its limit; lost and left ones go "
+                "after --evict-after (lower it, or stop agents that keep re-joining)",
+            )
         rec = self.registry.join(request.agent)
         generation = rec.stream_generation
         queue = rec.commands
@@ -76,15 +86,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportProgress(
         self, request: coordinator_pb2.ProgressReport, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.Ack:
-        if request.worker_state and request.worker_state not in WORKER_STATES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"worker_state {request.worker_state!r} is not one of {sorted(WORKER_STATES)}",
-            )
-        if not (_finite(request.loss) and _finite(request.tokens_per_s)):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "loss and tokens_per_s must be finite numbers"
-            )
+        problem = validate_progress(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         rec = self.registry.heartbeat(request)
         if rec is None:
             await context.abort(
@@ -92,26 +96,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"agent {request.agent_id!r} has not joined: call Join first",
             )
         self.job.on_progress(rec, request)
+        if request.job_id and request.job_id == self.job.job_id:
+            self.history.record(rec.agent_id, request)
         return coordinator_pb2.Ack(ok=True)
 
     async def ReportLinks(
         self, request: coordinator_pb2.LinkReport, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.Ack:
+        problem = validate_link_report(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if self.registry.get(request.agent_id) is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"agent {request.agent_id!r} has not joined: call Join first",
             )
-        for s in request.samples:
-            if not s.peer_id:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a sample has no peer_id")
-            if not (_finite(s.delay_ms) and s.delay_ms >= 0
-                    and _finite(s.bandwidth_gbps) and s.bandwidth_gbps >= 0):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"sample for {s.peer_id}: delay_ms and bandwidth_gbps must be finite and "
-                    f">= 0, got {s.delay_ms} / {s.bandwidth_gbps}",
-                )
         problem = self.measurer.on_report(request)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -121,9 +120,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetStatus(
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
-        ids = [a.agent_id for a in self.registry.all()]
+        rows, omitted = self.registry.status_rows(MAX_STATUS_AGENTS)
+        if omitted:  # the answer must fit a gRPC message at any number of agents
+            context.set_trailing_metadata(((OMITTED_METADATA, str(omitted)),))
+        ids = [a.agent_id for a in rows]
         return coordinator_pb2.ClusterStatus(
-            agents=[a.to_proto() for a in self.registry.all()],
+            agents=[a.to_proto() for a in rows],
             job=self.job.status(),
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
@@ -140,6 +142,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 "the agents to join",
             )
         return self.job.plan
+
+    async def GetHistory(
+        self, request: coordinator_pb2.HistoryRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.JobHistory:
+        job = self.config.job
+        tokens = job.train.global_batch * get_preset(job.model).seq_len if job.model else 0
+        return self.history.to_proto(self.job.status(), tokens, self.job.restarts)
 
     async def MeasureLinks(
         self, request: coordinator_pb2.MeasureRequest, context: grpc.aio.ServicerContext
@@ -176,6 +185,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             lost = self.registry.sweep()
             if lost:
                 self.job.on_lost(lost)
+            self.links.forget(self.registry.evict())
             await asyncio.sleep(period)
 
     async def remeasure_forever(self) -> None:
@@ -199,9 +209,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             rec.commands.put_nowait(None)  # type: ignore[arg-type]
 
 
+async def start_metrics(service: CoordinatorService) -> asyncio.Server | None:
+    """The Prometheus endpoint of `--metrics-listen`, or None when it is off."""
+    if not service.config.metrics_listen:
+        return None
+    from coordinator.metrics import coordinator_registry
+    from protos.metrics import serve_metrics
+
+    registry = coordinator_registry(service.registry, service.job, service.links)
+    server, _ = await serve_metrics(service.config.metrics_listen, registry)
+    return server
+
+
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
     """Run the coordinator until SIGTERM/SIGINT."""
     service = CoordinatorService(config)
+    metrics = await start_metrics(service)
 
     def register(server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
@@ -229,4 +252,6 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop(grace=2.0)
+    if metrics is not None:
+        metrics.close()
     log.info("coordinator stopped")

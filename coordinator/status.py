@@ -1,5 +1,6 @@
 """`coordinator status` and `coordinator links`: query a running coordinator, print for people
 or for scripts. The JSON shape is an interface other tools rely on (`agents[].id`, `.state`).
+`status --watch` redraws `watch_frame` in place.
 """
 
 from __future__ import annotations
@@ -115,3 +116,19 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         for s, row in enumerate(p["grid"]):
             lines.append(f"  stage {s}: {'  '.join(row)}")
     return "\n".join(lines)
+
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)
+
+
+def watch_frame(body: str, every_s: float, target: str, error: str = "",
+                now: float | None = None) -> str:
+    """One redraw of `status --watch`: clear the screen, a header line, then the status.
+
+    On an error the header says so and the body is whatever the last good answer was.
+    """
+    clock = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
+    head = f"coordinator {target}, every {every_s:g} s, {clock} (Ctrl-C to stop)"
+    if error:
+        head += f"\n{error}; retrying"
+    return f"{CLEAR_SCREEN}{head}\n\n{body}\n"

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from protos.rpc import ConfigError, Security, load_token
 
@@ -46,47 +47,124 @@ def add_common_args(parser: argparse.ArgumentParser, config_file: bool = True) -
                         choices=["debug", "info", "warning", "error"])
 
 
-def _convert(action: argparse.Action, raw: Any, origin: str) -> Any:
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line naming the flag, then exit 2.
+
+    Its subparsers are Parsers too (argparse builds them with the parent's class).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see `{self.prog} -h`)")
+
+
+def number(kind: type[int] | type[float], minimum: float | None = 0, *,
+           above: bool = False, maximum: float | None = None,
+           unit: str = "") -> Callable[[str], Any]:
+    """An argparse `type`: a finite int or float in range. Flags, DTFM_* and TOML share it."""
+    what = _describe(kind, minimum, above, maximum) + unit
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        too_low = minimum is not None and (value <= minimum if above else value < minimum)
+        too_high = maximum is not None and value > maximum
+        if not math.isfinite(value) or too_low or too_high:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.toml_types = (int,) if kind is int else (int, float)  # type: ignore[attr-defined]
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _describe(kind: type, minimum: float | None, above: bool, maximum: float | None) -> str:
+    if kind is int and minimum is not None and maximum is not None:
+        return f"an integer from {minimum + above} to {maximum}"
+    low = "" if minimum is None else f" {'>' if above else '>='} {minimum}"
+    high = "" if maximum is None else f" and <= {maximum}"
+    return f"{'an integer' if kind is int else 'a finite number'}{low}{high}"
+
+
+UINT32 = 2**32 - 1
+count = number(int, 0, maximum=UINT32)  # steps, restarts, ...: 0 or more
+positive_count = number(int, 1, maximum=UINT32)  # batch, micro-batches, ...: 1 or more
+seconds = number(float, 0, above=True, unit=" seconds")  # timeouts and intervals: > 0
+seconds_or_off = number(float, 0, unit=" seconds (0: off)")
+
+
+def _flag(action: argparse.Action) -> str:
+    return max(action.option_strings, key=len) if action.option_strings else action.dest
+
+
+def _toml_types(action: argparse.Action) -> tuple[type, ...]:
+    return getattr(action.type, "toml_types", None) or {
+        None: (str,), str: (str,), int: (int,), float: (int, float)}.get(action.type, (str,))
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+          dict: "a table", list: "an array"}
+
+
+def _convert(action: argparse.Action, raw: Any, origin: str, toml: bool) -> Any:
+    """`raw` from the environment or a TOML file, through the flag's own type and choices."""
+    where = f"{origin} ({_flag(action)})"
     if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
-        if text not in ("1", "0", "true", "false", "yes", "no"):
-            raise ConfigError(f"{origin}: expected true or false, got {raw!r}")
+        if toml or text not in ("1", "0", "true", "false", "yes", "no"):
+            raise ConfigError(f"{where}: expected true or false, got {raw!r}")
         return text in ("1", "true", "yes")
-    if action.type is not None and isinstance(raw, str | int | float):
-        try:
-            return action.type(raw)  # type: ignore[misc]
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{origin}: {exc}") from None
-    return raw
+    if not isinstance(action, argparse._StoreAction):
+        raise ConfigError(f"{where}: this flag cannot be set from a file or the environment")
+    wanted = _toml_types(action)
+    if toml and (isinstance(raw, bool) or not isinstance(raw, wanted)):
+        got = _KINDS.get(type(raw), type(raw).__name__)
+        raise ConfigError(f"{where}: expected {_KINDS[wanted[-1]]}, got {got} {raw!r}")
+    try:
+        value = action.type(str(raw)) if action.type is not None else str(raw)  # type: ignore[misc]
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{where}: {value!r} is not one of "
+                          f"{', '.join(map(str, action.choices))}")
+    return value
+
+
+def _toml_defaults(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    defaults: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = key.replace("-", "_")
+        if dest not in actions:
+            raise ConfigError(f"config file {path}: unknown key {key!r}; known: "
+                              f"{', '.join(sorted(k.replace('_', '-') for k in actions))}")
+        defaults[dest] = _convert(actions[dest], value, f"config file {path}: {key}", True)
+    return defaults
 
 
 def layered_defaults(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """Install the TOML file's and the environment's values as `parser`'s defaults."""
+    """Install the TOML file's and the environment's values as `parser`'s defaults.
+
+    Every value goes through the flag's own type and choices, as a flag would.
+    """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     actions = {a.dest: a for a in parser._actions if a.dest not in _SKIP}
-    defaults: dict[str, Any] = {}
-    if known.config:
-        try:
-            with open(known.config, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {known.config}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {known.config} is not valid TOML: {exc}") from None
-        for key, value in data.items():
-            dest = key.replace("-", "_")
-            if dest not in actions:
-                raise ConfigError(f"config file {known.config}: unknown key {key!r}; known: "
-                                  f"{', '.join(sorted(k.replace('_', '-') for k in actions))}")
-            defaults[dest] = _convert(actions[dest], value, f"{known.config}: {key}")
+    defaults = _toml_defaults(known.config, actions) if known.config else {}
     for dest, action in actions.items():
         raw = os.environ.get(ENV_PREFIX + dest.upper())
         if raw is not None and dest != "token":
-            defaults[dest] = _convert(action, raw, f"${ENV_PREFIX}{dest.upper()}")
+            defaults[dest] = _convert(action, raw, f"${ENV_PREFIX}{dest.upper()}", False)
     parser.set_defaults(**defaults)
 
 
@@ -124,9 +202,13 @@ def standalone(prog: str, description: str,
                add_arguments: Callable[[argparse.ArgumentParser], None],
                run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None) -> int:
     """`python -m MODULE` for a subcommand module that exposes add_arguments and run."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = Parser(prog=prog, description=description)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as exc:
+        return fail(str(exc))
+    return run(args)
 
 
 def fail(message: str, code: int = 2) -> int:

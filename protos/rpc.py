@@ -8,11 +8,13 @@ ready `grpc.aio.Server` or channel and never touch credentials themselves.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import logging
 import os
 import socket
+import stat
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TOKEN_ENV = "DTFM_TOKEN"
+MIN_TOKEN_BYTES = 16
+MAKE_TOKEN = "head -c 32 /dev/urandom | base64 > FILE"
 # Large enough for a bandwidth probe chunk and a status with a 64x64 link matrix.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A stream's flow-control window from the start: without it HTTP/2 opens the window over
@@ -48,6 +52,8 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A port another process already serves is an error, not a port silently shared.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -74,6 +80,7 @@ class Security:
                 f"no join token: pass --token-file FILE or set {TOKEN_ENV}; every daemon and "
                 "client of one cluster must share the same token"
             )
+        check_token(self.token)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
         for name in ("tls_cert", "tls_key", "tls_ca"):
@@ -86,15 +93,44 @@ class Security:
         return Path(path).read_bytes() if path else None
 
 
+def check_token(token: str) -> None:
+    """Refuse a token that is short or would corrupt the `authorization` header.
+
+    The message never shows the token itself.
+    """
+    size = len(token.encode())
+    if size < MIN_TOKEN_BYTES:
+        raise ConfigError(f"the join token (--token-file or ${TOKEN_ENV}) is {size} bytes; "
+                          f"use at least {MIN_TOKEN_BYTES} random ones, for example "
+                          f"`{MAKE_TOKEN}`")
+    for i, c in enumerate(token):
+        if not " " <= c <= "~":
+            raise ConfigError(f"the join token (--token-file or ${TOKEN_ENV}) has {c!r} at "
+                              f"position {i}: use printable ASCII "
+                              f"only (no control characters), for example `{MAKE_TOKEN}`")
+
+
+def _warn_if_readable(token_file: str, st: os.stat_result) -> None:
+    """Warn when the token file's group or others can read it (`install.sh` makes it 0600)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("token file %s is readable by %s (mode %04o): whoever reads it can join "
+                    "the cluster; run `chmod 600 %s`", token_file,
+                    "others" if mode & stat.S_IROTH else "its group", mode, token_file)
+
+
 def load_token(token_file: str | None) -> str:
     """The token from `token_file`, else from $DTFM_TOKEN, else ''."""
     if token_file:
         try:
             token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+            st = os.stat(token_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+            raise ConfigError(f"cannot read token file {token_file}: {reason}") from exc
         if not token:
             raise ConfigError(f"token file {token_file} is empty; put the cluster's token in it")
+        _warn_if_readable(token_file, st)
         return token
     return os.environ.get(TOKEN_ENV, "").strip()
 
@@ -262,7 +298,8 @@ async def start_server(
     Returns the server, the bound port (useful with port 0) and the health servicer.
     """
     security.validate()
-    host, _ = split_hostport(listen, "listen address")
+    host, wanted_port = split_hostport(listen, "listen address")
+    check_bindable(host, wanted_port, listen, what)
     server = grpc.aio.server(
         interceptors=[BoundaryInterceptor(security.token)], options=SERVER_OPTIONS
     )
@@ -282,7 +319,7 @@ async def start_server(
             root_certificates=Security.read(security.tls_ca),
             require_client_auth=bool(security.tls_ca),
         )
-        port = server.add_secure_port(listen, creds)
+        port = _bind(lambda: server.add_secure_port(listen, creds), listen, what)
     else:
         if not is_loopback(host):
             log.warning(
@@ -291,14 +328,42 @@ async def start_server(
                 what,
                 listen,
             )
-        port = server.add_insecure_port(listen)
-    if port == 0:
-        raise ConfigError(f"{what}: cannot listen on {listen} (address in use or not local?)")
+        port = _bind(lambda: server.add_insecure_port(listen), listen, what)
     await server.start()
     for name in names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port, health
+
+
+def check_bindable(host: str, port: int, listen: str, what: str) -> None:
+    """Refuse a listen address this process cannot bind, saying why (grpc only says 'failed')."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in infos:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(addr)
+    except OSError as exc:
+        reason = ("the port is in use (is another daemon running?)"
+                  if exc.errno == errno.EADDRINUSE else
+                  f"{exc.strerror or exc}; is {host} an address of this machine?")
+        raise ConfigError(f"{what}: cannot listen on {listen}: {reason}; pick another "
+                          "--listen or stop the process holding it") from None
+
+
+def _bind(add_port: Callable[[], int], listen: str, what: str) -> int:
+    """The bound port, or a ConfigError a person can act on (grpc raises RuntimeError)."""
+    try:
+        port = add_port()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise ConfigError(f"{what}: cannot listen on {listen}: the port is in use or the host "
+                          "is not an address of this machine; pick another --listen")
+    return port
 
 
 class _TokenHeader:

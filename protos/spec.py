@@ -15,10 +15,15 @@ Pure Python: no torch, no grpc; `to_proto`/`from_proto` import the generated mes
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # what the cost model can size
+TRAIN_DTYPES = ("fp32", "bf16")  # what the worker trains in (its autocast_dtype)
+UINT32 = 2**32 - 1
+_COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
+           "eval_batches")
 SCHEDULES = ("gpipe", "1f1b")
 DP_MODES = ("allreduce", "sharded")
 
@@ -121,10 +126,10 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.global_batch < 1 or self.micro_batches < 1 or self.steps < 0:
-            raise ValueError("global_batch and micro_batches must be >= 1 and steps >= 0")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype must be one of {TRAIN_DTYPES} (the worker trains in "
+                             f"nothing else), got {self.dtype!r}")
+        self._check_ranges()
         if self.global_batch % replicas:
             raise ValueError(
                 f"global batch {self.global_batch} is not divisible by {replicas} replicas"
@@ -136,6 +141,19 @@ class TrainConfig:
                 f"{self.micro_batches} micro-batches; pick a global batch that is a multiple "
                 f"of replicas x micro-batches = {replicas * self.micro_batches}"
             )
+
+    def _check_ranges(self) -> None:
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if not 0 <= value <= UINT32:
+                raise ValueError(f"{name} must be in 0..{UINT32}, got {value}")
+        if self.global_batch < 1 or self.micro_batches < 1:
+            raise ValueError("global_batch and micro_batches must be >= 1")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
+        for name in ("lr", "grad_clip", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("lr must be > 0, grad_clip and weight_decay >= 0")
 

@@ -64,13 +64,13 @@ def test_every_rpc_but_health_needs_the_token(daemons: Daemons) -> None:
 
     asyncio.run(check())
     out = daemons.cli("coordinator", "status", "--coordinator", address,
-                      env=daemons.env(DTFM_TOKEN="not-the-token"))
+                      env=daemons.env(DTFM_TOKEN="not-the-token-0123456789"))
     assert out.returncode == 1 and "wrong join token" in out.stderr
 
 
 def test_agent_with_wrong_token_exits_with_reason(daemons: Daemons) -> None:
     _, address = daemons.coordinator()
-    agent = daemons.agent(address, "intruder", env=daemons.env(DTFM_TOKEN="guess"))
+    agent = daemons.agent(address, "intruder", env=daemons.env(DTFM_TOKEN="a-wrong-guess-012345"))
     assert agent.wait(timeout=30) == 2
     assert "wrong join token" in daemons.log(agent)
     assert daemons.status(address)["agents"] == []

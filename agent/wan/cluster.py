@@ -24,10 +24,13 @@ from protos.procs import terminate_all
 
 COORDINATOR_PORT = 7070
 AGENT_PORT = 7071
-# Big socket buffers so links with a large bandwidth-delay product are not window-limited.
+# Hosts tuned as deploy/sysctl.d/60-dtfm-wan.conf tunes agents: big socket buffers so links
+# with a large bandwidth-delay product are not window-limited, and no slow start after the
+# idle gaps between a step's bursts of traffic.
 BUFFER_SYSCTLS = {
     "net.ipv4.tcp_rmem": "4096 131072 33554432",
     "net.ipv4.tcp_wmem": "4096 131072 33554432",
+    "net.ipv4.tcp_slow_start_after_idle": "0",
 }
 
 # Jumbo frames for clusters whose links get measured: TCP ramps up and counts packets much as

@@ -232,3 +232,41 @@ class MeasureRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class HistoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HistoryPoint(_message.Message):
+    __slots__ = ("epoch", "step", "loss", "step_s", "tokens_per_s", "unix_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    loss: float
+    step_s: float
+    tokens_per_s: float
+    unix_s: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., unix_s: _Optional[float] = ...) -> None: ...
+
+class JobHistory(_message.Message):
+    __slots__ = ("job_id", "model", "state", "total_steps", "predicted_step_s", "restarts", "points")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model: str
+    state: JobState
+    total_steps: int
+    predicted_step_s: float
+    restarts: int
+    points: _containers.RepeatedCompositeFieldContainer[HistoryPoint]
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., total_steps: _Optional[int] = ..., predicted_step_s: _Optional[float] = ..., restarts: _Optional[int] = ..., points: _Optional[_Iterable[_Union[HistoryPoint, _Mapping]]] = ...) -> None: ...

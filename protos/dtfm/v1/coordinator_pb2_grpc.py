@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.MeasureRequest.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_common__pb2.LinkMatrix.FromString,
                 _registered_method=True)
+        self.GetHistory = channel.unary_unary(
+                '/dtfm.v1.Coordinator/GetHistory',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobHistory.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -111,6 +116,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHistory(self, request, context):
+        """The job's per-step loss and speed as the members' heartbeats reported them, oldest first
+        (`coordinator report`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.MeasureLinks,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.MeasureRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_common__pb2.LinkMatrix.SerializeToString,
+            ),
+            'GetHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHistory,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.HistoryRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobHistory.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class Coordinator:
             '/dtfm.v1.Coordinator/MeasureLinks',
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.MeasureRequest.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_common__pb2.LinkMatrix.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/GetHistory',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.HistoryRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobHistory.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,97 @@
+"""The job's per-step history: loss and speed by step, as the members' heartbeats report them.
+
+Owns what `coordinator report` shows (served by the `GetHistory` RPC). The coordinator's
+ReportProgress handler feeds every accepted heartbeat here; one point per (epoch, step) keeps
+the loss (from whichever member computes it: the last stage) and the median of the members'
+step times. Heartbeats are periodic, so steps faster than the heartbeat are sampled. The store
+is bounded: past `limit` points the oldest are dropped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos.dtfm.v1 import coordinator_pb2
+
+DEFAULT_LIMIT = 100_000
+
+
+@dataclass
+class _Point:
+    epoch: int
+    step: int
+    unix_s: float
+    loss: float = 0.0
+    step_s: dict[str, float] = field(default_factory=dict)  # by agent id
+
+    def to_proto(self, tokens_per_step: int) -> coordinator_pb2.HistoryPoint:
+        step_s = statistics.median(self.step_s.values()) if self.step_s else 0.0
+        return coordinator_pb2.HistoryPoint(
+            epoch=self.epoch, step=self.step, loss=self.loss, step_s=step_s,
+            tokens_per_s=tokens_per_step / step_s if step_s > 0 else 0.0, unix_s=self.unix_s)
+
+
+class History:
+    """Points of one job by (epoch, step), in the order the coordinator first saw them."""
+
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+        self.limit = limit
+        self._points: OrderedDict[tuple[int, int], _Point] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def record(self, agent_id: str, report: coordinator_pb2.ProgressReport) -> None:
+        """Fold one member's heartbeat in; reports without a training step are ignored."""
+        if report.step < 1 or report.worker_state not in ("training", "done"):
+            return
+        key = (report.epoch, report.step)
+        point = self._points.get(key)
+        if point is None:
+            point = self._points[key] = _Point(report.epoch, report.step, time.time())
+            while len(self._points) > self.limit:
+                self._points.popitem(last=False)
+        if report.loss > 0:
+            point.loss = report.loss
+        if report.step_s > 0:
+            point.step_s[agent_id] = report.step_s
+
+    def to_proto(self, job: coordinator_pb2.JobStatus, tokens_per_step: int,
+                 restarts: int) -> coordinator_pb2.JobHistory:
+        return coordinator_pb2.JobHistory(
+            job_id=job.job_id, model=job.model, state=job.state, total_steps=job.total_steps,
+            predicted_step_s=job.predicted_step_s, restarts=restarts,
+            points=[p.to_proto(tokens_per_step) for p in self._points.values()])
+
+
+def history_to_json(history: coordinator_pb2.JobHistory) -> dict[str, Any]:
+    """The `coordinator report --json` shape (also what the plot reads)."""
+    return {
+        "job_id": history.job_id, "model": history.model,
+        "state": coordinator_pb2.JobState.Name(history.state).removeprefix("JOB_STATE_").lower(),
+        "total_steps": history.total_steps, "predicted_step_s": history.predicted_step_s,
+        "restarts": history.restarts,
+        "points": [{"epoch": p.epoch, "step": p.step, "loss": p.loss, "step_s": p.step_s,
+                    "tokens_per_s": p.tokens_per_s, "unix_s": p.unix_s}
+                   for p in history.points],
+    }
+
+
+def history_to_text(data: dict[str, Any]) -> str:
+    """A table: one row per recorded step."""
+    head = (f"job {data['job_id'] or '-'} ({data['model'] or 'no model'}): {data['state']}, "
+            f"{len(data['points'])} steps recorded of {data['total_steps']}, "
+            f"{data['restarts']} restarts")
+    if data["predicted_step_s"]:
+        head += f", predicted {data['predicted_step_s']:.3f} s/step"
+    lines = [head, f"{'epoch':>5} {'step':>7} {'loss':>9} {'s/step':>9} {'tok/s':>11}"]
+    for p in data["points"]:
+        loss = f"{p['loss']:.4f}" if p["loss"] else "-"
+        step_s = f"{p['step_s']:.3f}" if p["step_s"] else "-"
+        tokens = f"{p['tokens_per_s']:.0f}" if p["tokens_per_s"] else "-"
+        lines.append(f"{p['epoch']:>5} {p['step']:>7} {loss:>9} {step_s:>9} {tokens:>11}")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""What the coordinator exports to Prometheus (`coordinator start --metrics-listen HOST:PORT`).
+
+Owns the series names and labels (docs/operations.md lists them). One collector reads the
+registry, the job, its plan and the link store at scrape time, on the event loop (see
+`protos/metrics.py`), so the numbers are exactly what `coordinator status` would show then.
+Units are Prometheus base units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from coordinator.job import Job
+from coordinator.links import LinkStore
+from coordinator.registry import ALIVE, STATE_NAMES, Registry
+from protos.dtfm.v1 import coordinator_pb2
+
+JOB_STATES = [n.removeprefix("JOB_STATE_").lower() for n in coordinator_pb2.JobState.keys()
+              if n != "JOB_STATE_UNSPECIFIED"]
+STEP_PARTS = (("total", "step_s"), ("compute", "compute_s"), ("pipeline_wait", "pp_wait_s"),
+              ("data_parallel", "dp_s"))
+
+
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels or [])
+
+
+class CoordinatorCollector(Collector):
+    """Reads the coordinator's live objects on every scrape."""
+
+    def __init__(self, registry: Registry, job: Job, links: LinkStore) -> None:
+        self.registry = registry
+        self.job = job
+        self.links = links
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._agents()
+        yield from self._workers()
+        yield from self._job()
+        yield from self._plan()
+        yield from self._links()
+
+    def _agents(self) -> Iterator[Metric]:
+        counts = _gauge("dtfm_cluster_agents", "Agents by liveness state", ["state"])
+        records = self.registry.all()
+        for code, name in STATE_NAMES.items():
+            counts.add_metric([name], sum(r.state == code for r in records))
+        up = _gauge("dtfm_agent_up", "1 while the agent's heartbeats arrive, else 0", ["agent"])
+        age = _gauge("dtfm_agent_heartbeat_age_seconds", "Seconds since the agent's last "
+                     "heartbeat", ["agent"])
+        now = time.time()
+        for r in records:
+            up.add_metric([r.agent_id], float(r.state == ALIVE))
+            age.add_metric([r.agent_id], max(0.0, now - r.last_seen))
+        yield from (counts, up, age)
+
+    def _workers(self) -> Iterator[Metric]:
+        step = _gauge("dtfm_worker_step", "Last step the agent's worker reported", ["agent"])
+        loss = _gauge("dtfm_worker_loss", "Worker's last loss (last stage only)", ["agent"])
+        tokens = _gauge("dtfm_worker_tokens_per_second", "Worker's reported throughput",
+                        ["agent"])
+        split = _gauge("dtfm_worker_step_seconds", "Worker's last step time and where it went: "
+                       "compute, waiting on pipeline neighbours, data-parallel sync",
+                       ["agent", "part"])
+        for r in self.registry.all():
+            p = r.progress
+            if not p.job_id:
+                continue
+            step.add_metric([r.agent_id], p.step)
+            loss.add_metric([r.agent_id], p.loss)
+            tokens.add_metric([r.agent_id], p.tokens_per_s)
+            for part, attr in STEP_PARTS:
+                split.add_metric([r.agent_id, part], getattr(p, attr))
+        yield from (step, loss, tokens, split)
+
+    def _job(self) -> Iterator[Metric]:
+        status = self.job.status()
+        current = coordinator_pb2.JobState.Name(status.state).removeprefix("JOB_STATE_").lower()
+        labels = [status.job_id, status.model]
+        state = _gauge("dtfm_job_state", "1 for the job's current state, 0 for the others",
+                       ["job_id", "model", "state"])
+        for name in JOB_STATES:
+            state.add_metric([*labels, name], float(name == current))
+        yield state
+        if not status.job_id:
+            return
+        for name, doc, value in (
+            ("dtfm_job_epoch", "Job epoch (one per (re)schedule)", status.epoch),
+            ("dtfm_job_step", "Newest step any member reported", status.step),
+            ("dtfm_job_total_steps", "Steps the job runs", status.total_steps),
+            ("dtfm_job_loss", "Training loss at the newest step", status.loss),
+            ("dtfm_job_tokens_per_second", "Global tokens per second, from the measured step "
+             "time", status.tokens_per_s),
+            ("dtfm_job_predicted_step_seconds", "The cost model's step time for the running "
+             "plan", status.predicted_step_s),
+            ("dtfm_job_measured_step_seconds", "Median step time over the members' recent "
+             "steps", status.measured_step_s),
+        ):
+            g = _gauge(name, doc, ["job_id", "model"])
+            g.add_metric(labels, float(value))
+            yield g
+        restarts = CounterMetricFamily("dtfm_job_restarts", "Recoveries: times the job was "
+                                       "stopped and rescheduled", labels=["job_id", "model"])
+        restarts.add_metric(labels, self.job.restarts)
+        yield restarts
+
+    def _plan(self) -> Iterator[Metric]:
+        plan = self.job.plan
+        if plan is None or not plan.stages:
+            return
+        member = _gauge("dtfm_plan_member", "1 per agent of the running plan, labelled with "
+                        "its stage and replica", ["agent", "stage", "replica"])
+        for s, row in enumerate(plan.grid):
+            for r, agent in enumerate(row.agent_ids):
+                member.add_metric([agent, str(s), str(r)], 1.0)
+        cost = _gauge("dtfm_plan_cost_seconds", "The scheduler's cost of the plan: total = dp "
+                      "+ 2 x pp", ["part"])
+        for part, value in (("total", plan.cost), ("dp", plan.dp_cost), ("pp", plan.pp_cost)):
+            cost.add_metric([part], value)
+        predicted = _gauge("dtfm_plan_predicted_seconds", "The step-time model's prediction "
+                           "for the plan, by part", ["part"])
+        for part, value in (("step", plan.predicted_step_s), ("comm", plan.predicted_comm_s),
+                            ("compute", plan.predicted_compute_s)):
+            predicted.add_metric([part], value)
+        yield from (member, cost, predicted)
+
+    def _links(self) -> Iterator[Metric]:
+        delay = _gauge("dtfm_link_delay_seconds", "Measured one-way delay of a directed link",
+                       ["src", "dst"])
+        bandwidth = _gauge("dtfm_link_bandwidth_bytes_per_second", "Measured bandwidth of a "
+                           "directed link", ["src", "dst"])
+        reachable = _gauge("dtfm_link_reachable", "1 if the last measurement of the link "
+                           "succeeded", ["src", "dst"])
+        when = _gauge("dtfm_link_measured_timestamp_seconds", "Unix time of the link's last "
+                      "measurement", ["src", "dst"])
+        for (src, dst), e in sorted(self.links.entries.items()):
+            pair = [src, dst]
+            reachable.add_metric(pair, float(e.reachable))
+            when.add_metric(pair, e.measured_unix_s)
+            if e.reachable and math.isfinite(e.delay_ms):
+                delay.add_metric(pair, e.delay_ms / 1e3)
+            if e.reachable and math.isfinite(e.bandwidth_gbps):
+                bandwidth.add_metric(pair, e.bandwidth_gbps * 1e9 / 8)
+        yield from (delay, bandwidth, reachable, when)
+
+
+def coordinator_registry(registry: Registry, job: Job, links: LinkStore) -> CollectorRegistry:
+    """A registry of its own (not the process-global default), so tests can run several."""
+    out = CollectorRegistry()
+    out.register(CoordinatorCollector(registry, job, links))
+    return out

@@ -1,0 +1,98 @@
+"""What the coordinator accepts from agents: every field of every request, bounded.
+
+Each function answers why a request is unacceptable (a message for INVALID_ARGUMENT that says
+what to fix) or None. The bounds themselves live in `protos.limits`, which agents also read.
+Nothing here touches the registry: these are checks on one message alone.
+"""
+
+from __future__ import annotations
+
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+from protos.limits import (
+    AGENT_ID_RE,
+    MAX_AGENTS,
+    MAX_ERROR,
+    MAX_KIND,
+    MAX_NAME,
+    is_host,
+    number_problem,
+    text_problem,
+)
+
+WORKER_STATES = {"idle", "measuring", "starting", "training", "done", "failed", "left"}
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+def _first(*problems: str | None) -> str | None:
+    return next((p for p in problems if p), None)
+
+
+def agent_id_problem(agent_id: str, what: str = "agent_id") -> str | None:
+    if AGENT_ID_RE.match(agent_id):
+        return None
+    shown = agent_id if len(agent_id) <= 80 else agent_id[:80] + "..."
+    return (f"{what} {shown!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
+
+
+def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
+    """Why `info` is unacceptable, or None when it is fine."""
+    problem = agent_id_problem(info.agent_id)
+    if problem:
+        return problem
+    who = f"agent {info.agent_id}"
+    if not is_host(info.host):
+        shown = info.host if len(info.host) <= 80 else info.host[:80] + "..."
+        return (f"{who}: host {shown!r} is not an IPv4/IPv6 address or a DNS host name; "
+                "start the agent with --advertise set to its reachable address")
+    if not 1 <= info.port <= 65535:
+        return f"{who}: port {info.port} is outside 1..65535"
+    if info.device.kind not in DEVICE_KINDS:
+        return f"{who}: device kind {info.device.kind[:40]!r} is not 'cpu' or 'cuda'"
+    return _first(
+        text_problem(f"{who}: device name", info.device.name, MAX_NAME),
+        text_problem(f"{who}: version", info.version, MAX_NAME),
+        number_problem(f"{who}: device flops", info.device.flops),
+    )
+
+
+def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
+    """Why a heartbeat is unacceptable, or None."""
+    problem = agent_id_problem(report.agent_id)
+    if problem:
+        return problem
+    if report.worker_state and report.worker_state not in WORKER_STATES:
+        return (f"worker_state {report.worker_state[:40]!r} is not one of "
+                f"{sorted(WORKER_STATES)}")
+    return _first(
+        number_problem("loss", report.loss, None),
+        number_problem("tokens_per_s", report.tokens_per_s),
+        *(number_problem(name, getattr(report, name))
+          for name in ("step_s", "compute_s", "pp_wait_s", "dp_s")),
+        text_problem("job_id", report.job_id, MAX_NAME),
+        text_problem("error", report.error, MAX_ERROR, free_text=True),
+        text_problem("error_kind", report.error_kind, MAX_KIND),
+    )
+
+
+def validate_link_report(report: coordinator_pb2.LinkReport) -> str | None:
+    """Why a link report is unacceptable, or None."""
+    problem = _first(agent_id_problem(report.agent_id),
+                     text_problem("round_id", report.round_id, MAX_NAME))
+    if problem:
+        return problem
+    if len(report.samples) > MAX_AGENTS:
+        return f"{len(report.samples)} samples in one report; the limit is {MAX_AGENTS}"
+    for s in report.samples:
+        if not s.peer_id:
+            return "a sample has no peer_id"
+        problem = _first(
+            agent_id_problem(s.peer_id, "sample peer_id"),
+            number_problem(f"sample for {s.peer_id}: delay_ms", s.delay_ms),
+            number_problem(f"sample for {s.peer_id}: bandwidth_gbps", s.bandwidth_gbps),
+            number_problem(f"sample for {s.peer_id}: measured_unix_s", s.measured_unix_s),
+            text_problem(f"sample for {s.peer_id}: error", s.error, MAX_ERROR, free_text=True),
+        )
+        if problem:
+            return problem
+    return None
