@@ -1,97 +1,240 @@
-"""Gradient averaging within a stage's data-parallel group, the two ways the paper compares.
+"""Gradient averaging within a stage's data-parallel group, overlapped with the backward pass.
 
 Owns turning R replicas' gradients of one stage into their mean, identically on every
-replica. Gradients are flattened into one contiguous buffer (one collective per step, not
-one per tensor), then either
+replica. Parameters are cut into buckets of about `DTFM_DP_BUCKET_MB` (default 4 MB) in
+reverse registration order, which is roughly the order backward produces their gradients
+(head first, embedding last). When the pipeline runs the step's last backward pass it arms
+the averager; from then on each parameter's post-accumulate-grad hook copies the finished
+gradient into its bucket, and a full bucket starts its collective at once (`async_op`), so
+communication overlaps the rest of the backward pass. Buckets start strictly in index order,
+so every replica issues the same collectives in the same order. Two ways, as in the paper:
 
-- `allreduce`: one `all_reduce(SUM)` of the whole buffer, or
-- `sharded`: the paper's scatter-reduce + all-gather: the buffer is cut into R equal shards,
-  `reduce_scatter_tensor` leaves replica k with the sum of shard k (each replica sends and
-  receives (R-1)/R of the buffer), k averages it, and `all_gather` brings every replica the
-  averaged shards. gloo (torch >= 2.6) implements both collectives natively; where a backend
-  lacks `reduce_scatter_tensor`, each shard is `reduce`d to its owner instead, which moves
-  the same bytes to the same places.
+- `allreduce`: one `all_reduce(SUM)` per bucket, then divide by R.
+- `sharded` (scatter-reduce + all-gather): each bucket is padded to R equal shards;
+  `reduce_scatter_tensor` (started by the hook) leaves replica k with the sum of shard k, k
+  divides it by R, and `all_gather` brings every replica all averaged shards. Where a backend
+  lacks `reduce_scatter_tensor`, each shard is `reduce`d to its owner instead.
 
-Averaging divides by R after summing, so with equal replica batch slices the result equals
-the single-process gradient of the whole global batch.
+Each element is summed over the replicas and then divided by R, exactly as with one flat
+buffer, so bucketing changes no bits for R = 2 (a + b is commutative); for R > 2 the order of
+a ring's partial sums depends on an element's position in its buffer, but every replica still
+gets the same bits. A few extra scalars (the last stage's loss) can ride in the last bucket,
+so reporting the global loss costs no round trip of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.worker.errors import PeerError
+
 log = logging.getLogger(__name__)
+
+ENV_BUCKET_MB = "DTFM_DP_BUCKET_MB"
+DEFAULT_BUCKET_MB = 4.0
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor  # gradients, then extras (last bucket), then padding (sharded)
+    numel: int  # gradient elements
+    ready: int = 0
+    works: list[dist.Work] = field(default_factory=list)
+    shard: torch.Tensor | None = None
+
+
+def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of one dtype of about `bucket_bytes` each (at least one parameter)."""
+    out: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not out or size + nbytes > bucket_bytes or out[-1][0].dtype != p.dtype:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return out
+
+
+def bucket_bytes_from_env() -> int:
+    return max(1, int(float(os.environ.get(ENV_BUCKET_MB, DEFAULT_BUCKET_MB)) * (1 << 20)))
 
 
 class GradAverager:
-    """Averages a stage's gradients over its data-parallel group."""
+    """Averages a stage's gradients (and `extras` scalars) over its data-parallel group."""
 
     def __init__(
-        self, model: nn.Module, group: dist.ProcessGroup | None, ranks: list[int], mode: str
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup | None,
+        ranks: list[int],
+        mode: str,
+        *,
+        extras: int = 0,
+        bucket_bytes: int | None = None,
+        timeout: timedelta = timedelta(seconds=300),
     ) -> None:
         if mode not in ("allreduce", "sharded"):
             raise ValueError(f"unknown dp mode {mode!r}; use 'allreduce' or 'sharded'")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group, self.ranks, self.mode = group, ranks, mode
-        self.size = len(ranks)
-        self.numel = sum(p.numel() for p in self.params)
+        self.size, self.n_extras, self.timeout = len(ranks), extras, timeout
         self._reduce_scatter_ok = True
+        self._armed, self._next = False, 0
+        self._extras = [0.0] * extras
+        self.buckets: list[_Bucket] = []
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        if self.size > 1:
+            nbytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_from_env()
+            self._build(plan_buckets(self.params[::-1], nbytes))
 
-    def average_(self) -> float:
-        """Replace every gradient by its group mean; returns seconds spent communicating."""
+    def _build(self, plan: list[list[nn.Parameter]]) -> None:
+        for k, params in enumerate(plan):
+            offsets = [0]
+            for p in params:
+                offsets.append(offsets[-1] + p.numel())
+            n = offsets[-1] + (self.n_extras if k == len(plan) - 1 else 0)
+            if self.mode == "sharded":
+                n = -(-n // self.size) * self.size
+            flat = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
+            b = _Bucket(params, offsets[:-1], flat, offsets[-1])
+            self.buckets.append(b)
+            for p, off in zip(params, b.offsets, strict=True):
+                self._slot[id(p)] = (b, off)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ---- the step ----
+    def arm(self, extras: Sequence[float] = ()) -> None:
+        """From now on, finished gradients start their bucket's collective (last backward)."""
+        if len(extras) != self.n_extras:
+            raise ValueError(f"expected {self.n_extras} extra values, got {len(extras)}")
+        self._extras = [float(v) for v in extras]
         if self.size == 1:
-            return 0.0
+            return
+        last = self.buckets[-1]
+        last.flat[last.numel : last.numel + self.n_extras] = torch.tensor(
+            self._extras, dtype=last.flat.dtype
+        )
+        for b in self.buckets:
+            b.ready, b.works, b.shard = 0, [], None
+        self._armed, self._next = True, 0
+
+    def finish(self) -> tuple[float, list[float]]:
+        """Start what backward did not, wait, and write back the means.
+
+        Returns the seconds this took (the data-parallel time not hidden behind backward) and
+        the mean of each extra value over the group.
+        """
+        if self.size == 1:
+            return 0.0, list(self._extras)
+        t0 = time.perf_counter()
+        self._armed = False
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params]
-        assert all(g is not None for g in grads)
-        flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
-        t0 = time.perf_counter()
-        if self.mode == "allreduce":
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            flat.div_(self.size)
-        else:
-            flat = self._sharded(flat)
-        seconds = time.perf_counter() - t0
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            assert p.grad is not None
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
-        return seconds
+        for b in self.buckets[self._next :]:
+            self._copy_in(b)
+        self._launch_ready()
+        self._complete()
+        last = self.buckets[-1]
+        extras = last.flat[last.numel : last.numel + self.n_extras].tolist()
+        return time.perf_counter() - t0, [float(v) for v in extras]
 
-    def _sharded(self, flat: torch.Tensor) -> torch.Tensor:
-        r = self.size
-        shard = -(-flat.numel() // r)
-        padded = torch.zeros(shard * r, dtype=flat.dtype, device=flat.device)
-        padded[: flat.numel()] = flat
-        mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)
-        me = self.ranks.index(dist.get_rank())
+    def average_(self, extras: Sequence[float] = ()) -> tuple[float, list[float]]:
+        """Average without overlap (after backward): `arm` then `finish`."""
+        self.arm(extras)
+        return self.finish()
+
+    # ---- hooks and collectives ----
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b, off = self._slot[id(p)]
+        assert p.grad is not None
+        b.flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch_ready()
+
+    def _copy_in(self, b: _Bucket) -> None:
+        for p, off in zip(b.params, b.offsets, strict=True):
+            assert p.grad is not None
+            b.flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        b.ready = len(b.params)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.ready < len(b.params):
+                return
+            self._launch(b)
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        if self.mode == "allreduce":
+            b.works = [self._async(dist.all_reduce(b.flat, dist.ReduceOp.SUM, self.group, True))]
+            return
+        b.shard = torch.empty(b.flat.numel() // self.size, dtype=b.flat.dtype,
+                              device=b.flat.device)
         if self._reduce_scatter_ok:
             try:
-                dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM, group=self.group)
+                b.works = [self._async(dist.reduce_scatter_tensor(
+                    b.shard, b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))]
+                return
             except (RuntimeError, NotImplementedError) as e:  # backend without it
                 log.warning("reduce_scatter_tensor unavailable (%s); reducing to owners", e)
                 self._reduce_scatter_ok = False
-        if not self._reduce_scatter_ok:
-            chunks = list(padded.chunk(r))
-            works = [
-                dist.reduce(chunks[k], dst=self.ranks[k], op=dist.ReduceOp.SUM,
-                            group=self.group, async_op=True)
-                for k in range(r)
-            ]
+        b.works = [
+            self._async(dist.reduce(chunk, dst=self.ranks[k], op=dist.ReduceOp.SUM,
+                                    group=self.group, async_op=True))
+            for k, chunk in enumerate(b.flat.chunk(self.size))
+        ]
+
+    @staticmethod
+    def _async(work: dist.Work | None) -> dist.Work:
+        assert work is not None
+        return work
+
+    def _wait(self, works: list[dist.Work]) -> None:
+        try:
             for w in works:
-                assert w is not None
-                w.wait()
-            mine.copy_(chunks[me])
-        mine.div_(r)
-        out = list(padded.chunk(r))
-        dist.all_gather(out, mine, group=self.group)
-        return padded[: flat.numel()]
+                w.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerError(
+                f"data-parallel averaging over ranks {self.ranks} failed (timeout "
+                f"{self.timeout.total_seconds():g}s, or a replica died): {e}"
+            ) from e
+
+    def _complete(self) -> None:
+        if self.mode == "sharded":
+            self._gather_shards()
+        for b in self.buckets:
+            self._wait(b.works)
+            if self.mode == "allreduce":
+                b.flat.div_(self.size)
+            for p, off in zip(b.params, b.offsets, strict=True):
+                assert p.grad is not None
+                p.grad.copy_(b.flat[off : off + p.numel()].view_as(p.grad))
+
+    def _gather_shards(self) -> None:
+        me = self.ranks.index(dist.get_rank())
+        for b in self.buckets:
+            self._wait(b.works)
+            assert b.shard is not None
+            if not self._reduce_scatter_ok:
+                b.shard.copy_(b.flat.chunk(self.size)[me])
+            b.shard.div_(self.size)
+            out = list(b.flat.chunk(self.size))
+            b.works = [self._async(dist.all_gather(out, b.shard, self.group, async_op=True))]

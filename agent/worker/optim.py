@@ -1,8 +1,9 @@
 """The optimizer step shared by every layout: AdamW, warmup + cosine LR, global clipping.
 
 Clipping must use the norm of the whole model's gradient, not a stage's, or pipelined runs
-would diverge from the single-process reference; so the norm is summed across all stages
-(one all-reduce over the world) before any stage scales its gradients.
+would diverge from the single-process reference; so each stage's squared norm is sent to the
+other stages of its pipeline (`world.pipeline_exchange`) and summed in stage order before any
+stage scales its gradients.
 """
 
 from __future__ import annotations

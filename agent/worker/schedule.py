@@ -1,11 +1,20 @@
 """Pipeline schedules (GPipe and 1F1B) over torch.distributed point-to-point messages.
 
 Owns the order in which a stage runs its micro-batches' forward and backward passes and the
-activation/gradient traffic with its neighbours. Each direction of each pipeline link gets
-its own two-rank process group, so activations and gradients never queue behind each other
-(with NCCL, where one communicator serialises its sends and receives, that is what keeps
-1F1B free of deadlock). Receives are posted one micro-batch ahead (`irecv`) and sends are
-asynchronous (`isend`), so receive, compute and send overlap as far as the backend allows.
+activation/gradient traffic with its neighbours. Activations and gradients are kept apart so
+traffic in one direction never waits for a message of the other kind:
+
+- gloo: every message travels over the pipeline's group (see `world.py`), tagged `TAG_ACT`
+  or `TAG_GRAD`; gloo matches point-to-point messages by (peer, tag), so no per-link group
+  (and none of the round trips that creating one costs over a WAN) is needed.
+- NCCL: one communicator serialises its operations on one stream, so each direction of each
+  link gets its own two-rank group (that is what keeps 1F1B's opposite-direction sends free
+  of deadlock); NCCL connects a group only on first use, so creating them costs nothing.
+
+All of a step's receives are posted when it starts (`irecv`; gloo only sends once the
+receiver has said it is ready, so a late receive costs one more one-way delay per hop) and
+sends are asynchronous (`isend`), so receive, compute and send overlap as far as the backend
+allows. The receive buffers are the stage's inputs, a small part of its activations.
 
 Both schedules run backward passes in micro-batch order 0..M-1, so they accumulate the same
 gradients in the same order and give bit-identical results; they differ only in when the
@@ -17,19 +26,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from agent.worker.errors import PeerError
 from agent.worker.stage import Stage, lm_loss
+from protos.layout import pipeline_ops
+
+TAG_ACT = 1  # activations, stage s -> s+1
+TAG_GRAD = 2  # gradients of activations, stage s+1 -> s
 
 
 @dataclass
 class Links:
-    """This rank's pipeline neighbours and the one-direction groups to reach them."""
+    """This rank's pipeline neighbours and the groups to reach them."""
 
     prev: int | None = None
     next: int | None = None
@@ -39,17 +53,39 @@ class Links:
     bwd_from_next: dist.ProcessGroup | None = None  # gradients in
 
 
-def make_links(pipelines: list[list[int]], rank: int) -> Links:
-    """Create every pipeline link group (all ranks must call this, in the same order)."""
-    links = Links()
+def make_links(
+    pipelines: list[list[int]], rank: int, backend: str = "gloo",
+    pipe_group: dist.ProcessGroup | None = None, timeout: timedelta | None = None,
+) -> Links:
+    """This rank's links in its pipeline (`pipelines`: every replica's ranks by stage).
+
+    gloo: every link uses this rank's `pipe_group` (tags keep the directions apart); nothing
+    is created. NCCL: two groups per link of every pipeline, created by every rank in the
+    same order without `use_local_synchronization`. (In torch 2.13 a member-only group is
+    named by a hash of its ranks *and the number of groups the calling process created
+    before*, so two ranks that created different numbers of links before a shared one would
+    pick different names and wait for each other forever; with the world's shared counter
+    the names agree. NCCL creates its communicators on first use, so a group costs no round
+    trip here, and non-members return at once.)
+    """
+    pipeline = next(p for p in pipelines if rank in p)
+    i = pipeline.index(rank)
+    links = Links(
+        prev=pipeline[i - 1] if i > 0 else None,
+        next=pipeline[i + 1] if i + 1 < len(pipeline) else None,
+    )
+    if backend != "nccl":
+        g = pipe_group
+        links.fwd_from_prev = links.bwd_to_prev = links.fwd_to_next = links.bwd_from_next = g
+        return links
     for ranks in pipelines:
         for a, b in zip(ranks, ranks[1:], strict=False):
-            fwd = dist.new_group([a, b])
-            bwd = dist.new_group([a, b])
+            fwd = dist.new_group([a, b], timeout=timeout)
+            bwd = dist.new_group([a, b], timeout=timeout)
             if rank == a:
-                links.next, links.fwd_to_next, links.bwd_from_next = b, fwd, bwd
+                links.fwd_to_next, links.bwd_from_next = fwd, bwd
             elif rank == b:
-                links.prev, links.fwd_from_prev, links.bwd_to_prev = a, fwd, bwd
+                links.fwd_from_prev, links.bwd_to_prev = fwd, bwd
     return links
 
 
@@ -69,26 +105,23 @@ class Timings:
         self.peak_stored = max(self.peak_stored, other.peak_stored)
 
 
-def schedule_ops(kind: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
-    """The ("F"|"B", micro-batch) sequence a stage runs in one step."""
-    if kind == "gpipe":
-        return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
-    if kind != "1f1b":
-        raise ValueError(f"unknown schedule {kind!r}; use 'gpipe' or '1f1b'")
-    warmup = min(stages - stage - 1, micro)
-    ops = [("F", i) for i in range(warmup)]
-    f, b = warmup, 0
-    while f < micro:
-        ops += [("F", f), ("B", b)]
-        f, b = f + 1, b + 1
-    ops += [("B", i) for i in range(b, micro)]
-    return ops
-
-
 @dataclass
 class _Recv:
     buf: torch.Tensor
     work: dist.Work | None
+
+
+@dataclass
+class _StepState:
+    """What one training step carries between its forward and backward operations."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    times: Timings
+    fwd_recvs: list[_Recv | None] = field(default_factory=list)
+    bwd_recvs: list[_Recv | None] = field(default_factory=list)
+    stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    loss_sum: float = 0.0
 
 
 @dataclass
@@ -110,11 +143,13 @@ class Pipeline:
     def _act_shape(self) -> tuple[int, int, int]:
         return (self.micro_size, self.stage.seq_len, self.stage.d_model)
 
-    def _post_recv(self, src: int | None, group: dist.ProcessGroup | None) -> _Recv | None:
+    def _post_recv(
+        self, src: int | None, group: dist.ProcessGroup | None, tag: int
+    ) -> _Recv | None:
         if src is None:
             return None
         buf = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-        return _Recv(buf, dist.irecv(buf, src=src, group=group))
+        return _Recv(buf, dist.irecv(buf, src=src, group=group, tag=tag))
 
     def _wait(self, r: _Recv | None, t: Timings, what: str, peer: int | None) -> torch.Tensor:
         assert r is not None and r.work is not None
@@ -122,23 +157,32 @@ class Pipeline:
         try:
             r.work.wait(self.timeout)
         except RuntimeError as e:
-            raise RuntimeError(
+            raise PeerError(
                 f"stage {self.stage_index} got no {what} from rank {peer} "
                 f"(timeout {self.timeout.total_seconds():g}s, or the peer died): {e}"
             ) from e
         t.recv_wait_s += time.perf_counter() - t0
-        return r.buf
+        return r.buf.float() if r.buf.dtype != torch.float32 else r.buf
 
-    def _send(self, x: torch.Tensor, dst: int | None, group: dist.ProcessGroup | None) -> None:
+    def _send(
+        self, x: torch.Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int
+    ) -> None:
         if dst is None:
             return
         self._sends = [w for w in self._sends if not w.is_completed()]
-        self._sends.append(dist.isend(x.detach().to(self.comm_dtype).contiguous(), dst, group))
+        msg = x.detach().to(self.comm_dtype).contiguous()
+        self._sends.append(dist.isend(msg, dst, group, tag))
 
     def _drain_sends(self, t: Timings) -> None:
         t0 = time.perf_counter()
-        for w in self._sends:
-            w.wait(self.timeout)
+        try:
+            for w in self._sends:
+                w.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerError(
+                f"stage {self.stage_index} could not deliver its messages to a pipeline "
+                f"neighbour (timeout {self.timeout.total_seconds():g}s, or it died): {e}"
+            ) from e
         self._sends.clear()
         t.send_wait_s += time.perf_counter() - t0
 
@@ -156,62 +200,70 @@ class Pipeline:
         kind: str,
         inputs: list[torch.Tensor],
         targets: list[torch.Tensor],
+        before_last_backward: Callable[[float], None] | None = None,
     ) -> tuple[float, Timings]:
         """Forward+backward of every micro-batch; gradients accumulate in the stage.
 
-        Returns the micro-batch-averaged loss (last stage; 0.0 elsewhere) and timings.
+        `before_last_backward(loss)` runs just before the step's last backward pass, when the
+        loss (micro-batch-averaged on the last stage; 0.0 elsewhere) is already known: the
+        data-parallel averager arms its gradient hooks there. Returns the loss and timings.
         """
         micro = len(inputs)
-        t = Timings()
         ln = self.links
-        ops = schedule_ops(kind, self.stage_index, self.stages, micro)
-        fwd_recv = self._post_recv(ln.prev, ln.fwd_from_prev)
-        bwd_recv = self._post_recv(ln.next, ln.bwd_from_next)
-        stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        loss_sum = 0.0
-        for op, i in ops:
+        st = _StepState(inputs, targets, Timings())
+        # Every receive of the step is posted up front: gloo sends a message only once it
+        # knows the receiver is ready, so a receive posted late costs a one-way delay more.
+        st.fwd_recvs = [self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT) for _ in inputs]
+        st.bwd_recvs = [self._post_recv(ln.next, ln.bwd_from_next, TAG_GRAD) for _ in inputs]
+        ops = pipeline_ops(kind, self.stage_index, self.stages, micro)
+        for n, (op, i) in enumerate(ops):
             if op == "F":
-                if ln.prev is None:
-                    x_in: torch.Tensor | None = None
-                    x = inputs[i].to(self.device, non_blocking=True)
-                else:
-                    x = self._wait(fwd_recv, t, f"activations of micro-batch {i}", ln.prev)
-                    x = x.requires_grad_(True)
-                    x_in = x
-                    fwd_recv = (
-                        self._post_recv(ln.prev, ln.fwd_from_prev) if i + 1 < micro else None
-                    )
-                t0 = time.perf_counter()
-                with self._autocast():
-                    out = self.stage(x)
-                    if ln.next is None:
-                        out = lm_loss(out, targets[i].to(self.device, non_blocking=True))
-                t.compute_s += time.perf_counter() - t0
-                if ln.next is None:
-                    loss_sum += float(out.detach())
-                    out = out / micro
-                else:
-                    self._send(out, ln.next, ln.fwd_to_next)
-                stored[i] = (x_in, out)
-                t.peak_stored = max(t.peak_stored, len(stored))
-            else:
-                x_in, out = stored.pop(i)
-                if ln.next is None:
-                    t0 = time.perf_counter()
-                    out.backward()
-                else:
-                    grad = self._wait(bwd_recv, t, f"gradients of micro-batch {i}", ln.next)
-                    bwd_recv = (
-                        self._post_recv(ln.next, ln.bwd_from_next) if i + 1 < micro else None
-                    )
-                    t0 = time.perf_counter()
-                    out.backward(grad.to(out.dtype))
-                t.compute_s += time.perf_counter() - t0
-                if x_in is not None:
-                    assert x_in.grad is not None
-                    self._send(x_in.grad, ln.prev, ln.bwd_to_prev)
-        self._drain_sends(t)
-        return loss_sum / micro, t
+                self._forward(st, i)
+                continue
+            if n == len(ops) - 1 and before_last_backward is not None:
+                before_last_backward(st.loss_sum / micro)
+            self._backward(st, i)
+        self._drain_sends(st.times)
+        return st.loss_sum / micro, st.times
+
+    def _forward(self, st: _StepState, i: int) -> None:
+        ln, micro, t = self.links, len(st.inputs), st.times
+        x_in: torch.Tensor | None = None
+        if ln.prev is None:
+            x = st.inputs[i].to(self.device, non_blocking=True)
+        else:
+            x = self._wait(st.fwd_recvs[i], t, f"activations of micro-batch {i}", ln.prev)
+            x = x_in = x.requires_grad_(True)
+            st.fwd_recvs[i] = None
+        t0 = time.perf_counter()
+        with self._autocast():
+            out = self.stage(x)
+            if ln.next is None:
+                out = lm_loss(out, st.targets[i].to(self.device, non_blocking=True))
+        t.compute_s += time.perf_counter() - t0
+        if ln.next is None:
+            st.loss_sum += float(out.detach())
+            out = out / micro
+        else:
+            self._send(out, ln.next, ln.fwd_to_next, TAG_ACT)
+        st.stored[i] = (x_in, out)
+        t.peak_stored = max(t.peak_stored, len(st.stored))
+
+    def _backward(self, st: _StepState, i: int) -> None:
+        ln, t = self.links, st.times
+        x_in, out = st.stored.pop(i)
+        if ln.next is None:
+            t0 = time.perf_counter()
+            out.backward()
+        else:
+            grad = self._wait(st.bwd_recvs[i], t, f"gradients of micro-batch {i}", ln.next)
+            st.bwd_recvs[i] = None
+            t0 = time.perf_counter()
+            out.backward(grad.to(out.dtype))
+        t.compute_s += time.perf_counter() - t0
+        if x_in is not None:
+            assert x_in.grad is not None
+            self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD)
 
     @torch.no_grad()
     def eval_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -223,14 +275,13 @@ class Pipeline:
             if ln.prev is None:
                 x = inputs[i].to(self.device)
             else:
-                x = self._wait(
-                    self._post_recv(ln.prev, ln.fwd_from_prev), t, "eval activations", ln.prev
-                )
+                recv = self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT)
+                x = self._wait(recv, t, "eval activations", ln.prev)
             with self._autocast():
                 out = self.stage(x)
                 if ln.next is None:
                     loss_sum += float(lm_loss(out, targets[i].to(self.device)))
             if ln.next is not None:
-                self._send(out, ln.next, ln.fwd_to_next)
+                self._send(out, ln.next, ln.fwd_to_next, TAG_ACT)
         self._drain_sends(t)
         return loss_sum / len(inputs)

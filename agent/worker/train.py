@@ -22,12 +22,13 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from agent.worker import checkpoint
+from agent.worker import checkpoint, errors
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
-from agent.worker.schedule import Pipeline, make_links
+from agent.worker.schedule import Pipeline, Timings
 from agent.worker.stage import Stage
+from agent.worker.world import join
 from protos.layout import Layout, layer_ranges
 from protos.spec import ModelSpec, TrainConfig
 
@@ -124,6 +125,7 @@ class Worker:
         self.device = pick_device(a.backend or "gloo", self.rank)
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()
+        self.phase = errors.JOIN
 
     def _check_layers(self, a: Any) -> None:
         """The stage's layer range must agree with the splits (or, without them, be sane)."""
@@ -146,60 +148,26 @@ class Worker:
             )
 
     # ---- setup ----
-    def _join(self) -> None:
+    def _check_world(self) -> None:
         a = self.a
         if a.world_size != self.layout.world_size:
             raise ValueError(f"world size {a.world_size} != stages x replicas of the layout")
-        dist.init_process_group(
-            a.backend or "gloo",
-            init_method=f"tcp://{a.master_addr}:{a.master_port}",
-            rank=self.rank,
-            world_size=a.world_size,
-            timeout=self.timeout,
-        )
-        pipelines = [self.layout.pipeline_ranks(k) for k in range(a.replicas)]
-        self.links = make_links(pipelines, self.rank)
-        self.dp_group: dist.ProcessGroup | None = None
-        if a.replicas > 1:
-            for s in range(a.stages):
-                g = dist.new_group(self.layout.dp_ranks(s))
-                if s == a.stage:
-                    self.dp_group = g
         dp_ranks = self.layout.dp_ranks(a.stage)
         if list(a.dp_group_ranks) and list(a.dp_group_ranks) != dp_ranks:
             raise ValueError(f"assignment dp group {list(a.dp_group_ranks)} != {dp_ranks}")
         self.dp_ranks = dp_ranks
 
-    def _world_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.layout.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return [float(v) for v in t.cpu()]
-
-    def _world_min(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        if self.layout.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
     # ---- main ----
     def run(self) -> None:
-        a, cfg, spec = self.a, self.cfg, self.spec
-        self._join()
-        torch.manual_seed(cfg.seed)
-        self.stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
-        opt = make_optimizer(self.stage, cfg.lr, cfg.weight_decay)
-        per_replica = cfg.global_batch // a.replicas
-        micro_size = per_replica // cfg.micro_batches
-        pipe = Pipeline(
-            self.stage, self.links, a.stage, a.stages, micro_size, self.device, self.amp,
-            timeout=self.timeout,
-        )
-        averager = GradAverager(self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode)
-        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
-        sampler = Sampler(train_tokens, spec.seq_len, cfg.seed)
+        a, cfg = self.a, self.cfg
+        self._check_world()
+        # Build and load before joining: the slowest rank gates the join anyway.
+        self.stage, opt, sampler, val_tokens = self._build_local()
+        self.world = world = join(a, self.layout, self.timeout, self.device)
+        self.links, self.dp_group = world.links, world.dp_group
+        self.phase = errors.TRAIN
+        pipe, averager = self._build_comm()
         start = self._resume(opt, sampler)
-        tokens_per_step = cfg.global_batch * spec.seq_len
         log.info(
             "rank %d: stage %d/%d replica %d/%d layers [%d, %d), %d params, steps %d..%d",
             self.rank, a.stage, a.stages, a.replica, a.replicas, a.layer_begin, a.layer_end,
@@ -208,31 +176,7 @@ class Worker:
         for step in range(start + 1, cfg.steps + 1):
             if self.fault:
                 self.fault.maybe_fire(self.rank, step)
-            t0 = time.perf_counter()
-            ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
-            x, y = sampler.windows(ids)
-            lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
-            set_lr(opt, lr)
-            opt.zero_grad(set_to_none=True)
-            loss, times = pipe.train_step(
-                cfg.schedule, list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches))
-            )
-            dp_s = averager.average_()
-            sq = float(local_sq_norm(self.stage)) if a.replica == 0 else 0.0
-            loss_sum, sq_sum = self._world_sum([loss if self.stage.is_last else 0.0, sq])
-            global_loss, norm = loss_sum / a.replicas, math.sqrt(sq_sum)
-            clip_(self.stage, norm, cfg.grad_clip)
-            opt.step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            dt = time.perf_counter() - t0
-            self.progress.emit(
-                event="step", step=step, loss=global_loss, tokens_per_s=tokens_per_step / dt,
-                total_steps=cfg.steps, rank=self.rank, stage=a.stage, replica=a.replica,
-                lr=lr, grad_norm=norm, step_s=dt, compute_s=times.compute_s,
-                recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s, dp_s=dp_s,
-                stored_peak=times.peak_stored,
-            )
+            self._step(step, pipe, averager, opt, sampler)
             if cfg.checkpoint_dir and (
                 step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
             ):
@@ -242,6 +186,72 @@ class Worker:
             event="done", val_loss=None if math.isnan(val) else val, rank=self.rank
         )
         dist.destroy_process_group()
+
+    def _build_local(self) -> tuple[Stage, torch.optim.Optimizer, Sampler, Any]:
+        """The stage, its optimizer and the data: everything that needs no peer."""
+        a, cfg, spec = self.a, self.cfg, self.spec
+        torch.manual_seed(cfg.seed)
+        stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
+        opt = make_optimizer(stage, cfg.lr, cfg.weight_decay)
+        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
+        return stage, opt, Sampler(train_tokens, spec.seq_len, cfg.seed), val_tokens
+
+    def _build_comm(self) -> tuple[Pipeline, GradAverager]:
+        a, cfg = self.a, self.cfg
+        micro_size = cfg.global_batch // a.replicas // cfg.micro_batches
+        pipe = Pipeline(
+            self.stage, self.links, a.stage, a.stages, micro_size, self.device, self.amp,
+            comm_dtype=self.amp or torch.float32, timeout=self.timeout,
+        )
+        averager = GradAverager(
+            self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode,
+            extras=1 if self.stage.is_last else 0, timeout=self.timeout,
+        )
+        return pipe, averager
+
+    def _step(
+        self, step: int, pipe: Pipeline, averager: GradAverager, opt: torch.optim.Optimizer,
+        sampler: Sampler,
+    ) -> None:
+        """One optimizer step: pipeline (DP sync overlapped), norm exchange, clip, AdamW."""
+        a, cfg, last = self.a, self.cfg, self.stage.is_last
+        t0 = time.perf_counter()
+        ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
+        x, y = sampler.windows(ids)
+        lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
+        set_lr(opt, lr)
+        opt.zero_grad(set_to_none=True)
+        _, times = pipe.train_step(
+            cfg.schedule, list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches)),
+            before_last_backward=lambda loss: averager.arm([loss] if last else []),
+        )
+        dp_s, extras = averager.finish()
+        t1 = time.perf_counter()
+        sq = float(local_sq_norm(self.stage))
+        table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0])
+        norm = math.sqrt(sum(row[0] for row in table))  # stage order: same bits everywhere
+        sync_s = time.perf_counter() - t1
+        clip_(self.stage, norm, cfg.grad_clip)
+        opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._emit_step(step, table[-1][1], norm, lr, time.perf_counter() - t0, times,
+                        dp_s, sync_s)
+
+    def _emit_step(
+        self, step: int, loss: float, norm: float, lr: float, dt: float, times: Timings,
+        dp_s: float, sync_s: float,
+    ) -> None:
+        a, cfg = self.a, self.cfg
+        self.progress.emit(
+            event="step", step=step, loss=loss,
+            tokens_per_s=cfg.global_batch * self.spec.seq_len / dt,
+            total_steps=cfg.steps, rank=self.rank, stage=a.stage, replica=a.replica,
+            lr=lr, grad_norm=norm, step_s=dt, compute_s=times.compute_s,
+            pp_wait_s=times.recv_wait_s + times.send_wait_s, dp_s=dp_s, sync_s=sync_s,
+            recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
+            stored_peak=times.peak_stored,
+        )
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:
         if self.a.replica != 0:  # every replica of a stage holds the same state
@@ -262,7 +272,7 @@ class Worker:
         if not root:
             return 0
         available = checkpoint.steps_available(root, self.a.stage)
-        step = self._world_min(available[-1] if available else 0)
+        step = self.world.world_min(available[-1] if available else 0)
         if step == 0:
             return 0
         state = checkpoint.load_stage(root, self.a.stage, step)
@@ -290,20 +300,31 @@ class Worker:
                 list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches))
             )
         self.stage.train()
-        (loss_sum,) = self._world_sum([total if self.stage.is_last else 0.0])
+        last_total = self.world.pipeline_exchange([total])[-1][0]  # the last stage's
+        loss_sum = float(self.world.dp_all_reduce(last_total, dist.ReduceOp.SUM))
         return loss_sum / (a.replicas * cfg.eval_batches)
 
 
 def run_assignment(a: Any, progress_path: str | None) -> None:
-    """Run the worker for a parsed `dtfm.v1.Assignment`."""
+    """Run the worker for a parsed `dtfm.v1.Assignment`.
+
+    A failure ends with an `error` event whose `kind` (config, rendezvous, peer, internal)
+    and `phase` (join, train) tell the coordinator whether retrying can help.
+    """
     threads = os.environ.get(ENV_THREADS)
     if threads:
         torch.set_num_threads(int(threads))
     progress = Progress(progress_path)
+    worker: Worker | None = None
     try:
-        Worker(a, progress).run()
+        worker = Worker(a, progress)
+        worker.run()
     except BaseException as e:
-        progress.emit(event="error", message=f"{type(e).__name__}: {e}", rank=a.rank)
+        phase = worker.phase if worker is not None else errors.JOIN
+        progress.emit(
+            event="error", message=f"{type(e).__name__}: {e}", rank=a.rank,
+            kind=errors.classify(e, phase), phase=phase,
+        )
         raise
     finally:
         progress.close()

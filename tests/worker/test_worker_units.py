@@ -21,10 +21,9 @@ from agent.worker.data import (
     val_batches,
 )
 from agent.worker.optim import lr_at
-from agent.worker.schedule import schedule_ops
 from coordinator.catalogue import get_preset
 from protos.assignment import build_assignments
-from protos.layout import Layout
+from protos.layout import Layout, pipeline_ops
 from protos.spec import TrainConfig
 
 
@@ -33,7 +32,7 @@ from protos.spec import TrainConfig
 @pytest.mark.parametrize("micro", [1, 2, 4, 7])
 def test_schedules_run_every_microbatch_once_in_order(kind: str, stages: int, micro: int) -> None:
     for stage in range(stages):
-        ops = schedule_ops(kind, stage, stages, micro)
+        ops = pipeline_ops(kind, stage, stages, micro)
         assert [i for op, i in ops if op == "F"] == list(range(micro))
         assert [i for op, i in ops if op == "B"] == list(range(micro))  # same grad order
         live, peak = set(), 0

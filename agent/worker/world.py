@@ -1,0 +1,158 @@
+"""Joining a job's world and the few groups it needs, in as few WAN round trips as possible.
+
+Owns the worker's rendezvous: binding the backend to the right interface (`netbind`),
+`init_process_group`, this rank's pipeline group, links and data-parallel group, and the
+collectives that span the whole world (the per-step norm/loss exchange, the resume step,
+the validation loss), built from those groups instead of world-wide collectives.
+
+Over a 200 ms link every store round trip and every connection set-up is felt. Eager gloo
+connects every pair of a group one after the other (a store lookup, a TCP handshake and
+gloo's own, about 1 s per peer at 200 ms RTT), so a world of N costs N-1 of them on every
+rank. Measured on the WAN emulator (8 ranks, 100 ms one way): 8.1 s to create the world and
+the per-link groups. So:
+
+- the world group is created with lazy gloo connections (`TORCH_GLOO_LAZY_INIT`) and never
+  carries data, so it opens none. Lazy connections are *not* used for traffic: an all-pairs
+  isend/irecv exchange over lazily connected pairs hung on the emulator (each rank blocks
+  in the store lookup of one peer while that peer waits for another).
+- a rank connects eagerly only to the peers it talks to: its pipeline (S-1 peers) and its
+  stage's data-parallel group (R-1 peers), each group created by its members only
+  (`use_local_synchronization=True`). gloo pipeline traffic rides the pipeline group with
+  tags (see `schedule.py`). torch 2.13 names such a group by a hash of its ranks and of how
+  many groups the process created before, so every rank creates exactly these two, first,
+  in the same order (pipeline, then data-parallel): the counts agree among members.
+- per step, the squared gradient norm and the loss go straight to every pipeline peer
+  (isend/irecv: one hop) instead of a ring all-reduce over the world (2(N-1) hops).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agent.worker import netbind
+from agent.worker.errors import PeerError
+from agent.worker.schedule import Links, make_links
+from protos.layout import Layout
+
+log = logging.getLogger(__name__)
+
+TAG_EXCHANGE = 3  # per-step scalars between the ranks of one pipeline
+ENV_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
+
+
+@dataclass
+class World:
+    """What joining produced: this rank's groups and its pipeline's ranks (by stage)."""
+
+    links: Links
+    pipe_group: dist.ProcessGroup | None  # None when S == 1
+    dp_group: dist.ProcessGroup | None  # None when R == 1
+    pipeline: list[int]
+    rank: int
+    device: torch.device
+    timeout: timedelta
+    join_s: float = 0.0
+
+    def pipeline_exchange(self, values: list[float]) -> list[list[float]]:
+        """Every pipeline rank's `values`, in stage order: one isend/irecv per peer, one hop.
+
+        float64 on the wire, so every rank holds the exact values each peer computed, and
+        sums taken over the result in stage order are bitwise identical on every rank.
+        """
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        bufs = {r: torch.empty_like(mine) for r in self.pipeline if r != self.rank}
+        g = self.pipe_group
+        works = [dist.irecv(buf, src=r, group=g, tag=TAG_EXCHANGE) for r, buf in bufs.items()]
+        works += [dist.isend(mine, dst=r, group=g, tag=TAG_EXCHANGE) for r in bufs]
+        self._wait(works, "exchange the gradient norm and loss with", self.pipeline)
+        return [values if r == self.rank else bufs[r].tolist() for r in self.pipeline]
+
+    def dp_all_reduce(self, value: float | int, op: dist.ReduceOp.RedOpType) -> float | int:
+        """`value` reduced over this stage's data-parallel group (float64 or int64)."""
+        dtype = torch.int64 if isinstance(value, int) else torch.float64
+        t = torch.tensor([value], dtype=dtype, device=self.device)
+        if self.dp_group is not None:
+            work = dist.all_reduce(t, op=op, group=self.dp_group, async_op=True)
+            assert work is not None
+            self._wait([work], "reduce over its data-parallel group", "")
+        return t.item()
+
+    def world_min(self, value: int) -> int:
+        """The minimum over every rank: over the pipeline, then over the replicas."""
+        lowest = min(int(row[0]) for row in self.pipeline_exchange([float(value)]))
+        return int(self.dp_all_reduce(lowest, dist.ReduceOp.MIN))
+
+    def _wait(self, works: list[dist.Work], what: str, peers: object) -> None:
+        try:
+            for w in works:
+                w.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerError(
+                f"rank {self.rank} could not {what} {peers or 'its replicas'} (timeout "
+                f"{self.timeout.total_seconds():g}s, or a peer died): {e}"
+            ) from e
+
+
+def join(a: Any, layout: Layout, timeout: timedelta, device: torch.device) -> World:
+    """Bind, rendezvous and create this rank's groups; logs how long it took."""
+    backend = a.backend or "gloo"
+    netbind.apply(netbind.choose(a.bind_addr, a.master_addr), backend)
+    t0 = time.perf_counter()
+    with _lazy_gloo():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{a.master_addr}:{a.master_port}",
+            rank=a.rank,
+            world_size=a.world_size,
+            timeout=timeout,
+        )
+    t1 = time.perf_counter()
+    # Member-only groups first, in this order on every rank: their names count the groups
+    # each process created before them, which must agree among members (see make_links).
+    pipelines = [layout.pipeline_ranks(k) for k in range(layout.replicas)]
+    pipeline = pipelines[a.replica]
+    pipe_group = _member_group(pipeline, timeout)
+    dp_group = _member_group(layout.dp_ranks(a.stage), timeout)
+    links = make_links(pipelines, a.rank, backend, pipe_group, timeout)
+    world = World(links, pipe_group, dp_group, pipeline, a.rank, device, timeout)
+    world.join_s = time.perf_counter() - t0
+    log.info(
+        "joined world of %d in %.2f s (world %.2f s, groups %.2f s; %s via %s)",
+        a.world_size, world.join_s, t1 - t0, world.join_s - (t1 - t0), backend,
+        os.environ.get(netbind.GLOO_ENV, "the default interface"),
+    )
+    return world
+
+
+def _member_group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup | None:
+    if len(ranks) == 1:
+        return None
+    group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    assert group is not None
+    return group
+
+
+@contextmanager
+def _lazy_gloo() -> Iterator[None]:
+    """Create the world group without connecting its pairs (it never carries traffic).
+
+    An operator's own TORCH_GLOO_LAZY_INIT is left alone (and then applies to every group).
+    """
+    if ENV_GLOO_LAZY in os.environ:
+        yield
+        return
+    os.environ[ENV_GLOO_LAZY] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[ENV_GLOO_LAZY]
