@@ -116,9 +116,10 @@ def blame(ids: Sequence[str], failed: Iterable[tuple[str, str]]) -> list[str]:
     return [i for i in ids if i in blamed]
 
 
-def load_links_file(path: str) -> dict:
-    """A matrix file as `coordinator links --json` writes it, checked: agents, delay_ms and
-    bandwidth_gbps (diagonal cells may be null). Raises ValueError naming the file."""
+def load_links_file(path: str, need_agents: bool = True) -> dict:
+    """A matrix file as `coordinator links --json` writes it, checked: delay_ms and
+    bandwidth_gbps (diagonal cells may be null) and, where given or needed, one agent id per
+    row. Raises ValueError naming the file."""
     import json
 
     from coordinator.scheduler import Network
@@ -141,7 +142,8 @@ def load_links_file(path: str) -> dict:
         raise ValueError(f"link file {path!r}: {e}; write one with `coordinator links "
                          f"--json > FILE`") from None
     agents = obj.get("agents")
-    if not isinstance(agents, list) or len(agents) != len(obj["delay_ms"]):
+    if (agents is not None or need_agents) and (
+            not isinstance(agents, list) or len(agents) != len(obj["delay_ms"])):
         raise ValueError(f"link file {path!r} must name its agents: an 'agents' list with one "
                          f"id per row")
     return obj

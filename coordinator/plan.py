@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import scenarios
+from coordinator import plan_uneven, scenarios
 from coordinator.catalogue import PRESETS, get_preset
-from coordinator.scheduler import Network, comm_gb, search_plan
+from coordinator.scheduler import Network, comm_gb, plan_cost, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
 from protos import cliutil
@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", default="",
                         help="also draw both matrices as heat maps with the chosen stage x "
                         "pipeline grid over them (needs matplotlib: pip install 'dtfm[plot]')")
+    plan_uneven.add_arguments(parser)
 
 
 def _note(msg: str) -> None:
@@ -85,24 +86,13 @@ def _note(msg: str) -> None:
 
 
 def _load_links(path: str) -> tuple[Network, list[Any] | None]:
+    from coordinator.links import load_links_file
+
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except OSError as e:
-        raise PlanInputError(f"cannot read link file {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise PlanInputError(f"link file {path!r} is not valid JSON: {e}") from None
-    try:
-        net = Network.from_json(obj)
+        obj = load_links_file(path, need_agents=False)
     except ValueError as e:
-        raise PlanInputError(f"link file {path!r}: {e}") from None
-    agents = obj.get("agents")
-    if agents is not None:
-        if not isinstance(agents, list) or len(agents) != net.size:
-            raise PlanInputError(
-                f"link file {path!r}: 'agents' must list one id per device ({net.size})"
-            )
-    return net, agents
+        raise PlanInputError(str(e)) from None
+    return Network.from_json(obj), obj.get("agents")
 
 
 def pick_shape(n: int, max_stages: int | None = None) -> tuple[int, int]:
@@ -250,6 +240,10 @@ def compute(args: argparse.Namespace,
     }
     if agents is not None:
         out["agents"] = agents
+    if plan_uneven.wanted(args):  # speeds or memory given: split layers, maybe move devices
+        batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
+        out.update(plan_uneven.split(args, net, res.grid, s, r, batch))
+        out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb)
     return out
 
 
@@ -283,7 +277,7 @@ def format_table(out: dict[str, Any]) -> str:
         f"search: {out['evaluated']} candidates in {out['seconds']:.2f}s, seed {out['seed']}, "
         f"gain {out['gain']}, TSP {out['tsp']}; random = best of {bp['random']['samples']}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + plan_uneven.format_lines(out))
 
 
 def write_plot(net: Network, out: dict[str, Any], path: str) -> str:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agent.worker.errors import PeerError
+from agent.worker.errors import wait_all
 
 log = logging.getLogger(__name__)
 
@@ -208,14 +208,7 @@ class GradAverager:
         return work
 
     def _wait(self, works: list[dist.Work]) -> None:
-        try:
-            for w in works:
-                w.wait(self.timeout)
-        except RuntimeError as e:
-            raise PeerError(
-                f"data-parallel averaging over ranks {self.ranks} failed (timeout "
-                f"{self.timeout.total_seconds():g}s, or a replica died): {e}"
-            ) from e
+        wait_all(works, self.timeout, f"data-parallel averaging over ranks {self.ranks}")
 
     def _complete(self) -> None:
         if self.mode == "sharded":

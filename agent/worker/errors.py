@@ -19,6 +19,7 @@ The worker's `error` progress event carries `kind` and `phase`:
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -51,3 +52,13 @@ _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "
 def _looks_like_comm(message: str) -> bool:
     low = message.lower()
     return any(word in low for word in _COMM_WORDS)
+
+
+def wait_all(works: list[dist.Work], timeout: timedelta, what: str) -> None:
+    """Wait for `works`; a failure or timeout is a `PeerError` saying `what` was under way."""
+    try:
+        for w in works:
+            w.wait(timeout)
+    except RuntimeError as e:
+        raise PeerError(f"{what} failed (timeout {timeout.total_seconds():g}s, or a peer "
+                        f"died): {e}") from e

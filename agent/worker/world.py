@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from agent.worker import netbind
-from agent.worker.errors import PeerError
+from agent.worker.errors import wait_all
 from agent.worker.schedule import Links, make_links
 from protos.layout import Layout
 
@@ -93,14 +93,7 @@ class World:
         return int(self.dp_all_reduce(lowest, dist.ReduceOp.MIN))
 
     def _wait(self, works: list[dist.Work], what: str, peers: object) -> None:
-        try:
-            for w in works:
-                w.wait(self.timeout)
-        except RuntimeError as e:
-            raise PeerError(
-                f"rank {self.rank} could not {what} {peers or 'its replicas'} (timeout "
-                f"{self.timeout.total_seconds():g}s, or a peer died): {e}"
-            ) from e
+        wait_all(works, self.timeout, f"rank {self.rank}: {what} {peers or 'its replicas'}")
 
 
 def join(a: Any, layout: Layout, timeout: timedelta, device: torch.device) -> World:
