@@ -32,6 +32,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "bootstrap) use; default: the one holding the --advertise address")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    p.add_argument("--flops", type=cliutil.number(float, 0, maximum=1e18, unit=" FLOP/s"),
+                   default=0.0, help="report this sustained FLOP/s (in the training dtype) "
+                   "instead of measuring it; the coordinator gives faster devices more layers "
+                   "(0: measure, the default)")
+    p.add_argument("--memory", type=cliutil.number(int, 0, maximum=2**63 - 1), default=0,
+                   metavar="BYTES", help="report this many bytes of device memory free for "
+                   "training instead of detecting it (0: detect, the default)")
     cliutil.add_security_args(p)
     cliutil.add_common_args(p)
 
@@ -77,6 +84,7 @@ def _start(args: argparse.Namespace) -> int:
         state_dir=args.state_dir or default_state_dir(),
         security=cliutil.security_from_args(args), device=args.device,
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
+        flops=args.flops, memory=args.memory,
     )
     config.validate()
     return cliutil.run_async(serve(config))

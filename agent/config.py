@@ -28,6 +28,8 @@ class AgentConfig:
     max_backoff_s: float = 10.0
     bind_interface: str = ""  # the worker's collectives use this interface; default: advertised
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
+    flops: float = 0.0  # report this FLOP/s instead of measuring (0: measure)
+    memory: int = 0  # report this many bytes of device memory instead of detecting (0: detect)
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
@@ -47,6 +49,9 @@ class AgentConfig:
         if not (math.isfinite(self.max_backoff_s) and self.max_backoff_s > 0):
             raise ConfigError(f"max_backoff_s must be a finite number > 0, got "
                               f"{self.max_backoff_s}")
+        if not (math.isfinite(self.flops) and self.flops >= 0) or self.memory < 0:
+            raise ConfigError(f"--flops and --memory must be >= 0 (0: measure), got "
+                              f"{self.flops} and {self.memory}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.bind_interface:

@@ -1,7 +1,10 @@
 """What this machine trains on, told to the coordinator when joining.
 
 CUDA is detected without importing torch unless a GPU is present (torch takes seconds to
-import); the FLOP/s figure is a quick matmul measurement, good enough to tell machines apart.
+import). Throughput is a sustained matmul measurement (about half a second per dtype) and
+memory is what is free when the agent starts: the coordinator sizes layer splits with both.
+An operator can pin either (`agent start --flops X --memory BYTES`), which also skips the
+measurement.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +37,13 @@ def _ram_bytes() -> int:
         return 0
 
 
-def cpu_flops(seconds: float = 0.1, n: int = 256) -> float:
+MEASURE_S = 0.5  # sustained: long enough to leave turbo bursts and caches behind
+
+
+def cpu_flops(seconds: float = MEASURE_S, n: int = 512) -> float:
+    """Sustained fp32 matmul FLOP/s of this CPU (numpy, all its BLAS threads), after a warm-up."""
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    a @ a  # warm-up: thread pool, page faults
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ a
@@ -42,19 +51,65 @@ def cpu_flops(seconds: float = 0.1, n: int = 256) -> float:
     return 2.0 * n**3 * done / (time.perf_counter() - start)
 
 
-def detect(kind: str = "auto") -> common_pb2.DeviceInfo:
-    if kind == "cuda" or (kind == "auto" and Path("/dev/nvidia0").exists()):
-        import torch
+def _available_ram() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), 0 if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return common_pb2.DeviceInfo(
-                kind="cuda", name=props.name, memory_bytes=props.total_memory,
-                cores=props.multi_processor_count,
-            )
-        if kind == "cuda":
+
+def cuda_flops(torch: Any, dtype: Any, seconds: float = MEASURE_S, n: int = 4096) -> float:
+    """Sustained matmul FLOP/s of GPU 0 in `dtype`, timed between synchronizations."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.empty_like(a)
+    torch.matmul(a, a, out=b)
+    torch.cuda.synchronize()
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(8):
+            torch.matmul(a, a, out=b)
+        torch.cuda.synchronize()
+        done += 8
+    return 2.0 * n**3 * done / (time.perf_counter() - start)
+
+
+def _cuda(measure: bool) -> common_pb2.DeviceInfo | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    free, _ = torch.cuda.mem_get_info(0)
+    info = common_pb2.DeviceInfo(kind="cuda", name=props.name, memory_bytes=props.total_memory,
+                                 free_memory_bytes=free, cores=props.multi_processor_count)
+    if measure:
+        info.flops = cuda_flops(torch, torch.float32)
+        info.flops_bf16 = cuda_flops(torch, torch.bfloat16)
+    return info
+
+
+def detect(kind: str = "auto", flops: float = 0.0, memory: int = 0) -> common_pb2.DeviceInfo:
+    """This machine's device, measured; `flops`/`memory` (> 0) override the measurement.
+
+    On CUDA both fp32 and bf16 throughput are measured (tensor cores make bf16 several times
+    faster); on a CPU only fp32 (bf16 there is no faster), and `flops_bf16` stays 0."""
+    info = None
+    if kind == "cuda" or (kind == "auto" and Path("/dev/nvidia0").exists()):
+        info = _cuda(measure=flops <= 0)
+        if info is None and kind == "cuda":
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
-    return common_pb2.DeviceInfo(
-        kind="cpu", name=_cpu_name(), memory_bytes=_ram_bytes(), flops=cpu_flops(),
-        cores=os.cpu_count() or 0,
-    )
+    if info is None:
+        info = common_pb2.DeviceInfo(
+            kind="cpu", name=_cpu_name(), memory_bytes=_ram_bytes(),
+            free_memory_bytes=_available_ram(), flops=cpu_flops() if flops <= 0 else 0.0,
+            cores=os.cpu_count() or 0,
+        )
+    if flops > 0:
+        info.flops, info.flops_bf16 = flops, flops
+    if memory > 0:
+        info.memory_bytes = info.free_memory_bytes = memory
+    return info

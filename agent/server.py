@@ -110,7 +110,8 @@ async def serve(config: AgentConfig) -> int:
     """Run the agent until SIGTERM/SIGINT (0) or until the coordinator refuses it (2)."""
     agent_id = load_or_create_id(config.state_dir)
     info = common_pb2.AgentInfo(agent_id=agent_id, host=config.advertise_host,
-                                device=detect(config.device), version=VERSION)
+                                device=detect(config.device, config.flops, config.memory),
+                                version=VERSION)
     service = AgentService(info)
     metrics = await start_metrics(config, service)
 

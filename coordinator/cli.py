@@ -93,6 +93,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="scheduled (the paper's search, default), rank-order (network-blind, "
                    "agents in address order), random[:SEED], or a plan file written by "
                    "`coordinator plan --json` (pinned)")
+    p.add_argument("--layer-split", default="auto", metavar="auto|even|N,N,...",
+                   help="layers per stage: auto (faster devices get more layers, and no stage "
+                   "may outgrow its devices' memory; even when the devices are alike), even, "
+                   "or explicit counts in stage order")
     p.add_argument("--links", default="", metavar="FILE",
                    help="plan on this matrix (as `coordinator links --json` writes it) instead "
                    "of measuring; it must cover the job's agents")
@@ -188,7 +192,8 @@ def _start(args: argparse.Namespace) -> int:
                       replicas=args.replicas, train=train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,
                       seed=args.seed, max_restarts=args.max_restarts,
-                      placement=args.placement, links_file=args.links),
+                      placement=args.placement, links_file=args.links,
+                      layer_split=args.layer_split),
     )
     config.validate()
     cliutil.run_async(serve(config))

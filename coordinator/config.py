@@ -29,6 +29,20 @@ class JobConfig:
     max_restarts: int = 3
     placement: str = "scheduled"  # scheduled, rank-order, random[:SEED] or a plan file
     links_file: str = ""  # plan on this measured matrix instead of measuring
+    layer_split: str = "auto"  # auto (by device speed and memory), even, or counts "4,2"
+
+    def parsed_split(self) -> list[int] | None:
+        """The `--layer-split` counts, or None for auto/even."""
+        if self.layer_split in ("auto", "even"):
+            return None
+        try:
+            counts = [int(x) for x in self.layer_split.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            raise ConfigError(f"--layer-split must be auto, even or layer counts >= 1 such as "
+                              f"4,2, got {self.layer_split!r}")
+        return counts
 
     def parsed_placement(self) -> Placement:
         try:
@@ -73,6 +87,10 @@ class JobConfig:
         from coordinator.job import choose_layout
 
         layout = choose_layout(self.agents, spec.n_layers, self.stages, self.replicas)
+        counts = self.parsed_split()
+        if counts is not None and (len(counts) != layout.stages or sum(counts) != spec.n_layers):
+            raise ConfigError(f"--layer-split {self.layer_split} must give {layout.stages} "
+                              f"stages layer counts summing to {spec.n_layers} ({self.model})")
         try:
             self.train.validate(layout.replicas)
         except ValueError as exc:

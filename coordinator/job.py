@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import statistics
 import time
@@ -28,11 +29,18 @@ from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
 from coordinator.registry import AgentRecord, Registry
 from coordinator.scheduler import Network
-from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step, step_shape
+from coordinator.scheduler.compute import (
+    Devices,
+    Workload,
+    even_is_enough,
+    plan_split,
+    tasklet_seconds,
+)
+from coordinator.scheduler.memory import DoesNotFit, check_fit, stages_bytes
+from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
 from protos.assignment import build_assignments
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from protos.layout import Layout, layer_ranges
-from protos.spec import ModelSpec
+from protos.layout import Layout, layer_splits
 
 log = logging.getLogger(__name__)
 S = coordinator_pb2  # state constants live in the generated module
@@ -63,25 +71,49 @@ def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int
             "pp_cost": result.pp_cost, "seconds": result.seconds}
 
 
+def _split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
+           dev: Devices, move: bool, seconds: float) -> tuple[list[list[int]], list[int], str]:
+    """Runs in a worker process: the grid and layer split for the devices' speed and memory."""
+    placed = plan_split(Network(delay_ms=delay, bandwidth_gbps=bandwidth), grid, work, dev,
+                        move=move, seconds=seconds)
+    return placed.best.grid, placed.best.splits, placed.reason
+
+
+def agent_flops(records: list[AgentRecord], dtype: str) -> list[float]:
+    """Each agent's FLOP/s in the training dtype (0: unknown)."""
+    return [r.info.device.flops_bf16 if dtype == "bf16" and r.info.device.flops_bf16 > 0
+            else r.info.device.flops for r in records]
+
+
+def device_figures(records: list[AgentRecord], dtype: str) -> Devices:
+    """Each agent's FLOP/s in the training dtype and its memory free for training."""
+    memory = [min(r.info.device.free_memory_bytes or r.info.device.memory_bytes, 2**62)
+              for r in records]  # uint64 on the wire; 4 EiB is plenty
+    return Devices.of(agent_flops(records, dtype), memory)
+
+
 STEP_WINDOW = 5  # measured step time: the median over the members' last steps
-FLOPS_PER_PARAM_TOKEN = 6.0  # forward + backward of a dense transformer
 
 
 @dataclass
 class _Prediction:
     """The running plan's step-time model, refined as workers report their compute.
 
-    Before the first steps, compute is estimated from each agent's measured FLOP/s; once a
-    member has reported steps, its own median compute time replaces the estimate."""
+    Before the first steps, compute is estimated from each agent's measured FLOP/s and its
+    stage's layers (the plan's split); once a member has reported steps, its own median
+    compute time replaces the estimate."""
 
     net: Network
     grid: list[list[int]]  # stage x replica -> index into `agents`
-    shape: StepShape
-    layout: Layout
+    work: Workload
+    splits: list[int]
     agents: list[str]
-    flops: list[float]
-    spec: ModelSpec
+    flops: list[float]  # 0: unknown (no compute estimated)
     _comm: StepTime | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> StepShape:
+        return self.work.step_shape(self.splits)
 
     @property
     def comm_s(self) -> float:
@@ -89,19 +121,14 @@ class _Prediction:
             self._comm = simulate_step(self.net, self.grid, self.shape)
         return self._comm.step_s
 
-    def _estimate(self, device: int, stage: int) -> float:
-        flops = self.flops[device]
-        if flops <= 0:
-            return 0.0
-        begin, end = layer_ranges(self.spec.n_layers, self.layout.stages)[stage]
-        micro_tokens = self.shape.act_bytes / 4 / self.spec.d_model
-        return FLOPS_PER_PARAM_TOKEN * self.spec.stage_params(begin, end) * micro_tokens / flops
-
     def predict(self, compute_per_step: dict[str, float]) -> StepTime:
         """`compute_per_step[agent]`: its measured compute seconds per step, where known."""
-        m = self.shape.micro_batches
+        m = self.work.micro_batches
+        known = [f if f > 0 else math.inf for f in self.flops]  # unknown speed: no estimate
+        estimate = tasklet_seconds(self.work, self.grid, known, self.splits)
         compute = [[compute_per_step[self.agents[d]] / m if self.agents[d] in compute_per_step
-                    else self._estimate(d, j) for d in row] for j, row in enumerate(self.grid)]
+                    else float(estimate[j, k]) for k, d in enumerate(row)]
+                   for j, row in enumerate(self.grid)]
         return simulate_step(self.net, self.grid, self.shape, compute)
 
 
@@ -249,19 +276,25 @@ class Job:
         layout = choose_layout(wanted, spec.n_layers, cfg.stages, cfg.replicas)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
                   f"{layout.replicas} replicas ({placement.label})")
+        work = Workload(spec, layout.stages, layout.replicas, cfg.train.global_batch,
+                        cfg.train.micro_batches, cfg.train.schedule, cfg.train.dtype,
+                        act_dtype=cfg.train.dtype)  # the worker sends activations in it
         try:
-            found = await self._place(placement, net, layout, ids, spec)
+            found = await self._place(placement, net, layout, ids, work,
+                                      device_figures(members, cfg.train.dtype))
+        except DoesNotFit as exc:
+            self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
+                      f"{layout.replicas} replicas does not fit: {exc}")
+            return
         except ValueError as exc:
             self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
             return
         self.epoch += 1
         by_rank = layout.devices_by_rank(found["grid"])
         records = [members[int(d)] for d in by_rank]
-        self._model = _Prediction(net=net, grid=found["grid"], shape=step_shape(
-            spec, layout.stages, layout.replicas, cfg.train.global_batch,
-            cfg.train.micro_batches, cfg.train.schedule), layout=layout,
-            agents=[m.agent_id for m in members], flops=[m.info.device.flops for m in members],
-            spec=spec)
+        self._model = _Prediction(net=net, grid=found["grid"], work=work,
+                                  splits=found["splits"], agents=ids,
+                                  flops=agent_flops(members, cfg.train.dtype))
         predicted = self._model.predict({})
         self.plan = common_pb2.Plan(
             stages=layout.stages, replicas=layout.replicas,
@@ -270,12 +303,13 @@ class Job:
             seconds=found["seconds"], algorithm=found["algorithm"], epoch=self.epoch,
             placement=placement.label, predicted_step_s=predicted.step_s,
             predicted_comm_s=self._model.comm_s, predicted_compute_s=predicted.compute_s,
+            layer_splits=found["splits"],
         )
         assignments = build_assignments(
             job_id=self.job_id, epoch=self.epoch, layout=layout, spec=spec, train=cfg.train,
             master_addr=records[0].info.host, master_port=self._rendezvous_port(),
             backend="nccl" if all(r.info.device.kind == "cuda" for r in records) else "gloo",
-            bind_addrs=[r.info.host for r in records],
+            bind_addrs=[r.info.host for r in records], splits=found["splits"],
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()
@@ -286,8 +320,8 @@ class Job:
         self.started_unix_s = time.time()
         self._set(S.JOB_STATE_RUNNING,
                   f"epoch {self.epoch}: {layout.stages} stages x {layout.replicas} replicas, "
-                  f"{placement.label} placement, predicted cost {found['cost']:.3f} s, "
-                  f"predicted step {predicted.step_s:.2f} s")
+                  f"{placement.label} placement, layers {found['split_note']}, predicted "
+                  f"cost {found['cost']:.3f} s, predicted step {predicted.step_s:.2f} s")
         await self._follow()
 
     def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -332,21 +366,47 @@ class Job:
             await self._wait()
 
     async def _place(self, placement: Placement, net: Network, layout: Layout,
-                     ids: list[str], spec: Any) -> dict[str, Any]:
+                     ids: list[str], work: Workload, dev: Devices) -> dict[str, Any]:
+        """The grid (searched or fixed), its layer split, and the paper's cost of the grid.
+
+        Raises `DoesNotFit` when some member cannot hold its stage under that split."""
         cfg = self.config
         from coordinator.scheduler import comm_gb
 
-        dp_gb, pp_gb = comm_gb(spec, layout.stages, layout.replicas, cfg.train.global_batch,
+        dp_gb, pp_gb = comm_gb(work.spec, layout.stages, layout.replicas,
+                               cfg.train.global_batch,
                                dtype="fp32" if cfg.train.dtype == "fp32" else "fp16")
         grid = fixed_grid(placement, layout.stages, layout.replicas, ids)
-        if grid is not None:
-            return {"grid": grid, "seconds": 0.0, "algorithm": placement.kind,
-                    **score(net, grid, dp_gb, pp_gb)}
+        if grid is None:
+            found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
+                                           layout.stages, layout.replicas, dp_gb, pp_gb,
+                                           cfg.seed, cfg.search_seconds),
+                     "algorithm": "hybrid-ga"}
+        else:
+            found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
+        found["grid"], found["splits"], why = await self._choose_split(
+            net, found["grid"], work, dev, move=grid is None)
+        found["split_note"] = f"{','.join(map(str, found['splits']))} ({why})"
+        check_fit(found["grid"], stages_bytes(work.memory(), found["splits"]), dev.memory,
+                  names=ids)
+        return {**found, **score(net, found["grid"], dp_gb, pp_gb)}
+
+    async def _choose_split(self, net: Network, grid: list[list[int]], work: Workload,
+                            dev: Devices, move: bool) -> tuple[list[list[int]], list[int], str]:
+        """`--layer-split`: as given, even, or chosen for speed and memory (auto)."""
+        cfg, n = self.config, work.spec.n_layers
+        if cfg.layer_split != "auto":
+            return grid, layer_splits(n, work.stages, cfg.parsed_split()), cfg.layer_split
+        if even_is_enough(grid, work, dev):
+            return grid, layer_splits(n, work.stages), "even: the devices are alike"
+        return await self._in_pool(_split, net.delay_ms, net.bandwidth_gbps, grid, work, dev,
+                                   move, cfg.search_seconds)
+
+    @staticmethod
+    async def _in_pool(fn: Any, *args: Any) -> Any:
+        """Run a CPU-bound scheduler call in a spawned process (a fork of grpc is unsafe)."""
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            found = await asyncio.get_running_loop().run_in_executor(
-                pool, _search, net.delay_ms, net.bandwidth_gbps, layout.stages,
-                layout.replicas, dp_gb, pp_gb, cfg.seed, cfg.search_seconds)
-        return {**found, "algorithm": "hybrid-ga"}
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def _rendezvous_port(self) -> int:
         return 29500 + (self.epoch % 500) * 2

@@ -30,7 +30,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
             "joined": a.joined_unix_s,
             "device": {"kind": a.info.device.kind, "name": a.info.device.name,
                        "memory_bytes": a.info.device.memory_bytes,
-                       "flops": a.info.device.flops, "cores": a.info.device.cores},
+                       "free_memory_bytes": a.info.device.free_memory_bytes,
+                       "flops": a.info.device.flops, "flops_bf16": a.info.device.flops_bf16,
+                       "cores": a.info.device.cores},
             "version": a.info.version,
             "worker": {"state": p.worker_state or "idle", "job_id": p.job_id,
                        "epoch": p.epoch, "step": p.step, "loss": p.loss,
@@ -49,7 +51,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "algorithm": status.plan.algorithm,
                 "predicted_step_s": status.plan.predicted_step_s,
                 "predicted_comm_s": status.plan.predicted_comm_s,
-                "predicted_compute_s": status.plan.predicted_compute_s}
+                "predicted_compute_s": status.plan.predicted_compute_s,
+                "layer_splits": list(status.plan.layer_splits)}
     return {
         "agents": agents,
         "job": {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
@@ -74,6 +77,15 @@ def _split(worker: dict[str, Any]) -> str:
         return "-"
     return (f"{worker['step_s']:.2f}s = compute {worker['compute_s']:.2f} + pipeline wait "
             f"{worker['pp_wait_s']:.2f} + dp sync {worker['dp_s']:.2f}")
+
+
+def _device(device: dict[str, Any]) -> str:
+    """`cuda 98.1/312 TFLOP/s 139.5 GiB free`: kind, fp32/bf16 speed, free memory."""
+    speed = f"{device['flops'] / 1e12:.3g}" if device["flops"] else "?"
+    if device["flops_bf16"]:
+        speed += f"/{device['flops_bf16'] / 1e12:.3g}"
+    memory = device["free_memory_bytes"] or device["memory_bytes"]
+    return f"{device['kind']} {speed} TFLOP/s {memory / 2**30:.1f} GiB free"
 
 
 def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
@@ -102,7 +114,7 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
             worker = w["state"] + (f" step {w['step']} loss {w['loss']:.3f}"
                                    if w["state"] == "training" else "")
             rows.append((a["id"], a["address"], a["state"], _ago(a["last_seen_ago_s"]),
-                         f"{a['device']['kind']}", worker, _split(w)))
+                         _device(a["device"]), worker, _split(w)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
@@ -113,8 +125,10 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                      f"replicas, cost {p['cost']:.3f} s = DP {p['dp_cost']:.3f} + "
                      f"2 x PP {p['pp_cost']:.3f}; predicted step {p['predicted_step_s']:.2f} s "
                      f"(communication alone {p['predicted_comm_s']:.2f} s)")
-        for s, row in enumerate(p["grid"]):
-            lines.append(f"  stage {s}: {'  '.join(row)}")
+        splits = p["layer_splits"] or [0] * len(p["grid"])
+        for s, (row, layers) in enumerate(zip(p["grid"], splits, strict=True)):
+            held = f" ({layers} layers)" if layers else ""
+            lines.append(f"  stage {s}{held}: {'  '.join(row)}")
     return "\n".join(lines)
 
 

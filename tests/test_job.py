@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -27,14 +28,16 @@ HOSTS = ["10.0.0.4", "10.0.0.2", "10.0.0.10", "10.0.0.3"]  # joined in this orde
 
 
 class Cluster:
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig,
+                 devices: list[common_pb2.DeviceInfo] | None = None) -> None:
         self.registry = Registry(liveness_timeout_s=60.0)
         store = LinkStore()
         self.job = Job(config, self.registry, LinkMeasurer(self.registry, store), store)
         self.ids = []
         for i, host in enumerate(HOSTS):
+            device = devices[i] if devices else common_pb2.DeviceInfo(kind="cpu", flops=1e10)
             info = common_pb2.AgentInfo(agent_id=f"agent-{i}", host=host, port=7071,
-                                        device=common_pb2.DeviceInfo(kind="cpu", flops=1e10))
+                                        device=device)
             self.ids.append(self.registry.join(info).agent_id)
 
     async def assignments(self) -> dict[str, common_pb2.Assignment]:
@@ -65,10 +68,11 @@ def config(**kw: object) -> JobConfig:
     return cfg
 
 
-def run(body: Callable[[Cluster], Awaitable[None]], cfg: JobConfig) -> None:
+def run(body: Callable[[Cluster], Awaitable[None]], cfg: JobConfig,
+        devices: list[common_pb2.DeviceInfo] | None = None) -> None:
     """Run `body(cluster)` while the cluster's job runs; the job stops afterwards."""
     async def main() -> None:
-        c = Cluster(cfg)
+        c = Cluster(cfg, devices)
         task = asyncio.get_running_loop().create_task(c.job.run())
         try:
             await body(c)
@@ -185,3 +189,41 @@ def test_a_links_file_without_the_members_fails_with_the_reason(tmp_path: Path) 
         await _until(lambda: c.job.state == S.JOB_STATE_FAILED)
         assert "no row for agent" in c.job.message
     run(body, config(links_file=str(path)))
+
+
+def _devices(flops: list[float], memory: list[int] | None = None) -> list[common_pb2.DeviceInfo]:
+    return [common_pb2.DeviceInfo(kind="cpu", flops=f, memory_bytes=m)
+            for f, m in zip(flops, memory or [0] * len(flops), strict=True)]
+
+
+def test_faster_agents_get_more_layers() -> None:
+    async def body(c: Cluster) -> None:
+        got = await c.assignments()
+        layers = {a: x.layer_end - x.layer_begin for a, x in got.items()}
+        fast, slow = {layers[c.ids[0]], layers[c.ids[1]]}, {layers[c.ids[2]], layers[c.ids[3]]}
+        assert len(fast) == len(slow) == 1 and fast.pop() > slow.pop(), layers
+        assert c.job.plan is not None and sorted(c.job.plan.layer_splits) == [1, 3]
+        assert list(got[c.ids[0]].layer_splits) == list(c.job.plan.layer_splits)
+        fast_stage = got[c.ids[0]].stage
+        assert got[c.ids[1]].stage == fast_stage and got[c.ids[2]].stage != fast_stage
+    run(body, config(search_seconds=0.3), _devices([2e10, 2e10, 1e10, 1e10]))
+
+
+def test_even_split_when_asked_or_when_devices_are_alike() -> None:
+    async def body(c: Cluster) -> None:
+        got = await c.assignments()
+        assert {x.layer_end - x.layer_begin for x in got.values()} == {2}
+    run(body, config(search_seconds=0.3, layer_split="even"),
+        _devices([2e10, 2e10, 1e10, 1e10]))
+    run(body, config(placement="rank-order"), _devices([1.1e10, 1e10, 1.05e10, 1e10]))
+
+
+def test_a_stage_too_big_for_an_agents_memory_fails_the_job_with_the_numbers() -> None:
+    async def body(c: Cluster) -> None:
+        await _until(lambda: c.job.state == S.JOB_STATE_FAILED)
+        msg = c.job.message
+        assert "does not fit" in msg and "agent-2" in msg and "100000 bytes" in msg, msg
+        assert re.search(r"needs [\d.]+ GiB \((\d+) bytes\)", msg), msg
+        assert "short" in msg and c.job.epoch == 0
+    run(body, config(placement="rank-order"),
+        _devices([1e10] * 4, [2**34, 2**34, 100_000, 2**34]))

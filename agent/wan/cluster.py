@@ -85,8 +85,13 @@ class WanCluster:
         return f"{self.wan.address(0)}:{COORDINATOR_PORT}"
 
     def env(self) -> dict[str, str]:
+        """The daemons' environment. Every emulated host shares this machine's few cores, so
+        each worker computes on one thread: N workers with a thread per core each would
+        oversubscribe the cores and starve the emulator's forwarder, adding delay that no real
+        link has."""
         return {**{k: v for k, v in os.environ.items() if not k.startswith("DTFM_")},
-                "DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+                "DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1", "DTFM_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1"}
 
     def _spawn(self, host: int, argv: Sequence[str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process

@@ -4,7 +4,9 @@ This package owns everything that turns a link matrix (latency and bandwidth per
 of devices) and two message sizes (c_DP, c_PP) into a plan `grid[stage][replica] -> device`:
 the cost model (`costmodel`), the hybrid genetic algorithm (`evolutionary`), the structured
 candidates that seed it (`structured`), the baselines (`baselines`) and the validated
-`Network` type (`network`). It is a pure library: numpy only. It never imports torch, grpc or
+`Network` type (`network`); and, for devices of uneven speed and memory, the step model
+(`steptime`), the layer split and compute-aware placement (`compute`) and the memory model
+(`memory`). It is a pure library: numpy only. It never imports torch, grpc or
 protobuf, so the coordinator can plan without them and tests run anywhere.
 """
 

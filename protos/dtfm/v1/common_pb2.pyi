@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("kind", "name", "memory_bytes", "flops", "cores")
+    __slots__ = ("kind", "name", "memory_bytes", "flops", "cores", "free_memory_bytes", "flops_bf16")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
+    FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_BF16_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     memory_bytes: int
     flops: float
     cores: int
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ...) -> None: ...
+    free_memory_bytes: int
+    flops_bf16: float
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., flops_bf16: _Optional[float] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
     __slots__ = ("agent_id", "host", "port", "device", "version")
@@ -165,7 +169,7 @@ class PlanStage(_message.Message):
     def __init__(self, agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s")
+    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s", "layer_splits")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +183,7 @@ class Plan(_message.Message):
     PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_COMM_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SPLITS_FIELD_NUMBER: _ClassVar[int]
     stages: int
     replicas: int
     grid: _containers.RepeatedCompositeFieldContainer[PlanStage]
@@ -192,4 +197,5 @@ class Plan(_message.Message):
     predicted_step_s: float
     predicted_comm_s: float
     predicted_compute_s: float
-    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ...) -> None: ...
+    layer_splits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ..., layer_splits: _Optional[_Iterable[int]] = ...) -> None: ...

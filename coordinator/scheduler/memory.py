@@ -1,0 +1,142 @@
+"""Device memory a stage needs, and whether a plan's stages fit the devices holding them.
+
+Owns the memory side of uneven devices: what one tasklet holds at its peak (weights, their
+gradients and AdamW's two moments, the data-parallel gradient buckets, and the activations
+autograd keeps for the micro-batches in flight) and the check that names the device that
+does not fit and by how much. The compute side lives in `compute`.
+
+Counted the way the worker really trains (pinned against torch by
+`tests/scheduler/test_memory_torch.py`):
+- parameters stay fp32 whatever the training dtype (bf16 is autocast): 4 bytes of weight,
+  4 of gradient, 8 of AdamW state = 16 bytes per parameter, plus 4 more for the gradient
+  buckets when the stage has data-parallel peers;
+- per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
+  elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
+  the first stage keeps the token ids, the last the head's inputs and the fp32 log-softmax;
+  under bf16 every micro-batch's graph also holds its own bf16 copies of the matmul weights;
+- GPipe keeps all M micro-batches of a step, 1F1B at most S - stage.
+What it leaves out (allocator slack, the CUDA context, transient workspaces) makes the
+figure a lower bound: a stage that does not fit here cannot fit on the device.
+
+Pure Python: no torch, grpc or protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protos.layout import layer_ranges
+from protos.spec import DTYPE_BYTES, ModelSpec
+
+PARAM_STATE_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+DP_BUCKET_BYTES = 4  # the data-parallel averager's fp32 copy of every gradient
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryShape:
+    """What decides a stage's memory besides its layer range."""
+
+    spec: ModelSpec
+    stages: int
+    replicas: int
+    micro_size: int  # sequences per micro-batch
+    micro_batches: int
+    schedule: str = "gpipe"
+    dtype: str = "fp32"  # the training (autocast) dtype
+
+
+def matmul_params(spec: ModelSpec, begin: int, end: int) -> int:
+    """Weights of the matrix multiplies in layers [begin, end) and, on the last stage, the head."""
+    d, ff = spec.d_model, spec.d_ff
+    n = (end - begin) * (4 * d * d + 2 * d * ff)
+    return n + (d * spec.vocab_size if end == spec.n_layers else 0)
+
+
+def activation_bytes(spec: ModelSpec, begin: int, end: int, sequences: int,
+                     dtype: str = "fp32") -> int:
+    """Bytes autograd keeps for one micro-batch of `sequences` in layers [begin, end)."""
+    d, ff, act = spec.d_model, spec.d_ff, DTYPE_BYTES[dtype]
+    per_layer = 2 * d * FP32 + (6 * d + 2 * ff) * act + (4 + spec.n_heads) * FP32
+    per_token = (end - begin) * per_layer
+    if begin == 0:
+        per_token += 8  # int64 token ids
+    if end == spec.n_layers:
+        per_token += d * FP32 + d * act + spec.vocab_size * FP32 + 16
+    weights = 2 * matmul_params(spec, begin, end) if dtype != "fp32" else 0
+    return sequences * spec.seq_len * per_token + weights
+
+
+def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once (GPipe: all; 1F1B: S - stage)."""
+    if schedule == "1f1b":
+        return min(micro_batches, stages - stage)
+    return micro_batches
+
+
+def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
+    """Peak bytes on one device holding `stage` with layers [begin, end)."""
+    per_param = PARAM_STATE_BYTES + (DP_BUCKET_BYTES if shape.replicas > 1 else 0)
+    held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
+    return (per_param * shape.spec.stage_params(begin, end)
+            + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype))
+
+
+def stages_bytes(shape: MemoryShape, splits: Sequence[int] | None = None) -> list[int]:
+    """Peak bytes per stage for a layer split (None: even)."""
+    ranges = layer_ranges(shape.spec.n_layers, shape.stages, splits)
+    return [stage_bytes(shape, j, b, e) for j, (b, e) in enumerate(ranges)]
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A device that cannot hold its stage."""
+
+    device: int
+    stage: int
+    needed: int
+    available: int
+
+    @property
+    def missing(self) -> int:
+        return self.needed - self.available
+
+    def describe(self, name: str = "") -> str:
+        who = name or f"device {self.device}"
+        return (f"{who} cannot hold stage {self.stage}: it needs {gib(self.needed)} "
+                f"({self.needed} bytes) but has {gib(self.available)} ({self.available} "
+                f"bytes), {gib(self.missing)} short")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def shortfalls(grid: Sequence[Sequence[int]], needed: Sequence[int],
+               available: Sequence[int]) -> list[Shortfall]:
+    """Every device of `grid` whose stage needs more than it has, worst first.
+
+    `available[device]` 0 means unknown: that device is not checked."""
+    out = [Shortfall(d, j, needed[j], available[d]) for j, row in enumerate(grid) for d in row
+           if 0 < available[d] < needed[j]]
+    return sorted(out, key=lambda s: (-s.missing, s.stage, s.device))
+
+
+class DoesNotFit(ValueError):
+    """A plan whose stages cannot fit some device's memory; names the worst one."""
+
+    def __init__(self, worst: Shortfall, count: int, name: str = "") -> None:
+        self.worst, self.count = worst, count
+        more = f" ({count - 1} other device(s) too)" if count > 1 else ""
+        super().__init__(f"{worst.describe(name)}{more}: use more pipeline stages, fewer "
+                         f"or smaller micro-batches, or devices with more memory")
+
+
+def check_fit(grid: Sequence[Sequence[int]], needed: Sequence[int],
+              available: Sequence[int], names: Sequence[str] | None = None) -> None:
+    """Raise `DoesNotFit` naming the device that misses the most bytes, if any does."""
+    short = shortfalls(grid, needed, available)
+    if short:
+        name = names[short[0].device] if names is not None else ""
+        raise DoesNotFit(short[0], len(short), name)
