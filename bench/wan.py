@@ -55,7 +55,7 @@ def run_job(cluster: WanCluster, args: argparse.Namespace, placement: str,
     job_args = ["--model", args.model, "--agents", str(agents), "--stages", str(args.stages),
                 "--replicas", str(agents // args.stages), "--steps", str(args.steps),
                 "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
-                "--search-seconds", "10"]
+                "--search-seconds", "10", "--layer-split", "even"]
 
     def watch(status: dict[str, Any], now: float) -> None:
         job = status["job"]

@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         job_args = ["--model", args.model, "--agents", str(n), "--stages", str(args.stages),
                     "--replicas", str(n // args.stages), "--steps", str(args.steps),
                     "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
-                    "--search-seconds", "5"]
+                    "--search-seconds", "5", "--layer-split", "even"]
         results = {}
         for placement in ("scheduled", "rank-order"):
             results[placement] = _train(cluster, args, job_args, placement, links_path, city_of)

@@ -137,7 +137,17 @@ class Pipeline:
     autocast_dtype: torch.dtype | None = None
     comm_dtype: torch.dtype = torch.float32
     timeout: timedelta = timedelta(seconds=300)
+    slowdown: float = 1.0  # >1 emulates a slower device (DTFM_COMPUTE_SLOWDOWN)
     _sends: list[dist.Work] = field(default_factory=list)
+
+    def _computed(self, t: Timings, t0: float) -> None:
+        """Count compute since `t0`; on an emulated slower device, idle for the difference
+        (idling, not spinning, so emulated devices sharing cores do not slow each other)."""
+        dt = time.perf_counter() - t0
+        if self.slowdown > 1.0:
+            time.sleep(dt * (self.slowdown - 1.0))
+            dt *= self.slowdown
+        t.compute_s += dt
 
     # ---- communication ----
     def _act_shape(self) -> tuple[int, int, int]:
@@ -240,7 +250,7 @@ class Pipeline:
             out = self.stage(x)
             if ln.next is None:
                 out = lm_loss(out, st.targets[i].to(self.device, non_blocking=True))
-        t.compute_s += time.perf_counter() - t0
+        self._computed(t, t0)
         if ln.next is None:
             st.loss_sum += float(out.detach())
             out = out / micro
@@ -260,7 +270,7 @@ class Pipeline:
             st.bwd_recvs[i] = None
             t0 = time.perf_counter()
             out.backward(grad.to(out.dtype))
-        t.compute_s += time.perf_counter() - t0
+        self._computed(t, t0)
         if x_in is not None:
             assert x_in.grad is not None
             self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD)

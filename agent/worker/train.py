@@ -37,6 +37,20 @@ log = logging.getLogger(__name__)
 ENV_TIMEOUT = "DTFM_TIMEOUT_S"  # seconds any collective or p2p receive may block
 ENV_THREADS = "DTFM_NUM_THREADS"  # torch intra-op threads per worker
 ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
+ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
+
+
+def compute_slowdown() -> float:
+    """The test and benchmark seam for uneven devices on one machine: forward and backward
+    passes take this factor longer (the worker idles for the difference)."""
+    raw = os.environ.get(ENV_SLOWDOWN, "1")
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = float("nan")
+    if not (1.0 <= factor < 1000.0):
+        raise ValueError(f"{ENV_SLOWDOWN}={raw!r}: give a factor >= 1 (2 = half as fast)")
+    return factor
 FAULT_EXIT_CODE = 17
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -202,6 +216,7 @@ class Worker:
         pipe = Pipeline(
             self.stage, self.links, a.stage, a.stages, micro_size, self.device, self.amp,
             comm_dtype=self.amp or torch.float32, timeout=self.timeout,
+            slowdown=compute_slowdown(),
         )
         averager = GradAverager(
             self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode,

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {W
 DELAY = [[0, 40, 3, 40], [40, 0, 40, 3], [3, 40, 0, 40], [40, 3, 40, 0]]
 RATE = [[0, 15, 40, 15], [15, 0, 15, 40], [40, 15, 0, 15], [15, 40, 15, 0]]
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
-       "--steps", "4", "--batch", "8", "--micro-batches", "2", "--search-seconds", "1"]
+       "--steps", "4", "--batch", "8", "--micro-batches", "2", "--search-seconds", "1",
+       "--layer-split", "even"]
 
 
 @pytest.mark.timeout(420)
