@@ -29,7 +29,7 @@ from protos.assignment import build_assignments
 from protos.layout import Layout, layer_splits
 from protos.procs import terminate_all
 from protos.rpc import free_port
-from protos.spec import TRAIN_DTYPES, TrainConfig
+from protos.spec import DP_MODES, TRAIN_DTYPES, TrainConfig
 
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=count, default=50)
     p.add_argument("--seed", type=cliutil.number(int, 0, maximum=2**64 - 1), default=0)
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    p.add_argument("--dp-mode", choices=("allreduce", "sharded"), default="allreduce")
+    p.add_argument("--dp-mode", choices=DP_MODES, default=TrainConfig().dp_mode)
     p.add_argument("--lr", type=cliutil.number(float, 0, above=True), default=1e-3)
     p.add_argument("--warmup", type=count, default=10, help="LR warmup steps")
     p.add_argument("--grad-clip", type=cliutil.number(float), default=1.0)

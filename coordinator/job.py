@@ -278,7 +278,8 @@ class Job:
                   f"{layout.replicas} replicas ({placement.label})")
         work = Workload(spec, layout.stages, layout.replicas, cfg.train.global_batch,
                         cfg.train.micro_batches, cfg.train.schedule, cfg.train.dtype,
-                        act_dtype=cfg.train.dtype)  # the worker sends activations in it
+                        act_dtype=cfg.train.dtype,  # the worker sends activations in it
+                        dp_mode=cfg.train.dp_mode)
         try:
             found = await self._place(placement, net, layout, ids, work,
                                       device_figures(members, cfg.train.dtype))

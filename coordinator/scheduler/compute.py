@@ -54,6 +54,7 @@ class Workload:
     schedule: str = "gpipe"
     dtype: str = "fp32"  # training (autocast) dtype: memory and which FLOP/s figure counts
     act_dtype: str = "fp32"  # activations on the wire
+    dp_mode: str = "sharded"  # how the worker averages gradients
 
     @property
     def micro_size(self) -> int:
@@ -61,7 +62,8 @@ class Workload:
 
     def step_shape(self, splits: Sequence[int] | None) -> StepShape:
         return step_shape(self.spec, self.stages, self.replicas, self.global_batch,
-                          self.micro_batches, self.schedule, self.act_dtype, splits)
+                          self.micro_batches, self.schedule, self.act_dtype, splits,
+                          self.dp_mode)
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,

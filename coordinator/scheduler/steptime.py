@@ -13,8 +13,9 @@ the two against each other:
 - a micro-batch's activations (and later its gradient) cross a pipeline link as one message:
   serialized on that directed link at its bandwidth, then the link's one-way delay;
 - forward takes a third and backward two thirds of a device's per-micro-batch compute;
-- after its last backward pass, a stage's data-parallel group averages gradients with the
-  paper's sharded all-reduce cost (`2 * sum over peers (alpha + c_DP / (R * beta))`);
+- after its last backward pass, a stage's data-parallel group averages gradients as the
+  worker does: `sharded` as direct messages (each shard to its owner, the average straight
+  back: two hops), `allreduce` as gloo's ring (2(R-1) steps at the ring's slowest link);
 - each rank then sends its stage's squared gradient norm to every rank of its pipeline, and
   the step ends when the last of them has arrived.
 
@@ -54,6 +55,7 @@ class StepShape:
     act_bytes: float  # one micro-batch's activations (and gradient) on a pipeline link
     grad_bytes: Sequence[float]  # per stage: its gradient message
     schedule: str = "gpipe"
+    dp_mode: str = "sharded"
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
@@ -105,16 +107,26 @@ def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
     return free
 
 
-def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float) -> float:
+def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str) -> float:
+    """The group's gradient averaging as the worker does it.
+
+    `sharded`: every replica sends shard k (1/R of the gradients) straight to replica k, k
+    averages and sends it straight back to everyone: replica d is done when the last averaged
+    shard reaches it, two hops after its owner received the last copy. `allreduce`: gloo's
+    ring, 2(R-1) steps of 1/R of the gradients around the group in rank order, each as slow as
+    the ring's slowest link."""
     r = len(group)
     if r == 1:
         return 0.0
     g = np.asarray(group)
-    alpha = net.delay_ms[g[:, None], g[None, :]] / 1000.0
-    beta = net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9
-    cost = 2.0 * (alpha + 8.0 * grad_bytes / (r * beta))
-    np.fill_diagonal(cost, 0.0)
-    return float(cost.sum(axis=1).max())
+    hop = (net.delay_ms[g[:, None], g[None, :]] / 1000.0
+           + 8.0 * grad_bytes / (r * net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9))
+    np.fill_diagonal(hop, 0.0)
+    if mode == "allreduce":
+        ring = [hop[k, (k + 1) % r] for k in range(r)]
+        return 2 * (r - 1) * float(max(ring))
+    scattered = hop.max(axis=0)  # owner k has every copy of its shard
+    return float((scattered[:, None] + hop).max())
 
 
 def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
@@ -135,7 +147,8 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
         raise ValueError(f"compute_s must be a {s}x{r} grid of seconds >= 0")
     last_b = np.array([_pipeline(net, g[:, k].tolist(), shape, comp[:, k].tolist())
                        for k in range(r)]).T  # (stage, replica)
-    dp = np.array([_dp_seconds(net, g[j].tolist(), shape.grad_bytes[j]) for j in range(s)])
+    dp = np.array([_dp_seconds(net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode)
+                   for j in range(s)])
     dp_end = last_b.max(axis=1) + dp
     delay = net.delay_ms / 1000.0
     finish = dp_end.max()
@@ -152,7 +165,7 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
 
 def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
-               splits: Sequence[int] | None = None) -> StepShape:
+               splits: Sequence[int] | None = None, dp_mode: str = "sharded") -> StepShape:
     """The messages of one step of `spec` as the runtime sends them (fp32 gradients)."""
     if global_batch % (replicas * micro_batches):
         raise ValueError(f"a global batch of {global_batch} does not split into {replicas} "
@@ -162,4 +175,4 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
              for b, e in layer_ranges(spec.n_layers, stages, splits)]
     return StepShape(micro_batches=micro_batches,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
-                     grad_bytes=grads, schedule=schedule)
+                     grad_bytes=grads, schedule=schedule, dp_mode=dp_mode)

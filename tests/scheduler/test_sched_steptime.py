@@ -8,7 +8,7 @@ import pytest
 
 from coordinator import scenarios
 from coordinator.catalogue import get_preset
-from coordinator.scheduler import Network, plan_cost
+from coordinator.scheduler import Network
 from coordinator.scheduler.steptime import StepShape, simulate_step, step_shape
 
 
@@ -46,13 +46,18 @@ def test_compute_overlaps_transfers() -> None:
     assert idle.step_s < busy.step_s < idle.step_s + 4 * 0.3
 
 
-def test_data_parallel_term_is_the_papers_sharded_all_reduce() -> None:
-    net = scenarios.world(per_city=1)
-    grad = 3e8
-    shape = StepShape(micro_batches=1, act_bytes=0.0, grad_bytes=[grad])
-    got = simulate_step(net, [list(range(8))], shape)
-    _, dp, _ = plan_cost(net, [list(range(8))], grad / 1e9, 0.0)
-    assert got.dp_s == pytest.approx(dp) and got.step_s == pytest.approx(dp)
+def test_data_parallel_terms_follow_the_workers_two_ways() -> None:
+    # three replicas: 0 and 1 10 ms apart, 2 is 100 ms from both; 8 Mbit/s everywhere and
+    # 3 MB of gradients, so each shard message (1 MB) takes 1 s on the wire
+    delay = np.array([[0, 10, 100], [10, 0, 100], [100, 100, 0]], dtype=float)
+    net = Network(delay, np.full((3, 3), 0.008))
+    hop_far = 0.1 + 1.0  # the slowest pair's delay + one shard on the wire
+    sharded = StepShape(micro_batches=1, act_bytes=0.0, grad_bytes=[3e6])
+    got = simulate_step(net, [[0, 1, 2]], sharded)
+    assert got.dp_s == pytest.approx(2 * hop_far)  # scatter to the owner, average back
+    ring = StepShape(micro_batches=1, act_bytes=0.0, grad_bytes=[3e6], dp_mode="allreduce")
+    got = simulate_step(net, [[0, 1, 2]], ring)
+    assert got.dp_s == pytest.approx(4 * hop_far)  # 2(R-1) steps at the slowest ring link
 
 
 def test_1f1b_waits_on_round_trips_that_gpipe_overlaps() -> None:
