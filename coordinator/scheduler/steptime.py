@@ -24,6 +24,8 @@ Pure numpy, like the rest of the scheduler.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,3 +178,34 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
     return StepShape(micro_batches=micro_batches,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
                      grad_bytes=grads, schedule=schedule, dp_mode=dp_mode)
+
+
+def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepShape,
+           seconds: float = 2.0) -> tuple[list[list[int]], float]:
+    """Swap descent on the simulated step time from each of `grids`; the best grid and step.
+
+    The paper's objective charges every pipeline link a replica's whole batch at once; the
+    runtime pipelines micro-batches and shards data parallelism as direct messages, so the
+    objective's optimum is not always the fastest step (on the emulated world matrix a
+    descent from rank order beat it by 7 %). Starting from the search's answer and from other
+    grids, this swaps any two tasklets while that shortens the predicted step."""
+    deadline = time.perf_counter() + seconds
+    best_grid: np.ndarray | None = None
+    best = np.inf
+    for start in grids:
+        g = np.asarray(start, dtype=np.int64)
+        cur = simulate_step(net, g.tolist(), shape).step_s
+        cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
+        improved = True
+        while improved and time.perf_counter() < deadline:
+            improved = False
+            for p, q in itertools.combinations(cells, 2):
+                cand = g.copy()
+                cand[p], cand[q] = g[q], g[p]
+                value = simulate_step(net, cand.tolist(), shape).step_s
+                if value < cur - 1e-12:
+                    g, cur, improved = cand, value, True
+        if cur < best:
+            best, best_grid = cur, g
+    assert best_grid is not None, "polish needs at least one grid"
+    return best_grid.tolist(), float(best)

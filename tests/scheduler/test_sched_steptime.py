@@ -9,7 +9,7 @@ import pytest
 from coordinator import scenarios
 from coordinator.catalogue import get_preset
 from coordinator.scheduler import Network
-from coordinator.scheduler.steptime import StepShape, simulate_step, step_shape
+from coordinator.scheduler.steptime import StepShape, polish, simulate_step, step_shape
 
 
 def line(n: int, delay_ms: float, gbps: float) -> Network:
@@ -86,3 +86,15 @@ def test_bad_compute_grid_is_refused() -> None:
         simulate_step(line(2, 1, 1), [[0], [1]], shape, compute_s=[[1.0, 2.0]])
     with pytest.raises(ValueError, match="2x1 grid"):
         simulate_step(line(2, 1, 1), [[0], [1]], shape, compute_s=[[float("nan")], [1.0]])
+
+
+def test_polish_never_loses_to_its_starts_and_keeps_a_permutation() -> None:
+    net = scenarios.world(per_city=2)
+    spec = get_preset("gpt-mini")
+    shape = step_shape(spec, 4, 4, 16, 4)
+    starts = [np.arange(16).reshape(4, 4).tolist(),
+              np.random.default_rng(3).permutation(16).reshape(4, 4).tolist()]
+    grid, step = polish(net, starts, shape, seconds=5.0)
+    assert sorted(d for row in grid for d in row) == list(range(16))
+    assert step == pytest.approx(simulate_step(net, grid, shape).step_s)
+    assert step < min(simulate_step(net, g, shape).step_s for g in starts)
