@@ -71,25 +71,6 @@ def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int
             "pp_cost": result.pp_cost, "seconds": result.seconds}
 
 
-POLISH_RANDOM_STARTS = 3
-
-
-def _polish(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]],
-            shape: StepShape, seed: int, seconds: float) -> list[list[int]]:
-    """Runs in a worker process: the searched grid, polished against the step model from it,
-    from rank order and from a few random grids (`steptime.polish`)."""
-    from coordinator.placement import random_grid, rank_order_grid
-    from coordinator.scheduler.steptime import polish
-
-    s, r = len(grid), len(grid[0])
-    starts = [grid, rank_order_grid(s, r)]
-    starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
-    net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
-    searched = simulate_step(net, grid, shape).step_s
-    best, step_s = polish(net, starts, shape, seconds)
-    return best if step_s < searched else grid
-
-
 def _split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
            dev: Devices, move: bool, seconds: float) -> tuple[list[list[int]], list[int], str]:
     """Runs in a worker process: the grid and layer split for the devices' speed and memory."""
@@ -182,7 +163,10 @@ class Job:
         self.poke()
 
     def on_progress(self, rec: AgentRecord, report: coordinator_pb2.ProgressReport) -> None:
-        if report.job_id and report.job_id == self.job_id and report.epoch == self.epoch:
+        """Take a member's report for this epoch; `rec` is the agent its secret proved, so
+        no one else's report can mark a member done or fail the job."""
+        if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
+                and rec.agent_id in self.members):
             self._progress[rec.agent_id] = report
             steps = self._steps.setdefault(rec.agent_id, deque(maxlen=STEP_WINDOW))
             if report.step >= 2 and report.step_s > 0 and (
@@ -401,10 +385,7 @@ class Job:
             found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
                                            layout.stages, layout.replicas, dp_gb, pp_gb,
                                            cfg.seed, cfg.search_seconds),
-                     "algorithm": "hybrid-ga + step-time polish"}
-            found["grid"] = await self._in_pool(
-                _polish, net.delay_ms, net.bandwidth_gbps, found["grid"], work.step_shape(None),
-                cfg.seed, max(1.0, cfg.search_seconds / 2))
+                     "algorithm": "hybrid-ga"}
         else:
             found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
         found["grid"], found["splits"], why = await self._choose_split(
