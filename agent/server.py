@@ -127,7 +127,7 @@ async def serve(config: AgentConfig) -> int:
     supervisor = Supervisor(Path(config.state_dir) / "work",
                             bind_interface=config.bind_interface)
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
-                                 config.max_backoff_s)
+                                 config.max_backoff_s, state_dir=config.state_dir)
     service.session = session
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ import random
 
 import grpc
 
+from agent.identity import SecretFile
 from agent.links import measure_peer
 from agent.supervisor import Supervisor
 from protos import rpc
@@ -32,8 +33,11 @@ class FatalSessionError(RuntimeError):
 
 class CoordinatorSession:
     def __init__(self, info: common_pb2.AgentInfo, target: str, security: rpc.Security,
-                 supervisor: Supervisor, max_backoff_s: float = 10.0) -> None:
+                 supervisor: Supervisor, max_backoff_s: float = 10.0,
+                 state_dir: str | None = None) -> None:
         self.info = info
+        self._secret_file = SecretFile(state_dir)
+        self.secret = self._secret_file.load()
         self.target = target
         self.security = security
         self.supervisor = supervisor
@@ -54,9 +58,11 @@ class CoordinatorSession:
             self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             heartbeat: asyncio.Task[None] | None = None
             try:
-                stream = self._stub.Join(coordinator_pb2.JoinRequest(agent=self.info))
+                stream = self._stub.Join(coordinator_pb2.JoinRequest(
+                    agent=self.info, agent_secret=self.secret))
                 async for command in stream:
                     if command.HasField("welcome"):
+                        self._welcomed(command.welcome)
                         self.heartbeat_interval_s = command.welcome.heartbeat_interval_s or 1.0
                         self.connected = True
                         backoff = 0.25
@@ -81,6 +87,12 @@ class CoordinatorSession:
                 await channel.close()
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(self.max_backoff_s, backoff * 2)
+
+    def _welcomed(self, welcome: coordinator_pb2.Welcome) -> None:
+        """Keep the secret the coordinator issued (a restarted one issues a new one)."""
+        if welcome.agent_secret and welcome.agent_secret != self.secret:
+            self.secret = welcome.agent_secret
+            self._secret_file.save(self.secret)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -115,7 +127,8 @@ class CoordinatorSession:
             else:
                 samples = [await self._measure_peer(cmd, peer) for peer in cmd.peers]
             report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
-                                                round_id=cmd.round_id, samples=samples)
+                                                round_id=cmd.round_id, samples=samples,
+                                                agent_secret=self.secret)
             if self._stub is not None:
                 await self._stub.ReportLinks(report, timeout=10.0)
         except grpc.aio.AioRpcError as exc:
@@ -155,6 +168,7 @@ class CoordinatorSession:
             loss=p.loss, tokens_per_s=p.tokens_per_s, error=clip(p.error),
             total_steps=p.total_steps, step_s=p.step_s, compute_s=p.compute_s,
             pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=clip(p.error_kind, MAX_KIND),
+            agent_secret=self.secret,
         )
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:
@@ -165,6 +179,12 @@ class CoordinatorSession:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     log.warning("coordinator forgot us (restarted?); rejoining")
+                    stream.cancel()
+                    return
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    # Another process joined under our id with our secret (a copied state
+                    # directory): the Join that follows is refused and says so.
+                    log.error("coordinator refused our heartbeat: %s", exc.details())
                     stream.cancel()
                     return
                 log.warning("heartbeat failed: %s", rpc.describe_rpc_error(exc, self.target))

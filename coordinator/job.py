@@ -153,6 +153,7 @@ class Job:
         self._last_epoch_failure: tuple[str, int] = ("", 0)  # (kind, steps done) of the last
         self._steps: dict[str, deque[coordinator_pb2.ProgressReport]] = {}
         self._model: _Prediction | None = None
+        self._trained_splits: list[int] | None = None  # the split checkpoints hold
         self.started_unix_s = 0.0
 
     # --- events from the server ---
@@ -294,6 +295,8 @@ class Job:
             self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
             return
         self.epoch += 1
+        if self.config.train.checkpoint_dir:
+            self._trained_splits = list(found["splits"])
         by_rank = layout.devices_by_rank(found["grid"])
         records = [members[int(d)] for d in by_rank]
         self._model = _Prediction(net=net, grid=found["grid"], work=work,
@@ -401,6 +404,10 @@ class Job:
         cfg, n = self.config, work.spec.n_layers
         if cfg.layer_split != "auto":
             return grid, layer_splits(n, work.stages, cfg.parsed_split()), cfg.layer_split
+        kept = self._trained_splits
+        if kept is not None and len(kept) == work.stages:
+            # checkpoints hold these layer ranges: a new split could not resume from them
+            return grid, list(kept), f"kept from epoch {self.epoch}: checkpoints hold it"
         if even_is_enough(grid, work, dev):
             return grid, layer_splits(n, work.stages), "even: the devices are alike"
         return await self._in_pool(_split, net.delay_ms, net.bandwidth_gbps, grid, work, dev,

@@ -6,6 +6,11 @@ soon as its sender can send and its receiver can receive, so no device sends (or
 transfers at once and no slow link holds up a whole round. A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
 agent that stays silent past it is recorded as a failed link and not asked again.
+
+A report counts only from the agent the command went to (the server checked its secret), for
+the round it was asked, and only for the peers it was asked to probe; a figure no network can
+produce (over MAX_LINK_GBPS) is logged and the link recorded as failed, so one careless or
+hostile agent cannot pull the scheduler towards links it made up.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from coordinator.registry import AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
+
+MAX_LINK_GBPS = 1000.0  # above any NIC sold today: a figure beyond it is a bug or a lie
 
 
 class LinkMeasurer:
@@ -39,7 +46,7 @@ class LinkMeasurer:
         self.ping_count = ping_count
         self.probe_seconds = probe_seconds
         self.probe_max_bytes = probe_max_bytes
-        self._pending: dict[tuple[str, str], tuple[asyncio.Future[None], int]] = {}
+        self._pending: dict[tuple[str, str], _Pending] = {}
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._seq = itertools.count()
@@ -49,20 +56,34 @@ class LinkMeasurer:
     def on_report(self, report: coordinator_pb2.LinkReport) -> str | None:
         """Record a report; or say why it cannot be used (stale, forged, or incomplete)."""
         pending = self._pending.get((report.round_id, report.agent_id))
-        if pending is None or pending[0].done():
+        if pending is None or pending.future.done():
             return f"no measurement round {report.round_id!r} is waiting for {report.agent_id}"
-        future, kind = pending
+        future, kind = pending.future, pending.kind
+        unasked = sorted({s.peer_id for s in report.samples} - set(pending.peers))
+        if unasked:
+            return (f"round {report.round_id!r} asked {report.agent_id} to probe "
+                    f"{list(pending.peers)}, not {unasked[:5]}")
         for sample in report.samples:
             if (sample.reachable and kind != coordinator_pb2.MEASURE_KIND_LATENCY
                     and sample.bandwidth_gbps <= 0):
                 return (f"sample for {sample.peer_id}: a bandwidth round needs "
                         f"bandwidth_gbps > 0 for a reachable link, got {sample.bandwidth_gbps}")
         for sample in report.samples:
+            if sample.reachable and sample.bandwidth_gbps > MAX_LINK_GBPS:
+                self._implausible(report.agent_id, sample)
+                continue
             self.store.record(report.agent_id, sample,
                               latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
                               bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)
         future.set_result(None)
         return None
+
+    def _implausible(self, agent_id: str, sample: common_pb2.LinkSample) -> None:
+        """Flag and drop a sample no link can produce; the link counts as failed."""
+        why = (f"{agent_id} reported {sample.bandwidth_gbps:g} Gbit/s to {sample.peer_id}, "
+               f"above the {MAX_LINK_GBPS:g} Gbit/s any link can carry: sample dropped")
+        log.warning("implausible link measurement: %s", why)
+        self.store.mark_unreachable(agent_id, sample.peer_id, why)
 
     async def measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix."""
@@ -154,7 +175,7 @@ class LinkMeasurer:
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
         ))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending[(round_id, measurer)] = (future, kind)
+        self._pending[(round_id, measurer)] = _Pending(future, kind, peers)
         try:
             try:
                 self.registry.send(measurer, command)
@@ -183,3 +204,12 @@ class _Probe:
     measurer: str
     peers: tuple[str, ...]
     holds: frozenset[str] = frozenset()  # what no other probe may use meanwhile ("send A")
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A command awaiting its report: what was asked, so nothing else is taken."""
+
+    future: asyncio.Future[None]
+    kind: int
+    peers: tuple[str, ...]

@@ -4,12 +4,19 @@ Liveness is the coordinator's judgement alone: an agent is alive while its heart
 within the liveness timeout, lost once they stop (a crash, a partition), and left when it said
 goodbye. Rows lost or left for longer than `evict_after_s` are dropped, so churn does not grow
 the registry forever. The registry is touched only from the event loop, so it needs no locks.
+
+Each agent id is bound to a secret issued at its first Join: a second process under the same
+id (a copied state directory, a cloned VM, someone forging reports) cannot take over the row,
+its command stream or its reports. Secrets live in memory only; after a coordinator restart the
+first Join of an id wins and gets a fresh secret (the agents re-join within their backoff).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +42,11 @@ class AgentRecord:
     )
     commands: asyncio.Queue[coordinator_pb2.Command] = field(default_factory=asyncio.Queue)
     stream_generation: int = 0
+    secret: str = field(default_factory=lambda: secrets.token_hex(32))
+
+    def proves(self, secret: str) -> bool:
+        """Whether `secret` is this agent's (constant time, so it cannot be guessed bytewise)."""
+        return hmac.compare_digest(self.secret.encode(), secret.encode())
 
     @property
     def agent_id(self) -> str:
@@ -53,6 +65,17 @@ class AgentRecord:
             joined_unix_s=self.joined,
             progress=self.progress,
         )
+
+
+class IdentityError(Exception):
+    """A Join or report under an agent id without that id's secret."""
+
+
+def clash_message(agent_id: str) -> str:
+    """What to tell a process that uses an id some other agent already proved."""
+    return (f"a second agent uses the id {agent_id!r}, and this one lacks that id's secret "
+            "(a copy of a state directory, or a cloned VM?): delete the agent-id and "
+            "agent-secret files in this agent's --state-dir so it gets its own id")
 
 
 class Registry:
@@ -84,10 +107,19 @@ class Registry:
     def alive(self) -> list[AgentRecord]:
         return [a for a in self._agents.values() if a.state == ALIVE]
 
-    def join(self, info: common_pb2.AgentInfo) -> AgentRecord:
-        """Register or re-register an agent; a re-join replaces the old command stream."""
+    def join(self, info: common_pb2.AgentInfo, secret: str = "") -> AgentRecord:
+        """Register or re-register an agent; a re-join replaces (ends) the old command stream.
+
+        An id this registry knows needs its secret (IdentityError otherwise), whatever the row's
+        state: a lost agent's id is not free for the taking until it is evicted. Every Join gets
+        a fresh secret, so of two processes sharing one state directory (secret and all) the
+        one that joined last holds the id and the other is refused at its next report or Join,
+        instead of both stealing the stream from each other forever.
+        """
         now = self._clock()
         rec = self._agents.get(info.agent_id)
+        if rec is not None and not rec.proves(secret):
+            raise IdentityError(clash_message(info.agent_id))
         if rec is None:
             rec = AgentRecord(info=info, joined=now, last_seen=now)
             self._agents[info.agent_id] = rec
@@ -98,9 +130,25 @@ class Registry:
             rec.info = info
             rec.last_seen = now
             rec.state = ALIVE
+            rec.commands.put_nowait(None)  # type: ignore[arg-type]  # ends the old stream
             rec.commands = asyncio.Queue()
+            rec.secret = secrets.token_hex(32)
         rec.stream_generation += 1
         self._on_change()
+        return rec
+
+    def authenticate(self, agent_id: str, secret: str) -> AgentRecord | None:
+        """The agent's row if `secret` proves `agent_id`; None when the id is unknown.
+
+        Raises IdentityError when the id is known and the secret is not its own.
+        """
+        rec = self._agents.get(agent_id)
+        if rec is not None and not rec.proves(secret):
+            raise IdentityError(
+                f"agent {agent_id!r}: wrong or missing agent_secret; only the agent that "
+                "joined under this id may report for it. If two agents share this id (a copied "
+                "state directory, a cloned VM), delete agent-id and agent-secret in one's "
+                "--state-dir")
         return rec
 
     def heartbeat(self, report: coordinator_pb2.ProgressReport) -> AgentRecord | None:

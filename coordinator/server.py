@@ -22,8 +22,13 @@ from coordinator.history import History
 from coordinator.job import Job
 from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
-from coordinator.registry import Registry
-from coordinator.validate import validate_agent_info, validate_link_report, validate_progress
+from coordinator.registry import AgentRecord, IdentityError, Registry
+from coordinator.validate import (
+    secret_problem,
+    validate_agent_info,
+    validate_link_report,
+    validate_progress,
+)
 from protos import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from protos.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
@@ -55,7 +60,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Join(
         self, request: coordinator_pb2.JoinRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.Command]:
-        problem = validate_agent_info(request.agent)
+        problem = validate_agent_info(request.agent) or secret_problem(request.agent_secret)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if self.stopping.is_set():
@@ -66,7 +71,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"the registry holds {MAX_AGENTS} agents, its limit; lost and left ones go "
                 "after --evict-after (lower it, or stop agents that keep re-joining)",
             )
-        rec = self.registry.join(request.agent)
+        try:
+            rec = self.registry.join(request.agent, request.agent_secret)
+        except IdentityError as exc:
+            log.warning("refused a Join: %s", exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise  # unreachable: abort raises
         generation = rec.stream_generation
         queue = rec.commands
         yield coordinator_pb2.Command(
@@ -74,6 +84,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 agent_id=rec.agent_id,
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
                 liveness_timeout_s=self.config.liveness_timeout_s,
+                agent_secret=rec.secret,
             )
         )
         self.job.on_join(rec)
@@ -89,6 +100,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         problem = validate_progress(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self._authenticate(request.agent_id, request.agent_secret, context)
         rec = self.registry.heartbeat(request)
         if rec is None:
             await context.abort(
@@ -106,7 +118,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         problem = validate_link_report(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if self.registry.get(request.agent_id) is None:
+        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"agent {request.agent_id!r} has not joined: call Join first",
@@ -115,6 +127,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         return coordinator_pb2.Ack(ok=True)
+
+    async def _authenticate(
+        self, agent_id: str, secret: str, context: grpc.aio.ServicerContext
+    ) -> AgentRecord | None:
+        """The reporting agent's row, None if unknown; PERMISSION_DENIED if not its secret."""
+        try:
+            return self.registry.authenticate(agent_id, secret)
+        except IdentityError as exc:
+            log.warning("refused a report: %s", exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise  # unreachable: abort raises
 
     # --- people and scripts ---
     async def GetStatus(

@@ -35,6 +35,14 @@ def agent_id_problem(agent_id: str, what: str = "agent_id") -> str | None:
             "starting with a letter or digit")
 
 
+def secret_problem(secret: str) -> str | None:
+    """Why an agent_secret is malformed (the coordinator issues 64 hex digits), or None."""
+    if secret == "" or (len(secret) == 64 and all(c in "0123456789abcdef" for c in secret)):
+        return None
+    return ("agent_secret is not the 64 hex digits the coordinator issued: delete the "
+            "agent-secret file in the agent's --state-dir")
+
+
 def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
     """Why `info` is unacceptable, or None when it is fine."""
     problem = agent_id_problem(info.agent_id)
@@ -59,7 +67,7 @@ def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
 
 def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
     """Why a heartbeat is unacceptable, or None."""
-    problem = agent_id_problem(report.agent_id)
+    problem = agent_id_problem(report.agent_id) or secret_problem(report.agent_secret)
     if problem:
         return problem
     if report.worker_state and report.worker_state not in WORKER_STATES:
@@ -78,7 +86,7 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
 
 def validate_link_report(report: coordinator_pb2.LinkReport) -> str | None:
     """Why a link report is unacceptable, or None."""
-    problem = _first(agent_id_problem(report.agent_id),
+    problem = _first(agent_id_problem(report.agent_id), secret_problem(report.agent_secret),
                      text_problem("round_id", report.round_id, MAX_NAME))
     if problem:
         return problem

@@ -227,3 +227,37 @@ def test_a_stage_too_big_for_an_agents_memory_fails_the_job_with_the_numbers() -
         assert "short" in msg and c.job.epoch == 0
     run(body, config(placement="rank-order"),
         _devices([1e10] * 4, [2**34, 2**34, 100_000, 2**34]))
+
+
+def test_only_members_reports_count() -> None:
+    """An agent outside the plan cannot fail the job or finish it, even with its id and epoch."""
+    async def body(c: Cluster) -> None:
+        await c.assignments()
+        outsider = c.registry.join(common_pb2.AgentInfo(
+            agent_id="outsider", host="10.0.0.99", port=7071,
+            device=common_pb2.DeviceInfo(kind="cpu", flops=1e10)))
+        c.report(outsider.agent_id, worker_state="failed", error="forged")
+        for agent_id in c.ids:
+            c.report(agent_id, worker_state="done", step=5)
+        await _until(lambda: c.job.state == S.JOB_STATE_DONE)
+        assert c.job.restarts == 0 and "outsider" not in c.job.members
+    run(body, config(placement="rank-order"))
+
+
+def test_a_recovering_job_keeps_the_split_its_checkpoints_hold(tmp_path: Path) -> None:
+    # epoch 1 sees alike devices (even split); by epoch 2 two agents measure twice as fast,
+    # but the checkpoints hold 2 + 2 layers, so a 3 + 1 split could not resume from them
+    async def body(c: Cluster) -> None:
+        first = await c.assignments()
+        assert {x.layer_end - x.layer_begin for x in first.values()} == {2}
+        for agent_id in c.ids[:2]:
+            rec = c.registry.get(agent_id)
+            assert rec is not None
+            rec.info.device.flops = 2e10
+        c.report(c.ids[3], worker_state="failed", error_kind="peer", error="peer died")
+        second = await c.assignments()
+        assert c.job.epoch == 2
+        assert {x.layer_end - x.layer_begin for x in second.values()} == {2}
+    cfg = config(search_seconds=0.3, max_restarts=3)
+    cfg.train.checkpoint_dir = str(tmp_path)
+    run(body, cfg)

@@ -119,3 +119,52 @@ def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:
         assert "a2" in store.entries[(other, "a2")].error
     assert store.entries[("a0", "a1")].reachable
     assert matrix is not None
+
+
+class LyingAgents(FakeAgents):
+    """a1 claims links it was not asked about, and 5000 Gbit/s on the one it was."""
+
+    refusals: list[str]
+
+    async def _answer(self, agent_id: str, cmd: coordinator_pb2.MeasureLinksCommand,
+                      peers: tuple[str, ...]) -> None:
+        if agent_id != "a1" or cmd.kind != BANDWIDTH:
+            return await super()._answer(agent_id, cmd, peers)
+        assert self.measurer is not None
+        others = [p for p in self.ids if p not in peers and p != agent_id]
+        forged = [common_pb2.LinkSample(peer_id=p, reachable=True, delay_ms=0.1,
+                                        bandwidth_gbps=100.0) for p in [*peers, *others]]
+        self.refusals.append(self.measurer.on_report(coordinator_pb2.LinkReport(
+            agent_id=agent_id, round_id=cmd.round_id, samples=forged)) or "")
+        huge = [common_pb2.LinkSample(peer_id=peers[0], reachable=True, delay_ms=1.0,
+                                      bandwidth_gbps=5000.0)]
+        assert self.measurer.on_report(coordinator_pb2.LinkReport(
+            agent_id=agent_id, round_id=cmd.round_id, samples=huge)) is None
+
+
+def test_reports_only_for_asked_peers_and_physical_rates() -> None:
+    async def main() -> LinkStore:
+        registry = Registry(liveness_timeout_s=60)
+        ids = [f"a{i}" for i in range(3)]
+        for i, agent_id in enumerate(ids):
+            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
+                                               port=1000 + i))
+        store = LinkStore()
+        agents = LyingAgents(registry, ids)
+        agents.refusals = []
+        agents.measurer = LinkMeasurer(registry, store, probe_timeout_s=2)
+        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+        try:
+            await asyncio.wait_for(agents.measurer.measure(registry.alive()), 30)
+        finally:
+            for task in servers:
+                task.cancel()
+        assert len(agents.refusals) == 2 and all("asked a1 to probe" in r
+                                                 for r in agents.refusals)
+        return store
+
+    store = asyncio.run(main())
+    for peer in ("a0", "a2"):
+        entry = store.entries[("a1", peer)]
+        assert not entry.reachable and "5000 Gbit/s" in entry.error
+    assert store.entries[("a0", "a1")].reachable and store.entries[("a0", "a1")].bandwidth_gbps == 1

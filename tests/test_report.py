@@ -90,11 +90,12 @@ async def _feed(address: str, job_id: str, steps: int) -> None:
     async with rpc.open_channel(address, rpc.Security(token=TOKEN)) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         stream = stub.Join(coordinator_pb2.JoinRequest(agent=info))
-        await stream.read()  # the welcome
+        secret = (await stream.read()).welcome.agent_secret
         for step in range(1, steps + 1):
             await stub.ReportProgress(coordinator_pb2.ProgressReport(
                 agent_id="fake-0", job_id=job_id, epoch=0, worker_state="training", step=step,
-                loss=6.0 - step * 0.1, step_s=0.5, tokens_per_s=100.0), timeout=5)
+                loss=6.0 - step * 0.1, step_s=0.5, tokens_per_s=100.0, agent_secret=secret),
+                timeout=5)
         stream.cancel()
 
 

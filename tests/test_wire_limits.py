@@ -57,6 +57,8 @@ def _bad_reports() -> list[tuple[str, object, str]]:
         ("ReportProgress", progress(agent_id="limits-ok", error_kind="k" * 100), "error_kind"),
         ("ReportProgress", progress(agent_id="limits-ok", step_s=math.inf), "step_s"),
         ("ReportProgress", progress(agent_id="y" * 1_000_000), "agent_id"),
+        ("ReportProgress", progress(agent_id="limits-ok", agent_secret="s" * 10**5),
+         "agent_secret"),
         ("ReportLinks", links(agent_id="limits-ok", samples=many), "samples"),
         ("ReportLinks", links(agent_id="limits-ok", round_id="r" * 1000), "round_id"),
         ("ReportLinks", links(agent_id="limits-ok", samples=[sample(peer_id="bad peer!")]),
@@ -146,10 +148,9 @@ def test_registry_evicts_by_time_and_ranks_status_rows() -> None:
     registry = Registry(liveness_timeout_s=5, clock=lambda: now[0], evict_after_s=60)
 
     async def run() -> None:
-        for i in range(4):
-            registry.join(_info(agent_id=f"a{i}"))
+        secret = [registry.join(_info(agent_id=f"a{i}")).secret for i in range(4)][3]
         now[0] += 10
-        registry.join(_info(agent_id="a3"))  # a re-join keeps a3 alive
+        registry.join(_info(agent_id="a3"), secret)  # a re-join keeps a3 alive
         assert {r.agent_id for r in registry.sweep()} == {"a0", "a1", "a2"}
         rows, omitted = registry.status_rows(2)
         assert omitted == 2 and rows[-1].agent_id == "a3"  # alive first, join order kept

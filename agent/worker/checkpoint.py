@@ -4,12 +4,18 @@ A crash must never leave a half-written checkpoint where resume would find it, s
 is written to a temporary name, fsynced, renamed into place, and the directory fsynced. Files
 are named by stage and step; the worker resumes from the newest step that every stage holds
 (agreed by an all-reduce), so a crash between two stages' writes is harmless.
+
+A checkpoint directory may sit on shared storage that others can write, and unpickling runs
+arbitrary code, so files are loaded with `weights_only=True`: only tensors and plain types
+(dict, list, tuple, str, int, float, bool, None) load; the worker saves nothing else. Files are
+written 0600 and their directories made 0700, since weights are the user's data.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -32,10 +38,11 @@ def path_for(root: str | Path, stage: int, step: int) -> Path:
 
 def atomic_save(obj: Any, path: Path) -> None:
     """torch.save to `path` so readers see either the old file or the complete new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -48,6 +55,16 @@ def atomic_save(obj: Any, path: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _private_dir(d: Path) -> None:
+    """Create `d` (and the checkpoint root above it) 0700: weights are private to the user."""
+    for part in (d.parent, d):
+        part.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            os.chmod(part, 0o700)
+        except PermissionError:  # a shared root owned by someone else: leave it, log why
+            log.warning("checkpoint: cannot make %s private (not its owner)", part)
 
 
 def save_stage(root: str | Path, stage: int, step: int, state: dict[str, Any]) -> Path:
@@ -69,11 +86,19 @@ def steps_available(root: str | Path, stage: int) -> list[int]:
 
 
 def load_stage(root: str | Path, stage: int, step: int) -> dict[str, Any]:
+    """Load a stage's state; refuses (ValueError) anything but tensors and plain types."""
     path = path_for(root, stage, step)
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint {path} is missing: every rank of stage {stage} must see the same "
             f"checkpoint directory (shared storage when replicas run on different machines)"
         )
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"checkpoint {path} holds objects other than tensors and plain types, so it was "
+            f"not loaded (loading it could run code someone planted): remove the file or "
+            f"point --checkpoint-dir elsewhere. torch said: {str(e).splitlines()[0]}"
+        ) from e
     return state

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from agent.worker import netbind
 from agent.worker.errors import wait_all
 from agent.worker.schedule import Links, make_links
+from agent.worker.store import rendezvous_store
 from protos.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,10 @@ def join(a: Any, layout: Layout, timeout: timedelta, device: torch.device) -> Wo
     netbind.apply(netbind.choose(a.bind_addr, a.master_addr), backend)
     t0 = time.perf_counter()
     with _lazy_gloo():
+        store = rendezvous_store(a.master_addr, a.master_port, a.rank, a.world_size, timeout)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{a.master_addr}:{a.master_port}",
+            store=store,
             rank=a.rank,
             world_size=a.world_size,
             timeout=timeout,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -158,3 +161,39 @@ def test_launcher_rejects_bad_flags_before_spawning(
 
     assert main(flags) == 2
     assert message in capsys.readouterr().err
+
+
+class _Planted:
+    """An object whose unpickling would run code: what a hostile checkpoint would hold."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.target}",))
+
+
+def test_checkpoint_refuses_pickled_objects_and_is_private(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    checkpoint.save_stage(root, 0, 2, {"x": torch.tensor([1.0])})
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(root / "stage-0").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(checkpoint.path_for(root, 0, 2)).st_mode) == 0o600
+    planted = tmp_path / "planted"
+    checkpoint.atomic_save({"step": 4, "x": _Planted(planted)}, checkpoint.path_for(root, 0, 4))
+    with pytest.raises(ValueError, match="other than tensors and plain types"):
+        checkpoint.load_stage(root, 0, 4)
+    assert not planted.exists()
+
+
+def test_checkpoint_of_a_real_optimizer_loads_weights_only(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+             "data_position": {"epoch": 1, "index": 7}, "layers": [0, 2]}
+    checkpoint.save_stage(tmp_path, 0, 1, state)
+    loaded = checkpoint.load_stage(tmp_path, 0, 1)
+    opt.load_state_dict(loaded["optimizer"])
+    assert loaded["data_position"] == {"epoch": 1, "index": 7} and loaded["layers"] == [0, 2]

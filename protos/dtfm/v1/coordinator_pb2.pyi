@@ -50,20 +50,24 @@ JOB_STATE_DONE: JobState
 JOB_STATE_FAILED: JobState
 
 class JoinRequest(_message.Message):
-    __slots__ = ("agent",)
+    __slots__ = ("agent", "agent_secret")
     AGENT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     agent: _common_pb2.AgentInfo
-    def __init__(self, agent: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ...) -> None: ...
+    agent_secret: str
+    def __init__(self, agent: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("agent_id", "heartbeat_interval_s", "liveness_timeout_s")
+    __slots__ = ("agent_id", "heartbeat_interval_s", "liveness_timeout_s", "agent_secret")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     heartbeat_interval_s: float
     liveness_timeout_s: float
-    def __init__(self, agent_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ...) -> None: ...
+    agent_secret: str
+    def __init__(self, agent_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class PeerTarget(_message.Message):
     __slots__ = ("agent_id", "address")
@@ -112,14 +116,16 @@ class Command(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., measure: _Optional[_Union[MeasureLinksCommand, _Mapping]] = ..., assign: _Optional[_Union[_common_pb2.Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopCommand, _Mapping]] = ...) -> None: ...
 
 class LinkReport(_message.Message):
-    __slots__ = ("agent_id", "round_id", "samples")
+    __slots__ = ("agent_id", "round_id", "samples", "agent_secret")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     round_id: str
     samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.LinkSample]
-    def __init__(self, agent_id: _Optional[str] = ..., round_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.LinkSample, _Mapping]]] = ...) -> None: ...
+    agent_secret: str
+    def __init__(self, agent_id: _Optional[str] = ..., round_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.LinkSample, _Mapping]]] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok", "message")
@@ -130,7 +136,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "worker_state", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind")
+    __slots__ = ("agent_id", "job_id", "epoch", "worker_state", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +151,7 @@ class ProgressReport(_message.Message):
     PP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     DP_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     job_id: str
     epoch: int
@@ -159,7 +166,8 @@ class ProgressReport(_message.Message):
     pp_wait_s: float
     dp_s: float
     error_kind: str
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., worker_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ...) -> None: ...
+    agent_secret: str
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., worker_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
