@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import secrets
 import statistics
 import time
 import uuid
@@ -154,6 +155,7 @@ class Job:
         self._steps: dict[str, deque[coordinator_pb2.ProgressReport]] = {}
         self._model: _Prediction | None = None
         self._trained_splits: list[int] | None = None  # the split checkpoints hold
+        self._port_epoch, self._port = -1, 0
         self.started_unix_s = 0.0
 
     # --- events from the server ---
@@ -420,7 +422,12 @@ class Job:
             return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def _rendezvous_port(self) -> int:
-        return 29500 + (self.epoch % 500) * 2
+        """Rank 0's store port for this epoch: drawn per epoch from 29500-30498 (even ports;
+        the store's neighbour is left free), so a stranger cannot know it in advance; the
+        assignment carries it."""
+        if self._port_epoch != self.epoch:
+            self._port_epoch, self._port = self.epoch, 29500 + 2 * secrets.randbelow(500)
+        return self._port
 
     async def _follow(self) -> None:
         while True:
@@ -462,7 +469,7 @@ class Job:
         if kind == "rendezvous" and steps == 0 and last == ("rendezvous", 0):
             return (f"{failure} (workers could not join their world twice in a row: check that "
                     f"every agent's --advertise address is reachable from the others, that TCP "
-                    f"port {self._rendezvous_port()} and up are open between them, or set the "
+                    f"ports 29500-30499 are open between them, or set the "
                     f"agents' --bind-interface)")
         return ""
 

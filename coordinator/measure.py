@@ -9,8 +9,9 @@ agent that stays silent past it is recorded as a failed link and not asked again
 
 A report counts only from the agent the command went to (the server checked its secret), for
 the round it was asked, and only for the peers it was asked to probe; a figure no network can
-produce (over MAX_LINK_GBPS) is logged and the link recorded as failed, so one careless or
-hostile agent cannot pull the scheduler towards links it made up.
+produce (over MAX_LINK_GBPS), or delays the two ends of a pair contradict each other on, are
+logged and the link recorded as failed, so one careless or hostile agent cannot pull the
+scheduler towards links it made up.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 log = logging.getLogger(__name__)
 
 MAX_LINK_GBPS = 1000.0  # above any NIC sold today: a figure beyond it is a bug or a lie
+# the two ends' one-way delays of a pair may differ by 3x + 50 ms (load, jitter) at most
+REVERSE_DELAY_SLACK = (3.0, 50.0)
 
 
 class LinkMeasurer:
@@ -85,6 +88,22 @@ class LinkMeasurer:
         log.warning("implausible link measurement: %s", why)
         self.store.mark_unreachable(agent_id, sample.peer_id, why)
 
+    def _check_reverse_delays(self, ids: list[str]) -> None:
+        """Both ends of a pair measure half the same round trip, so their delays must agree;
+        a pair that disagrees by more than REVERSE_DELAY_SLACK (a lie, or a broken agent) is
+        flagged and both directions are dropped, which leaves the pair out of plans."""
+        for a, b in itertools.combinations(ids, 2):
+            ab, ba = self.store.entries.get((a, b)), self.store.entries.get((b, a))
+            if ab is None or ba is None or not (ab.reachable and ba.reachable):
+                continue
+            low, high = sorted((ab.delay_ms, ba.delay_ms))
+            if high > REVERSE_DELAY_SLACK[0] * low + REVERSE_DELAY_SLACK[1]:
+                why = (f"{a} measured {ab.delay_ms:.1f} ms to {b} but {b} measured "
+                       f"{ba.delay_ms:.1f} ms back: one round trip cannot give both")
+                log.warning("contradictory link measurement: %s", why)
+                self.store.mark_unreachable(a, b, why)
+                self.store.mark_unreachable(b, a, why)
+
     async def measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix."""
         async with self._lock:
@@ -105,6 +124,7 @@ class LinkMeasurer:
         # behind each other, and every agent opens its channels to every peer on the way.
         latency = [_Probe(a, tuple(b for b in ids if b != a)) for a in ids]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
+        self._check_reverse_delays(ids)
         log.info("latencies measured after %.1f s", time.monotonic() - started)
         # Then bandwidth: each device sends one transfer and receives one at a time, and a
         # link is never measured while its reverse is (its acknowledgements would queue).

@@ -32,6 +32,7 @@ class FakeAgents:
         self.overlaps: list[str] = []
         self.max_concurrent = 0
         self.commands: list[tuple[str, int, tuple[str, ...]]] = []
+        self.delay_of: dict[tuple[str, str], float] = {}  # reported delays other than 10 ms
 
     async def serve(self, agent_id: str) -> None:
         record = self.registry.get(agent_id)
@@ -58,7 +59,8 @@ class FakeAgents:
         if cmd.kind == BANDWIDTH:
             self.running.discard((agent_id, peers[0]))
         samples = [common_pb2.LinkSample(
-            peer_id=p, reachable=p not in self.silent, delay_ms=10.0,
+            peer_id=p, reachable=p not in self.silent,
+            delay_ms=self.delay_of.get((agent_id, p), 10.0),
             bandwidth_gbps=0.0 if p in self.silent else 1.0,
             error=f"{p} did not answer" if p in self.silent else "") for p in peers]
         assert self.measurer is not None
@@ -168,3 +170,29 @@ def test_reports_only_for_asked_peers_and_physical_rates() -> None:
         entry = store.entries[("a1", peer)]
         assert not entry.reachable and "5000 Gbit/s" in entry.error
     assert store.entries[("a0", "a1")].reachable and store.entries[("a0", "a1")].bandwidth_gbps == 1
+
+
+def test_delays_the_two_ends_contradict_are_dropped() -> None:
+    async def main() -> LinkStore:
+        registry = Registry(liveness_timeout_s=60)
+        ids = ["a0", "a1", "a2"]
+        for i, agent_id in enumerate(ids):
+            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
+                                               port=1000 + i))
+        store = LinkStore()
+        agents = FakeAgents(registry, ids)
+        agents.delay_of = {("a1", "a2"): 400.0, ("a0", "a1"): 30.0}  # the second is jitter
+        agents.measurer = LinkMeasurer(registry, store, probe_timeout_s=2)
+        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+        try:
+            await asyncio.wait_for(agents.measurer.measure(registry.alive()), 30)
+        finally:
+            for task in servers:
+                task.cancel()
+        return store
+
+    store = asyncio.run(main())
+    for pair in (("a1", "a2"), ("a2", "a1")):
+        assert not store.entries[pair].reachable
+        assert "one round trip" in store.entries[pair].error
+    assert store.entries[("a0", "a1")].reachable and store.entries[("a1", "a0")].reachable
