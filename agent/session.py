@@ -73,6 +73,11 @@ class CoordinatorSession:
                         self._handle(command)
                 log.warning("coordinator %s closed the session; rejoining", self.target)
             except grpc.aio.AioRpcError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # grpc turns our own cancellation (the agent is stopping) into a CANCELLED
+                    # RPC error; swallowing it would rejoin and retry forever
+                    raise asyncio.CancelledError from exc
                 if exc.code() in FATAL_CODES:
                     raise FatalSessionError(rpc.describe_rpc_error(exc, self.target)) from exc
                 if exc.code() != grpc.StatusCode.CANCELLED or self.connected:
