@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
@@ -69,16 +70,19 @@ class FakeAgents:
         assert error is None, error
 
 
-async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0
+async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
+                   kind: type[FakeAgents] = FakeAgents, probe_timeout_s: float = 0.5,
+                   delay_of: dict[tuple[str, str], float] | None = None,
                    ) -> tuple[FakeAgents, common_pb2.LinkMatrix, LinkStore]:
     registry = Registry(liveness_timeout_s=60)
     ids = [f"a{i}" for i in range(n)]
     for i, agent_id in enumerate(ids):
         registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1", port=1000 + i))
     store = LinkStore()
-    measurer = LinkMeasurer(registry, store, probe_timeout_s=0.5)
-    agents = FakeAgents(registry, ids, silent, seed)
+    measurer = LinkMeasurer(registry, store, probe_timeout_s=probe_timeout_s)
+    agents = kind(registry, ids, silent, seed)
     agents.measurer = measurer
+    agents.delay_of = delay_of or {}
     servers = [asyncio.create_task(agents.serve(i)) for i in ids]
     try:
         matrix = await asyncio.wait_for(measurer.measure(registry.alive()), 30)
@@ -126,7 +130,9 @@ def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:
 class LyingAgents(FakeAgents):
     """a1 claims links it was not asked about, and 5000 Gbit/s on the one it was."""
 
-    refusals: list[str]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refusals: list[str] = []
 
     async def _answer(self, agent_id: str, cmd: coordinator_pb2.MeasureLinksCommand,
                       peers: tuple[str, ...]) -> None:
@@ -146,21 +152,8 @@ class LyingAgents(FakeAgents):
 
 def test_reports_only_for_asked_peers_and_physical_rates() -> None:
     async def main() -> LinkStore:
-        registry = Registry(liveness_timeout_s=60)
-        ids = [f"a{i}" for i in range(3)]
-        for i, agent_id in enumerate(ids):
-            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
-                                               port=1000 + i))
-        store = LinkStore()
-        agents = LyingAgents(registry, ids)
-        agents.refusals = []
-        agents.measurer = LinkMeasurer(registry, store, probe_timeout_s=2)
-        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
-        try:
-            await asyncio.wait_for(agents.measurer.measure(registry.alive()), 30)
-        finally:
-            for task in servers:
-                task.cancel()
+        agents, _, store = await _measure(3, kind=LyingAgents, probe_timeout_s=2)
+        assert isinstance(agents, LyingAgents)
         assert len(agents.refusals) == 2 and all("asked a1 to probe" in r
                                                  for r in agents.refusals)
         return store
@@ -174,21 +167,8 @@ def test_reports_only_for_asked_peers_and_physical_rates() -> None:
 
 def test_delays_the_two_ends_contradict_are_dropped() -> None:
     async def main() -> LinkStore:
-        registry = Registry(liveness_timeout_s=60)
-        ids = ["a0", "a1", "a2"]
-        for i, agent_id in enumerate(ids):
-            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
-                                               port=1000 + i))
-        store = LinkStore()
-        agents = FakeAgents(registry, ids)
-        agents.delay_of = {("a1", "a2"): 400.0, ("a0", "a1"): 30.0}  # the second is jitter
-        agents.measurer = LinkMeasurer(registry, store, probe_timeout_s=2)
-        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
-        try:
-            await asyncio.wait_for(agents.measurer.measure(registry.alive()), 30)
-        finally:
-            for task in servers:
-                task.cancel()
+        jitter_and_lie = {("a1", "a2"): 400.0, ("a0", "a1"): 30.0}  # the second is jitter
+        _, _, store = await _measure(3, probe_timeout_s=2, delay_of=jitter_and_lie)
         return store
 
     store = asyncio.run(main())
