@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 import grpc
 
-from protos import cliutil, rpc
+from dtfm import flags, rpc
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = cliutil.Parser(
+    parser = flags.Parser(
         prog="agent", description="dtfm agent: joins a coordinator, measures links, trains")
     sub = parser.add_subparsers(dest="command", required=True)
     subs: dict[str, argparse.ArgumentParser] = {}
@@ -32,21 +32,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "bootstrap) use; default: the one holding the --advertise address")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
-    p.add_argument("--flops", type=cliutil.number(float, 0, maximum=1e18, unit=" FLOP/s"),
+    p.add_argument("--flops", type=flags.number(float, 0, maximum=1e18, unit=" FLOP/s"),
                    default=0.0, help="report this sustained FLOP/s (in the training dtype) "
                    "instead of measuring it; the coordinator gives faster devices more layers "
                    "(0: measure, the default)")
-    p.add_argument("--memory", type=cliutil.number(int, 0, maximum=2**63 - 1), default=0,
+    p.add_argument("--memory", type=flags.number(int, 0, maximum=2**63 - 1), default=0,
                    metavar="BYTES", help="report this many bytes of device memory free for "
                    "training instead of detecting it (0: detect, the default)")
-    cliutil.add_security_args(p)
-    cliutil.add_common_args(p)
+    flags.add_security_args(p)
+    flags.add_common_args(p)
 
     p = subs["status"] = sub.add_parser("status", help="ask one agent how it is")
     p.add_argument("--agent", required=True, help="HOST:PORT of the agent")
-    cliutil.add_security_args(p)
+    flags.add_security_args(p)
     p.add_argument("--json", action="store_true")
-    cliutil.add_common_args(p, config_file=False)
+    flags.add_common_args(p, config_file=False)
 
     try:
         from agent import local
@@ -69,9 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return local_cmd.run(args)
 
     def status(args: argparse.Namespace) -> int:
-        return cliutil.run_async(_status(args))
+        return flags.run_async(_status(args))
 
-    return cliutil.dispatch(parser, subs, argv,
+    return flags.dispatch(parser, subs, argv,
                             {"start": _start, "status": status, "local": local})
 
 
@@ -82,12 +82,12 @@ def _start(args: argparse.Namespace) -> int:
     config = AgentConfig(
         coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
         state_dir=args.state_dir or default_state_dir(),
-        security=cliutil.security_from_args(args), device=args.device,
+        security=flags.security_from_args(args), device=args.device,
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
         flops=args.flops, memory=args.memory,
     )
     config.validate()
-    return cliutil.run_async(serve(config))
+    return flags.run_async(serve(config))
 
 
 async def _status(args: argparse.Namespace) -> int:
@@ -95,12 +95,12 @@ async def _status(args: argparse.Namespace) -> int:
 
     from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc
 
-    async with rpc.open_channel(args.agent, cliutil.security_from_args(args)) as channel:
+    async with rpc.open_channel(args.agent, flags.security_from_args(args)) as channel:
         try:
             reply = await agent_pb2_grpc.AgentStub(channel).GetStatus(
                 agent_pb2.AgentStatusRequest(), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
-            return cliutil.fail(rpc.describe_rpc_error(exc, args.agent), 1)
+            return flags.fail(rpc.describe_rpc_error(exc, args.agent), 1)
     data = MessageToDict(reply, preserving_proto_field_name=True)
     if args.json:
         print(json.dumps(data))

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protos.limits import is_host
-from protos.rpc import ConfigError, Security, split_hostport
+from dtfm.core.limits import is_host
+from dtfm.rpc import ConfigError, Security, split_hostport
 
 STATE_DIR_ENV = "DTFM_STATE_DIR"
 

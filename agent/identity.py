@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 from agent.statedir import private_dir, write_private
-from protos.limits import AGENT_ID_RE
-from protos.rpc import ConfigError
+from dtfm.core.limits import AGENT_ID_RE
+from dtfm.rpc import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos import rpc
+from dtfm import rpc
+from dtfm.core.limits import clip
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2
-from protos.limits import clip
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ coordinator sends), spawning the workers exactly as the agent's supervisor does
 (`python -m agent.worker --assignment PATH --progress PATH`), merging their progress into
 one stream, and tearing the job down the moment any worker fails: the rest are killed and
 the error names the rank, its exit code and its last stderr lines. This is the one worker-side
-module allowed to read `coordinator.catalogue`, to turn a preset name into a spec.
+module allowed to read `dtfm.core.presets`, to turn a preset name into a spec.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent.worker.__main__ import PARENT_ENV
-from coordinator.catalogue import PRESETS, get_preset
-from protos import cliutil
-from protos.assignment import build_assignments
-from protos.layout import Layout, layer_splits
-from protos.procs import terminate_all
-from protos.rpc import free_port
-from protos.spec import DP_MODES, TRAIN_DTYPES, TrainConfig
+from dtfm import flags
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout, layer_splits
+from dtfm.core.presets import PRESETS, get_preset
+from dtfm.core.spec import DP_MODES, TRAIN_DTYPES, TrainConfig
+from dtfm.procs import terminate_all
+from dtfm.rpc import free_port
 
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
@@ -45,20 +45,20 @@ def _splits(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `agent local` flags (validated by their types, as `coordinator start`'s are)."""
-    p, count, positive = parser, cliutil.count, cliutil.positive_count
+    p, count, positive = parser, flags.count, flags.positive_count
     p.add_argument("--model", default="gpt-tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--stages", type=positive, default=2, help="pipeline stages S")
     p.add_argument("--replicas", type=positive, default=2, help="data-parallel replicas R")
     p.add_argument("--micro-batches", type=positive, default=2, help="micro-batches per replica")
     p.add_argument("--batch", type=positive, default=8, help="global batch (sequences per step)")
     p.add_argument("--steps", type=count, default=50)
-    p.add_argument("--seed", type=cliutil.number(int, 0, maximum=2**64 - 1), default=0)
+    p.add_argument("--seed", type=flags.number(int, 0, maximum=2**64 - 1), default=0)
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     p.add_argument("--dp-mode", choices=DP_MODES, default=TrainConfig().dp_mode)
-    p.add_argument("--lr", type=cliutil.number(float, 0, above=True), default=1e-3)
+    p.add_argument("--lr", type=flags.number(float, 0, above=True), default=1e-3)
     p.add_argument("--warmup", type=count, default=10, help="LR warmup steps")
-    p.add_argument("--grad-clip", type=cliutil.number(float), default=1.0)
-    p.add_argument("--weight-decay", type=cliutil.number(float), default=0.1)
+    p.add_argument("--grad-clip", type=flags.number(float), default=1.0)
+    p.add_argument("--weight-decay", type=flags.number(float), default=0.1)
     p.add_argument("--dtype", choices=TRAIN_DTYPES, default="fp32")
     p.add_argument("--layer-splits", type=_splits, default="",
                    help="layers per stage, e.g. 3,1")
@@ -68,9 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps between checkpoints")
     p.add_argument("--eval-batches", type=count, default=4)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--threads", type=cliutil.number(int, 0, maximum=4096), default=0,
+    p.add_argument("--threads", type=flags.number(int, 0, maximum=4096), default=0,
                    help="torch threads per worker (0: auto)")
-    p.add_argument("--timeout", type=cliutil.seconds, default=300.0,
+    p.add_argument("--timeout", type=flags.seconds, default=300.0,
                    help="collective timeout, seconds")
     p.add_argument("--log-interval", type=positive, default=10,
                    help="steps between progress lines")
@@ -317,7 +317,7 @@ class _KeepDir:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cliutil.standalone("agent local", "Train on this machine with S x R worker processes.",
+    return flags.standalone("agent local", "Train on this machine with S x R worker processes.",
                               add_arguments, run, argv)
 
 

@@ -2,7 +2,7 @@
 
 Owns the agent's series names (docs/operations.md lists them): its session with the
 coordinator and its worker's progress, read from the live session and supervisor at scrape
-time on the agent's event loop (see `protos/metrics.py`). Every series carries an `agent`
+time on the agent's event loop (see `dtfm/metrics.py`). Every series carries an `agent`
 label so it joins with the coordinator's `dtfm_worker_*` series.
 """
 

@@ -21,7 +21,7 @@ from agent.device import detect
 from agent.identity import load_or_create_id
 from agent.session import CoordinatorSession, FatalSessionError
 from agent.supervisor import Supervisor
-from protos import rpc
+from dtfm import rpc
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.S
     if not config.metrics_listen:
         return None
     from agent.metrics import agent_registry
-    from protos.metrics import serve_metrics
+    from dtfm.metrics import serve_metrics
 
     server, _ = await serve_metrics(config.metrics_listen,
                                     agent_registry(service.info, lambda: service.session))

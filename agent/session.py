@@ -17,9 +17,9 @@ import grpc
 from agent.identity import SecretFile
 from agent.links import measure_peer
 from agent.supervisor import Supervisor
-from protos import rpc
+from dtfm import rpc
+from dtfm.core.limits import MAX_KIND, clip
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from protos.limits import MAX_KIND, clip
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.wan import WanEmulator
-from agent.wan.cluster import WanCluster, measurement_wan
 from coordinator.scenarios import WORLD_CITIES, world
+from dtfm.wan import WanEmulator
+from dtfm.wan.cluster import WanCluster, measurement_wan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "links.json"
 

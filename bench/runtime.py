@@ -100,7 +100,7 @@ def summarize(
 
 
 def model_seq_len(name: str) -> int:
-    from coordinator.catalogue import get_preset
+    from dtfm.core.presets import get_preset
 
     return get_preset(name).seq_len
 

@@ -39,8 +39,8 @@ SEAM_ENV = "DTFM_COMPUTE_SLOWDOWN"
 TOKEN = "bench-uneven-token"
 sys.path.insert(0, str(REPO))
 
-from protos.procs import terminate_all  # noqa: E402
-from protos.rpc import free_port  # noqa: E402
+from dtfm.procs import terminate_all  # noqa: E402
+from dtfm.rpc import free_port  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.wan import WanEmulator
-from agent.wan.cluster import WanCluster, measurement_wan, world_links
+from coordinator.scenarios import world_links
+from dtfm.wan import WanEmulator
+from dtfm.wan.cluster import WanCluster, measurement_wan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "wan.json"
 

@@ -10,30 +10,30 @@ from collections.abc import Sequence
 
 import grpc
 
-from protos import cliutil, rpc
-from protos.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
-from protos.spec import DP_MODES, SCHEDULES, TRAIN_DTYPES, TrainConfig
+from dtfm import flags, rpc
+from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
+from dtfm.core.spec import DP_MODES, SCHEDULES, TRAIN_DTYPES, TrainConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=DEFAULT_LISTEN, help="HOST:PORT of the coordinator")
-    cliutil.add_security_args(p)
+    flags.add_security_args(p)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.add_argument("--timeout", type=cliutil.seconds, default=None,
+    p.add_argument("--timeout", type=flags.seconds, default=None,
                    help="seconds to wait for an answer (default 10; 600 for links --measure)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=cliutil.count, default=d.steps)
-    g.add_argument("--batch", type=cliutil.positive_count, default=d.global_batch,
+    g.add_argument("--steps", type=flags.count, default=d.steps)
+    g.add_argument("--batch", type=flags.positive_count, default=d.global_batch,
                    help="global batch (sequences)")
-    g.add_argument("--micro-batches", type=cliutil.positive_count, default=d.micro_batches)
-    g.add_argument("--lr", type=cliutil.number(float, 0, above=True), default=d.lr)
-    g.add_argument("--warmup-steps", type=cliutil.count, default=d.warmup_steps)
+    g.add_argument("--micro-batches", type=flags.positive_count, default=d.micro_batches)
+    g.add_argument("--lr", type=flags.number(float, 0, above=True), default=d.lr)
+    g.add_argument("--warmup-steps", type=flags.count, default=d.warmup_steps)
     g.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
     g.add_argument("--dp-mode", choices=DP_MODES, default=d.dp_mode)
     g.add_argument("--dtype", choices=TRAIN_DTYPES, default=d.dtype,
@@ -41,7 +41,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", default="", help="uint16 .bin token file (default: bundled corpus)")
     g.add_argument("--checkpoint-dir", default="", help="where stages checkpoint (shared "
                    "storage lets a rescheduled job resume)")
-    g.add_argument("--checkpoint-every", type=cliutil.count, default=d.checkpoint_every,
+    g.add_argument("--checkpoint-every", type=flags.count, default=d.checkpoint_every,
                    help="steps between checkpoints (0: only at the end)")
 
 
@@ -56,7 +56,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = cliutil.Parser(
+    parser = flags.Parser(
         prog="coordinator",
         description="dtfm coordinator: registry, link matrix, scheduler and job control",
     )
@@ -65,29 +65,29 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     p = subs["start"] = sub.add_parser("start", help="run the coordinator daemon")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT to serve on")
-    cliutil.add_security_args(p)
-    p.add_argument("--heartbeat-interval", type=cliutil.seconds, default=1.0, help="seconds")
-    p.add_argument("--liveness-timeout", type=cliutil.seconds, default=5.0,
+    flags.add_security_args(p)
+    p.add_argument("--heartbeat-interval", type=flags.seconds, default=1.0, help="seconds")
+    p.add_argument("--liveness-timeout", type=flags.seconds, default=5.0,
                    help="seconds without heartbeat before an agent is marked lost")
-    p.add_argument("--evict-after", type=cliutil.seconds, default=600.0,
+    p.add_argument("--evict-after", type=flags.seconds, default=600.0,
                    help="seconds an agent may stay lost or left before it is dropped from "
                    "the registry (and from status)")
-    p.add_argument("--measure-timeout", type=cliutil.seconds, default=120.0,
+    p.add_argument("--measure-timeout", type=flags.seconds, default=120.0,
                    help="seconds a whole link measurement may take")
-    p.add_argument("--measure-every", type=cliutil.seconds_or_off, default=0.0,
+    p.add_argument("--measure-every", type=flags.seconds_or_off, default=0.0,
                    help="re-measure all links this often (s) while no job trains; 0: off")
     p.add_argument("--model", default="", help="model preset to train (empty: no job)")
-    p.add_argument("--agents", type=cliutil.number(int, 0, maximum=MAX_AGENTS), default=0,
+    p.add_argument("--agents", type=flags.number(int, 0, maximum=MAX_AGENTS), default=0,
                    help="agents the job waits for")
-    p.add_argument("--stages", type=cliutil.count, default=0, help="pipeline stages (0: choose)")
-    p.add_argument("--replicas", type=cliutil.count, default=0,
+    p.add_argument("--stages", type=flags.count, default=0, help="pipeline stages (0: choose)")
+    p.add_argument("--replicas", type=flags.count, default=0,
                    help="data-parallel replicas (0: choose)")
-    p.add_argument("--seed", type=cliutil.number(int, 0, maximum=2**64 - 1), default=0)
-    p.add_argument("--search-seconds", type=cliutil.seconds, default=5.0,
+    p.add_argument("--seed", type=flags.number(int, 0, maximum=2**64 - 1), default=0)
+    p.add_argument("--search-seconds", type=flags.seconds, default=5.0,
                    help="time budget of the scheduler's search")
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
-    p.add_argument("--max-restarts", type=cliutil.count, default=3,
+    p.add_argument("--max-restarts", type=flags.count, default=3,
                    help="reschedules a job may take before it fails")
     p.add_argument("--placement", default="scheduled",
                    help="scheduled (the paper's search, default), rank-order (network-blind, "
@@ -103,14 +103,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     add_train_args(p)
-    cliutil.add_common_args(p)
+    flags.add_common_args(p)
 
     p = subs["status"] = sub.add_parser("status", help="show agents, job and plan")
     _add_client_args(p)
-    p.add_argument("--watch", type=cliutil.seconds, nargs="?", const=2.0, default=None,
+    p.add_argument("--watch", type=flags.seconds, nargs="?", const=2.0, default=None,
                    metavar="SECONDS", help="redraw every SECONDS (default 2) until Ctrl-C; with "
                    "--json, print one JSON line per refresh")
-    cliutil.add_common_args(p, config_file=False)
+    flags.add_common_args(p, config_file=False)
 
     p = subs["report"] = sub.add_parser(
         "report", help="the job's loss and throughput by step (a table, --json or --plot)")
@@ -118,14 +118,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--plot", metavar="FILE.png", default="",
                    help="also draw loss and throughput by step into this PNG (needs matplotlib: "
                    "pip install 'dtfm[plot]')")
-    cliutil.add_common_args(p, config_file=False)
+    flags.add_common_args(p, config_file=False)
 
     p = subs["links"] = sub.add_parser(
         "links", help="print the measured link matrix (the --links format of `plan`)")
     _add_client_args(p)
     p.add_argument("--measure", action="store_true",
                    help="measure all live agents' links now and wait for the result")
-    cliutil.add_common_args(p, config_file=False)
+    flags.add_common_args(p, config_file=False)
 
     try:
         from coordinator import plan as plan_cmd
@@ -159,9 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def query(args: argparse.Namespace) -> int:
         if getattr(args, "watch", None) is None:
-            return cliutil.run_async(_query(args))
+            return flags.run_async(_query(args))
         try:
-            return cliutil.run_async(_watch(args))
+            return flags.run_async(_watch(args))
         except KeyboardInterrupt:  # Ctrl-C is how a watch ends
             return 0
 
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
 
-    return cliutil.dispatch(parser, subs, argv, {
+    return flags.dispatch(parser, subs, argv, {
         "start": _start, "status": query, "links": query, "plan": plan, "demo": demo,
         "report": report})
 
@@ -181,7 +181,7 @@ def _start(args: argparse.Namespace) -> int:
 
     config = CoordinatorConfig(
         listen=args.listen,
-        security=cliutil.security_from_args(args),
+        security=flags.security_from_args(args),
         heartbeat_interval_s=args.heartbeat_interval,
         liveness_timeout_s=args.liveness_timeout,
         evict_after_s=args.evict_after,
@@ -196,7 +196,7 @@ def _start(args: argparse.Namespace) -> int:
                       layer_split=args.layer_split),
     )
     config.validate()
-    cliutil.run_async(serve(config))
+    flags.run_async(serve(config))
     return 0
 
 
@@ -205,7 +205,7 @@ async def _query(args: argparse.Namespace) -> int:
     from coordinator.status import status_to_json, status_to_text
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    security = cliutil.security_from_args(args)
+    security = flags.security_from_args(args)
     async with rpc.open_channel(args.coordinator, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
@@ -219,7 +219,7 @@ async def _query(args: argparse.Namespace) -> int:
                                                    timeout=args.timeout or 10.0)).links
                 data = matrix_to_json(matrix)
                 if not data["agents"]:
-                    return cliutil.fail("no links measured yet: run `coordinator links "
+                    return flags.fail("no links measured yet: run `coordinator links "
                                         "--measure` once agents have joined", 1)
                 print(json.dumps(data) if args.json else _links_text(data))
                 return 0
@@ -228,7 +228,7 @@ async def _query(args: argparse.Namespace) -> int:
             status = await call
             omitted = _omitted(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
-            return cliutil.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
+            return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     if args.json:
         print(json.dumps({**status_to_json(status), "agents_omitted": omitted}))
     else:
@@ -255,7 +255,7 @@ async def _watch(args: argparse.Namespace) -> int:
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     body = ""
-    async with rpc.open_channel(args.coordinator, cliutil.security_from_args(args)) as channel:
+    async with rpc.open_channel(args.coordinator, flags.security_from_args(args)) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         while True:
             error = ""
@@ -267,7 +267,7 @@ async def _watch(args: argparse.Namespace) -> int:
             except grpc.aio.AioRpcError as exc:
                 error = rpc.describe_rpc_error(exc, args.coordinator)
                 if exc.code() in WATCH_FATAL:
-                    return cliutil.fail(error, 1)
+                    return flags.fail(error, 1)
             if args.json:
                 print(json.dumps({"error": error}) if error else body, flush=True)
             else:

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from coordinator.placement import Placement
-from protos.rpc import ConfigError, Security, split_hostport
-from protos.spec import TrainConfig
+from dtfm.core.spec import TrainConfig
+from dtfm.rpc import ConfigError, Security, split_hostport
 
 
 @dataclass
@@ -64,7 +64,7 @@ class JobConfig:
         placement = self.parsed_placement()
         if placement.pinned is not None:
             self._check_pinned(placement)
-        from coordinator.catalogue import get_preset
+        from dtfm.core.presets import get_preset
 
         try:
             spec = get_preset(self.model)
@@ -84,7 +84,7 @@ class JobConfig:
         for flag, value in (("--stages", self.stages), ("--replicas", self.replicas)):
             if value and self.agents % value:
                 raise ConfigError(f"{flag} {value} does not divide --agents {self.agents}")
-        from coordinator.job import choose_layout
+        from dtfm.core.shape import choose_layout
 
         layout = choose_layout(self.agents, spec.n_layers, self.stages, self.replicas)
         counts = self.parsed_split()

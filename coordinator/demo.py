@@ -22,10 +22,10 @@ from pathlib import Path
 
 import grpc
 
-from protos import cliutil, rpc
+from dtfm import flags, rpc
+from dtfm.procs import terminate_all
+from dtfm.rpc import free_port
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from protos.procs import terminate_all
-from protos.rpc import free_port
 
 # (loopback demo, --wan world demo) defaults of the flags that differ between the two
 DEFAULTS = {"model": ("gpt-tiny", "gpt-mini"), "agents": (4, 8), "stages": (2, 4),
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="", help="keep logs and state here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
     p.add_argument("--json", action="store_true", help="print one JSON object per update")
-    cliutil.add_common_args(p, config_file=False)
+    flags.add_common_args(p, config_file=False)
 
 
 def _resolve_defaults(args: argparse.Namespace) -> None:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_wan(args)
     if args.stages * args.replicas != args.agents:
-        return cliutil.fail(f"--stages {args.stages} x --replicas {args.replicas} must equal "
+        return flags.fail(f"--stages {args.stages} x --replicas {args.replicas} must equal "
                             f"--agents {args.agents}")
     # a temporary workdir is removed after a clean run and kept after a failure, for its logs
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dtfm-demo-"))
@@ -113,7 +113,7 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
         print(f"demo: coordinator on {address}, {args.agents} agents, logs in {workdir}",
               file=sys.stderr)
         security = rpc.Security(token=token_file.read_text())
-        return cliutil.run_async(_watch(address, security, procs, args, workdir))
+        return flags.run_async(_watch(address, security, procs, args, workdir))
     return 1  # pragma: no cover
 
 
@@ -127,7 +127,7 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
         while time.monotonic() < deadline:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
-                return cliutil.fail(f"a demo process exited early (code {dead[0].returncode}); "
+                return flags.fail(f"a demo process exited early (code {dead[0].returncode}); "
                                     f"see the logs in {workdir}", 1)
             try:
                 status = await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=5.0)
@@ -159,6 +159,6 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
                       f"{status.plan.cost:.4f} s", file=sys.stderr)
                 return 0
             if job.state == coordinator_pb2.JOB_STATE_FAILED:
-                return cliutil.fail(f"job failed: {job.message}; see logs in {workdir}", 1)
+                return flags.fail(f"job failed: {job.message}; see logs in {workdir}", 1)
             await asyncio.sleep(1.0)
-    return cliutil.fail(f"demo did not finish within {args.timeout:.0f} s; logs in {workdir}", 1)
+    return flags.fail(f"demo did not finish within {args.timeout:.0f} s; logs in {workdir}", 1)

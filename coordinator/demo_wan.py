@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protos import cliutil
+from dtfm import flags
 
 
 def city_table(grid: list[list[str]], city_of: dict[str, str]) -> str:
@@ -30,21 +30,21 @@ def city_table(grid: list[list[str]], city_of: dict[str, str]) -> str:
 
 
 def run_wan(args: argparse.Namespace) -> int:
-    from agent.wan import WanEmulator
+    from dtfm.wan import WanEmulator
 
     ok, why = WanEmulator.available()
     if not ok:
-        return cliutil.fail(f"--wan needs network namespaces, which this machine refuses: "
+        return flags.fail(f"--wan needs network namespaces, which this machine refuses: "
                             f"{why} (run as root, or drop --wan for the loopback demo)")
     if args.agents % args.stages:
-        return cliutil.fail(f"--stages {args.stages} does not divide the {args.agents} agents "
+        return flags.fail(f"--stages {args.stages} does not divide the {args.agents} agents "
                             f"(8 cities x {args.per_city})")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dtfm-demo-wan-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         code = _run(args, workdir)
     except (RuntimeError, TimeoutError) as exc:
-        return cliutil.fail(f"{exc}; logs in {workdir}", 1)
+        return flags.fail(f"{exc}; logs in {workdir}", 1)
     if code == 0 and not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return code
@@ -55,7 +55,8 @@ def _say(args: argparse.Namespace, text: str, **data: Any) -> None:
 
 
 def _run(args: argparse.Namespace, workdir: Path) -> int:
-    from agent.wan.cluster import WanCluster, measurement_wan, world_links
+    from coordinator.scenarios import world_links
+    from dtfm.wan.cluster import WanCluster, measurement_wan
 
     delay, bandwidth, cities = world_links(args.per_city, args.scale)
     n = len(delay)

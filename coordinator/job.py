@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.catalogue import get_preset
 from coordinator.config import JobConfig
 from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
@@ -39,25 +38,14 @@ from coordinator.scheduler.compute import (
 )
 from coordinator.scheduler.memory import DoesNotFit, check_fit, stages_bytes
 from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
-from protos.assignment import build_assignments
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout, layer_splits
+from dtfm.core.presets import get_preset
+from dtfm.core.shape import choose_layout
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from protos.layout import Layout, layer_splits
 
 log = logging.getLogger(__name__)
 S = coordinator_pb2  # state constants live in the generated module
-
-
-def choose_layout(agents: int, n_layers: int, stages: int = 0, replicas: int = 0) -> Layout:
-    """stages x replicas for `agents` devices: as given, else as `coordinator plan` picks."""
-    from coordinator.plan import pick_shape
-
-    if stages and replicas:
-        return Layout(stages, replicas)
-    if stages:
-        return Layout(stages, agents // stages)
-    if replicas:
-        return Layout(agents // replicas, replicas)
-    return Layout(*pick_shape(agents, max_stages=n_layers))
 
 
 def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int,

@@ -2,7 +2,7 @@
 
 Owns the series names and labels (docs/operations.md lists them). One collector reads the
 registry, the job, its plan and the link store at scrape time, on the event loop (see
-`protos/metrics.py`), so the numbers are exactly what `coordinator status` would show then.
+`dtfm/metrics.py`), so the numbers are exactly what `coordinator status` would show then.
 Units are Prometheus base units: seconds and bytes.
 """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import Any
@@ -18,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from coordinator import plan_uneven, scenarios
-from coordinator.catalogue import PRESETS, get_preset
 from coordinator.scheduler import Network, comm_gb, plan_cost, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
-from protos import cliutil
+from dtfm import flags
+from dtfm.core.presets import PRESETS, get_preset
+from dtfm.core.shape import pick_shape
 
 EXIT_USAGE = 2
 TSP_EXACT = "exact (Held-Karp)"
@@ -93,26 +93,6 @@ def _load_links(path: str) -> tuple[Network, list[Any] | None]:
     except ValueError as e:
         raise PlanInputError(str(e)) from None
     return Network.from_json(obj), obj.get("agents")
-
-
-def pick_shape(n: int, max_stages: int | None = None) -> tuple[int, int]:
-    """A factorization n = stages x replicas: stages >= replicas, as square as possible."""
-    best = (n, 1)
-    for s in range(1, n + 1):
-        if n % s:
-            continue
-        r = n // s
-        if s < r or (max_stages is not None and s > max_stages):
-            continue
-        if abs(math.log(s / r)) < abs(math.log(best[0] / best[1])) or best[0] > (
-            max_stages or n
-        ):
-            best = (s, r)
-    if max_stages is not None and best[0] > max_stages:
-        for s in range(min(n, max_stages), 0, -1):
-            if n % s == 0:
-                return s, n // s
-    return best
 
 
 def _shape(args: argparse.Namespace, n: int, layers: int | None) -> tuple[int, int, bool]:
@@ -316,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cliutil.standalone("coordinator plan", "Plan a placement offline (no agents needed).",
+    return flags.standalone("coordinator plan", "Plan a placement offline (no agents needed).",
                               add_arguments, run, argv)
 
 

@@ -13,11 +13,11 @@ import argparse
 import json
 from typing import Any
 
-from coordinator.catalogue import get_preset
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, Workload, plan_split
 from coordinator.scheduler.memory import check_fit, gib, stages_bytes
-from protos import cliutil
+from dtfm import flags
+from dtfm.core.presets import get_preset
 
 DEFAULT_FLOPS = 100e12  # what `--speeds` factors multiply: a V100-class device in fp16
 SPLIT_SECONDS = 10.0  # the compute-aware grid search's limit without --seconds
@@ -28,10 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speeds", default="", metavar="F,F,...",
                    help="relative speed of every device, in device order, e.g. 2,2,1,1: "
                    "faster devices get more layers")
-    g.add_argument("--flops", type=cliutil.number(float, 0, above=True), default=None,
+    g.add_argument("--flops", type=flags.number(float, 0, above=True), default=None,
                    help=f"FLOP/s of a device of speed 1 ({DEFAULT_FLOPS:.0e}), or of every "
                    "device without --speeds")
-    g.add_argument("--memory", type=cliutil.number(int, 0, above=True), default=None,
+    g.add_argument("--memory", type=flags.number(int, 0, above=True), default=None,
                    metavar="BYTES", help="memory of every device (default: unlimited)")
     g.add_argument("--devices", default="", metavar="FILE",
                    help='JSON {"flops": [...], "memory_bytes": [...]}, one entry per device')

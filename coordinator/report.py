@@ -13,13 +13,13 @@ import sys
 import grpc
 
 from coordinator.history import history_to_json, history_to_text
-from protos import cliutil, rpc
+from dtfm import flags, rpc
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 async def fetch(args: argparse.Namespace) -> coordinator_pb2.JobHistory | str:
     """The coordinator's history, or why it could not be had."""
-    async with rpc.open_channel(args.coordinator, cliutil.security_from_args(args)) as channel:
+    async with rpc.open_channel(args.coordinator, flags.security_from_args(args)) as channel:
         try:
             return await coordinator_pb2_grpc.CoordinatorStub(channel).GetHistory(
                 coordinator_pb2.HistoryRequest(), timeout=args.timeout or 10.0)
@@ -43,14 +43,14 @@ def write_plot(data: dict, path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    history = cliutil.run_async(fetch(args))
+    history = flags.run_async(fetch(args))
     if isinstance(history, str):
-        return cliutil.fail(history, 1)
+        return flags.fail(history, 1)
     data = history_to_json(history)
     print(json.dumps(data) if args.json else history_to_text(data))
     if args.plot:
         problem = write_plot(data, args.plot)
         if problem:
-            return cliutil.fail(problem, 1)
+            return flags.fail(problem, 1)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

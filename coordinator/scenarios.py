@@ -117,3 +117,17 @@ def get_scenario(name: str, per_city: int | None = None) -> Network:
     if per_city not in (None, 8):
         raise ValueError(f"only the world scenario can be scaled, not {name!r}")
     return builders[name]()
+
+
+def world_links(per_city: int, mbps_per_gbps: float) -> tuple[
+        list[list[float]], list[list[float]], list[str]]:
+    """The paper's world-wide matrix for `per_city` agents in each of its 8 cities, with
+    bandwidth scaled from Gbit/s to `mbps_per_gbps` Mbit/s per Gbit/s (one machine must carry
+    every link). Returns one-way delays (ms), bandwidths (Mbit/s) and each agent's city."""
+    net = world(per_city=per_city)
+    delay = [[0.0 if i == j else float(v) for j, v in enumerate(row)]
+             for i, row in enumerate(net.delay_ms)]
+    bandwidth = [[0.0 if i == j else float(v) * mbps_per_gbps for j, v in enumerate(row)]
+                 for i, row in enumerate(net.bandwidth_gbps)]
+    cities = [c for c in WORLD_CITIES for _ in range(per_city)]
+    return delay, bandwidth, cities

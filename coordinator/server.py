@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from coordinator.catalogue import get_preset
 from coordinator.config import CoordinatorConfig
 from coordinator.history import History
 from coordinator.job import Job
@@ -29,9 +28,10 @@ from coordinator.validate import (
     validate_link_report,
     validate_progress,
 )
-from protos import rpc
+from dtfm import rpc
+from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
+from dtfm.core.presets import get_preset
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from protos.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ async def start_metrics(service: CoordinatorService) -> asyncio.Server | None:
     if not service.config.metrics_listen:
         return None
     from coordinator.metrics import coordinator_registry
-    from protos.metrics import serve_metrics
+    from dtfm.metrics import serve_metrics
 
     registry = coordinator_registry(service.registry, service.job, service.links)
     server, _ = await serve_metrics(service.config.metrics_listen, registry)

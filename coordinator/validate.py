@@ -1,14 +1,13 @@
 """What the coordinator accepts from agents: every field of every request, bounded.
 
 Each function answers why a request is unacceptable (a message for INVALID_ARGUMENT that says
-what to fix) or None. The bounds themselves live in `protos.limits`, which agents also read.
+what to fix) or None. The bounds themselves live in `dtfm.core.limits`, which agents also read.
 Nothing here touches the registry: these are checks on one message alone.
 """
 
 from __future__ import annotations
 
-from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from protos.limits import (
+from dtfm.core.limits import (
     AGENT_ID_RE,
     MAX_AGENTS,
     MAX_ERROR,
@@ -18,6 +17,7 @@ from protos.limits import (
     number_problem,
     text_problem,
 )
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 WORKER_STATES = {"idle", "measuring", "starting", "training", "done", "failed", "left"}
 DEVICE_KINDS = ("cpu", "cuda")

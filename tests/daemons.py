@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from protos.procs import terminate_all
-from protos.rpc import free_port
+from dtfm.procs import terminate_all
+from dtfm.rpc import free_port
 
 __all__ = ["Daemons", "free_port", "wait_for"]
 

@@ -15,8 +15,8 @@ import pytest
 from daemons import TOKEN, Daemons, free_port, wait_for
 
 from coordinator.config import CoordinatorConfig, JobConfig
-from protos.rpc import ConfigError, Security
-from protos.spec import TrainConfig
+from dtfm.core.spec import TrainConfig
+from dtfm.rpc import ConfigError, Security
 
 pytestmark = pytest.mark.timeout(120)
 

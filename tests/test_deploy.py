@@ -10,7 +10,7 @@ import pytest
 
 from agent.cli import build_parser as agent_parser
 from coordinator.cli import build_parser as coordinator_parser
-from protos.cliutil import layered_defaults
+from dtfm.flags import layered_defaults
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

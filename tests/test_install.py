@@ -27,7 +27,7 @@ import pytest
 from certs import make_ca, make_leaf
 from daemons import free_port, wait_for
 
-from protos.procs import terminate_all
+from dtfm.procs import terminate_all
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parent.parent

@@ -20,8 +20,8 @@ from coordinator.job import Job
 from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.registry import Registry
+from dtfm.core.spec import TrainConfig
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from protos.spec import TrainConfig
 
 S = coordinator_pb2
 HOSTS = ["10.0.0.4", "10.0.0.2", "10.0.0.10", "10.0.0.3"]  # joined in this order

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.wan import WanEmulator
-from agent.wan.cluster import WanCluster, measurement_wan
 from coordinator.links import rotation_rounds
+from dtfm.wan import WanEmulator
+from dtfm.wan.cluster import WanCluster, measurement_wan
 
 AVAILABLE, WHY = WanEmulator.available()
 needs_wan = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")

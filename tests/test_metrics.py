@@ -23,8 +23,8 @@ from coordinator.links import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.metrics import coordinator_registry
 from coordinator.registry import Registry
+from dtfm.metrics import render
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from protos.metrics import render
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.config import JobConfig
 from coordinator.placement import Placement, address_key, fixed_grid, random_grid
-from protos.rpc import ConfigError
+from dtfm.rpc import ConfigError
 
 
 def test_spellings() -> None:

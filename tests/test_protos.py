@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from protos.assignment import build_assignments
-from protos.layout import Layout, layer_ranges, layer_splits
-from protos.spec import ModelSpec, TrainConfig
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout, layer_ranges, layer_splits
+from dtfm.core.spec import ModelSpec, TrainConfig
 
 
 def test_generated_stubs_are_up_to_date() -> None:

@@ -16,7 +16,7 @@ from daemons import TOKEN, Daemons
 
 from coordinator.history import History, history_to_json, history_to_text
 from coordinator.status import CLEAR_SCREEN
-from protos import rpc
+from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,9 +17,9 @@ from daemons import Daemons, wait_for
 
 from coordinator.registry import LOST, Registry
 from coordinator.validate import validate_agent_info
+from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA, clip, is_host
+from dtfm.rpc import MAX_MESSAGE_BYTES
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from protos.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA, clip, is_host
-from protos.rpc import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.timeout(180)
 

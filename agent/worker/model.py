@@ -1,4 +1,4 @@
-"""The GPT whose sizes `protos.spec.ModelSpec` describes, split into pipeline-friendly parts.
+"""The GPT whose sizes `dtfm.core.spec.ModelSpec` describes, split into pipeline-friendly parts.
 
 The model is built from three kinds of parts (embedding, transformer block, head) so a stage
 can hold any contiguous range of them. Every part is initialised from its own

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from agent.worker.errors import PeerError
 from agent.worker.stage import Stage, lm_loss
-from protos.layout import pipeline_ops
+from dtfm.core.layout import pipeline_ops
 
 TAG_ACT = 1  # activations, stage s -> s+1
 TAG_GRAD = 2  # gradients of activations, stage s+1 -> s

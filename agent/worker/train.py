@@ -29,8 +29,8 @@ from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_
 from agent.worker.schedule import Pipeline, Timings
 from agent.worker.stage import Stage
 from agent.worker.world import join
-from protos.layout import Layout, layer_ranges
-from protos.spec import ModelSpec, TrainConfig
+from dtfm.core.layout import Layout, layer_ranges
+from dtfm.core.spec import ModelSpec, TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from agent.worker import netbind
 from agent.worker.errors import wait_all
 from agent.worker.schedule import Links, make_links
 from agent.worker.store import rendezvous_store
-from protos.layout import Layout
+from dtfm.core.layout import Layout
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ import numpy as np
 from coordinator.scheduler.memory import MemoryShape, shortfalls, stage_bytes, stages_bytes
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step, step_shape
-from protos.layout import layer_ranges, layer_splits
-from protos.spec import ModelSpec
+from dtfm.core.layout import layer_ranges, layer_splits
+from dtfm.core.spec import ModelSpec
 
 SPEED_TOLERANCE = 0.2  # devices within 20 % of each other's FLOP/s count as alike
 EXHAUSTIVE_SPLITS = 400  # enumerate every split when there are at most this many

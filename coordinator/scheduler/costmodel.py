@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.scheduler.network import Network
-from protos.layout import layer_ranges
-from protos.spec import DTYPE_BYTES, ModelSpec
+from dtfm.core.layout import layer_ranges
+from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
 EXACT_TSP_MAX = 12  # Held-Karp up to this many stages (2^12 x 12 x 12 numpy work per path)
 HALL_MAX = 8  # vectorized Hall bottleneck up to this many replicas (2^R subsets)

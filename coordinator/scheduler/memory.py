@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protos.layout import layer_ranges
-from protos.spec import DTYPE_BYTES, ModelSpec
+from dtfm.core.layout import layer_ranges
+from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
 PARAM_STATE_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 DP_BUCKET_BYTES = 4  # the data-parallel averager's fp32 copy of every gradient

@@ -9,7 +9,7 @@ gradient-norm exchange inside each pipeline. This module replays exactly that, s
 coordinator can show a predicted step time beside the measured one and a benchmark can check
 the two against each other:
 
-- every stage runs `protos.layout.pipeline_ops` (GPipe or 1F1B), one device at a time;
+- every stage runs `dtfm.core.layout.pipeline_ops` (GPipe or 1F1B), one device at a time;
 - a micro-batch's activations (and later its gradient) cross a pipeline link as one message:
   serialized on that directed link at its bandwidth, then the link's one-way delay;
 - forward takes a third and backward two thirds of a device's per-micro-batch compute;
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.scheduler.network import Network
-from protos.layout import layer_ranges, pipeline_ops
-from protos.spec import DTYPE_BYTES, ModelSpec
+from dtfm.core.layout import layer_ranges, pipeline_ops
+from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
 FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward pass
 

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 
 from agent.worker.optim import make_optimizer  # noqa: E402
 from agent.worker.stage import Stage, lm_loss  # noqa: E402
-from coordinator.catalogue import get_preset  # noqa: E402
 from coordinator.scheduler.memory import PARAM_STATE_BYTES, activation_bytes  # noqa: E402
+from dtfm.core.presets import get_preset  # noqa: E402
 
 
 def _state_bytes(stage: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -14,7 +14,6 @@ from sched_reference import (
 )
 
 from coordinator import scenarios
-from coordinator.catalogue import get_preset
 from coordinator.scheduler import CostModel, Network, comm_gb, plan_cost
 from coordinator.scheduler.costmodel import (
     _HallBottleneck,
@@ -22,6 +21,7 @@ from coordinator.scheduler.costmodel import (
     bottleneck_matching,
     tsp_heuristic,
 )
+from dtfm.core.presets import get_preset
 
 DP, PP = scenarios.PAPER_DP_GB, scenarios.PAPER_PP_GB
 

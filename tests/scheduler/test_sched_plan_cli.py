@@ -118,7 +118,7 @@ def test_other_errors_exit_2(tmp_path: Path) -> None:
 
 
 def test_pick_shape() -> None:
-    from coordinator.plan import pick_shape
+    from dtfm.core.shape import pick_shape
 
     assert pick_shape(64) == (8, 8)
     assert pick_shape(12) == (4, 3)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from coordinator import scenarios
-from coordinator.catalogue import get_preset
 from coordinator.scheduler import Network
 from coordinator.scheduler.steptime import StepShape, polish, simulate_step, step_shape
+from dtfm.core.presets import get_preset
 
 
 def line(n: int, delay_ms: float, gbps: float) -> Network:

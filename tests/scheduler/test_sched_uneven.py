@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from coordinator import scenarios
-from coordinator.catalogue import get_preset
 from coordinator.scheduler import Network, search_plan
 from coordinator.scheduler.compute import (
     Devices,
@@ -36,7 +35,8 @@ from coordinator.scheduler.memory import (
     stage_bytes,
     stages_bytes,
 )
-from protos.spec import ModelSpec
+from dtfm.core.presets import get_preset
+from dtfm.core.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Tests of the WAN emulator (agent.wan): real namespaces, real TCP, measured delay and rate.
+"""Tests of the WAN emulator (dtfm.wan): real namespaces, real TCP, measured delay and rate.
 
 Between two namespaces with 40 ms one-way and 20 Mbit/s, a TCP echo sees about 80 ms RTT and a
 bulk transfer about 20 Mbit/s; an asymmetric 3-host matrix gives each pair d(a,b) + d(b,a); and
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agent.wan import WanEmulator, netns, probe
+from dtfm.wan import WanEmulator, netns, probe
 
 AVAILABLE, REASON = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=REASON or "WAN emulation available")
@@ -137,7 +137,7 @@ def test_cleanup_when_body_raises() -> None:
 OWNER = textwrap.dedent(
     """
     import json, sys, time
-    from agent.wan import WanEmulator
+    from dtfm.wan import WanEmulator
     with WanEmulator(delay_ms=[[0, 5], [5, 0]]) as wan:
         p = wan.popen(1, ["sleep", "60"])
         print(json.dumps({"names": [wan.namespace(0), wan.namespace(1)],
@@ -202,7 +202,7 @@ def test_rejects_bad_matrices() -> None:
 @pytest.mark.timeout(60)
 def test_cli_measure_reports_every_pair() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "agent.wan", "--delay-ms", "5", "--hosts", "2",
+        [sys.executable, "-m", "dtfm.wan", "--delay-ms", "5", "--hosts", "2",
          "--bandwidth-mbps", "50", "--measure", "--json", "--bulk-seconds", "0.5"],
         capture_output=True, text=True, timeout=50, check=True,
         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.wan import WanEmulator
-from agent.wan.cluster import WanCluster, measurement_wan
+from dtfm.wan import WanEmulator
+from dtfm.wan.cluster import WanCluster, measurement_wan
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")

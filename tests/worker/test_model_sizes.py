@@ -1,4 +1,4 @@
-"""The planner's analytic sizes (protos.spec) equal what the torch model really holds."""
+"""The planner's analytic sizes (dtfm.core.spec) equal what the torch model really holds."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from agent.worker.model import param_count
 from agent.worker.stage import Stage
-from coordinator.catalogue import PRESETS, get_preset
-from protos.layout import layer_ranges
+from dtfm.core.layout import layer_ranges
+from dtfm.core.presets import PRESETS, get_preset
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-mini", "gpt-small"])

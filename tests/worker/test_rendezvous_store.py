@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from agent.worker.store import bind_listener, rendezvous_store
-from protos.rpc import free_port
+from dtfm.rpc import free_port
 
 
 def _connects(host: str, port: int) -> bool:

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from agent.worker.data_parallel import GradAverager, plan_buckets
-from protos.layout import Layout
-from protos.rpc import free_port
+from dtfm.core.layout import Layout
+from dtfm.rpc import free_port
 
 
 def _guard() -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from dtfm_worker_testlib import REPO
 
-from coordinator.catalogue import get_preset
-from protos.assignment import build_assignments
-from protos.layout import Layout
-from protos.rpc import free_port
-from protos.spec import TrainConfig
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout
+from dtfm.core.presets import get_preset
+from dtfm.core.spec import TrainConfig
+from dtfm.rpc import free_port
 
 
 def _assignment(tmp_path: Path, **changes: int) -> Path:

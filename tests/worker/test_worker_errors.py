@@ -19,11 +19,11 @@ from dtfm_worker_testlib import REPO
 
 from agent.worker import errors
 from agent.worker.errors import PeerError, classify
-from coordinator.catalogue import get_preset
-from protos.assignment import build_assignments
-from protos.layout import Layout
-from protos.rpc import free_port
-from protos.spec import TrainConfig
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout
+from dtfm.core.presets import get_preset
+from dtfm.core.spec import TrainConfig
+from dtfm.rpc import free_port
 
 
 def test_classify() -> None:

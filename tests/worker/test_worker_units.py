@@ -24,10 +24,10 @@ from agent.worker.data import (
     val_batches,
 )
 from agent.worker.optim import lr_at
-from coordinator.catalogue import get_preset
-from protos.assignment import build_assignments
-from protos.layout import Layout, pipeline_ops
-from protos.spec import TrainConfig
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout, pipeline_ops
+from dtfm.core.presets import get_preset
+from dtfm.core.spec import TrainConfig
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

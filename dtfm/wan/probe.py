@@ -1,9 +1,9 @@
 """TCP probes that check an emulated WAN delivers what its matrices promise.
 
 Owns a tiny, dependency-free TCP echo / bulk tool that runs inside the emulated hosts
-(``python -m agent.wan.probe serve|ping|bulk ...``) and the helpers that drive it from outside
+(``python -m dtfm.wan.probe serve|ping|bulk ...``) and the helpers that drive it from outside
 (:func:`start_server`, :func:`echo_rtts_ms`, :func:`bulk_mbps`). The tests and the
-``python -m agent.wan --measure`` command use it; it is a sanity check of the emulator, not the
+``python -m dtfm.wan --measure`` command use it; it is a sanity check of the emulator, not the
 agents' link measurement (that lives with the agent daemon).
 
 ``bulk`` measures at the receiver, after the first 256 KiB, so that TCP's start-up is not
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agent.wan.harness import WanEmulator
+    from dtfm.wan.harness import WanEmulator
 
 DEFAULT_PORT = 7000
 BULK_WARMUP_BYTES = 256 * 1024
@@ -105,7 +105,7 @@ def bulk(addr: str, port: int, nbytes: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agent.wan.probe")
+    parser = argparse.ArgumentParser(prog="python -m dtfm.wan.probe")
     parser.add_argument("cmd", choices=["serve", "ping", "bulk"])
     parser.add_argument("addr")
     parser.add_argument("port", type=int)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agent.wan.probe", *args]
+    return [sys.executable, "-m", "dtfm.wan.probe", *args]
 
 
 def _env() -> dict[str, str]:

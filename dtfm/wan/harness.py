@@ -2,7 +2,7 @@
 
 Owns the lifecycle that tests and benchmarks use: from an N x N one-way delay matrix (and an
 optional bandwidth matrix) it creates one network namespace per host, each with a TUN device
-and an address in a private /24, starts the forwarding process (:mod:`agent.wan.emulator`), and
+and an address in a private /24, starts the forwarding process (:mod:`dtfm.wan.emulator`), and
 runs commands inside the hosts. On exit (also on an exception or SIGTERM in the main thread) it
 ends the processes it started and any others still inside its namespaces, stops the emulator,
 and deletes exactly the namespaces it created.
@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from agent.wan import netns
+from dtfm.wan import netns
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class WanEmulator:
         )
         with open(self._log_path, "wb") as logf:
             self._emulator = subprocess.Popen(
-                [sys.executable, "-m", "agent.wan.emulator", "--spec", str(spec_path),
+                [sys.executable, "-m", "dtfm.wan.emulator", "--spec", str(spec_path),
                  "--log-level", self._log_level],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dtfm.core.layout import Layout, layer_ranges, layer_splits
+from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
-from protos.layout import Layout, layer_ranges, layer_splits
-from protos.spec import ModelSpec, TrainConfig
 
 
 def build_assignments(

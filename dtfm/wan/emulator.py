@@ -9,7 +9,7 @@ pair ``(src, dst)`` is its own link with a FIFO queue: a packet departs at
 jittered or reordered; the queue is unbounded unless the spec caps it (``queue_ms``), in which
 case a packet that would wait longer than that is dropped (tail drop).
 
-It runs as its own process (``python -m agent.wan.emulator --spec FILE``) so that the event loop
+It runs as its own process (``python -m dtfm.wan.emulator --spec FILE``) so that the event loop
 (one ``epoll`` over the TUN fds and a heap of timed deliveries) is not slowed by the caller's
 threads or GIL. It prints ``ready`` on stdout once every TUN is open, stops on SIGTERM, and when
 its stdin reaches end-of-file without a SIGTERM (the owner died), it ends the processes in its
@@ -43,7 +43,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from agent.wan import netns
+from dtfm.wan import netns
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agent.wan.emulator", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dtfm.wan.emulator", description=__doc__)
     parser.add_argument("--spec", required=True, type=Path, help="JSON spec file")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)

@@ -15,7 +15,7 @@ import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from protos.rpc import ConfigError, split_hostport
+from dtfm.rpc import ConfigError, split_hostport
 
 log = logging.getLogger(__name__)
 HEADER_LIMIT = 16 * 1024

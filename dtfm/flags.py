@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NoReturn, TypeVar
 
-from protos.rpc import ConfigError, Security, load_token
+from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
 ENV_PREFIX = "DTFM_"

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.wan.harness import WanEmulator
-from protos.procs import terminate_all
+from dtfm.procs import terminate_all
+from dtfm.wan.harness import WanEmulator
 
 COORDINATOR_PORT = 7070
 AGENT_PORT = 7071
@@ -51,22 +51,6 @@ def measurement_wan(delay_ms: Sequence[Sequence[float]],
         [None, *map(float, row)] for row in bandwidth_mbps]
     return WanEmulator(delay_ms=delay, bandwidth_mbps=bandwidth, sysctls=BUFFER_SYSCTLS,
                        mtu=MEASURED_MTU)
-
-
-def world_links(per_city: int, mbps_per_gbps: float) -> tuple[
-        list[list[float]], list[list[float]], list[str]]:
-    """The paper's world-wide matrix for `per_city` agents in each of its 8 cities, with
-    bandwidth scaled from Gbit/s to `mbps_per_gbps` Mbit/s per Gbit/s (one machine must carry
-    every link). Returns one-way delays (ms), bandwidths (Mbit/s) and each agent's city."""
-    from coordinator.scenarios import WORLD_CITIES, world
-
-    net = world(per_city=per_city)
-    delay = [[0.0 if i == j else float(v) for j, v in enumerate(row)]
-             for i, row in enumerate(net.delay_ms)]
-    bandwidth = [[0.0 if i == j else float(v) * mbps_per_gbps for j, v in enumerate(row)]
-                 for i, row in enumerate(net.bandwidth_gbps)]
-    cities = [c for c in WORLD_CITIES for _ in range(per_city)]
-    return delay, bandwidth, cities
 
 
 class WanCluster:

@@ -1,6 +1,6 @@
 """Network namespaces and TUN devices for the WAN emulator.
 
-Owns the thin, privileged layer under :mod:`agent.wan`: creating and deleting the named network
+Owns the thin, privileged layer under :mod:`dtfm.wan`: creating and deleting the named network
 namespaces the emulator builds (``ip netns``), giving each a persistent TUN device with one
 address, entering a namespace from Python (``setns(2)`` through ctypes, because Python 3.11 has
 no ``os.setns``), opening a TUN device from inside it, and finding the processes that still live

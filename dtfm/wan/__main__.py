@@ -1,6 +1,6 @@
-"""``python -m agent.wan``: bring up an emulated WAN by hand, or measure one.
+"""``python -m dtfm.wan``: bring up an emulated WAN by hand, or measure one.
 
-Owns the command-line front end of :class:`agent.wan.WanEmulator` for people: it builds the
+Owns the command-line front end of :class:`dtfm.wan.WanEmulator` for people: it builds the
 network from matrices given as JSON (or a spec file), prints each host's namespace and address
 with a ready-to-paste ``ip netns exec`` line, and holds until Ctrl-C or SIGTERM, then tears
 everything down. With ``--measure`` it instead runs the TCP probes over every ordered pair and
@@ -19,10 +19,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from agent.wan import probe
-from agent.wan.harness import DEFAULT_MTU, WanEmulator
+from dtfm.wan import probe
+from dtfm.wan.harness import DEFAULT_MTU, WanEmulator
 
-log = logging.getLogger("agent.wan")
+log = logging.getLogger("dtfm.wan")
 
 
 def _matrix(value: Any, n: int | None, what: str) -> list[list[Any]]:
@@ -38,10 +38,10 @@ def _matrix(value: Any, n: int | None, what: str) -> list[list[Any]]:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m agent.wan",
+        prog="python -m dtfm.wan",
         description="Emulate a WAN on this machine: one network namespace per host, per-pair "
         "one-way delay and bandwidth. Needs root.",
-        epilog='Example: python -m agent.wan --delay-ms "[[0,40],[40,0]]" '
+        epilog='Example: python -m dtfm.wan --delay-ms "[[0,40],[40,0]]" '
         '--bandwidth-mbps "[[0,20],[20,0]]" --measure',
     )
     p.add_argument("--spec", type=Path,

@@ -7,7 +7,7 @@ they train on a CPU in seconds. Pure data: no torch, no grpc.
 
 from __future__ import annotations
 
-from protos.spec import ModelSpec
+from dtfm.core.spec import ModelSpec
 
 GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
 

@@ -1,0 +1,42 @@
+"""Which stages x replicas shape a job takes when the operator does not say.
+
+Owns the one rule (as square as possible, stages >= replicas, no more stages than layers) that
+both the job and `coordinator plan` apply.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dtfm.core.layout import Layout
+
+
+def pick_shape(n: int, max_stages: int | None = None) -> tuple[int, int]:
+    """A factorization n = stages x replicas: stages >= replicas, as square as possible."""
+    best = (n, 1)
+    for s in range(1, n + 1):
+        if n % s:
+            continue
+        r = n // s
+        if s < r or (max_stages is not None and s > max_stages):
+            continue
+        if abs(math.log(s / r)) < abs(math.log(best[0] / best[1])) or best[0] > (
+            max_stages or n
+        ):
+            best = (s, r)
+    if max_stages is not None and best[0] > max_stages:
+        for s in range(min(n, max_stages), 0, -1):
+            if n % s == 0:
+                return s, n // s
+    return best
+
+
+def choose_layout(agents: int, n_layers: int, stages: int = 0, replicas: int = 0) -> Layout:
+    """stages x replicas for `agents` devices: as given, else as `coordinator plan` picks."""
+    if stages and replicas:
+        return Layout(stages, replicas)
+    if stages:
+        return Layout(stages, agents // stages)
+    if replicas:
+        return Layout(agents // replicas, replicas)
+    return Layout(*pick_shape(agents, max_stages=n_layers))
