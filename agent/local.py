@@ -118,7 +118,7 @@ class Proc:
         return "\n".join(lines[-n:]) or "(empty stderr)"
 
 
-class Job:
+class LocalJob:
     """The spawned workers of one local job."""
 
     def __init__(self, args: argparse.Namespace, out: IO[str]) -> None:
@@ -277,7 +277,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run a local job; returns the process exit status."""
     try:
-        job = Job(args, sys.stdout)
+        job = LocalJob(args, sys.stdout)
     except (ValueError, RuntimeError) as e:
         print(f"agent local: {e}", file=sys.stderr)
         return 2

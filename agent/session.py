@@ -15,7 +15,7 @@ import random
 import grpc
 
 from agent.identity import SecretFile
-from agent.links import measure_peer
+from agent.linkprobe import measure_peer
 from agent.supervisor import Supervisor
 from dtfm import rpc
 from dtfm.core.limits import MAX_KIND, clip

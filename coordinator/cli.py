@@ -201,7 +201,7 @@ def _start(args: argparse.Namespace) -> int:
 
 
 async def _query(args: argparse.Namespace) -> int:
-    from coordinator.links import matrix_to_json
+    from coordinator.linkstore import matrix_to_json
     from coordinator.status import status_to_json, status_to_text
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 

@@ -55,7 +55,7 @@ class JobConfig:
         if not self.model:
             return
         if self.links_file:
-            from coordinator.links import load_links_file
+            from coordinator.linkstore import load_links_file
 
             try:
                 load_links_file(self.links_file)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.config import JobConfig
-from coordinator.links import LinkStore
+from coordinator.linkstore import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
 from coordinator.registry import AgentRecord, Registry
@@ -323,7 +323,7 @@ class Job:
 
     def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The members' rows of the `--links` file (read again: it may have been refreshed)."""
-        from coordinator.links import load_links_file
+        from coordinator.linkstore import load_links_file
 
         obj = load_links_file(self.config.links_file)
         index = {a: i for i, a in enumerate(obj["agents"])}

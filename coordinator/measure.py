@@ -1,7 +1,7 @@
 """Drives link measurement: tells agents whom to probe and collects their reports.
 
 The coordinator never measures anything itself. It has every agent ping every peer at once,
-then hands out bandwidth probes in the rotation order of `coordinator.links`, starting each as
+then hands out bandwidth probes in the rotation order of `coordinator.linkstore`, starting each as
 soon as its sender can send and its receiver can receive, so no device sends (or receives) two
 transfers at once and no slow link holds up a whole round. A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from coordinator.links import LinkStore, rotation_rounds
+from coordinator.linkstore import LinkStore, rotation_rounds
 from coordinator.registry import AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 

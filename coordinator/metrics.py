@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from coordinator.job import Job
-from coordinator.links import LinkStore
+from coordinator.linkstore import LinkStore
 from coordinator.registry import ALIVE, STATE_NAMES, Registry
 from protos.dtfm.v1 import coordinator_pb2
 

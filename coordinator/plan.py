@@ -86,7 +86,7 @@ def _note(msg: str) -> None:
 
 
 def _load_links(path: str) -> tuple[Network, list[Any] | None]:
-    from coordinator.links import load_links_file
+    from coordinator.linkstore import load_links_file
 
     try:
         obj = load_links_file(path, need_agents=False)

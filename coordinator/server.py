@@ -19,7 +19,7 @@ import grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.history import History
 from coordinator.job import Job
-from coordinator.links import LinkStore
+from coordinator.linkstore import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.registry import AgentRecord, IdentityError, Registry
 from coordinator.validate import (

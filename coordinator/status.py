@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from coordinator.links import matrix_to_json
+from coordinator.linkstore import matrix_to_json
 from coordinator.registry import STATE_NAMES
 from protos.dtfm.v1 import coordinator_pb2
 

@@ -4,7 +4,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemons import Daemons
+
+from tests.daemons import Daemons
 
 
 @pytest.fixture

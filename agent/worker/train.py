@@ -26,7 +26,7 @@ from agent.worker import checkpoint, errors
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
-from agent.worker.schedule import Pipeline, Timings
+from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.stage import Stage
 from agent.worker.world import join
 from dtfm.core.layout import Layout, layer_ranges

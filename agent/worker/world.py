@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from agent.worker import netbind
 from agent.worker.errors import wait_all
-from agent.worker.schedule import Links, make_links
+from agent.worker.pipeline import Links, make_links
 from agent.worker.store import rendezvous_store
 from dtfm.core.layout import Layout
 

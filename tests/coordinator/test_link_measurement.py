@@ -1,0 +1,94 @@
+"""Measured links match an emulated wide-area network; dead peers become unreachable links."""
+
+from __future__ import annotations
+
+import math
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.linkstore import rotation_rounds
+from dtfm.wan import WanEmulator
+from dtfm.wan.cluster import WanCluster, measurement_wan
+
+AVAILABLE, WHY = WanEmulator.available()
+needs_wan = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
+
+
+def test_rotation_covers_every_directed_link_once_and_keeps_reverse_links_apart() -> None:
+    for n in range(2, 10):
+        ids = [f"a{i}" for i in range(n)]
+        rounds = rotation_rounds(ids)
+        assert len(rounds) == n - 1
+        directed = [link for links in rounds for link in links]
+        assert sorted(directed) == sorted((a, b) for a in ids for b in ids if a != b)
+        for k, links in enumerate(rounds, start=1):
+            senders = [a for a, _ in links]
+            receivers = [b for _, b in links]
+            assert len(set(senders)) == len(senders) == n, "a device sends twice in a round"
+            assert len(set(receivers)) == n, "a device receives twice in a round"
+            reversed_too = [(a, b) for a, b in links if (b, a) in links]
+            assert not reversed_too or 2 * k == n, f"round {k} measures a link and its reverse"
+
+
+def _matrix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    delay = rng.uniform(5, 150, (n, n))
+    delay = np.round((delay + delay.T) / 2, 1)  # RTT/2 only sees the round trip's mean
+    bandwidth = np.round(rng.uniform(5, 100, (n, n)), 1)
+    np.fill_diagonal(delay, 0)
+    np.fill_diagonal(bandwidth, 0)
+    return delay, bandwidth
+
+
+@needs_wan
+@pytest.mark.timeout(400)
+def test_measured_matrix_matches_the_emulated_one(tmp_path: Path) -> None:
+    n = 4
+    delay, bandwidth = _matrix(n, seed=7)
+    with measurement_wan(delay.tolist(), bandwidth.tolist()) as wan:
+        cluster = WanCluster(wan, tmp_path, agents=n)
+        ids = cluster.start()
+        measured = cluster.measure()
+    order = [measured["agents"].index(i) for i in ids]
+    got_delay = np.array(measured["delay_ms"], dtype=float)[np.ix_(order, order)]
+    got_bw = np.array(measured["bandwidth_gbps"], dtype=float)[np.ix_(order, order)] * 1000
+    assert measured["unreachable"] == []
+    errors = []
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                continue
+            d, b = got_delay[i, j], got_bw[i, j]
+            if not abs(d - delay[i, j]) <= max(2.0, 0.10 * delay[i, j]):
+                errors.append(f"delay {i}->{j}: measured {d:.1f} ms, emulated {delay[i, j]}")
+            if not abs(b - bandwidth[i, j]) <= 0.20 * bandwidth[i, j]:
+                errors.append(f"bandwidth {i}->{j}: measured {b:.1f} Mbit/s, emulated "
+                              f"{bandwidth[i, j]}")
+    assert not errors, "\n".join(errors)
+
+
+@needs_wan
+@pytest.mark.timeout(300)
+def test_a_dead_peer_is_reported_unreachable_and_left_out(tmp_path: Path) -> None:
+    n = 3
+    delay = [[0, 10, 10], [10, 0, 10], [10, 10, 0]]
+    bw = [[0, 50, 50], [50, 0, 50], [50, 50, 0]]
+    with measurement_wan(delay, bw) as wan:
+        cluster = WanCluster(wan, tmp_path, agents=n)
+        ids = cluster.start()
+        # freeze agent 2: its heartbeats stop too late to matter, and its peers' probes hang
+        cluster.agent_procs[2].send_signal(signal.SIGSTOP)
+        try:
+            measured = cluster.measure(timeout=300)
+        finally:
+            cluster.agent_procs[2].send_signal(signal.SIGCONT)
+    dead = ids[2]
+    unreachable = set(measured["unreachable"])
+    assert {f"{ids[0]}->{dead}", f"{ids[1]}->{dead}"} <= unreachable
+    assert f"{ids[0]}->{ids[1]}" not in unreachable
+    a, b = measured["agents"].index(ids[0]), measured["agents"].index(ids[1])
+    assert math.isclose(measured["delay_ms"][a][b], 10, abs_tol=2)
+    assert measured["excluded"] == [dead], "the scheduler must be told to leave it out"

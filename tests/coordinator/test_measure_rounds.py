@@ -1,0 +1,178 @@
+"""The coordinator's measurement schedule: who probes whom, and what may run side by side.
+
+Agents here are coroutines that answer the real `LinkMeasurer` through the real `Registry`
+command queues after a random delay; the network itself is tested in test_link_measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from coordinator.linkstore import LinkStore
+from coordinator.measure import LinkMeasurer
+from coordinator.registry import Registry
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+LATENCY = coordinator_pb2.MEASURE_KIND_LATENCY
+BANDWIDTH = coordinator_pb2.MEASURE_KIND_BANDWIDTH
+
+
+class FakeAgents:
+    """Answers measure commands after a random pause, and records what ran concurrently."""
+
+    def __init__(self, registry: Registry, ids: list[str], silent: frozenset[str] = frozenset(),
+                 seed: int = 0) -> None:
+        self.registry = registry
+        self.ids = ids
+        self.silent = silent
+        self.rng = random.Random(seed)
+        self.measurer: LinkMeasurer | None = None
+        self.running: set[tuple[str, str]] = set()  # bandwidth transfers in progress
+        self.overlaps: list[str] = []
+        self.max_concurrent = 0
+        self.commands: list[tuple[str, int, tuple[str, ...]]] = []
+        self.delay_of: dict[tuple[str, str], float] = {}  # reported delays other than 10 ms
+
+    async def serve(self, agent_id: str) -> None:
+        record = self.registry.get(agent_id)
+        assert record is not None
+        while True:
+            command = await record.commands.get()
+            cmd = command.measure
+            peers = tuple(p.agent_id for p in cmd.peers)
+            self.commands.append((agent_id, cmd.kind, peers))
+            if agent_id in self.silent:
+                continue
+            asyncio.get_running_loop().create_task(self._answer(agent_id, cmd, peers))
+
+    async def _answer(self, agent_id: str, cmd: coordinator_pb2.MeasureLinksCommand,
+                      peers: tuple[str, ...]) -> None:
+        if cmd.kind == BANDWIDTH:
+            (peer,) = peers
+            for a, b in self.running:
+                if a == agent_id or b == peer or {a, b} == {agent_id, peer}:
+                    self.overlaps.append(f"{agent_id}->{peer} ran beside {a}->{b}")
+            self.running.add((agent_id, peer))
+            self.max_concurrent = max(self.max_concurrent, len(self.running))
+        await asyncio.sleep(self.rng.uniform(0.005, 0.03))
+        if cmd.kind == BANDWIDTH:
+            self.running.discard((agent_id, peers[0]))
+        samples = [common_pb2.LinkSample(
+            peer_id=p, reachable=p not in self.silent,
+            delay_ms=self.delay_of.get((agent_id, p), 10.0),
+            bandwidth_gbps=0.0 if p in self.silent else 1.0,
+            error=f"{p} did not answer" if p in self.silent else "") for p in peers]
+        assert self.measurer is not None
+        error = self.measurer.on_report(coordinator_pb2.LinkReport(
+            agent_id=agent_id, round_id=cmd.round_id, samples=samples))
+        assert error is None, error
+
+
+async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
+                   kind: type[FakeAgents] = FakeAgents, probe_timeout_s: float = 0.5,
+                   delay_of: dict[tuple[str, str], float] | None = None,
+                   ) -> tuple[FakeAgents, common_pb2.LinkMatrix, LinkStore]:
+    registry = Registry(liveness_timeout_s=60)
+    ids = [f"a{i}" for i in range(n)]
+    for i, agent_id in enumerate(ids):
+        registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1", port=1000 + i))
+    store = LinkStore()
+    measurer = LinkMeasurer(registry, store, probe_timeout_s=probe_timeout_s)
+    agents = kind(registry, ids, silent, seed)
+    agents.measurer = measurer
+    agents.delay_of = delay_of or {}
+    servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+    try:
+        matrix = await asyncio.wait_for(measurer.measure(registry.alive()), 30)
+    finally:
+        for task in servers:
+            task.cancel()
+    return agents, matrix, store
+
+
+def test_transfers_never_share_a_sender_a_receiver_or_a_link_with_its_reverse() -> None:
+    for n, seed in ((2, 0), (5, 1), (8, 2), (8, 3)):
+        agents, _, store = asyncio.run(_measure(n, seed=seed))
+        assert agents.overlaps == []
+        directed = {(a, b) for a in agents.ids for b in agents.ids if a != b}
+        assert set(store.entries) == directed
+        assert all(e.reachable and e.bandwidth_gbps == 1.0 and e.delay_ms == 10.0
+                   for e in store.entries.values())
+        bandwidth = sorted((a, p) for a, kind, peers in agents.commands if kind == BANDWIDTH
+                           for p in peers)
+        assert bandwidth == sorted(directed), "every directed link is probed exactly once"
+        if n == 8:  # no barrier, but transfers do run side by side
+            assert agents.max_concurrent >= 4
+
+
+def test_every_agent_pings_all_its_peers_in_one_command() -> None:
+    agents, _, _ = asyncio.run(_measure(6))
+    latency = [(a, set(peers)) for a, kind, peers in agents.commands if kind == LATENCY]
+    assert sorted(a for a, _ in latency) == agents.ids
+    assert all(peers == set(agents.ids) - {a} for a, peers in latency)
+
+
+def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:
+    agents, matrix, store = asyncio.run(_measure(4, silent=frozenset({"a2"})))
+    assert [a for a, _, _ in agents.commands].count("a2") == 1, "asked once, then skipped"
+    assert not [a for a, kind, peers in agents.commands if kind == BANDWIDTH and "a2" in peers], \
+        "no transfer to a peer that did not answer its pings"
+    for other in ("a0", "a1", "a3"):
+        assert not store.entries[("a2", other)].reachable
+        assert not store.entries[(other, "a2")].reachable
+        assert "a2" in store.entries[(other, "a2")].error
+    assert store.entries[("a0", "a1")].reachable
+    assert matrix is not None
+
+
+class LyingAgents(FakeAgents):
+    """a1 claims links it was not asked about, and 5000 Gbit/s on the one it was."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refusals: list[str] = []
+
+    async def _answer(self, agent_id: str, cmd: coordinator_pb2.MeasureLinksCommand,
+                      peers: tuple[str, ...]) -> None:
+        if agent_id != "a1" or cmd.kind != BANDWIDTH:
+            return await super()._answer(agent_id, cmd, peers)
+        assert self.measurer is not None
+        others = [p for p in self.ids if p not in peers and p != agent_id]
+        forged = [common_pb2.LinkSample(peer_id=p, reachable=True, delay_ms=0.1,
+                                        bandwidth_gbps=100.0) for p in [*peers, *others]]
+        self.refusals.append(self.measurer.on_report(coordinator_pb2.LinkReport(
+            agent_id=agent_id, round_id=cmd.round_id, samples=forged)) or "")
+        huge = [common_pb2.LinkSample(peer_id=peers[0], reachable=True, delay_ms=1.0,
+                                      bandwidth_gbps=5000.0)]
+        assert self.measurer.on_report(coordinator_pb2.LinkReport(
+            agent_id=agent_id, round_id=cmd.round_id, samples=huge)) is None
+
+
+def test_reports_only_for_asked_peers_and_physical_rates() -> None:
+    async def main() -> LinkStore:
+        agents, _, store = await _measure(3, kind=LyingAgents, probe_timeout_s=2)
+        assert isinstance(agents, LyingAgents)
+        assert len(agents.refusals) == 2 and all("asked a1 to probe" in r
+                                                 for r in agents.refusals)
+        return store
+
+    store = asyncio.run(main())
+    for peer in ("a0", "a2"):
+        entry = store.entries[("a1", peer)]
+        assert not entry.reachable and "5000 Gbit/s" in entry.error
+    assert store.entries[("a0", "a1")].reachable and store.entries[("a0", "a1")].bandwidth_gbps == 1
+
+
+def test_delays_the_two_ends_contradict_are_dropped() -> None:
+    async def main() -> LinkStore:
+        jitter_and_lie = {("a1", "a2"): 400.0, ("a0", "a1"): 30.0}  # the second is jitter
+        _, _, store = await _measure(3, probe_timeout_s=2, delay_of=jitter_and_lie)
+        return store
+
+    store = asyncio.run(main())
+    for pair in (("a1", "a2"), ("a2", "a1")):
+        assert not store.entries[pair].reachable
+        assert "one round trip" in store.entries[pair].error
+    assert store.entries[("a0", "a1")].reachable and store.entries[("a1", "a0")].reachable

@@ -1,0 +1,1 @@
+"""Tests that run whole programs together: daemons, clusters, installs, the emulated WAN."""

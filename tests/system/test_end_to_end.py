@@ -1,0 +1,79 @@
+"""The whole product on loopback: agents join, measure, get a plan, train, and recover."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.daemons import Daemons, wait_for
+
+
+@pytest.mark.timeout(600)
+def test_demo_trains_a_gpt_and_the_loss_falls(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--steps", "40", "--json",
+         "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=560)
+    assert out.returncode == 0, out.stderr[-3000:]
+    updates = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    states = [u["state"] for u in updates]
+    assert states[-1] == "done"
+    for state in ("measuring", "scheduling", "running"):
+        assert state in states, f"the job never went through {state}: {states}"
+    losses = [u["loss"] for u in updates if u["step"] > 0]
+    assert losses[0] > 5.0  # a byte-level model starts near ln(256) = 5.55
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert "plan cost" in out.stderr
+
+
+def _job(daemons: Daemons, address: str) -> dict:
+    return daemons.status(address)["job"]
+
+
+@pytest.mark.timeout(600)
+def test_job_recovers_from_a_lost_agent_and_resumes_from_checkpoints(daemons: Daemons) -> None:
+    ckpt = daemons.tmp / "ckpt"
+    _, address = daemons.coordinator(
+        "--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
+        "--steps", "150", "--batch", "4", "--micro-batches", "2", "--checkpoint-dir", str(ckpt),
+        "--checkpoint-every", "5", "--search-seconds", "1", "--max-restarts", "2")
+    agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}") for i in range(3)}
+    wait_for(lambda: _job(daemons, address)["step"] >= 7, 240, "training to pass step 7",
+             interval=0.1)
+    status = daemons.status(address)
+    assert status["job"]["epoch"] == 1
+    members = {a for row in status["plan"]["grid"] for a in row}
+    assert len(members) == 2
+    ids = {(daemons.tmp / name / "agent-id").read_text().strip(): name for name in agents}
+    victim_name = ids[sorted(members)[0]]
+    os.killpg(agents[victim_name].pid, signal.SIGKILL)
+    killed_at_step = _job(daemons, address)["step"]
+
+    done = wait_for(lambda: (j := _job(daemons, address))["state"] in ("done", "failed") and j,
+                    400, "the job to finish after recovery", interval=0.5)
+    assert done["state"] == "done", done
+    assert done["epoch"] == 2
+    assert done["step"] == 150
+    states = {a["id"]: a["state"] for a in daemons.status(address)["agents"]}
+    assert states[sorted(members)[0]] == "lost"
+    # the second epoch resumed from a checkpoint instead of starting over
+    first_steps = []
+    for name in agents:
+        for progress in (daemons.tmp / name / "work").glob("*-e2-*.progress.jsonl"):
+            steps = [json.loads(line)["step"] for line in progress.read_text().splitlines()
+                     if '"event": "step"' in line or '"event":"step"' in line]
+            first_steps.append(steps[0])
+    assert len(first_steps) == 2, first_steps
+    assert all(1 < s <= killed_at_step + 5 for s in first_steps), (first_steps, killed_at_step)
+    time.sleep(0.5)
+    # the dead agent's worker died with it (parent-death signal), leaving no orphan
+    orphans = subprocess.run(["pgrep", "-f", f"{daemons.tmp}/{victim_name}/work"],
+                             capture_output=True, text=True)
+    assert orphans.stdout.strip() == "", "the lost agent's worker outlived it"

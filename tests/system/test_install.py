@@ -1,0 +1,181 @@
+"""`deploy/install.sh` as an operator runs it, staged under a temporary DESTDIR.
+
+It runs twice per role (an upgrade must keep the token and the operator's env files), every
+installed unit passes `systemd-analyze verify`, and the installed `coordinator` and `agent`
+entry points start from the installed env files (with their paths moved under DESTDIR and
+loopback addresses) and find each other.
+
+To stay fast the test does not download torch and the other dependencies: the install runs
+with PYTHONPATH naming this checkout's venv, so pip finds them already there. The `dtfm`
+package itself is built and installed from the staged copy of the source, and the daemons
+import it from the installed venv (checked below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dtfm.procs import terminate_all
+from tests.certs import make_ca, make_leaf
+from tests.daemons import free_port, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[2]
+STAGED = ("/etc/dtfm", "/var/lib/dtfm", "/opt/dtfm")
+UNITS = ("dtfm-coordinator.service", "dtfm-agent@.service")
+
+
+def _install_env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
+    paths = sysconfig.get_paths()
+    env.update(DESTDIR=str(root), PYTHON=sys._base_executable,  # type: ignore[attr-defined]
+               PYTHONPATH=os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]])),
+               PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PIP_NO_BUILD_ISOLATION="0")  # (sic) build with the setuptools found there
+
+    return env
+
+
+def _install(root: Path, *role: str) -> None:
+    out = subprocess.run(["bash", str(REPO / "deploy" / "install.sh"), *role],
+                         env=_install_env(root), capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, f"install.sh {' '.join(role)} failed:\n{out.stdout}{out.stderr}"
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Install both roles, note what an upgrade must keep, edit an env file, install again."""
+    root = tmp_path_factory.mktemp("destdir")
+    _install(root, "coordinator")
+    _install(root, "agent", "0")
+    etc = root / "etc" / "dtfm"
+    first = {"token": (etc / "token").read_text(), "agent-0": (etc / "agent-0.env").read_text()}
+    with open(etc / "coordinator.env", "a") as f:
+        f.write("# edited by the operator\n")
+    _install(root, "coordinator")
+    _install(root, "agent", "0")
+    return {"root": root, "first": first}
+
+
+def test_install_twice_keeps_token_and_env_files(staged: dict) -> None:
+    root: Path = staged["root"]
+    etc = root / "etc" / "dtfm"
+    assert (etc / "token").read_text() == staged["first"]["token"]
+    assert len(staged["first"]["token"].strip()) >= 40
+    assert (etc / "token").stat().st_mode & 0o777 == 0o600
+    assert "# edited by the operator" in (etc / "coordinator.env").read_text()
+    assert (etc / "agent-0.env").read_text() == staged["first"]["agent-0"]
+    for unit in UNITS:
+        assert (root / "etc/systemd/system" / unit).read_bytes() == \
+            (REPO / "deploy" / unit).read_bytes()
+    src = root / "opt/dtfm/src"
+    assert (src / "docs/operations.md").exists() and not (src / ".venv").exists()
+
+
+def test_installed_units_pass_systemd_analyze_verify(staged: dict, tmp_path: Path) -> None:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    root: Path = staged["root"]
+    for unit in UNITS:  # the same unit with its paths pointing at the staged files
+        text = (root / "etc/systemd/system" / unit).read_text()
+        for path in STAGED:
+            text = text.replace(path, f"{root}{path}")
+        (tmp_path / unit).write_text(text)
+    for unit in ("dtfm-coordinator.service", "dtfm-agent@.service", "dtfm-agent@0.service"):
+        out = subprocess.run([tool, "verify", str(tmp_path / unit)], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode == 0 and not out.stderr.strip(), \
+            f"systemd-analyze verify {unit}:\n{out.stdout}{out.stderr}"
+
+
+def _env_file(path: Path, root: Path) -> dict[str, str]:
+    """KEY=VALUE lines as systemd's EnvironmentFile= reads them, paths moved under `root`."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = f"{root}{value}" if value.startswith(STAGED) else value
+    return env
+
+
+def _unit_env(unit: Path, instance: str, root: Path) -> dict[str, str]:
+    """The unit's own `Environment=` settings for one instance."""
+    env = {}
+    for line in unit.read_text().splitlines():
+        if line.startswith("Environment="):
+            key, _, value = line.removeprefix("Environment=").replace("%i", instance).partition(
+                "=")
+            env[key] = f"{root}{value}" if value.startswith(STAGED) else value
+    return env
+
+
+def _tls(root: Path) -> None:
+    """The TLS files the shipped env files name, made by a throwaway CA."""
+    tls = root / "etc/dtfm/tls"
+    tls.mkdir(exist_ok=True)
+    ca_path, ca_key, ca_cert = make_ca(tls)
+    make_leaf(tls, "node", ca_key, ca_cert)
+    assert ca_path == tls / "ca.pem"
+
+
+def test_installed_entry_points_run_from_the_env_files(staged: dict) -> None:
+    root: Path = staged["root"]
+    _tls(root)
+    bin_dir, etc = root / "opt/dtfm/venv/bin", root / "etc/dtfm"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
+    base["PYTHONPATH"] = _install_env(root)["PYTHONPATH"]
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import coordinator, agent; "
+                            "print(coordinator.__file__, agent.__file__)"], env=base,
+                           capture_output=True, text=True, timeout=30, cwd=root)
+    assert where.stdout.count(str(root / "opt/dtfm/venv")) == 2, where.stdout + where.stderr
+    address = f"127.0.0.1:{free_port()}"
+    metrics = f"127.0.0.1:{free_port()}"
+    coordinator_env = {**base, **_env_file(etc / "coordinator.env", root), "DTFM_LISTEN": address,
+                       "DTFM_METRICS_LISTEN": metrics}
+    agent_env = {**base, **_env_file(etc / "agent.env", root),
+                 **_env_file(etc / "agent-0.env", root),
+                 **_unit_env(root / "etc/systemd/system/dtfm-agent@.service", "0", root),
+                 "DTFM_COORDINATOR": address, "DTFM_LISTEN": "127.0.0.1:0",
+                 "DTFM_ADVERTISE": "127.0.0.1", "DTFM_DEVICE": "cpu"}
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, env in (("coordinator", coordinator_env), ("agent", agent_env)):
+            with open(logs / f"{name}.log", "wb") as log:
+                procs.append(subprocess.Popen([str(bin_dir / name), "start"], env=env,
+                                              stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                                              start_new_session=True))
+            time.sleep(0.5 if name == "coordinator" else 0)
+
+        def alive() -> list[dict]:
+            for proc, name in zip(procs, ("coordinator", "agent"), strict=True):
+                assert proc.poll() is None, (logs / f"{name}.log").read_text()
+            out = subprocess.run([str(bin_dir / "coordinator"), "status", "--coordinator",
+                                  address, "--json"], env=coordinator_env, capture_output=True,
+                                 text=True, timeout=30, cwd=root)
+            if out.returncode != 0:
+                return []
+            return [a for a in json.loads(out.stdout)["agents"] if a["state"] == "alive"]
+
+        agents = wait_for(alive, 30, "the installed agent to join the installed coordinator")
+        assert agents[0]["address"].startswith("127.0.0.1:")
+        assert (root / "var/lib/dtfm/agent-0").is_dir()  # the unit's DTFM_STATE_DIR
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as reply:
+            assert b'dtfm_cluster_agents{state="alive"} 1.0' in reply.read()
+    finally:
+        terminate_all(procs)
+    assert [p.returncode for p in procs] == [0, 0], [
+        (logs / f"{n}.log").read_text()[-2000:] for n in ("coordinator", "agent")]
