@@ -6,7 +6,7 @@ autograd keeps for the micro-batches in flight) and the check that names the dev
 does not fit and by how much. The compute side lives in `compute`.
 
 Counted the way the worker really trains (pinned against torch by
-`tests/scheduler/test_memory_torch.py`):
+`tests/coordinator/scheduler/test_memory_torch.py`):
 - parameters stay fp32 whatever the training dtype (bf16 is autocast): 4 bytes of weight,
   4 of gradient, 8 of AdamW state = 16 bytes per parameter, plus 4 more for the gradient
   buckets when the stage has data-parallel peers;
