@@ -93,6 +93,7 @@ def _start(args: argparse.Namespace) -> int:
 async def _status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
+    from dtfm.core.spec import WorkerState
     from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc
 
     async with rpc.open_channel(args.agent, flags.security_from_args(args)) as channel:
@@ -102,12 +103,13 @@ async def _status(args: argparse.Namespace) -> int:
         except grpc.aio.AioRpcError as exc:
             return flags.fail(rpc.describe_rpc_error(exc, args.agent), 1)
     data = MessageToDict(reply, preserving_proto_field_name=True)
+    # the lowercase name, as before the state was an enum on the wire
+    data["worker_state"] = state = WorkerState.label(reply.worker_state)
     if args.json:
         print(json.dumps(data))
     else:
         print(f"agent {reply.info.agent_id} at {reply.info.host}:{reply.info.port} "
               f"({reply.info.device.kind}); coordinator {reply.coordinator} "
               f"{'connected' if reply.connected else 'NOT connected'}; worker "
-              f"{reply.worker_state or 'idle'}" + (f" job {reply.job_id} step {reply.step}"
-                                                   if reply.job_id else ""))
+              f"{state}" + (f" job {reply.job_id} step {reply.step}" if reply.job_id else ""))
     return 0

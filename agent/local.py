@@ -1,11 +1,11 @@
 """`agent local`: a whole training job on this machine, like `torchrun --standalone`.
 
 Owns turning a handful of flags into one `dtfm.v1.Assignment` per rank (the same message the
-coordinator sends), spawning the workers exactly as the agent's supervisor does
-(`python -m agent.worker --assignment PATH --progress PATH`), merging their progress into
-one stream, and tearing the job down the moment any worker fails: the rest are killed and
-the error names the rank, its exit code and its last stderr lines. This is the one worker-side
-module allowed to read `dtfm.core.presets`, to turn a preset name into a spec.
+coordinator sends), spawning the workers through `dtfm.launcher` exactly as the agent's
+supervisor does, merging their progress into one stream, and tearing the job down the moment
+any worker fails: the rest are killed and the error names the rank, its exit code and its
+last stderr lines. This is the one worker-side module allowed to read `dtfm.core.presets`,
+to turn a preset name into a spec.
 """
 
 from __future__ import annotations
@@ -14,21 +14,20 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from agent.worker.__main__ import PARENT_ENV
 from dtfm import flags
 from dtfm.core.assignment import build_assignments
+from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import PRESETS, get_preset
-from dtfm.core.spec import DP_MODES, TRAIN_DTYPES, TrainConfig
-from dtfm.procs import terminate_all
+from dtfm.core.spec import TrainConfig
+from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.rpc import free_port
 
 POLL_S = 0.05
@@ -44,29 +43,18 @@ def _splits(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `agent local` flags (validated by their types, as `coordinator start`'s are)."""
-    p, count, positive = parser, flags.count, flags.positive_count
+    """The `agent local` flags (validated by their types, as `coordinator start`'s are).
+
+    The training flags are `coordinator start`'s own (`dtfm.flags.add_train_args`); `--warmup`,
+    this command's old spelling of `--warmup-steps`, still works as argparse's unambiguous
+    abbreviation of it.
+    """
+    p, positive = parser, flags.positive_count
     p.add_argument("--model", default="gpt-tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--stages", type=positive, default=2, help="pipeline stages S")
     p.add_argument("--replicas", type=positive, default=2, help="data-parallel replicas R")
-    p.add_argument("--micro-batches", type=positive, default=2, help="micro-batches per replica")
-    p.add_argument("--batch", type=positive, default=8, help="global batch (sequences per step)")
-    p.add_argument("--steps", type=count, default=50)
-    p.add_argument("--seed", type=flags.number(int, 0, maximum=2**64 - 1), default=0)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    p.add_argument("--dp-mode", choices=DP_MODES, default=TrainConfig().dp_mode)
-    p.add_argument("--lr", type=flags.number(float, 0, above=True), default=1e-3)
-    p.add_argument("--warmup", type=count, default=10, help="LR warmup steps")
-    p.add_argument("--grad-clip", type=flags.number(float), default=1.0)
-    p.add_argument("--weight-decay", type=flags.number(float), default=0.1)
-    p.add_argument("--dtype", choices=TRAIN_DTYPES, default="fp32")
     p.add_argument("--layer-splits", type=_splits, default="",
                    help="layers per stage, e.g. 3,1")
-    p.add_argument("--data", default="", help="uint16 .bin token file or dir (train/val.bin)")
-    p.add_argument("--checkpoint-dir", default="", help="resume from / write checkpoints here")
-    p.add_argument("--checkpoint-every", type=count, default=0,
-                   help="steps between checkpoints")
-    p.add_argument("--eval-batches", type=count, default=4)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=flags.number(int, 0, maximum=4096), default=0,
                    help="torch threads per worker (0: auto)")
@@ -76,46 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps between progress lines")
     p.add_argument("--json", action="store_true", help="one JSON object per step, then done")
     p.add_argument("--workdir", default="", help="keep assignments, progress and logs here")
+    flags.add_train_args(p)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The job's `TrainConfig`, paths made absolute: they must not depend on a worker's cwd."""
+    train = flags.train_config_from_args(args)
+    for name in ("data_path", "checkpoint_dir"):
+        if getattr(train, name):
+            setattr(train, name, str(Path(getattr(train, name)).resolve()))
+    return train
 
 
 @dataclass
 class Proc:
+    """One rank's worker and what its progress said so far."""
+
     rank: int
-    popen: subprocess.Popen[bytes]
-    progress: Path
-    stderr: Path
-    _offset: int = 0
-    _partial: str = ""
-    done: dict[str, Any] | None = None
+    worker: WorkerProcess
+    done: DoneEvent | None = None
     error: str = ""
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    def read_events(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.progress, encoding="utf-8") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-                self._offset = f.tell()
-        except FileNotFoundError:
-            return []
-        text = self._partial + chunk
-        lines = text.split("\n")
-        self._partial = lines.pop()
-        events = []
-        for line in lines:
-            if line.strip():
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return events
-
-    def stderr_tail(self, n: int = 15) -> str:
-        try:
-            lines = self.stderr.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no stderr)"
-        return "\n".join(lines[-n:]) or "(empty stderr)"
 
 
 class LocalJob:
@@ -125,15 +93,7 @@ class LocalJob:
         self.args, self.out = args, out
         self.spec = get_preset(args.model)
         self.layout = Layout(args.stages, args.replicas)
-        self.train = TrainConfig(
-            global_batch=args.batch, micro_batches=args.micro_batches, steps=args.steps,
-            seed=args.seed, schedule=args.schedule, dp_mode=args.dp_mode, lr=args.lr,
-            warmup_steps=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
-            data_path=str(Path(args.data).resolve()) if args.data else "",
-            checkpoint_dir=str(Path(args.checkpoint_dir).resolve()) if args.checkpoint_dir else "",
-            dtype=args.dtype, checkpoint_every=args.checkpoint_every,
-            eval_batches=args.eval_batches,
-        )
+        self.train = train_config(args)
         self.train.validate(args.replicas)
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
         self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
@@ -162,32 +122,15 @@ class LocalJob:
             splits=self.splits,
         )
         threads = a.threads or max(1, (os.cpu_count() or 1) // self.layout.world_size)
-        env = dict(os.environ)
-        env.update({
-            "OMP_NUM_THREADS": str(threads), "DTFM_NUM_THREADS": str(threads),
-            "DTFM_TIMEOUT_S": str(a.timeout), "PYTHONUNBUFFERED": "1",
-            # workers die with this launcher, even if it is SIGKILLed (see agent.worker)
-            PARENT_ENV: str(os.getpid()),
-        })
-        gpus = self.gpus
         for msg in assignments:
             r = msg.rank
-            apath, ppath = workdir / f"rank{r}.assignment", workdir / f"rank{r}.progress.jsonl"
-            epath = workdir / f"rank{r}.stderr.log"
-            apath.write_bytes(msg.SerializeToString())
-            renv = dict(env)
-            if gpus:
-                renv["LOCAL_RANK"] = str(r % gpus)
-            with open(epath, "wb") as err:
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "agent.worker", "--assignment", str(apath),
-                     "--progress", str(ppath)],
-                    stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=renv,
-                )
-            self.procs.append(Proc(r, popen, ppath, epath))
+            env = worker_env(threads=threads, timeout_s=a.timeout,
+                             local_rank=r % self.gpus if self.gpus else None)
+            worker = launch(msg, WorkerFiles.in_dir(workdir, f"rank{r}"), env)
+            self.procs.append(Proc(r, worker))
 
     def kill_all(self) -> None:
-        terminate_all([p.popen for p in self.procs], KILL_GRACE_S, group=False)
+        stop_all([p.worker for p in self.procs], KILL_GRACE_S)
 
     def describe(self, p: Proc) -> str:
         stage, replica = self.layout.coords(p.rank)
@@ -197,39 +140,36 @@ class LocalJob:
         """Merge progress until every worker exits; 0 on success, 1 on the first failure."""
         t_start, last_line, steps_seen = time.monotonic(), 0, 0
         while True:
+            codes = [p.worker.poll() for p in self.procs]  # before reading: no line is missed
             for p in self.procs:
-                for ev in p.read_events():
-                    kind = ev.get("event")
-                    if kind == "error":
-                        p.error = str(ev.get("message", ""))
-                    elif kind == "done":
+                for ev in p.worker.read_events():
+                    if isinstance(ev, ErrorEvent):
+                        p.error = ev.message
+                    elif isinstance(ev, DoneEvent):
                         p.done = ev
-                    elif kind == "step" and p.rank == self.report_rank:
+                    elif isinstance(ev, StepEvent) and p.rank == self.report_rank:
                         steps_seen += 1
                         last_line = self._print_step(ev, t_start, steps_seen, last_line)
-            codes = [p.popen.poll() for p in self.procs]
             failed = [p for p, c in zip(self.procs, codes, strict=True) if c not in (None, 0)]
             if failed:
-                first = min(failed, key=lambda p: p.popen.returncode != 17)  # fault seam first
+                # the fault seam's victim first: the others died of losing it
+                first = min(failed, key=lambda p: p.worker.returncode != FAULT_EXIT_CODE)
                 self.kill_all()
+                tail = first.worker.log_tail(15, sep="\n")
                 msg = (
-                    f"worker {self.describe(first)} exited with code {first.popen.returncode}"
+                    f"worker {self.describe(first)} exited with code {first.worker.returncode}"
                     + (f": {first.error}" if first.error else "")
                     + f"; stopped the other {len(self.procs) - 1} workers.\n"
-                    f"last stderr lines of rank {first.rank}:\n{first.stderr_tail()}"
+                    f"last stderr lines of rank {first.rank}:\n{tail}"
                 )
                 if self.args.json:
                     self._write({"error": msg, "rank": first.rank,
-                                 "exit_code": first.popen.returncode})
+                                 "exit_code": first.worker.returncode})
                 print(f"agent local: {msg}", file=sys.stderr, flush=True)
                 return 1
             if all(c == 0 for c in codes):
-                for p in self.procs:  # drain the last lines
-                    for ev in p.read_events():
-                        if ev.get("event") == "done":
-                            p.done = ev
                 done = next((p.done for p in self.procs if p.rank == self.report_rank), None)
-                val = None if done is None else done.get("val_loss")
+                val = None if done is None else done.val_loss
                 if self.args.json:
                     self._write({"done": True, "val_loss": val})
                 else:
@@ -242,10 +182,10 @@ class LocalJob:
         self.out.write(json.dumps(obj) + "\n")
         self.out.flush()
 
-    def _print_step(self, ev: dict[str, Any], t0: float, seen: int, last: int) -> int:
-        step, total = int(ev["step"]), int(ev.get("total_steps", self.train.steps))
+    def _print_step(self, ev: StepEvent, t0: float, seen: int, last: int) -> int:
+        step, total = ev.step, ev.total_steps or self.train.steps
         if self.args.json:
-            self._write({"step": step, "loss": ev["loss"], "tokens_per_s": ev["tokens_per_s"]})
+            self._write({"step": step, "loss": ev.loss, "tokens_per_s": ev.tokens_per_s})
             return step
         interval = max(1, self.args.log_interval)
         if step % interval and step != total and seen != 1:
@@ -256,8 +196,8 @@ class LocalJob:
         first, t_first = self._first_step
         eta = (now - t_first) / (step - first) * (total - step) if step > first else float("nan")
         print(
-            f"step {step:>6}/{total} | loss {ev['loss']:.4f} | "
-            f"{ev['tokens_per_s']:,.0f} tok/s | ETA {_hms(eta)}",
+            f"step {step:>6}/{total} | loss {ev.loss:.4f} | "
+            f"{ev.tokens_per_s:,.0f} tok/s | ETA {_hms(eta)}",
             file=self.out, flush=True,
         )
         return step

@@ -14,9 +14,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent.session import CoordinatorSession
+from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2
 
-WORKER_STATES = ("idle", "starting", "training", "done", "failed", "stopped")
+# The supervisor's states: measuring belongs to the session, never to a worker process.
+WORKER_STATES = tuple(s for s in WorkerState if s is not WorkerState.MEASURING)
 STEP_PARTS = (("total", "step_s"), ("compute", "compute_s"), ("pipeline_wait", "pp_wait_s"),
               ("data_parallel", "dp_s"))
 
@@ -47,7 +49,7 @@ class AgentCollector(Collector):
         state = GaugeMetricFamily("dtfm_agent_worker_state", "1 for the worker's current "
                                   "state, 0 for the others", labels=["agent", "state"])
         for name in WORKER_STATES:
-            state.add_metric([agent, name], float(p.state == name))
+            state.add_metric([agent, name.value], float(p.state is name))
         yield state
         for name, doc, value in (
             ("dtfm_agent_worker_epoch", "Job epoch the worker runs", p.epoch),

@@ -16,12 +16,15 @@ from pathlib import Path
 
 import grpc
 
+from agent.checkpoints import CheckpointCopier, CheckpointStore
 from agent.config import AgentConfig
 from agent.device import detect
 from agent.identity import load_or_create_id
 from agent.session import CoordinatorSession, FatalSessionError
+from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
 from dtfm import rpc
+from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -32,9 +35,11 @@ MAX_WINDOW_S = 10.0
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
-    def __init__(self, info: common_pb2.AgentInfo) -> None:
+    def __init__(self, info: common_pb2.AgentInfo,
+                 checkpoints: CheckpointStore | None = None) -> None:
         self.info = info
         self.session: CoordinatorSession | None = None
+        self.checkpoints = checkpoints  # this agent's own checkpoint directory, for peers
 
     async def Ping(self, request: agent_pb2.PingRequest,
                    context: grpc.aio.ServicerContext) -> agent_pb2.PingReply:
@@ -85,13 +90,31 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                         context: grpc.aio.ServicerContext) -> agent_pb2.AgentStatusReply:
         s = self.session
         progress = s.supervisor.progress if s else None
+        state = progress.state if progress else WorkerState.IDLE
         return agent_pb2.AgentStatusReply(
             info=self.info, coordinator=s.target if s else "",
             connected=bool(s and s.connected),
-            worker_state=progress.state if progress else "idle",
+            worker_state=state.to_wire(),  # type: ignore[arg-type]
             job_id=progress.job_id if progress else "",
             step=progress.step if progress else 0, loss=progress.loss if progress else 0.0,
         )
+
+    async def ListCheckpoints(self, request: agent_pb2.ListCheckpointsRequest,
+                              context: grpc.aio.ServicerContext) -> agent_pb2.CheckpointList:
+        """The complete steps of one stage held here: how a peer finds a copy it lacks."""
+        if self.checkpoints is None:
+            return agent_pb2.CheckpointList()
+        return await self.checkpoints.list(request, context)
+
+    async def FetchCheckpoint(self, request: agent_pb2.FetchCheckpointRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
+        """One file of a complete step, from an offset (agent/checkpoints.py validates)."""
+        if self.checkpoints is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this agent serves no checkpoints")
+            return
+        async for chunk in self.checkpoints.fetch(request, context):
+            yield chunk
 
 
 async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.Server | None:
@@ -112,7 +135,8 @@ async def serve(config: AgentConfig) -> int:
     info = common_pb2.AgentInfo(agent_id=agent_id, host=config.advertise_host,
                                 device=detect(config.device, config.flops, config.memory),
                                 version=VERSION)
-    service = AgentService(info)
+    checkpoints = checkpoint_dir(config.state_dir)
+    service = AgentService(info, CheckpointStore(checkpoints))
     metrics = await start_metrics(config, service)
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -125,7 +149,8 @@ async def serve(config: AgentConfig) -> int:
     log.info("agent %s serving on %s:%d (%s), coordinator %s", agent_id, info.host, port,
              info.device.kind, config.coordinator)
     supervisor = Supervisor(Path(config.state_dir) / "work",
-                            bind_interface=config.bind_interface)
+                            bind_interface=config.bind_interface,
+                            checkpoints=CheckpointCopier(checkpoints, config.security))
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
                                  config.max_backoff_s, state_dir=config.state_dir)
     service.session = session

@@ -19,6 +19,7 @@ from agent.linkprobe import measure_peer
 from agent.supervisor import Supervisor
 from dtfm import rpc
 from dtfm.core.limits import MAX_KIND, clip
+from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class CoordinatorSession:
         self.max_backoff_s = max_backoff_s
         self.connected = False
         self.heartbeat_interval_s = 1.0
-        self.state = "idle"
+        self.state = WorkerState.IDLE  # MEASURING while it measures links
+        self._leaving = False  # set by say_goodbye: no heartbeat may follow the goodbye
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
@@ -124,7 +126,7 @@ class CoordinatorSession:
         Concurrent pings do not disturb each other (they are tiny); concurrent transfers would
         share this device's network and CPU, so they run in turn.
         """
-        self.state = "measuring"
+        self.state = WorkerState.MEASURING
         try:
             if cmd.kind == coordinator_pb2.MEASURE_KIND_LATENCY:
                 samples = list(await asyncio.gather(
@@ -139,7 +141,7 @@ class CoordinatorSession:
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
         finally:
-            self.state = "idle"
+            self.state = WorkerState.IDLE
 
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:
@@ -164,12 +166,19 @@ class CoordinatorSession:
                 await channel.close()
         return sample
 
+    def reported_state(self) -> WorkerState:
+        """The state the heartbeat carries: the worker's while one runs or has ended, else
+        the session's own (idle, or measuring links); a worker being stopped counts as none."""
+        p = self.supervisor.progress
+        if p.state in (WorkerState.IDLE, WorkerState.STOPPED):
+            return self.state
+        return p.state
+
     def progress_report(self) -> coordinator_pb2.ProgressReport:
         p = self.supervisor.progress
-        state = self.state if p.state in ("idle", "stopped") else p.state
         return coordinator_pb2.ProgressReport(
             agent_id=self.info.agent_id, job_id=p.job_id, epoch=p.epoch,
-            worker_state="idle" if state == "stopped" else state, step=p.step,
+            worker_state=self.reported_state().to_wire(), step=p.step,  # type: ignore[arg-type]
             loss=p.loss, tokens_per_s=p.tokens_per_s, error=clip(p.error),
             total_steps=p.total_steps, step_s=p.step_s, compute_s=p.compute_s,
             pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=clip(p.error_kind, MAX_KIND),
@@ -178,7 +187,7 @@ class CoordinatorSession:
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:
         assert self._stub is not None
-        while True:
+        while not self._leaving:
             try:
                 await self._stub.ReportProgress(self.progress_report(), timeout=5.0)
             except grpc.aio.AioRpcError as exc:
@@ -200,14 +209,19 @@ class CoordinatorSession:
             await channel.close()
         self._peer_channels.clear()
 
-    async def say_goodbye(self) -> None:
-        """Tell the coordinator we are leaving on purpose, so it marks us left, not lost."""
+    async def say_goodbye(self, reason: str = "agent shutting down") -> None:
+        """Tell the coordinator we are leaving on purpose, so it marks us left, not lost.
+
+        Heartbeats stop first: one sent after the goodbye would bring us back to life in the
+        registry (a heartbeat from a known agent means it is alive).
+        """
+        self._leaving = True
         if self._stub is None or not self.connected:
             return
-        report = self.progress_report()
-        report.worker_state = "left"
+        request = coordinator_pb2.LeaveRequest(agent_id=self.info.agent_id,
+                                               agent_secret=self.secret, reason=clip(reason))
         try:
-            await self._stub.ReportProgress(report, timeout=2.0)
+            await self._stub.Leave(request, timeout=2.0)
         except grpc.aio.AioRpcError:
             pass
         except asyncio.CancelledError:  # the coordinator left first and run() closed the channel

@@ -1,9 +1,13 @@
 """The agent's state directory is private: directories 0700, files 0600.
 
 It holds the agent's id, every assignment (with the rendezvous address and the training
-config) and the worker logs; other users of the machine have no business reading them. The
+config), the worker logs and, unless the job names a `--checkpoint-dir`, the workers'
+checkpoints (`checkpoint_dir`); other users of the machine have no business reading them. The
 modes are set explicitly, whatever the process umask (systemd units add `UMask=0077` for what
 the worker writes itself).
+
+Layout: `agent-id`, `agent-secret`, `work/` (assignments, progress, logs) and
+`checkpoints/<job id>/stage-<S>/` (`checkpoint_dir`).
 """
 
 from __future__ import annotations
@@ -12,12 +16,22 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
 
 log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
-FILE_MODE = 0o600
+CHECKPOINT_DIR = "checkpoints"
+
+
+def checkpoint_dir(state_dir: str | Path) -> Path:
+    """Where this agent's workers checkpoint when the job names no `--checkpoint-dir`.
+
+    Checkpoints are on by default so that a worker that crashes, or a job that is
+    rescheduled onto the same agents, resumes instead of starting over; the state
+    directory is the one place every agent is sure to own. The supervisor passes it to the
+    worker as `DTFM_AGENT_CHECKPOINT_DIR`.
+    """
+    return Path(state_dir) / CHECKPOINT_DIR
 
 
 def private_dir(path: Path) -> Path:
@@ -32,19 +46,3 @@ def private_dir(path: Path) -> Path:
                         "to change: make it 0700", path, stat.S_IMODE(st.st_mode))
     return path
 
-
-def write_private(path: Path, data: bytes) -> None:
-    """Replace `path` atomically with `data`, readable by this user only."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), FILE_MODE)  # an old tmp file may have had another mode
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def open_private_append(path: Path) -> BinaryIO:
-    """`path` opened for appending, created 0600 (an existing file is made 0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
-    os.fchmod(fd, FILE_MODE)
-    return os.fdopen(fd, "ab")

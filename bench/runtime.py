@@ -24,8 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from dtfm.core.events import StepEvent, parse_event
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "runtime.json"
@@ -52,9 +55,9 @@ def run_layout(args: argparse.Namespace, stages: int, replicas: int) -> dict[str
         ranks: dict[int, list[dict[str, Any]]] = {}
         for path in sorted(Path(work).glob("rank*.progress.jsonl")):
             for line in path.read_text().splitlines():
-                ev = json.loads(line)
-                if ev.get("event") == "step" and ev["step"] > args.warmup:
-                    ranks.setdefault(int(ev["rank"]), []).append(ev)
+                ev = parse_event(line)
+                if isinstance(ev, StepEvent) and ev.step > args.warmup:
+                    ranks.setdefault(ev.rank, []).append(asdict(ev))
     return summarize(args, stages, replicas, ranks, wall)
 
 

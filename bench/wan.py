@@ -20,6 +20,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +52,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_job(cluster: WanCluster, args: argparse.Namespace, placement: str,
-            links: Path) -> dict[str, Any]:
-    """Train one job under `placement`; return what the coordinator reported."""
+            links: Path, extra: Sequence[str] = (), label: str = "") -> dict[str, Any]:
+    """Train one job under `placement` (plus `extra` job flags); return what the
+    coordinator reported. `label` names the job in progress lines (default: placement)."""
     agents = cluster.agents
     job_args = ["--model", args.model, "--agents", str(agents), "--stages", str(args.stages),
                 "--replicas", str(agents // args.stages), "--steps", str(args.steps),
                 "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
-                "--search-seconds", "10", "--layer-split", "even"]
+                "--search-seconds", "10", "--layer-split", "even", *extra]
 
     def watch(status: dict[str, Any], now: float) -> None:
         job = status["job"]
-        print(f"  [{placement}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
+        print(f"  [{label or placement}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
               f"{job['total_steps']} loss {job['loss']:.3f} measured "
               f"{job['measured_step_s']:.2f} s/step", file=sys.stderr, flush=True)
 
     return cluster.train(job_args, placement, links, args.timeout, watch)
+
+
+@contextmanager
+def measured_world(per_city: int, scale: float,
+                   workdir: str = "") -> Iterator[tuple[WanCluster, Path, dict[str, str]]]:
+    """The emulated world-wide WAN with `per_city` agents per city, its links measured once by
+    the agents (as a deployment does) and written to a links file; yields (cluster, links
+    file, each agent id's city). Jobs then run on that matrix with `run_job`."""
+    delay, bandwidth, cities = world_links(per_city, scale)
+    n = len(delay)
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-wan-") as scratch, \
+            measurement_wan(delay, bandwidth) as wan:
+        root = Path(workdir or scratch)
+        cluster = WanCluster(wan, root, agents=n)
+        ids = cluster.start()
+        print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
+        t0 = time.monotonic()
+        links = cluster.measure()
+        print(f"measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        cluster.stop()
+        links_path = root / "links.json"
+        links_path.write_text(json.dumps(links))
+        yield cluster, links_path, {agent: cities[i] for i, agent in enumerate(ids)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -121,22 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     placements = ([p for p in args.placements.split(",") if p] if args.placements else
                   ["scheduled", "rank-order", *(f"random:{s}" for s in args.seeds.split(","))])
-    delay, bandwidth, cities = world_links(args.per_city, args.scale)
-    n = len(delay)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-wan-") as scratch, \
-            measurement_wan(delay, bandwidth) as wan:
-        workdir = Path(args.workdir or scratch)
-        cluster = WanCluster(wan, workdir, agents=n)
-        ids = cluster.start()
-        print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
-        t0 = time.monotonic()
-        links = cluster.measure()
-        print(f"measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        cluster.stop()
-        links_path = workdir / "links.json"
-        links_path.write_text(json.dumps(links))
-        city_of = {agent: cities[i] for i, agent in enumerate(ids)}
+    with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links_path,
+                                                                     city_of):
+        n = cluster.agents
         for placement in placements:
             row = run_job(cluster, args, placement, links_path)
             row["grid_cities"] = [[city_of[a] for a in r] for r in row["grid"] or []]

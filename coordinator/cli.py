@@ -12,7 +12,6 @@ import grpc
 
 from dtfm import flags, rpc
 from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
-from dtfm.core.spec import DP_MODES, SCHEDULES, TRAIN_DTYPES, TrainConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
@@ -23,36 +22,6 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--timeout", type=flags.seconds, default=None,
                    help="seconds to wait for an answer (default 10; 600 for links --measure)")
-
-
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=flags.count, default=d.steps)
-    g.add_argument("--batch", type=flags.positive_count, default=d.global_batch,
-                   help="global batch (sequences)")
-    g.add_argument("--micro-batches", type=flags.positive_count, default=d.micro_batches)
-    g.add_argument("--lr", type=flags.number(float, 0, above=True), default=d.lr)
-    g.add_argument("--warmup-steps", type=flags.count, default=d.warmup_steps)
-    g.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
-    g.add_argument("--dp-mode", choices=DP_MODES, default=d.dp_mode)
-    g.add_argument("--dtype", choices=TRAIN_DTYPES, default=d.dtype,
-                   help="what the worker trains in (fp16 is not supported)")
-    g.add_argument("--data", default="", help="uint16 .bin token file (default: bundled corpus)")
-    g.add_argument("--checkpoint-dir", default="", help="where stages checkpoint (shared "
-                   "storage lets a rescheduled job resume)")
-    g.add_argument("--checkpoint-every", type=flags.count, default=d.checkpoint_every,
-                   help="steps between checkpoints (0: only at the end)")
-
-
-def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        global_batch=args.batch, micro_batches=args.micro_batches, steps=args.steps,
-        seed=args.seed, schedule=args.schedule, dp_mode=args.dp_mode, lr=args.lr,
-        warmup_steps=args.warmup_steps, data_path=args.data,
-        checkpoint_dir=args.checkpoint_dir, dtype=args.dtype,
-        checkpoint_every=args.checkpoint_every,
-    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -82,13 +51,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--stages", type=flags.count, default=0, help="pipeline stages (0: choose)")
     p.add_argument("--replicas", type=flags.count, default=0,
                    help="data-parallel replicas (0: choose)")
-    p.add_argument("--seed", type=flags.number(int, 0, maximum=2**64 - 1), default=0)
     p.add_argument("--search-seconds", type=flags.seconds, default=5.0,
                    help="time budget of the scheduler's search")
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
-                   help="reschedules a job may take before it fails")
+                   help="reschedules in a row without progress (a new checkpoint) before the "
+                   "job fails; progress refills the budget")
+    p.add_argument("--min-agents", type=flags.count, default=0,
+                   help="when agents are lost and no spare is alive, continue on fewer "
+                   "replicas down to this many agents (0: --agents, i.e. wait for a spare); "
+                   "the job grows back at a checkpoint when agents join")
+    p.add_argument("--state-dir", default="", metavar="DIR",
+                   help="keep the job's identity, plan and recoveries here (sqlite), so a "
+                   "restarted coordinator continues the job from the agents' checkpoints")
     p.add_argument("--placement", default="scheduled",
                    help="scheduled (the paper's search, default), rank-order (network-blind, "
                    "agents in address order), random[:SEED], or a plan file written by "
@@ -102,7 +78,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "of measuring; it must cover the job's agents")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
-    add_train_args(p)
+    flags.add_train_args(p)  # --seed among them: it also seeds the placement search
     flags.add_common_args(p)
 
     p = subs["status"] = sub.add_parser("status", help="show agents, job and plan")
@@ -188,10 +164,12 @@ def _start(args: argparse.Namespace) -> int:
         measure_timeout_s=args.measure_timeout,
         measure_every_s=args.measure_every,
         metrics_listen=args.metrics_listen,
+        state_dir=args.state_dir,
         job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
-                      replicas=args.replicas, train=train_config_from_args(args),
+                      replicas=args.replicas, train=flags.train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,
                       seed=args.seed, max_restarts=args.max_restarts,
+                      min_agents=args.min_agents,
                       placement=args.placement, links_file=args.links,
                       layer_split=args.layer_split),
     )

@@ -26,7 +26,8 @@ class JobConfig:
     measure_links: bool = True
     search_seconds: float = 5.0
     seed: int = 0
-    max_restarts: int = 3
+    max_restarts: int = 3  # restarts in a row without progress (a new checkpoint) before failing
+    min_agents: int = 0  # below this many agents the job waits instead of shrinking; 0: --agents
     placement: str = "scheduled"  # scheduled, rank-order, random[:SEED] or a plan file
     links_file: str = ""  # plan on this measured matrix instead of measuring
     layer_split: str = "auto"  # auto (by device speed and memory), even, or counts "4,2"
@@ -101,9 +102,12 @@ class JobConfig:
     def _check_ranges(self) -> None:
         for flag, value in (("--agents", self.agents), ("--stages", self.stages),
                             ("--replicas", self.replicas), ("--max-restarts", self.max_restarts),
-                            ("--seed", self.seed)):
+                            ("--seed", self.seed), ("--min-agents", self.min_agents)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if self.min_agents > self.agents:
+            raise ConfigError(f"--min-agents {self.min_agents} exceeds --agents {self.agents}: "
+                              f"the job could never start; lower --min-agents")
         if not (math.isfinite(self.search_seconds) and self.search_seconds > 0):
             raise ConfigError(f"--search-seconds must be a finite number > 0, got "
                               f"{self.search_seconds}")

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 DEFAULT_LIMIT = 100_000
@@ -47,7 +48,8 @@ class History:
 
     def record(self, agent_id: str, report: coordinator_pb2.ProgressReport) -> None:
         """Fold one member's heartbeat in; reports without a training step are ignored."""
-        if report.step < 1 or report.worker_state not in ("training", "done"):
+        if report.step < 1 or WorkerState.from_wire(report.worker_state) not in (
+                WorkerState.TRAINING, WorkerState.DONE):
             return
         key = (report.epoch, report.step)
         point = self._points.get(key)

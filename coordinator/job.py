@@ -9,6 +9,7 @@ round again with a new epoch (recovering), resuming from checkpoints when the jo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import multiprocessing
@@ -18,17 +19,20 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from coordinator.config import JobConfig
+from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
 from coordinator.linkstore import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
+from coordinator.recovery import Recoveries, layout_text
 from coordinator.registry import AgentRecord, Registry
 from coordinator.scheduler import Network
+from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import (
     Devices,
     Workload,
@@ -41,21 +45,37 @@ from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
 from dtfm.core.assignment import build_assignments
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import get_preset
-from dtfm.core.shape import choose_layout
+from dtfm.core.shape import choose_layout, elastic_layout
+from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 S = coordinator_pb2  # state constants live in the generated module
+STATE_NAMES = {S.JOB_STATE_WAITING: "waiting", S.JOB_STATE_MEASURING: "measuring",
+               S.JOB_STATE_SCHEDULING: "scheduling", S.JOB_STATE_RUNNING: "running",
+               S.JOB_STATE_RECOVERING: "recovering", S.JOB_STATE_DONE: "done",
+               S.JOB_STATE_FAILED: "failed", S.JOB_STATE_IDLE: "idle"}
+ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
+
+
+def job_fingerprint(cfg: JobConfig) -> str:
+    """What makes a stored job the same job: its model, shape, training and placement flags
+    (not operational ones such as --max-restarts or --min-agents)."""
+    return fingerprint({"model": cfg.model, "agents": cfg.agents, "stages": cfg.stages,
+                        "replicas": cfg.replicas, "train": asdict(cfg.train),
+                        "placement": cfg.placement, "layer_split": cfg.layer_split,
+                        "seed": cfg.seed})
 
 
 def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int,
-            dp_gb: float, pp_gb: float, seed: int, seconds: float) -> dict[str, Any]:
+            dp_gb: float, pp_gb: float, seed: int, seconds: float,
+            compression: Compression | None = None) -> dict[str, Any]:
     """Runs in a worker process: the scheduler is pure numpy and CPU-bound."""
     from coordinator.scheduler import Network, search_plan
 
     result = search_plan(Network(delay_ms=delay, bandwidth_gbps=bandwidth), stages=stages,
                          replicas=replicas, dp_gb=dp_gb, pp_gb=pp_gb, seed=seed,
-                         seconds=seconds)
+                         seconds=seconds, compression=compression)
     return {"grid": result.grid, "cost": result.cost, "dp_cost": result.dp_cost,
             "pp_cost": result.pp_cost, "seconds": result.seconds}
 
@@ -123,7 +143,7 @@ class _Prediction:
 
 class Job:
     def __init__(self, config: JobConfig, registry: Registry, measurer: LinkMeasurer,
-                 links: LinkStore) -> None:
+                 links: LinkStore, store: JobStore | None = None) -> None:
         self.config = config
         self.registry = registry
         self.measurer = measurer
@@ -145,6 +165,70 @@ class Job:
         self._trained_splits: list[int] | None = None  # the split checkpoints hold
         self._port_epoch, self._port = -1, 0
         self.started_unix_s = 0.0
+        # Churn: the layout the job wants (set by its first epoch; replicas shrink below it when
+        # agents are lost and grow back at a checkpoint), this epoch's training config (more
+        # micro-batches per replica when shrunk), the newest step every member has passed a
+        # checkpoint at, and when a recovery began (by the registry's clock: agents that have
+        # not heartbeated since may be dead and are not planned on).
+        self._wanted: Layout | None = None
+        self._layout: Layout | None = None
+        self._train: TrainConfig = config.train
+        self.checkpoint_step = 0
+        self._epoch_checkpoint = 0
+        self._settle_after = -math.inf
+        self._grid_ids: list[list[str]] = []
+        self._adopt_deadline = 0.0
+        self._first_steps: dict[str, int] = {}  # each member's first step this epoch
+        self.recoveries = Recoveries()
+        self.store = store
+        if store is not None and config.model:
+            self._adopt(store.unfinished(job_fingerprint(config)))
+
+    # --- the coordinator's state directory ---
+    def _adopt(self, snap: JobSnapshot | None) -> None:
+        """Continue a job a previous coordinator process drove: same id (the agents'
+        checkpoints are keyed by it), epoch, plan and recoveries."""
+        if snap is None:
+            return
+        self.job_id, self.epoch, self.restarts = snap.job_id, snap.epoch, snap.restarts
+        self.checkpoint_step = self._epoch_checkpoint = snap.checkpoint_step
+        self.recoveries = Recoveries(snap.recoveries)
+        self._grid_ids = snap.grid
+        if snap.grid:
+            self._wanted = Layout(len(snap.grid), max(snap.wanted_replicas, len(snap.grid[0])))
+            self._layout = Layout(len(snap.grid), len(snap.grid[0]))
+        if snap.splits:
+            self._trained_splits = list(snap.splits)
+        self.started_unix_s = snap.started_unix_s
+        if snap.state == "running" and snap.members:
+            self.members = list(snap.members)
+            self._train = replace(self.config.train, micro_batches=snap.micro_batches
+                                  or self.config.train.micro_batches)
+            self.plan = common_pb2.Plan(
+                stages=len(snap.grid), replicas=len(snap.grid[0]), epoch=self.epoch,
+                grid=[common_pb2.PlanStage(agent_ids=row) for row in snap.grid],
+                placement="adopted", layer_splits=snap.splits)
+            self._adopt_deadline = time.monotonic() + ADOPT_WAIT_S
+        log.info("job %s: adopted from the state directory after a coordinator restart "
+                 "(epoch %d, %s, newest checkpoint step %d)", self.job_id, self.epoch,
+                 snap.state, self.checkpoint_step)
+
+    def _persist(self, finished: bool = False) -> None:
+        if self.store is None or not self.config.model:
+            return
+        snap = JobSnapshot(
+            job_id=self.job_id, fingerprint=job_fingerprint(self.config),
+            state=STATE_NAMES.get(self.state, "waiting"), epoch=self.epoch,
+            restarts=self.restarts, members=list(self.members), grid=self._grid_ids,
+            splits=list(self._trained_splits or []), checkpoint_step=self.checkpoint_step,
+            recoveries=self.recoveries.to_json(), started_unix_s=self.started_unix_s,
+            micro_batches=self._train.micro_batches,
+            wanted_replicas=self._wanted.replicas if self._wanted else 0)
+        try:
+            self.store.save(snap, finished=finished)
+        except Exception as exc:  # a full disk must not stop training; say so loudly
+            log.error("job %s: could not save its state in %s: %s", self.job_id,
+                      self.store.path, exc)
 
     # --- events from the server ---
     def poke(self) -> None:
@@ -159,11 +243,17 @@ class Job:
         if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
                 and rec.agent_id in self.members):
             self._progress[rec.agent_id] = report
+            if report.step > 0:
+                self._first_steps.setdefault(rec.agent_id, report.step)
+            if report.step > 0 and self.recoveries.pending and self.state == S.JOB_STATE_RUNNING:
+                self.recoveries.trained(report.step)
+                self._persist()
             steps = self._steps.setdefault(rec.agent_id, deque(maxlen=STEP_WINDOW))
             if report.step >= 2 and report.step_s > 0 and (
                     not steps or steps[-1].step != report.step):
                 steps.append(report)  # step 1 carries warm-up; later ones are steady
-            if report.worker_state == "failed" and not self._failure:
+            failed = WorkerState.from_wire(report.worker_state) is WorkerState.FAILED
+            if failed and not self._failure:
                 self._failure = f"worker on {rec.agent_id} failed: {report.error or 'no reason'}"
                 self._failure_kind = report.error_kind or "internal"
             self.poke()
@@ -211,10 +301,17 @@ class Job:
             placement=self.plan.placement if self.plan else "",
             predicted_step_s=self.plan.predicted_step_s if self.plan else 0.0,
             measured_step_s=measured,
+            agents_min=self.config.min_agents or self.config.agents,
+            stages=self._layout.stages if self._layout else 0,
+            replicas=self._layout.replicas if self._layout else 0,
+            checkpoint_step=self.checkpoint_step, restarts=self.restarts,
+            recoveries=self.recoveries.items,
         )
 
     # --- the machine ---
     def _set(self, state: int, message: str) -> None:
+        if (state, message) == (self.state, self.message):
+            return  # the same wait, woken again: say it once
         self.state = state
         self.message = message
         log.info("job %s: %s — %s", self.job_id,
@@ -231,6 +328,10 @@ class Job:
     async def run(self) -> None:
         if not self.config.model:
             return
+        if self._adopt_deadline:
+            self._set(S.JOB_STATE_RUNNING, f"epoch {self.epoch}: adopted after a coordinator "
+                      f"restart; waiting for its {len(self.members)} members to report")
+            await self._follow()
         while self.state not in (S.JOB_STATE_DONE, S.JOB_STATE_FAILED):
             await self._run_epoch()
 
@@ -247,6 +348,12 @@ class Job:
             except ValueError as exc:
                 self._set(S.JOB_STATE_FAILED, str(exc))
                 return
+        elif cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids):
+            # a recovery among agents measured before: their links did not change because
+            # someone else died, and measuring again would cost a minute of stall
+            matrix = self.links.matrix(ids)
+            delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
+            bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
         elif cfg.measure_links and wanted > 1:
             self._set(S.JOB_STATE_MEASURING, f"measuring {wanted * (wanted - 1)} links")
             matrix = await self.measurer.measure(members)
@@ -254,10 +361,9 @@ class Job:
             if bad:
                 self._set(S.JOB_STATE_WAITING,
                           f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
-                for agent_id in bad:
-                    rec = self.registry.get(agent_id)
-                    if rec is not None:
-                        rec.state = S.AGENT_STATE_LOST
+                for agent_id in bad:  # the registry logs it and tells whoever listens
+                    self.registry.mark_lost(agent_id, "unreachable from the other agents "
+                                            "when the job measured its links")
                 return
             delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
             bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
@@ -267,16 +373,21 @@ class Job:
         np.fill_diagonal(delay, 0.0)
         np.fill_diagonal(bandwidth, 1.0)
         net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
-        layout = choose_layout(wanted, spec.n_layers, cfg.stages, cfg.replicas)
+        layout, train = self._epoch_layout(wanted, spec.n_layers)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
                   f"{layout.replicas} replicas ({placement.label})")
-        work = Workload(spec, layout.stages, layout.replicas, cfg.train.global_batch,
-                        cfg.train.micro_batches, cfg.train.schedule, cfg.train.dtype,
+        work = Workload(spec, layout.stages, layout.replicas, train.global_batch,
+                        train.micro_batches, cfg.train.schedule, cfg.train.dtype,
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
-                        dp_mode=cfg.train.dp_mode)
+                        dp_mode=cfg.train.dp_mode,
+                        compression=Compression.for_job(  # --pp/--dp-compress, counted per link
+                            cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
+                            dp_mode=cfg.train.dp_mode,
+                            device_kinds=[m.info.device.kind for m in members]))
         try:
             found = await self._place(placement, net, layout, ids, work,
-                                      device_figures(members, cfg.train.dtype))
+                                      device_figures(members, cfg.train.dtype),
+                                      warm=self._warm_grid(layout, ids, placement))
         except DoesNotFit as exc:
             self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
                       f"{layout.replicas} replicas does not fit: {exc}")
@@ -285,7 +396,11 @@ class Job:
             self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
             return
         self.epoch += 1
-        if self.config.train.checkpoint_dir:
+        self._layout, self._train = layout, train
+        self._epoch_checkpoint = self.checkpoint_step
+        self._grid_ids = [[ids[d] for d in row] for row in found["grid"]]
+        self.recoveries.placed(layout_text(layout.stages, layout.replicas))
+        if cfg.train.checkpoint_dir or cfg.train.checkpoint_every:
             self._trained_splits = list(found["splits"])
         by_rank = layout.devices_by_rank(found["grid"])
         records = [members[int(d)] for d in by_rank]
@@ -303,14 +418,17 @@ class Job:
             layer_splits=found["splits"],
         )
         assignments = build_assignments(
-            job_id=self.job_id, epoch=self.epoch, layout=layout, spec=spec, train=cfg.train,
+            job_id=self.job_id, epoch=self.epoch, layout=layout, spec=spec, train=train,
             master_addr=records[0].info.host, master_port=self._rendezvous_port(),
             backend="nccl" if all(r.info.device.kind == "cuda" for r in records) else "gloo",
             bind_addrs=[r.info.host for r in records], splits=found["splits"],
+            codecs=found["codecs"],
+            members=[(r.info.host, r.info.port) for r in records],
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()
+        self._first_steps.clear()
         self._failure, self._failure_kind = "", ""
         for rec, assignment in zip(records, assignments, strict=True):
             self.registry.send(rec.agent_id, coordinator_pb2.Command(assign=assignment))
@@ -318,8 +436,47 @@ class Job:
         self._set(S.JOB_STATE_RUNNING,
                   f"epoch {self.epoch}: {layout.stages} stages x {layout.replicas} replicas, "
                   f"{placement.label} placement, layers {found['split_note']}, predicted "
-                  f"cost {found['cost']:.3f} s, predicted step {predicted.step_s:.2f} s")
+                  f"cost {found['cost']:.3f} s, predicted step {predicted.step_s:.2f} s"
+                  + (f", compression {found['codecs'].summary()}"
+                     if work.compression and work.compression.active else "")
+                  + (f", {train.micro_batches} micro-batches per replica (shrunk from "
+                     f"{self._wanted.replicas} replicas)" if self._wanted and
+                     layout.replicas < self._wanted.replicas else ""))
+        self._persist()
         await self._follow()
+
+    def _epoch_layout(self, agents: int, n_layers: int) -> tuple[Layout, TrainConfig]:
+        """The first epoch's layout is the job's; later ones keep its stages (checkpoints
+        hold their layer ranges) and take fewer replicas when agents are missing, with more
+        micro-batches each, so the global batch and the loss curve stay the same."""
+        cfg = self.config
+        if self._wanted is None:
+            self._wanted = choose_layout(agents, n_layers, cfg.stages, cfg.replicas)
+            return self._wanted, cfg.train
+        shrunk = elastic_layout(agents, self._wanted.stages, self._wanted.replicas,
+                                cfg.train.global_batch, cfg.train.micro_batches)
+        assert shrunk is not None, "_gather returned too few agents for one replica"
+        layout, micro = shrunk
+        if layout == self._wanted:
+            return layout, cfg.train
+        return layout, replace(cfg.train, micro_batches=micro)
+
+    def _warm_grid(self, layout: Layout, ids: list[str],
+                   placement: Placement) -> list[list[int]] | None:
+        """The previous epoch's grid when the same agents form the same layout again (a
+        coordinator restart, a worker crash): no search, and every agent keeps the stage
+        whose checkpoints it holds."""
+        if placement.kind != "scheduled" or len(self._grid_ids) != layout.stages:
+            return None
+        index = {a: i for i, a in enumerate(ids)}
+        rows = [[index[a] for a in row if a in index][:layout.replicas]
+                for row in self._grid_ids]
+        newcomers = iter(sorted(set(range(len(ids))) - {d for row in rows for d in row}))
+        for row in rows:  # a grow-back: new agents fill the new replicas (and fetch)
+            row.extend(itertools.islice(newcomers, layout.replicas - len(row)))
+        if any(len(row) != layout.replicas for row in rows):
+            return None
+        return rows
 
     def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The members' rows of the `--links` file (read again: it may have been refreshed)."""
@@ -344,7 +501,10 @@ class Job:
         wanted = self.config.agents
         pinned = placement.pinned.agents if placement.pinned is not None else []
         while True:
-            alive = self.registry.alive()
+            # after a fault, only agents heard from since count: a dead one is swept by its
+            # missed heartbeats instead of being planned on (and probed for a minute)
+            everyone = self.registry.alive()
+            alive = [a for a in everyone if a.last_seen >= self._settle_after]
             if pinned:
                 by_id = {a.agent_id: a for a in alive}
                 missing = [a for a in pinned if a not in by_id]
@@ -353,17 +513,42 @@ class Job:
                 what = f"the pinned plan's agents: {len(missing)} of {wanted} not alive " \
                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
             else:
+                ordered = sorted(alive, key=lambda a: address_key(a.info.host, a.info.port))
                 if len(alive) >= wanted:
-                    return sorted(alive, key=lambda a: address_key(a.info.host,
-                                                                   a.info.port))[:wanted]
-                what = f"agents: {len(alive)} of {wanted} alive"
+                    return self._prefer_previous(ordered, wanted)[:wanted]
+                fewer = self._shrink_to(len(alive))
+                if fewer and len(everyone) == len(alive):
+                    return self._prefer_previous(ordered, fewer)[:fewer]
+                what = f"agents: {len(alive)} of {wanted} alive" + (
+                    f" (--min-agents {self.config.min_agents})" if self.config.min_agents
+                    else "")
             if self.state != S.JOB_STATE_RECOVERING or alive:
                 self._set(S.JOB_STATE_RECOVERING if self.state == S.JOB_STATE_RECOVERING
                           else S.JOB_STATE_WAITING, f"waiting for {what}")
             await self._wait()
 
+    def _prefer_previous(self, ordered: list[AgentRecord], count: int) -> list[AgentRecord]:
+        """Agents of the last epoch first, as many per stage as the new layout has replicas:
+        they hold their stage's checkpoints, so keeping them where they were costs no copy."""
+        if not self._grid_ids:
+            return ordered
+        per_stage = max(count // len(self._grid_ids), 1)
+        by_id = {a.agent_id: a for a in ordered}
+        picked = [by_id[a] for row in self._grid_ids
+                  for a in [x for x in row if x in by_id][:per_stage]]
+        return picked + [a for a in ordered if a not in picked]
+
+    def _shrink_to(self, alive: int) -> int:
+        """How many of `alive` agents a shrunk layout uses (0: wait for more instead)."""
+        if self._wanted is None or alive < (self.config.min_agents or self.config.agents):
+            return 0
+        shrunk = elastic_layout(alive, self._wanted.stages, self._wanted.replicas,
+                                self.config.train.global_batch, self.config.train.micro_batches)
+        return shrunk[0].stages * shrunk[0].replicas if shrunk else 0
+
     async def _place(self, placement: Placement, net: Network, layout: Layout,
-                     ids: list[str], work: Workload, dev: Devices) -> dict[str, Any]:
+                     ids: list[str], work: Workload, dev: Devices,
+                     warm: list[list[int]] | None = None) -> dict[str, Any]:
         """The grid (searched or fixed), its layer split, and the paper's cost of the grid.
 
         Raises `DoesNotFit` when some member cannot hold its stage under that split."""
@@ -373,11 +558,13 @@ class Job:
         dp_gb, pp_gb = comm_gb(work.spec, layout.stages, layout.replicas,
                                cfg.train.global_batch,
                                dtype="fp32" if cfg.train.dtype == "fp32" else "fp16")
-        grid = fixed_grid(placement, layout.stages, layout.replicas, ids)
-        if grid is None:
+        grid = warm or fixed_grid(placement, layout.stages, layout.replicas, ids)
+        if warm is not None:
+            found = {"grid": warm, "seconds": 0.0, "algorithm": "kept from the last epoch"}
+        elif grid is None:
             found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
                                            layout.stages, layout.replicas, dp_gb, pp_gb,
-                                           cfg.seed, cfg.search_seconds),
+                                           cfg.seed, cfg.search_seconds, work.compression),
                      "algorithm": "hybrid-ga"}
         else:
             found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
@@ -386,7 +573,9 @@ class Job:
         found["split_note"] = f"{','.join(map(str, found['splits']))} ({why})"
         check_fit(found["grid"], stages_bytes(work.memory(), found["splits"]), dev.memory,
                   names=ids)
-        return {**found, **score(net, found["grid"], dp_gb, pp_gb)}
+        assert work.compression is not None
+        found["codecs"] = work.compression.choose(net, found["grid"])  # per link, for auto
+        return {**found, **score(net, found["grid"], dp_gb, pp_gb, work.compression)}
 
     async def _choose_split(self, net: Network, grid: list[list[int]], work: Workload,
                             dev: Devices, move: bool) -> tuple[list[list[int]], list[int], str]:
@@ -419,27 +608,103 @@ class Job:
 
     async def _follow(self) -> None:
         while True:
+            fresh_checkpoint = self._note_checkpoint()
+            self._check_adopted()
             if self._failure:
-                failure = self._failure
-                await self._stop_members(f"recovering: {failure}")
-                self.restarts += 1
-                permanent = self._permanent(failure)
-                if permanent:
-                    self._set(S.JOB_STATE_FAILED, permanent)
-                elif self.restarts > self.config.max_restarts:
-                    self._set(S.JOB_STATE_FAILED,
-                              f"{failure}; gave up after {self.config.max_restarts} restarts")
-                else:
-                    self._set(S.JOB_STATE_RECOVERING,
-                              f"{failure}; rescheduling (restart {self.restarts} of "
-                              f"{self.config.max_restarts})")
+                await self._recover(self._failure)
+                return
+            if fresh_checkpoint and (grow := self._grow_reason()):
+                self.recoveries.begin(grow, self._layout_text(), self._last_step(), planned=True)
+                await self._stop_members(f"recovering: {grow}")
+                self._set(S.JOB_STATE_RECOVERING, grow)
+                self._persist()
                 return
             done = [a for a in self.members
-                    if (p := self._progress.get(a)) is not None and p.worker_state == "done"]
+                    if (p := self._progress.get(a)) is not None
+                    and WorkerState.from_wire(p.worker_state) is WorkerState.DONE]
             if len(done) == len(self.members):
                 self._set(S.JOB_STATE_DONE, f"trained {self.config.train.steps} steps")
+                self._persist(finished=True)
                 return
             await self._wait()
+
+    async def _recover(self, failure: str) -> None:
+        self.recoveries.begin(failure, self._layout_text(), self._last_step())
+        self._settle_after = self.registry.now()
+        await self._stop_members(f"recovering: {failure}")
+        self.restarts += 1
+        permanent = self._permanent(failure)
+        budget = self.config.max_restarts
+        if permanent:
+            self._set(S.JOB_STATE_FAILED, permanent)
+        elif self.restarts > budget:
+            self._set(S.JOB_STATE_FAILED,
+                      f"{failure}; gave up after {budget} restarts in a row without a new "
+                      f"checkpoint (raise --max-restarts, or find what keeps failing)")
+        else:
+            self._set(S.JOB_STATE_RECOVERING,
+                      f"{failure}; rescheduling (restart {self.restarts} of {budget} "
+                      f"without progress)")
+        self._persist(finished=self.state == S.JOB_STATE_FAILED)
+
+    def _last_step(self) -> int:
+        return max((r.step for r in self._progress.values()), default=self.checkpoint_step)
+
+    def _layout_text(self) -> str:
+        return layout_text(self._layout.stages, self._layout.replicas) if self._layout else ""
+
+    def _note_checkpoint(self) -> bool:
+        """Whether every member has just passed a new checkpoint step. Progress refills the
+        restart budget: faults days apart on a long job are not a failing job."""
+        every = self.config.train.checkpoint_every
+        if every <= 0 or not self.members:
+            return False
+        steps = [p.step for a in self.members if (p := self._progress.get(a)) is not None]
+        if len(steps) < len(self.members) or min(steps) < 1:
+            return False
+        # a worker reports step s before it has written s's checkpoint; s + 1 proves it
+        passed = ((min(steps) - 1) // every) * every
+        done = all(WorkerState.from_wire(self._progress[a].worker_state) is WorkerState.DONE
+                   for a in self.members)
+        if done:
+            passed = min(steps)  # the final checkpoint is written before a worker says done
+        if passed <= self.checkpoint_step:
+            return False
+        self.checkpoint_step = passed
+        # one this epoch wrote (not the one it resumed from) is progress
+        fresh = passed >= max(self._first_steps.values(), default=passed)
+        if fresh:
+            self.restarts = 0
+        self._persist()
+        return fresh
+
+    def _grow_reason(self) -> str:
+        """Why to stop at this checkpoint and re-plan on more agents ('' to go on)."""
+        if self._wanted is None or self._layout is None or self._layout == self._wanted:
+            return ""
+        spare = [a for a in self.registry.alive() if a.agent_id not in self.members]
+        total = len(self.members) + len(spare)
+        wanted = self._wanted.stages * self._wanted.replicas
+        target = wanted if total >= wanted else self._shrink_to(total)
+        if target <= len(self.members):
+            return ""
+        return (f"{len(spare)} more agent(s) alive: growing back from {self._layout_text()} "
+                f"at the checkpoint of step {self.checkpoint_step}")
+
+    def _check_adopted(self) -> None:
+        """An adopted epoch goes on only if its members report again in time."""
+        if not self._adopt_deadline:
+            return
+        silent = [a for a in self.members if a not in self._progress]
+        if not silent:
+            self._adopt_deadline = 0.0
+            log.info("job %s: every member of epoch %d reported after the restart",
+                     self.job_id, self.epoch)
+        elif time.monotonic() > self._adopt_deadline:
+            self._adopt_deadline = 0.0
+            if not self._failure:
+                self._failure = (f"member(s) {', '.join(silent)} did not report within "
+                                 f"{ADOPT_WAIT_S:.0f} s of the coordinator's restart")
 
     def _permanent(self, failure: str) -> str:
         """Why `failure` will repeat the same way on every retry ('' when a retry may help).
@@ -469,5 +734,11 @@ class Job:
                     stop=coordinator_pb2.StopCommand(job_id=self.job_id, reason=reason)))
 
     async def shutdown(self) -> None:
-        if self.state == S.JOB_STATE_RUNNING:
+        """Stop the members, unless the job is kept in a state directory: then the workers
+        train on and the next coordinator process adopts them."""
+        if self.state == S.JOB_STATE_RUNNING and self.store is None:
             await self._stop_members("coordinator shutting down")
+        elif self.store is not None:
+            self._persist()
+            log.info("job %s: left running for the next coordinator (state in %s)",
+                     self.job_id, self.store.path)

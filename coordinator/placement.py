@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.scheduler import Network, plan_cost
+from coordinator.scheduler.compression import Compression
 
 KINDS = ("scheduled", "rank-order", "random")
 
@@ -150,6 +151,7 @@ def fixed_grid(placement: Placement, stages: int, replicas: int,
     return None
 
 
-def score(net: Network, grid: list[list[int]], dp_gb: float, pp_gb: float) -> dict[str, float]:
-    cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb)
+def score(net: Network, grid: list[list[int]], dp_gb: float, pp_gb: float,
+          compression: Compression | None = None) -> dict[str, float]:
+    cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb, compression)
     return {"cost": cost, "dp_cost": dp, "pp_cost": pp}

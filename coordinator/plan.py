@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import plan_uneven, scenarios
+from coordinator import plan_compress, plan_uneven, scenarios
 from coordinator.scheduler import Network, comm_gb, plan_cost, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
 from dtfm import flags
 from dtfm.core.presets import PRESETS, get_preset
 from dtfm.core.shape import pick_shape
+from dtfm.core.spec import check_batch
 
 EXIT_USAGE = 2
 TSP_EXACT = "exact (Held-Karp)"
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also draw both matrices as heat maps with the chosen stage x "
                         "pipeline grid over them (needs matplotlib: pip install 'dtfm[plot]')")
     plan_uneven.add_arguments(parser)
+    plan_compress.add_arguments(parser)
 
 
 def _note(msg: str) -> None:
@@ -129,13 +131,8 @@ def _sizes(args: argparse.Namespace, s: int, r: int) -> tuple[float, float, str]
     if args.model is not None:
         spec = get_preset(args.model)
         batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
-        micro = args.micro_batches
-        if batch < 1 or micro < 1 or batch % r or (batch // r) % micro:
-            raise PlanInputError(
-                f"a global batch of {batch} sequences must split evenly into {r} replicas x "
-                f"{micro} micro-batches: use a multiple of {r * max(micro, 1)}"
-            )
         try:
+            check_batch(batch, args.micro_batches, r)  # the worker's rule, from its one home
             dp, pp = comm_gb(spec, s, r, batch, args.dtype)
         except ValueError as e:
             raise PlanInputError(str(e)) from None
@@ -185,12 +182,13 @@ def compute(args: argparse.Namespace,
         samples = DEFAULT_RANDOM if net.size <= 128 else 20
     if samples < 1:
         raise PlanInputError(f"--random must be >= 1, got {samples}")
+    comp = plan_compress.compression(args)  # None: nothing compressed, the paper's model
     t0 = time.perf_counter()
     res = search_plan(
         net, s, r, dp_gb, pp_gb, seed=args.seed, budget=args.budget, seconds=args.seconds,
-        gain=args.gain, progress=_progress,
+        gain=args.gain, progress=_progress, compression=comp,
     )
-    model = CostModel(net, s, r, dp_gb, pp_gb)
+    model = CostModel(net, s, r, dp_gb, pp_gb, compression=comp)
     rnd = random_best(model, samples, np.random.default_rng(args.seed + 1))
     ro = rank_order(model)
     out: dict[str, Any] = {
@@ -223,7 +221,10 @@ def compute(args: argparse.Namespace,
     if plan_uneven.wanted(args):  # speeds or memory given: split layers, maybe move devices
         batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
         out.update(plan_uneven.split(args, net, res.grid, s, r, batch))
-        out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb)
+        out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb,
+                                                                comp)
+    if comp is not None:  # which codec each link got, and the uncompressed cost
+        out.update(plan_compress.describe(comp, net, out["grid"], dp_gb, pp_gb))
     return out
 
 
@@ -257,7 +258,7 @@ def format_table(out: dict[str, Any]) -> str:
         f"search: {out['evaluated']} candidates in {out['seconds']:.2f}s, seed {out['seed']}, "
         f"gain {out['gain']}, TSP {out['tsp']}; random = best of {bp['random']['samples']}",
     ]
-    return "\n".join(lines + plan_uneven.format_lines(out))
+    return "\n".join(lines + plan_uneven.format_lines(out) + plan_compress.format_lines(out))
 
 
 def write_plot(net: Network, out: dict[str, Any], path: str) -> str:

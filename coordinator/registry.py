@@ -1,9 +1,12 @@
 """The registry of agents: who joined, who is alive, and the queue of commands for each.
 
 Liveness is the coordinator's judgement alone: an agent is alive while its heartbeats arrive
-within the liveness timeout, lost once they stop (a crash, a partition), and left when it said
-goodbye. Rows lost or left for longer than `evict_after_s` are dropped, so churn does not grow
-the registry forever. The registry is touched only from the event loop, so it needs no locks.
+within the liveness timeout, lost once they stop (a crash, a partition) or when the job finds
+it unreachable (`mark_lost`), and left when it said goodbye (`leave`). Every change of an
+agent's state happens here, so each one is logged with its reason and fires the same
+callbacks, whoever noticed it. Rows lost or left for longer than `evict_after_s` are dropped,
+so churn does not grow the registry forever. The registry is touched only from the event
+loop, so it needs no locks.
 
 Each agent id is bound to a secret issued at its first Join: a second process under the same
 id (a copied state directory, a cloned VM, someone forging reports) cannot take over the row,
@@ -43,6 +46,7 @@ class AgentRecord:
     commands: asyncio.Queue[coordinator_pb2.Command] = field(default_factory=asyncio.Queue)
     stream_generation: int = 0
     secret: str = field(default_factory=lambda: secrets.token_hex(32))
+    why: str = ""  # why it is lost or left (for the log line when it comes back)
 
     def proves(self, secret: str) -> bool:
         """Whether `secret` is this agent's (constant time, so it cannot be guessed bytewise)."""
@@ -87,16 +91,24 @@ class Registry:
         clock: Callable[[], float] = time.time,
         on_change: Callable[[], None] | None = None,
         evict_after_s: float = 600.0,
+        on_lost: Callable[[list[AgentRecord]], None] | None = None,
     ) -> None:
+        """`on_change` fires on every change of the agent set or an agent's state; `on_lost`
+        with the agents newly lost, whether by silence (`sweep`) or by `mark_lost`."""
         self.liveness_timeout_s = liveness_timeout_s
         self.evict_after_s = evict_after_s
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
         self._seq = 0
         self._on_change = on_change or (lambda: None)
+        self._on_lost = on_lost or (lambda lost: None)
 
     def __len__(self) -> int:
         return len(self._agents)
+
+    def now(self) -> float:
+        """The registry's clock, the one `AgentRecord.last_seen` is read on."""
+        return self._clock()
 
     def get(self, agent_id: str) -> AgentRecord | None:
         return self._agents.get(agent_id)
@@ -126,10 +138,12 @@ class Registry:
             log.info("agent %s joined from %s (%s)", info.agent_id, rec.address, info.device.kind)
         else:
             if rec.state != ALIVE:
-                log.info("agent %s is back (was %s)", info.agent_id, STATE_NAMES[rec.state])
+                log.info("agent %s is back (was %s: %s)", info.agent_id,
+                         STATE_NAMES[rec.state], rec.why)
             rec.info = info
             rec.last_seen = now
             rec.state = ALIVE
+            rec.why = ""
             rec.commands.put_nowait(None)  # type: ignore[arg-type]  # ends the old stream
             rec.commands = asyncio.Queue()
             rec.secret = secrets.token_hex(32)
@@ -152,22 +166,55 @@ class Registry:
         return rec
 
     def heartbeat(self, report: coordinator_pb2.ProgressReport) -> AgentRecord | None:
+        """Take a heartbeat: the agent is alive and this is its progress.
+
+        A heartbeat from an agent marked lost or left brings it back (it answers, so it is
+        alive), and says so with the reason it was out: an agent the job left out as
+        unreachable comes back this way within one heartbeat interval.
+        """
         rec = self._agents.get(report.agent_id)
         if rec is None:
             return None
         rec.last_seen = self._clock()
-        if report.worker_state == "left":
-            if rec.state != LEFT:
-                log.info("agent %s left", rec.agent_id)
-                rec.state = LEFT
-                self._on_change()
-            return rec
         rec.progress = report
         if rec.state != ALIVE:
-            log.info("agent %s is alive again", rec.agent_id)
+            log.log(logging.WARNING if rec.state == LOST else logging.INFO,
+                    "agent %s is alive again: it sends heartbeats after it was marked %s (%s)",
+                    rec.agent_id, STATE_NAMES[rec.state], rec.why)
             rec.state = ALIVE
+            rec.why = ""
             self._on_change()
         return rec
+
+    def leave(self, agent_id: str, reason: str) -> AgentRecord | None:
+        """The agent said goodbye: mark it left (not lost). None when the id is unknown."""
+        rec = self._agents.get(agent_id)
+        if rec is None:
+            return None
+        rec.last_seen = self._clock()
+        if rec.state != LEFT:
+            rec.state = LEFT
+            rec.why = reason or "said goodbye"
+            log.info("agent %s left: %s", agent_id, rec.why)
+            self._on_change()
+        return rec
+
+    def mark_lost(self, agent_id: str, reason: str) -> AgentRecord | None:
+        """Mark a live agent lost for `reason` (e.g. its peers cannot reach it), exactly as if
+        its heartbeats had stopped: logged, `on_change` and `on_lost` fire. Returns the record,
+        or None when the id is unknown or the agent is not alive (nothing changes)."""
+        rec = self._agents.get(agent_id)
+        if rec is None or rec.state != ALIVE:
+            return None
+        self._lose(rec, reason)
+        self._on_change()
+        self._on_lost([rec])
+        return rec
+
+    def _lose(self, rec: AgentRecord, reason: str) -> None:
+        rec.state = LOST
+        rec.why = reason
+        log.warning("agent %s lost: %s", rec.agent_id, reason)
 
     def sweep(self) -> list[AgentRecord]:
         """Mark agents silent past the timeout as lost; return those newly lost."""
@@ -175,16 +222,12 @@ class Registry:
         lost = []
         for rec in self._agents.values():
             if rec.state == ALIVE and now - rec.last_seen > self.liveness_timeout_s:
-                rec.state = LOST
+                self._lose(rec, f"no heartbeat for {now - rec.last_seen:.1f} s "
+                                f"(timeout {self.liveness_timeout_s:.1f} s)")
                 lost.append(rec)
-                log.warning(
-                    "agent %s lost: no heartbeat for %.1f s (timeout %.1f s)",
-                    rec.agent_id,
-                    now - rec.last_seen,
-                    self.liveness_timeout_s,
-                )
         if lost:
             self._on_change()
+            self._on_lost(lost)
         return lost
 
     def evict(self) -> list[str]:

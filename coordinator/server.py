@@ -19,12 +19,14 @@ import grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.history import History
 from coordinator.job import Job
+from coordinator.jobstore import JobStore
 from coordinator.linkstore import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.registry import AgentRecord, IdentityError, Registry
 from coordinator.validate import (
     secret_problem,
     validate_agent_info,
+    validate_leave,
     validate_link_report,
     validate_progress,
 )
@@ -44,10 +46,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.registry = Registry(config.liveness_timeout_s, on_change=self._changed,
-                                 evict_after_s=config.evict_after_s)
+                                 evict_after_s=config.evict_after_s, on_lost=self._lost)
         self.links = LinkStore()
         self.measurer = LinkMeasurer(self.registry, self.links)
-        self.job = Job(config.job, self.registry, self.measurer, self.links)
+        self.store = JobStore(config.state_dir) if config.state_dir else None
+        self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store)
         self.history = History()
         self.stopping = asyncio.Event()
 
@@ -55,6 +58,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job = getattr(self, "job", None)
         if job is not None:
             job.poke()
+
+    def _lost(self, lost: list[AgentRecord]) -> None:
+        """The registry lost agents (silent, or unreachable as the job found): tell the job."""
+        job = getattr(self, "job", None)
+        if job is not None:
+            job.on_lost(lost)
 
     # --- agents ---
     async def Join(
@@ -110,6 +119,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.job.on_progress(rec, request)
         if request.job_id and request.job_id == self.job.job_id:
             self.history.record(rec.agent_id, request)
+        return coordinator_pb2.Ack(ok=True)
+
+    async def Leave(
+        self, request: coordinator_pb2.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.Ack:
+        problem = validate_leave(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"agent {request.agent_id!r} has not joined: there is nothing to leave",
+            )
+        self.registry.leave(request.agent_id, request.reason)
         return coordinator_pb2.Ack(ok=True)
 
     async def ReportLinks(
@@ -205,9 +228,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         period = max(0.05, min(self.config.heartbeat_interval_s,
                                self.config.liveness_timeout_s / 4))
         while not self.stopping.is_set():
-            lost = self.registry.sweep()
-            if lost:
-                self.job.on_lost(lost)
+            self.registry.sweep()  # tells the job through on_lost
             self.links.forget(self.registry.evict())
             await asyncio.sleep(period)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from coordinator.linkstore import matrix_to_json
 from coordinator.registry import STATE_NAMES
+from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 
@@ -34,7 +35,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "flops": a.info.device.flops, "flops_bf16": a.info.device.flops_bf16,
                        "cores": a.info.device.cores},
             "version": a.info.version,
-            "worker": {"state": p.worker_state or "idle", "job_id": p.job_id,
+            "worker": {"state": WorkerState.label(p.worker_state), "job_id": p.job_id,
                        "epoch": p.epoch, "step": p.step, "loss": p.loss,
                        "tokens_per_s": p.tokens_per_s, "error": p.error,
                        "error_kind": p.error_kind, "step_s": p.step_s,
@@ -59,7 +60,11 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "agents_wanted": j.agents_wanted, "epoch": j.epoch, "step": j.step,
                 "total_steps": j.total_steps, "loss": j.loss, "tokens_per_s": j.tokens_per_s,
                 "message": j.message, "placement": j.placement,
-                "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s},
+                "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s,
+                "agents_min": j.agents_min, "stages": j.stages, "replicas": j.replicas,
+                "checkpoint_step": j.checkpoint_step, "restarts": j.restarts,
+                "recoveries": [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+                               for r in j.recoveries]},
         "plan": plan,
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
@@ -103,6 +108,15 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                          f"{j['predicted_step_s']:.2f} s, measured {measured}")
         if j["message"]:
             lines.append(f"  {j['message']}")
+        if j["stages"]:
+            lines.append(f"  layout {j['stages']}x{j['replicas']}, checkpoint at step "
+                         f"{j['checkpoint_step']}, {len(j['recoveries'])} recoveries")
+        for r in j["recoveries"][-5:]:
+            when = time.strftime("%H:%M:%S", time.localtime(r["at_unix_s"]))
+            after = (f"resumed after step {r['resumed_step']}, {r['steps_lost']} steps lost, "
+                     f"stalled {r['stalled_s']:.0f} s" if r["stalled_s"] else "not resumed yet")
+            lines.append(f"    {when} {r['layout_before']} -> {r['layout_after'] or '?'}: "
+                         f"{r['reason'][:80]} ({after})")
     else:
         lines.append(f"job: {j['state']} ({j['message']})")
     alive = sum(a["state"] == "alive" for a in data["agents"])

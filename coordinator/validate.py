@@ -19,7 +19,7 @@ from dtfm.core.limits import (
 )
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
-WORKER_STATES = {"idle", "measuring", "starting", "training", "done", "failed", "left"}
+WORKER_STATES = frozenset(common_pb2.WorkerState.values())  # the wire enum's numbers
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -70,9 +70,11 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
     problem = agent_id_problem(report.agent_id) or secret_problem(report.agent_secret)
     if problem:
         return problem
-    if report.worker_state and report.worker_state not in WORKER_STATES:
-        return (f"worker_state {report.worker_state[:40]!r} is not one of "
-                f"{sorted(WORKER_STATES)}")
+    if report.worker_state not in WORKER_STATES:
+        # proto3 enums are open: an unknown number decodes fine and must be refused here
+        return (f"worker_state {report.worker_state} is not a dtfm.v1.WorkerState (one of "
+                f"{min(WORKER_STATES)}..{max(WORKER_STATES)}); is the agent newer than "
+                "this coordinator?")
     return _first(
         number_problem("loss", report.loss, None),
         number_problem("tokens_per_s", report.tokens_per_s),
@@ -82,6 +84,12 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
         text_problem("error", report.error, MAX_ERROR, free_text=True),
         text_problem("error_kind", report.error_kind, MAX_KIND),
     )
+
+
+def validate_leave(request: coordinator_pb2.LeaveRequest) -> str | None:
+    """Why a goodbye is unacceptable, or None."""
+    return _first(agent_id_problem(request.agent_id), secret_problem(request.agent_secret),
+                  text_problem("reason", request.reason, MAX_ERROR, free_text=True))
 
 
 def validate_link_report(report: coordinator_pb2.LinkReport) -> str | None:

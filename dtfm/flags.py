@@ -1,21 +1,28 @@
-"""Command-line plumbing both entry points share: layered config, security flags, logging.
+"""Command-line plumbing both entry points share: layered config, security flags, logging,
+and the one mapping between the training flags and `TrainConfig`.
 
 Precedence, the same for every daemon: flags override `DTFM_<FLAG>` environment variables,
 which override a `--config FILE` (TOML, keys named like the flags), which overrides defaults.
+`coordinator start` and `agent local` get their training flags from `add_train_args` and read
+them back with `train_config_from_args`, so the two cannot drift apart again.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import logging
 import math
 import os
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
+from dtfm.core.codecs import check_setting
+from dtfm.core.spec import DpMode, Dtype, Schedule, TrainConfig
 from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
@@ -92,6 +99,96 @@ count = number(int, 0, maximum=UINT32)  # steps, restarts, ...: 0 or more
 positive_count = number(int, 1, maximum=UINT32)  # batch, micro-batches, ...: 1 or more
 seconds = number(float, 0, above=True, unit=" seconds")  # timeouts and intervals: > 0
 seconds_or_off = number(float, 0, unit=" seconds (0: off)")
+
+
+def codec_setting(flag: str, *, topk: bool) -> Callable[[str], str]:
+    """An argparse `type` for --pp-compress / --dp-compress: a codec name or auto."""
+
+    def parse(text: str) -> str:
+        try:
+            check_setting(text, topk=topk, what=flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text.strip()
+
+    parse.__name__ = "codec"
+    return parse
+
+
+# --- the training flags: one per TrainConfig field, the same in every command that trains ---
+
+# How each field is parsed; its flag name, help text and default come from `TrainConfig`.
+# An enum field is a string restricted to the enum's values (argparse `choices`, which the
+# DTFM_* and TOML layers check too). A field missing here fails `add_train_args` loudly.
+_TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
+    "global_batch": positive_count,
+    "micro_batches": positive_count,
+    "steps": count,
+    "seed": number(int, 0, maximum=2**64 - 1),
+    "schedule": Schedule,
+    "dp_mode": DpMode,
+    "lr": number(float, 0, above=True),
+    "warmup_steps": count,
+    "grad_clip": number(float),
+    "weight_decay": number(float),
+    "data_path": str,
+    "checkpoint_dir": str,
+    "dtype": Dtype,
+    "checkpoint_every": count,
+    "eval_batches": count,
+    "pp_compress": codec_setting("--pp-compress", topk=False),
+    "dp_compress": codec_setting("--dp-compress", topk=True),
+}
+_TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
+                   "weight_decay": "X", "pp_compress": "CODEC",
+                   "dp_compress": "CODEC"}  # and N for the integers
+
+
+def train_dest(name: str) -> str:
+    """The argparse dest (and DTFM_* / TOML name) of TrainConfig field `name`: `batch` for
+    `global_batch`, `data` for `data_path`, else the name itself."""
+    return TrainConfig.flag_of(name).removeprefix("--").replace("-", "_")
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """Add the group of training flags: one per `TrainConfig` field, defaulting to its default.
+
+    Every command that trains calls this, so a field added to `TrainConfig` reaches every
+    operator-facing flag set at once (a test compares `coordinator start` with `agent local`).
+    """
+    group = parser.add_argument_group("training")
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        kind = _TRAIN_TYPES[f.name]
+        default = getattr(defaults, f.name)
+        doc = str(f.metadata["doc"]).replace("%", "%%")
+        extra: dict[str, Any] = {"type": kind}
+        if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+            extra = {"choices": [m.value for m in kind]}
+            default = str(default)
+        help_text = doc + (" (default: %(default)s)" if default != "" else "")
+        metavar = _TRAIN_METAVARS.get(f.name, "N" if type(default) is int else None)
+        group.add_argument(TrainConfig.flag_of(f.name), dest=train_dest(f.name), default=default,
+                           metavar=metavar, help=help_text, **extra)
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The `TrainConfig` the training flags (after the DTFM_* and TOML layers) describe.
+
+    Not validated: the caller knows the replica count `validate` needs.
+    """
+    return TrainConfig(**{f.name: getattr(args, train_dest(f.name)) for f in fields(TrainConfig)})
+
+
+def train_argv(config: TrainConfig) -> list[str]:
+    """The training flags that reproduce `config`, for a launcher that starts a command which
+    trains (the inverse of `train_config_from_args`); defaults are left out."""
+    defaults, argv = TrainConfig(), []
+    for f in fields(TrainConfig):
+        value = getattr(config, f.name)
+        if value != getattr(defaults, f.name):
+            argv += [TrainConfig.flag_of(f.name), str(value)]
+    return argv
 
 
 def _flag(action: argparse.Action) -> str:

@@ -1,13 +1,16 @@
-"""Stopping child processes politely, then firmly: one routine for every launcher.
+"""Stopping child processes politely, then firmly: the one routine for every launcher.
 
 SIGTERM first so daemons and workers can shut down cleanly (stop workers, say goodbye, flush
 checkpoints), SIGKILL for whatever is still alive when the grace period ends. With
 `group=True` the signal goes to each child's process group (children started with
-`start_new_session=True`), so grandchildren go too.
+`start_new_session=True`), so grandchildren go too. Every terminate-then-kill in the programs
+and in `dtfm` goes through here (the worker launcher, the demo, the WAN harness), so the order
+of signals, the shared grace period and the reaping are written once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -25,15 +28,32 @@ def _send(proc: subprocess.Popen, sig: int, group: bool) -> None:  # type: ignor
 
 
 def terminate_all(procs: Iterable[subprocess.Popen], grace_s: float = 10.0,  # type: ignore[type-arg]
-                  group: bool = True) -> None:
-    """SIGTERM every live process, wait up to `grace_s` in total, SIGKILL the rest."""
+                  group: bool = True) -> list[subprocess.Popen]:  # type: ignore[type-arg]
+    """SIGTERM every live process, wait up to `grace_s` in total, SIGKILL the rest.
+
+    Returns the processes that needed SIGKILL, for callers that want to say so. Every process
+    is reaped when this returns.
+    """
     live = [p for p in procs if p.poll() is None]
     for proc in reversed(live):
         _send(proc, signal.SIGTERM, group)
     deadline = time.monotonic() + grace_s
+    killed = []
     for proc in live:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             _send(proc, signal.SIGKILL, group)
             proc.wait()
+            killed.append(proc)
+    return killed
+
+
+async def terminate_all_async(procs: Iterable[subprocess.Popen], grace_s: float = 10.0,  # type: ignore[type-arg]
+                              group: bool = True) -> list[subprocess.Popen]:  # type: ignore[type-arg]
+    """`terminate_all` for an event loop: the waiting happens on a worker thread.
+
+    `Popen.wait` in that thread and `Popen.poll` on the loop are safe together (Popen locks
+    around waitpid; a poll that finds the lock taken answers "still running").
+    """
+    return await asyncio.to_thread(terminate_all, list(procs), grace_s, group)

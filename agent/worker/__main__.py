@@ -1,8 +1,9 @@
-"""Entry point the agent's supervisor and `agent local` spawn: one worker process.
+"""Entry point `dtfm.launcher` spawns (for the agent's supervisor and `agent local`): one worker.
 
 `python -m agent.worker --assignment PATH [--progress PATH]`; PATH holds a binary-serialized
-`dtfm.v1.Assignment`. Progress is JSON lines (step, done, error events) appended to the
-progress file, or stdout. Exit status 0 means training finished.
+`dtfm.v1.Assignment`. Progress is JSON lines (the step, done and error events of
+`dtfm.core.events`) appended to the progress file, or stdout. Exit status 0 means training
+finished.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 import sys
 
 from agent.worker.train import read_assignment, run_assignment
+from dtfm.core.events import WorkerEnv
 
-PARENT_ENV = "DTFM_SUPERVISOR_PID"
+PARENT_ENV = WorkerEnv.SUPERVISOR_PID
 PR_SET_PDEATHSIG = 1
 
 

@@ -23,6 +23,15 @@ buffer, so bucketing changes no bits for R = 2 (a + b is commutative); for R > 2
 a ring's partial sums depends on an element's position in its buffer, but every replica still
 gets the same bits. A few extra scalars (the last stage's loss) can ride in the last bucket,
 so reporting the global loss costs no round trip of its own.
+
+Compression (`sharded` only; `codec`, from `Assignment.dp_compress`): each shard travels as
+an int8 / int4 / top-k message (`compress.py`) with error feedback: a replica keeps, per
+bucket and destination, what its last messages could not carry and adds it to the next
+(per owner, the same for the averaged shard it sends back). The owner sums the decoded copies
+in replica order and replaces its own averaged shard by what its peers will decode from its
+message, so every replica still steps with identical gradients. The extra scalars then
+travel in a bucket of their own, uncompressed, so the reported loss stays exact. The
+residuals live in memory only: a resumed run starts them at zero.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.worker.compress import ErrorFeedback, TensorCodec
 from agent.worker.errors import wait_all
 
 log = logging.getLogger(__name__)
@@ -56,6 +66,10 @@ class _Bucket:
     ready: int = 0
     works: list[dist.Work] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)  # sharded: my shard, from each
+    codec: TensorCodec | None = None  # sharded messages compressed with this (None: exact)
+    feedback: dict[int, ErrorFeedback] = field(default_factory=dict)  # per destination shard
+    gather_feedback: ErrorFeedback | None = None  # for the averaged shard I own
+    gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # compressed recvs
 
 
 def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -89,21 +103,33 @@ class GradAverager:
         extras: int = 0,
         bucket_bytes: int | None = None,
         timeout: timedelta = timedelta(seconds=300),
+        codec: TensorCodec | None = None,
     ) -> None:
         if mode not in ("allreduce", "sharded"):
             raise ValueError(f"unknown dp mode {mode!r}; use 'allreduce' or 'sharded'")
+        if codec is not None and mode != "sharded":
+            raise ValueError(f"data-parallel compression ({codec.name}) needs --dp-mode "
+                             f"sharded: a ring all-reduce sums in flight, which quantized "
+                             f"messages with their own scales cannot do")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group, self.ranks, self.mode = group, ranks, mode
         self.size, self.n_extras, self.timeout = len(ranks), extras, timeout
+        self.codec = codec
         self._armed, self._next = False, 0
         self._extras = [0.0] * extras
+        self.sent_bytes = 0  # this step's bytes to the other replicas
+        self.codec_s = 0.0  # this step's compressing and decompressing
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         if self.size > 1:
             nbytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_from_env()
-            self._build(plan_buckets(self.params[::-1], nbytes))
+            plan = plan_buckets(self.params[::-1], nbytes)
+            if codec is not None and extras:
+                plan.append([])  # the extras travel exact, in a bucket of their own
+            self._build(plan)
 
     def _build(self, plan: list[list[nn.Parameter]]) -> None:
+        like = self.params[0]
         for k, params in enumerate(plan):
             offsets = [0]
             for p in params:
@@ -111,8 +137,10 @@ class GradAverager:
             n = offsets[-1] + (self.n_extras if k == len(plan) - 1 else 0)
             if self.mode == "sharded":
                 n = -(-n // self.size) * self.size
-            flat = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
-            b = _Bucket(params, offsets[:-1], flat, offsets[-1])
+            dtype = params[0].dtype if params else like.dtype
+            flat = torch.zeros(n, dtype=dtype, device=like.device)
+            b = _Bucket(params, offsets[:-1], flat, offsets[-1],
+                        codec=self.codec if params else None)
             self.buckets.append(b)
             for p, off in zip(params, b.offsets, strict=True):
                 self._slot[id(p)] = (b, off)
@@ -131,8 +159,9 @@ class GradAverager:
             self._extras, dtype=last.flat.dtype
         )
         for b in self.buckets:
-            b.ready, b.works, b.parts = 0, [], []
+            b.ready, b.works, b.parts, b.gathered = 0, [], [], []
         self._armed, self._next = True, 0
+        self.sent_bytes, self.codec_s = 0, 0.0
 
     def finish(self) -> tuple[float, list[float]]:
         """Start what backward did not, wait, and write back the means.
@@ -188,15 +217,38 @@ class GradAverager:
     def _launch(self, b: _Bucket) -> None:
         if self.mode == "allreduce":
             b.works = [self._async(dist.all_reduce(b.flat, dist.ReduceOp.SUM, self.group, True))]
+            # gloo's ring: each replica sends 2(R-1)/R of the buffer
+            self.sent_bytes += 2 * (self.size - 1) * b.flat.numel() * b.flat.element_size() \
+                // self.size
             return
         me, chunks = self.ranks.index(dist.get_rank()), b.flat.chunk(self.size)
-        b.parts = [chunks[me] if k == me else torch.empty_like(chunks[me])
+        b.parts = [chunks[me] if k == me else self._recv_buffer(b, chunks[me])
                    for k in range(self.size)]
         tag = TAG_SCATTER + 2 * self.buckets.index(b)
         b.works = [self._async(dist.irecv(b.parts[k], self.ranks[k], self.group, tag))
                    for k in range(self.size) if k != me]
-        b.works += [self._async(dist.isend(chunks[k].contiguous(), self.ranks[k], self.group,
-                                           tag)) for k in range(self.size) if k != me]
+        b.works += [self._async(dist.isend(self._message(b, k, chunks[k]), self.ranks[k],
+                                           self.group, tag))
+                    for k in range(self.size) if k != me]
+
+    def _recv_buffer(self, b: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """Where a peer's copy of `shard` arrives: a tensor like it, or its message's bytes."""
+        if b.codec is None:
+            return torch.empty_like(shard)
+        return torch.empty(b.codec.wire_bytes(shard.numel()), dtype=torch.uint8,
+                           device=shard.device)
+
+    def _message(self, b: _Bucket, k: int, shard: torch.Tensor) -> torch.Tensor:
+        """What replica k receives for `shard`: the shard, or its error-compensated message."""
+        if b.codec is None:
+            msg = shard.contiguous()
+        else:
+            t0 = time.perf_counter()
+            feedback = b.feedback.setdefault(k, ErrorFeedback(b.codec))
+            msg, _ = feedback.encode(shard)
+            self.codec_s += time.perf_counter() - t0
+        self.sent_bytes += msg.numel() * msg.element_size()
+        return msg
 
     @staticmethod
     def _async(work: dist.Work | None) -> dist.Work:
@@ -211,6 +263,8 @@ class GradAverager:
             self._gather_shards()
         for b in self.buckets:
             self._wait(b.works)
+            if b.gathered:
+                self._decode_gathered(b)
             if self.mode == "allreduce":
                 b.flat.div_(self.size)
             for p, off in zip(b.params, b.offsets, strict=True):
@@ -223,6 +277,9 @@ class GradAverager:
         me = self.ranks.index(dist.get_rank())
         for i, b in enumerate(self.buckets):
             self._wait(b.works)
+            if b.codec is not None:
+                self._gather_compressed(b, i, me)
+                continue
             mine = b.parts[0].clone()
             for part in b.parts[1:]:
                 mine.add_(part)
@@ -234,3 +291,39 @@ class GradAverager:
                        for k in range(self.size) if k != me]
             b.works += [self._async(dist.isend(chunks[me], self.ranks[k], self.group, tag))
                         for k in range(self.size) if k != me]
+            self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
+
+    def _gather_compressed(self, b: _Bucket, i: int, me: int) -> None:
+        """`_gather_shards` for a compressed bucket: decode the copies, sum them in replica
+        order, and send the average as one error-compensated message to every peer; my own
+        shard becomes what they decode, so all replicas hold the same bits."""
+        assert b.codec is not None
+        t0 = time.perf_counter()
+        chunks = b.flat.chunk(self.size)
+        n = chunks[me].numel()
+        copies = [part if k == me else b.codec.decode(part, n) for k, part in enumerate(b.parts)]
+        mine = copies[0].clone()
+        for part in copies[1:]:
+            mine.add_(part)
+        mine.div_(self.size)
+        if b.gather_feedback is None:
+            b.gather_feedback = ErrorFeedback(b.codec)
+        msg, sent = b.gather_feedback.encode(mine)
+        chunks[me].copy_(sent)
+        self.codec_s += time.perf_counter() - t0
+        tag = TAG_SCATTER + 2 * i + 1
+        b.gathered = [(k, self._recv_buffer(b, chunks[k])) for k in range(self.size) if k != me]
+        b.works = [self._async(dist.irecv(buf, self.ranks[k], self.group, tag))
+                   for k, buf in b.gathered]
+        b.works += [self._async(dist.isend(msg, self.ranks[k], self.group, tag))
+                    for k in range(self.size) if k != me]
+        self.sent_bytes += (self.size - 1) * msg.numel()
+
+    def _decode_gathered(self, b: _Bucket) -> None:
+        assert b.codec is not None
+        t0 = time.perf_counter()
+        chunks = b.flat.chunk(self.size)
+        for k, buf in b.gathered:
+            chunks[k].copy_(b.codec.decode(buf, chunks[k].numel()))
+        b.gathered = []
+        self.codec_s += time.perf_counter() - t0

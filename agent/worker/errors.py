@@ -4,8 +4,10 @@ The worker's `error` progress event carries `kind` and `phase`:
 
 - `config`: the assignment or the local configuration is invalid (validation raised
   `ValueError`, a `--bind-interface` that names no interface, a data or checkpoint path that
-  does not exist or cannot be read). Retrying the same assignment fails the same way; the
-  coordinator (or the operator) must change something.
+  does not exist or cannot be read), or the checkpoint storage refused a write (a full disk
+  or quota, a read-only file system: `StorageError`, or such an `OSError` anywhere in the
+  chain of causes). Retrying the same assignment fails the same way; the coordinator (or the
+  operator) must change something.
 - `rendezvous`: the worker could not join the world (`init_process_group`, the store, gloo's
   connectFullMesh, group creation, or a timeout while joining). Usually transient or a
   reachability problem of the rendezvous address.
@@ -14,12 +16,20 @@ The worker's `error` progress event carries `kind` and `phase`:
 - `internal`: anything else (a bug).
 
 `phase` is `join` until the world and its groups exist, then `train`.
+
+The event's `message` is `describe(exc)`: the exception and every cause chained to it. The
+outermost exception alone often hides what happened: torch reports a checkpoint write that
+hit a full disk as "enforce fail ... unexpected pos", with the `OSError` (ENOSPC) only in
+`__context__`.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -27,8 +37,81 @@ CONFIG, RENDEZVOUS, PEER, INTERNAL = "config", "rendezvous", "peer", "internal"
 JOIN, TRAIN = "join", "train"
 
 
+# errnos of storage that refuses writes until an operator acts, and what to tell them
+_STORAGE_ADVICE = {
+    errno.ENOSPC: "the disk holding it is full: free space there, point --checkpoint-dir (or "
+                  "the agent's --state-dir) at a larger disk, or turn checkpoints off with "
+                  "--checkpoint-every 0",
+    errno.EDQUOT: "this user's disk quota is used up: free space or raise the quota, point "
+                  "--checkpoint-dir elsewhere, or turn checkpoints off with --checkpoint-every 0",
+    errno.EROFS: "its file system is read-only: point --checkpoint-dir at a writable one",
+    errno.EACCES: "this user may not write there: fix its permissions or point "
+                  "--checkpoint-dir elsewhere",
+    errno.EPERM: "this user may not write there: fix its permissions or point "
+                 "--checkpoint-dir elsewhere",
+}
+_MAX_PART = 600  # characters of each cause in `describe`
+
+
 class PeerError(RuntimeError):
     """A pipeline neighbour, data-parallel peer or pipeline peer failed or timed out."""
+
+
+class StorageError(RuntimeError):
+    """Writing a checkpoint failed with an OSError; names the file, the cause and the fix."""
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        self.path, self.errno = path, cause.errno
+        what = os.strerror(cause.errno) if cause.errno else str(cause)
+        name = errno.errorcode.get(cause.errno or 0, "")
+        advice = _STORAGE_ADVICE.get(cause.errno or 0, "check the checkpoint directory")
+        super().__init__(f"cannot write checkpoint {path}: {what}"
+                         + (f" ({name})" if name else "") + f"; {advice}")
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint failed its manifest or checksum (or would not load after passing it)."""
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError in `exc`'s chain (itself, its causes, the exceptions it was raised
+    while handling), or None."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            return e
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and all(e is not seen for seen in out) and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of `exc`, then `; caused by Type: message` for each exception chained
+    to it (first line of each, clipped), so the root cause is never hidden behind the
+    wrapper that reported it."""
+    parts = [f"{type(exc).__name__}: {exc}"]
+    for e in _chain(exc)[1:]:
+        lines = str(e).strip().splitlines()
+        text = lines[0] if lines else ""
+        if len(text) > _MAX_PART:
+            text = text[:_MAX_PART] + "..."
+        part = f"{type(e).__name__}: {text}"
+        if part not in parts:
+            parts.append(part)
+    return "; caused by ".join(parts)
+
+
+def _storage_refused(exc: BaseException) -> bool:
+    return any(isinstance(e, StorageError)
+               or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT,
+                                                          errno.EROFS))
+               for e in _chain(exc))
 
 
 def classify(exc: BaseException, phase: str) -> str:
@@ -36,6 +119,8 @@ def classify(exc: BaseException, phase: str) -> str:
     if isinstance(exc, PeerError):
         return PEER
     if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)):
+        return CONFIG
+    if _storage_refused(exc):
         return CONFIG
     comm = isinstance(exc, (dist.DistError, TimeoutError, ConnectionError, socket.gaierror))
     comm |= isinstance(exc, RuntimeError) and _looks_like_comm(str(exc))

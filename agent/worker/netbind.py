@@ -31,9 +31,11 @@ import struct
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from dtfm.core.events import WorkerEnv
+
 log = logging.getLogger(__name__)
 
-ENV_BIND_INTERFACE = "DTFM_BIND_INTERFACE"
+ENV_BIND_INTERFACE = WorkerEnv.BIND_INTERFACE  # set by dtfm.launcher
 GLOO_ENV = "GLOO_SOCKET_IFNAME"
 NCCL_ENV = "NCCL_SOCKET_IFNAME"
 SIOCGIFADDR = 0x8915

@@ -11,6 +11,12 @@ traffic in one direction never waits for a message of the other kind:
   link gets its own two-rank group (that is what keeps 1F1B's opposite-direction sends free
   of deadlock); NCCL connects a group only on first use, so creating them costs nothing.
 
+Messages may travel compressed (`compress.py`): each link has a codec, the same for the
+activations it carries forward and the gradients it carries back (`codec_prev`, `codec_next`:
+`Assignment.pp_compress_prev/next`, chosen per link by the coordinator). A compressed message
+is a `uint8` buffer of a size both ends know. Validation passes always send exact
+activations, so the validation loss measures the trained model, not the codec.
+
 All of a step's receives are posted when it starts (`irecv`; gloo only sends once the
 receiver has said it is ready, so a late receive costs one more one-way delay per hop) and
 sends are asynchronous (`isend`), so receive, compute and send overlap as far as the backend
@@ -25,6 +31,7 @@ activations at S - stage micro-batches instead of M).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from agent.worker.compress import TensorCodec
 from agent.worker.errors import PeerError
 from agent.worker.stage import Stage, lm_loss
 from dtfm.core.layout import pipeline_ops
@@ -97,18 +105,23 @@ class Timings:
     recv_wait_s: float = 0.0
     send_wait_s: float = 0.0
     peak_stored: int = 0
+    codec_s: float = 0.0  # compressing and decompressing messages
+    sent_bytes: int = 0  # bytes this rank put on its pipeline links
 
     def add(self, other: Timings) -> None:
         self.compute_s += other.compute_s
         self.recv_wait_s += other.recv_wait_s
         self.send_wait_s += other.send_wait_s
         self.peak_stored = max(self.peak_stored, other.peak_stored)
+        self.codec_s += other.codec_s
+        self.sent_bytes += other.sent_bytes
 
 
 @dataclass
 class _Recv:
     buf: torch.Tensor
     work: dist.Work | None
+    codec: TensorCodec | None = None  # None: `buf` holds the tensor itself
 
 
 @dataclass
@@ -138,6 +151,8 @@ class Pipeline:
     comm_dtype: torch.dtype = torch.float32
     timeout: timedelta = timedelta(seconds=300)
     slowdown: float = 1.0  # >1 emulates a slower device (DTFM_COMPUTE_SLOWDOWN)
+    codec_prev: TensorCodec | None = None  # the link to the previous stage (None: exact)
+    codec_next: TensorCodec | None = None  # the link to the next stage
     _sends: list[dist.Work] = field(default_factory=list)
 
     def _computed(self, t: Timings, t0: float) -> None:
@@ -154,12 +169,17 @@ class Pipeline:
         return (self.micro_size, self.stage.seq_len, self.stage.d_model)
 
     def _post_recv(
-        self, src: int | None, group: dist.ProcessGroup | None, tag: int
+        self, src: int | None, group: dist.ProcessGroup | None, tag: int,
+        codec: TensorCodec | None = None,
     ) -> _Recv | None:
         if src is None:
             return None
-        buf = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
-        return _Recv(buf, dist.irecv(buf, src=src, group=group, tag=tag))
+        if codec is None:
+            buf = torch.empty(self._act_shape(), dtype=self.comm_dtype, device=self.device)
+        else:
+            n = math.prod(self._act_shape())
+            buf = torch.empty(codec.wire_bytes(n), dtype=torch.uint8, device=self.device)
+        return _Recv(buf, dist.irecv(buf, src=src, group=group, tag=tag), codec)
 
     def _wait(self, r: _Recv | None, t: Timings, what: str, peer: int | None) -> torch.Tensor:
         assert r is not None and r.work is not None
@@ -171,16 +191,29 @@ class Pipeline:
                 f"stage {self.stage_index} got no {what} from rank {peer} "
                 f"(timeout {self.timeout.total_seconds():g}s, or the peer died): {e}"
             ) from e
-        t.recv_wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        t.recv_wait_s += t1 - t0
+        if r.codec is not None:
+            shape = self._act_shape()
+            x = r.codec.decode(r.buf, math.prod(shape)).view(shape)
+            t.codec_s += time.perf_counter() - t1
+            return x
         return r.buf.float() if r.buf.dtype != torch.float32 else r.buf
 
     def _send(
-        self, x: torch.Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int
+        self, x: torch.Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int,
+        t: Timings, codec: TensorCodec | None = None,
     ) -> None:
         if dst is None:
             return
         self._sends = [w for w in self._sends if not w.is_completed()]
-        msg = x.detach().to(self.comm_dtype).contiguous()
+        if codec is None:
+            msg = x.detach().to(self.comm_dtype).contiguous()
+        else:
+            t0 = time.perf_counter()
+            msg = codec.encode(x)
+            t.codec_s += time.perf_counter() - t0
+        t.sent_bytes += msg.numel() * msg.element_size()
         self._sends.append(dist.isend(msg, dst, group, tag))
 
     def _drain_sends(self, t: Timings) -> None:
@@ -223,8 +256,10 @@ class Pipeline:
         st = _StepState(inputs, targets, Timings())
         # Every receive of the step is posted up front: gloo sends a message only once it
         # knows the receiver is ready, so a receive posted late costs a one-way delay more.
-        st.fwd_recvs = [self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT) for _ in inputs]
-        st.bwd_recvs = [self._post_recv(ln.next, ln.bwd_from_next, TAG_GRAD) for _ in inputs]
+        st.fwd_recvs = [self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT, self.codec_prev)
+                        for _ in inputs]
+        st.bwd_recvs = [self._post_recv(ln.next, ln.bwd_from_next, TAG_GRAD, self.codec_next)
+                        for _ in inputs]
         ops = pipeline_ops(kind, self.stage_index, self.stages, micro)
         for n, (op, i) in enumerate(ops):
             if op == "F":
@@ -255,7 +290,7 @@ class Pipeline:
             st.loss_sum += float(out.detach())
             out = out / micro
         else:
-            self._send(out, ln.next, ln.fwd_to_next, TAG_ACT)
+            self._send(out, ln.next, ln.fwd_to_next, TAG_ACT, t, self.codec_next)
         st.stored[i] = (x_in, out)
         t.peak_stored = max(t.peak_stored, len(st.stored))
 
@@ -273,7 +308,7 @@ class Pipeline:
         self._computed(t, t0)
         if x_in is not None:
             assert x_in.grad is not None
-            self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD)
+            self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD, t, self.codec_prev)
 
     @torch.no_grad()
     def eval_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -292,6 +327,6 @@ class Pipeline:
                 if ln.next is None:
                     loss_sum += float(lm_loss(out, targets[i].to(self.device)))
             if ln.next is not None:
-                self._send(out, ln.next, ln.fwd_to_next, TAG_ACT)
+                self._send(out, ln.next, ln.fwd_to_next, TAG_ACT, t)  # exact: see the docstring
         self._drain_sends(t)
         return loss_sum / len(inputs)

@@ -1,14 +1,14 @@
 """The worker's main loop: join the world, build the stage, train, checkpoint, evaluate.
 
 Owns the order of one optimizer step across ranks (pipeline, data-parallel averaging, global
-clipping, AdamW) and the progress events a supervisor reads. Everything it needs comes from
-one `dtfm.v1.Assignment`; the only other inputs are a few `DTFM_*` environment variables
-(thread count, collective timeout, and the fault-injection seam tests use).
+clipping, AdamW) and writing the progress events a supervisor reads (their schema is
+`dtfm.core.events`). Everything it needs comes from one `dtfm.v1.Assignment`; the only other
+inputs are a few `DTFM_*` environment variables (thread count, collective timeout, and the
+fault-injection seam tests use).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -23,19 +23,30 @@ import torch
 import torch.distributed as dist
 
 from agent.worker import checkpoint, errors
+from agent.worker.compress import make_codec
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.stage import Stage
 from agent.worker.world import join
+from dtfm.core.events import (
+    FAULT_EXIT_CODE,
+    DoneEvent,
+    ErrorEvent,
+    ProgressEvent,
+    StepEvent,
+    WorkerEnv,
+    encode_event,
+)
 from dtfm.core.layout import Layout, layer_ranges
 from dtfm.core.spec import ModelSpec, TrainConfig
+from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-ENV_TIMEOUT = "DTFM_TIMEOUT_S"  # seconds any collective or p2p receive may block
-ENV_THREADS = "DTFM_NUM_THREADS"  # torch intra-op threads per worker
+ENV_TIMEOUT = WorkerEnv.TIMEOUT  # seconds any collective or p2p receive may block
+ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
 ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
 ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
 
@@ -51,19 +62,24 @@ def compute_slowdown() -> float:
     if not (1.0 <= factor < 1000.0):
         raise ValueError(f"{ENV_SLOWDOWN}={raw!r}: give a factor >= 1 (2 = half as fast)")
     return factor
-FAULT_EXIT_CODE = 17
+
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
 class Progress:
-    """One JSON object per line, appended and flushed (a file, or stdout)."""
+    """One JSON line per event, appended and flushed (a file, or stdout).
+
+    Flushed at once because the supervisor tails the file while the worker runs, and a
+    worker that dies must leave every event it reported behind.
+    """
 
     def __init__(self, path: str | None) -> None:
         self._own = path is not None
         self._f: IO[str] = open(path, "a", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
 
-    def emit(self, **event: Any) -> None:
-        self._f.write(json.dumps(event) + "\n")
+    def emit(self, event: ProgressEvent) -> None:
+        self._f.write(encode_event(event) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -122,7 +138,7 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 class Worker:
     """One rank of a training job."""
 
-    def __init__(self, a: Any, progress: Progress) -> None:
+    def __init__(self, a: common_pb2.Assignment, progress: Progress) -> None:
         self.a, self.progress = a, progress
         self.spec = ModelSpec.from_proto(a.model)
         self.cfg = TrainConfig.from_proto(a.train)
@@ -139,9 +155,14 @@ class Worker:
         self.device = pick_device(a.backend or "gloo", self.rank)
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()
+        # this rank's link codecs (pipeline prev, next, data-parallel): a bad name is a config error
+        self.codecs = (make_codec(a.pp_compress_prev), make_codec(a.pp_compress_next),
+                       make_codec(a.dp_compress))
         self.phase = errors.JOIN
+        self.ckpt = checkpoint.locate(self.cfg.checkpoint_dir, a.job_id,
+                                      self.cfg.checkpoint_every)
 
-    def _check_layers(self, a: Any) -> None:
+    def _check_layers(self, a: common_pb2.Assignment) -> None:
         """The stage's layer range must agree with the splits (or, without them, be sane)."""
         n = self.spec.n_layers
         if list(a.layer_splits):
@@ -191,14 +212,10 @@ class Worker:
             if self.fault:
                 self.fault.maybe_fire(self.rank, step)
             self._step(step, pipe, averager, opt, sampler)
-            if cfg.checkpoint_dir and (
-                step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-            ):
+            if self.ckpt and self.ckpt.writes(a.replica) and self.ckpt.due(step, cfg.steps):
                 self._save(step, opt, sampler)
         val = self._evaluate(pipe, val_tokens)
-        self.progress.emit(
-            event="done", val_loss=None if math.isnan(val) else val, rank=self.rank
-        )
+        self.progress.emit(DoneEvent(val_loss=None if math.isnan(val) else val, rank=self.rank))
         dist.destroy_process_group()
 
     def _build_local(self) -> tuple[Stage, torch.optim.Optimizer, Sampler, Any]:
@@ -217,11 +234,13 @@ class Worker:
             self.stage, self.links, a.stage, a.stages, micro_size, self.device, self.amp,
             comm_dtype=self.amp or torch.float32, timeout=self.timeout,
             slowdown=compute_slowdown(),
+            codec_prev=self.codecs[0], codec_next=self.codecs[1],  # compress.py
         )
         averager = GradAverager(
             self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode,
-            extras=1 if self.stage.is_last else 0, timeout=self.timeout,
+            extras=1 if self.stage.is_last else 0, timeout=self.timeout, codec=self.codecs[2],
         )
+        self._averager = averager  # its byte and codec counters go into step events
         return pipe, averager
 
     def _step(
@@ -258,49 +277,77 @@ class Worker:
         dp_s: float, sync_s: float,
     ) -> None:
         a, cfg = self.a, self.cfg
-        self.progress.emit(
-            event="step", step=step, loss=loss,
-            tokens_per_s=cfg.global_batch * self.spec.seq_len / dt,
+        self.progress.emit(StepEvent(
+            step=step, loss=loss, tokens_per_s=cfg.global_batch * self.spec.seq_len / dt,
             total_steps=cfg.steps, rank=self.rank, stage=a.stage, replica=a.replica,
             lr=lr, grad_norm=norm, step_s=dt, compute_s=times.compute_s,
             pp_wait_s=times.recv_wait_s + times.send_wait_s, dp_s=dp_s, sync_s=sync_s,
             recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
-            stored_peak=times.peak_stored,
-        )
+            stored_peak=times.peak_stored, pp_bytes=times.sent_bytes,
+            dp_bytes=self._averager.sent_bytes, codec_s=times.codec_s + self._averager.codec_s,
+        ))
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:
-        if self.a.replica != 0:  # every replica of a stage holds the same state
-            return
+        """Checkpoint this stage; a refused write raises `errors.StorageError` (kind config)."""
+        assert self.ckpt is not None
+        a = self.a
         checkpoint.save_stage(
-            self.cfg.checkpoint_dir, self.a.stage, step,
+            self.ckpt.dir, a.stage, step,
             {
                 "model": self.stage.state_dict(),
                 "optimizer": opt.state_dict(),
                 "data_position": sampler.position.to_dict(),
-                "layers": [self.a.layer_begin, self.a.layer_end],
+                "layers": [a.layer_begin, a.layer_end],
             },
+            job_id=a.job_id, layers=(a.layer_begin, a.layer_end),
         )
 
     def _resume(self, opt: torch.optim.Optimizer, sampler: Sampler) -> int:
-        """Load the newest checkpoint every stage holds; returns the completed step (0: none)."""
-        root = self.cfg.checkpoint_dir
-        if not root:
+        """Load the newest step every rank holds intact; returns that completed step (0: none).
+
+        Every rank must load the same step, so the ranks agree on it (`checkpoint.agree`),
+        falling back past any checkpoint that fails its manifest or checksum; each rejected
+        file is logged with the reason.
+        """
+        loc, a = self.ckpt, self.a
+        if loc is None:
             return 0
-        available = checkpoint.steps_available(root, self.a.stage)
-        step = self.world.world_min(available[-1] if available else 0)
+        others = checkpoint.other_jobs(loc.root, a.job_id)
+        if others:
+            log.info("rank %d: ignoring checkpoints of other jobs in %s (%s): this is job %s, "
+                     "which resumes only from its own", self.rank, loc.root,
+                     ", ".join(others), a.job_id)
+        finder = checkpoint.Finder(loc.dir, a.stage, job_id=a.job_id,
+                                   layers=(a.layer_begin, a.layer_end),
+                                   on_reject=self._rejected)
+        step = checkpoint.agree(finder, self.world.world_min)
+        mine = finder.newest_intact()
         if step == 0:
+            if mine:
+                log.warning("rank %d: starting from step 0 although stage %d holds step %d "
+                            "intact in %s: another rank holds no intact step this one does "
+                            "(its agent could not fetch one from a peer: see its log)",
+                            self.rank, a.stage, mine, loc.dir)
             return 0
-        state = checkpoint.load_stage(root, self.a.stage, step)
-        if list(state["layers"]) != [self.a.layer_begin, self.a.layer_end]:
+        if mine > step:
+            log.info("rank %d: stage %d holds step %d, but not every rank does: resuming "
+                     "from step %d", self.rank, a.stage, mine, step)
+        state = checkpoint.load_stage(loc.dir, a.stage, step, job_id=a.job_id)
+        if list(state["layers"]) != [a.layer_begin, a.layer_end]:
             raise ValueError(
-                f"checkpoint for stage {self.a.stage} holds layers {state['layers']}, but this "
-                f"assignment has [{self.a.layer_begin}, {self.a.layer_end})"
+                f"checkpoint for stage {a.stage} holds layers {state['layers']}, but this "
+                f"assignment has [{a.layer_begin}, {a.layer_end})"
             )
         self.stage.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.position = Position.from_dict(state["data_position"])
-        log.info("rank %d: resumed from %s at step %d", self.rank, root, step)
+        log.info("rank %d: resumed at step %d from %s", self.rank, step,
+                 checkpoint.path_for(loc.dir, a.stage, step))
         return step
+
+    def _rejected(self, step: int, path: Path, reason: str) -> None:
+        log.warning("rank %d: checkpoint %s (step %d) is not used: %s; falling back to an "
+                    "older step", self.rank, path, step, reason)
 
     def _evaluate(self, pipe: Pipeline, val_tokens: Any) -> float:
         cfg, a = self.cfg, self.a
@@ -320,7 +367,7 @@ class Worker:
         return loss_sum / (a.replicas * cfg.eval_batches)
 
 
-def run_assignment(a: Any, progress_path: str | None) -> None:
+def run_assignment(a: common_pb2.Assignment, progress_path: str | None) -> None:
     """Run the worker for a parsed `dtfm.v1.Assignment`.
 
     A failure ends with an `error` event whose `kind` (config, rendezvous, peer, internal)
@@ -336,18 +383,16 @@ def run_assignment(a: Any, progress_path: str | None) -> None:
         worker.run()
     except BaseException as e:
         phase = worker.phase if worker is not None else errors.JOIN
-        progress.emit(
-            event="error", message=f"{type(e).__name__}: {e}", rank=a.rank,
+        progress.emit(ErrorEvent(
+            message=errors.describe(e), rank=a.rank,
             kind=errors.classify(e, phase), phase=phase,
-        )
+        ))
         raise
     finally:
         progress.close()
 
 
-def read_assignment(path: str | Path) -> Any:
-    from protos.dtfm.v1 import common_pb2
-
+def read_assignment(path: str | Path) -> common_pb2.Assignment:
     msg = common_pb2.Assignment()
     msg.ParseFromString(Path(path).read_bytes())
     return msg

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.memory import MemoryShape, shortfalls, stage_bytes, stages_bytes
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step, step_shape
@@ -55,6 +56,7 @@ class Workload:
     dtype: str = "fp32"  # training (autocast) dtype: memory and which FLOP/s figure counts
     act_dtype: str = "fp32"  # activations on the wire
     dp_mode: str = "sharded"  # how the worker averages gradients
+    compression: Compression | None = None  # compressed messages (None: as they are)
 
     @property
     def micro_size(self) -> int:
@@ -63,7 +65,7 @@ class Workload:
     def step_shape(self, splits: Sequence[int] | None) -> StepShape:
         return step_shape(self.spec, self.stages, self.replicas, self.global_batch,
                           self.micro_batches, self.schedule, self.act_dtype, splits,
-                          self.dp_mode)
+                          self.dp_mode, self.compression)
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,

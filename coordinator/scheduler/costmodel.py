@@ -11,7 +11,11 @@ Owns (PAPER.md, "Cost model"):
   vectorized over subsets) up to `EXACT_TSP_MAX` stages, nearest-neighbour starts + 2-opt +
   or-opt above (the result says which),
 - the objective `DP-COST + 2*PP-COST`, `plan_cost` of a given grid, and `comm_gb`, the two
-  message sizes of a model.
+  message sizes of a model,
+- compressed bytes (`compression.Compression`, optional): a pipeline link charges its
+  codec's wire bytes and compression time, a data-parallel group its codec's; under `auto`
+  each link and group takes the codec that moves its bytes fastest. Without it (or with both
+  settings `none`) every number is the paper's.
 
 Units: sizes in GB of 1e9 bytes (the paper's code mixes 1e9 and 2^30; we use 1e9 throughout),
 delays in ms, bandwidths in Gbit/s, costs in seconds.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.network import Network
 from dtfm.core.layout import layer_ranges
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec
@@ -306,6 +311,8 @@ class CostModel:
         dp_gb: float,
         pp_gb: float,
         exact_tsp_max: int = EXACT_TSP_MAX,
+        *,
+        compression: Compression | None = None,
     ) -> None:
         if stages < 1 or replicas < 1:
             raise ValueError(f"stages and replicas must be >= 1, got {stages} x {replicas}")
@@ -319,10 +326,18 @@ class CostModel:
         self.net = net
         self.stages, self.replicas, self.n = stages, replicas, net.size
         self.dp_gb, self.pp_gb = float(dp_gb), float(pp_gb)
-        self.pp_link = net.link_cost(pp_gb)
-        alpha = net.delay_ms / 1000.0
-        self.dp_link = 2.0 * (alpha + 8.0 * dp_gb / (replicas * net.bandwidth_gbps))
-        np.fill_diagonal(self.dp_link, 0.0)
+        self.compression = compression if compression is not None and compression.active \
+            else None
+        if self.compression is None:
+            self.pp_link = net.link_cost(pp_gb)
+            alpha = net.delay_ms / 1000.0
+            self.dp_link = 2.0 * (alpha + 8.0 * dp_gb / (replicas * net.bandwidth_gbps))
+            np.fill_diagonal(self.dp_link, 0.0)
+            self._dp_options: list[tuple[np.ndarray, np.ndarray]] = []
+        else:
+            self.pp_link = self.compression.pp_link_cost(net, pp_gb)
+            self._dp_options = self.compression.dp_matrices(net, dp_gb, replicas)
+            self.dp_link = self._dp_options[0][1]  # uncompressed, for callers that look
         self.symmetric = bool(np.array_equal(self.pp_link, self.pp_link.T))
         self.tsp_exact = stages <= exact_tsp_max
         self._hk = _HeldKarp(stages) if self.tsp_exact else None
@@ -341,7 +356,9 @@ class CostModel:
         return order.reshape(self.stages, self.replicas)
 
     def dp_costs(self, groups: np.ndarray) -> np.ndarray:
-        """DP(C_j) of every group."""
+        """DP(C_j) of every group (under its codec, when compressing)."""
+        if self.compression is not None:
+            return self.compression.dp_group_costs(self._dp_options, groups)[0]
         sub = self.dp_link[groups[:, :, None], groups[:, None, :]]
         return sub.sum(axis=2).max(axis=1)
 
@@ -431,12 +448,14 @@ class CostModel:
 
 
 def plan_cost(
-    net: Network, grid: Sequence[Sequence[int]], dp_gb: float, pp_gb: float
+    net: Network, grid: Sequence[Sequence[int]], dp_gb: float, pp_gb: float,
+    compression: Compression | None = None,
 ) -> tuple[float, float, float]:
     """(cost, dp_cost, pp_cost) of exactly this grid (grid[j][k] = device of stage j, pipeline k).
 
     pp_cost = sum_j max_k linkcost(grid[j][k] -> grid[j+1][k]) with S = c_PP; dp_cost = max
-    over stages of the sharded all-reduce cost of row j; cost = dp_cost + 2 * pp_cost.
+    over stages of the sharded all-reduce cost of row j; cost = dp_cost + 2 * pp_cost. With
+    an active `compression`, each link and group is charged under its codec.
     """
     g = np.asarray(grid, dtype=np.int64)
     if g.ndim != 2 or g.size == 0:
@@ -446,6 +465,12 @@ def plan_cost(
         raise ValueError(
             f"a {s}x{r} grid must use each of the network's {net.size} devices exactly once"
         )
+    if compression is not None and compression.active:
+        pp_link = compression.pp_link_cost(net, pp_gb)
+        dp = float(compression.dp_group_costs(compression.dp_matrices(net, dp_gb, r), g)[0]
+                   .max()) if r > 1 else 0.0
+        pp = float(pp_link[g[:-1], g[1:]].max(axis=1).sum()) if s > 1 else 0.0
+        return dp + 2.0 * pp, dp, pp
     pp_link = net.link_cost(pp_gb)
     dp_link = 2.0 * (net.delay_ms / 1000.0 + 8.0 * dp_gb / (r * net.bandwidth_gbps))
     np.fill_diagonal(dp_link, 0.0)

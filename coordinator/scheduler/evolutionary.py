@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.costmodel import CostModel, plan_cost
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.structured import structured_candidates
@@ -415,12 +416,13 @@ def search_plan(
     population: int | None = None,
     rng: np.random.Generator | None = None,
     progress: Progress | None = None,
+    compression: Compression | None = None,
 ) -> PlanResult:
     """Search for the cheapest plan of `stages` x `replicas` tasklets on `net`.
 
     `budget` counts evaluated candidates, `seconds` is a wall-clock limit; with neither, the
     budget is `default_budget(N)`. `rng` overrides `seed`. The returned cost is `plan_cost`
-    of the returned grid.
+    of the returned grid. `compression`: count each link's compressed bytes (None: the paper's).
     """
     if gain not in GAINS:
         raise ValueError(f"gain must be one of {GAINS}, got {gain!r}")
@@ -429,7 +431,7 @@ def search_plan(
     if seconds is not None and seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     t0 = time.perf_counter()
-    model = CostModel(net, stages, replicas, dp_gb, pp_gb)
+    model = CostModel(net, stages, replicas, dp_gb, pp_gb, compression=compression)
     if budget is None and seconds is None:
         budget = default_budget(net.size)
     if population is None:
@@ -445,7 +447,7 @@ def search_plan(
     except _Budget:
         pass
     grid = model.grid(search.best_labels)
-    cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb)
+    cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb, compression)
     elapsed = time.perf_counter() - t0
     log.info(
         "plan %dx%d: cost %.4f (dp %.4f + 2 x pp %.4f) after %d candidates in %.2fs",

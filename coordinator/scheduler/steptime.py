@@ -17,7 +17,10 @@ the two against each other:
   worker does: `sharded` as direct messages (each shard to its owner, the average straight
   back: two hops), `allreduce` as gloo's ring (2(R-1) steps at the ring's slowest link);
 - each rank then sends its stage's squared gradient norm to every rank of its pipeline, and
-  the step ends when the last of them has arrived.
+  the step ends when the last of them has arrived;
+- with compression (`StepShape.compression`), every pipeline link and data-parallel group
+  sends its codec's wire bytes (`compression.Compression.choose` for this grid) and pays
+  its compression time on the way.
 
 Pure numpy, like the rest of the scheduler.
 """
@@ -31,9 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.scheduler.compression import TOPK_COST, Compression
 from coordinator.scheduler.network import Network
+from dtfm.core.codecs import NONE, Codec, parse_codec
 from dtfm.core.layout import layer_ranges, pipeline_ops
-from dtfm.core.spec import DTYPE_BYTES, ModelSpec
+from dtfm.core.spec import DTYPE_BYTES, ModelSpec, check_batch
 
 FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward pass
 
@@ -58,6 +63,8 @@ class StepShape:
     grad_bytes: Sequence[float]  # per stage: its gradient message
     schedule: str = "gpipe"
     dp_mode: str = "sharded"
+    compression: Compression | None = None  # None: every message as it is
+    act_raw_bytes: int = 4  # bytes of one uncompressed activation (2 under bf16)
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
@@ -70,10 +77,28 @@ def _send_s(net: Network, src: int, dst: int, nbytes: float) -> float:
     return 8.0 * nbytes / (net.bandwidth_gbps[src, dst] * 1e9)
 
 
+def _codec_s(shape: StepShape, codec: Codec, raw_bytes: float, raw_size: int) -> float:
+    """Seconds to compress and decompress a message of `raw_bytes` uncompressed bytes."""
+    if codec.lossless or shape.compression is None:
+        return 0.0
+    fp32_gb = raw_bytes / raw_size * 4 / 1e9  # the codec's cost is quoted per GB of fp32
+    return fp32_gb * shape.compression.codec_s_per_gb * (
+        TOPK_COST if codec.kind == "topk" else 1.0)
+
+
+def _act_message(shape: StepShape, codec: Codec) -> tuple[float, float]:
+    """(wire bytes, codec seconds) of one micro-batch's activations (or gradient)."""
+    raw = shape.act_raw_bytes
+    wire = codec.wire_bytes(round(shape.act_bytes / raw), raw)
+    return float(wire), _codec_s(shape, codec, shape.act_bytes, raw)
+
+
 def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
-              compute: Sequence[float]) -> list[float]:
-    """End of each stage's last op in one pipeline (device order = stage order)."""
+              compute: Sequence[float], codecs: Sequence[Codec] | None = None) -> list[float]:
+    """End of each stage's last op in one pipeline (device order = stage order); `codecs[j]`
+    compresses the link from stage j to j+1 (both directions)."""
     s, m = len(devices), shape.micro_batches
+    msgs = [_act_message(shape, c) for c in (codecs or [NONE] * (s - 1))]
     ops = [pipeline_ops(shape.schedule, j, s, m) for j in range(s)]
     arrive_f: list[dict[int, float]] = [{} for _ in range(s)]
     arrive_b: list[dict[int, float]] = [{} for _ in range(s)]
@@ -96,12 +121,14 @@ def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
                 moved = True
                 if kind == "F" and not last:
                     a, b = devices[j], devices[j + 1]
-                    done = max(end, link_f[j]) + _send_s(net, a, b, shape.act_bytes)
+                    wire, codec_s = msgs[j]
+                    done = max(end, link_f[j]) + _send_s(net, a, b, wire) + codec_s
                     link_f[j] = done
                     arrive_f[j + 1][i] = done + net.delay_ms[a, b] / 1000.0
                 elif kind == "B" and not first:
                     a, b = devices[j], devices[j - 1]
-                    done = max(end, link_b[j - 1]) + _send_s(net, a, b, shape.act_bytes)
+                    wire, codec_s = msgs[j - 1]
+                    done = max(end, link_b[j - 1]) + _send_s(net, a, b, wire) + codec_s
                     link_b[j - 1] = done
                     arrive_b[j - 1][i] = done + net.delay_ms[a, b] / 1000.0
         if not moved:  # cannot happen with the schedules above; be loud if it ever does
@@ -109,20 +136,23 @@ def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
     return free
 
 
-def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str) -> float:
+def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str,
+                codec: Codec = NONE, codec_s: float = 0.0) -> float:
     """The group's gradient averaging as the worker does it.
 
     `sharded`: every replica sends shard k (1/R of the gradients) straight to replica k, k
     averages and sends it straight back to everyone: replica d is done when the last averaged
     shard reaches it, two hops after its owner received the last copy. `allreduce`: gloo's
     ring, 2(R-1) steps of 1/R of the gradients around the group in rank order, each as slow as
-    the ring's slowest link."""
+    the ring's slowest link. Compressed (`sharded` only), a shard travels as `codec`'s wire
+    bytes and costs `codec_s` (the whole buffer's compression time) over R per hop."""
     r = len(group)
     if r == 1:
         return 0.0
     g = np.asarray(group)
+    wire = grad_bytes * codec.ratio_to(4)
     hop = (net.delay_ms[g[:, None], g[None, :]] / 1000.0
-           + 8.0 * grad_bytes / (r * net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9))
+           + 8.0 * wire / (r * net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9) + codec_s / r)
     np.fill_diagonal(hop, 0.0)
     if mode == "allreduce":
         ring = [hop[k, (k + 1) % r] for k in range(r)]
@@ -147,9 +177,13 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
     comp = np.zeros((s, r)) if compute_s is None else np.asarray(compute_s, dtype=float)
     if comp.shape != (s, r) or not (np.isfinite(comp).all() and (comp >= 0).all()):
         raise ValueError(f"compute_s must be a {s}x{r} grid of seconds >= 0")
-    last_b = np.array([_pipeline(net, g[:, k].tolist(), shape, comp[:, k].tolist())
+    pp_codecs, dp_codecs = _codecs(net, g, shape)
+    last_b = np.array([_pipeline(net, g[:, k].tolist(), shape, comp[:, k].tolist(),
+                                 [row[k] for row in pp_codecs])
                        for k in range(r)]).T  # (stage, replica)
-    dp = np.array([_dp_seconds(net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode)
+    dp = np.array([_dp_seconds(net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode,
+                               dp_codecs[j],
+                               _codec_s(shape, dp_codecs[j], shape.grad_bytes[j], 4))
                    for j in range(s)])
     dp_end = last_b.max(axis=1) + dp
     delay = net.delay_ms / 1000.0
@@ -165,19 +199,32 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
                     compute_s=float(comp.max() * shape.micro_batches))
 
 
+def _codecs(net: Network, g: np.ndarray,
+            shape: StepShape) -> tuple[list[list[Codec]], list[Codec]]:
+    """The codec of every pipeline link (`[j][k]`: stage j -> j+1 of pipeline k) and of every
+    stage's data-parallel group, as the coordinator would assign them for this grid."""
+    s, r = g.shape
+    if shape.compression is None or not shape.compression.active:
+        return [[NONE] * r for _ in range(s - 1)], [NONE] * s
+    chosen = shape.compression.choose(net, g.tolist())
+    return ([[parse_codec(n) for n in row] for row in chosen.pp],
+            [parse_codec(n) for n in chosen.dp])
+
+
 def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
-               splits: Sequence[int] | None = None, dp_mode: str = "sharded") -> StepShape:
-    """The messages of one step of `spec` as the runtime sends them (fp32 gradients)."""
-    if global_batch % (replicas * micro_batches):
-        raise ValueError(f"a global batch of {global_batch} does not split into {replicas} "
-                         f"replicas x {micro_batches} micro-batches")
+               splits: Sequence[int] | None = None, dp_mode: str = "sharded",
+               compression: Compression | None = None) -> StepShape:
+    """The messages of one step of `spec` as the runtime sends them (fp32 gradients), and
+    how they are compressed (None: not at all)."""
+    check_batch(global_batch, micro_batches, replicas)
     micro_size = global_batch // (replicas * micro_batches)
     grads = [spec.stage_params(b, e) * DTYPE_BYTES["fp32"]
              for b, e in layer_ranges(spec.n_layers, stages, splits)]
     return StepShape(micro_batches=micro_batches,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
-                     grad_bytes=grads, schedule=schedule, dp_mode=dp_mode)
+                     grad_bytes=grads, schedule=schedule, dp_mode=dp_mode,
+                     compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype])
 
 
 def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepShape,

@@ -7,10 +7,48 @@ call this, so a worker cannot tell who launched it and both paths are tested by 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from dtfm.core.codecs import LinkCodecs
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
+
+
+def member_address(host: str, port: int) -> str:
+    """HOST:PORT of an agent's own gRPC server, with an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class CheckpointRoutes:
+    """Where one rank's agent gets checkpoints it lacks, and which stages it mirrors."""
+
+    peers: tuple[str, ...]  # every other member: ask them for this rank's stage
+    mirrors: tuple[tuple[int, str], ...]  # (stage, member holding it) to keep a copy of
+
+
+def checkpoint_routes(layout: Layout, members: Sequence[str]) -> list[CheckpointRoutes]:
+    """Per rank (rank order), where its checkpoints come from and which stages it mirrors.
+
+    `members[rank]` is the HOST:PORT of the agent running `rank`. Without shared storage a
+    stage's checkpoint lives on the agents that ran it; to survive the loss of one, every
+    stage must be held by two. A stage with two or more replicas already is (every replica
+    writes it); a stage with one is mirrored by the agent at the next stage (s + 1 mod S,
+    replica 0), which copies it from the stage's holder. With one stage and one replica
+    there is no other agent to hold a copy. Every rank's peers are all other members, so an
+    agent that takes over a stage it never held can find whoever holds it.
+    """
+    if len(members) != layout.world_size:
+        raise ValueError(f"{len(members)} member addresses for {layout.world_size} ranks")
+    mirrors: dict[int, list[tuple[int, str]]] = {r: [] for r in range(layout.world_size)}
+    if layout.replicas == 1 and layout.stages >= 2:
+        for stage in range(layout.stages):
+            mirror = layout.rank((stage + 1) % layout.stages, 0)
+            mirrors[mirror].append((stage, members[layout.rank(stage, 0)]))
+    return [CheckpointRoutes(tuple(m for m in members if m != members[rank]),
+                             tuple(mirrors[rank]))
+            for rank in range(layout.world_size)]
 
 
 def build_assignments(
@@ -25,21 +63,36 @@ def build_assignments(
     backend: str = "gloo",
     splits: Sequence[int] | None = None,
     bind_addrs: Sequence[str] | None = None,
+    codecs: LinkCodecs | None = None,
+    members: Sequence[tuple[str, int]] | None = None,
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
     `bind_addrs[rank]` is the address rank's agent advertises (its collectives bind there);
     without it every rank binds to `master_addr`, which is right only on one machine.
+    `codecs`: the compression of every link (the coordinator's choice for `auto`); without
+    it every link uses the training config's setting, `auto` read as none.
+    `members[rank]`: (host, port) of the agent running rank, for the checkpoint peers and
+    mirrors of each rank (`checkpoint_routes`); none are set without it, with a shared
+    `checkpoint_dir` (every rank reads that) or with checkpoints off.
     """
     train.validate(layout.replicas)
     if bind_addrs is not None and len(bind_addrs) != layout.world_size:
         raise ValueError(f"{len(bind_addrs)} bind addresses for {layout.world_size} ranks")
     counts = layer_splits(spec.n_layers, layout.stages, splits)
+    if codecs is None:
+        codecs = LinkCodecs.uniform(train.pp_compress, train.dp_compress, layout.stages,
+                                    layout.replicas)
+    codecs.check(layout.stages, layout.replicas)
     ranges = layer_ranges(spec.n_layers, layout.stages, counts)
+    routes = None
+    if members is not None and not train.checkpoint_dir and train.checkpoint_every:
+        routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members])
     out = []
     for rank in range(layout.world_size):
         stage, replica = layout.coords(rank)
         prev_rank, next_rank = layout.prev_rank(rank), layout.next_rank(rank)
+        pp_prev, pp_next, dp = codecs.rank_codecs(stage, replica)
         out.append(common_pb2.Assignment(
             job_id=job_id, epoch=epoch, master_addr=master_addr, master_port=master_port,
             world_size=layout.world_size, rank=rank, stage=stage, replica=replica,
@@ -51,5 +104,10 @@ def build_assignments(
             model=spec.to_proto(), train=train.to_proto(), backend=backend,
             layer_splits=counts,
             bind_addr=bind_addrs[rank] if bind_addrs is not None else master_addr,
+            pp_compress_prev=pp_prev, pp_compress_next=pp_next, dp_compress=dp,
         ))
+        if routes is not None:
+            out[-1].checkpoint_peers.extend(routes[rank].peers)
+            out[-1].mirrors.extend(common_pb2.CheckpointMirror(stage=s, peer=p)
+                                   for s, p in routes[rank].mirrors)
     return out

@@ -40,3 +40,28 @@ def choose_layout(agents: int, n_layers: int, stages: int = 0, replicas: int = 0
     if replicas:
         return Layout(agents // replicas, replicas)
     return Layout(*pick_shape(agents, max_stages=n_layers))
+
+
+def elastic_layout(alive: int, stages: int, replicas: int, global_batch: int,
+                   micro_batches: int) -> tuple[Layout, int] | None:
+    """The layout to continue on with `alive` agents when the job wants stages x replicas,
+    and the micro-batches per replica that keep the global batch (so the loss curve and the
+    learning-rate schedule do not jump): None when even one replica does not fit.
+
+    Fewer replicas first, and the stage count never changes: every stage's checkpoint holds
+    its own layer range, so a layout with other stages could not resume from them. Each
+    micro-batch keeps its size (its sequences) where the numbers divide; a replica then runs
+    more micro-batches, which also fills the pipeline better."""
+    if stages < 1 or replicas < 1 or alive < stages:
+        return None
+    micro_size = global_batch // (replicas * micro_batches)
+    for r in range(min(replicas, alive // stages), 0, -1):
+        if global_batch % r:
+            continue
+        per_replica = global_batch // r
+        micro = per_replica // micro_size if micro_size and per_replica % micro_size == 0 \
+            else micro_batches
+        while micro > 1 and per_replica % micro:
+            micro -= 1
+        return Layout(stages, r), max(micro, 1)
+    return None

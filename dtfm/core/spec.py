@@ -15,17 +15,50 @@ Pure Python: no torch, no grpc; `to_proto`/`from_proto` import the generated mes
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # what the cost model can size
-TRAIN_DTYPES = ("fp32", "bf16")  # what the worker trains in (its autocast_dtype)
 UINT32 = 2**32 - 1
-_COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches")
-SCHEDULES = ("gpipe", "1f1b")
-DP_MODES = ("allreduce", "sharded")
+# Checkpoints are on unless the operator says 0: a crashed or rescheduled job then loses at
+# most this many steps, and a few-step test run writes only its final checkpoint.
+DEFAULT_CHECKPOINT_EVERY = 50
+
+
+class Schedule(enum.StrEnum):
+    """The order in which a pipeline stage runs its micro-batches' forward and backward passes.
+
+    Members are `str`s equal to their wire spelling, so `TrainConfig` travels in
+    `dtfm.v1.TrainConfig` unchanged and code comparing with "gpipe" keeps working.
+    """
+
+    GPIPE = "gpipe"  # every forward, then every backward: all micro-batches' activations held
+    ONE_F_ONE_B = "1f1b"  # warm up, then one forward per backward: at most S micro-batches held
+
+
+class DpMode(enum.StrEnum):
+    """How a stage's data-parallel replicas average their gradients (agent/worker/data_parallel)."""
+
+    ALLREDUCE = "allreduce"  # one all_reduce per bucket: a ring's 2(R-1) hops of latency
+    SHARDED = "sharded"  # the paper's scatter-reduce + all-gather as direct messages: two hops
+
+
+class Dtype(enum.StrEnum):
+    """What the worker trains in: the autocast dtype of forward passes and of activations sent.
+
+    fp16 is absent on purpose: it needs loss scaling, which the worker does not do.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+# The allowed spellings, for code that wants plain strings (argparse choices, messages).
+SCHEDULES = tuple(m.value for m in Schedule)
+DP_MODES = tuple(m.value for m in DpMode)
+TRAIN_DTYPES = tuple(m.value for m in Dtype)
 
 
 @dataclass(frozen=True)
@@ -99,70 +132,208 @@ class ModelSpec:
         return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
 
 
+def _option(default: Any, doc: str, flag: str = "") -> Any:
+    """A `TrainConfig` field with its documentation and, where it differs from the field's
+    name, its flag: `dtfm.flags` builds the operator's flags (help text included) from these,
+    and `validate` names the flag to fix, so the two never drift."""
+    return field(default=default, metadata={"doc": doc, "flag": flag})
+
+
 @dataclass
 class TrainConfig:
-    """How to train. Mirrors `dtfm.v1.TrainConfig` field for field."""
+    """How to train. Mirrors `dtfm.v1.TrainConfig` field for field.
 
-    global_batch: int = 8
-    micro_batches: int = 2
-    steps: int = 100
-    seed: int = 0
-    schedule: str = "gpipe"
-    dp_mode: str = "sharded"  # the paper's; two hops of latency where a ring takes 2(R-1)
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    grad_clip: float = 1.0
-    weight_decay: float = 0.1
-    data_path: str = ""
-    checkpoint_dir: str = ""
-    dtype: str = "fp32"
-    checkpoint_every: int = 0
-    eval_batches: int = 4
-    extra: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    Every field is something an operator sets: `coordinator start` and `agent local` expose
+    each as the flag `flag_of(name)` (also `DTFM_<FLAG>` and a TOML key), documented by the
+    field's `doc` metadata, with the default here. The enum fields accept their plain string
+    spelling (from the wire, a flag or a test) and hold the enum member afterwards; a value
+    that is no member is kept as given, so that `validate` reports it like every other mistake
+    instead of the constructor raising.
+    """
+
+    global_batch: int = _option(
+        8, "global batch: sequences per optimizer step, over all replicas", flag="--batch")
+    micro_batches: int = _option(
+        2, "micro-batches each replica's share of the batch is cut into (pipeline depth)")
+    steps: int = _option(100, "optimizer steps to train")
+    seed: int = _option(
+        0, "seeds model initialization and data order (coordinator start: its placement "
+        "search too)")
+    schedule: Schedule = _option(
+        Schedule.GPIPE, "pipeline schedule: gpipe runs every forward, then every backward; "
+        "1f1b interleaves them and holds fewer micro-batches' activations")
+    dp_mode: DpMode = _option(
+        DpMode.SHARDED, "how replicas average gradients: sharded is the paper's (two hops of "
+        "latency where allreduce's ring takes 2(R-1))")
+    lr: float = _option(1e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = _option(
+        10, "steps of linear learning-rate warmup, then cosine decay to 10% of --lr")
+    grad_clip: float = _option(1.0, "clip the global gradient norm to this (0: off)")
+    weight_decay: float = _option(
+        0.1, "AdamW weight decay of matrices (biases and norms get none)")
+    data_path: str = _option(
+        "", "uint16 .bin token file, or a directory with train.bin and val.bin, on every "
+        "worker's machine (empty: the bundled corpus)", flag="--data")
+    checkpoint_dir: str = _option(
+        "", "where each stage checkpoints, under a folder per job id, and resumes from "
+        "(empty: each agent's own state directory; agent local: none). Shared storage lets "
+        "a job rescheduled onto other agents resume")
+    dtype: Dtype = _option(Dtype.FP32, "what the worker trains and sends activations in")
+    checkpoint_every: int = _option(
+        DEFAULT_CHECKPOINT_EVERY, "steps between checkpoints; each stage also checkpoints "
+        "after the last step, and keeps its newest 2 (0: no checkpoints at all)")
+    eval_batches: int = _option(
+        4, "validation batches (of --batch sequences) evaluated after the last step (0: none)")
+    pp_compress: str = _option(
+        "none", "compress pipeline activations and their gradients: none, int8, int4 (per "
+        "block of 128 values), or auto (the coordinator picks per link, where the saving "
+        "beats the time to compress; agent local: none)")
+    dp_compress: str = _option(
+        "none", "compress data-parallel gradients, with error feedback: none, int8, int4, "
+        "topk:RATIO (the largest RATIO of each block) or auto (per data-parallel group); "
+        "needs --dp-mode sharded")
+
+    def __post_init__(self) -> None:
+        for name, kind in _ENUMS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and value in _values(kind):
+                setattr(self, name, kind(value))
+
+    @staticmethod
+    def flag_of(name: str) -> str:
+        """The flag that sets field `name`: `--batch` for `global_batch`, else `--<name>`."""
+        meta = _FIELDS[name].metadata
+        return str(meta["flag"]) or "--" + name.replace("_", "-")
 
     def validate(self, replicas: int = 1) -> None:
-        """Raise ValueError with an actionable message for an inconsistent config."""
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.dp_mode not in DP_MODES:
-            raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
-        if self.dtype not in TRAIN_DTYPES:
-            raise ValueError(f"dtype must be one of {TRAIN_DTYPES} (the worker trains in "
-                             f"nothing else), got {self.dtype!r}")
+        """Raise ValueError naming the flag to fix, for a config the worker cannot train."""
+        for name, kind in _ENUMS.items():
+            value = getattr(self, name)
+            if value not in _values(kind):
+                why = " (fp16 needs loss scaling, which the worker does not do: use bf16)" \
+                    if kind is Dtype else ""
+                raise ValueError(f"{self.flag_of(name)} must be one of "
+                                 f"{', '.join(_values(kind))}, got {value!r}{why}")
         self._check_ranges()
-        if self.global_batch % replicas:
-            raise ValueError(
-                f"global batch {self.global_batch} is not divisible by {replicas} replicas"
-            )
-        per_replica = self.global_batch // replicas
-        if per_replica % self.micro_batches:
-            raise ValueError(
-                f"each replica's batch of {per_replica} sequences is not divisible into "
-                f"{self.micro_batches} micro-batches; pick a global batch that is a multiple "
-                f"of replicas x micro-batches = {replicas * self.micro_batches}"
-            )
+        check_batch(self.global_batch, self.micro_batches, replicas)
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        from dtfm.core.codecs import check_setting
+
+        check_setting(self.pp_compress, topk=False, what="--pp-compress")
+        check_setting(self.dp_compress, topk=True, what="--dp-compress")
+        if self.dp_mode != DpMode.SHARDED and self.dp_compress not in ("none", "auto"):
+            raise ValueError(f"--dp-compress {self.dp_compress} needs --dp-mode sharded: a "
+                             f"ring all-reduce sums in flight, which messages quantized with "
+                             f"their own scales cannot do")
 
     def _check_ranges(self) -> None:
+        flag = self.flag_of
         for name in _COUNTS:
             value = getattr(self, name)
             if not 0 <= value <= UINT32:
-                raise ValueError(f"{name} must be in 0..{UINT32}, got {value}")
-        if self.global_batch < 1 or self.micro_batches < 1:
-            raise ValueError("global_batch and micro_batches must be >= 1")
+                raise ValueError(f"{flag(name)} must be in 0..{UINT32}, got {value}")
         if not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in 0..2**64-1, got {self.seed}")
+            raise ValueError(f"--seed must be in 0..2**64-1, got {self.seed}")
         for name in ("lr", "grad_clip", "weight_decay"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError("lr must be > 0, grad_clip and weight_decay >= 0")
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{flag(name)} must be a finite number, got {value}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        for name in ("grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
 
     def to_proto(self) -> Any:
         from protos.dtfm.v1 import common_pb2
 
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in _ENUMS:
+            values[name] = str(values[name])  # the plain spelling, member or not
         return common_pb2.TrainConfig(**values)
 
     @classmethod
     def from_proto(cls, msg: Any) -> TrainConfig:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls) if f.name != "extra"})
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
+_ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype}
+_COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
+           "eval_batches")
+
+
+def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:
+    return tuple(m.value for m in kind)
+
+
+def check_batch(global_batch: int, micro_batches: int, replicas: int) -> None:
+    """Raise ValueError unless `global_batch` splits evenly into replicas x micro-batches.
+
+    The one home of this rule: the worker cuts its replica's share into equal micro-batches,
+    and the planner (`coordinator plan`) sizes activations from the same split.
+    """
+    for flag, value in (("--batch", global_batch), ("--micro-batches", micro_batches),
+                        ("replicas", replicas)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    unit = replicas * micro_batches
+    if global_batch % unit:
+        raise ValueError(
+            f"--batch {global_batch} does not split evenly into {replicas} replicas x "
+            f"{micro_batches} micro-batches: it is not divisible by {unit}; use a multiple of "
+            f"replicas x micro-batches = {unit}, such as {(global_batch // unit + 1) * unit}"
+        )
+
+
+# --- what a worker reports: dtfm.v1.WorkerState ---
+
+
+class WorkerState(enum.StrEnum):
+    """What an agent's worker is doing, as the agent reports it to the coordinator.
+
+    One schema for producer and consumers (supervisor, heartbeat, registry, job, status,
+    metrics), so a misspelt state is an AttributeError here instead of a report nobody reads.
+    A StrEnum, so logs, `coordinator status` and metric labels keep printing the lowercase
+    names the wire's free-text field used to carry. `to_wire`/`from_wire` map it to the
+    wire's enum by name (a test pins that the two list the same states), so no module
+    hard-codes the other's numbers.
+    """
+
+    IDLE = "idle"  # no worker, and the agent is not measuring
+    MEASURING = "measuring"  # no worker; the agent measures its links (a session state)
+    STARTING = "starting"  # worker spawned, no step finished yet
+    TRAINING = "training"
+    DONE = "done"  # finished every step and exited cleanly
+    FAILED = "failed"  # see the report's error and error_kind
+    STOPPED = "stopped"  # being stopped (a stop command, a new assignment, shutdown)
+
+    def to_wire(self) -> int:
+        """This state's `dtfm.v1.WorkerState` number."""
+        from protos.dtfm.v1 import common_pb2
+
+        return int(common_pb2.WorkerState.Value(f"WORKER_STATE_{self.name}"))
+
+    @classmethod
+    def from_wire(cls, value: int) -> WorkerState:
+        """The state a `dtfm.v1.WorkerState` number names; unset (UNSPECIFIED) reads as idle.
+
+        Raises ValueError for a number the wire enum does not define (a newer or broken
+        peer): validate a report before reading its state.
+        """
+        from protos.dtfm.v1 import common_pb2
+
+        if value == common_pb2.WORKER_STATE_UNSPECIFIED:
+            return cls.IDLE
+        return cls[common_pb2.WorkerState.Name(value).removeprefix("WORKER_STATE_")]
+
+    @classmethod
+    def label(cls, value: int) -> str:
+        """The lowercase name people and scripts see for a wire number, never raising: a
+        status printer may talk to a newer peer whose states this one does not know."""
+        try:
+            return cls.from_wire(value).value
+        except ValueError:
+            return f"unknown ({value})"

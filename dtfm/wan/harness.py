@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from dtfm.procs import terminate_all
 from dtfm.wan import netns
 
 log = logging.getLogger(__name__)
@@ -341,18 +342,7 @@ class WanEmulator:
         log.info("WAN down: namespaces %s deleted", self._created)
 
     def _stop_processes(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-        deadline = time.monotonic() + 3.0
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+        terminate_all(self._procs, grace_s=3.0, group=False)
         for proc in self._procs:
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None:
@@ -371,14 +361,8 @@ class WanEmulator:
         if emu.poll() is not None:
             log.error("the WAN emulator had exited early (%s):\n%s", emu.returncode,
                       self.emulator_log())
-        else:
-            emu.terminate()
-            try:
-                emu.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                log.warning("emulator did not stop on SIGTERM; killing it")
-                emu.kill()
-                emu.wait()
+        elif terminate_all([emu], grace_s=5.0, group=False):
+            log.warning("the emulator did not stop on SIGTERM; killed it")
         for stream in (emu.stdin, emu.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):

@@ -66,17 +66,20 @@ def test_reports_need_the_agents_secret(daemons: Daemons) -> None:
             s1 = (await first.read()).welcome.agent_secret
             for secret in ("", "0" * 64):
                 for call in (stub.ReportProgress(coordinator_pb2.ProgressReport(
-                                 agent_id="raw-1", worker_state="done", agent_secret=secret),
-                                 metadata=metadata, timeout=10),
+                                 agent_id="raw-1", worker_state=common_pb2.WORKER_STATE_DONE,
+                                 agent_secret=secret), metadata=metadata, timeout=10),
                              stub.ReportLinks(coordinator_pb2.LinkReport(
                                  agent_id="raw-1", round_id="r", agent_secret=secret),
+                                 metadata=metadata, timeout=10),
+                             stub.Leave(coordinator_pb2.LeaveRequest(
+                                 agent_id="raw-1", agent_secret=secret),
                                  metadata=metadata, timeout=10)):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             await stub.ReportProgress(coordinator_pb2.ProgressReport(
-                agent_id="raw-1", worker_state="idle", agent_secret=s1), metadata=metadata,
-                timeout=10)
+                agent_id="raw-1", worker_state=common_pb2.WORKER_STATE_IDLE, agent_secret=s1),
+                metadata=metadata, timeout=10)
             # The same agent re-joining ends its old stream and gets a fresh secret.
             second = stub.Join(coordinator_pb2.JoinRequest(agent=_info("raw-1"),
                                                            agent_secret=s1), metadata=metadata)

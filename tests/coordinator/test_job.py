@@ -20,7 +20,7 @@ from coordinator.job import Job
 from coordinator.linkstore import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.registry import Registry
-from dtfm.core.spec import TrainConfig
+from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 S = coordinator_pb2
@@ -52,10 +52,22 @@ class Cluster:
             out[agent_id] = cmd.assign
         return out
 
-    def report(self, agent_id: str, **fields: object) -> None:
+    async def heartbeats(self) -> None:
+        """The agents' heartbeats (live agents send one every interval): the job plans a
+        recovery only on agents heard from since the fault."""
+        while True:
+            for agent_id in self.ids:
+                rec = self.registry.get(agent_id)
+                if rec is not None:
+                    rec.last_seen = self.registry.now()
+            await asyncio.sleep(0.05)
+
+    def report(self, agent_id: str, worker_state: WorkerState = WorkerState.IDLE,
+               **fields: object) -> None:
         rec = self.registry.get(agent_id)
         assert rec is not None
         report = S.ProgressReport(agent_id=agent_id, job_id=self.job.job_id,
+                                  worker_state=worker_state.to_wire(),  # type: ignore[arg-type]
                                   epoch=self.job.epoch, **fields)  # type: ignore[arg-type]
         self.job.on_progress(rec, report)
 
@@ -74,10 +86,12 @@ def run(body: Callable[[Cluster], Awaitable[None]], cfg: JobConfig,
     async def main() -> None:
         c = Cluster(cfg, devices)
         task = asyncio.get_running_loop().create_task(c.job.run())
+        beats = asyncio.get_running_loop().create_task(c.heartbeats())
         try:
             await body(c)
         finally:
             task.cancel()
+            beats.cancel()
     asyncio.run(main())
 
 
@@ -133,7 +147,7 @@ def test_a_pinned_plan_file_names_its_agents(tmp_path: Path) -> None:
 def test_a_config_error_fails_the_job_at_once() -> None:
     async def body(c: Cluster) -> None:
         await c.assignments()
-        c.report(c.ids[1], worker_state="failed", error="ValueError: bad layer range",
+        c.report(c.ids[1], worker_state=WorkerState.FAILED, error="ValueError: bad layer range",
                  error_kind="config")
         await _until(lambda: c.job.state == S.JOB_STATE_FAILED)
         assert "invalid" in c.job.message and c.job.epoch == 1
@@ -145,7 +159,7 @@ def test_rendezvous_failing_twice_without_a_step_fails_the_job() -> None:
         for epoch in (1, 2):
             await c.assignments()  # a second epoch: once may be a passing fault
             assert c.job.epoch == epoch and c.job.state == S.JOB_STATE_RUNNING
-            c.report(c.ids[0], worker_state="failed", error_kind="rendezvous",
+            c.report(c.ids[0], worker_state=WorkerState.FAILED, error_kind="rendezvous",
                      error="RuntimeError: Gloo connectFullMesh failed ... remote=[127.0.0.1]")
         await _until(lambda: c.job.state == S.JOB_STATE_FAILED)
         assert "twice in a row" in c.job.message and "--advertise" in c.job.message
@@ -156,7 +170,8 @@ def test_a_peer_failure_is_retried() -> None:
     async def body(c: Cluster) -> None:
         await c.assignments()
         for _ in range(2):
-            c.report(c.ids[0], worker_state="failed", error_kind="peer", error="peer died")
+            c.report(c.ids[0], worker_state=WorkerState.FAILED, error_kind="peer",
+                     error="peer died")
             await c.assignments()
         assert c.job.epoch == 3 and c.job.state == S.JOB_STATE_RUNNING
     run(body, config(placement="rank-order", max_restarts=5))
@@ -169,7 +184,7 @@ def test_step_times_measured_and_predicted_from_reported_compute() -> None:
         comm_only = c.job.plan.predicted_comm_s
         for step in (1, 2, 3):
             for agent_id in c.ids:  # step 1 is warm-up and must not count
-                c.report(agent_id, worker_state="training", step=step,
+                c.report(agent_id, worker_state=WorkerState.TRAINING, step=step,
                          step_s=9.0 if step == 1 else 2.0, compute_s=0.5, loss=3.0)
         status = c.job.status()
         assert status.measured_step_s == pytest.approx(2.0)
@@ -236,9 +251,9 @@ def test_only_members_reports_count() -> None:
         outsider = c.registry.join(common_pb2.AgentInfo(
             agent_id="outsider", host="10.0.0.99", port=7071,
             device=common_pb2.DeviceInfo(kind="cpu", flops=1e10)))
-        c.report(outsider.agent_id, worker_state="failed", error="forged")
+        c.report(outsider.agent_id, worker_state=WorkerState.FAILED, error="forged")
         for agent_id in c.ids:
-            c.report(agent_id, worker_state="done", step=5)
+            c.report(agent_id, worker_state=WorkerState.DONE, step=5)
         await _until(lambda: c.job.state == S.JOB_STATE_DONE)
         assert c.job.restarts == 0 and "outsider" not in c.job.members
     run(body, config(placement="rank-order"))
@@ -254,7 +269,7 @@ def test_a_recovering_job_keeps_the_split_its_checkpoints_hold(tmp_path: Path) -
             rec = c.registry.get(agent_id)
             assert rec is not None
             rec.info.device.flops = 2e10
-        c.report(c.ids[3], worker_state="failed", error_kind="peer", error="peer died")
+        c.report(c.ids[3], worker_state=WorkerState.FAILED, error_kind="peer", error="peer died")
         second = await c.assignments()
         assert c.job.epoch == 2
         assert {x.layer_end - x.layer_begin for x in second.values()} == {2}

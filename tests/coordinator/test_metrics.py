@@ -46,8 +46,8 @@ def _cluster() -> tuple[Registry, Job, LinkStore]:
         registry.join(common_pb2.AgentInfo(agent_id=name, host="127.0.0.1", port=9,
                                            device=common_pb2.DeviceInfo(kind="cpu")))
     registry.heartbeat(coordinator_pb2.ProgressReport(
-        agent_id="a", job_id=job.job_id, epoch=1, worker_state="training", step=7, loss=3.5,
-        tokens_per_s=900.0, step_s=0.5, compute_s=0.3, pp_wait_s=0.15, dp_s=0.05))
+        agent_id="a", job_id=job.job_id, epoch=1, worker_state=common_pb2.WORKER_STATE_TRAINING,
+        step=7, loss=3.5, tokens_per_s=900.0, step_s=0.5, compute_s=0.3, pp_wait_s=0.15, dp_s=0.05))
     links.record("a", common_pb2.LinkSample(peer_id="b", delay_ms=20.0, bandwidth_gbps=8.0,
                                             reachable=True))
     links.mark_unreachable("b", "a", "refused")

@@ -32,7 +32,8 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def _report(step: int, **kw: float | str) -> coordinator_pb2.ProgressReport:
-    fields = {"agent_id": "a", "job_id": "job-1", "epoch": 1, "worker_state": "training",
+    fields = {"agent_id": "a", "job_id": "job-1", "epoch": 1,
+              "worker_state": common_pb2.WORKER_STATE_TRAINING,
               "step": step, **kw}
     return coordinator_pb2.ProgressReport(**fields)  # type: ignore[arg-type]
 
@@ -42,7 +43,8 @@ def test_history_keeps_one_point_per_step_with_loss_and_median_step_time() -> No
     h.record("a", _report(1, step_s=1.0))  # first stage: no loss
     h.record("b", _report(1, loss=5.0, step_s=3.0))  # last stage
     h.record("a", _report(0))  # not training yet: ignored
-    h.record("a", _report(2, worker_state="idle"))  # not a training report: ignored
+    # not a training report: ignored
+    h.record("a", _report(2, worker_state=common_pb2.WORKER_STATE_IDLE))
     job = coordinator_pb2.JobStatus(job_id="job-1", model="gpt-tiny", total_steps=9,
                                     state=coordinator_pb2.JOB_STATE_RUNNING)
     data = history_to_json(h.to_proto(job, tokens_per_step=1000, restarts=0))
@@ -93,7 +95,8 @@ async def _feed(address: str, job_id: str, steps: int) -> None:
         secret = (await stream.read()).welcome.agent_secret
         for step in range(1, steps + 1):
             await stub.ReportProgress(coordinator_pb2.ProgressReport(
-                agent_id="fake-0", job_id=job_id, epoch=0, worker_state="training", step=step,
+                agent_id="fake-0", job_id=job_id, epoch=0,
+                worker_state=common_pb2.WORKER_STATE_TRAINING, step=step,
                 loss=6.0 - step * 0.1, step_s=0.5, tokens_per_s=100.0, agent_secret=secret),
                 timeout=5)
         stream.cancel()

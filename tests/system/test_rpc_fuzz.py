@@ -37,8 +37,9 @@ def _malformed() -> list[tuple[str, bytes, grpc.StatusCode]]:
     cases.append(("/dtfm.v1.Coordinator/Join",
                   coordinator_pb2.JoinRequest(agent=bad_kind).SerializeToString(),
                   grpc.StatusCode.INVALID_ARGUMENT))
+    dancing = max(common_pb2.WorkerState.values()) + 1  # no such state (proto3 enums are open)
     cases.append(("/dtfm.v1.Coordinator/ReportProgress", coordinator_pb2.ProgressReport(
-        agent_id="x", worker_state="dancing").SerializeToString(),
+        agent_id="x", worker_state=dancing).SerializeToString(),  # type: ignore[arg-type]
         grpc.StatusCode.INVALID_ARGUMENT))
     cases.append(("/dtfm.v1.Coordinator/ReportProgress", coordinator_pb2.ProgressReport(
         agent_id="x", loss=math.nan).SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT))

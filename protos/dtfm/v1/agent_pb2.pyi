@@ -1,7 +1,8 @@
 from protos.dtfm.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -45,19 +46,75 @@ class AgentStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatusReply(_message.Message):
-    __slots__ = ("info", "coordinator", "connected", "worker_state", "job_id", "step", "loss")
+    __slots__ = ("info", "coordinator", "connected", "job_id", "step", "loss", "worker_state")
     INFO_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
-    WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.AgentInfo
     coordinator: str
     connected: bool
-    worker_state: str
     job_id: str
     step: int
     loss: float
-    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., connected: _Optional[bool] = ..., worker_state: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+    worker_state: _common_pb2.WorkerState
+    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., connected: _Optional[bool] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("job_id", "stage")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage: int
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class CheckpointFile(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CheckpointEntry(_message.Message):
+    __slots__ = ("stage", "step", "layers", "files")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    step: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
+    def __init__(self, stage: _Optional[int] = ..., step: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ...) -> None: ...
+
+class CheckpointList(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[CheckpointEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[CheckpointEntry, _Mapping]]] = ...) -> None: ...
+
+class FetchCheckpointRequest(_message.Message):
+    __slots__ = ("job_id", "stage", "step", "name", "offset")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage: int
+    step: int
+    name: str
+    offset: int
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CheckpointChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

@@ -49,6 +49,16 @@ class AgentStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.AgentStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.AgentStatusReply.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/dtfm.v1.Agent/ListCheckpoints',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointList.FromString,
+                _registered_method=True)
+        self.FetchCheckpoint = channel.unary_stream(
+                '/dtfm.v1.Agent/FetchCheckpoint',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -75,6 +85,22 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """The complete checkpoints (manifest present, file sizes match) this agent holds of one
+        stage of a job in its own checkpoint directory, oldest first; none is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchCheckpoint(self, request, context):
+        """One file of a complete checkpoint, from byte `offset` (to resume a download), in chunks
+        of at most 1 MiB. The caller checks size and sha256 against the listed manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +118,16 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.AgentStatusRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.AgentStatusReply.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointList.SerializeToString,
+            ),
+            'FetchCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchCheckpoint,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +211,60 @@ class Agent:
             '/dtfm.v1.Agent/GetStatus',
             protos_dot_dtfm_dot_v1_dot_agent__pb2.AgentStatusRequest.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_agent__pb2.AgentStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Agent/ListCheckpoints',
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.ListCheckpointsRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dtfm.v1.Agent/FetchCheckpoint',
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.FromString,
             options,
             channel_credentials,
             insecure,

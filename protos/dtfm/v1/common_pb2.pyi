@@ -1,10 +1,30 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_IDLE: _ClassVar[WorkerState]
+    WORKER_STATE_MEASURING: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_TRAINING: _ClassVar[WorkerState]
+    WORKER_STATE_DONE: _ClassVar[WorkerState]
+    WORKER_STATE_FAILED: _ClassVar[WorkerState]
+    WORKER_STATE_STOPPED: _ClassVar[WorkerState]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_IDLE: WorkerState
+WORKER_STATE_MEASURING: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_TRAINING: WorkerState
+WORKER_STATE_DONE: WorkerState
+WORKER_STATE_FAILED: WorkerState
+WORKER_STATE_STOPPED: WorkerState
 
 class DeviceInfo(_message.Message):
     __slots__ = ("kind", "name", "memory_bytes", "flops", "cores", "free_memory_bytes", "flops_bf16")
@@ -57,7 +77,7 @@ class ModelSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches")
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress")
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +93,8 @@ class TrainConfig(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     EVAL_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     global_batch: int
     micro_batches: int
     steps: int
@@ -88,10 +110,12 @@ class TrainConfig(_message.Message):
     dtype: str
     checkpoint_every: int
     eval_batches: int
-    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ...) -> None: ...
+    pp_compress: str
+    dp_compress: str
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr")
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +136,11 @@ class Assignment(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYER_SPLITS_FIELD_NUMBER: _ClassVar[int]
     BIND_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PP_COMPRESS_PREV_FIELD_NUMBER: _ClassVar[int]
+    PP_COMPRESS_NEXT_FIELD_NUMBER: _ClassVar[int]
+    DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PEERS_FIELD_NUMBER: _ClassVar[int]
+    MIRRORS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     master_addr: str
@@ -132,7 +161,20 @@ class Assignment(_message.Message):
     backend: str
     layer_splits: _containers.RepeatedScalarFieldContainer[int]
     bind_addr: str
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ...) -> None: ...
+    pp_compress_prev: str
+    pp_compress_next: str
+    dp_compress: str
+    checkpoint_peers: _containers.RepeatedScalarFieldContainer[str]
+    mirrors: _containers.RepeatedCompositeFieldContainer[CheckpointMirror]
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ...) -> None: ...
+
+class CheckpointMirror(_message.Message):
+    __slots__ = ("stage", "peer")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    peer: str
+    def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class LinkSample(_message.Message):
     __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s")

@@ -136,11 +136,10 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "worker_state", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret")
+    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -152,10 +151,10 @@ class ProgressReport(_message.Message):
     DP_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
     AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     job_id: str
     epoch: int
-    worker_state: str
     step: int
     loss: float
     tokens_per_s: float
@@ -167,7 +166,18 @@ class ProgressReport(_message.Message):
     dp_s: float
     error_kind: str
     agent_secret: str
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., worker_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ...) -> None: ...
+    worker_state: _common_pb2.WorkerState
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("agent_id", "agent_secret", "reason")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    agent_secret: str
+    reason: str
+    def __init__(self, agent_id: _Optional[str] = ..., agent_secret: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -188,7 +198,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +212,12 @@ class JobStatus(_message.Message):
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     MEASURED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_MIN_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model: str
@@ -215,7 +231,35 @@ class JobStatus(_message.Message):
     placement: str
     predicted_step_s: float
     measured_step_s: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ...) -> None: ...
+    agents_min: int
+    stages: int
+    replicas: int
+    checkpoint_step: int
+    restarts: int
+    recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
+
+class Recovery(_message.Message):
+    __slots__ = ("at_unix_s", "reason", "layout_before", "layout_after", "last_step", "resumed_step", "steps_lost", "stalled_s", "planned")
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    at_unix_s: float
+    reason: str
+    layout_before: str
+    layout_after: str
+    last_step: int
+    resumed_step: int
+    steps_lost: int
+    stalled_s: float
+    planned: bool
+    def __init__(self, at_unix_s: _Optional[float] = ..., reason: _Optional[str] = ..., layout_before: _Optional[str] = ..., layout_after: _Optional[str] = ..., last_step: _Optional[int] = ..., resumed_step: _Optional[int] = ..., steps_lost: _Optional[int] = ..., stalled_s: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("agents", "job", "plan", "links", "now_unix_s")

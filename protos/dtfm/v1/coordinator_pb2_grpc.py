@@ -50,6 +50,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.ProgressReport.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/dtfm.v1.Coordinator/Leave',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/dtfm.v1.Coordinator/GetStatus',
                 request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
@@ -92,6 +97,16 @@ class CoordinatorServicer:
 
     def ReportProgress(self, request, context):
         """The agent's heartbeat, carrying its worker's progress when one runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """The agent is leaving on purpose (SIGTERM): mark it left, not lost. Its own RPC rather
+        than a value of the heartbeat's worker state: a goodbye is not progress, so the
+        heartbeat path never has to tell the two apart, and a goodbye never stands in for a
+        member's last real report (its "done" stays done).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,6 +155,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ReportProgress': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportProgress,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.ProgressReport.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
@@ -243,6 +263,33 @@ class Coordinator:
             target,
             '/dtfm.v1.Coordinator/ReportProgress',
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.ProgressReport.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/Leave',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -25,9 +25,10 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     crashed = run_local(*FLAGS, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:6"})
     assert crashed.rc != 0
     assert [s["step"] for s in crashed.steps] == [1, 2, 3, 4, 5]
-    for stage in (0, 1):
-        names = sorted(p.name for p in (ckpt / f"stage-{stage}").iterdir())
-        assert names == ["step-00000004.pt"], names  # complete files only, no temp leftovers
+    for stage in (0, 1):  # checkpoints are kept per job id; agent local's is "local"
+        names = sorted(p.name for p in (ckpt / "local" / f"stage-{stage}").iterdir())
+        # complete files only, no temp leftovers
+        assert names == ["step-00000004.manifest.json", "step-00000004.pt"], names
 
     resumed = run_local(*FLAGS, "--checkpoint-dir", str(ckpt))
     assert resumed.rc == 0, resumed.stderr

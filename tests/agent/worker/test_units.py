@@ -121,7 +121,8 @@ def test_checkpoint_is_atomic_and_keeps_the_newest(tmp_path: Path) -> None:
         checkpoint.atomic_save({"bad": lambda: 0}, checkpoint.path_for(tmp_path, 1, 6))
     assert checkpoint.load_stage(tmp_path, 1, 6)["x"].item() == 6
     assert sorted(p.name for p in (tmp_path / "stage-1").iterdir()) == [
-        "step-00000004.pt", "step-00000006.pt"
+        "step-00000004.manifest.json", "step-00000004.pt",
+        "step-00000006.manifest.json", "step-00000006.pt",
     ]
     with pytest.raises(FileNotFoundError, match="shared storage"):
         checkpoint.load_stage(tmp_path, 0, 6)
@@ -180,7 +181,8 @@ def test_checkpoint_refuses_pickled_objects_and_is_private(tmp_path: Path) -> No
     assert stat.S_IMODE(os.stat(root / "stage-0").st_mode) == 0o700
     assert stat.S_IMODE(os.stat(checkpoint.path_for(root, 0, 2)).st_mode) == 0o600
     planted = tmp_path / "planted"
-    checkpoint.atomic_save({"step": 4, "x": _Planted(planted)}, checkpoint.path_for(root, 0, 4))
+    # whoever can plant a file can write its manifest too: the checksum is no defence here
+    checkpoint.save_stage(root, 0, 4, {"x": _Planted(planted)})
     with pytest.raises(ValueError, match="other than tensors and plain types"):
         checkpoint.load_stage(root, 0, 4)
     assert not planted.exists()

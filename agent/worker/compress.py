@@ -1,0 +1,164 @@
+"""Compressed messages: int8 / int4 block quantization, block top-k, and error feedback.
+
+Owns turning a float tensor into the bytes a slow link carries and back. Over the Internet a
+step's time is the bytes on its slowest links, so pipeline activations and their gradients,
+and data-parallel gradient shards, may travel compressed (`--pp-compress`, `--dp-compress`,
+or chosen per link by the coordinator). The codecs' names and wire sizes are defined in
+`dtfm.core.codecs` (the scheduler counts the same bytes without torch); this module is
+their torch implementation, and a test pins every message to `Codec.wire_bytes`.
+
+A message is one flat `uint8` tensor of a size the receiver knows in advance (gloo and NCCL
+receive into a buffer of fixed size), laid out scales first so that every typed view is
+aligned:
+
+- int8 / int4: `[bf16 scale per block | int8 per element or two int4 per byte]`; a block's
+  scale is its largest magnitude over 127 (or 7), values are rounded to nearest.
+- top-k: `[bf16 scale per block | k positions per block (uint8) | k int8 values per block]`.
+
+Error feedback (`ErrorFeedback`) sends `x + residual` and keeps what the message could not
+carry for the next message of the same tensor, so the running sum of what was sent tracks the
+running sum of the true values within one message's error, however many steps pass. It is
+used where consecutive messages carry the same quantity: data-parallel gradients (step after
+step, the same parameters). Pipeline messages carry different micro-batches each time, so a
+residual from one would be noise in the next (AQ-SGD's feedback for activations keeps one
+buffer per training example, which a run shorter than an epoch never revisits); they are
+quantized directly, with rounding to nearest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dtfm.core.codecs import BLOCK, SCALE_BYTES, TOPK_BLOCK, Codec, parse_codec
+
+_QMAX = {"int8": 127.0, "int4": 7.0}
+
+
+class TensorCodec:
+    """The torch side of one lossy `Codec`: `encode` to bytes, `decode` back to float32."""
+
+    def __init__(self, codec: Codec) -> None:
+        if codec.lossless:
+            raise ValueError("'none' sends tensors as they are; it has no TensorCodec")
+        self.codec = codec
+
+    @property
+    def name(self) -> str:
+        return self.codec.name
+
+    def wire_bytes(self, n: int) -> int:
+        return self.codec.wire_bytes(n)
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The message for `x` (any shape; flattened): a 1-D uint8 tensor of
+        `wire_bytes(x.numel())` bytes on `x`'s device."""
+        flat = x.detach().reshape(-1).float()
+        if self.codec.kind == "topk":
+            return _encode_topk(flat, self.codec.topk_per_block)
+        return _encode_quant(flat, self.codec.kind)
+
+    @torch.no_grad()
+    def decode(self, msg: torch.Tensor, n: int) -> torch.Tensor:
+        """The `n` float32 values a message of `encode` carries (1-D)."""
+        if msg.numel() != self.wire_bytes(n):
+            raise ValueError(f"a {self.name} message of {n} elements has {self.wire_bytes(n)} "
+                             f"bytes, got {msg.numel()}")
+        if self.codec.kind == "topk":
+            return _decode_topk(msg, n, self.codec.topk_per_block)
+        return _decode_quant(msg, n, self.codec.kind)
+
+
+def make_codec(name: str | Codec) -> TensorCodec | None:
+    """The torch codec for a name from the assignment (`""` and `none`: None, send as is)."""
+    codec = name if isinstance(name, Codec) else parse_codec(name or "none")
+    return None if codec.lossless else TensorCodec(codec)
+
+
+def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    pad = (-flat.numel()) % block
+    return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block)
+
+
+def _scales(amax: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 scales for the wire, the float32 divisors both ends use: 1 for an all-zero block)."""
+    scale = (amax / qmax).to(torch.bfloat16)
+    s = scale.float()
+    return scale, torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _split(msg: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 divisors, the rest of the message) from a message that starts with scales."""
+    head = blocks * SCALE_BYTES
+    s = msg[:head].view(torch.bfloat16).float()
+    return torch.where(s > 0, s, torch.ones_like(s)), msg[head:]
+
+
+def _encode_quant(flat: torch.Tensor, kind: str) -> torch.Tensor:
+    n, qmax = flat.numel(), _QMAX[kind]
+    b = _blocks(flat, BLOCK)
+    scale, s = _scales(b.abs().amax(dim=1), qmax)
+    q = torch.round(b / s[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:n]
+    if kind == "int8":
+        payload = q.view(torch.uint8)
+    else:
+        u = (q + 8).to(torch.uint8)  # 1..15
+        if n % 2:
+            u = F.pad(u, (0, 1), value=8)  # a zero in the unused half byte
+        payload = u[0::2] | (u[1::2] << 4)
+    return torch.cat([scale.view(torch.uint8), payload])
+
+
+def _decode_quant(msg: torch.Tensor, n: int, kind: str) -> torch.Tensor:
+    blocks = -(-n // BLOCK)
+    s, payload = _split(msg, blocks)
+    if kind == "int8":
+        q = payload.view(torch.int8).float()
+    else:
+        pairs = torch.stack([payload & 15, payload >> 4], dim=1).reshape(-1)[:n]
+        q = pairs.float() - 8.0
+    full = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=msg.device)
+    full[:n] = q
+    return (full.view(blocks, BLOCK) * s[:, None]).reshape(-1)[:n]
+
+
+def _encode_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
+    b = _blocks(flat, TOPK_BLOCK)
+    mags, idx = b.abs().topk(k, dim=1)  # sorted: mags[:, 0] is the block's largest magnitude
+    scale, s = _scales(mags[:, 0], 127.0)
+    vals = torch.round(b.gather(1, idx) / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([scale.view(torch.uint8), idx.to(torch.uint8).reshape(-1),
+                      vals.view(torch.uint8).reshape(-1)])
+
+
+def _decode_topk(msg: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    blocks = -(-n // TOPK_BLOCK)
+    s, rest = _split(msg, blocks)
+    idx = rest[: blocks * k].view(blocks, k).long()
+    vals = rest[blocks * k :].view(torch.int8).view(blocks, k).float() * s[:, None]
+    out = torch.zeros(blocks, TOPK_BLOCK, dtype=torch.float32, device=msg.device)
+    out.scatter_(1, idx, vals)
+    return out.reshape(-1)[:n]
+
+
+class ErrorFeedback:
+    """Compress one recurring tensor with error feedback (EF-SGD, as in CocktailSGD).
+
+    Each call sends `x + residual` and keeps `residual = (x + residual) - decoded`, so after
+    T messages `sum(decoded) = sum(x) - residual_T`: the running sums differ by one message's
+    error, not T of them. Gradients are summed over steps by the optimizer's momentum, which
+    is why this keeps training on track where plain 4-bit rounding would bias it."""
+
+    def __init__(self, codec: TensorCodec) -> None:
+        self.codec = codec
+        self.residual: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(message, what the receiver will decode from it), for 1-D float `x`."""
+        v = x.float() if self.residual is None else x.float() + self.residual
+        msg = self.codec.encode(v)
+        sent = self.codec.decode(msg, v.numel())
+        self.residual = v - sent
+        return msg, sent

@@ -1,0 +1,113 @@
+"""What the coordinator must not forget when it restarts: the job it was driving.
+
+A coordinator that dies mid-job used to come back with a new job id, so the agents'
+checkpoints (keyed by job id) were strangers to it and training started again from step 0.
+With `coordinator start --state-dir DIR` the job's identity and progress live in
+`DIR/coordinator.db` (sqlite3, one row per job, each write one transaction, so a kill at any
+instant leaves the previous snapshot or the new one, never half of each). On start the
+coordinator adopts the stored job when it was started with the same job flags (the same
+fingerprint) and had not finished; otherwise it starts a new job and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "coordinator.db"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS job (
+    job_id TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    finished INTEGER NOT NULL DEFAULT 0,
+    updated_unix_s REAL NOT NULL,
+    snapshot TEXT NOT NULL
+)
+"""
+
+
+@dataclass
+class JobSnapshot:
+    """The job's durable state; everything else (progress, step times) is rebuilt from the
+    agents' next reports."""
+
+    job_id: str
+    fingerprint: str
+    state: str = "waiting"
+    epoch: int = 0
+    restarts: int = 0
+    members: list[str] = field(default_factory=list)
+    grid: list[list[str]] = field(default_factory=list)  # stage x replica -> agent id
+    splits: list[int] = field(default_factory=list)
+    micro_batches: int = 0  # this epoch's (more per replica while shrunk)
+    wanted_replicas: int = 0  # the layout the job grows back to
+    checkpoint_step: int = 0  # newest step every stage holds intact on some agent
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # Recovery messages as JSON
+    links: dict[str, Any] = field(default_factory=dict)  # the members' measured matrix
+    started_unix_s: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSnapshot:
+        raw: dict[str, Any] = json.loads(text)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def fingerprint(job_flags: dict[str, Any]) -> str:
+    """Identifies 'the same job': a restarted coordinator with other job flags (another
+    model, batch or step count) must not adopt checkpoints trained under the old ones."""
+    text = json.dumps(job_flags, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class JobStore:
+    """One sqlite database in the coordinator's state directory."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / DB_NAME
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise OSError(f"--state-dir {state_dir}: cannot open {self.path}: {exc}; give a "
+                          f"writable directory on local disk") from exc
+        os.chmod(self.path, 0o600)
+
+    def save(self, snap: JobSnapshot, finished: bool = False) -> None:
+        with self._db:  # one transaction: the old row or the new, never half
+            self._db.execute(
+                "INSERT INTO job (job_id, fingerprint, finished, updated_unix_s, snapshot) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(job_id) DO UPDATE SET "
+                "fingerprint=excluded.fingerprint, finished=excluded.finished, "
+                "updated_unix_s=excluded.updated_unix_s, snapshot=excluded.snapshot",
+                (snap.job_id, snap.fingerprint, int(finished), time.time(), snap.to_json()))
+
+    def unfinished(self, fp: str) -> JobSnapshot | None:
+        """The newest unfinished job started with the same flags, if any."""
+        rows = self._db.execute(
+            "SELECT fingerprint, snapshot FROM job WHERE finished = 0 "
+            "ORDER BY updated_unix_s DESC").fetchall()
+        for row_fp, text in rows:
+            if row_fp == fp:
+                return JobSnapshot.from_json(text)
+            log.info("state dir %s holds an unfinished job with other flags; not adopting it",
+                     self.path.parent)
+        return None
+
+    def close(self) -> None:
+        self._db.close()

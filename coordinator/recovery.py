@@ -1,0 +1,57 @@
+"""The job's record of its recoveries, and the rules for when a recovery may shrink or grow it.
+
+Kept apart from the state machine (`coordinator/job.py`) because status, metrics and the
+coordinator's state directory all read the same record: when, why, the layout before and
+after, the steps lost and the seconds stalled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from google.protobuf import json_format
+
+from protos.dtfm.v1 import coordinator_pb2
+
+
+def layout_text(stages: int, replicas: int) -> str:
+    return f"{stages}x{replicas}" if stages else ""
+
+
+class Recoveries:
+    """Every recovery, oldest first; the newest stays open until the next epoch trains."""
+
+    def __init__(self, saved: list[dict[str, Any]] | None = None) -> None:
+        self.items: list[coordinator_pb2.Recovery] = [
+            json_format.ParseDict(d, coordinator_pb2.Recovery()) for d in saved or []]
+        self._open: coordinator_pb2.Recovery | None = None
+
+    def begin(self, reason: str, layout_before: str, last_step: int,
+              planned: bool = False) -> None:
+        rec = coordinator_pb2.Recovery(at_unix_s=time.time(), reason=reason[:500],
+                                       layout_before=layout_before, last_step=last_step,
+                                       planned=planned)
+        self.items.append(rec)
+        self._open = rec
+
+    def placed(self, layout_after: str) -> None:
+        if self._open is not None:
+            self._open.layout_after = layout_after
+
+    def trained(self, first_step: int) -> None:
+        """The new epoch reported its first step: it resumed after `first_step - 1`."""
+        rec, self._open = self._open, None
+        if rec is None:
+            return
+        rec.resumed_step = max(first_step - 1, 0)
+        rec.steps_lost = max(rec.last_step - rec.resumed_step, 0)
+        rec.stalled_s = max(time.time() - rec.at_unix_s, 0.0)
+
+    @property
+    def pending(self) -> bool:
+        return self._open is not None
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [json_format.MessageToDict(r, preserving_proto_field_name=True)
+                for r in self.items]

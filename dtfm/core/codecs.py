@@ -1,0 +1,169 @@
+"""Names and wire sizes of the compression codecs for pipeline and data-parallel messages.
+
+The worker implements the codecs in torch (`agent/worker/compress.py`); the scheduler counts
+their bytes (`coordinator/scheduler/compression.py`) and the config validates their names.
+Those three must agree to the byte, and two of them may not import torch, so the vocabulary
+and the size formulas live here, in the core library, and a test pins the worker's real
+messages to `wire_bytes`.
+
+A codec is one of:
+
+- `none`: the tensor as it is (fp32, or the training dtype for activations under bf16);
+- `int8`: blocks of `BLOCK` elements, each scaled by its largest magnitude to -127..127,
+  one byte per element plus one bf16 scale per block;
+- `int4`: the same with -7..7, two elements per byte;
+- `topk:RATIO` (data-parallel only): in each block of `TOPK_BLOCK` elements, the
+  `ceil(RATIO * TOPK_BLOCK)` largest magnitudes, each as a one-byte position and an int8
+  value, plus one bf16 scale per block. What is not sent waits in the error-feedback
+  residual for a later step.
+
+`auto` is not a codec but a setting: the coordinator chooses a codec per pipeline link and per
+data-parallel group from the measured links (`coordinator.scheduler.compression`).
+
+Pure Python: no torch, numpy or grpc.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BLOCK = 128  # elements per scale for int8 / int4: small enough to follow local magnitudes
+TOPK_BLOCK = 256  # elements per top-k block: a position fits in one byte
+SCALE_BYTES = 2  # one bf16 scale per block: fp32's range (gradients are tiny), half the bytes
+KINDS = ("none", "int8", "int4", "topk")
+AUTO = "auto"
+PP_SETTINGS = ("none", "int8", "int4", AUTO)  # --pp-compress
+DP_SETTINGS = ("none", "int8", "int4", "topk:RATIO", AUTO)  # --dp-compress
+LOSSINESS = ("none", "int8", "int4")  # the codecs `auto` may pick, least lossy first
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One codec: `kind` and, for top-k, the share of each block that is sent."""
+
+    kind: str = "none"
+    ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown codec {self.kind!r}; use one of none, int8, int4, "
+                             f"topk:RATIO")
+        if self.kind == "topk" and not (0.0 < self.ratio <= 1.0):
+            raise ValueError(f"topk ratio must be in (0, 1], got {self.ratio}")
+
+    @property
+    def name(self) -> str:
+        return f"topk:{self.ratio:g}" if self.kind == "topk" else self.kind
+
+    @property
+    def lossless(self) -> bool:
+        return self.kind == "none"
+
+    @property
+    def topk_per_block(self) -> int:
+        return max(1, min(TOPK_BLOCK, math.ceil(self.ratio * TOPK_BLOCK)))
+
+    def wire_bytes(self, n: int, raw_bytes: int = 4) -> int:
+        """Bytes of the message that carries `n` elements (`raw_bytes` each uncompressed)."""
+        if n < 0:
+            raise ValueError(f"a message cannot hold {n} elements")
+        if self.kind == "none":
+            return n * raw_bytes
+        if self.kind == "topk":
+            blocks = -(-n // TOPK_BLOCK)
+            return blocks * (2 * self.topk_per_block + SCALE_BYTES)
+        blocks = -(-n // BLOCK)
+        payload = n if self.kind == "int8" else -(-n // 2)
+        return payload + blocks * SCALE_BYTES
+
+    def bytes_per_element(self, raw_bytes: int = 4) -> float:
+        """Wire bytes per element of a long message: what the cost model charges."""
+        if self.kind == "none":
+            return float(raw_bytes)
+        if self.kind == "topk":
+            return (2 * self.topk_per_block + SCALE_BYTES) / TOPK_BLOCK
+        return (1.0 if self.kind == "int8" else 0.5) + SCALE_BYTES / BLOCK
+
+    def ratio_to(self, raw_bytes: int = 4) -> float:
+        """Wire bytes over uncompressed bytes for a long message (1.0 for none)."""
+        return self.bytes_per_element(raw_bytes) / raw_bytes
+
+
+NONE = Codec()
+
+
+def parse_codec(text: str, *, topk: bool = True, what: str = "codec") -> Codec:
+    """A concrete codec from its name (`none`, `int8`, `int4`, `topk:RATIO`).
+
+    `what` names the flag or field in the error; `topk=False` refuses top-k (pipeline
+    messages: sparsifying activations is not error-compensated, so it is not offered)."""
+    text = (text or "none").strip()
+    if text in ("none", "int8", "int4"):
+        return Codec(text)
+    if text.startswith("topk:") and topk:
+        raw = text.removeprefix("topk:")
+        try:
+            ratio = float(raw)
+        except ValueError:
+            ratio = float("nan")
+        if not (0.0 < ratio <= 1.0):
+            raise ValueError(f"{what} {text!r}: the ratio after 'topk:' must be a number in "
+                             f"(0, 1], e.g. topk:0.1 (send a tenth of each block)")
+        return Codec("topk", ratio)
+    allowed = "none, int8, int4" + (", topk:RATIO" if topk else "")
+    raise ValueError(f"{what} {text!r} is not a codec: use one of {allowed}")
+
+
+def check_setting(text: str, *, topk: bool, what: str) -> None:
+    """Validate a `--pp-compress` / `--dp-compress` setting: a codec or `auto`."""
+    if (text or "none").strip() == AUTO:
+        return
+    parse_codec(text, topk=topk, what=what)
+
+
+@dataclass(frozen=True)
+class LinkCodecs:
+    """The codec of every link of one plan: what each rank's assignment names.
+
+    `pp[j][k]`: the link between stage j and stage j+1 of pipeline k (activations forward,
+    their gradients back); `dp[j]`: stage j's data-parallel group (one codec for all of it,
+    since its replicas must decode the same averaged gradients)."""
+
+    pp: list[list[str]]
+    dp: list[str]
+
+    @classmethod
+    def uniform(cls, pp: str, dp: str, stages: int, replicas: int) -> LinkCodecs:
+        """Every link on the given settings, `auto` read as `none`: without a link matrix
+        (`agent local`, all ranks on one machine) there is no slow link to compress for."""
+        pp_name = "none" if pp == AUTO else parse_codec(pp, topk=False, what="pp").name
+        dp_name = "none" if dp == AUTO else parse_codec(dp, what="dp").name
+        return cls(pp=[[pp_name] * replicas for _ in range(stages - 1)],
+                   dp=[dp_name if replicas > 1 else "none"] * stages)
+
+    def check(self, stages: int, replicas: int) -> None:
+        """Raise ValueError unless this names every link of a stages x replicas layout."""
+        if len(self.pp) != stages - 1 or any(len(row) != replicas for row in self.pp) \
+                or len(self.dp) != stages:
+            raise ValueError(f"link codecs for {len(self.dp)} stages do not fit a {stages} x "
+                             f"{replicas} layout")
+        for name in (*(n for row in self.pp for n in row), *self.dp):
+            parse_codec(name)
+
+    def rank_codecs(self, stage: int, replica: int) -> tuple[str, str, str]:
+        """(link to the previous stage, link to the next stage, data-parallel group) of the
+        rank holding (stage, replica); "" where it has no such link."""
+        prev = self.pp[stage - 1][replica] if stage > 0 else ""
+        nxt = self.pp[stage][replica] if stage < len(self.pp) else ""
+        return prev, nxt, self.dp[stage]
+
+    def summary(self) -> dict[str, int]:
+        """How many pipeline links and data-parallel groups use each codec, e.g.
+        {"pp:int4": 6, "pp:none": 2, "dp:int8": 4}."""
+        out: dict[str, int] = {}
+        for name in (n for row in self.pp for n in row):
+            out[f"pp:{name}"] = out.get(f"pp:{name}", 0) + 1
+        for name in self.dp:
+            out[f"dp:{name}"] = out.get(f"dp:{name}", 0) + 1
+        return out

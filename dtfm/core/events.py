@@ -1,0 +1,169 @@
+"""The contract between a worker process and whoever launched it: progress events and env.
+
+A worker (`python -m agent.worker`) reports by appending one JSON object per line to its
+progress file: `{"event": "step", "step": 3, "loss": 5.1, ...}`. The worker writes these lines
+with `encode_event` and every reader (the agent's supervisor, `agent local`, benchmarks) reads
+them with `parse_event`, so the event names and their fields are written down once, here,
+instead of as bare strings in each reader. The launcher passes a few settings to the worker
+through the environment; their names (`WorkerEnv`) live here for the same reason: the worker
+may import only `dtfm.core`, and `dtfm.launcher` sets what the worker reads.
+
+The parser is tolerant on purpose: a progress file is tailed while it is written and may hold
+a partial or corrupt line (a worker killed mid-write); a reader must keep following the job,
+so a bad line is logged and skipped, never raised. Unknown fields are ignored and missing or
+ill-typed ones take their defaults, so readers and workers of neighbouring versions still agree.
+Pure Python: no torch, no grpc.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
+from enum import StrEnum
+from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
+
+
+class EventName(StrEnum):
+    """The value of a progress line's `"event"` key."""
+
+    STEP = "step"  # one optimizer step finished
+    DONE = "done"  # training and evaluation finished; the worker exits 0 next
+    ERROR = "error"  # the worker failed; it exits non-zero next
+
+
+class WorkerEnv(StrEnum):
+    """Environment variables the launcher sets and the worker reads."""
+
+    SUPERVISOR_PID = "DTFM_SUPERVISOR_PID"  # die with this pid (PR_SET_PDEATHSIG)
+    THREADS = "DTFM_NUM_THREADS"  # torch intra-op threads per worker
+    TIMEOUT = "DTFM_TIMEOUT_S"  # seconds any collective or p2p receive may block
+    BIND_INTERFACE = "DTFM_BIND_INTERFACE"  # the agent's --bind-interface
+    # the agent's own checkpoint dir, used when the assignment names none (not the flag
+    # --checkpoint-dir's DTFM_CHECKPOINT_DIR: that one may name shared storage)
+    AGENT_CHECKPOINT_DIR = "DTFM_AGENT_CHECKPOINT_DIR"
+
+
+# The exit status of a worker the fault-injection seam (`DTFM_FAULT`) killed: a launcher that
+# sees several workers fail names this one, since the others died of losing it.
+FAULT_EXIT_CODE = 17
+
+
+NAN = math.nan
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One optimizer step of one rank. Times are seconds; NaN means "not reported"."""
+
+    NAME: ClassVar[EventName] = EventName.STEP
+
+    step: int = 0
+    loss: float = NAN  # the global mean loss of the step (NaN if it diverged)
+    tokens_per_s: float = 0.0
+    total_steps: int = 0
+    rank: int = -1
+    stage: int = -1
+    replica: int = -1
+    lr: float = NAN
+    grad_norm: float = NAN
+    step_s: float = NAN  # the whole step; the next four split it
+    compute_s: float = NAN
+    pp_wait_s: float = NAN  # pipeline receive + send waits
+    dp_s: float = NAN  # data-parallel averaging not hidden behind the backward pass
+    sync_s: float = NAN  # the norm exchange along the pipeline
+    recv_wait_s: float = NAN
+    send_wait_s: float = NAN
+    stored_peak: int = 0  # most activations a stage held at once
+    pp_bytes: int = 0  # bytes this rank sent on its pipeline links in the step
+    dp_bytes: int = 0  # bytes this rank sent to its data-parallel peers in the step
+    codec_s: float = NAN  # compressing and decompressing messages (agent/worker/compress.py)
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """Training finished; `val_loss` is None when no evaluation ran."""
+
+    NAME: ClassVar[EventName] = EventName.DONE
+
+    val_loss: float | None = None
+    rank: int = -1
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The worker failed. `kind` says whether a retry can help (config, rendezvous, peer,
+    internal; see agent/worker/errors.py) and `phase` where it failed (join, train)."""
+
+    NAME: ClassVar[EventName] = EventName.ERROR
+
+    message: str = ""
+    rank: int = -1
+    kind: str = "internal"
+    phase: str = ""
+
+
+ProgressEvent = StepEvent | DoneEvent | ErrorEvent
+
+_CLASSES: dict[EventName, type[StepEvent] | type[DoneEvent] | type[ErrorEvent]] = {
+    cls.NAME: cls for cls in (StepEvent, DoneEvent, ErrorEvent)
+}
+# field name -> (type, default) per class, resolved once: the parser's whole schema
+_SCHEMA: dict[type, list[tuple[str, object, object]]] = {
+    cls: [(f.name, typing.get_type_hints(cls)[f.name], f.default) for f in fields(cls)
+          if f.default is not MISSING]
+    for cls in _CLASSES.values()
+}
+
+
+def encode_event(event: ProgressEvent) -> str:
+    """The one JSON line (no newline) a worker writes for `event`: `"event"` first."""
+    return json.dumps({"event": event.NAME.value, **asdict(event)})
+
+
+def parse_event(line: str | bytes) -> ProgressEvent | None:
+    """The event on one progress line, or None for a blank, garbled or unknown line.
+
+    Never raises: the caller is following a live job and must not die of one bad line.
+    """
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+        log.warning("skipping a progress line that is not JSON: %.200r", line)
+        return None
+    if not isinstance(obj, dict):
+        log.warning("skipping a progress line that is not an object: %.200r", line)
+        return None
+    try:
+        name = EventName(obj.get("event"))
+    except ValueError:
+        # a newer worker's event: not an error, just nothing this reader understands
+        log.debug("skipping progress event %.50r", obj.get("event"))
+        return None
+    cls = _CLASSES[name]
+    values = {key: _coerce(obj.get(key), kind, default)
+              for key, kind, default in _SCHEMA[cls]}
+    return cls(**values)  # type: ignore[arg-type]
+
+
+def _coerce(value: object, kind: object, default: object) -> Any:
+    """`value` as `kind`, or `default` when it is missing or of the wrong type."""
+    if value is None or isinstance(value, bool):
+        return default
+    if kind is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return default
+    if kind is float or kind == (float | None):
+        return float(value) if isinstance(value, int | float) else default
+    if kind is str:
+        return value if isinstance(value, str) else str(value)
+    return default

@@ -1,0 +1,180 @@
+"""The one way to start a training worker and follow it: `launch()` and `WorkerProcess`.
+
+Both the agent's supervisor (one worker, under an asyncio daemon) and `agent local` (S x R
+workers, a plain loop) start `python -m agent.worker --assignment PATH --progress PATH` the
+same way, so it is written once here:
+
+- the assignment is serialized to a private file (it names the rendezvous address), the
+  worker's stdout and stderr go to a private log, and its JSON-lines progress to its own file,
+  which is kept (`agent local --workdir`, the agent's state directory) for post-mortems;
+- the worker runs in its own session, so stopping it stops whatever it started too, and with
+  `WorkerEnv.SUPERVISOR_PID` it dies with the launching process even if that is SIGKILLed;
+- it is spawned with `subprocess.Popen`, never an event loop's fork: CPython spawns with
+  vfork/posix_spawn, which skips grpc's fork handlers; a plain fork() of a grpc process can
+  crash the child (seen as SIGSEGV before exec under uvloop);
+- its progress is read through `dtfm.core.events.parse_event`, by polling (`read_events`, for
+  a loop over many workers) or as an async iterator (`follow`, for the daemon);
+- it is stopped through `dtfm.procs`, the one terminate-then-kill.
+
+No torch and no grpc here: the daemons import this, and the worker itself imports only
+`dtfm.core`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtfm.core.events import ProgressEvent, WorkerEnv, parse_event
+from dtfm.core.files import open_private_append, write_private
+from dtfm.procs import terminate_all, terminate_all_async
+from protos.dtfm.v1 import common_pb2
+
+FOLLOW_POLL_S = 0.25
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerFiles:
+    """Where one worker's assignment, progress and log live: `<dir>/<stem>.<kind>`."""
+
+    assignment: Path
+    progress: Path
+    log: Path
+
+    @classmethod
+    def in_dir(cls, workdir: Path, stem: str) -> WorkerFiles:
+        return cls(workdir / f"{stem}.assignment.pb", workdir / f"{stem}.progress.jsonl",
+                   workdir / f"{stem}.log")
+
+
+def worker_env(*, threads: int = 0, timeout_s: float | None = None, bind_interface: str = "",
+               local_rank: int | None = None,
+               base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: `base` (this process's) plus what the worker must be told.
+
+    `threads` > 0 caps both torch's and OpenMP's threads (several workers share one machine's
+    cores); `timeout_s` bounds every collective; `bind_interface` is the operator's choice of
+    interface for collectives; `local_rank` picks the GPU. Unset ones leave the worker's
+    defaults (or whatever `base` holds) alone.
+    """
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    env[WorkerEnv.SUPERVISOR_PID] = str(os.getpid())  # die with us (see agent.worker)
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = env[WorkerEnv.THREADS] = str(threads)
+    if timeout_s is not None:
+        env[WorkerEnv.TIMEOUT] = str(timeout_s)
+    if bind_interface:
+        env[WorkerEnv.BIND_INTERFACE] = bind_interface
+    if local_rank is not None:
+        env["LOCAL_RANK"] = str(local_rank)
+    return env
+
+
+def worker_argv(files: WorkerFiles, python: str = sys.executable) -> list[str]:
+    """The worker's command line (the contract tests/agent/worker/test_entrypoint.py pins)."""
+    return [python, "-m", "agent.worker", "--assignment", str(files.assignment),
+            "--progress", str(files.progress)]
+
+
+def launch(assignment: common_pb2.Assignment, files: WorkerFiles, env: Mapping[str, str],
+           *, python: str = sys.executable, cwd: Path | None = None) -> WorkerProcess:
+    """Write `assignment`, start its worker in a new session and return the handle.
+
+    An old progress file of the same name is removed first (the worker appends, and a reader
+    starts at offset 0); the log is appended to, so an earlier run's log survives.
+    """
+    write_private(files.assignment, assignment.SerializeToString())
+    files.progress.unlink(missing_ok=True)
+    with open_private_append(files.log) as log:
+        popen = subprocess.Popen(
+            worker_argv(files, python), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            env=dict(env), cwd=cwd, start_new_session=True,
+        )
+    return WorkerProcess(files, popen)
+
+
+class ProgressTail:
+    """The complete lines appended to a progress file since the last read, parsed.
+
+    A line the worker is still writing stays in the file until its newline arrives, so an
+    event is never parsed from half a line.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read(self) -> list[ProgressEvent]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        return [ev for line in data[:end].splitlines() if (ev := parse_event(line)) is not None]
+
+
+class WorkerProcess:
+    """A started worker: its files, its process, its progress so far."""
+
+    def __init__(self, files: WorkerFiles, popen: subprocess.Popen[bytes]) -> None:
+        self.files = files
+        self.popen = popen
+        self._tail = ProgressTail(files.progress)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def poll(self) -> int | None:
+        """The exit status, or None while the worker runs."""
+        return self.popen.poll()
+
+    def read_events(self) -> list[ProgressEvent]:
+        """Events written since the last call (never blocks): for polling loops."""
+        return self._tail.read()
+
+    async def follow(self, poll_s: float = FOLLOW_POLL_S) -> AsyncIterator[ProgressEvent]:
+        """Every event until the worker exits, including the last ones written before it did."""
+        while True:
+            exited = self.poll() is not None  # checked before reading: nothing is missed
+            for event in self.read_events():
+                yield event
+            if exited:
+                return
+            await asyncio.sleep(poll_s)
+
+    def log_tail(self, lines: int = 5, sep: str = " | ") -> str:
+        """The last `lines` lines of the worker's log: what explains an unexplained exit."""
+        try:
+            text = self.files.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return sep.join(deque(text, maxlen=lines)) or "(empty log)"
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the worker's process group, SIGKILL it after `grace_s`; reaps it."""
+        terminate_all([self.popen], grace_s, group=True)
+
+    async def stop_async(self, grace_s: float = STOP_GRACE_S) -> None:
+        """`stop` without blocking the event loop."""
+        await terminate_all_async([self.popen], grace_s, group=True)
+
+
+def stop_all(workers: Iterable[WorkerProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop several workers sharing one grace period (SIGTERM all first, then wait)."""
+    terminate_all([w.popen for w in workers], grace_s, group=True)

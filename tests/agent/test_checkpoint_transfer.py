@@ -1,0 +1,431 @@
+"""Checkpoints copied agent to agent: listing, fetching, checksums, resuming, refusals, mirrors.
+
+Real agent gRPC servers (the daemon's own `AgentService`, token and all) run in-process on
+free loopback ports over their own checkpoint directories; the fetching side is the daemon's
+own `CheckpointCopier`. Faults come through seams: a server subclass that cuts a transfer off
+after its first chunk, a file damaged on the serving disk. No torch: the bytes are random, the
+manifests real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agent.checkpoints import CHUNK_BYTES, CheckpointCopier, CheckpointStore, Peer, held
+from agent.server import AgentService
+from agent.supervisor import Supervisor
+from dtfm import rpc
+from dtfm.core import checkpoints as ondisk
+from dtfm.core.checkpoints import FileEntry, Manifest
+from dtfm.core.spec import WorkerState
+from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from tests.daemons import TOKEN
+
+pytestmark = pytest.mark.timeout(60)
+JOB = "job-1a2b3c4d"
+SECURITY = rpc.Security(token=TOKEN)
+SIZE = 2 * CHUNK_BYTES + 12345  # three chunks: a cut after the first leaves a partial file
+
+
+def write_step(root: Path, stage: int, step: int, data: bytes, job: str = JOB,
+               layers: tuple[int, int] | None = (0, 2)) -> Manifest:
+    """What a worker's `save_stage` leaves in agent root `root`, without torch."""
+    job_root = ondisk.job_dir(root, job)
+    path = ondisk.path_for(job_root, stage, step)
+    ondisk.atomic_write(path, lambda f: f.write(data))
+    m = Manifest(job, stage, step, layers,
+                 (FileEntry(path.name, len(data), hashlib.sha256(data).hexdigest()),))
+    ondisk.write_manifest(job_root, m)
+    ondisk.prune(job_root, stage, step)
+    return m
+
+
+def payload(step: int) -> bytes:
+    return hashlib.sha256(str(step).encode()).digest() * (SIZE // 32) + b"x" * (SIZE % 32)
+
+
+def assignment(peers: list[str], stage: int = 0, mirrors: tuple[tuple[int, str], ...] = (),
+               ) -> common_pb2.Assignment:
+    return common_pb2.Assignment(
+        job_id=JOB, stage=stage, layer_begin=2 * stage, layer_end=2 * stage + 2,
+        train=common_pb2.TrainConfig(checkpoint_every=2), checkpoint_peers=peers,
+        mirrors=[common_pb2.CheckpointMirror(stage=s, peer=p) for s, p in mirrors])
+
+
+@contextlib.asynccontextmanager
+async def serving(root: Path, service: type[AgentService] = AgentService
+                  ) -> AsyncIterator[str]:
+    """An agent's gRPC server over checkpoint root `root`; yields its address."""
+    svc = service(common_pb2.AgentInfo(agent_id="t", host="127.0.0.1"), CheckpointStore(root))
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        agent_pb2_grpc.add_AgentServicer_to_server(svc, server)
+        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
+
+    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test agent")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def eventually(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def steps_held(root: Path, stage: int) -> list[int]:
+    """Steps agent root `root` holds intact (the worker's check, sha256 included)."""
+    job_root = ondisk.job_dir(root, JOB)
+    return [s for s in ondisk.steps_available(job_root, stage)
+            if ondisk.verify(job_root, stage, s, job_id=JOB) is None]
+
+
+def leftovers(root: Path, stage: int) -> list[str]:
+    d = ondisk.stage_dir(ondisk.job_dir(root, JOB), stage)
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro())  # type: ignore[arg-type]
+
+
+# ---- listing and fetching ----
+
+
+def test_a_stage_is_listed_and_fetched_whole(tmp_path: Path) -> None:
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    for step in (2, 4):
+        write_step(holder, 0, step, payload(step))
+    # neither an unfinished step (no manifest) nor a truncated one is offered
+    job_root = ondisk.job_dir(holder, JOB)
+    ondisk.path_for(job_root, 0, 6).write_bytes(b"half a write")
+    ondisk.path_for(job_root, 1, 4).parent.mkdir()
+    write_step(holder, 1, 4, payload(4), layers=(2, 4))
+    with open(ondisk.path_for(job_root, 1, 4), "r+b") as f:
+        f.truncate(100)
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = agent_pb2_grpc.AgentStub(ch)
+                auth = (("authorization", f"Bearer {TOKEN}"),)
+                listed = await stub.ListCheckpoints(
+                    agent_pb2.ListCheckpointsRequest(job_id=JOB, stage=0), metadata=auth)
+                assert [(e.stage, e.step, list(e.layers)) for e in listed.entries] == \
+                    [(0, 2, [0, 2]), (0, 4, [0, 2])]
+                assert [(f.name, f.size) for f in listed.entries[1].files] == \
+                    [("step-00000004.pt", SIZE)]
+                assert listed.entries[1].files[0].sha256 == \
+                    hashlib.sha256(payload(4)).hexdigest()
+                damaged = await stub.ListCheckpoints(
+                    agent_pb2.ListCheckpointsRequest(job_id=JOB, stage=1), metadata=auth)
+                assert list(damaged.entries) == []
+                other = await stub.ListCheckpoints(
+                    agent_pb2.ListCheckpointsRequest(job_id="job-other", stage=0),
+                    metadata=auth)
+                assert list(other.entries) == []
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
+
+    run(main)
+    assert steps_held(taker, 0) == [2, 4]
+    assert ondisk.path_for(ondisk.job_dir(taker, JOB), 0, 4).read_bytes() == payload(4)
+    assert leftovers(taker, 0) == ["step-00000002.manifest.json", "step-00000002.pt",
+                                   "step-00000004.manifest.json", "step-00000004.pt"]
+
+
+def test_an_agent_that_holds_the_newest_step_fetches_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    for step in (2, 4):
+        write_step(holder, 0, step, payload(step))
+    write_step(taker, 0, 4, payload(4))
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
+
+    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+        run(main)
+    assert steps_held(taker, 0) == [4]
+    assert "holds step 4, no peer holds a newer one" in caplog.text
+
+
+def test_checkpoints_of_other_layers_are_not_fetched(tmp_path: Path) -> None:
+    """A job split anew gives stage 0 other layers: the old copy is useless to its worker."""
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    write_step(holder, 0, 4, payload(4), layers=(0, 3))
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
+
+    run(main)
+    assert steps_held(taker, 0) == []
+
+
+def test_a_corrupted_copy_fails_its_checksum_and_is_never_installed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    bad, good, taker = tmp_path / "bad", tmp_path / "good", tmp_path / "taker"
+    write_step(bad, 0, 4, payload(4))
+    write_step(good, 0, 4, payload(4))
+    path = ondisk.path_for(ondisk.job_dir(bad, JOB), 0, 4)
+    data = bytearray(path.read_bytes())
+    data[SIZE // 2] ^= 1  # one flipped bit on the holder's disk: same size, listed as complete
+    path.write_bytes(bytes(data))
+
+    async def main() -> None:
+        async with serving(bad) as bad_address:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([bad_address]))
+            assert leftovers(taker, 0) == []  # nothing under a final name, no partial
+            async with serving(good) as good_address:
+                await CheckpointCopier(taker, SECURITY).prepare(
+                    assignment([bad_address, good_address]))
+
+    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+        run(main)
+    assert "fails its checksum" in caplog.text and "not copied from 127.0.0.1:" in caplog.text
+    assert steps_held(taker, 0) == [4]
+    assert ondisk.path_for(ondisk.job_dir(taker, JOB), 0, 4).read_bytes() == payload(4)
+
+
+def test_an_interrupted_download_resumes_from_its_offset(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first, second, taker = tmp_path / "first", tmp_path / "second", tmp_path / "taker"
+    for root in (first, second):
+        write_step(root, 0, 4, payload(4))
+    offsets: list[int] = []
+
+    class CutsOff(AgentService):
+        """Sends the first chunk, then the connection "breaks"."""
+
+        async def FetchCheckpoint(self, request: agent_pb2.FetchCheckpointRequest,
+                                  context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
+            async for chunk in super().FetchCheckpoint(request, context):
+                yield chunk
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "link lost (test)")
+
+    class Records(AgentService):
+        async def FetchCheckpoint(self, request: agent_pb2.FetchCheckpointRequest,
+                                  context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
+            offsets.append(request.offset)
+            async for chunk in super().FetchCheckpoint(request, context):
+                yield chunk
+
+    async def main() -> None:
+        async with serving(first, CutsOff) as address:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
+        assert steps_held(taker, 0) == []
+        (part,) = leftovers(taker, 0)  # only the partial file, under a hidden name
+        assert part.startswith(".step-00000004.pt.") and part.endswith(".part")
+        assert os.path.getsize(ondisk.stage_dir(ondisk.job_dir(taker, JOB), 0) / part) == \
+            CHUNK_BYTES
+        async with serving(second, Records) as address:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
+
+    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+        run(main)
+    assert offsets == [CHUNK_BYTES]
+    assert "resuming stage 0 step 4" in caplog.text
+    assert steps_held(taker, 0) == [4]
+    assert ondisk.path_for(ondisk.job_dir(taker, JOB), 0, 4).read_bytes() == payload(4)
+    assert leftovers(taker, 0) == ["step-00000004.manifest.json", "step-00000004.pt"]
+
+
+# ---- refusals ----
+
+
+def test_bad_requests_are_refused_with_a_reason_and_every_call_needs_the_token(
+        tmp_path: Path) -> None:
+    holder = tmp_path / "holder"
+    write_step(holder, 0, 4, payload(4))
+    (holder / "agent-secret").write_text("not for peers")
+
+    async def code_of(call: Awaitable[object]) -> tuple[grpc.StatusCode, str]:
+        try:
+            result = await call  # type: ignore[misc]
+            if hasattr(result, "__aiter__"):
+                async for _ in result:  # type: ignore[attr-defined]
+                    pass
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    async def fetch(stub: agent_pb2_grpc.AgentStub, **kw: object) -> tuple[grpc.StatusCode, str]:
+        request = agent_pb2.FetchCheckpointRequest(**{  # type: ignore[arg-type]
+            "job_id": JOB, "stage": 0, "step": 4, "name": "step-00000004.pt", **kw})
+        try:
+            async for _ in stub.FetchCheckpoint(request, timeout=5):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            ok = rpc.open_channel(address, SECURITY)
+            stub = agent_pb2_grpc.AgentStub(ok)
+            invalid = grpc.StatusCode.INVALID_ARGUMENT
+            for name in ("../../agent-secret", "/etc/passwd", "step-00000004.manifest.json",
+                         "step-00000005.pt", ""):
+                code, why = await fetch(stub, name=name)
+                assert code == invalid and "ListCheckpoints" in why, (name, code, why)
+            for job in ("", "job\x00x"):
+                code, why = await fetch(stub, job_id=job)
+                assert code == invalid and "job_id" in why, (job, code)
+                code, why = await code_of(stub.ListCheckpoints(
+                    agent_pb2.ListCheckpointsRequest(job_id=job), timeout=5))
+                assert code == invalid and "job_id" in why, (job, code)
+            code, why = await fetch(stub, offset=SIZE + 1)
+            assert code == invalid and "past the end" in why
+            code, why = await fetch(stub, step=6, name="step-00000006.pt")
+            assert code == grpc.StatusCode.NOT_FOUND and "ListCheckpoints again" in why
+            # a job id that climbs out of the root is a digest under it: nothing there
+            code, _ = await fetch(stub, job_id="../..")
+            assert code == grpc.StatusCode.NOT_FOUND
+            assert await fetch(stub, offset=SIZE) == (grpc.StatusCode.OK, "")
+            await ok.close()
+            for token in ("", "wrong-token-0123456789"):
+                channel = rpc.open_channel(address, rpc.Security(token=token))
+                stub = agent_pb2_grpc.AgentStub(channel)
+                code, _ = await fetch(stub)
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+                code, _ = await code_of(stub.ListCheckpoints(
+                    agent_pb2.ListCheckpointsRequest(job_id=JOB), timeout=5))
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+                await channel.close()
+
+    run(main)
+
+
+def test_a_peer_that_does_not_answer_is_skipped(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    write_step(holder, 0, 4, payload(4))
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            await CheckpointCopier(taker, SECURITY).prepare(
+                assignment([f"127.0.0.1:{rpc.free_port()}", "not an address", address]))
+
+    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+        run(main)
+    assert steps_held(taker, 0) == [4]
+    assert "did not list stage 0" in caplog.text and "skipping peer 'not an address'" in \
+        caplog.text
+
+
+# ---- mirrors ----
+
+
+def test_a_mirror_follows_its_peer_and_prunes_like_a_worker(tmp_path: Path) -> None:
+    holder, mirror = tmp_path / "holder", tmp_path / "mirror"
+    write_step(holder, 0, 2, payload(2))
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            copier = CheckpointCopier(mirror, SECURITY, mirror_interval_s=0.05)
+            copier.start_mirrors(assignment([], stage=1, mirrors=((0, address),)))
+            try:
+                await eventually(lambda: steps_held(mirror, 0) == [2], "step 2 mirrored")
+                for step in (4, 6):
+                    write_step(holder, 0, step, payload(step))
+                await eventually(lambda: steps_held(mirror, 0) == [4, 6], "steps 4 and 6")
+                # the job resumed from 4 and wrote a different step 6: the copy follows it
+                write_step(holder, 0, 6, payload(66))
+                job_root = ondisk.job_dir(mirror, JOB)
+                await eventually(
+                    lambda: ondisk.path_for(job_root, 0, 6).read_bytes() == payload(66)
+                    and steps_held(mirror, 0) == [4, 6], "the rewritten step 6")
+            finally:
+                await copier.stop_mirrors()
+
+    run(main)
+    assert leftovers(mirror, 0) == ["step-00000004.manifest.json", "step-00000004.pt",
+                                    "step-00000006.manifest.json", "step-00000006.pt"]
+
+
+def test_a_mirror_drops_steps_its_peer_abandoned(tmp_path: Path) -> None:
+    holder, mirror = tmp_path / "holder", tmp_path / "mirror"
+    for step in (4, 6, 8):
+        write_step(mirror, 0, step, payload(step))
+    for step in (4, 6):  # the job resumed from 4 and wrote 6 again: 8 is abandoned
+        write_step(holder, 0, step, payload(step + 100))
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            channel = rpc.open_channel(address, SECURITY)
+            copier = CheckpointCopier(mirror, SECURITY)
+            copied = await copier.mirror_once(
+                Peer(address, agent_pb2_grpc.AgentStub(channel)), JOB, 0)
+            await channel.close()
+            assert copied == [4, 6]
+
+    run(main)
+    mine = held(ondisk.job_dir(mirror, JOB), 0, JOB)
+    assert sorted(mine.files) == [4, 6] and mine.newest == 6
+    assert ondisk.path_for(ondisk.job_dir(mirror, JOB), 0, 6).read_bytes() == payload(106)
+
+
+def test_no_copies_with_a_shared_checkpoint_dir_or_checkpoints_off(tmp_path: Path) -> None:
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    write_step(holder, 0, 4, payload(4))
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            copier = CheckpointCopier(taker, SECURITY, mirror_interval_s=0.05)
+            for train in (common_pb2.TrainConfig(checkpoint_every=2, checkpoint_dir="/shared"),
+                          common_pb2.TrainConfig(checkpoint_every=0)):
+                a = assignment([address], stage=1, mirrors=((0, address),))
+                a.stage = 0
+                a.train.CopyFrom(train)
+                await copier.prepare(a)
+                copier.start_mirrors(a)
+                await asyncio.sleep(0.3)
+                await copier.stop_mirrors()
+
+    run(main)
+    assert not (taker / JOB).exists()
+
+
+# ---- the supervisor: a stop while fetching means no worker ----
+
+
+def test_a_stop_during_the_fetch_cancels_it_and_no_worker_starts(tmp_path: Path) -> None:
+    class Hangs(CheckpointCopier):
+        """A fetch from a peer that never finishes."""
+
+        def __init__(self) -> None:
+            super().__init__(tmp_path / "checkpoints", SECURITY)
+            self.fetching = asyncio.Event()
+
+        async def prepare(self, a: common_pb2.Assignment) -> None:
+            self.fetching.set()
+            await asyncio.sleep(3600)
+
+    async def main() -> None:
+        copier = Hangs()
+        sup = Supervisor(tmp_path / "work", python="/nonexistent/python", checkpoints=copier)
+        start = asyncio.create_task(sup.start(assignment(["127.0.0.1:1"])))
+        await asyncio.wait_for(copier.fetching.wait(), 5)
+        assert sup.progress.state == WorkerState.STARTING
+        await sup.stop("coordinator said stop")
+        await asyncio.wait_for(start, 5)  # returns without launching anything
+        assert sup.progress.state == WorkerState.IDLE and not sup.running
+        assert not list((tmp_path / "work").glob("*.assignment.pb"))
+
+    run(main)

@@ -1,0 +1,143 @@
+"""Churn in the job state machine (fake registry and agents, as in test_job_states): shrinking
+on survivors, growing back at a checkpoint, a restart budget that progress refills, and a
+coordinator restart that adopts the job from its state directory."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import JobConfig
+from coordinator.jobstore import JobStore
+from dtfm.core.spec import TrainConfig, WorkerState
+from protos.dtfm.v1 import coordinator_pb2
+from tests.coordinator.test_job_states import Harness, RecordingJob, run, until
+
+S = coordinator_pb2
+
+
+def churn_config(**kw: Any) -> JobConfig:
+    cfg = JobConfig(model="gpt-tiny", agents=6, stages=2, replicas=3,
+                    train=TrainConfig(global_batch=12, micro_batches=2, steps=20,
+                                      checkpoint_every=4),
+                    measure_links=True, placement="scheduled", search_seconds=0.5, **kw)
+    cfg.validate()
+    return cfg
+
+
+def lose(h: Harness, agent_id: str) -> None:
+    h.registry.states[agent_id] = S.AGENT_STATE_LOST  # the registry's sweep did this
+    h.job.on_lost([h.registry.agents[agent_id]])
+
+
+def report_all(h: Harness, step: int, state: WorkerState = WorkerState.TRAINING) -> None:
+    for agent_id in h.job.members:
+        h.report(agent_id, state, step=step)
+
+
+def test_a_lost_agent_shrinks_the_job_to_fewer_replicas_on_the_same_stages() -> None:
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        grid = [list(row.agent_ids) for row in h.job.plan.grid]  # type: ignore[union-attr]
+        report_all(h, 6)  # every member passed the checkpoint of step 4
+        victim = grid[1][2]
+        lose(h, victim)
+        await h.running_epoch(2)
+        plan = h.job.plan
+        assert plan is not None and (plan.stages, plan.replicas) == (2, 2)
+        # survivors stay on the stage whose checkpoints they hold
+        for old, new in zip(grid, plan.grid, strict=True):
+            assert set(new.agent_ids) <= set(old)
+        assigns = {a: h.registry.agents[a].assignments()[-1] for a in h.job.members}
+        # the global batch is kept: 12 sequences over 2 replicas in micro-batches of 2
+        assert {a.train.micro_batches for a in assigns.values()} == {3}
+        assert {a.train.global_batch for a in assigns.values()} == {12}
+        rec = h.job.recoveries.items[-1]
+        assert rec.layout_before == "2x3" and rec.layout_after == "2x2"
+        assert victim in rec.reason and rec.last_step == 6
+        report_all(h, 5)  # the new epoch resumed after step 4
+        assert rec.resumed_step == 4 and rec.steps_lost == 2 and rec.stalled_s > 0
+    run(churn_config(min_agents=4), body, agents=6)
+
+
+def test_without_min_agents_a_loss_waits_for_a_spare() -> None:
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        lose(h, h.job.members[0])
+        await until(lambda: "5 of 6 alive" in h.job.message)
+        await asyncio.sleep(0.1)
+        assert h.job.state == S.JOB_STATE_RECOVERING and h.job.epoch == 1
+    run(churn_config(), body, agents=6)
+
+
+def test_the_job_grows_back_at_the_next_checkpoint_when_agents_join() -> None:
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        lose(h, h.job.members[-1])
+        await h.running_epoch(2)
+        assert h.job.plan is not None and h.job.plan.replicas == 2
+        h.registry.add(1)  # a new agent joins
+        report_all(h, 5)  # resumed after the checkpoint of step 4: nothing new to grow at
+        await asyncio.sleep(0.1)
+        assert h.job.epoch == 2 and h.job.checkpoint_step == 4
+        report_all(h, 9)  # passed the checkpoint of step 8: grow now
+        await h.running_epoch(3)
+        assert h.job.plan.replicas == 3 and h.job.restarts == 0
+        grow = h.job.recoveries.items[-1]
+        assert grow.planned and grow.layout_before == "2x2" and grow.layout_after == "2x3"
+        assigns = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
+        assert {a.train.micro_batches for a in assigns} == {2}
+    run(churn_config(min_agents=4), body, agents=6)
+
+
+def test_progress_refills_the_restart_budget() -> None:
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        for epoch, step in ((1, 5), (2, 9), (3, 13)):  # each epoch passes a new checkpoint
+            report_all(h, step - 4)  # its first step
+            report_all(h, step)
+            await until(lambda s=step: h.job.checkpoint_step == (s - 1) // 4 * 4)
+            h.report(h.job.members[0], WorkerState.FAILED, error="peer died", error_kind="peer")
+            await h.running_epoch(epoch + 1)
+        assert h.job.state == S.JOB_STATE_RUNNING and h.job.restarts == 1
+        h.report(h.job.members[0], WorkerState.FAILED, error="peer died", error_kind="peer")
+        await until(lambda: h.job.state == S.JOB_STATE_FAILED)  # 2 in a row without progress
+        assert "without a new checkpoint" in h.job.message
+    run(churn_config(max_restarts=1), body, agents=6)
+
+
+def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path) -> None:
+    cfg = churn_config()
+    store = JobStore(tmp_path)
+
+    async def main() -> None:
+        first = Harness(cfg)
+        first.job = RecordingJob(cfg, first.registry, first.measurer, first.links, store)
+        first.registry.job = first.job
+        first.registry.add(6)
+        task = asyncio.get_running_loop().create_task(first.job.run())
+        await first.running_epoch(1)
+        report_all(first, 9)
+        await until(lambda: first.job.checkpoint_step == 8)
+        task.cancel()  # the coordinator dies (SIGKILL: nothing more is written)
+        job_id, members = first.job.job_id, list(first.job.members)
+
+        second = Harness(cfg)  # a new process: fresh registry, the same state dir
+        second.job = RecordingJob(cfg, second.registry, second.measurer, second.links,
+                                  JobStore(tmp_path))
+        second.registry.job = second.job
+        assert second.job.job_id == job_id and second.job.epoch == 1
+        second.registry.add(6)  # the agents re-join
+        task = asyncio.get_running_loop().create_task(second.job.run())
+        await until(lambda: second.job.state == S.JOB_STATE_RUNNING)
+        assert second.job.members == members and second.measurer.rounds == []
+        report_all(second, 12)  # the workers trained on meanwhile
+        report_all(second, 20, WorkerState.DONE)
+        await until(lambda: second.job.state == S.JOB_STATE_DONE)
+        assert second.job.epoch == 1  # nothing was restarted
+        task.cancel()
+        third = RecordingJob(cfg, second.registry, second.measurer, second.links,
+                             JobStore(tmp_path))
+        assert third.job_id != job_id  # a finished job is not adopted again
+    asyncio.run(main())

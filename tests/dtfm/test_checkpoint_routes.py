@@ -1,0 +1,68 @@
+"""Who holds a second copy of each stage's checkpoint, and whom an agent asks for its stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dtfm.core.assignment import build_assignments, checkpoint_routes, member_address
+from dtfm.core.layout import Layout
+from dtfm.core.presets import get_preset
+from dtfm.core.spec import TrainConfig
+from protos.dtfm.v1 import common_pb2
+
+
+def _names(layout: Layout) -> list[str]:
+    """Member addresses in rank order, named by (stage, replica) for readable asserts."""
+    out = []
+    for rank in range(layout.world_size):
+        stage, replica = layout.coords(rank)
+        out.append(f"s{stage}r{replica}:1")
+    return out
+
+
+def test_single_replica_stages_are_mirrored_by_the_next_stage() -> None:
+    layout = Layout(3, 1)
+    routes = checkpoint_routes(layout, _names(layout))
+    assert [r.mirrors for r in routes] == [(
+        (2, "s2r0:1"),), ((0, "s0r0:1"),), ((1, "s1r0:1"),)]
+    assert routes[1].peers == ("s0r0:1", "s2r0:1")
+
+
+def test_replicated_stages_need_no_mirror_and_everyone_is_a_peer() -> None:
+    layout = Layout(2, 2)
+    routes = checkpoint_routes(layout, _names(layout))
+    assert all(r.mirrors == () for r in routes)
+    for rank, r in enumerate(routes):
+        assert set(r.peers) == set(_names(layout)) - {_names(layout)[rank]}
+
+
+def test_one_agent_alone_has_no_one_to_copy_to() -> None:
+    (only,) = checkpoint_routes(Layout(1, 1), ["a:1"])
+    assert only.peers == () and only.mirrors == ()
+    with pytest.raises(ValueError, match="2 member addresses for 3 ranks"):
+        checkpoint_routes(Layout(3, 1), ["a:1", "b:1"])
+
+
+def test_build_assignments_sets_routes_only_for_agents_own_directories() -> None:
+    members = [("10.0.0.1", 7001), ("::1", 7002)]
+    assert member_address("::1", 7002) == "[::1]:7002"
+
+    def build(**train: Any) -> list[common_pb2.Assignment]:
+        return build_assignments(
+            job_id="j", epoch=0, layout=Layout(2, 1), spec=get_preset("gpt-tiny"),
+            train=TrainConfig(global_batch=2, micro_batches=1, **train),
+            master_addr="127.0.0.1", master_port=1, members=members)
+
+    first, second = build()
+    assert list(first.checkpoint_peers) == ["[::1]:7002"]
+    assert [(m.stage, m.peer) for m in first.mirrors] == [(1, "[::1]:7002")]
+    assert [(m.stage, m.peer) for m in second.mirrors] == [(0, "10.0.0.1:7001")]
+    for shared in (build(checkpoint_dir="/shared"), build(checkpoint_every=0)):
+        assert all(not a.checkpoint_peers and not a.mirrors for a in shared)
+    plain = build_assignments(job_id="j", epoch=0, layout=Layout(2, 1),
+                              spec=get_preset("gpt-tiny"),
+                              train=TrainConfig(global_batch=2, micro_batches=1),
+                              master_addr="127.0.0.1", master_port=1)
+    assert all(not a.checkpoint_peers and not a.mirrors for a in plain)
