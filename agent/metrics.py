@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent.session import CoordinatorSession
@@ -66,6 +66,13 @@ class AgentCollector(Collector):
         for part, attr in STEP_PARTS:
             split.add_metric([agent, part], getattr(p, attr))
         yield split
+        sent = CounterMetricFamily("dtfm_agent_worker_sent_bytes", "Bytes the worker sent this "
+                                   "epoch, as compressed on the wire, by traffic: pipeline "
+                                   "(activations and their gradients) or data_parallel",
+                                   labels=["agent", "traffic"])
+        sent.add_metric([agent, "pipeline"], float(p.pp_bytes_sent))
+        sent.add_metric([agent, "data_parallel"], float(p.dp_bytes_sent))
+        yield sent
 
 
 def agent_registry(info: common_pb2.AgentInfo,

@@ -182,6 +182,7 @@ class CoordinatorSession:
             loss=p.loss, tokens_per_s=p.tokens_per_s, error=clip(p.error),
             total_steps=p.total_steps, step_s=p.step_s, compute_s=p.compute_s,
             pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=clip(p.error_kind, MAX_KIND),
+            pp_bytes_sent=p.pp_bytes_sent, dp_bytes_sent=p.dp_bytes_sent,
             agent_secret=self.secret,
         )
 

@@ -42,6 +42,8 @@ class WorkerProgress:
     compute_s: float = 0.0
     pp_wait_s: float = 0.0
     dp_s: float = 0.0
+    pp_bytes_sent: int = 0  # this epoch's totals, from each step's counters
+    dp_bytes_sent: int = 0
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -52,6 +54,8 @@ class WorkerProgress:
             if not math.isnan(event.loss):
                 self.loss = event.loss
             self.tokens_per_s = event.tokens_per_s
+            self.pp_bytes_sent += event.pp_bytes
+            self.dp_bytes_sent += event.dp_bytes
             for name in ("step_s", "compute_s", "pp_wait_s", "dp_s"):
                 value = getattr(event, name)
                 if not math.isnan(value):

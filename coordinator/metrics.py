@@ -67,6 +67,9 @@ class CoordinatorCollector(Collector):
         split = _gauge("dtfm_worker_step_seconds", "Worker's last step time and where it went: "
                        "compute, waiting on pipeline neighbours, data-parallel sync",
                        ["agent", "part"])
+        sent = CounterMetricFamily("dtfm_worker_sent_bytes", "Bytes the agent's worker sent "
+                                   "this epoch as compressed on the wire, by traffic: pipeline "
+                                   "or data_parallel", labels=["agent", "traffic"])
         for r in self.registry.all():
             p = r.progress
             if not p.job_id:
@@ -76,7 +79,9 @@ class CoordinatorCollector(Collector):
             tokens.add_metric([r.agent_id], p.tokens_per_s)
             for part, attr in STEP_PARTS:
                 split.add_metric([r.agent_id, part], getattr(p, attr))
-        yield from (step, loss, tokens, split)
+            sent.add_metric([r.agent_id, "pipeline"], float(p.pp_bytes_sent))
+            sent.add_metric([r.agent_id, "data_parallel"], float(p.dp_bytes_sent))
+        yield from (step, loss, tokens, split, sent)
 
     def _job(self) -> Iterator[Metric]:
         status = self.job.status()
@@ -106,7 +111,7 @@ class CoordinatorCollector(Collector):
             yield g
         restarts = CounterMetricFamily("dtfm_job_restarts", "Recoveries: times the job was "
                                        "stopped and rescheduled", labels=["job_id", "model"])
-        restarts.add_metric(labels, self.job.restarts)
+        restarts.add_metric(labels, len(self.job.recoveries.items))
         yield restarts
 
     def _plan(self) -> Iterator[Metric]:

@@ -47,7 +47,8 @@ def _cluster() -> tuple[Registry, Job, LinkStore]:
                                            device=common_pb2.DeviceInfo(kind="cpu")))
     registry.heartbeat(coordinator_pb2.ProgressReport(
         agent_id="a", job_id=job.job_id, epoch=1, worker_state=common_pb2.WORKER_STATE_TRAINING,
-        step=7, loss=3.5, tokens_per_s=900.0, step_s=0.5, compute_s=0.3, pp_wait_s=0.15, dp_s=0.05))
+        step=7, loss=3.5, tokens_per_s=900.0, step_s=0.5, compute_s=0.3, pp_wait_s=0.15, dp_s=0.05,
+        pp_bytes_sent=4096, dp_bytes_sent=512))
     links.record("a", common_pb2.LinkSample(peer_id="b", delay_ms=20.0, bandwidth_gbps=8.0,
                                             reachable=True))
     links.mark_unreachable("b", "a", "refused")
@@ -68,6 +69,9 @@ def test_coordinator_series_read_the_live_objects() -> None:
     split = {part: samples[("dtfm_worker_step_seconds", (("agent", "a"), ("part", part)))]
              for part in ("total", "compute", "pipeline_wait", "data_parallel")}
     assert split == {"total": 0.5, "compute": 0.3, "pipeline_wait": 0.15, "data_parallel": 0.05}
+    sent = {t: samples[("dtfm_worker_sent_bytes_total", (("agent", "a"), ("traffic", t)))]
+            for t in ("pipeline", "data_parallel")}
+    assert sent == {"pipeline": 4096, "data_parallel": 512}
     assert ("dtfm_worker_step", (("agent", "b"),)) not in samples  # no worker, no series
     pair = (("dst", "b"), ("src", "a"))
     assert samples[("dtfm_link_delay_seconds", pair)] == pytest.approx(0.020)
