@@ -56,6 +56,7 @@ STATE_NAMES = {S.JOB_STATE_WAITING: "waiting", S.JOB_STATE_MEASURING: "measuring
                S.JOB_STATE_RECOVERING: "recovering", S.JOB_STATE_DONE: "done",
                S.JOB_STATE_FAILED: "failed", S.JOB_STATE_IDLE: "idle"}
 ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
+UNREACHABLE_HOLD_S = 600.0  # how long an agent its peers could not reach is left out
 
 
 def job_fingerprint(cfg: JobConfig) -> str:
@@ -179,6 +180,9 @@ class Job:
         self._grid_ids: list[list[str]] = []
         self._adopt_deadline = 0.0
         self._first_steps: dict[str, int] = {}  # each member's first step this epoch
+        # agents the others could not reach, left out until they re-join or the time passes:
+        # their heartbeats still arrive, and measuring them again would loop forever
+        self._unreachable: dict[str, float] = {}
         self.recoveries = Recoveries()
         self.store = store
         if store is not None and config.model:
@@ -235,6 +239,8 @@ class Job:
         self._wake.set()
 
     def on_join(self, rec: AgentRecord) -> None:
+        # a re-join may come with a corrected --advertise: measure it again
+        self._unreachable.pop(rec.agent_id, None)
         self.poke()
 
     def on_progress(self, rec: AgentRecord, report: coordinator_pb2.ProgressReport) -> None:
@@ -362,8 +368,11 @@ class Job:
                 self._set(S.JOB_STATE_WAITING,
                           f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
                 for agent_id in bad:  # the registry logs it and tells whoever listens
+                    self._unreachable[agent_id] = time.monotonic() + UNREACHABLE_HOLD_S
                     self.registry.mark_lost(agent_id, "unreachable from the other agents "
-                                            "when the job measured its links")
+                                            "when the job measured its links; left out for "
+                                            f"{UNREACHABLE_HOLD_S:.0f} s or until it re-joins "
+                                            "(check its --advertise address and firewall)")
                 return
             delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
             bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
@@ -503,7 +512,9 @@ class Job:
         while True:
             # after a fault, only agents heard from since count: a dead one is swept by its
             # missed heartbeats instead of being planned on (and probed for a minute)
-            everyone = self.registry.alive()
+            now = time.monotonic()
+            everyone = [a for a in self.registry.alive()
+                        if self._unreachable.get(a.agent_id, 0.0) <= now]
             alive = [a for a in everyone if a.last_seen >= self._settle_after]
             if pinned:
                 by_id = {a.agent_id: a for a in alive}

@@ -273,8 +273,15 @@ def test_an_unreachable_agent_is_marked_lost_through_the_registry() -> None:
         assert "unreachable" in h.registry.marked_lost[0][1]
         assert h.job.state == S.JOB_STATE_WAITING and h.job.epoch == 0
         assert all(not a.inbox for a in h.registry.agents.values())
+        h.registry.states["agent-3"] = S.AGENT_STATE_ALIVE  # its next heartbeat arrives
+        h.registry._changed()
+        await asyncio.sleep(0.1)
+        assert len(h.measurer.rounds) == 1, "the unreachable agent was measured again"
+        assert h.job.state == S.JOB_STATE_WAITING and "3 of 4 alive" in h.job.message
         h.links.unreachable = []
         h.registry.add(1)
         await h.running_epoch(1)
         assert "agent-3" not in h.job.members
+        h.job.on_join(h.registry.agents["agent-3"])  # re-joined: measured again next time
+        assert "agent-3" not in h.job._unreachable
     run(config(), body)
