@@ -14,10 +14,14 @@ under every codec, so it takes no part in the choice; and since every term is pr
 the bytes, the choice does not depend on the message size, only on the link and the device
 (a GPU compresses ~100x faster than a CPU core). A lossier codec is taken only when it cuts
 the link's time per GB by at least `MIN_GAIN` over the less lossy one chosen so far (`none`,
-then `int8`, then `int4`), so a link gives up precision only for a real saving: fast links
-(a data centre's, or loopback under a CPU's slow codec) stay exact. A data-parallel group
-uses one codec for all its members (its replicas must decode the same averaged gradients), so
-its choice compares the group's cost, `max over d of sum over d'` of the per-pair times.
+then `int8`, then `int4`, and for data-parallel groups then `int3`, which only their error
+feedback makes usable), so a link gives up precision only for a real saving: fast links
+(a data centre's, or loopback under a CPU's slow codec) stay exact. (int3 sends 15 % fewer
+bytes than int4, short of `MIN_GAIN`, so under this rule `auto` never takes it: it is there
+for jobs that ask for it, `--dp-compress int3`, and for `auto` should the rule change.) A
+data-parallel group uses one codec for all its members (its replicas must decode the same
+averaged gradients), so its choice compares the group's cost, `max over d of sum over d'` of
+the per-pair times.
 
 `Compression` is the job's setting as the cost model (`costmodel.CostModel`, `plan_cost`) and
 the step model (`steptime`) see it; `Compression.choose` gives the codec of every link of one
@@ -36,7 +40,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.scheduler.network import Network
-from dtfm.core.codecs import AUTO, LOSSINESS, NONE, Codec, LinkCodecs, parse_codec
+from dtfm.core.codecs import (
+    AUTO,
+    DP_LOSSINESS,
+    NONE,
+    PP_LOSSINESS,
+    Codec,
+    LinkCodecs,
+    parse_codec,
+)
 
 MIN_GAIN = 0.25  # a lossier codec must cut a link's seconds per GB by at least a quarter
 # Compressing plus decompressing one GB of fp32 values, seconds. CPU: measured on one core of
@@ -53,12 +65,14 @@ def codec_seconds_per_gb(kinds: Iterable[str]) -> float:
                default=CODEC_S_PER_GB["cpu"])
 
 
-def _options(setting: str, topk: bool, what: str, allowed: bool = True) -> tuple[Codec, ...]:
+def _options(setting: str, dp: bool, what: str, allowed: bool = True) -> tuple[Codec, ...]:
+    """The codecs a setting lets a link use, least lossy first: one, or the ladder of `auto`
+    (data-parallel groups go further down it than pipeline links: `DP_LOSSINESS`)."""
     if not allowed or (setting or "none") == "none":
         return (NONE,)
     if setting == AUTO:
-        return tuple(Codec(k) for k in LOSSINESS)
-    return (parse_codec(setting, topk=topk, what=what),)
+        return tuple(Codec(k) for k in (DP_LOSSINESS if dp else PP_LOSSINESS))
+    return (parse_codec(setting, topk=dp, what=what),)
 
 
 @dataclass(frozen=True)

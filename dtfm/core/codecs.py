@@ -12,6 +12,14 @@ A codec is one of:
 - `int8`: blocks of `BLOCK` elements, each scaled by its largest magnitude to -127..127,
   one byte per element plus one bf16 scale per block;
 - `int4`: the same with -7..7, two elements per byte;
+- `int3` (data-parallel only): blocks of `INT3_BLOCK` elements, each as eight levels (a
+  fixed, non-uniform grid, fractions of the block's largest magnitude) in 3 bits, eight
+  elements to three bytes, plus one bf16 scale per block: 9.14x fewer bytes than fp32, the one
+  quantizer past the 8x that int4 cannot reach (its 2-byte scales keep it at 7.76x). Its
+  smaller blocks follow local magnitudes more closely (they cost 0.5 bit per element), which
+  buys back part of what the fourth bit would have. It loses about twice int4's error per
+  message; error feedback resends what a message missed, and pipeline messages have none
+  (each carries a different micro-batch), so it is refused there;
 - `topk:RATIO` (data-parallel only): in each block of `TOPK_BLOCK` elements, the
   `ceil(RATIO * TOPK_BLOCK)` largest magnitudes, each as a one-byte position and an int8
   value, plus one bf16 scale per block. What is not sent waits in the error-feedback
@@ -29,13 +37,22 @@ import math
 from dataclasses import dataclass
 
 BLOCK = 128  # elements per scale for int8 / int4: small enough to follow local magnitudes
+# int3's blocks: with 3 bits the grid is coarse, so each scale follows fewer values. Blocks of
+# 32 trained gpt-mini closer to the exact run than 64 or 128 (docs/runtime.md) and still send
+# 3.5 bits per value, under the 4 that an 8x cut allows.
+INT3_BLOCK = 32
 TOPK_BLOCK = 256  # elements per top-k block: a position fits in one byte
 SCALE_BYTES = 2  # one bf16 scale per block: fp32's range (gradients are tiny), half the bytes
-KINDS = ("none", "int8", "int4", "topk")
+KINDS = ("none", "int8", "int4", "int3", "topk")
+QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}  # bits per element of the block quantizers
 AUTO = "auto"
 PP_SETTINGS = ("none", "int8", "int4", AUTO)  # --pp-compress
-DP_SETTINGS = ("none", "int8", "int4", "topk:RATIO", AUTO)  # --dp-compress
-LOSSINESS = ("none", "int8", "int4")  # the codecs `auto` may pick, least lossy first
+DP_SETTINGS = ("none", "int8", "int4", "int3", "topk:RATIO", AUTO)  # --dp-compress
+# The codecs `auto` may consider, least lossy first. Data-parallel groups also int3 (error
+# feedback makes up for it); top-k never: it changes convergence too much (docs/benchmarks.md)
+# to choose silently.
+PP_LOSSINESS = ("none", "int8", "int4")
+DP_LOSSINESS = ("none", "int8", "int4", "int3")
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,7 @@ class Codec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown codec {self.kind!r}; use one of none, int8, int4, "
-                             f"topk:RATIO")
+                             f"int3, topk:RATIO")
         if self.kind == "topk" and not (0.0 < self.ratio <= 1.0):
             raise ValueError(f"topk ratio must be in (0, 1], got {self.ratio}")
 
@@ -59,6 +76,11 @@ class Codec:
     @property
     def lossless(self) -> bool:
         return self.kind == "none"
+
+    @property
+    def block(self) -> int:
+        """Elements per bf16 scale (top-k: per block of `TOPK_BLOCK`; none: 0)."""
+        return {"none": 0, "topk": TOPK_BLOCK, "int3": INT3_BLOCK}.get(self.kind, BLOCK)
 
     @property
     def topk_per_block(self) -> int:
@@ -73,8 +95,8 @@ class Codec:
         if self.kind == "topk":
             blocks = -(-n // TOPK_BLOCK)
             return blocks * (2 * self.topk_per_block + SCALE_BYTES)
-        blocks = -(-n // BLOCK)
-        payload = n if self.kind == "int8" else -(-n // 2)
+        blocks = -(-n // self.block)
+        payload = -(-n * QUANT_BITS[self.kind] // 8)  # the last byte may be part-filled
         return payload + blocks * SCALE_BYTES
 
     def bytes_per_element(self, raw_bytes: int = 4) -> float:
@@ -83,7 +105,7 @@ class Codec:
             return float(raw_bytes)
         if self.kind == "topk":
             return (2 * self.topk_per_block + SCALE_BYTES) / TOPK_BLOCK
-        return (1.0 if self.kind == "int8" else 0.5) + SCALE_BYTES / BLOCK
+        return QUANT_BITS[self.kind] / 8 + SCALE_BYTES / self.block
 
     def ratio_to(self, raw_bytes: int = 4) -> float:
         """Wire bytes over uncompressed bytes for a long message (1.0 for none)."""
@@ -94,12 +116,20 @@ NONE = Codec()
 
 
 def parse_codec(text: str, *, topk: bool = True, what: str = "codec") -> Codec:
-    """A concrete codec from its name (`none`, `int8`, `int4`, `topk:RATIO`).
+    """A concrete codec from its name (`none`, `int8`, `int4`, `int3`, `topk:RATIO`).
 
-    `what` names the flag or field in the error; `topk=False` refuses top-k (pipeline
-    messages: sparsifying activations is not error-compensated, so it is not offered)."""
+    `what` names the flag or field in the error. `topk=False` (pipeline messages) refuses the
+    data-parallel-only codecs, top-k and int3: both lose so much of one message that they
+    rely on error feedback, which pipeline messages do not have (each carries a different
+    micro-batch). The keyword is older than int3."""
     text = (text or "none").strip()
     if text in ("none", "int8", "int4"):
+        return Codec(text)
+    if text == "int3":
+        if not topk:
+            raise ValueError(f"{what} {text!r}: int3 is for data-parallel gradients only; "
+                             f"it relies on error feedback, which pipeline messages do not "
+                             f"have (each carries a different micro-batch): use int4 or int8")
         return Codec(text)
     if text.startswith("topk:") and topk:
         raw = text.removeprefix("topk:")
@@ -111,7 +141,7 @@ def parse_codec(text: str, *, topk: bool = True, what: str = "codec") -> Codec:
             raise ValueError(f"{what} {text!r}: the ratio after 'topk:' must be a number in "
                              f"(0, 1], e.g. topk:0.1 (send a tenth of each block)")
         return Codec("topk", ratio)
-    allowed = "none, int8, int4" + (", topk:RATIO" if topk else "")
+    allowed = "none, int8, int4" + (", int3, topk:RATIO" if topk else "")
     raise ValueError(f"{what} {text!r} is not a codec: use one of {allowed}")
 
 
@@ -143,13 +173,16 @@ class LinkCodecs:
                    dp=[dp_name if replicas > 1 else "none"] * stages)
 
     def check(self, stages: int, replicas: int) -> None:
-        """Raise ValueError unless this names every link of a stages x replicas layout."""
+        """Raise ValueError unless this names every link of a stages x replicas layout, with
+        no data-parallel-only codec on a pipeline link."""
         if len(self.pp) != stages - 1 or any(len(row) != replicas for row in self.pp) \
                 or len(self.dp) != stages:
             raise ValueError(f"link codecs for {len(self.dp)} stages do not fit a {stages} x "
                              f"{replicas} layout")
-        for name in (*(n for row in self.pp for n in row), *self.dp):
-            parse_codec(name)
+        for name in (n for row in self.pp for n in row):
+            parse_codec(name, topk=False, what="pipeline link codec")
+        for name in self.dp:
+            parse_codec(name, what="data-parallel codec")
 
     def rank_codecs(self, stage: int, replica: int) -> tuple[str, str, str]:
         """(link to the previous stage, link to the next stage, data-parallel group) of the

@@ -190,8 +190,8 @@ class TrainConfig:
         "beats the time to compress; agent local: none)")
     dp_compress: str = _option(
         "none", "compress data-parallel gradients, with error feedback: none, int8, int4, "
-        "topk:RATIO (the largest RATIO of each block) or auto (per data-parallel group); "
-        "needs --dp-mode sharded")
+        "int3 (3 bits, 9.1x; data-parallel only), topk:RATIO (the largest RATIO of each "
+        "block) or auto (per data-parallel group); needs --dp-mode sharded")
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
