@@ -25,7 +25,12 @@ class Recoveries:
     def __init__(self, saved: list[dict[str, Any]] | None = None) -> None:
         self.items: list[coordinator_pb2.Recovery] = [
             json_format.ParseDict(d, coordinator_pb2.Recovery()) for d in saved or []]
-        self._open: coordinator_pb2.Recovery | None = None
+        # A coordinator restarted in mid-recovery (its state directory holds a newest record
+        # whose epoch never trained: `trained` sets stalled_s > 0) finishes that record when
+        # the new epoch trains, instead of leaving it at resumed 0, lost 0, stalled 0.
+        last = self.items[-1] if self.items else None
+        self._open: coordinator_pb2.Recovery | None = (
+            last if last is not None and last.stalled_s <= 0 else None)
 
     def begin(self, reason: str, layout_before: str, last_step: int,
               planned: bool = False) -> None:

@@ -141,3 +141,38 @@ def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path) -> None:
                              JobStore(tmp_path))
         assert third.job_id != job_id  # a finished job is not adopted again
     asyncio.run(main())
+
+
+def test_a_coordinator_restarted_in_mid_recovery_finishes_the_recovery_record(
+        tmp_path: Path) -> None:
+    cfg = churn_config(min_agents=4)
+
+    async def main() -> None:
+        first = Harness(cfg)
+        first.job = RecordingJob(cfg, first.registry, first.measurer, first.links,
+                                 JobStore(tmp_path))
+        first.registry.job = first.job
+        first.registry.add(6)
+        task = asyncio.get_running_loop().create_task(first.job.run())
+        await first.running_epoch(1)
+        report_all(first, 6)
+        await until(lambda: first.job.checkpoint_step == 4)
+        lose(first, first.job.members[-1])
+        await first.running_epoch(2)  # the recovery's epoch is placed but has not trained
+        task.cancel()  # the coordinator dies (SIGKILL)
+
+        second = Harness(cfg)
+        second.job = RecordingJob(cfg, second.registry, second.measurer, second.links,
+                                  JobStore(tmp_path))
+        second.registry.job = second.job
+        second.registry.add(6)
+        task = asyncio.get_running_loop().create_task(second.job.run())
+        await until(lambda: second.job.state == S.JOB_STATE_RUNNING)
+        assert second.job.epoch == 2
+        report_all(second, 5)  # the adopted epoch resumed after the checkpoint of step 4
+        rec = second.job.recoveries.items[-1]
+        assert rec.layout_before == "2x3" and rec.layout_after == "2x2", rec
+        assert rec.resumed_step == 4 and rec.steps_lost == 2 and rec.stalled_s > 0, rec
+        assert not second.job.recoveries.pending
+        task.cancel()
+    asyncio.run(main())
