@@ -18,6 +18,7 @@ import statistics
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -57,6 +58,8 @@ STATE_NAMES = {S.JOB_STATE_WAITING: "waiting", S.JOB_STATE_MEASURING: "measuring
                S.JOB_STATE_FAILED: "failed", S.JOB_STATE_IDLE: "idle"}
 ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
 UNREACHABLE_HOLD_S = 600.0  # how long an agent its peers could not reach is left out
+# a spare whose links failed in a background measurement is not probed again before this
+SPARE_REMEASURE_S = 60.0
 
 
 def job_fingerprint(cfg: JobConfig) -> str:
@@ -163,7 +166,10 @@ class Job:
         self._last_epoch_failure: tuple[str, int] = ("", 0)  # (kind, steps done) of the last
         self._steps: dict[str, deque[coordinator_pb2.ProgressReport]] = {}
         self._model: _Prediction | None = None
-        self._trained_splits: list[int] | None = None  # the split checkpoints hold
+        # the split the newest checkpoint holds, and this epoch's: they differ after the job
+        # re-planned on another stage count, until this epoch writes a checkpoint of its own
+        self._trained_splits: list[int] | None = None
+        self._epoch_splits: list[int] = []
         self._port_epoch, self._port = -1, 0
         self.started_unix_s = 0.0
         # Churn: the layout the job wants (set by its first epoch; replicas shrink below it when
@@ -183,6 +189,8 @@ class Job:
         # agents the others could not reach, left out until they re-join or the time passes:
         # their heartbeats still arrive, and measuring them again would loop forever
         self._unreachable: dict[str, float] = {}
+        self._spare_task: asyncio.Task[None] | None = None  # measuring newcomers' links
+        self._spare_retry_at = 0.0
         self.recoveries = Recoveries()
         self.store = store
         if store is not None and config.model:
@@ -199,10 +207,12 @@ class Job:
         self.recoveries = Recoveries(snap.recoveries)
         self._grid_ids = snap.grid
         if snap.grid:
-            self._wanted = Layout(len(snap.grid), max(snap.wanted_replicas, len(snap.grid[0])))
+            self._wanted = Layout(snap.wanted_stages or len(snap.grid),
+                                  max(snap.wanted_replicas, len(snap.grid[0])))
             self._layout = Layout(len(snap.grid), len(snap.grid[0]))
-        if snap.splits:
-            self._trained_splits = list(snap.splits)
+        self._epoch_splits = list(snap.splits)
+        if snap.checkpoint_splits or snap.splits:  # older snapshots: one split for both
+            self._trained_splits = list(snap.checkpoint_splits or snap.splits)
         self.started_unix_s = snap.started_unix_s
         if snap.state == "running" and snap.members:
             self.members = list(snap.members)
@@ -224,10 +234,12 @@ class Job:
             job_id=self.job_id, fingerprint=job_fingerprint(self.config),
             state=STATE_NAMES.get(self.state, "waiting"), epoch=self.epoch,
             restarts=self.restarts, members=list(self.members), grid=self._grid_ids,
-            splits=list(self._trained_splits or []), checkpoint_step=self.checkpoint_step,
+            splits=list(self._epoch_splits), checkpoint_splits=list(self._trained_splits or []),
+            checkpoint_step=self.checkpoint_step,
             recoveries=self.recoveries.to_json(), started_unix_s=self.started_unix_s,
             micro_batches=self._train.micro_batches,
-            wanted_replicas=self._wanted.replicas if self._wanted else 0)
+            wanted_replicas=self._wanted.replicas if self._wanted else 0,
+            wanted_stages=self._wanted.stages if self._wanted else 0)
         try:
             self.store.save(snap, finished=finished)
         except Exception as exc:  # a full disk must not stop training; say so loudly
@@ -361,18 +373,18 @@ class Job:
             delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
             bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
         elif cfg.measure_links and wanted > 1:
-            self._set(S.JOB_STATE_MEASURING, f"measuring {wanted * (wanted - 1)} links")
-            matrix = await self.measurer.measure(members)
+            self._cancel_spare_measurement()
+            # a recovery measures only the links it has no figure for (newcomers'): the
+            # others did not change because an agent came or went
+            missing = len(self.measurer.missing_links(ids)) if self.epoch else \
+                wanted * (wanted - 1)
+            self._set(S.JOB_STATE_MEASURING, f"measuring {missing} links")
+            matrix = await self.measurer.measure(members, only_missing=bool(self.epoch))
             bad = self.links.unreachable_agents(ids)
             if bad:
                 self._set(S.JOB_STATE_WAITING,
                           f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
-                for agent_id in bad:  # the registry logs it and tells whoever listens
-                    self._unreachable[agent_id] = time.monotonic() + UNREACHABLE_HOLD_S
-                    self.registry.mark_lost(agent_id, "unreachable from the other agents "
-                                            "when the job measured its links; left out for "
-                                            f"{UNREACHABLE_HOLD_S:.0f} s or until it re-joins "
-                                            "(check its --advertise address and firewall)")
+                self._hold_out(bad)
                 return
             delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
             bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
@@ -382,7 +394,7 @@ class Job:
         np.fill_diagonal(delay, 0.0)
         np.fill_diagonal(bandwidth, 1.0)
         net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
-        layout, train = self._epoch_layout(wanted, spec.n_layers)
+        layout, train = self._epoch_layout(members, spec.n_layers)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
                   f"{layout.replicas} replicas ({placement.label})")
         work = Workload(spec, layout.stages, layout.replicas, train.global_batch,
@@ -409,8 +421,11 @@ class Job:
         self._epoch_checkpoint = self.checkpoint_step
         self._grid_ids = [[ids[d] for d in row] for row in found["grid"]]
         self.recoveries.placed(layout_text(layout.stages, layout.replicas))
-        if cfg.train.checkpoint_dir or cfg.train.checkpoint_every:
-            self._trained_splits = list(found["splits"])
+        self._epoch_splits = list(found["splits"])
+        if self._trained_splits is None and (cfg.train.checkpoint_dir
+                                             or cfg.train.checkpoint_every):
+            self._trained_splits = list(found["splits"])  # the first epoch: nothing re-cut
+        resplit = self._trained_splits if self._trained_splits != self._epoch_splits else None
         by_rank = layout.devices_by_rank(found["grid"])
         records = [members[int(d)] for d in by_rank]
         self._model = _Prediction(net=net, grid=found["grid"], work=work,
@@ -433,6 +448,7 @@ class Job:
             bind_addrs=[r.info.host for r in records], splits=found["splits"],
             codecs=found["codecs"],
             members=[(r.info.host, r.info.port) for r in records],
+            checkpoint_splits=resplit,
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()
@@ -449,26 +465,53 @@ class Job:
                   + (f", compression {found['codecs'].summary()}"
                      if work.compression and work.compression.active else "")
                   + (f", {train.micro_batches} micro-batches per replica (shrunk from "
-                     f"{self._wanted.replicas} replicas)" if self._wanted and
-                     layout.replicas < self._wanted.replicas else ""))
+                     f"{layout_text(self._wanted.stages, self._wanted.replicas)})"
+                     if self._wanted and layout != self._wanted else "")
+                  + (f", resuming from checkpoints cut as "
+                     f"{','.join(map(str, resplit))} layers per stage" if resplit else ""))
         self._persist()
         await self._follow()
 
-    def _epoch_layout(self, agents: int, n_layers: int) -> tuple[Layout, TrainConfig]:
-        """The first epoch's layout is the job's; later ones keep its stages (checkpoints
-        hold their layer ranges) and take fewer replicas when agents are missing, with more
-        micro-batches each, so the global batch and the loss curve stay the same."""
+    def _epoch_layout(self, members: Sequence[AgentRecord],
+                      n_layers: int) -> tuple[Layout, TrainConfig]:
+        """The first epoch's layout is the job's; later ones take fewer replicas, then fewer
+        stages, when agents are missing (`_elastic`), with more micro-batches each, so the
+        global batch and the loss curve stay the same."""
         cfg = self.config
         if self._wanted is None:
-            self._wanted = choose_layout(agents, n_layers, cfg.stages, cfg.replicas)
+            self._wanted = choose_layout(len(members), n_layers, cfg.stages, cfg.replicas)
             return self._wanted, cfg.train
-        shrunk = elastic_layout(agents, self._wanted.stages, self._wanted.replicas,
-                                cfg.train.global_batch, cfg.train.micro_batches)
-        assert shrunk is not None, "_gather returned too few agents for one replica"
+        shrunk = self._elastic(members)
+        assert shrunk is not None, "_gather returned agents no layout fits on"
         layout, micro = shrunk
         if layout == self._wanted:
             return layout, cfg.train
         return layout, replace(cfg.train, micro_batches=micro)
+
+    def _elastic(self, agents: Sequence[AgentRecord]) -> tuple[Layout, int] | None:
+        """The layout `elastic_layout` picks for these agents, checked against their memory."""
+        assert self._wanted is not None
+        cfg = self.config
+        memory = device_figures(list(agents), cfg.train.dtype).memory
+        return elastic_layout(len(agents), self._wanted.stages, self._wanted.replicas,
+                              cfg.train.global_batch, cfg.train.micro_batches,
+                              fits=lambda layout, micro: self._fits(layout, micro, memory))
+
+    def _fits(self, layout: Layout, micro: int, memory: Sequence[int]) -> bool:
+        """Whether `layout` with `micro` micro-batches per replica fits devices with `memory`
+        bytes (0: unknown, taken to fit): the kept split, or an even one when the stages are
+        re-cut; its largest stages on the largest devices, which fits whenever any placement
+        does. `_place` checks the placement it makes again (`check_fit`)."""
+        cfg = self.config
+        work = Workload(get_preset(cfg.model), layout.stages, layout.replicas,
+                        cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype)
+        kept = self._trained_splits if self._trained_splits and len(
+            self._trained_splits) == layout.stages else None
+        needs = sorted((n for n in stages_bytes(work.memory(), kept)
+                        for _ in range(layout.replicas)), reverse=True)
+        room = sorted((m or math.inf for m in memory), reverse=True)
+        return len(room) >= len(needs) and all(
+            n <= m for n, m in zip(needs, room, strict=False))
 
     def _warm_grid(self, layout: Layout, ids: list[str],
                    placement: Placement) -> list[list[int]] | None:
@@ -527,7 +570,7 @@ class Job:
                 ordered = sorted(alive, key=lambda a: address_key(a.info.host, a.info.port))
                 if len(alive) >= wanted:
                     return self._prefer_previous(ordered, wanted)[:wanted]
-                fewer = self._shrink_to(len(alive))
+                fewer = self._shrink_to(alive)
                 if fewer and len(everyone) == len(alive):
                     return self._prefer_previous(ordered, fewer)[:fewer]
                 what = f"agents: {len(alive)} of {wanted} alive" + (
@@ -549,12 +592,11 @@ class Job:
                   for a in [x for x in row if x in by_id][:per_stage]]
         return picked + [a for a in ordered if a not in picked]
 
-    def _shrink_to(self, alive: int) -> int:
-        """How many of `alive` agents a shrunk layout uses (0: wait for more instead)."""
-        if self._wanted is None or alive < (self.config.min_agents or self.config.agents):
+    def _shrink_to(self, alive: Sequence[AgentRecord]) -> int:
+        """How many of the `alive` agents a shrunk layout uses (0: wait for more instead)."""
+        if self._wanted is None or len(alive) < (self.config.min_agents or self.config.agents):
             return 0
-        shrunk = elastic_layout(alive, self._wanted.stages, self._wanted.replicas,
-                                self.config.train.global_batch, self.config.train.micro_batches)
+        shrunk = self._elastic(alive)
         return shrunk[0].stages * shrunk[0].replicas if shrunk else 0
 
     async def _place(self, placement: Placement, net: Network, layout: Layout,
@@ -592,11 +634,15 @@ class Job:
                             dev: Devices, move: bool) -> tuple[list[list[int]], list[int], str]:
         """`--layer-split`: as given, even, or chosen for speed and memory (auto)."""
         cfg, n = self.config, work.spec.n_layers
+        given = cfg.parsed_split()
+        if given is not None and len(given) != work.stages:  # shrunk to fewer stages
+            return grid, layer_splits(n, work.stages), (
+                f"even: --layer-split {cfg.layer_split} is for {len(given)} stages")
         if cfg.layer_split != "auto":
-            return grid, layer_splits(n, work.stages, cfg.parsed_split()), cfg.layer_split
+            return grid, layer_splits(n, work.stages, given), cfg.layer_split
         kept = self._trained_splits
         if kept is not None and len(kept) == work.stages:
-            # checkpoints hold these layer ranges: a new split could not resume from them
+            # checkpoints hold these layer ranges: the workers resume without re-cutting
             return grid, list(kept), f"kept from epoch {self.epoch}: checkpoints hold it"
         if even_is_enough(grid, work, dev):
             return grid, layer_splits(n, work.stages), "even: the devices are alike"
@@ -624,6 +670,7 @@ class Job:
             if self._failure:
                 await self._recover(self._failure)
                 return
+            self._measure_spares()
             if fresh_checkpoint and (grow := self._grow_reason()):
                 self.recoveries.begin(grow, self._layout_text(), self._last_step(), planned=True)
                 await self._stop_members(f"recovering: {grow}")
@@ -638,6 +685,52 @@ class Job:
                 self._persist(finished=True)
                 return
             await self._wait()
+
+    def _hold_out(self, bad: list[str]) -> None:
+        """Leave out agents the others cannot reach until they re-join or the time passes."""
+        for agent_id in bad:  # the registry logs it and tells whoever listens
+            self._unreachable[agent_id] = time.monotonic() + UNREACHABLE_HOLD_S
+            self.registry.mark_lost(agent_id, "unreachable from the other agents "
+                                    "when the job measured its links; left out for "
+                                    f"{UNREACHABLE_HOLD_S:.0f} s or until it re-joins "
+                                    "(check its --advertise address and firewall)")
+
+    def _spares(self) -> list[AgentRecord]:
+        """Live agents outside the job that a recovery or a grow-back could use."""
+        now = time.monotonic()
+        return [a for a in self.registry.alive() if a.agent_id not in self.members
+                and self._unreachable.get(a.agent_id, 0.0) <= now]
+
+    def _measure_spares(self) -> None:
+        """While the job trains, measure the links of agents that joined since it was
+        planned (to and from every member and spare, nothing else), so that growing back, or
+        replacing a lost member, reuses stored links instead of stalling for a measurement."""
+        cfg = self.config
+        if (not cfg.measure_links or cfg.links_file or self.measurer.running
+                or (self._spare_task is not None and not self._spare_task.done())
+                or time.monotonic() < self._spare_retry_at):
+            return
+        spares = self._spares()
+        ids = self.members + [a.agent_id for a in spares]
+        if not spares or not self.measurer.missing_links(ids):
+            return
+        records = [r for a in self.members if (r := self.registry.get(a)) is not None]
+
+        async def measure() -> None:
+            await self.measurer.measure(records + spares, only_missing=True)
+            if bad := self.links.unreachable_agents(ids):
+                self._hold_out([a for a in bad if a not in self.members])
+            self.poke()
+
+        log.info("job %s: measuring the links of %d new agent(s) while training",
+                 self.job_id, len(spares))
+        self._spare_retry_at = time.monotonic() + SPARE_REMEASURE_S  # a failed link waits
+        self._spare_task = asyncio.get_running_loop().create_task(measure())
+
+    def _cancel_spare_measurement(self) -> None:
+        if self._spare_task is not None and not self._spare_task.done():
+            self._spare_task.cancel()
+        self._spare_task = None
 
     async def _recover(self, failure: str) -> None:
         self.recoveries.begin(failure, self._layout_text(), self._last_step())
@@ -679,6 +772,7 @@ class Job:
                    for a in self.members)
         if done:
             passed = min(steps)  # the final checkpoint is written before a worker says done
+        self._note_split(passed)
         if passed <= self.checkpoint_step:
             return False
         self.checkpoint_step = passed
@@ -689,14 +783,34 @@ class Job:
         self._persist()
         return fresh
 
+    def _note_split(self, passed: int) -> None:
+        """Once every member has passed a checkpoint this epoch wrote (even one that rewrote
+        an older step), the checkpoints hold this epoch's layer split: the next epoch re-cuts
+        from it, not from the one this epoch resumed from."""
+        wrote = passed > 0 and passed >= max(self._first_steps.values(), default=math.inf)
+        if not wrote or not self._epoch_splits or self._trained_splits in (None,
+                                                                            self._epoch_splits):
+            return
+        log.info("job %s: the checkpoint of step %d holds layers %s per stage (was %s)",
+                 self.job_id, passed, ",".join(map(str, self._epoch_splits)),
+                 ",".join(map(str, self._trained_splits or [])))
+        self._trained_splits = list(self._epoch_splits)
+        self._persist()
+
     def _grow_reason(self) -> str:
         """Why to stop at this checkpoint and re-plan on more agents ('' to go on)."""
         if self._wanted is None or self._layout is None or self._layout == self._wanted:
             return ""
-        spare = [a for a in self.registry.alive() if a.agent_id not in self.members]
+        spare = self._spares()
+        if self.config.measure_links and not self.config.links_file:
+            # only newcomers already measured in the background: growing waits for them
+            # instead of stalling every member for a measurement
+            spare = [a for a in spare
+                     if self.links.complete_for(self.members + [a.agent_id])]
         total = len(self.members) + len(spare)
         wanted = self._wanted.stages * self._wanted.replicas
-        target = wanted if total >= wanted else self._shrink_to(total)
+        target = wanted if total >= wanted else self._shrink_to(
+            [r for a in self.members if (r := self.registry.get(a)) is not None] + spare)
         if target <= len(self.members):
             return ""
         return (f"{len(spare)} more agent(s) alive: growing back from {self._layout_text()} "
@@ -747,6 +861,7 @@ class Job:
     async def shutdown(self) -> None:
         """Stop the members, unless the job is kept in a state directory: then the workers
         train on and the next coordinator process adopts them."""
+        self._cancel_spare_measurement()
         if self.state == S.JOB_STATE_RUNNING and self.store is None:
             await self._stop_members("coordinator shutting down")
         elif self.store is not None:

@@ -104,25 +104,40 @@ class LinkMeasurer:
                 self.store.mark_unreachable(a, b, why)
                 self.store.mark_unreachable(b, a, why)
 
-    async def measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
-        """Measure every directed link between `agents`; returns their matrix."""
+    async def measure(self, agents: list[AgentRecord],
+                      only_missing: bool = False) -> common_pb2.LinkMatrix:
+        """Measure every directed link between `agents`; returns their matrix.
+
+        `only_missing` probes just the links the store has no figure for (a newcomer's, to
+        and from everyone): links between agents measured before did not change because
+        someone joined, and probing them again would cost the job minutes of probes."""
         async with self._lock:
             self.running = True
             try:
-                return await self._measure(agents)
+                return await self._measure(agents, only_missing)
             finally:
                 self.running = False
 
-    async def _measure(self, agents: list[AgentRecord]) -> common_pb2.LinkMatrix:
+    def missing_links(self, ids: list[str]) -> set[tuple[str, str]]:
+        """The directed links between `ids` with no usable figure: never measured, or
+        failed last time (an agent that re-joins after being unreachable gets a new try)."""
+        return {(a, b) for a in ids for b in ids
+                if a != b and ((e := self.store.entries.get((a, b))) is None or not e.reachable)}
+
+    async def _measure(self, agents: list[AgentRecord],
+                       only_missing: bool) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
+        wanted = self.missing_links(ids) if only_missing else {
+            (a, b) for a in ids for b in ids if a != b}
         run = next(self._ids)
         started = time.monotonic()
-        log.info("measuring %d links of %d agents", len(ids) * (len(ids) - 1), len(ids))
+        log.info("measuring %d links of %d agents", len(wanted), len(ids))
         silent: set[str] = set()  # agents that let a probe time out: not asked again this run
         # All latencies first, at once: a ping is a few hundred bytes, so pings do not queue
         # behind each other, and every agent opens its channels to every peer on the way.
-        latency = [_Probe(a, tuple(b for b in ids if b != a)) for a in ids]
+        latency = [_Probe(a, peers) for a in ids
+                   if (peers := tuple(b for b in ids if (a, b) in wanted))]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
         self._check_reverse_delays(ids)
         log.info("latencies measured after %.1f s", time.monotonic() - started)
@@ -130,10 +145,11 @@ class LinkMeasurer:
         # link is never measured while its reverse is (its acknowledgements would queue).
         bandwidth = [_Probe(a, (b,), frozenset((f"send {a}", f"receive {b}",
                                                 f"pair {min(a, b)} {max(a, b)}")))
-                     for links in rotation_rounds(ids) for a, b in links]
+                     for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent)
         self.last_seconds = time.monotonic() - started
-        log.info("measured %d agents in %.1f s", len(ids), self.last_seconds)
+        log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
+                 self.last_seconds)
         return self.store.matrix(ids)
 
     async def _run(self, run: int, kind: int, probes: list[_Probe],

@@ -73,11 +73,21 @@ def test_without_min_agents_a_loss_waits_for_a_spare() -> None:
 
 def test_the_job_grows_back_at_the_next_checkpoint_when_agents_join() -> None:
     async def body(h: Harness) -> None:
+        h.links.remember = True
         await h.running_epoch(1)
-        lose(h, h.job.members[-1])
+        victim = h.job.members[-1]
+        lose(h, victim)
         await h.running_epoch(2)
         assert h.job.plan is not None and h.job.plan.replicas == 2
+        assert len(h.measurer.rounds) == 1, "survivors' links are reused, not measured again"
         h.registry.add(1)  # a new agent joins
+        newcomer = max(h.registry.agents)
+        # its links are measured while the job trains, to the members and the spare survivor
+        # (the measurer probes only links it has no figure for), never to the dead agent
+        await until(lambda: len(h.measurer.rounds) == 2)
+        assert newcomer in h.measurer.rounds[1] and victim not in h.measurer.rounds[1]
+        assert set(h.job.members) < set(h.measurer.rounds[1])
+        assert h.job.state == S.JOB_STATE_RUNNING and h.job.epoch == 2
         report_all(h, 5)  # resumed after the checkpoint of step 4: nothing new to grow at
         await asyncio.sleep(0.1)
         assert h.job.epoch == 2 and h.job.checkpoint_step == 4
@@ -86,6 +96,8 @@ def test_the_job_grows_back_at_the_next_checkpoint_when_agents_join() -> None:
         assert h.job.plan.replicas == 3 and h.job.restarts == 0
         grow = h.job.recoveries.items[-1]
         assert grow.planned and grow.layout_before == "2x2" and grow.layout_after == "2x3"
+        assert len(h.measurer.rounds) == 2, "growing back did not stop to measure"
+        assert newcomer in h.job.members
         assigns = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
         assert {a.train.micro_batches for a in assigns} == {2}
     run(churn_config(min_agents=4), body, agents=6)

@@ -94,12 +94,20 @@ class FakeRegistry:
 class FakeMeasurer:
     """Answers every measurement at once with a uniform matrix over the agents asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, links: FakeLinks) -> None:
+        self.links = links
         self.rounds: list[list[str]] = []
+        self.running = False
 
-    async def measure(self, agents: list[FakeAgent]) -> common_pb2.LinkMatrix:
+    def missing_links(self, ids: list[str]) -> set[tuple[str, str]]:
+        return {(a, b) for a in ids for b in ids
+                if a != b and not self.links.complete_for([a, b])}
+
+    async def measure(self, agents: list[FakeAgent],
+                      only_missing: bool = False) -> common_pb2.LinkMatrix:
         ids = [a.agent_id for a in agents]
         self.rounds.append(ids)
+        self.links.known.update(ids)
         n = len(ids)
         return common_pb2.LinkMatrix(agent_ids=ids, delay_ms=[10.0] * (n * n),
                                      bandwidth_gbps=[1.0] * (n * n))
@@ -108,12 +116,21 @@ class FakeMeasurer:
 class FakeLinks:
     def __init__(self) -> None:
         self.unreachable: list[str] = []
+        # False: every epoch measures, so each recovery shows as a measuring round; True:
+        # links measured once are known, as in the real LinkStore
+        self.remember = False
+        self.known: set[str] = set()
 
     def unreachable_agents(self, ids: list[str]) -> list[str]:
         return [a for a in self.unreachable if a in ids]
 
     def complete_for(self, ids: list[str]) -> bool:
-        return False  # every epoch measures, so each recovery shows as a measuring round
+        return self.remember and set(ids) <= self.known
+
+    def matrix(self, ids: list[str]) -> common_pb2.LinkMatrix:
+        n = len(ids)
+        return common_pb2.LinkMatrix(agent_ids=ids, delay_ms=[10.0] * (n * n),
+                                     bandwidth_gbps=[1.0] * (n * n))
 
 
 class RecordingJob(Job):
@@ -132,8 +149,8 @@ class RecordingJob(Job):
 class Harness:
     def __init__(self, cfg: JobConfig) -> None:
         self.registry = FakeRegistry()
-        self.measurer = FakeMeasurer()
         self.links = FakeLinks()
+        self.measurer = FakeMeasurer(self.links)
         self.job = RecordingJob(cfg, self.registry, self.measurer, self.links)
         self.registry.job = self.job
 

@@ -176,3 +176,39 @@ def test_delays_the_two_ends_contradict_are_dropped() -> None:
         assert not store.entries[pair].reachable
         assert "one round trip" in store.entries[pair].error
     assert store.entries[("a0", "a1")].reachable and store.entries[("a1", "a0")].reachable
+
+
+def test_only_missing_probes_just_a_newcomers_links() -> None:
+    """A grow-back measures the new agent to and from everyone, not the n^2 links measured
+    before; a link that failed last time is tried again."""
+    async def main() -> tuple[FakeAgents, LinkStore]:
+        registry = Registry(liveness_timeout_s=60)
+        ids = [f"a{i}" for i in range(5)]
+        for i, agent_id in enumerate(ids):
+            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
+                                               port=1000 + i))
+        store = LinkStore()
+        for a in ids[:4]:  # measured in an earlier epoch, one of them failed since
+            for b in ids[:4]:
+                if a != b:
+                    store.record(a, common_pb2.LinkSample(peer_id=b, reachable=True,
+                                                          delay_ms=3.0, bandwidth_gbps=2.0))
+        store.mark_unreachable("a0", "a1", "timed out")
+        measurer = LinkMeasurer(registry, store, probe_timeout_s=0.5)
+        agents = FakeAgents(registry, ids)
+        agents.measurer = measurer
+        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+        try:
+            await asyncio.wait_for(measurer.measure(registry.alive(), only_missing=True), 30)
+        finally:
+            for task in servers:
+                task.cancel()
+        return agents, store
+
+    agents, store = asyncio.run(main())
+    probed = {(a, p) for a, _, peers in agents.commands for p in peers}
+    newcomer = {(a, b) for a in agents.ids for b in agents.ids
+                if a != b and "a4" in (a, b)}
+    assert probed == newcomer | {("a0", "a1")}
+    assert store.entries[("a0", "a1")].reachable and store.entries[("a0", "a1")].delay_ms == 10.0
+    assert store.entries[("a1", "a0")].delay_ms == 3.0, "a link measured before is kept"

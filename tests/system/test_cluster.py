@@ -125,3 +125,19 @@ def test_links_are_refreshed_periodically_when_asked(daemons: Daemons) -> None:
                for j, v in enumerate(row) if i != j)
     out = daemons.cli("coordinator", "links", "--coordinator", address, "--json")
     assert out.returncode == 0 and '"excluded": []' in out.stdout
+
+
+def test_sigterm_to_the_coordinator_and_an_agent_together_stops_both(daemons: Daemons) -> None:
+    """Issue 11's defect: the agent logged "shutting down", then its session took its own
+    cancellation for a lost coordinator and re-joined, retrying forever."""
+    coord, address = daemons.coordinator()
+    agents = [daemons.agent(address, f"agent-{i}") for i in range(2)]
+    wait_for(lambda: len(daemons.agents_in(address, "alive")) == 2, 30, "two live agents")
+    for proc in (coord, *agents):
+        proc.send_signal(signal.SIGTERM)
+    for proc in (coord, *agents):
+        assert proc.wait(timeout=20) == 0, daemons.log(proc)
+    for proc in agents:
+        log = daemons.log(proc)
+        after = log[log.index("shutting down"):] if "shutting down" in log else ""
+        assert after and "retrying" not in after and "joined" not in after, log
