@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "link, where the saving beats the time to compress)")
     g.add_argument("--dp-compress", default="none", metavar="CODEC",
                    type=flags.codec_setting("--dp-compress", topk=True),
-                   help="data-parallel gradients: none, int8, int4, topk:RATIO or auto (per "
-                   "data-parallel group)")
+                   help="data-parallel gradients: none, int8, int4, int3 (3 bits, 9.1x), "
+                   "topk:RATIO or auto (per data-parallel group; never top-k)")
     g.add_argument("--codec-device", choices=tuple(CODEC_S_PER_GB), default="cuda",
                    help="whose speed of compressing to count: "
                    + ", ".join(f"{k} {v:g} s per GB" for k, v in CODEC_S_PER_GB.items())
