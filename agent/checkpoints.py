@@ -14,6 +14,9 @@ three moves, all through the agents' authenticated `Agent` service:
   whose newest checkpoint it lacks (it never held the stage, or its copy is damaged) asks
   every peer in `Assignment.checkpoint_peers` and copies the newest complete steps newer than
   its own, within a time budget; the worker then resumes from them like from any local step.
+  After the job changed its stage count (`Assignment.checkpoint_splits`), that is done for
+  every old stage that held some of the new stage's layers, each with the layer range the
+  old split gave it (`dtfm.core.checkpoints.sources`).
 - **Mirroring** (`CheckpointCopier.start_mirrors`): while an assignment runs, every few
   seconds, copy the mirrored stage's newest steps from its holder, and prune like a worker.
 
@@ -364,30 +367,40 @@ class CheckpointCopier:
                 await channel.close()
 
     async def prepare(self, a: common_pb2.Assignment) -> None:
-        """Before rank `a`'s worker starts: when a peer holds a newer complete checkpoint of
-        its stage than this agent holds intact, copy the newest ones (up to KEEP) here, so
-        the worker resumes from them. Never raises: on failure or after the time budget the
-        worker starts with what is here and says what it resumes from."""
+        """Before rank `a`'s worker starts: for every stage folder its worker will read (its
+        own stage, or after a re-split the old stages that held its layers), when a peer
+        holds a newer complete checkpoint than this agent holds intact, copy the newest ones
+        (up to KEEP) here, so the worker resumes from them. Never raises: on failure or after
+        the time budget the worker starts with what is here and says what it resumes from."""
         if not (a.checkpoint_peers and self.applies(a)):
             return
         root = ondisk.job_dir(self.root, a.job_id)
-        layers = (a.layer_begin, a.layer_end)
+        try:
+            srcs = ondisk.sources(a.model.n_layers, a.stage, (a.layer_begin, a.layer_end),
+                                  list(a.checkpoint_splits))
+        except ValueError as e:  # the worker refuses the same assignment, saying why
+            log.warning("checkpoint: not fetching stage %d of job %s: %s", a.stage, a.job_id, e)
+            return
         try:
             async with asyncio.timeout(self.budget_s):
-                have = await asyncio.to_thread(newest_intact, root, a.stage, a.job_id, layers)
-                await self._prepare(a, root, layers, have)
+                for src in srcs:
+                    have = await asyncio.to_thread(newest_intact, root, src.stage, a.job_id,
+                                                   src.layers)
+                    await self._prepare(a, root, src, have)
         except TimeoutError:
-            log.warning("checkpoint: gave up fetching stage %d of job %s after %.0f s; the "
+            log.warning("checkpoint: gave up fetching stage(s) %s of job %s after %.0f s; the "
                         "worker starts with what this agent holds (a partial download "
-                        "resumes next time)", a.stage, a.job_id, self.budget_s)
+                        "resumes next time)", [s.stage for s in srcs], a.job_id, self.budget_s)
         except Exception:  # noqa: BLE001 - the worker must start whatever happened here
-            log.exception("checkpoint: fetching stage %d of job %s failed; the worker "
-                          "starts with what this agent holds", a.stage, a.job_id)
+            log.exception("checkpoint: fetching stage(s) %s of job %s failed; the worker "
+                          "starts with what this agent holds", [s.stage for s in srcs],
+                          a.job_id)
 
-    async def _prepare(self, a: common_pb2.Assignment, root: Path, layers: tuple[int, int],
+    async def _prepare(self, a: common_pb2.Assignment, root: Path, src: ondisk.Source,
                        have: int) -> None:
+        stage, layers = src.stage, src.layers
         async with self._peers(a.checkpoint_peers) as peers:
-            listings = await asyncio.gather(*(list_peer(p, a.job_id, a.stage) for p in peers),
+            listings = await asyncio.gather(*(list_peer(p, a.job_id, stage) for p in peers),
                                             return_exceptions=True)
             by_step: dict[int, list[tuple[Peer, Manifest]]] = {}
             for peer, found in zip(peers, listings, strict=True):
@@ -395,25 +408,26 @@ class CheckpointCopier:
                     why = (rpc.describe_rpc_error(found, peer.address)
                            if isinstance(found, grpc.RpcError) else repr(found))
                     log.info("checkpoint: peer %s did not list stage %d: %s", peer.address,
-                             a.stage, why)
+                             stage, why)
                     continue
                 for m in found:
-                    if m.layers in (None, layers):  # other layers: the job was split anew
+                    if m.layers in (None, layers):  # other layers: another split's step
                         by_step.setdefault(m.step, []).append((peer, m))
             newer = sorted(s for s in by_step if s > have)[-KEEP:]
             if not newer:
-                log.info("checkpoint: stage %d of job %s: this agent holds step %d, no peer "
-                         "holds a newer one", a.stage, a.job_id, have)
+                log.info("checkpoint: stage %d (layers %d-%d) of job %s: this agent holds "
+                         "step %d, no peer holds a newer one", stage, layers[0], layers[1] - 1,
+                         a.job_id, have)
                 return
-            log.info("checkpoint: stage %d of job %s: this agent holds step %d, peers hold "
-                     "step %d: fetching steps %s before the worker starts", a.stage,
-                     a.job_id, have, newer[-1], newer)
+            log.info("checkpoint: stage %d (layers %d-%d) of job %s: this agent holds step "
+                     "%d, peers hold step %d: fetching steps %s before the worker starts",
+                     stage, layers[0], layers[1] - 1, a.job_id, have, newer[-1], newer)
             got = [s for s in newer if await fetch_step(by_step[s], a.job_id, root)]
         if got:
-            await asyncio.to_thread(ondisk.prune, root, a.stage, got[-1])
+            await asyncio.to_thread(ondisk.prune, root, stage, got[-1])
         else:
             log.warning("checkpoint: stage %d of job %s: no peer delivered steps %s; the "
-                        "worker starts from step %d or older", a.stage, a.job_id, newer, have)
+                        "worker starts from step %d or older", stage, a.job_id, newer, have)
 
     # ---- mirrors ----
 

@@ -30,6 +30,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--bind-interface", default="",
                    help="network interface the training worker's collectives (gloo, NCCL "
                    "bootstrap) use; default: the one holding the --advertise address")
+    p.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                   help="start each training worker when its assignment arrives instead of "
+                   "keeping one spare worker with torch imported (env DTFM_PREWARM=0)")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.add_argument("--flops", type=flags.number(float, 0, maximum=1e18, unit=" FLOP/s"),
@@ -84,7 +87,7 @@ def _start(args: argparse.Namespace) -> int:
         state_dir=args.state_dir or default_state_dir(),
         security=flags.security_from_args(args), device=args.device,
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
-        flops=args.flops, memory=args.memory,
+        flops=args.flops, memory=args.memory, prewarm=args.prewarm,
     )
     config.validate()
     return flags.run_async(serve(config))

@@ -30,6 +30,7 @@ class AgentConfig:
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
     flops: float = 0.0  # report this FLOP/s instead of measuring (0: measure)
     memory: int = 0  # report this many bytes of device memory instead of detecting (0: detect)
+    prewarm: bool = True  # keep a spare worker with torch imported (agent.supervisor)
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")

@@ -5,10 +5,16 @@ import). Throughput is a sustained matmul measurement (about half a second per d
 memory is what is free when the agent starts: the coordinator sizes layer splits with both.
 An operator can pin either (`agent start --flops X --memory BYTES`), which also skips the
 measurement.
+
+Several agents on one machine each see the whole machine's free RAM (or, on one GPU, the whole
+GPU's), so each also reports which memory that is (`memory_pool`): the coordinator holds the
+stages of all agents of one pool against it once. Pinned memory is the agent's own share and
+has no pool.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import time
@@ -38,6 +44,27 @@ def _ram_bytes() -> int:
 
 
 MEASURE_S = 0.5  # sustained: long enough to leave turbo bursts and caches behind
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+MACHINE_ID = Path("/etc/machine-id")
+
+
+def memory_pool(gpu: str = "") -> str:
+    """An id every agent drawing on the same memory reports, and no other: a hash of the
+    running kernel's boot id (every container and network namespace on one machine sees the
+    same one, two machines never do; /etc/machine-id where it is unreadable) and, for a GPU,
+    its UUID. Hashed with a dtfm prefix, as systemd asks of anything derived from these ids,
+    so the ids themselves never leave the machine. "" when neither id can be read: the
+    coordinator then counts this agent's memory as its own."""
+    for path in (BOOT_ID, MACHINE_ID):
+        try:
+            machine = path.read_text().strip()
+        except OSError:
+            continue
+        if machine:
+            return hashlib.sha256(f"dtfm-memory-pool:{machine}:{gpu}".encode()).hexdigest()[:32]
+    return ""
 
 
 def cpu_flops(seconds: float = MEASURE_S, n: int = 512) -> float:
@@ -86,6 +113,8 @@ def _cuda(measure: bool) -> common_pb2.DeviceInfo | None:
     free, _ = torch.cuda.mem_get_info(0)
     info = common_pb2.DeviceInfo(kind="cuda", name=props.name, memory_bytes=props.total_memory,
                                  free_memory_bytes=free, cores=props.multi_processor_count)
+    uuid = str(getattr(props, "uuid", "") or "")
+    info.memory_pool = memory_pool(gpu=uuid) if uuid else ""  # no UUID: not known to share
     if measure:
         info.flops = cuda_flops(torch, torch.float32)
         info.flops_bf16 = cuda_flops(torch, torch.bfloat16)
@@ -106,10 +135,11 @@ def detect(kind: str = "auto", flops: float = 0.0, memory: int = 0) -> common_pb
         info = common_pb2.DeviceInfo(
             kind="cpu", name=_cpu_name(), memory_bytes=_ram_bytes(),
             free_memory_bytes=_available_ram(), flops=cpu_flops() if flops <= 0 else 0.0,
-            cores=os.cpu_count() or 0,
+            cores=os.cpu_count() or 0, memory_pool=memory_pool(),
         )
     if flops > 0:
         info.flops, info.flops_bf16 = flops, flops
-    if memory > 0:
+    if memory > 0:  # the operator's share for this agent: its own, in no pool
         info.memory_bytes = info.free_memory_bytes = memory
+        info.memory_pool = ""
     return info

@@ -150,7 +150,8 @@ async def serve(config: AgentConfig) -> int:
              info.device.kind, config.coordinator)
     supervisor = Supervisor(Path(config.state_dir) / "work",
                             bind_interface=config.bind_interface,
-                            checkpoints=CheckpointCopier(checkpoints, config.security))
+                            checkpoints=CheckpointCopier(checkpoints, config.security),
+                            prewarm=config.prewarm)
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
                                  config.max_backoff_s, state_dir=config.state_dir)
     service.session = session
@@ -171,7 +172,7 @@ async def serve(config: AgentConfig) -> int:
             raise exc
     log.info("agent %s shutting down", agent_id)
     await health.enter_graceful_shutdown()
-    await supervisor.stop("agent shutting down")
+    await supervisor.close("agent shutting down")
     await session.say_goodbye()
     await session.close_peer_channels()
     for task in (session_task, stop_task):

@@ -4,15 +4,26 @@ The daemon must never block on training, so the worker is a separate process in 
 session (a stop kills its whole group), started and followed through `dtfm.launcher`; its
 JSON-lines progress becomes `WorkerProgress`. Whatever the worker does — finish, crash, hang on
 a dead peer — the supervisor reports a state the coordinator can act on.
+
+With `prewarm` (the agent's default) it keeps one spare worker (`dtfm.launcher.Spare`) that
+has already imported python, torch and the worker's modules, and hands it the next
+assignment instead of starting a process then: that import was the largest part of the time
+from an assignment to the first step on a busy machine, and every recovery pays it again.
+A new spare is started once the worker it became has trained its first step (or ended), so
+its import does not compete with that worker's start. The spare is in its own session like
+a worker, dies with the agent (parent-death signal, and end of its stdin), and `close`
+ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +32,7 @@ from agent.checkpoints import CheckpointCopier
 from agent.statedir import checkpoint_dir, private_dir
 from dtfm.core.events import ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
 from dtfm.core.spec import WorkerState
-from dtfm.launcher import WorkerFiles, WorkerProcess, launch, worker_env
+from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -44,6 +55,7 @@ class WorkerProgress:
     dp_s: float = 0.0
     pp_bytes_sent: int = 0  # this epoch's totals, from each step's counters
     dp_bytes_sent: int = 0
+    startup_s: float = 0.0  # from the assignment to its first step event (0: none yet)
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -66,10 +78,31 @@ class WorkerProgress:
             self.error_kind = event.kind
 
 
+STARTUP_PREFIX = "worker start-up: "  # the agent log line bench/startup.py parses
+
+
+@dataclass
+class StartupMarks:
+    """Wall-clock marks of one worker's start, logged once its first step arrives (or it
+    ends without one): what `bench/startup.py` adds to the worker's own marks."""
+
+    job_id: str
+    epoch: int
+    rank: int
+    assigned_at: float  # the supervisor got the assignment
+    prepared_at: float = 0.0  # checkpoints fetched from peers (when needed): the worker starts
+    spare: bool = False  # a spare took it (else a fresh process)
+    pid: int = 0
+    first_step_at: float = 0.0  # its first step event was read (polled every FOLLOW_POLL_S)
+
+    def line(self) -> str:
+        return STARTUP_PREFIX + json.dumps(self.__dict__)
+
+
 class Supervisor:
     def __init__(self, workdir: Path, on_change: Callable[[], None] = lambda: None,
                  python: str = sys.executable, bind_interface: str = "",
-                 checkpoints: CheckpointCopier | None = None) -> None:
+                 checkpoints: CheckpointCopier | None = None, prewarm: bool = False) -> None:
         self.workdir = workdir
         self.bind_interface = bind_interface
         # copies stage checkpoints from peers: before a worker starts, and mirrors while it runs
@@ -80,12 +113,72 @@ class Supervisor:
         self.progress = WorkerProgress()
         self._worker: WorkerProcess | None = None
         self._task: asyncio.Task[None] | None = None
+        self.prewarm = prewarm
+        self._spare: Spare | None = None
+        self._marks: StartupMarks | None = None
+        self._closed = False
+        self.restock()
 
     @property
     def running(self) -> bool:
         return self._worker is not None and self._worker.poll() is None
 
+    @property
+    def spare_pid(self) -> int | None:
+        """The idle spare's pid (None: no spare), for tests and logs."""
+        spare = self._spare
+        return spare.pid if spare is not None and spare.popen.poll() is None else None
+
+    def _env(self) -> dict[str, str]:
+        """The worker's environment: the same for a fresh worker and a spare started now."""
+        env = worker_env(bind_interface=self.bind_interface)
+        # checkpoints are on by default: in this agent's state dir (workdir's parent) unless
+        # the job names a --checkpoint-dir
+        env[WorkerEnv.AGENT_CHECKPOINT_DIR] = str(checkpoint_dir(self.workdir.parent))
+        return env
+
+    def restock(self) -> None:
+        """Start a spare worker unless one is idle (prewarm only; never after `close`).
+
+        Called from the event loop's thread on purpose: the spare's parent-death signal
+        follows the thread that started it."""
+        if not self.prewarm or self._closed or self.spare_pid is not None:
+            return
+        if self._spare is not None:  # it died idle (a crash at import): reap it, say so
+            log.warning("the spare worker pid %d exited with status %s; see %s",
+                        self._spare.pid, self._spare.popen.wait(), self.workdir / SPARE_LOG)
+        private_dir(self.workdir)
+        try:
+            self._spare = Spare.start(self.workdir, self._env(), python=self.python)
+        except OSError as exc:
+            self._spare = None
+            log.warning("cannot start a spare worker (%s); workers start when assigned", exc)
+            return
+        log.info("spare worker started as pid %d", self._spare.pid)
+
+    def _launch(self, assignment: common_pb2.Assignment, files: WorkerFiles,
+                assigned_at: float) -> tuple[WorkerProcess, bool]:
+        """The assignment's worker, and whether the spare became it (it does when it fits:
+        alive, same environment), else a fresh process. A spare that does not fit is ended
+        (a new one comes later)."""
+        env, spare, self._spare = self._env(), self._spare, None
+        if spare is not None:
+            if spare.fits(env, self.python):
+                worker = spare.take(assignment, files, assigned_at)
+                if worker is not None:
+                    return worker, True
+                log.warning("the spare worker (pid %d) is gone (exit status %s); starting a "
+                            "fresh one", spare.pid, spare.popen.returncode)
+            else:
+                log.info("the spare worker (pid %d) was started with another environment; "
+                         "starting a fresh one", spare.pid)
+            # SIGKILL at once (it never ran a job), synchronously: an await here would let a
+            # stop() run between the checkpoint fetch and this worker's start, and miss it
+            spare.stop(grace_s=0.0)
+        return launch(assignment, files, env, python=self.python, assigned_at=assigned_at), False
+
     async def start(self, assignment: common_pb2.Assignment) -> None:
+        assigned_at = time.time()
         await self.stop("replaced by a new assignment")
         private_dir(self.workdir)
         files = WorkerFiles.in_dir(
@@ -96,14 +189,14 @@ class Supervisor:
         self.on_change()
         if not await self._prepare(assignment):
             return
-        env = worker_env(bind_interface=self.bind_interface)
-        # checkpoints are on by default: in this agent's state dir (workdir's parent) unless
-        # the job names a --checkpoint-dir
-        env[WorkerEnv.AGENT_CHECKPOINT_DIR] = str(checkpoint_dir(self.workdir.parent))
-        self._worker = worker = launch(assignment, files, env, python=self.python)
-        log.info("worker for %s rank %d (stage %d, replica %d) started as pid %d; log %s",
+        marks = StartupMarks(assignment.job_id, assignment.epoch, assignment.rank,
+                             assigned_at, prepared_at=time.time())
+        worker, marks.spare = self._launch(assignment, files, assigned_at)
+        self._worker, marks.pid = worker, worker.pid
+        self._marks = marks
+        log.info("worker for %s rank %d (stage %d, replica %d) started as pid %d (%s); log %s",
                  assignment.job_id, assignment.rank, assignment.stage, assignment.replica,
-                 worker.pid, files.log)
+                 worker.pid, "a spare" if marks.spare else "a fresh process", files.log)
         self._task = asyncio.create_task(self._follow(worker))
         if self.checkpoints is not None:
             self.checkpoints.start_mirrors(assignment)
@@ -132,6 +225,8 @@ class Supervisor:
     async def _follow(self, worker: WorkerProcess) -> None:
         async for event in worker.follow():
             self.progress.apply(event)
+            if isinstance(event, StepEvent):
+                self._started(worker)
             self.on_change()
         if worker.returncode == 0 and self.progress.state != WorkerState.FAILED:
             self.progress.state = WorkerState.DONE
@@ -143,7 +238,22 @@ class Supervisor:
             )
         log.info("worker pid %d ended: %s %s", worker.pid, self.progress.state,
                  self.progress.error)
+        self._started(worker)
         self.on_change()
+
+    def _started(self, worker: WorkerProcess) -> None:
+        """The worker trained its first step (or ended): log its start-up once, and start the
+        next spare now that this worker's own start no longer competes for the CPU."""
+        marks = self._marks
+        if marks is not None and marks.pid == worker.pid:
+            self._marks = None
+            if self.progress.step > 0:
+                marks.first_step_at = time.time()
+                self.progress.startup_s = marks.first_step_at - marks.assigned_at
+                log.info("rank %d of %s: first step %.1f s after the assignment",
+                         marks.rank, marks.job_id, self.progress.startup_s)
+            log.info("%s", marks.line())
+        self.restock()
 
     async def stop(self, reason: str) -> None:
         if self.checkpoints is not None:
@@ -167,3 +277,11 @@ class Supervisor:
                 await self._task
         self.progress.state = WorkerState.IDLE
         self.on_change()
+
+    async def close(self, reason: str) -> None:
+        """Stop the worker and end the spare for good (the agent is shutting down)."""
+        self._closed = True
+        await self.stop(reason)
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await spare.stop_async(grace_s=1.0)

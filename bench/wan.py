@@ -8,7 +8,9 @@ links are measured once by the agents (as a deployment does), then one job per p
 on that same matrix (`coordinator start --links`): `scheduled`, `rank-order` and `random:SEED`
 for each seed. For each the table shows the cost model's objective, the predicted step time
 (link terms plus each worker's measured compute), the measured step time (median of steady
-steps), tokens/s, and the ratios to scheduled. Writes bench/results/wan.json.
+steps), tokens/s, and the ratios to scheduled; then, per placement, the time from the
+assignment to the first step and its median split over the workers (`bench/startup.py`).
+Writes bench/results/wan.json.
 
 Needs root (network namespaces). Run: `python bench/wan.py` (16 agents, about 15 minutes).
 """
@@ -25,9 +27,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from coordinator.scenarios import world_links
-from dtfm.wan import WanEmulator
-from dtfm.wan.cluster import WanCluster, measurement_wan
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/wan.py`
+    sys.path.insert(0, str(REPO))
+
+from bench.startup import breakdown  # noqa: E402
+from bench.startup import summarize as startup_summary  # noqa: E402
+from bench.startup import table as startup_table  # noqa: E402
+from coordinator.scenarios import world_links  # noqa: E402
+from dtfm.wan import WanEmulator  # noqa: E402
+from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "wan.json"
 
@@ -154,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         for placement in placements:
             row = run_job(cluster, args, placement, links_path)
             row["grid_cities"] = [[city_of[a] for a in r] for r in row["grid"] or []]
+            # each job restarts the agents, whose logs then hold only this job's start-up
+            row["startup"] = startup_summary(breakdown(cluster.workdir))
             rows.append(row)
     print(table(rows))
+    for r in rows:
+        print(f"{r['placement']}: assignment -> first step {r['assignment_to_first_step_s']} s "
+              f"(coordinator's view); per worker:\n{startup_table(r['startup'])}")
     summary = summarize(rows)
     for name, m in summary.items():
         print(f"scheduled vs {name}: measured {m['measured_speedup']:.2f}x, predicted "

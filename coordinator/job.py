@@ -60,6 +60,7 @@ ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report a
 UNREACHABLE_HOLD_S = 600.0  # how long an agent its peers could not reach is left out
 # a spare whose links failed in a background measurement is not probed again before this
 SPARE_REMEASURE_S = 60.0
+INTERNAL_RETRY_S = 5.0  # before an epoch that hit a coordinator error is planned again
 
 
 def job_fingerprint(cfg: JobConfig) -> str:
@@ -99,10 +100,12 @@ def agent_flops(records: list[AgentRecord], dtype: str) -> list[float]:
 
 
 def device_figures(records: list[AgentRecord], dtype: str) -> Devices:
-    """Each agent's FLOP/s in the training dtype and its memory free for training."""
+    """Each agent's FLOP/s in the training dtype, its memory free for training, and the
+    memory pool it shares with agents on the same machine (`_place` checks a pool once)."""
     memory = [min(r.info.device.free_memory_bytes or r.info.device.memory_bytes, 2**62)
               for r in records]  # uint64 on the wire; 4 EiB is plenty
-    return Devices.of(agent_flops(records, dtype), memory)
+    return Devices.of(agent_flops(records, dtype), memory,
+                      [r.info.device.memory_pool for r in records])
 
 
 STEP_WINDOW = 5  # measured step time: the median over the members' last steps
@@ -350,8 +353,27 @@ class Job:
             self._set(S.JOB_STATE_RUNNING, f"epoch {self.epoch}: adopted after a coordinator "
                       f"restart; waiting for its {len(self.members)} members to report")
             await self._follow()
+        errors = 0
         while self.state not in (S.JOB_STATE_DONE, S.JOB_STATE_FAILED):
-            await self._run_epoch()
+            try:
+                await self._run_epoch()
+                errors = 0
+            except Exception as exc:  # noqa: BLE001 - any bug here must not hang the job
+                # e.g. the scheduler's search process killed (BrokenProcessPool): without
+                # this the task died silently and the job sat in "scheduling" for ever
+                errors += 1
+                state = coordinator_pb2.JobState.Name(self.state).removeprefix("JOB_STATE_")
+                log.exception("job %s: coordinator error while %s", self.job_id, state.lower())
+                what = f"coordinator error while {state.lower()}: {exc!r}"
+                if errors > max(self.config.max_restarts, 1):
+                    self._set(S.JOB_STATE_FAILED, f"{what}; gave up after {errors} tries "
+                              "(the coordinator log has the traceback; please report it)")
+                    self._persist(finished=True)
+                    return
+                self._set(S.JOB_STATE_WAITING, f"{what}; trying again in "
+                          f"{INTERNAL_RETRY_S:.0f} s ({errors} of "
+                          f"{max(self.config.max_restarts, 1)})")
+                await asyncio.sleep(INTERNAL_RETRY_S)
 
     async def _run_epoch(self) -> None:
         cfg = self.config
@@ -400,7 +422,7 @@ class Job:
         work = Workload(spec, layout.stages, layout.replicas, train.global_batch,
                         train.micro_batches, cfg.train.schedule, cfg.train.dtype,
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
-                        dp_mode=cfg.train.dp_mode,
+                        dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
@@ -504,7 +526,8 @@ class Job:
         does. `_place` checks the placement it makes again (`check_fit`)."""
         cfg = self.config
         work = Workload(get_preset(cfg.model), layout.stages, layout.replicas,
-                        cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype)
+                        cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
+                        moments_dtype=cfg.train.moments_dtype)
         kept = self._trained_splits if self._trained_splits and len(
             self._trained_splits) == layout.stages else None
         needs = sorted((n for n in stages_bytes(work.memory(), kept)
@@ -576,6 +599,8 @@ class Job:
                 what = f"agents: {len(alive)} of {wanted} alive" + (
                     f" (--min-agents {self.config.min_agents})" if self.config.min_agents
                     else "")
+                if alive and not fewer and len(alive) >= (self.config.min_agents or wanted):
+                    what += "; no smaller layout fits their memory"
             if self.state != S.JOB_STATE_RECOVERING or alive:
                 self._set(S.JOB_STATE_RECOVERING if self.state == S.JOB_STATE_RECOVERING
                           else S.JOB_STATE_WAITING, f"waiting for {what}")
@@ -625,7 +650,7 @@ class Job:
             net, found["grid"], work, dev, move=grid is None)
         found["split_note"] = f"{','.join(map(str, found['splits']))} ({why})"
         check_fit(found["grid"], stages_bytes(work.memory(), found["splits"]), dev.memory,
-                  names=ids)
+                  names=ids, pools=dev.pools or None)
         assert work.compression is not None
         found["codecs"] = work.compression.choose(net, found["grid"])  # per link, for auto
         return {**found, **score(net, found["grid"], dp_gb, pp_gb, work.compression)}

@@ -47,9 +47,11 @@ class JobSnapshot:
     restarts: int = 0
     members: list[str] = field(default_factory=list)
     grid: list[list[str]] = field(default_factory=list)  # stage x replica -> agent id
-    splits: list[int] = field(default_factory=list)
+    splits: list[int] = field(default_factory=list)  # this epoch's layers per stage
+    checkpoint_splits: list[int] = field(default_factory=list)  # the newest checkpoint's
     micro_batches: int = 0  # this epoch's (more per replica while shrunk)
     wanted_replicas: int = 0  # the layout the job grows back to
+    wanted_stages: int = 0  # (0: as many as the grid has)
     checkpoint_step: int = 0  # newest step every stage holds intact on some agent
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # Recovery messages as JSON
     links: dict[str, Any] = field(default_factory=dict)  # the members' measured matrix

@@ -60,6 +60,7 @@ def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
     return _first(
         text_problem(f"{who}: device name", info.device.name, MAX_NAME),
         text_problem(f"{who}: version", info.version, MAX_NAME),
+        text_problem(f"{who}: device memory pool", info.device.memory_pool, MAX_NAME),
         number_problem(f"{who}: device flops", info.device.flops),
         number_problem(f"{who}: device bf16 flops", info.device.flops_bf16),
     )

@@ -22,7 +22,7 @@ from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
 from dtfm.core.codecs import check_setting
-from dtfm.core.spec import DpMode, Dtype, Schedule, TrainConfig
+from dtfm.core.spec import DpMode, Dtype, MomentsDtype, Schedule, TrainConfig
 from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
@@ -138,6 +138,7 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "eval_batches": count,
     "pp_compress": codec_setting("--pp-compress", topk=False),
     "dp_compress": codec_setting("--dp-compress", topk=True),
+    "moments_dtype": MomentsDtype,
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC",

@@ -16,6 +16,12 @@ same way, so it is written once here:
   a loop over many workers) or as an async iterator (`follow`, for the daemon);
 - it is stopped through `dtfm.procs`, the one terminate-then-kill.
 
+A worker may also be started before its assignment exists (`Spare`): the same command with
+`--spare` imports python, torch and the worker's modules (seconds, most of a cold start on a
+busy machine) and then waits for one line on its stdin, the JSON list of exactly the flags a
+fresh worker gets on its command line (`worker_flags`), so the two paths share one mapping.
+A spare is used only when its environment is the one a fresh worker would get now.
+
 No torch and no grpc here: the daemons import this, and the worker itself imports only
 `dtfm.core`.
 """
@@ -23,6 +29,8 @@ No torch and no grpc here: the daemons import this, and the worker itself import
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +46,7 @@ from protos.dtfm.v1 import common_pb2
 
 FOLLOW_POLL_S = 0.25
 STOP_GRACE_S = 10.0
+SPARE_LOG = "spare.log"  # a spare's output until it takes an assignment (then that one's log)
 
 
 @dataclass(frozen=True)
@@ -78,27 +87,116 @@ def worker_env(*, threads: int = 0, timeout_s: float | None = None, bind_interfa
     return env
 
 
-def worker_argv(files: WorkerFiles, python: str = sys.executable) -> list[str]:
+def worker_flags(files: WorkerFiles, *, assigned_at: float | None = None,
+                 log: bool = False) -> list[str]:
+    """The worker's flags: a fresh worker's command line, or the line a spare reads.
+
+    `assigned_at` (wall-clock seconds) is when the agent received the assignment, for the
+    worker's start-up timing; `log` asks the worker to move its own stdout and stderr to
+    `files.log` (a spare's output was redirected elsewhere when it started).
+    """
+    flags = ["--assignment", str(files.assignment), "--progress", str(files.progress)]
+    if log:
+        flags += ["--log", str(files.log)]
+    if assigned_at is not None:
+        flags += ["--assigned-at", f"{assigned_at:.6f}"]
+    return flags
+
+
+def worker_argv(files: WorkerFiles, python: str = sys.executable, *,
+                assigned_at: float | None = None) -> list[str]:
     """The worker's command line (the contract tests/agent/worker/test_entrypoint.py pins)."""
-    return [python, "-m", "agent.worker", "--assignment", str(files.assignment),
-            "--progress", str(files.progress)]
+    return [python, "-m", "agent.worker", *worker_flags(files, assigned_at=assigned_at)]
+
+
+def _write_files(assignment: common_pb2.Assignment, files: WorkerFiles) -> None:
+    """Write the assignment; remove an old progress file of the same name (the worker
+    appends, and a reader starts at offset 0). The log is appended to, so an earlier run's
+    log survives."""
+    write_private(files.assignment, assignment.SerializeToString())
+    files.progress.unlink(missing_ok=True)
 
 
 def launch(assignment: common_pb2.Assignment, files: WorkerFiles, env: Mapping[str, str],
-           *, python: str = sys.executable, cwd: Path | None = None) -> WorkerProcess:
-    """Write `assignment`, start its worker in a new session and return the handle.
-
-    An old progress file of the same name is removed first (the worker appends, and a reader
-    starts at offset 0); the log is appended to, so an earlier run's log survives.
-    """
-    write_private(files.assignment, assignment.SerializeToString())
-    files.progress.unlink(missing_ok=True)
+           *, python: str = sys.executable, cwd: Path | None = None,
+           assigned_at: float | None = None) -> WorkerProcess:
+    """Write `assignment`, start its worker in a new session and return the handle."""
+    _write_files(assignment, files)
     with open_private_append(files.log) as log:
         popen = subprocess.Popen(
-            worker_argv(files, python), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            env=dict(env), cwd=cwd, start_new_session=True,
+            worker_argv(files, python, assigned_at=assigned_at), stdin=subprocess.DEVNULL,
+            stdout=log, stderr=log, env=dict(env), cwd=cwd, start_new_session=True,
         )
     return WorkerProcess(files, popen)
+
+
+class Spare:
+    """A worker process started before its assignment, waiting for it on its stdin.
+
+    Started exactly like a worker (own session, `WorkerEnv.SUPERVISOR_PID` so it dies with
+    the launching process, `subprocess.Popen`), with `--spare`: it imports everything, then
+    blocks reading one line. `take` writes that line (the flags of `worker_flags`) and the
+    spare becomes the assignment's worker; closing its stdin without a line (`stop`, or the
+    launching process dying) makes it exit. Must be started from a thread that lives as long
+    as the launcher (the event loop's): the parent-death signal follows the creating thread.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], env: Mapping[str, str],
+                 python: str) -> None:
+        self.popen = popen
+        self.env = dict(env)
+        self.python = python
+
+    @classmethod
+    def start(cls, workdir: Path, env: Mapping[str, str], *, python: str = sys.executable,
+              cwd: Path | None = None) -> Spare:
+        """Start a spare; its output goes to `workdir/spare.log` until it takes a job."""
+        with open_private_append(workdir / SPARE_LOG) as log:
+            popen = subprocess.Popen(
+                [python, "-m", "agent.worker", "--spare"], stdin=subprocess.PIPE, stdout=log,
+                stderr=log, env=dict(env), cwd=cwd, start_new_session=True,
+            )
+        return cls(popen, env, python)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def fits(self, env: Mapping[str, str], python: str) -> bool:
+        """Alive, and started as a fresh worker would be now (same interpreter and
+        environment: torch reads some variables at import, so a differing one cannot be
+        applied afterwards)."""
+        return self.popen.poll() is None and self.python == python and self.env == dict(env)
+
+    def take(self, assignment: common_pb2.Assignment, files: WorkerFiles,
+             assigned_at: float | None = None) -> WorkerProcess | None:
+        """Hand `assignment` to the spare, which becomes its worker; None if the spare is
+        gone (the caller then launches a fresh worker)."""
+        if self.popen.poll() is not None or self.popen.stdin is None:
+            return None
+        _write_files(assignment, files)
+        line = json.dumps(worker_flags(files, assigned_at=assigned_at, log=True)) + "\n"
+        try:  # a few hundred bytes: the pipe takes them at once
+            self.popen.stdin.write(line.encode())
+            self.popen.stdin.close()
+        except OSError:  # BrokenPipeError: it died since poll()
+            return None
+        return WorkerProcess(files, self.popen)
+
+    def _close_stdin(self) -> None:
+        if self.popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.popen.stdin.close()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """End the spare (end of input, SIGTERM, then SIGKILL after `grace_s`); reaps it."""
+        self._close_stdin()
+        terminate_all([self.popen], grace_s, group=True)
+
+    async def stop_async(self, grace_s: float = STOP_GRACE_S) -> None:
+        """`stop` without blocking the event loop."""
+        self._close_stdin()
+        await terminate_all_async([self.popen], grace_s, group=True)
 
 
 class ProgressTail:

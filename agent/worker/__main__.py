@@ -4,17 +4,30 @@
 `dtfm.v1.Assignment`. Progress is JSON lines (the step, done and error events of
 `dtfm.core.events`) appended to the progress file, or stdout. Exit status 0 means training
 finished.
+
+`python -m agent.worker --spare` is the same worker started before its assignment exists
+(`dtfm.launcher.Spare`): it imports torch and every worker module, then waits for one line
+on stdin, the JSON list of the flags above, and carries on exactly as a fresh worker would.
+End of input without a line means "not needed": it exits 0. Importing is most of a cold
+start (seconds, more when several workers start on one machine), so a spare starts training
+that much sooner.
+
+The worker logs one `start-up:` line (JSON) with wall-clock marks: when the agent received
+the assignment (`--assigned-at`), when this process started, when its imports finished and
+when it had its assignment; `bench/startup.py` reads it with the later phases' log lines.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-import sys
+import time
 
-from agent.worker.train import read_assignment, run_assignment
-from dtfm.core.events import WorkerEnv
+STARTED_AT = time.time()  # before the imports below, which are most of a cold start
+
+import os  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+from dtfm.core.events import WorkerEnv  # noqa: E402 - no torch: cheap
 
 PARENT_ENV = WorkerEnv.SUPERVISOR_PID
 PR_SET_PDEATHSIG = 1
@@ -25,7 +38,8 @@ def die_with_supervisor() -> None:
 
     The worker runs in its own session so that a stop can kill its whole group, which also
     means it would outlive a crashed agent and keep its GPU busy. The kernel's parent-death
-    signal closes that gap; the pid check closes the race where the agent died first.
+    signal closes that gap; the pid check closes the race where the agent died first. Armed
+    before torch is imported, so a spare still importing dies with its agent too.
     """
     expected = os.environ.get(PARENT_ENV)
     if not expected or not sys.platform.startswith("linux"):
@@ -39,22 +53,185 @@ def die_with_supervisor() -> None:
         sys.exit("the agent that started this worker is gone")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agent.worker", description=__doc__)
-    parser.add_argument("--assignment", required=True, help="binary dtfm.v1.Assignment file")
-    parser.add_argument("--progress", default=None, help="JSON-lines progress file (stdout)")
-    args = parser.parse_args(argv)
+SPARE_NICE = 10  # a spare's priority while it imports and waits (see idle_priority)
+
+
+def idle_priority() -> int | None:
+    """Lower this spare's CPU priority while it waits; the niceness to restore, or None.
+
+    An agent starts its next spare while its worker trains, and on a machine whose cores the
+    workers share the import (seconds of CPU) would slow their steps. Only where the niceness
+    can be raised back at hand-over (root, or an RLIMIT_NICE that allows it): a worker must
+    never train at a lower priority than its peers.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import resource
+
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    allowed = os.geteuid() == 0 or limit == resource.RLIM_INFINITY or 20 - limit <= current
+    if not allowed:
+        return None
+    os.setpriority(os.PRIO_PROCESS, 0, min(19, current + SPARE_NICE))
+    return current
+
+
+def restore_priority(niceness: int | None) -> None:
+    """Back to the launcher's niceness, for every thread (niceness is per thread on Linux)."""
+    if niceness is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except ProcessLookupError:  # a thread that just ended
+            continue
+
+
+class Handover(threading.Thread):
+    """A spare's ear on stdin while its main thread imports and warms up: the moment the
+    assignment's line arrives the whole process gets its launcher's priority back, so the
+    rest of the import runs at full priority instead of finishing below the peers."""
+
+    def __init__(self, priority: int | None) -> None:
+        super().__init__(name="spare-handover", daemon=True)
+        self.priority = priority
+        self.line = ""
+        self.arrived = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.line = sys.stdin.readline()
+        finally:
+            restore_priority(self.priority)
+            self.arrived.set()
+
+
+HANDOVER: Handover | None = None
+if __name__ == "__main__":
     die_with_supervisor()
+    if "--spare" in sys.argv[1:]:
+        HANDOVER = Handover(idle_priority())
+        HANDOVER.start()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+
+from agent.worker.train import read_assignment, run_assignment  # noqa: E402
+
+IMPORTED_AT = time.time()
+STARTUP_PREFIX = "start-up: "  # the log line bench/startup.py parses
+LOG_MODE = 0o600
+
+log = logging.getLogger("agent.worker")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The worker's flags; a spare parses the line it reads with this same parser."""
+    parser = argparse.ArgumentParser(prog="python -m agent.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--assignment", help="binary dtfm.v1.Assignment file")
+    parser.add_argument("--progress", default=None, help="JSON-lines progress file (stdout)")
+    parser.add_argument("--log", default=None,
+                        help="append stdout and stderr to this file from now on")
+    parser.add_argument("--assigned-at", type=float, default=None,
+                        help="wall-clock time the agent received the assignment (timing)")
+    parser.add_argument("--spare", action="store_true",
+                        help="import everything, then read the other flags from stdin")
+    return parser
+
+
+def warm_up() -> None:
+    """What a fresh worker pays lazily on its way to the first step, paid by a spare before
+    its assignment: `torch._dynamo`, which AdamW's constructor imports (about 3 s of CPU,
+    more than torch itself), and the default corpus (`data.stdlib_corpus`, cached: about
+    1.6 s). Neither changes what is computed. A failure here is only logged: the worker
+    meets it again where it matters and reports it there, with its rank."""
+    try:
+        import torch._dynamo  # noqa: F401
+
+        from agent.worker.data import stdlib_corpus
+
+        stdlib_corpus()
+    except Exception as exc:  # noqa: BLE001 - see above
+        print(f"spare worker: warm-up failed ({exc!r}); the worker will pay for it later",
+              file=sys.stderr)
+
+
+def await_assignment(parser: argparse.ArgumentParser) -> argparse.Namespace | None:
+    """A spare's wait: one line on stdin, the JSON list of a fresh worker's flags.
+
+    None at end of input (the agent discarded this spare, or died). A malformed line is the
+    launcher's bug, so it ends the process with a message (exit 2) rather than a guess.
+    """
+    if HANDOVER is None:  # main() called with --spare other than as `python -m`
+        line = sys.stdin.readline()
+    else:
+        HANDOVER.arrived.wait()
+        line = HANDOVER.line
+    if not line:
+        return None
+    try:
+        flags = json.loads(line)
+    except ValueError:
+        flags = None
+    if not (isinstance(flags, list) and all(isinstance(f, str) for f in flags)):
+        parser.error(f"a spare expects one JSON list of flags on stdin, got {line[:200]!r}")
+    args = parser.parse_args(flags)
+    if args.spare:
+        parser.error("the flags a spare reads cannot ask for another spare (--spare)")
+    return args
+
+
+def redirect_output(path: str) -> None:
+    """Point this process's stdout and stderr (the file descriptors, so C code's output and
+    a crash's traceback follow) at the assignment's log, as a fresh worker's would be."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def log_startup(args: argparse.Namespace, warm_at: float | None, handed_at: float) -> None:
+    """One line with this process's start-up marks (wall-clock seconds)."""
+    marks = {"spare": warm_at is not None, "assigned_at": args.assigned_at,
+             "started_at": STARTED_AT, "imported_at": IMPORTED_AT, "warm_at": warm_at,
+             "ready_at": handed_at, "pid": os.getpid()}
+    log.info("%s%s", STARTUP_PREFIX, json.dumps(marks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    warm_at = None  # a spare: when its warm-up ended
+    if args.spare:
+        warm_up()
+        warm_at = time.time()
+        taken = await_assignment(parser)
+        if taken is None:
+            return 0
+        args = taken
+    if not args.assignment:
+        parser.error("--assignment is required (or --spare)")
+    handed_at = time.time()
+    if args.log:
+        redirect_output(args.log)
     a = read_assignment(args.assignment)
     logging.basicConfig(
         level=os.environ.get("DTFM_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{a.rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    log_startup(args, warm_at, handed_at)
     try:
         run_assignment(a, args.progress)
     except Exception:
-        logging.getLogger("agent.worker").exception("worker rank %d failed", a.rank)
+        log.exception("worker rank %d failed", a.rank)
         return 1
     return 0
 

@@ -15,6 +15,12 @@ peers and fetches the ones it lacks. This module adds what needs torch or the wo
   arbitrary code, so only tensors and plain types load; the worker saves nothing else. (The
   checksum guards against damage, not against an attacker, who can write a manifest too.)
 - **Resuming** (`Finder`, `agree`): every rank loads the newest step every rank holds intact.
+- **Resuming on another split** (`SpanFinder`, `load_span`): after the job changed its stage
+  count, a stage's layers come from several old stages' checkpoints (`dtfm.core.checkpoints.
+  sources`), all of one step that each of them holds intact. Weights join by parameter name
+  (names carry global layer indices); AdamW's state, which torch keys by position, joins by
+  the parameter names each checkpoint lists in its optimizer's order (`param_names`); the
+  data position must be the same in every piece, as every stage runs the same sampler.
 
 Files are written 0600 and their directories made 0700, since weights are the user's data.
 """
@@ -25,12 +31,13 @@ import hashlib
 import logging
 import os
 import pickle
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch import nn
 
 from agent.worker import errors
 from dtfm.core import checkpoints as ondisk
@@ -39,12 +46,14 @@ from dtfm.core.checkpoints import (
     MANIFEST_FORMAT,
     FileEntry,
     Manifest,
+    Source,
     job_dir,
     job_key,
     manifest_for,
     other_jobs,
     path_for,
     prune,
+    sources,
     stage_dir,
     steps_available,
     verify,
@@ -52,9 +61,10 @@ from dtfm.core.checkpoints import (
 from dtfm.core.events import WorkerEnv
 
 __all__ = [
-    "KEEP", "MANIFEST_FORMAT", "Digest", "Finder", "Location", "agree", "atomic_save",
-    "job_dir", "job_key", "load_stage", "locate", "manifest_for", "other_jobs", "path_for",
-    "prune", "save_stage", "stage_dir", "steps_available", "verify",
+    "KEEP", "MANIFEST_FORMAT", "Digest", "Finder", "Location", "Source", "SpanFinder", "agree",
+    "atomic_save", "job_dir", "job_key", "load_span", "load_stage", "locate", "manifest_for",
+    "merge_states", "optimizer_names", "other_jobs", "path_for", "prune", "save_stage",
+    "sources", "stage_dir", "steps_available", "verify",
 ]
 
 log = logging.getLogger(__name__)
@@ -238,7 +248,31 @@ class Finder:
         return self._verdict[step] is None
 
 
-def agree(finder: Finder, world_min: Callable[[int], int]) -> int:
+class SpanFinder:
+    """The steps that every stage folder a worker resumes from holds intact, with the layer
+    range it must hold (one `Finder` per source; the same questions as a `Finder`)."""
+
+    def __init__(self, root: str | Path, srcs: Sequence[Source], *, job_id: str,
+                 on_reject: RejectFn | None = None) -> None:
+        if not srcs:
+            raise ValueError("a stage resumes from at least one stage folder")
+        self.finders = [Finder(root, src.stage, job_id=job_id, layers=src.layers,
+                               on_reject=on_reject) for src in srcs]
+        common = set(self.finders[0].steps).intersection(*(f.steps for f in self.finders[1:]))
+        self.steps = sorted(common)
+
+    def newest_intact(self, at_most: int | None = None) -> int:
+        """The newest step <= `at_most` every source holds intact, or 0 if there is none."""
+        for step in reversed(self.steps):
+            if (at_most is None or step <= at_most) and self.intact(step):
+                return step
+        return 0
+
+    def intact(self, step: int) -> bool:
+        return all(f.intact(step) for f in self.finders)
+
+
+def agree(finder: Finder | SpanFinder, world_min: Callable[[int], int]) -> int:
     """The newest step that every rank's stage holds intact (0: none), the same on every rank.
 
     Each rank proposes its newest intact step no newer than the current bound; the bound
@@ -254,3 +288,65 @@ def agree(finder: Finder, world_min: Callable[[int], int]) -> int:
         if agreed == 0 or agreed == bound:
             return agreed
         bound = agreed
+
+
+# ---- resuming on another layer split ----
+
+
+def optimizer_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """The parameter names of `model` in `opt`'s order: the order torch numbers them in its
+    state dict, which is what `merge_states` needs to move AdamW's state by name."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id[id(p)] for group in opt.param_groups for p in group["params"]]
+
+
+def load_span(root: str | Path, srcs: Sequence[Source], step: int, *,
+              job_id: str | None = None) -> list[dict[str, Any]]:
+    """Load step `step` of every source stage (`load_stage`: verified, tensors only) and check
+    that each holds the layer range it must."""
+    states = []
+    for src in srcs:
+        state = load_stage(root, src.stage, step, job_id=job_id)
+        if tuple(state.get("layers", ())) != src.layers:
+            raise ValueError(
+                f"checkpoint {path_for(root, src.stage, step)} holds layers "
+                f"{state.get('layers')}, not {list(src.layers)} as the job's record of its "
+                f"split says")
+        states.append(state)
+    return states
+
+
+def merge_states(states: Sequence[Mapping[str, Any]], srcs: Sequence[Source], model: nn.Module,
+                 opt: torch.optim.Optimizer,
+                 names_of: Callable[[Source], list[str]]) -> dict[str, Any]:
+    """One state for `model` and `opt` from the checkpoints of the stages that held its layers.
+
+    `names_of(src)` gives a source's parameter names in its optimizer's order when its
+    checkpoint does not list them (`param_names`, written since re-splitting exists). Raises
+    ValueError naming what is missing or inconsistent; nothing is loaded half."""
+    want = model.state_dict()
+    weights = {k: v for st in states for k, v in st["model"].items() if k in want}
+    missing = [k for k in want if k not in weights]
+    if missing:
+        raise ValueError(f"the checkpoints of stages {[s.stage for s in srcs]} lack "
+                         f"{len(missing)} parameter(s) of this stage, such as {missing[0]}")
+    positions = {tuple(sorted(st["data_position"].items())) for st in states}
+    if len(positions) != 1:
+        raise ValueError(f"the checkpoints of stages {[s.stage for s in srcs]} disagree on the "
+                         f"data position ({sorted(positions)}): they are not of one step")
+    by_name: dict[str, Any] = {}
+    for st, src in zip(states, srcs, strict=True):
+        names = list(st.get("param_names") or names_of(src))
+        for index, per_param in st["optimizer"]["state"].items():
+            by_name[names[int(index)]] = per_param
+    fresh = opt.state_dict()
+    order = optimizer_names(model, opt)
+    moved = {i: by_name[name] for i, name in enumerate(order) if name in by_name}
+    if moved and len(moved) != len(order):
+        lacking = next(name for name in order if name not in by_name)
+        raise ValueError(f"the checkpoints of stages {[s.stage for s in srcs]} hold optimizer "
+                         f"state for some parameters of this stage but not for {lacking}")
+    groups = [{**old, "params": new["params"]} for old, new in
+              zip(states[0]["optimizer"]["param_groups"], fresh["param_groups"], strict=True)]
+    return {"model": weights, "optimizer": {"state": moved, "param_groups": groups},
+            "data_position": dict(states[0]["data_position"])}

@@ -9,6 +9,7 @@ in. The sampler's position is plain data so checkpoints can store it and resume 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sysconfig
 from dataclasses import dataclass
@@ -40,8 +41,12 @@ def stdlib_files() -> list[Path]:
     )
 
 
+@functools.cache
 def stdlib_corpus() -> np.ndarray:
-    """The default corpus as uint8 tokens: every stdlib source file, concatenated in order."""
+    """The default corpus as uint8 tokens: every stdlib source file, concatenated in order.
+
+    Read once per process (a read-only array): an agent's spare worker reads it before its
+    assignment arrives (about 1.6 s of walking and reading ~1,800 files), see `__main__`."""
     chunks = [p.read_bytes() for p in stdlib_files()]
     if not chunks:
         raise RuntimeError("found no standard-library sources to build the default corpus from")

@@ -41,13 +41,13 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from agent.worker.compress import ErrorFeedback, TensorCodec
+from agent.worker.deadline import DEFAULT_CEILING_S, Deadline
 from agent.worker.errors import wait_all
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class GradAverager:
         *,
         extras: int = 0,
         bucket_bytes: int | None = None,
-        timeout: timedelta = timedelta(seconds=300),
+        deadline: Deadline | None = None,
         codec: TensorCodec | None = None,
     ) -> None:
         if mode not in ("allreduce", "sharded"):
@@ -113,7 +113,9 @@ class GradAverager:
                              f"messages with their own scales cannot do")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group, self.ranks, self.mode = group, ranks, mode
-        self.size, self.n_extras, self.timeout = len(ranks), extras, timeout
+        self.size, self.n_extras = len(ranks), extras
+        # how long one wait for the group may block (deadline.py: adapts to the step time)
+        self.deadline = deadline or Deadline.fixed(DEFAULT_CEILING_S)
         self.codec = codec
         self._armed, self._next = False, 0
         self._extras = [0.0] * extras
@@ -256,7 +258,7 @@ class GradAverager:
         return work
 
     def _wait(self, works: list[dist.Work]) -> None:
-        wait_all(works, self.timeout, f"data-parallel averaging over ranks {self.ranks}")
+        wait_all(works, self.deadline, f"data-parallel averaging over ranks {self.ranks}")
 
     def _complete(self) -> None:
         if self.mode == "sharded":

@@ -12,7 +12,8 @@ The worker's `error` progress event carries `kind` and `phase`:
   connectFullMesh, group creation, or a timeout while joining). Usually transient or a
   reachability problem of the rendezvous address.
 - `peer`: a peer died or stopped answering during training (a pipeline receive or send, a
-  data-parallel collective or the norm exchange failed or timed out).
+  data-parallel collective or the norm exchange failed, or timed out: `wait_all` bounds each
+  wait by the adaptive deadline of `deadline.py`, and says how long it waited and why).
 - `internal`: anything else (a bug).
 
 `phase` is `join` until the world and its groups exist, then `train`.
@@ -26,12 +27,18 @@ hit a full disk as "enforce fail ... unexpected pos", with the `OSError` (ENOSPC
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
+
+from agent.worker.deadline import Deadline
 
 CONFIG, RENDEZVOUS, PEER, INTERNAL = "config", "rendezvous", "peer", "internal"
 JOIN, TRAIN = "join", "train"
@@ -139,11 +146,45 @@ def _looks_like_comm(message: str) -> bool:
     return any(word in low for word in _COMM_WORDS)
 
 
-def wait_all(works: list[dist.Work], timeout: timedelta, what: str) -> None:
-    """Wait for `works`; a failure or timeout is a `PeerError` saying `what` was under way."""
+def exit_now(exc: PeerError, what: str, code: int = 1) -> NoReturn:
+    """Log `exc` with its traceback and end the process at once, skipping interpreter exit.
+
+    After a wait gave up, gloo may still hold the unfinished collective on its own thread:
+    the process group's destructor, which runs at interpreter exit, joins that thread, which
+    only returns when the group's own timeout (the ceiling, 300 s by default) passes. The
+    neighbours of a frozen peer would thus detect it in seconds and then sit for minutes
+    before exiting, and the job would recover no sooner. (Aborting the group does not
+    interrupt gloo's in-flight work in torch 2.13: measured, the exit still took the group's
+    full timeout.) The caller has written its error event already.
+    """
+    logging.getLogger("agent.worker").error("%s", what, exc_info=exc)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def wait_all(works: list[dist.Work], deadline: Deadline, what: str) -> None:
+    """Wait for `works` together for at most the deadline's current value.
+
+    A failure or a timeout is a `PeerError` that says `what` was under way, how long it
+    waited and why that long (`deadline.Wait.why`): a timeout means a peer is alive enough to
+    keep its sockets open but sends nothing (frozen, swapped out, or far slower than its
+    recent steps); a failure before the limit means a peer died or closed its connection.
+    The limit covers all of `works` at once, not each of them.
+    """
+    limit = deadline.current()
+    t0 = time.monotonic()
+    end = t0 + limit.seconds
     try:
         for w in works:
-            w.wait(timeout)
+            # at least 1 ms: c10d reads a zero timeout as "wait forever"
+            w.wait(timedelta(seconds=max(0.001, end - time.monotonic())))
     except RuntimeError as e:
-        raise PeerError(f"{what} failed (timeout {timeout.total_seconds():g}s, or a peer "
-                        f"died): {e}") from e
+        waited = time.monotonic() - t0
+        if waited >= 0.95 * limit.seconds:
+            raise PeerError(f"{what}: no answer within {limit.seconds:.3g} s (limit {limit.why}"
+                            f"); the peer is frozen, unreachable or far slower than its recent "
+                            f"steps: {e}") from e
+        raise PeerError(f"{what} failed after {waited:.3g} s (the peer died or closed its "
+                        f"connection; limit {limit.seconds:.3g} s): {e}") from e

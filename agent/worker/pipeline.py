@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from agent.worker.compress import TensorCodec
-from agent.worker.errors import PeerError
+from agent.worker.deadline import DEFAULT_CEILING_S, Deadline
+from agent.worker.errors import wait_all
 from agent.worker.stage import Stage, lm_loss
 from dtfm.core.layout import pipeline_ops
 
@@ -149,7 +150,8 @@ class Pipeline:
     device: torch.device
     autocast_dtype: torch.dtype | None = None
     comm_dtype: torch.dtype = torch.float32
-    timeout: timedelta = timedelta(seconds=300)
+    # how long one receive or send drain may block (deadline.py: adapts to the step time)
+    deadline: Deadline = field(default_factory=lambda: Deadline.fixed(DEFAULT_CEILING_S))
     slowdown: float = 1.0  # >1 emulates a slower device (DTFM_COMPUTE_SLOWDOWN)
     codec_prev: TensorCodec | None = None  # the link to the previous stage (None: exact)
     codec_next: TensorCodec | None = None  # the link to the next stage
@@ -157,12 +159,13 @@ class Pipeline:
 
     def _computed(self, t: Timings, t0: float) -> None:
         """Count compute since `t0`; on an emulated slower device, idle for the difference
-        (idling, not spinning, so emulated devices sharing cores do not slow each other)."""
-        dt = time.perf_counter() - t0
+        (idling, not spinning, so emulated devices sharing cores do not slow each other).
+        What is counted is the time that really passed, oversleeping included: on a busy
+        machine a sleeper wakes late, and the step model refreshed with this figure must
+        see the time the device really held its pipeline."""
         if self.slowdown > 1.0:
-            time.sleep(dt * (self.slowdown - 1.0))
-            dt *= self.slowdown
-        t.compute_s += dt
+            time.sleep((time.perf_counter() - t0) * (self.slowdown - 1.0))
+        t.compute_s += time.perf_counter() - t0
 
     # ---- communication ----
     def _act_shape(self) -> tuple[int, int, int]:
@@ -184,13 +187,8 @@ class Pipeline:
     def _wait(self, r: _Recv | None, t: Timings, what: str, peer: int | None) -> torch.Tensor:
         assert r is not None and r.work is not None
         t0 = time.perf_counter()
-        try:
-            r.work.wait(self.timeout)
-        except RuntimeError as e:
-            raise PeerError(
-                f"stage {self.stage_index} got no {what} from rank {peer} "
-                f"(timeout {self.timeout.total_seconds():g}s, or the peer died): {e}"
-            ) from e
+        wait_all([r.work], self.deadline,
+                 f"stage {self.stage_index}: waiting for {what} from rank {peer}")
         t1 = time.perf_counter()
         t.recv_wait_s += t1 - t0
         if r.codec is not None:
@@ -218,14 +216,9 @@ class Pipeline:
 
     def _drain_sends(self, t: Timings) -> None:
         t0 = time.perf_counter()
-        try:
-            for w in self._sends:
-                w.wait(self.timeout)
-        except RuntimeError as e:
-            raise PeerError(
-                f"stage {self.stage_index} could not deliver its messages to a pipeline "
-                f"neighbour (timeout {self.timeout.total_seconds():g}s, or it died): {e}"
-            ) from e
+        peers = [r for r in (self.links.prev, self.links.next) if r is not None]
+        wait_all(self._sends, self.deadline,
+                 f"stage {self.stage_index}: delivering its messages to ranks {peers}")
         self._sends.clear()
         t.send_wait_s += time.perf_counter() - t0
 

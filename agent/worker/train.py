@@ -15,17 +15,17 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
-from agent.worker import checkpoint, errors
+from agent.worker import checkpoint, deadline, errors
 from agent.worker.compress import make_codec
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
+from agent.worker.deadline import Deadline, measure_flops
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.stage import Stage
@@ -45,7 +45,7 @@ from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-ENV_TIMEOUT = WorkerEnv.TIMEOUT  # seconds any collective or p2p receive may block
+ENV_TIMEOUT = WorkerEnv.TIMEOUT  # the ceiling of any wait (deadline.py decides below it)
 ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
 ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
 ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
@@ -62,9 +62,6 @@ def compute_slowdown() -> float:
     if not (1.0 <= factor < 1000.0):
         raise ValueError(f"{ENV_SLOWDOWN}={raw!r}: give a factor >= 1 (2 = half as fast)")
     return factor
-
-
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class Progress:
@@ -151,8 +148,8 @@ class Worker:
                 f"in a {a.stages}x{a.replicas} layout, not ({a.stage}, {a.replica})"
             )
         self._check_layers(a)
-        self.timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)))
         self.device = pick_device(a.backend or "gloo", self.rank)
+        self.deadline = self._deadline()
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()
         # this rank's link codecs (pipeline prev, next, data-parallel): a bad name is a config error
@@ -161,6 +158,22 @@ class Worker:
         self.phase = errors.JOIN
         self.ckpt = checkpoint.locate(self.cfg.checkpoint_dir, a.job_id,
                                       self.cfg.checkpoint_every)
+
+    def _deadline(self) -> Deadline:
+        """How long each wait may block (`deadline.py`): a start-up budget sized by the model,
+        the layer split and this device's measured speed, then a multiple of the measured step
+        time; DTFM_TIMEOUT_S is the ceiling."""
+        a, spec = self.a, self.spec
+        ranges = layer_ranges(spec.n_layers, a.stages, list(a.layer_splits) or None)
+        ranges.append((a.layer_begin, a.layer_end))  # without splits, the others are a guess
+        flops = measure_flops(self.device) / compute_slowdown()
+        dl = deadline.for_stages(
+            spec, ranges, self.cfg.global_batch // a.replicas * spec.seq_len, flops,
+            deadline.operator_ceiling(os.environ.get(ENV_TIMEOUT)),
+        )
+        log.info("rank %d: collectives and pipeline receives may block %s until steps are "
+                 "measured; ceiling %g s", self.rank, dl.current().why, dl.policy.ceiling_s)
+        return dl
 
     def _check_layers(self, a: common_pb2.Assignment) -> None:
         """The stage's layer range must agree with the splits (or, without them, be sane)."""
@@ -198,7 +211,7 @@ class Worker:
         self._check_world()
         # Build and load before joining: the slowest rank gates the join anyway.
         self.stage, opt, sampler, val_tokens = self._build_local()
-        self.world = world = join(a, self.layout, self.timeout, self.device)
+        self.world = world = join(a, self.layout, self.deadline, self.device)
         self.links, self.dp_group = world.links, world.dp_group
         self.phase = errors.TRAIN
         pipe, averager = self._build_comm()
@@ -208,12 +221,20 @@ class Worker:
             self.rank, a.stage, a.stages, a.replica, a.replicas, a.layer_begin, a.layer_end,
             sum(p.numel() for p in self.stage.parameters()), start + 1, cfg.steps,
         )
+        self.deadline.start()
         for step in range(start + 1, cfg.steps + 1):
             if self.fault:
                 self.fault.maybe_fire(self.rank, step)
             self._step(step, pipe, averager, opt, sampler)
-            if self.ckpt and self.ckpt.writes(a.replica) and self.ckpt.due(step, cfg.steps):
-                self._save(step, opt, sampler)
+            self.deadline.step_finished()
+            if self.ckpt and self.ckpt.due(step, cfg.steps):
+                # every rank notes it: a peer's save makes this rank wait in the next step
+                saved_s = None
+                if self.ckpt.writes(a.replica):
+                    t0 = time.perf_counter()
+                    self._save(step, opt, sampler)
+                    saved_s = time.perf_counter() - t0
+                self.deadline.checkpoint(saved_s)
         val = self._evaluate(pipe, val_tokens)
         self.progress.emit(DoneEvent(val_loss=None if math.isnan(val) else val, rank=self.rank))
         dist.destroy_process_group()
@@ -223,7 +244,7 @@ class Worker:
         a, cfg, spec = self.a, self.cfg, self.spec
         torch.manual_seed(cfg.seed)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
-        opt = make_optimizer(stage, cfg.lr, cfg.weight_decay)
+        opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
         train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
         return stage, opt, Sampler(train_tokens, spec.seq_len, cfg.seed), val_tokens
 
@@ -232,13 +253,13 @@ class Worker:
         micro_size = cfg.global_batch // a.replicas // cfg.micro_batches
         pipe = Pipeline(
             self.stage, self.links, a.stage, a.stages, micro_size, self.device, self.amp,
-            comm_dtype=self.amp or torch.float32, timeout=self.timeout,
+            comm_dtype=self.amp or torch.float32, deadline=self.deadline,
             slowdown=compute_slowdown(),
             codec_prev=self.codecs[0], codec_next=self.codecs[1],  # compress.py
         )
         averager = GradAverager(
             self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode,
-            extras=1 if self.stage.is_last else 0, timeout=self.timeout, codec=self.codecs[2],
+            extras=1 if self.stage.is_last else 0, deadline=self.deadline, codec=self.codecs[2],
         )
         self._averager = averager  # its byte and codec counters go into step events
         return pipe, averager
@@ -298,6 +319,8 @@ class Worker:
                 "optimizer": opt.state_dict(),
                 "data_position": sampler.position.to_dict(),
                 "layers": [a.layer_begin, a.layer_end],
+                # AdamW's state is numbered by position: names let another split regroup it
+                "param_names": checkpoint.optimizer_names(self.stage, opt),
             },
             job_id=a.job_id, layers=(a.layer_begin, a.layer_end),
         )
@@ -307,7 +330,9 @@ class Worker:
 
         Every rank must load the same step, so the ranks agree on it (`checkpoint.agree`),
         falling back past any checkpoint that fails its manifest or checksum; each rejected
-        file is logged with the reason.
+        file is logged with the reason. When the job's checkpoints are cut at other stages
+        (`checkpoint_splits`: it re-planned on another stage count), this stage's layers are
+        read from every old stage that held some of them, at a step all of those hold.
         """
         loc, a = self.ckpt, self.a
         if loc is None:
@@ -317,33 +342,41 @@ class Worker:
             log.info("rank %d: ignoring checkpoints of other jobs in %s (%s): this is job %s, "
                      "which resumes only from its own", self.rank, loc.root,
                      ", ".join(others), a.job_id)
-        finder = checkpoint.Finder(loc.dir, a.stage, job_id=a.job_id,
-                                   layers=(a.layer_begin, a.layer_end),
-                                   on_reject=self._rejected)
+        srcs = checkpoint.sources(self.spec.n_layers, a.stage, (a.layer_begin, a.layer_end),
+                                  list(a.checkpoint_splits))
+        finder = checkpoint.SpanFinder(loc.dir, srcs, job_id=a.job_id,
+                                       on_reject=self._rejected)
         step = checkpoint.agree(finder, self.world.world_min)
         mine = finder.newest_intact()
+        held = ", ".join(f"stage {s.stage} (layers {s.layers[0]}-{s.layers[1] - 1})"
+                         for s in srcs)
         if step == 0:
             if mine:
-                log.warning("rank %d: starting from step 0 although stage %d holds step %d "
-                            "intact in %s: another rank holds no intact step this one does "
-                            "(its agent could not fetch one from a peer: see its log)",
-                            self.rank, a.stage, mine, loc.dir)
+                log.warning("rank %d: starting from step 0 although %s hold step %d intact in "
+                            "%s: another rank holds no intact step this one does (its agent "
+                            "could not fetch one from a peer: see its log)", self.rank, held,
+                            mine, loc.dir)
             return 0
         if mine > step:
-            log.info("rank %d: stage %d holds step %d, but not every rank does: resuming "
-                     "from step %d", self.rank, a.stage, mine, step)
-        state = checkpoint.load_stage(loc.dir, a.stage, step, job_id=a.job_id)
-        if list(state["layers"]) != [a.layer_begin, a.layer_end]:
-            raise ValueError(
-                f"checkpoint for stage {a.stage} holds layers {state['layers']}, but this "
-                f"assignment has [{a.layer_begin}, {a.layer_end})"
-            )
+            log.info("rank %d: %s hold step %d, but not every rank does: resuming from step "
+                     "%d", self.rank, held, mine, step)
+        states = checkpoint.load_span(loc.dir, srcs, step, job_id=a.job_id)
+        if srcs == [checkpoint.Source(a.stage, (a.layer_begin, a.layer_end))]:
+            state = states[0]
+        else:
+            state = checkpoint.merge_states(states, srcs, self.stage, opt, self._optimizer_names)
         self.stage.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.position = Position.from_dict(state["data_position"])
-        log.info("rank %d: resumed at step %d from %s", self.rank, step,
-                 checkpoint.path_for(loc.dir, a.stage, step))
+        log.info("rank %d: resumed at step %d from %s in %s", self.rank, step, held, loc.dir)
         return step
+
+    def _optimizer_names(self, src: checkpoint.Source) -> list[str]:
+        """A checkpoint's parameter names in its optimizer's order, for one written before
+        checkpoints listed them: rebuilt from a stage of its layers (the one optimizer rule)."""
+        old = Stage(self.spec, src.layers[0], src.layers[1], self.cfg.seed)
+        return checkpoint.optimizer_names(old, make_optimizer(old, self.cfg.lr,
+                                                              self.cfg.weight_decay))
 
     def _rejected(self, step: int, path: Path, reason: str) -> None:
         log.warning("rank %d: checkpoint %s (step %d) is not used: %s; falling back to an "
@@ -371,7 +404,10 @@ def run_assignment(a: common_pb2.Assignment, progress_path: str | None) -> None:
     """Run the worker for a parsed `dtfm.v1.Assignment`.
 
     A failure ends with an `error` event whose `kind` (config, rendezvous, peer, internal)
-    and `phase` (join, train) tell the coordinator whether retrying can help.
+    and `phase` (join, train) tell the coordinator whether retrying can help. A `PeerError`
+    then ends the process itself (`errors.exit_now`: a collective whose wait gave up would
+    hold a normal exit until the group's own timeout), so call this only as the body of a
+    worker process; other failures are raised.
     """
     threads = os.environ.get(ENV_THREADS)
     if threads:
@@ -387,6 +423,9 @@ def run_assignment(a: common_pb2.Assignment, progress_path: str | None) -> None:
             message=errors.describe(e), rank=a.rank,
             kind=errors.classify(e, phase), phase=phase,
         ))
+        if isinstance(e, errors.PeerError):
+            progress.close()
+            errors.exit_now(e, f"worker rank {a.rank} failed")
         raise
     finally:
         progress.close()

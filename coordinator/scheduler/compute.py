@@ -57,6 +57,7 @@ class Workload:
     act_dtype: str = "fp32"  # activations on the wire
     dp_mode: str = "sharded"  # how the worker averages gradients
     compression: Compression | None = None  # compressed messages (None: as they are)
+    moments_dtype: str = "fp32"  # what AdamW stores its moments in (memory only)
 
     @property
     def micro_size(self) -> int:
@@ -69,7 +70,7 @@ class Workload:
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,
-                           self.micro_batches, self.schedule, self.dtype)
+                           self.micro_batches, self.schedule, self.dtype, self.moments_dtype)
 
 
 def stage_flops(spec: ModelSpec, begin: int, end: int, tokens: float) -> float:
@@ -111,20 +112,25 @@ class Scored:
 
 @dataclass(frozen=True)
 class Devices:
-    """What the models know about each device: FLOP/s (> 0) and memory (0: unknown)."""
+    """What the models know about each device: FLOP/s (> 0), memory (0: unknown) and which
+    memory pool it draws from ("": its own; see `memory.pool_shortfalls`)."""
 
     flops: np.ndarray
     memory: np.ndarray
+    pools: tuple[str, ...] = ()  # empty: every device has its own
 
     @classmethod
-    def of(cls, flops: Sequence[float], memory: Sequence[int] | None = None) -> Devices:
+    def of(cls, flops: Sequence[float], memory: Sequence[int] | None = None,
+           pools: Sequence[str] | None = None) -> Devices:
         f = np.asarray(flops, dtype=float)
         known = f[f > 0]
         f = np.where(f > 0, f, np.median(known) if known.size else 1.0)  # unknown: typical
         m = np.zeros(f.size, dtype=np.int64) if memory is None else np.asarray(memory, np.int64)
         if m.shape != f.shape:
             raise ValueError(f"{m.size} memory sizes for {f.size} devices")
-        return cls(f, m)
+        if pools is not None and len(pools) != f.size:
+            raise ValueError(f"{len(pools)} memory pools for {f.size} devices")
+        return cls(f, m, tuple(pools or ()))
 
     def alike(self) -> bool:
         return bool(self.flops.max() <= self.flops.min() * (1.0 + SPEED_TOLERANCE))

@@ -5,16 +5,26 @@ gradients and AdamW's two moments, the data-parallel gradient buckets, and the a
 autograd keeps for the micro-batches in flight) and the check that names the device that
 does not fit and by how much. The compute side lives in `compute`.
 
+Devices that share one memory (several agents training on one host's CPUs and RAM, or
+several on one GPU) each report the whole of it; counting each report once per agent would
+accept a plan eight agents on one 23 GiB box cannot hold. So the check also takes
+each device's memory pool (`DeviceInfo.memory_pool`, agent/device.py) and holds the sum of the
+stages a pool's devices carry against the pool's memory, once.
+
 Counted the way the worker really trains (pinned against torch by
 `tests/coordinator/scheduler/test_memory_torch.py`):
 - parameters stay fp32 whatever the training dtype (bf16 is autocast): 4 bytes of weight,
-  4 of gradient, 8 of AdamW state = 16 bytes per parameter, plus 4 more for the gradient
-  buckets when the stage has data-parallel peers;
+  4 of gradient, 8 of AdamW state = 16 bytes per parameter (4 of AdamW state, 12 in all, with
+  `--moments-dtype bf16`), plus 4 more for the gradient buckets when the stage has
+  data-parallel peers;
 - per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
   the first stage keeps the token ids, the last the head's inputs and the fp32 log-softmax;
   under bf16 every micro-batch's graph also holds its own bf16 copies of the matmul weights;
-- GPipe keeps all M micro-batches of a step, 1F1B at most S - stage.
+- GPipe keeps all M micro-batches of a step, 1F1B at most S - stage;
+- the worker process itself (interpreter, torch, gloo) holds `WORKER_RUNTIME_BYTES` before any
+  model state: little beside one stage of a large model, but eight workers on one machine's
+  memory pay it eight times (a gpt-small worker peaks at 0.37 GiB, bench/headline.py).
 What it leaves out (allocator slack, the CUDA context, transient workspaces) makes the
 figure a lower bound: a stage that does not fit here cannot fit on the device.
 
@@ -31,6 +41,7 @@ from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
 PARAM_STATE_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 DP_BUCKET_BYTES = 4  # the data-parallel averager's fp32 copy of every gradient
+WORKER_RUNTIME_BYTES = 256 * 2**20  # a worker process's own memory, rounded down
 FP32 = 4
 
 
@@ -45,6 +56,12 @@ class MemoryShape:
     micro_batches: int
     schedule: str = "gpipe"
     dtype: str = "fp32"  # the training (autocast) dtype
+    moments_dtype: str = "fp32"  # what AdamW stores its two moments in
+
+
+def param_state_bytes(moments_dtype: str = "fp32") -> int:
+    """Bytes per parameter of weight, gradient (both fp32) and AdamW's two moments."""
+    return 2 * FP32 + 2 * DTYPE_BYTES[moments_dtype]
 
 
 def matmul_params(spec: ModelSpec, begin: int, end: int) -> int:
@@ -77,9 +94,10 @@ def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: in
 
 def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
     """Peak bytes on one device holding `stage` with layers [begin, end)."""
-    per_param = PARAM_STATE_BYTES + (DP_BUCKET_BYTES if shape.replicas > 1 else 0)
+    per_param = (param_state_bytes(shape.moments_dtype)
+                 + (DP_BUCKET_BYTES if shape.replicas > 1 else 0))
     held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
-    return (per_param * shape.spec.stage_params(begin, end)
+    return (WORKER_RUNTIME_BYTES + per_param * shape.spec.stage_params(begin, end)
             + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype))
 
 
@@ -91,22 +109,40 @@ def stages_bytes(shape: MemoryShape, splits: Sequence[int] | None = None) -> lis
 
 @dataclass(frozen=True)
 class Shortfall:
-    """A device that cannot hold its stage."""
+    """A device that cannot hold its stage, or a memory pool that cannot hold the stages of
+    every device drawing from it (`pool` set; `device` and `stage` are then its first)."""
 
     device: int
     stage: int
     needed: int
     available: int
+    pool: str = ""
+    devices: tuple[int, ...] = ()  # the pool's devices
+    stages: tuple[int, ...] = ()  # the stage each of them holds
 
     @property
     def missing(self) -> int:
         return self.needed - self.available
 
-    def describe(self, name: str = "") -> str:
-        who = name or f"device {self.device}"
-        return (f"{who} cannot hold stage {self.stage}: it needs {gib(self.needed)} "
-                f"({self.needed} bytes) but has {gib(self.available)} ({self.available} "
-                f"bytes), {gib(self.missing)} short")
+    def describe(self, name: str = "", names: Sequence[str] | None = None) -> str:
+        needs = f"{gib(self.needed)} ({self.needed} bytes)"
+        has = (f"{gib(self.available)} ({self.available} bytes), {gib(self.missing)} short")
+        if not self.pool:
+            who = name or f"device {self.device}"
+            return f"{who} cannot hold stage {self.stage}: it needs {needs} but has {has}"
+        agents = [names[d] if names is not None else f"device {d}" for d in self.devices]
+        listed = ", ".join(agents[:POOL_NAMES_SHOWN]) + (
+            ", ..." if len(agents) > POOL_NAMES_SHOWN else "")
+        held = ", ".join(map(str, sorted(set(self.stages))))
+        return (f"the {len(agents)} agents sharing one machine's memory ({listed}; memory pool "
+                f"{self.pool[:12]}) cannot hold stages {held} together: they need {needs} but "
+                f"the machine has {has}")
+
+
+POOL_NAMES_SHOWN = 4
+ADVICE = ("use more pipeline stages or agents on other machines, store AdamW's moments in bf16 "
+          "(--moments-dtype bf16: 12 instead of 16 bytes per parameter), fewer replicas per "
+          "machine, fewer or smaller micro-batches, or devices with more memory")
 
 
 def gib(n: float) -> str:
@@ -114,29 +150,56 @@ def gib(n: float) -> str:
 
 
 def shortfalls(grid: Sequence[Sequence[int]], needed: Sequence[int],
-               available: Sequence[int]) -> list[Shortfall]:
-    """Every device of `grid` whose stage needs more than it has, worst first.
+               available: Sequence[int], pools: Sequence[str] | None = None) -> list[Shortfall]:
+    """Every device of `grid` whose stage needs more than it has, and (with `pools`, one id per
+    device, "" for a device's own memory) every pool its devices together overfill; worst
+    first.
 
-    `available[device]` 0 means unknown: that device is not checked."""
+    `available[device]` 0 means unknown: that device is not checked. A pool has the most any
+    of its devices reported (each saw the whole pool, at slightly different moments)."""
     out = [Shortfall(d, j, needed[j], available[d]) for j, row in enumerate(grid) for d in row
            if 0 < available[d] < needed[j]]
+    if pools is not None:
+        out += pool_shortfalls(grid, needed, available, pools)
     return sorted(out, key=lambda s: (-s.missing, s.stage, s.device))
+
+
+def pool_shortfalls(grid: Sequence[Sequence[int]], needed: Sequence[int],
+                    available: Sequence[int], pools: Sequence[str]) -> list[Shortfall]:
+    """Every memory pool shared by two or more of `grid`'s devices whose stages, summed, need
+    more than the pool has."""
+    members: dict[str, list[tuple[int, int]]] = {}
+    for j, row in enumerate(grid):
+        for d in row:
+            if pools[d]:
+                members.setdefault(pools[d], []).append((d, j))
+    out = []
+    for pool, held in members.items():
+        room = max(available[d] for d, _ in held)
+        total = sum(needed[j] for _, j in held)
+        if len(held) > 1 and 0 < room < total:
+            out.append(Shortfall(held[0][0], held[0][1], total, room, pool=pool,
+                                 devices=tuple(d for d, _ in held),
+                                 stages=tuple(j for _, j in held)))
+    return out
 
 
 class DoesNotFit(ValueError):
     """A plan whose stages cannot fit some device's memory; names the worst one."""
 
-    def __init__(self, worst: Shortfall, count: int, name: str = "") -> None:
+    def __init__(self, worst: Shortfall, count: int, name: str = "",
+                 names: Sequence[str] | None = None) -> None:
         self.worst, self.count = worst, count
         more = f" ({count - 1} other device(s) too)" if count > 1 else ""
-        super().__init__(f"{worst.describe(name)}{more}: use more pipeline stages, fewer "
-                         f"or smaller micro-batches, or devices with more memory")
+        super().__init__(f"{worst.describe(name, names)}{more}: {ADVICE}")
 
 
 def check_fit(grid: Sequence[Sequence[int]], needed: Sequence[int],
-              available: Sequence[int], names: Sequence[str] | None = None) -> None:
-    """Raise `DoesNotFit` naming the device that misses the most bytes, if any does."""
-    short = shortfalls(grid, needed, available)
+              available: Sequence[int], names: Sequence[str] | None = None,
+              pools: Sequence[str] | None = None) -> None:
+    """Raise `DoesNotFit` naming the device (or the shared memory pool) that misses the most
+    bytes, if any does."""
+    short = shortfalls(grid, needed, available, pools)
     if short:
         name = names[short[0].device] if names is not None else ""
-        raise DoesNotFit(short[0], len(short), name)
+        raise DoesNotFit(short[0], len(short), name, names)

@@ -65,6 +65,7 @@ def build_assignments(
     bind_addrs: Sequence[str] | None = None,
     codecs: LinkCodecs | None = None,
     members: Sequence[tuple[str, int]] | None = None,
+    checkpoint_splits: Sequence[int] | None = None,
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
@@ -75,6 +76,9 @@ def build_assignments(
     `members[rank]`: (host, port) of the agent running rank, for the checkpoint peers and
     mirrors of each rank (`checkpoint_routes`); none are set without it, with a shared
     `checkpoint_dir` (every rank reads that) or with checkpoints off.
+    `checkpoint_splits`: layers per stage of the split the job's checkpoints hold, when the
+    job re-planned on another stage count; set on every rank only when it differs from this
+    layout's split (each worker then reads its layers from the old stages that held them).
     """
     train.validate(layout.replicas)
     if bind_addrs is not None and len(bind_addrs) != layout.world_size:
@@ -85,6 +89,11 @@ def build_assignments(
                                     layout.replicas)
     codecs.check(layout.stages, layout.replicas)
     ranges = layer_ranges(spec.n_layers, layout.stages, counts)
+    resplit: list[int] = []
+    if checkpoint_splits:
+        old = list(checkpoint_splits)
+        layer_splits(spec.n_layers, len(old), old)  # ValueError: not a split of this model
+        resplit = [] if old == counts else old
     routes = None
     if members is not None and not train.checkpoint_dir and train.checkpoint_every:
         routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members])
@@ -105,6 +114,7 @@ def build_assignments(
             layer_splits=counts,
             bind_addr=bind_addrs[rank] if bind_addrs is not None else master_addr,
             pp_compress_prev=pp_prev, pp_compress_next=pp_next, dp_compress=dp,
+            checkpoint_splits=resplit,
         ))
         if routes is not None:
             out[-1].checkpoint_peers.extend(routes[rank].peers)

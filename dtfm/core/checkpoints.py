@@ -23,6 +23,11 @@ ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.manifest.json   size and sha256 of the f
   newer than the newest one kept (a timeline the job abandoned), temp files of dead writers
   and stale partial downloads go.
 
+- **Read across a re-split** (`sources`): a job that changed its stage count (fewer stages
+  after losing agents, more when growing back) resumes from checkpoints cut at the old
+  stages. A new stage's layers then come from every old stage whose range overlaps its own;
+  parameter names carry global layer indices, so the pieces fit together by name.
+
 Every function takes a *job* directory (`job_dir(ROOT, job_id)`) as `root`, except `job_dir`
 and `other_jobs`, which take ROOT.
 """
@@ -39,6 +44,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from dtfm.core.layout import layer_ranges
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +106,29 @@ def step_of(name: str) -> int | None:
     """The step a data file name (`step-NNNNNNNN.pt`) belongs to, or None for any other name."""
     m = DATA_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Source:
+    """One stage folder a worker reads at resume, and the layer range its checkpoints hold."""
+
+    stage: int
+    layers: tuple[int, int]
+
+
+def sources(n_layers: int, stage: int, layers: tuple[int, int],
+            checkpoint_splits: Sequence[int] = ()) -> list[Source]:
+    """The stage folders stage `stage` (layers [begin, end)) resumes from, in stage order.
+
+    Without `checkpoint_splits` (the checkpoints are cut as the job is now) that is its own
+    folder. Otherwise every stage of that split whose range overlaps `layers`: the first
+    stage's embedding is in old stage 0, the last stage's head in the old last stage, and
+    each layer in the one old stage that held it. ValueError when the split is impossible."""
+    begin, end = layers
+    if not checkpoint_splits:
+        return [Source(stage, (begin, end))]
+    old = layer_ranges(n_layers, len(checkpoint_splits), list(checkpoint_splits))
+    return [Source(j, r) for j, r in enumerate(old) if r[0] < end and begin < r[1]]
 
 
 # ---- the manifest ----

@@ -7,6 +7,8 @@ they train on a CPU in seconds. Pure data: no torch, no grpc.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dtfm.core.spec import ModelSpec
 
 GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
@@ -28,11 +30,27 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+SEQ_SUFFIX = ":seq="  # `gpt-1.3b:seq=512`: the preset with a shorter (or longer) sequence
+MAX_SEQ_LEN = 65536
+
+
 def get_preset(name: str) -> ModelSpec:
-    """The preset called `name`, or a ValueError that lists the known names."""
+    """The preset called `name`, or a ValueError that lists the known names.
+
+    `NAME:seq=N` is preset NAME trained on sequences of N tokens: the same layers, a position
+    embedding of N rows, and activations N/seq_len as large, for a machine that can hold the
+    model's parameters but not its full-length activations (docs/benchmarks.md, headline)."""
+    base, suffix, seq = name.partition(SEQ_SUFFIX)
     try:
-        return PRESETS[name]
+        spec = PRESETS[base]
     except KeyError:
         raise ValueError(
-            f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}"
+            f"unknown model preset {base!r}; known presets: {', '.join(PRESETS)} (append "
+            f"{SEQ_SUFFIX}N for sequences of N tokens)"
         ) from None
+    if not suffix:
+        return spec
+    if not seq.isdigit() or not 1 <= int(seq) <= MAX_SEQ_LEN:
+        raise ValueError(f"model {name!r}: the sequence length after {SEQ_SUFFIX!r} must be an "
+                         f"integer from 1 to {MAX_SEQ_LEN}, e.g. {base}{SEQ_SUFFIX}512")
+    return replace(spec, name=name, seq_len=int(seq))

@@ -55,6 +55,18 @@ class Dtype(enum.StrEnum):
     BF16 = "bf16"
 
 
+class MomentsDtype(enum.StrEnum):
+    """What AdamW stores its two moments (exp_avg, exp_avg_sq) in between steps.
+
+    bf16 keeps 4 bytes per parameter instead of 8 (`agent/worker/optim.py` computes the update
+    in fp32 and rounds only what it stores), which is what lets a model whose fp32 state does
+    not fit its devices train at all; Megatron-core's `--exp-avg-dtype bf16` is the precedent.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
 # The allowed spellings, for code that wants plain strings (argparse choices, messages).
 SCHEDULES = tuple(m.value for m in Schedule)
 DP_MODES = tuple(m.value for m in DpMode)
@@ -192,6 +204,10 @@ class TrainConfig:
         "none", "compress data-parallel gradients, with error feedback: none, int8, int4, "
         "int3 (3 bits, 9.1x; data-parallel only), topk:RATIO (the largest RATIO of each "
         "block) or auto (per data-parallel group); needs --dp-mode sharded")
+    moments_dtype: MomentsDtype = _option(
+        MomentsDtype.FP32, "what AdamW stores its two moments in: fp32, or bf16 (the update is "
+        "still computed in fp32; 12 instead of 16 bytes of state per parameter, for a model "
+        "whose fp32 state does not fit)")
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -256,11 +272,18 @@ class TrainConfig:
 
     @classmethod
     def from_proto(cls, msg: Any) -> TrainConfig:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        for name in _ADDED_LATER:  # a peer that predates the field leaves it unset ("")
+            if values[name] == "":
+                values[name] = _FIELDS[name].default
+        return cls(**values)
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
-_ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype}
+_ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype,
+                                          "moments_dtype": MomentsDtype}
+# Enum fields the wire gained after its first version: unset on the wire means the default.
+_ADDED_LATER = ("moments_dtype",)
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
            "eval_batches")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import JobConfig
+from coordinator.job import job_fingerprint
 from coordinator.jobstore import JobStore
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import coordinator_pb2
@@ -186,5 +187,135 @@ def test_a_coordinator_restarted_in_mid_recovery_finishes_the_recovery_record(
         assert rec.layout_before == "2x3" and rec.layout_after == "2x2", rec
         assert rec.resumed_step == 4 and rec.steps_lost == 2 and rec.stalled_s > 0, rec
         assert not second.job.recoveries.pending
+        task.cancel()
+    asyncio.run(main())
+
+
+def two_stage_config(**kw: Any) -> JobConfig:
+    cfg = JobConfig(model="gpt-tiny", agents=2, stages=2, replicas=1,
+                    train=TrainConfig(global_batch=4, micro_batches=2, steps=20,
+                                      checkpoint_every=4),
+                    measure_links=True, placement="rank-order", **kw)
+    cfg.validate()
+    return cfg
+
+
+def test_too_few_agents_for_every_stage_re_plans_on_fewer_stages_and_grows_back(
+        tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        h.links.remember = True
+        await h.running_epoch(1)
+        assert h.job.plan is not None and list(h.job.plan.layer_splits) == [2, 2]
+        report_all(h, 6)  # every member passed the checkpoint of step 4
+        await until(lambda: h.job.checkpoint_step == 4)
+        victim = h.job.members[1]
+        lose(h, victim)
+        await h.running_epoch(2)
+        plan = h.job.plan
+        assert plan is not None and (plan.stages, plan.replicas) == (1, 1)
+        assert list(plan.layer_splits) == [4]
+        [a] = [h.registry.agents[m].assignments()[-1] for m in h.job.members]
+        # the survivor reads both old stages' checkpoints, with the global batch kept
+        assert list(a.checkpoint_splits) == [2, 2]
+        assert (a.layer_begin, a.layer_end) == (0, 4)
+        assert (a.train.global_batch, a.train.micro_batches) == (4, 2)
+        rec = h.job.recoveries.items[-1]
+        assert (rec.layout_before, rec.layout_after) == ("2x1", "1x1") and not rec.planned
+        # until the one stage writes a checkpoint, the newest one is still cut in two
+        report_all(h, 5)
+        assert h.job.store is not None
+        snap = h.job.store.unfinished(job_fingerprint(h.job.config))
+        assert snap is not None and snap.checkpoint_splits == [2, 2] and snap.splits == [4]
+        assert (snap.wanted_stages, snap.wanted_replicas) == (2, 1)
+        report_all(h, 9)  # the checkpoint of step 8 holds the whole model in one stage
+        await until(lambda: h.job.checkpoint_step == 8)
+        snap = h.job.store.unfinished(job_fingerprint(h.job.config))
+        assert snap is not None and snap.checkpoint_splits == [4]
+
+        h.registry.states[victim] = S.AGENT_STATE_ALIVE  # the agent comes back
+        h.job.on_join(h.registry.agents[victim])
+        await until(lambda: h.links.complete_for([*h.job.members, victim]))
+        report_all(h, 11)  # no new checkpoint passed: keep training
+        await asyncio.sleep(0.1)
+        assert h.job.epoch == 2
+        report_all(h, 13)  # passed the checkpoint of step 12: grow back now
+        await h.running_epoch(3)
+        plan = h.job.plan
+        assert plan is not None and (plan.stages, plan.replicas) == (2, 1)
+        assert list(plan.layer_splits) == [2, 2] and victim in h.job.members
+        assigns = [h.registry.agents[m].assignments()[-1] for m in h.job.members]
+        # both stages re-split the one-stage checkpoint
+        assert [list(x.checkpoint_splits) for x in assigns] == [[4], [4]]
+        grow = h.job.recoveries.items[-1]
+        assert grow.planned and (grow.layout_before, grow.layout_after) == ("1x1", "2x1")
+        assert h.job.restarts == 0
+        for m in h.job.members:
+            h.report(m, WorkerState.TRAINING, step=13)
+        report_all(h, 17)  # the two stages' own checkpoint of step 16
+        await until(lambda: h.job.checkpoint_step == 16)
+        snap = h.job.store.unfinished(job_fingerprint(h.job.config))
+        assert snap is not None and snap.checkpoint_splits == [2, 2]
+
+    async def main() -> None:
+        cfg = two_stage_config(min_agents=1)
+        h = Harness(cfg)
+        h.job = RecordingJob(cfg, h.registry, h.measurer, h.links, JobStore(tmp_path))
+        h.registry.job = h.job
+        h.registry.add(2)
+        task = asyncio.get_running_loop().create_task(h.job.run())
+        try:
+            await body(h)
+        finally:
+            task.cancel()
+    asyncio.run(main())
+
+
+def test_fewer_stages_wait_when_the_survivors_cannot_hold_the_model() -> None:
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        for agent in h.registry.agents.values():  # room for half of gpt-tiny, not all of it
+            agent.info.device.memory_bytes = 6_000_000
+        lose(h, h.job.members[1])
+        await until(lambda: "1 of 2 alive" in h.job.message)
+        await asyncio.sleep(0.1)
+        assert h.job.state == S.JOB_STATE_RECOVERING and h.job.epoch == 1
+    run(two_stage_config(min_agents=1), body, agents=2)
+
+
+def test_a_restarted_coordinator_keeps_the_stages_a_shrunk_job_grows_back_to(
+        tmp_path: Path) -> None:
+    cfg = two_stage_config(min_agents=1)
+
+    async def main() -> None:
+        first = Harness(cfg)
+        first.job = RecordingJob(cfg, first.registry, first.measurer, first.links,
+                                 JobStore(tmp_path))
+        first.registry.job = first.job
+        first.registry.add(2)
+        task = asyncio.get_running_loop().create_task(first.job.run())
+        await first.running_epoch(1)
+        report_all(first, 6)
+        await until(lambda: first.job.checkpoint_step == 4)
+        lose(first, first.job.members[1])
+        await first.running_epoch(2)  # shrunk to one stage, nothing re-written yet
+        task.cancel()  # the coordinator dies (SIGKILL)
+
+        second = Harness(cfg)
+        second.links.remember = True
+        second.job = RecordingJob(cfg, second.registry, second.measurer, second.links,
+                                  JobStore(tmp_path))
+        second.registry.job = second.job
+        second.registry.add(2)  # both agents are back
+        second.links.known.update(second.registry.agents)
+        task = asyncio.get_running_loop().create_task(second.job.run())
+        await until(lambda: second.job.state == S.JOB_STATE_RUNNING)
+        assert second.job.epoch == 2 and second.job.status().stages == 1
+        report_all(second, 5)
+        report_all(second, 9)  # the one stage's own checkpoint of step 8: grow back now
+        await second.running_epoch(3)
+        plan = second.job.plan
+        assert plan is not None and (plan.stages, plan.replicas) == (2, 1)
+        assigns = [second.registry.agents[m].assignments()[-1] for m in second.job.members]
+        assert [list(a.checkpoint_splits) for a in assigns] == [[4], [4]]
         task.cancel()
     asyncio.run(main())

@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
+
+import pytest
 
 from coordinator.config import JobConfig
 from coordinator.job import Job
@@ -302,3 +305,38 @@ def test_an_unreachable_agent_is_marked_lost_through_the_registry() -> None:
         h.job.on_join(h.registry.agents["agent-3"])  # re-joined: measured again next time
         assert "agent-3" not in h.job._unreachable
     run(config(), body)
+
+
+def test_a_coordinator_error_while_planning_is_retried_then_fails_the_job_loudly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler process killed under the job (BrokenProcessPool) used to end the job's
+    task silently, leaving it in "scheduling" for ever with no message."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    import coordinator.job as job_module
+
+    monkeypatch.setattr(job_module, "INTERNAL_RETRY_S", 0.05)
+    original = job_module.Job._in_pool
+    calls = {"n": 0, "fail": 1}
+
+    async def flaky(fn: Any, *args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] <= calls["fail"]:
+            raise BrokenProcessPool("a child process terminated abruptly")
+        return await original(fn, *args)
+
+    monkeypatch.setattr(job_module.Job, "_in_pool", staticmethod(flaky))
+
+    async def once(h: Harness) -> None:
+        await h.running_epoch(1)
+        assert calls["n"] >= 2
+        assert S.JOB_STATE_WAITING in h.job.entered[h.job.entered.index(S.JOB_STATE_SCHEDULING):]
+    searched = replace(config(), placement="scheduled", search_seconds=0.2)
+    run(searched, once)
+
+    calls.update(n=0, fail=100)
+
+    async def always(h: Harness) -> None:
+        await until(lambda: h.job.state == S.JOB_STATE_FAILED)
+        assert "BrokenProcessPool" in h.job.message and "gave up" in h.job.message
+    run(replace(searched, max_restarts=2), always)

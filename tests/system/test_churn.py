@@ -79,3 +79,35 @@ def test_a_restarted_coordinator_adopts_the_job_and_it_completes(daemons: Daemon
     assert done["state"] == "done" and done["step"] == 60, done
     assert done["id"] == before["id"]  # the same job, so the same checkpoints
     assert done["epoch"] == 1 and not done["recoveries"], done  # adopted, not restarted
+
+
+def test_too_few_agents_for_every_stage_finish_the_job_on_fewer_stages(
+        daemons: Daemons) -> None:
+    """2 stages x 1 replica with --min-agents 1: the agent of stage 1 is SIGKILLed and the job
+    continues on one stage, its layers read from both stages' checkpoints (stage 1's from the
+    copy the survivor mirrored), and finishes its steps."""
+    _, address = daemons.coordinator(
+        "--model", "gpt-tiny", "--agents", "2", "--min-agents", "1", "--stages", "2",
+        "--replicas", "1", "--steps", "60", "--batch", "4", "--micro-batches", "2",
+        "--checkpoint-every", "5", "--search-seconds", "1", "--no-measure")
+    agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}") for i in range(2)}
+    # past a few checkpoints, and long enough for a mirror poll (every 5 s) to copy one
+    wait_for(lambda: _job(daemons, address)["step"] >= 12, 300, "training to pass step 12",
+             interval=0.2)
+    status = daemons.status(address)
+    assert (status["job"]["stages"], status["job"]["replicas"]) == (2, 1)
+    ids = {(daemons.tmp / name / "agent-id").read_text().strip(): name for name in agents}
+    wait_for(lambda: any(p.name.endswith(".manifest.json") for p in (
+        daemons.tmp / ids[status["plan"]["grid"][0][0]]).rglob("stage-1/*")), 60,
+        "stage 0's agent to mirror a checkpoint of stage 1")
+    os.killpg(agents[ids[status["plan"]["grid"][1][0]]].pid, signal.SIGKILL)
+
+    done = wait_for(lambda: (j := _job(daemons, address))["state"] in ("done", "failed") and j,
+                    300, "the job to finish on one stage", interval=0.5)
+    assert done["state"] == "done" and done["step"] == 60, done
+    assert (done["stages"], done["replicas"]) == (1, 1), done
+    first = done["recoveries"][0]
+    assert first["layout_before"] == "2x1" and first["layout_after"] == "1x1", first
+    assert first["resumed_step"] >= 5, first  # from checkpoints, not from step 0
+    plan = daemons.status(address)["plan"]
+    assert plan["layer_splits"] == [4], plan

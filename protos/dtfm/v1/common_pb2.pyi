@@ -27,7 +27,7 @@ WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_STOPPED: WorkerState
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("kind", "name", "memory_bytes", "flops", "cores", "free_memory_bytes", "flops_bf16")
+    __slots__ = ("kind", "name", "memory_bytes", "flops", "cores", "free_memory_bytes", "flops_bf16", "memory_pool")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DeviceInfo(_message.Message):
     CORES_FIELD_NUMBER: _ClassVar[int]
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     FLOPS_BF16_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_POOL_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     memory_bytes: int
@@ -42,7 +43,8 @@ class DeviceInfo(_message.Message):
     cores: int
     free_memory_bytes: int
     flops_bf16: float
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., flops_bf16: _Optional[float] = ...) -> None: ...
+    memory_pool: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., flops_bf16: _Optional[float] = ..., memory_pool: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
     __slots__ = ("agent_id", "host", "port", "device", "version")
@@ -77,7 +79,7 @@ class ModelSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress")
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype")
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class TrainConfig(_message.Message):
     EVAL_BATCHES_FIELD_NUMBER: _ClassVar[int]
     PP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     global_batch: int
     micro_batches: int
     steps: int
@@ -112,10 +115,11 @@ class TrainConfig(_message.Message):
     eval_batches: int
     pp_compress: str
     dp_compress: str
-    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ...) -> None: ...
+    moments_dtype: str
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors")
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +145,7 @@ class Assignment(_message.Message):
     DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PEERS_FIELD_NUMBER: _ClassVar[int]
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SPLITS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     master_addr: str
@@ -166,7 +171,8 @@ class Assignment(_message.Message):
     dp_compress: str
     checkpoint_peers: _containers.RepeatedScalarFieldContainer[str]
     mirrors: _containers.RepeatedCompositeFieldContainer[CheckpointMirror]
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ...) -> None: ...
+    checkpoint_splits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointMirror(_message.Message):
     __slots__ = ("stage", "peer")

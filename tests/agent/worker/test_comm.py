@@ -108,6 +108,7 @@ def test_buckets_are_reverse_order_runs_of_bounded_size() -> None:
 def _exchange_worker(rank: int, world: int, port: int, out: str) -> None:
     from types import SimpleNamespace
 
+    from agent.worker.deadline import Deadline
     from agent.worker.world import join
 
     _guard()
@@ -116,7 +117,7 @@ def _exchange_worker(rank: int, world: int, port: int, out: str) -> None:
     a = SimpleNamespace(backend="gloo", bind_addr="127.0.0.1", master_addr="127.0.0.1",
                         master_port=port, rank=rank, world_size=world, replica=replica,
                         stage=stage)
-    w = join(a, layout, timedelta(seconds=30), torch.device("cpu"))
+    w = join(a, layout, Deadline.fixed(30.0), torch.device("cpu"))
     table = w.pipeline_exchange([float(rank), 0.1 * rank])
     low = w.world_min(10 - rank)
     total = w.dp_all_reduce(0.5 * rank, dist.ReduceOp.SUM)

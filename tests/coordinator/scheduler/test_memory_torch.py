@@ -1,9 +1,10 @@
 """The memory model (coordinator.scheduler.memory) equals what the torch worker really holds.
 
 Parameter state: weights, gradients and AdamW's two moments after one real optimizer step are
-16 bytes per parameter of `ModelSpec.stage_params`. Activations: the bytes autograd saves for
-one micro-batch of a stage (counted with saved-tensor hooks, parameters left out) equal
-`activation_bytes` in fp32 and under bf16 autocast.
+16 bytes per parameter of `ModelSpec.stage_params` (12 with `--moments-dtype bf16`).
+Activations: the bytes autograd saves for one micro-batch of a stage (counted with
+saved-tensor hooks, parameters left out) equal `activation_bytes` in fp32 and under bf16
+autocast.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ torch = pytest.importorskip("torch")
 
 from agent.worker.optim import make_optimizer  # noqa: E402
 from agent.worker.stage import Stage, lm_loss  # noqa: E402
-from coordinator.scheduler.memory import PARAM_STATE_BYTES, activation_bytes  # noqa: E402
+from coordinator.scheduler.memory import (  # noqa: E402
+    PARAM_STATE_BYTES,
+    activation_bytes,
+    param_state_bytes,
+)
 from dtfm.core.presets import get_preset  # noqa: E402
 
 
@@ -25,11 +30,13 @@ def _state_bytes(stage: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
 @pytest.mark.parametrize("begin,end", [(0, 2), (1, 3), (2, 4)])
-def test_parameter_state_is_16_bytes_per_parameter(begin: int, end: int) -> None:
+def test_parameter_state_is_16_or_12_bytes_per_parameter(begin: int, end: int,
+                                                          moments: str) -> None:
     spec = get_preset("gpt-tiny")
     stage = Stage(spec, begin, end, seed=0)
-    opt = make_optimizer(stage, lr=1e-3, weight_decay=0.1)
+    opt = make_optimizer(stage, lr=1e-3, weight_decay=0.1, moments_dtype=moments)
     x = (torch.randint(0, spec.vocab_size, (2, spec.seq_len)) if begin == 0
          else torch.randn(2, spec.seq_len, spec.d_model))
     out = stage(x)
@@ -37,7 +44,8 @@ def test_parameter_state_is_16_bytes_per_parameter(begin: int, end: int) -> None
         if end == spec.n_layers else out.square().mean()
     loss.backward()
     opt.step()
-    assert _state_bytes(stage, opt) == PARAM_STATE_BYTES * spec.stage_params(begin, end)
+    assert _state_bytes(stage, opt) == param_state_bytes(moments) * spec.stage_params(begin, end)
+    assert param_state_bytes() == PARAM_STATE_BYTES
 
 
 def _saved_bytes(stage: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor | None,
