@@ -35,6 +35,7 @@ from coordinator.scheduler.memory import (
     stage_bytes,
     stages_bytes,
 )
+from coordinator.scheduler.steptime import StepShape, simulate_step
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import ModelSpec
 
@@ -111,6 +112,57 @@ def test_stage_flops_is_six_per_weight_and_token_plus_attention() -> None:
     per_layer = 6 * (4 * d * d + 2 * d * ff) + 12 * spec.seq_len * d
     assert stage_flops(spec, 0, 1, 10) == 10 * per_layer  # the embedding lookup is free
     assert stage_flops(spec, 3, 4, 10) == 10 * (per_layer + 6 * d * v)
+
+
+# --- the benchmark's setting (bench/uneven.py), worked out by hand ---
+
+def _compute_only(n: int) -> Network:
+    """Links that cost nothing: only compute and the schedule's order are left."""
+    return Network(delay_ms=np.zeros((n, n)), bandwidth_gbps=np.full((n, n), 1e12))
+
+
+def test_an_uneven_pipeline_is_paced_by_its_slowest_stage_by_hand() -> None:
+    # One unit: one layer's forward + backward of a micro-batch on the fast device; 6 layers,
+    # 2 stages, 4 micro-batches, GPipe. Even split, slow device on stage 1 (3 and 6 units per
+    # micro-batch): stage 1's forwards end at 1 + 2(i+1) -> 9, its backwards 4 each -> 25,
+    # stage 0's last backward 2 more: 27. The slow device first gives 27 as well. Split 2:4
+    # with the slow device on the 2 (4 units each, 4/3 forward, 8/3 backward): stage 1's
+    # forwards end at 4/3 (i+2) -> 20/3, its backwards at 20/3 + 4 x 8/3, stage 0's last
+    # backward at 20: 1.35x, not the 1.5x of the slowest stage alone (the fill and drain).
+    shape = StepShape(micro_batches=4, act_bytes=0.0, grad_bytes=[0.0, 0.0])
+    net = _compute_only(2)
+    assert simulate_step(net, [[0], [1]], shape, [[3.0], [6.0]]).step_s == pytest.approx(27)
+    assert simulate_step(net, [[0], [1]], shape, [[6.0], [3.0]]).step_s == pytest.approx(27)
+    assert simulate_step(net, [[0], [1]], shape, [[4.0], [4.0]]).step_s == pytest.approx(20)
+
+
+def test_every_replica_waits_for_the_slowest_pipeline_by_hand() -> None:
+    # 2 x 2, even split: a slow device in each stage, one per pipeline (the grid of the
+    # issue's first run), paces both pipelines at 27 units; both slow devices in one pipeline
+    # make that pipeline 30 (stage 1's forwards end at 10, 4 backwards of 4, one more of 4),
+    # and the data-parallel sync holds the fast pipeline until then.
+    shape = StepShape(micro_batches=4, act_bytes=0.0, grad_bytes=[0.0, 0.0])
+    net = _compute_only(4)
+    mixed = simulate_step(net, [[0, 1], [2, 3]], shape, [[3.0, 6.0], [6.0, 3.0]])
+    apart = simulate_step(net, [[0, 1], [2, 3]], shape, [[6.0, 3.0], [6.0, 3.0]])
+    assert mixed.step_s == pytest.approx(27) and apart.step_s == pytest.approx(30)
+
+
+def test_the_benchmarks_plan_gives_the_slow_device_two_layers_of_six() -> None:
+    # gpt-mini, 2 stages x 1 replica, batch 16 in 4 micro-batches, a 2:1 speed mix on the
+    # loopback figures a job without measured links uses: 2:4 (or 4:2), whichever stage the
+    # slow device holds, and the model expects ~1.3x (27/20 less the head on the fast stage)
+    spec = get_preset("gpt-mini")
+    delay = np.ones((2, 2))
+    np.fill_diagonal(delay, 0.0)
+    net = Network(delay_ms=delay, bandwidth_gbps=np.ones((2, 2)))
+    work = Workload(spec, 2, 1, global_batch=16, micro_batches=4)
+    dev = Devices.of([2.6e10, 1.3e10])
+    for grid, want in (([[1], [0]], [2, 4]), ([[0], [1]], [4, 2])):
+        found = best_split(net, grid, work, dev)
+        even = score(net, grid, work, dev, [3, 3])
+        assert found.splits == want
+        assert 1.25 < even.step.step_s / found.step.step_s < 27 / 20
 
 
 # --- memory ---
