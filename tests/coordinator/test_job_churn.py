@@ -5,6 +5,7 @@ coordinator restart that adopts the job from its state directory."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -319,3 +320,22 @@ def test_a_restarted_coordinator_keeps_the_stages_a_shrunk_job_grows_back_to(
         assert [list(a.checkpoint_splits) for a in assigns] == [[4], [4]]
         task.cancel()
     asyncio.run(main())
+
+
+def test_a_recovery_does_not_plan_or_measure_an_agent_silent_since_the_fault() -> None:
+    """Issue 11's defect: re-measuring after a loss first probed the dead agent (about 40 s of
+    probe timeouts), because the registry had not yet swept it. Only agents heard from since
+    the fault count; the dead one is swept by its missed heartbeats meanwhile."""
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        dead = h.job.members[0]
+        h.registry.agents[dead].silent_since = time.monotonic() - 1.0  # died a second ago
+        h.report(h.job.members[1], WorkerState.FAILED, error="peer died", error_kind="peer")
+        await until(lambda: "5 of 6 alive" in h.job.message)  # not planned, not measured
+        assert len(h.measurer.rounds) == 1 and h.job.epoch == 1
+        lose(h, dead)  # the registry's sweep
+        await h.running_epoch(2)
+        assert dead not in h.job.members
+        assert all(dead not in r for r in h.measurer.rounds[1:]), h.measurer.rounds
+        assert h.job.plan is not None and (h.job.plan.stages, h.job.plan.replicas) == (2, 2)
+    run(churn_config(min_agents=4), body, agents=6)

@@ -35,6 +35,7 @@ class FakeAgent:
             agent_id=f"agent-{index}", host=f"10.0.0.{index + 1}", port=7071,
             device=common_pb2.DeviceInfo(kind="cpu", flops=1e10, memory_bytes=2**34))
         self.inbox: list[coordinator_pb2.Command] = []
+        self.silent_since: float | None = None  # a dead agent the registry has not swept
 
     @property
     def agent_id(self) -> str:
@@ -42,7 +43,7 @@ class FakeAgent:
 
     @property
     def last_seen(self) -> float:  # a live fake agent heartbeats all the time
-        return time.monotonic()
+        return self.silent_since if self.silent_since is not None else time.monotonic()
 
     @property
     def state(self) -> int:  # no setter: only the registry changes it
