@@ -201,7 +201,10 @@ class Cluster:
         return {self.agent_id(n): n for n in self.agents}
 
     def worker_pids(self, name: str) -> list[int]:
-        """The live worker processes started by agent `name` (by their assignment's path)."""
+        """The live worker processes training for agent `name`: a fresh worker names its
+        assignment's path on its command line; a spare that took an assignment (it got the
+        path on stdin) has moved its stdout to the assignment's log. An idle spare has
+        neither, and is not a worker to kill."""
         mark = f"{self.work / name / 'work'}/"
         pids = []
         for d in Path("/proc").iterdir():
@@ -209,8 +212,10 @@ class Cluster:
                 continue
             with contextlib.suppress(OSError):
                 cmd = (d / "cmdline").read_bytes().split(b"\0")
-                if b"agent.worker" in cmd and any(c.decode(errors="replace").startswith(mark)
-                                                  for c in cmd):
+                if b"agent.worker" not in cmd:
+                    continue
+                if any(c.decode(errors="replace").startswith(mark) for c in cmd) or \
+                        os.readlink(d / "fd" / "1").startswith(mark):
                     pids.append(int(d.name))
         return pids
 
