@@ -650,7 +650,7 @@ class Job:
             net, found["grid"], work, dev, move=grid is None)
         found["split_note"] = f"{','.join(map(str, found['splits']))} ({why})"
         check_fit(found["grid"], stages_bytes(work.memory(), found["splits"]), dev.memory,
-                  names=ids, pools=dev.pools or None)
+                  names=ids, pools=dev.pools or None, moments_dtype=work.moments_dtype)
         assert work.compression is not None
         found["codecs"] = work.compression.choose(net, found["grid"])  # per link, for auto
         return {**found, **score(net, found["grid"], dp_gb, pp_gb, work.compression)}

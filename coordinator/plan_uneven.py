@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help='JSON {"flops": [...], "memory_bytes": [...]}, one entry per device')
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe",
                    help="pipeline schedule (activations held: GPipe M micro-batches, 1F1B S)")
+    g.add_argument("--moments-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="what AdamW stores its two moments in: 16 or 12 bytes per parameter "
+                   "(default: %(default)s)")
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -91,11 +94,12 @@ def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages:
                          "to split)")
     spec = get_preset(args.model)
     work = Workload(spec, stages, replicas, batch, args.micro_batches, args.schedule,
-                    "fp32" if args.dtype == "fp32" else "bf16", args.dtype)
+                    "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
+                    moments_dtype=args.moments_dtype)
     dev = devices(args, net.size)
     placed = plan_split(net, grid, work, dev, seconds=args.seconds or SPLIT_SECONDS)
     need = stages_bytes(work.memory(), placed.best.splits)
-    check_fit(placed.best.grid, need, dev.memory.tolist())
+    check_fit(placed.best.grid, need, dev.memory.tolist(), moments_dtype=args.moments_dtype)
     step = placed.best.step
     return {"grid": placed.best.grid, "layer_splits": placed.best.splits,
             "split_reason": placed.reason, "stage_bytes": need,

@@ -140,9 +140,12 @@ class Shortfall:
 
 
 POOL_NAMES_SHOWN = 4
-ADVICE = ("use more pipeline stages or agents on other machines, store AdamW's moments in bf16 "
-          "(--moments-dtype bf16: 12 instead of 16 bytes per parameter), fewer replicas per "
-          "machine, fewer or smaller micro-batches, or devices with more memory")
+def advice(moments_dtype: str = "fp32") -> str:
+    """What to try when a plan does not fit; bf16 moments only where they are not on yet."""
+    bf16 = ("store AdamW's moments in bf16 (--moments-dtype bf16: 12 instead of 16 bytes per "
+            "parameter), " if moments_dtype == "fp32" else "")
+    return (f"use more pipeline stages or agents on other machines, {bf16}fewer replicas per "
+            "machine, fewer or smaller micro-batches, or devices with more memory")
 
 
 def gib(n: float) -> str:
@@ -188,18 +191,18 @@ class DoesNotFit(ValueError):
     """A plan whose stages cannot fit some device's memory; names the worst one."""
 
     def __init__(self, worst: Shortfall, count: int, name: str = "",
-                 names: Sequence[str] | None = None) -> None:
+                 names: Sequence[str] | None = None, moments_dtype: str = "fp32") -> None:
         self.worst, self.count = worst, count
         more = f" ({count - 1} other device(s) too)" if count > 1 else ""
-        super().__init__(f"{worst.describe(name, names)}{more}: {ADVICE}")
+        super().__init__(f"{worst.describe(name, names)}{more}: {advice(moments_dtype)}")
 
 
 def check_fit(grid: Sequence[Sequence[int]], needed: Sequence[int],
               available: Sequence[int], names: Sequence[str] | None = None,
-              pools: Sequence[str] | None = None) -> None:
+              pools: Sequence[str] | None = None, moments_dtype: str = "fp32") -> None:
     """Raise `DoesNotFit` naming the device (or the shared memory pool) that misses the most
     bytes, if any does."""
     short = shortfalls(grid, needed, available, pools)
     if short:
         name = names[short[0].device] if names is not None else ""
-        raise DoesNotFit(short[0], len(short), name, names)
+        raise DoesNotFit(short[0], len(short), name, names, moments_dtype)

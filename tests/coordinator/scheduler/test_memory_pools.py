@@ -16,7 +16,7 @@ import pytest
 from agent import device
 from coordinator.scheduler.compute import Devices, Workload
 from coordinator.scheduler.memory import (
-    ADVICE,
+    advice,
     DoesNotFit,
     MemoryShape,
     check_fit,
@@ -55,7 +55,7 @@ def test_devices_alone_fit_but_their_shared_pool_does_not() -> None:
     msg = str(err.value)
     assert "the 4 agents sharing one machine's memory (a, b, c, d; memory pool m)" in msg
     assert "cannot hold stages 0, 1 together" in msg
-    assert "(5000 bytes)" in msg and "(3000 bytes)" in msg and msg.endswith(ADVICE)
+    assert "(5000 bytes)" in msg and "(3000 bytes)" in msg and msg.endswith(advice())
     assert err.value.worst.missing == 2000 and err.value.worst.devices == (0, 1, 2, 3)
 
 
@@ -184,3 +184,10 @@ def test_eight_gpt_1_3b_stages_on_one_23_gib_machine(model: str, moments: str,
     else:
         with pytest.raises(DoesNotFit, match="the 8 agents sharing one machine's memory"):
             check_fit(grid, need, [box] * 8, pools=["box"] * 8)
+
+
+def test_the_advice_suggests_bf16_moments_only_when_they_are_not_on() -> None:
+    for moments, suggested in (("fp32", True), ("bf16", False)):
+        with pytest.raises(DoesNotFit) as err:
+            check_fit(GRID, NEED, [3000] * 4, pools=["m"] * 4, moments_dtype=moments)
+        assert ("--moments-dtype bf16" in str(err.value)) is suggested
