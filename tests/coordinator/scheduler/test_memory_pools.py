@@ -16,9 +16,9 @@ import pytest
 from agent import device
 from coordinator.scheduler.compute import Devices, Workload
 from coordinator.scheduler.memory import (
-    advice,
     DoesNotFit,
     MemoryShape,
+    advice,
     check_fit,
     param_state_bytes,
     shortfalls,
