@@ -45,7 +45,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-links-") as scratch, measurement_wan(
             delay.tolist(), bandwidth.tolist()) as wan:
         cluster = WanCluster(wan, Path(args.workdir or scratch), agents=n)
-        ids = cluster.start()
+        ids = cluster.start(prewarm=False)  # measuring only
         print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
         started = time.monotonic()
         measured = cluster.measure()

@@ -91,7 +91,7 @@ def measured_world(per_city: int, scale: float,
             measurement_wan(delay, bandwidth) as wan:
         root = Path(workdir or scratch)
         cluster = WanCluster(wan, root, agents=n)
-        ids = cluster.start()
+        ids = cluster.start(prewarm=False)  # measuring only
         print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
         t0 = time.monotonic()
         links = cluster.measure()

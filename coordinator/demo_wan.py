@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     n = len(delay)
     with measurement_wan(delay, bandwidth) as wan:
         cluster = WanCluster(wan, workdir, agents=n)
-        ids = cluster.start()
+        ids = cluster.start(prewarm=False)  # measuring only
         city_of = {agent: cities[i] for i, agent in enumerate(ids)}
         _say(args, f"demo: {n} agents in {len(set(cities))} emulated cities; measuring "
                    f"{n * (n - 1)} links ...")

@@ -85,8 +85,13 @@ class WanCluster:
         self.procs.append(proc)
         return proc
 
-    def start(self, timeout: float = 60.0) -> list[str]:
-        """Start everything; return agent ids in host order (agent i is on host i + 1)."""
+    def start(self, timeout: float = 60.0, prewarm: bool = True) -> list[str]:
+        """Start everything; return agent ids in host order (agent i is on host i + 1).
+
+        `prewarm=False` starts the agents without their spare workers: a cluster started only
+        to measure links must, because every emulated host shares this machine's cores, and N
+        spares importing torch while the agents ping each other inflate one end's round trips
+        until the two ends of a pair disagree and the pair is dropped as contradictory."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._spawn(0, ["coordinator", "start", "--listen", self.coordinator_address,
                         "--liveness-timeout", "10", *self.coordinator_args], "coordinator")
@@ -95,7 +100,8 @@ class WanCluster:
             self.agent_procs.append(self._spawn(host, [
                 "agent", "start", "--coordinator", self.coordinator_address,
                 "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
-                "--state-dir", str(self.workdir / f"agent-{i}")], f"agent-{i}"))
+                "--state-dir", str(self.workdir / f"agent-{i}"),
+                *([] if prewarm else ["--no-prewarm"])], f"agent-{i}"))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -35,7 +35,7 @@ def test_a_job_trains_across_emulated_hosts_with_each_dp_group_in_one_city(
         tmp_path: Path) -> None:
     with measurement_wan(DELAY, RATE) as wan:
         cluster = WanCluster(wan, tmp_path, agents=4)
-        ids = cluster.start()
+        ids = cluster.start(prewarm=False)  # measuring only
         links = cluster.measure(timeout=120)
         cluster.stop()
         links_path = tmp_path / "links.json"
