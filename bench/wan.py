@@ -76,7 +76,8 @@ def run_job(cluster: WanCluster, args: argparse.Namespace, placement: str,
               f"{job['total_steps']} loss {job['loss']:.3f} measured "
               f"{job['measured_step_s']:.2f} s/step", file=sys.stderr, flush=True)
 
-    return cluster.train(job_args, placement, links, args.timeout, watch)
+    return cluster.train(job_args, placement, links, args.timeout, watch,
+                         prewarm=False)  # steady steps: no spares importing beside them
 
 
 @contextmanager

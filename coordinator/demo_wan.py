@@ -112,5 +112,6 @@ def _train(cluster: Any, args: argparse.Namespace, job_args: list[str], placemen
             shown["line"] = line
             _say(args, line)
 
-    return cluster.train(job_args, placement, links, args.timeout, watch)
+    return cluster.train(job_args, placement, links, args.timeout, watch,
+                         prewarm=False)  # steady steps: no spares importing beside them
 

@@ -145,14 +145,18 @@ class WanCluster:
                            f"{status.get('job', {}).get('state')}); logs in {self.workdir}")
 
     def train(self, job_args: Sequence[str], placement: str, links: Path, timeout: float,
-              on_status: Any = None) -> dict[str, Any]:
+              on_status: Any = None, prewarm: bool = True) -> dict[str, Any]:
         """Start the cluster with a job under `placement` on the measured matrix `links`, wait
         for it to end, stop the cluster; return what the coordinator reported about it.
 
-        `job_args`: the job's own flags (--model, --agents, --stages, --steps, ...)."""
+        `job_args`: the job's own flags (--model, --agents, --stages, --steps, ...).
+        `prewarm=False`: agents without spare workers. A benchmark of steady steps wants that
+        here: each agent starts its next spare after its worker's first step, and N spares
+        importing torch on this machine's shared cores slow the steps being measured (on
+        real hosts a spare shares only its own machine)."""
         self.coordinator_args = [*job_args, "--placement", placement, "--links", str(links),
                                  "--max-restarts", "0"]
-        self.start()
+        self.start(prewarm=prewarm)
         started = time.monotonic()
         marks: dict[str, float] = {}
 
