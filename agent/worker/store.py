@@ -60,64 +60,26 @@ def bind_listener(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-class GroupAddressStore(dist.Store):
-    """The world's store, with a new gloo group's addresses fetched in one round trip.
-
-    Creating a gloo group, each member publishes its address under `PREFIX/<group rank>`,
-    then for every member in turn waits for that key and reads it: 2 x size sequential round
-    trips to rank 0's host (8 for a 4-stage pipeline's group, 300-400 ms each between the
-    emulated cities). Told what comes (`expect`, by `world.py` around each group it creates),
-    the first wait for `PREFIX/0` after this rank published `PREFIX/<its rank>` waits for all
-    `size` keys at once and reads them with one `multi_get`; the per-member waits and reads
-    that follow are answered from that. Anything else, and everything when not told, passes
-    straight through, so what gloo receives is byte for byte what the store holds.
-    """
+class ForwardingStore(dist.Store):
+    """A store that passes every call to `inner`: the base for a store that changes a few
+    (a python `dist.Store` subclass must implement each method torch may call)."""
 
     def __init__(self, inner: dist.Store) -> None:
         super().__init__()
         self.inner = inner
-        self._expect: tuple[int, int] | None = None  # (group size, this rank's group rank)
-        self._prefix: str | None = None  # the key prefix this rank published its address under
-        self._fetched: dict[str, bytes] = {}
-        self.batched = 0  # groups whose addresses came in one fetch (the tests count them)
 
-    def expect(self, size: int | None, group_rank: int = 0) -> None:
-        """The next group created has `size` members and this rank is `group_rank` in it;
-        None when it is created (a stale hint must not apply to a later group)."""
-        self._expect = None if size is None else (size, group_rank)
-        self._prefix = None
-        self._fetched.clear()
-
-    # what group creation calls, with the one shortcut
     def set(self, key: str, value: bytes | str) -> None:
-        if self._expect is not None and key.endswith(f"/{self._expect[1]}"):
-            self._prefix = key[: key.rfind("/") + 1]
         self.inner.set(key, value)
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        keys = list(keys)
-        if self._expect is not None and self._prefix is not None and keys == [self._prefix + "0"]:
-            members = [f"{self._prefix}{i}" for i in range(self._expect[0])]
-            self._wait(members, timeout)
-            self._fetched = dict(zip(members, self.inner.multi_get(members), strict=True))
-            self._expect = None
-            self.batched += 1
-            return
-        if keys and all(k in self._fetched for k in keys):
-            return
-        self._wait(keys, timeout)
-
-    def _wait(self, keys: list[str], timeout: timedelta | None) -> None:
-        if timeout is None:
-            self.inner.wait(keys)
-        else:
-            self.inner.wait(keys, timeout)
-
     def get(self, key: str) -> bytes:
-        got = self._fetched.pop(key, None)
-        return got if got is not None else self.inner.get(key)
+        return self.inner.get(key)
 
-    # everything else: straight through
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(list(keys))
+        else:
+            self.inner.wait(list(keys), timeout)
+
     def add(self, key: str, value: int) -> int:
         return self.inner.add(key, value)
 
@@ -147,3 +109,54 @@ class GroupAddressStore(dist.Store):
 
     def has_extended_api(self) -> bool:
         return self.inner.has_extended_api()
+
+
+class GroupAddressStore(ForwardingStore):
+    """The world's store, with a new gloo group's addresses fetched in one round trip.
+
+    Creating a gloo group, each member publishes its address under `PREFIX/<group rank>`,
+    then for every member in turn waits for that key and reads it: 2 x size sequential round
+    trips to rank 0's host (8 for a 4-stage pipeline's group, 300-400 ms each between the
+    emulated cities). Told what comes (`expect`, by `world.py` around each group it creates),
+    the first wait for `PREFIX/0` after this rank published `PREFIX/<its rank>` waits for all
+    `size` keys at once and reads them with one `multi_get`; the per-member waits and reads
+    that follow are answered from that. Anything else, and everything when not told, passes
+    straight through, so what gloo receives is byte for byte what the store holds.
+    """
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__(inner)
+        self._expect: tuple[int, int] | None = None  # (group size, this rank's group rank)
+        self._prefix: str | None = None  # the key prefix this rank published its address under
+        self._fetched: dict[str, bytes] = {}
+        self.batched = 0  # groups whose addresses came in one fetch (the tests count them)
+
+    def expect(self, size: int | None, group_rank: int = 0) -> None:
+        """The next group created has `size` members and this rank is `group_rank` in it;
+        None when it is created (a stale hint must not apply to a later group)."""
+        self._expect = None if size is None else (size, group_rank)
+        self._prefix = None
+        self._fetched.clear()
+
+    # what group creation calls, with the one shortcut
+    def set(self, key: str, value: bytes | str) -> None:
+        if self._expect is not None and key.endswith(f"/{self._expect[1]}"):
+            self._prefix = key[: key.rfind("/") + 1]
+        self.inner.set(key, value)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        keys = list(keys)
+        if self._expect is not None and self._prefix is not None and keys == [self._prefix + "0"]:
+            members = [f"{self._prefix}{i}" for i in range(self._expect[0])]
+            super().wait(members, timeout)
+            self._fetched = dict(zip(members, self.inner.multi_get(members), strict=True))
+            self._expect = None
+            self.batched += 1
+            return
+        if keys and all(k in self._fetched for k in keys):
+            return
+        super().wait(keys, timeout)
+
+    def get(self, key: str) -> bytes:
+        got = self._fetched.pop(key, None)
+        return got if got is not None else self.inner.get(key)

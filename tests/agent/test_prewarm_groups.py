@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agent.worker.store import GroupAddressStore
+from agent.worker.store import ForwardingStore, GroupAddressStore
 from agent.worker.world import _member_group
 from dtfm.rpc import free_port
 
@@ -25,15 +25,12 @@ WORLD = 4
 TIMEOUT = timedelta(seconds=60)
 
 
-class Counting(dist.Store):
+class Counting(ForwardingStore):
     """Passes everything to the TCPStore and counts the waits and reads that reach it."""
 
     def __init__(self, inner: dist.Store) -> None:
-        super().__init__()
-        self.inner, self.waits, self.reads = inner, 0, 0
-
-    def set(self, key: str, value: bytes) -> None:
-        self.inner.set(key, value)
+        super().__init__(inner)
+        self.waits, self.reads = 0, 0
 
     def get(self, key: str) -> bytes:
         self.reads += 1
@@ -43,27 +40,9 @@ class Counting(dist.Store):
         self.reads += 1
         return self.inner.multi_get(keys)
 
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
         self.waits += 1
-        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-    def add(self, key: str, value: int) -> int:
-        return self.inner.add(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self.inner.compare_set(key, expected, desired)
-
-    def delete_key(self, key: str) -> bool:
-        return self.inner.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.inner.set_timeout(timeout)
+        super().wait(keys, timeout)
 
 
 def _rank(rank: int, port: int, batch: bool, results: dict[int, tuple[int, int, float]]) -> None:
