@@ -216,7 +216,23 @@ def load_stage(root: str | Path, stage: int, step: int, *,
     return state
 
 
-class Finder:
+class _Steps:
+    """What `Finder` and `SpanFinder` share: the newest of their `steps` that is `intact`."""
+
+    steps: list[int]
+
+    def intact(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def newest_intact(self, at_most: int | None = None) -> int:
+        """The newest intact step <= `at_most` (no bound: None), or 0 if there is none."""
+        for step in reversed(self.steps):
+            if (at_most is None or step <= at_most) and self.intact(step):
+                return step
+        return 0
+
+
+class Finder(_Steps):
     """This stage's checkpoints of one job, newest first, each verified at most once.
 
     Verifying reads the whole file, so it is lazy: usually only the newest step is read.
@@ -231,13 +247,6 @@ class Finder:
         self.steps = steps_available(root, stage)
         self._verdict: dict[int, str | None] = {}
 
-    def newest_intact(self, at_most: int | None = None) -> int:
-        """The newest intact step <= `at_most` (no bound: None), or 0 if there is none."""
-        for step in reversed(self.steps):
-            if (at_most is None or step <= at_most) and self.intact(step):
-                return step
-        return 0
-
     def intact(self, step: int) -> bool:
         if step not in self._verdict:
             reason = verify(self.root, self.stage, step, job_id=self.job_id,
@@ -248,7 +257,7 @@ class Finder:
         return self._verdict[step] is None
 
 
-class SpanFinder:
+class SpanFinder(_Steps):
     """The steps that every stage folder a worker resumes from holds intact, with the layer
     range it must hold (one `Finder` per source; the same questions as a `Finder`)."""
 
@@ -260,13 +269,6 @@ class SpanFinder:
                                on_reject=on_reject) for src in srcs]
         common = set(self.finders[0].steps).intersection(*(f.steps for f in self.finders[1:]))
         self.steps = sorted(common)
-
-    def newest_intact(self, at_most: int | None = None) -> int:
-        """The newest step <= `at_most` every source holds intact, or 0 if there is none."""
-        for step in reversed(self.steps):
-            if (at_most is None or step <= at_most) and self.intact(step):
-                return step
-        return 0
 
     def intact(self, step: int) -> bool:
         return all(f.intact(step) for f in self.finders)
