@@ -19,6 +19,9 @@ three moves, all through the agents' authenticated `Agent` service:
   old split gave it (`dtfm.core.checkpoints.sources`).
 - **Mirroring** (`CheckpointCopier.start_mirrors`): while an assignment runs, every few
   seconds, copy the mirrored stage's newest steps from its holder, and prune like a worker.
+  The agent's heartbeats report the newest step mirrored (`mirrored`); the coordinator answers
+  with the oldest such step of any stage, which every agent keeps (`keep_from`), so a stage
+  lost with its agent and the stages that survive still share a step to resume from.
 
 A copy is installed like a worker's own write: each file downloads to a hidden partial name
 carrying the sha256 it must end with (so a broken transfer resumes from its length, and only
@@ -341,6 +344,10 @@ class CheckpointCopier:
         self.budget_s = budget_s
         self.mirror_interval_s = mirror_interval_s
         self._mirrors: list[asyncio.Task[None]] = []
+        # stage -> newest complete step mirrored, for this agent's heartbeats to report
+        self.mirrored: dict[int, int] = {}
+        self._floor_job = ""  # the job whose checkpoints this agent's worker writes here
+        self._floor = 0
 
     @staticmethod
     def applies(a: common_pb2.Assignment) -> bool:
@@ -372,6 +379,10 @@ class CheckpointCopier:
         holds a newer complete checkpoint than this agent holds intact, copy the newest ones
         (up to KEEP) here, so the worker resumes from them. Never raises: on failure or after
         the time budget the worker starts with what is here and says what it resumes from."""
+        # a floor names a step of the epoch that set it: the coordinator sets the new one
+        self._floor_job, self._floor = (a.job_id if self.applies(a) else ""), 0
+        if self._floor_job:
+            await asyncio.to_thread(ondisk.write_floor, ondisk.job_dir(self.root, a.job_id), 0)
         if not (a.checkpoint_peers and self.applies(a)):
             return
         root = ondisk.job_dir(self.root, a.job_id)
@@ -429,6 +440,19 @@ class CheckpointCopier:
             log.warning("checkpoint: stage %d of job %s: no peer delivered steps %s; the "
                         "worker starts from step %d or older", stage, a.job_id, newer, have)
 
+    async def keep_from(self, job_id: str, step: int) -> None:
+        """Keep every checkpoint step of `job_id` from `step` on, as the coordinator asks
+        (`Ack.keep_checkpoints_from`, `dtfm.core.checkpoints.write_floor`)."""
+        if step and job_id == self._floor_job and step != self._floor:
+            try:
+                await asyncio.to_thread(ondisk.write_floor, ondisk.job_dir(self.root, job_id),
+                                        step)
+            except OSError as e:  # the heartbeat goes on; the worker's own write says more
+                log.warning("checkpoint: cannot record that step %d of job %s must be kept: "
+                            "%s", step, job_id, e)
+                return
+            self._floor = step
+
     # ---- mirrors ----
 
     def start_mirrors(self, a: common_pb2.Assignment) -> None:
@@ -447,6 +471,7 @@ class CheckpointCopier:
 
     async def stop_mirrors(self) -> None:
         tasks, self._mirrors = self._mirrors, []
+        self.mirrored = {}
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -461,6 +486,10 @@ class CheckpointCopier:
             while True:
                 try:
                     await self.mirror_once(peers[0], job_id, stage)
+                    mine = await asyncio.to_thread(held, ondisk.job_dir(self.root, job_id),
+                                                   stage, job_id)
+                    if mine.newest:
+                        self.mirrored[stage] = mine.newest
                     if failing:
                         log.info("checkpoint: mirror of stage %d from %s works again", stage,
                                  address)

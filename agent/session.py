@@ -184,13 +184,18 @@ class CoordinatorSession:
             pp_wait_s=p.pp_wait_s, dp_s=p.dp_s, error_kind=clip(p.error_kind, MAX_KIND),
             pp_bytes_sent=p.pp_bytes_sent, dp_bytes_sent=p.dp_bytes_sent,
             agent_secret=self.secret,
+            mirrored_steps=copier.mirrored if (copier := self.supervisor.checkpoints) else {},
         )
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:
         assert self._stub is not None
         while not self._leaving:
             try:
-                await self._stub.ReportProgress(self.progress_report(), timeout=5.0)
+                report = self.progress_report()
+                ack = await self._stub.ReportProgress(report, timeout=5.0)
+                if ack.keep_checkpoints_from and self.supervisor.checkpoints is not None:
+                    await self.supervisor.checkpoints.keep_from(report.job_id,
+                                                                ack.keep_checkpoints_from)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     log.warning("coordinator forgot us (restarted?); rejoining")

@@ -117,9 +117,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"agent {request.agent_id!r} has not joined: call Join first",
             )
         self.job.on_progress(rec, request)
+        floor = 0
         if request.job_id and request.job_id == self.job.job_id:
             self.history.record(rec.agent_id, request)
-        return coordinator_pb2.Ack(ok=True)
+            if request.epoch == self.job.epoch:
+                floor = self.job.checkpoint_floor()
+        return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor)
 
     async def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.aio.ServicerContext

@@ -76,6 +76,9 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
         return (f"worker_state {report.worker_state} is not a dtfm.v1.WorkerState (one of "
                 f"{min(WORKER_STATES)}..{max(WORKER_STATES)}); is the agent newer than "
                 "this coordinator?")
+    if len(report.mirrored_steps) > MAX_AGENTS:
+        return (f"mirrored_steps names {len(report.mirrored_steps)} stages; a job has at "
+                f"most {MAX_AGENTS}")
     return _first(
         number_problem("loss", report.loss, None),
         number_problem("tokens_per_s", report.tokens_per_s),

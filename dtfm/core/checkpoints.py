@@ -22,6 +22,13 @@ ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.manifest.json   size and sha256 of the f
 - **Pruned** (`prune`): the newest `KEEP` complete steps of a stage stay; older ones, steps
   newer than the newest one kept (a timeline the job abandoned), temp files of dead writers
   and stale partial downloads go.
+- **Kept for a lagging mirror** (`write_floor`, `ROOT/<job id>/keep-from`): a stage with one
+  replica survives its agent only as the copy the next stage's agent mirrors, every few
+  seconds, so that copy may hold an older step than the other stages still keep. Every stage
+  must hold the step a recovery resumes from, so while the coordinator names a floor (the
+  oldest step any mirror holds as its newest) every step from it on is kept too, up to
+  `MAX_HELD` steps. Without the floor a fast job left a lost stage's mirror at step 10 while
+  the survivors kept only 25 and 30, and the recovery restarted from step 0.
 
 - **Read across a re-split** (`sources`): a job that changed its stage count (fewer stages
   after losing agents, more when growing back) resumes from checkpoints cut at the old
@@ -50,6 +57,9 @@ from dtfm.core.layout import layer_ranges
 log = logging.getLogger(__name__)
 
 KEEP = 2  # complete steps kept per stage: the newest, and one to fall back on
+# steps kept from the floor on at most: a mirror that stops copying must not fill the disk
+MAX_HELD = 16
+FLOOR_NAME = "keep-from"
 MANIFEST_FORMAT = "dtfm-checkpoint/1"
 MAX_STEP = 99_999_999  # step numbers have 8 digits in file names
 DATA_RE = re.compile(r"^step-(\d{8})\.pt$")
@@ -254,14 +264,45 @@ def private_dir(d: Path) -> None:
             log.warning("checkpoint: cannot make %s private (not its owner)", part)
 
 
+def write_floor(root: str | Path, step: int) -> None:
+    """Ask `prune` to keep every complete step from `step` on (0: forget the floor). The file
+    is advisory and rewritten on every heartbeat, so a plain replace is durable enough."""
+    path = Path(root) / FLOOR_NAME
+    if step <= 0:
+        path.unlink(missing_ok=True)
+        return
+    Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{FLOOR_NAME}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp.write_text(f"{step}\n")
+    os.replace(tmp, path)
+
+
+def read_floor(root: str | Path) -> int:
+    """The floor `write_floor` set, or 0 (none, or unreadable: then only KEEP are kept)."""
+    try:
+        text = (Path(root) / FLOOR_NAME).read_text().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
 def prune(root: str | Path, stage: int, newest: int) -> list[int]:
-    """Keep the newest KEEP complete steps up to `newest`; remove every other step's files
-    (older ones, incomplete ones, and any newer than `newest`: an abandoned timeline), temp
-    files of writers that died, and partial downloads of steps up to `newest` (one of a newer
-    step may still be resumed). Returns the steps kept."""
+    """Keep the newest KEEP complete steps up to `newest`, and those from the floor on (at
+    most MAX_HELD; see `write_floor`); remove every other step's files (older ones,
+    incomplete ones, and any newer than `newest`: an abandoned timeline), temp files of
+    writers that died, and partial downloads of steps up to `newest` (one of a newer step may
+    still be resumed). Returns the steps kept."""
     d = stage_dir(root, stage)
     done = [s for s in steps_available(root, stage) if s <= newest and complete(root, stage, s)]
     keep = set(done[-KEEP:])
+    if floor := read_floor(root):
+        held = [s for s in done if s >= floor]
+        if len(held) > MAX_HELD:
+            log.warning("checkpoint: stage %d keeps only its newest %d steps, not all %d from "
+                        "step %d, which a mirror still holds as its newest: a fault now may "
+                        "resume from an older step (is a mirror failing to copy?)", stage,
+                        MAX_HELD, len(held), floor)
+        keep.update(held[-MAX_HELD:])
     for p in d.iterdir():
         m = DATA_RE.match(p.name) or MANIFEST_RE.match(p.name) or TMP_RE.match(p.name)
         if m and int(m.group(1)) not in keep:

@@ -429,3 +429,66 @@ def test_a_stop_during_the_fetch_cancels_it_and_no_worker_starts(tmp_path: Path)
         assert not list((tmp_path / "work").glob("*.assignment.pb"))
 
     run(main)
+
+
+# ---- the floor: steps kept for a lagging mirror ----
+
+
+def test_a_floor_keeps_every_step_a_lagging_mirror_may_resume_from(tmp_path: Path) -> None:
+    """Without the floor the writer keeps its newest KEEP steps only; with it, every step from
+    the floor on (at most MAX_HELD), so a stage lost with its agent, whose mirror holds an
+    older step, still shares that step with this one."""
+    root = ondisk.job_dir(tmp_path, JOB)
+    for step in (2, 4, 6, 8):
+        write_step(tmp_path, 0, step, payload(step))
+    assert steps_held(tmp_path, 0) == [6, 8]
+    ondisk.write_floor(root, 8)
+    for step in (10, 12, 14):
+        write_step(tmp_path, 0, step, payload(step))
+    assert steps_held(tmp_path, 0) == [8, 10, 12, 14]
+    ondisk.write_floor(root, 12)  # the mirrors caught up: older steps may go
+    write_step(tmp_path, 0, 16, payload(16))
+    assert steps_held(tmp_path, 0) == [12, 14, 16]
+    ondisk.write_floor(root, 0)  # forgotten: back to KEEP
+    write_step(tmp_path, 0, 18, payload(18))
+    assert steps_held(tmp_path, 0) == [16, 18]
+
+
+def test_a_floor_holds_at_most_max_held_steps(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    root = ondisk.job_dir(tmp_path, JOB)
+    ondisk.write_floor(root, 1)  # a mirror that never copies must not fill the disk
+    last = 2 * (ondisk.MAX_HELD + 3)
+    with caplog.at_level(logging.WARNING):
+        for step in range(2, last + 1, 2):
+            write_step(tmp_path, 0, step, payload(step))
+    assert steps_held(tmp_path, 0) == list(range(last - 2 * ondisk.MAX_HELD + 2, last + 1, 2))
+    assert "a mirror failing to copy" in caplog.text
+
+
+def test_a_mirror_reports_what_it_holds_and_the_agent_records_the_floor(
+        tmp_path: Path) -> None:
+    holder, mirror = tmp_path / "holder", tmp_path / "mirror"
+    write_step(holder, 0, 2, payload(2))
+    ondisk.write_floor(ondisk.job_dir(mirror, JOB), 40)  # left by an earlier epoch
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            copier = CheckpointCopier(mirror, SECURITY, mirror_interval_s=0.05)
+            a = assignment([], stage=1, mirrors=((0, address),))
+            await copier.prepare(a)  # a new epoch forgets the old floor
+            assert ondisk.read_floor(ondisk.job_dir(mirror, JOB)) == 0
+            copier.start_mirrors(a)
+            try:
+                await eventually(lambda: copier.mirrored == {0: 2}, "step 2 reported")
+                write_step(holder, 0, 4, payload(4))
+                await eventually(lambda: copier.mirrored == {0: 4}, "step 4 reported")
+            finally:
+                await copier.stop_mirrors()
+            assert copier.mirrored == {}
+            await copier.keep_from("job-other", 4)  # not this agent's job: ignored
+            assert ondisk.read_floor(ondisk.job_dir(mirror, "job-other")) == 0
+            await copier.keep_from(JOB, 4)
+            assert ondisk.read_floor(ondisk.job_dir(mirror, JOB)) == 4
+
+    run(main)

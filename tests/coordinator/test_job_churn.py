@@ -339,3 +339,53 @@ def test_a_recovery_does_not_plan_or_measure_an_agent_silent_since_the_fault() -
         assert all(dead not in r for r in h.measurer.rounds[1:]), h.measurer.rounds
         assert h.job.plan is not None and (h.job.plan.stages, h.job.plan.replicas) == (2, 2)
     run(churn_config(min_agents=4), body, agents=6)
+
+
+def test_one_replica_stages_keep_checkpoints_from_the_oldest_step_a_mirror_holds() -> None:
+    """Stage s is mirrored by stage s + 1's agent; every agent must keep the oldest step a
+    mirror holds as its newest, since a recovery after losing a stage resumes there."""
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        grid = h.job._grid_ids
+        first, second = grid[0][0], grid[1][0]
+        assert h.job.checkpoint_floor() == 1  # no mirror has copied yet: keep everything
+        h.report(second, WorkerState.TRAINING, step=9, mirrored_steps={0: 8})
+        assert h.job.checkpoint_floor() == 1  # stage 1's mirror still holds nothing
+        h.report(first, WorkerState.TRAINING, step=9, mirrored_steps={1: 4})
+        assert h.job.checkpoint_floor() == 4
+        h.report(first, WorkerState.TRAINING, step=13, mirrored_steps={1: 12})
+        assert h.job.checkpoint_floor() == 8
+        h.report(second, WorkerState.TRAINING, step=13, mirrored_steps={0: 12})
+        assert h.job.checkpoint_floor() == 12
+
+    async def main() -> None:
+        cfg = two_stage_config()
+        h = Harness(cfg)
+        h.registry.add(2)
+        task = asyncio.get_running_loop().create_task(h.job.run())
+        try:
+            await body(h)
+        finally:
+            task.cancel()
+    asyncio.run(main())
+
+
+def test_replicated_stages_and_shared_checkpoint_dirs_need_no_floor() -> None:
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        assert h.job.checkpoint_floor() == 0
+
+    for cfg in (churn_config(), two_stage_config()):
+        if cfg.replicas == 1:
+            cfg.train = TrainConfig(global_batch=4, micro_batches=2, steps=20,
+                                    checkpoint_every=4, checkpoint_dir="/shared/ckpt")
+
+        async def main(cfg: JobConfig = cfg) -> None:
+            h = Harness(cfg)
+            h.registry.add(cfg.agents)
+            task = asyncio.get_running_loop().create_task(h.job.run())
+            try:
+                await body(h)
+            finally:
+                task.cancel()
+        asyncio.run(main())

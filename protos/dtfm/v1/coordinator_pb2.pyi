@@ -128,15 +128,24 @@ class LinkReport(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., round_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.LinkSample, _Mapping]]] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("ok", "message")
+    __slots__ = ("ok", "message", "keep_checkpoints_from")
     OK_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHECKPOINTS_FROM_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     message: str
-    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    keep_checkpoints_from: int
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., keep_checkpoints_from: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent")
+    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps")
+    class MirroredStepsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +163,7 @@ class ProgressReport(_message.Message):
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     PP_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DP_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    MIRRORED_STEPS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     job_id: str
     epoch: int
@@ -171,7 +181,8 @@ class ProgressReport(_message.Message):
     worker_state: _common_pb2.WorkerState
     pp_bytes_sent: int
     dp_bytes_sent: int
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ...) -> None: ...
+    mirrored_steps: _containers.ScalarMap[int, int]
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("agent_id", "agent_secret", "reason")
