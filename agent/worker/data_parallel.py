@@ -11,12 +11,12 @@ so every replica issues the same collectives in the same order. Two ways, as in 
 
 - `allreduce`: one `all_reduce(SUM)` per bucket, then divide by R.
 - `sharded` (the paper's scatter-reduce + all-gather, as direct messages): each bucket is
-  padded to R equal shards; the hook sends shard k straight to replica k and posts receives
-  for its own shard from every peer; k sums the R copies in replica order, divides by R and
-  sends the averaged shard straight to every peer. Each replica sends and receives
-  2(R-1)/R of the bucket, like a ring, but in two hops of latency instead of a ring's
-  2(R-1) (over a 70 ms link, at R = 4, 0.14 s instead of 0.42 s, before gloo's per-step
-  handshakes); on a WAN that is most of the difference.
+  padded to R equal shards; the hook sends shard k straight to replica k; k sums the R
+  copies in replica order, divides by R and sends the averaged shard straight to every peer.
+  Each replica sends and receives 2(R-1)/R of the bucket, like a ring, but in two hops of
+  latency instead of a ring's 2(R-1) (over a 70 ms link, at R = 4, 0.14 s instead of 0.42
+  s); on a WAN that is most of the difference. Every receive of both hops is posted when the
+  step starts (`prepost`), so gloo's ready notices do not add a one-way delay to each hop.
 
 Each element is summed over the replicas and then divided by R, exactly as with one flat
 buffer, so bucketing changes no bits for R = 2 (a + b is commutative); for R > 2 the order of
@@ -70,6 +70,7 @@ class _Bucket:
     feedback: dict[int, ErrorFeedback] = field(default_factory=dict)  # per destination shard
     gather_feedback: ErrorFeedback | None = None  # for the averaged shard I own
     gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # compressed recvs
+    gather_works: list[dist.Work] = field(default_factory=list)  # averaged shards' receives
 
 
 def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -117,7 +118,7 @@ class GradAverager:
         # how long one wait for the group may block (deadline.py: adapts to the step time)
         self.deadline = deadline or Deadline.fixed(DEFAULT_CEILING_S)
         self.codec = codec
-        self._armed, self._next = False, 0
+        self._armed, self._next, self._posted = False, 0, False
         self._extras = [0.0] * extras
         self.sent_bytes = 0  # this step's bytes to the other replicas
         self.codec_s = 0.0  # this step's compressing and decompressing
@@ -149,6 +150,36 @@ class GradAverager:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- the step ----
+    def prepost(self) -> None:
+        """Post every receive of this step's averaging now, at the start of the step.
+
+        gloo sends a message only once the receiver has said it is ready, and that notice
+        takes a one-way delay to arrive: receives posted when the shards go out cost each of
+        the two hops a second one-way delay (0.1-0.3 s a step on intercontinental groups).
+        Posted a pipeline's length ahead, the notices are there before the data. The averaged
+        shards land in the bucket's own chunks: a peer sends its average only after it has
+        my copy of that chunk whole, so my send has read it by then. `arm` does this itself
+        when the caller did not."""
+        if self.size == 1 or self.mode != "sharded" or self._posted:
+            return
+        me = self.ranks.index(dist.get_rank())
+        for i, b in enumerate(self.buckets):
+            chunks = b.flat.chunk(self.size)
+            b.parts = [chunks[me] if k == me else self._recv_buffer(b, chunks[me])
+                       for k in range(self.size)]
+            tag = TAG_SCATTER + 2 * i
+            b.works = [self._async(dist.irecv(b.parts[k], self.ranks[k], self.group, tag))
+                       for k in range(self.size) if k != me]
+            if b.codec is None:
+                into = [(k, chunks[k]) for k in range(self.size) if k != me]
+            else:
+                b.gathered = [(k, self._recv_buffer(b, chunks[k]))
+                              for k in range(self.size) if k != me]
+                into = b.gathered
+            b.gather_works = [self._async(dist.irecv(buf, self.ranks[k], self.group, tag + 1))
+                              for k, buf in into]
+        self._posted = True
+
     def arm(self, extras: Sequence[float] = ()) -> None:
         """From now on, finished gradients start their bucket's collective (last backward)."""
         if len(extras) != self.n_extras:
@@ -160,8 +191,11 @@ class GradAverager:
         last.flat[last.numel : last.numel + self.n_extras] = torch.tensor(
             self._extras, dtype=last.flat.dtype
         )
+        self.prepost()
         for b in self.buckets:
-            b.ready, b.works, b.parts, b.gathered = 0, [], [], []
+            b.ready = 0
+            if self.mode == "allreduce":
+                b.works = []
         self._armed, self._next = True, 0
         self.sent_bytes, self.codec_s = 0, 0.0
 
@@ -224,11 +258,7 @@ class GradAverager:
                 // self.size
             return
         me, chunks = self.ranks.index(dist.get_rank()), b.flat.chunk(self.size)
-        b.parts = [chunks[me] if k == me else self._recv_buffer(b, chunks[me])
-                   for k in range(self.size)]
         tag = TAG_SCATTER + 2 * self.buckets.index(b)
-        b.works = [self._async(dist.irecv(b.parts[k], self.ranks[k], self.group, tag))
-                   for k in range(self.size) if k != me]
         b.works += [self._async(dist.isend(self._message(b, k, chunks[k]), self.ranks[k],
                                            self.group, tag))
                     for k in range(self.size) if k != me]
@@ -261,6 +291,7 @@ class GradAverager:
         wait_all(works, self.deadline, f"data-parallel averaging over ranks {self.ranks}")
 
     def _complete(self) -> None:
+        self._posted = False  # this step's receives are used up
         if self.mode == "sharded":
             self._gather_shards()
         for b in self.buckets:
@@ -289,10 +320,9 @@ class GradAverager:
             chunks = b.flat.chunk(self.size)
             chunks[me].copy_(mine)
             tag = TAG_SCATTER + 2 * i + 1
-            b.works = [self._async(dist.irecv(chunks[k], self.ranks[k], self.group, tag))
-                       for k in range(self.size) if k != me]
-            b.works += [self._async(dist.isend(chunks[me], self.ranks[k], self.group, tag))
-                        for k in range(self.size) if k != me]
+            b.works = b.gather_works + [
+                self._async(dist.isend(chunks[me], self.ranks[k], self.group, tag))
+                for k in range(self.size) if k != me]
             self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
 
     def _gather_compressed(self, b: _Bucket, i: int, me: int) -> None:
@@ -314,10 +344,7 @@ class GradAverager:
         chunks[me].copy_(sent)
         self.codec_s += time.perf_counter() - t0
         tag = TAG_SCATTER + 2 * i + 1
-        b.gathered = [(k, self._recv_buffer(b, chunks[k])) for k in range(self.size) if k != me]
-        b.works = [self._async(dist.irecv(buf, self.ranks[k], self.group, tag))
-                   for k, buf in b.gathered]
-        b.works += [self._async(dist.isend(msg, self.ranks[k], self.group, tag))
+        b.works = b.gather_works + [self._async(dist.isend(msg, self.ranks[k], self.group, tag))
                     for k in range(self.size) if k != me]
         self.sent_bytes += (self.size - 1) * msg.numel()
 

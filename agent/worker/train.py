@@ -276,6 +276,9 @@ class Worker:
         lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
         set_lr(opt, lr)
         opt.zero_grad(set_to_none=True)
+        # this step's data-parallel and norm-exchange receives, posted a pipeline ahead
+        averager.prepost()
+        exchange = self.world.post_exchange(2)
         _, times = pipe.train_step(
             cfg.schedule, list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches)),
             before_last_backward=lambda loss: averager.arm([loss] if last else []),
@@ -283,7 +286,7 @@ class Worker:
         dp_s, extras = averager.finish()
         t1 = time.perf_counter()
         sq = float(local_sq_norm(self.stage))
-        table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0])
+        table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0], exchange)
         norm = math.sqrt(sum(row[0] for row in table))  # stage order: same bits everywhere
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)

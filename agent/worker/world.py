@@ -57,6 +57,14 @@ ENV_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 @dataclass
+class Exchange:
+    """A `pipeline_exchange`'s receives, posted: a buffer per peer rank and their works."""
+
+    bufs: dict[int, torch.Tensor]
+    works: list[dist.Work]
+
+
+@dataclass
 class World:
     """What joining produced: this rank's groups and its pipeline's ranks (by stage)."""
 
@@ -70,19 +78,29 @@ class World:
     join_s: float = 0.0
     store: dist.Store | None = None  # the world's store (see join)
 
-    def pipeline_exchange(self, values: list[float]) -> list[list[float]]:
-        """Every pipeline rank's `values`, in stage order: one isend/irecv per peer, one hop.
+    def post_exchange(self, n: int) -> Exchange:
+        """Post the receives of a `pipeline_exchange` of `n` values ahead of it: gloo sends
+        only to a receiver it knows is ready, and that notice costs a one-way delay when it
+        is posted with the sends (the training step posts at its start)."""
+        bufs = {r: torch.empty(n, dtype=torch.float64, device=self.device)
+                for r in self.pipeline if r != self.rank}
+        return Exchange(bufs, [dist.irecv(buf, src=r, group=self.pipe_group, tag=TAG_EXCHANGE)
+                               for r, buf in bufs.items()])
+
+    def pipeline_exchange(self, values: list[float], posted: Exchange | None = None
+                          ) -> list[list[float]]:
+        """Every pipeline rank's `values`, in stage order: one isend/irecv per peer, one hop
+        (the receives from `posted`, when `post_exchange` posted them earlier).
 
         float64 on the wire, so every rank holds the exact values each peer computed, and
         sums taken over the result in stage order are bitwise identical on every rank.
         """
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
-        bufs = {r: torch.empty_like(mine) for r in self.pipeline if r != self.rank}
-        g = self.pipe_group
-        works = [dist.irecv(buf, src=r, group=g, tag=TAG_EXCHANGE) for r, buf in bufs.items()]
-        works += [dist.isend(mine, dst=r, group=g, tag=TAG_EXCHANGE) for r in bufs]
+        posted = posted or self.post_exchange(len(values))
+        works = posted.works + [dist.isend(mine, dst=r, group=self.pipe_group, tag=TAG_EXCHANGE)
+                                for r in posted.bufs]
         self._wait(works, "exchange the gradient norm and loss with", self.pipeline)
-        return [values if r == self.rank else bufs[r].tolist() for r in self.pipeline]
+        return [values if r == self.rank else posted.bufs[r].tolist() for r in self.pipeline]
 
     def dp_all_reduce(self, value: float | int, op: dist.ReduceOp.RedOpType) -> float | int:
         """`value` reduced over this stage's data-parallel group (float64 or int64)."""
