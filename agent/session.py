@@ -185,6 +185,7 @@ class CoordinatorSession:
             pp_bytes_sent=p.pp_bytes_sent, dp_bytes_sent=p.dp_bytes_sent,
             agent_secret=self.secret,
             mirrored_steps=copier.mirrored if (copier := self.supervisor.checkpoints) else {},
+            resumed_step=p.resumed_step if p.resumed_step >= 0 else None,
         )
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:

@@ -56,6 +56,7 @@ class WorkerProgress:
     pp_bytes_sent: int = 0  # this epoch's totals, from each step's counters
     dp_bytes_sent: int = 0
     startup_s: float = 0.0  # from the assignment to its first step event (0: none yet)
+    resumed_step: int = -1  # the step the worker resumed after (-1: not known yet)
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -66,6 +67,8 @@ class WorkerProgress:
             if not math.isnan(event.loss):
                 self.loss = event.loss
             self.tokens_per_s = event.tokens_per_s
+            if event.resumed_step >= 0:
+                self.resumed_step = event.resumed_step
             self.pp_bytes_sent += event.pp_bytes
             self.dp_bytes_sent += event.dp_bytes
             for name in ("step_s", "compute_s", "pp_wait_s", "dp_s"):

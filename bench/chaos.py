@@ -52,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,7 @@ import grpc  # noqa: E402
 
 from coordinator.status import status_to_json  # noqa: E402
 from dtfm.core import checkpoints as ondisk  # noqa: E402
-from dtfm.procs import terminate_all  # noqa: E402
+from dtfm.procs import terminate_all, wait_for  # noqa: E402
 from dtfm.rpc import free_port  # noqa: E402
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
@@ -128,16 +127,6 @@ def _listening(address: str) -> bool:
     return False
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def _note(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -183,7 +172,7 @@ class Cluster:
 
     def start_coordinator(self) -> None:
         self.coordinator = self.spawn(self.coordinator_flags(), "coordinator")
-        _wait(lambda: _listening(self.address) or self.coordinator.poll() is not None, 60,
+        wait_for(lambda: _listening(self.address) or self.coordinator.poll() is not None, 60,
               "the coordinator to listen", interval=0.1)
         if self.coordinator.poll() is not None:
             raise RuntimeError(f"the coordinator exited: see {self.work / 'coordinator.log'}")
@@ -295,18 +284,18 @@ def inject(c: Cluster, kind: str, victim: str, rng: random.Random,
         proc.wait()
         out["restart_after_s"] = round(rng.uniform(2.0, 6.0), 1)
     elif kind == "worker-kill":
-        pids = _wait(lambda: c.worker_pids(victim), 10, f"the worker of {victim}", 0.1)
+        pids = wait_for(lambda: c.worker_pids(victim), 10, f"the worker of {victim}", 0.1)
         out["pid"] = pids[0]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pids[0], signal.SIGKILL)
     elif kind == "coordinator-kill-in-recovery":
-        pids = _wait(lambda: c.worker_pids(victim), 10, f"the worker of {victim}", 0.1)
+        pids = wait_for(lambda: c.worker_pids(victim), 10, f"the worker of {victim}", 0.1)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pids[0], signal.SIGKILL)
         n = len(before["job"]["recoveries"])
         # the coordinator has begun the recovery (and, usually, sent the new epoch's
         # assignments) but the new epoch has not trained yet
-        _wait(lambda: (x := c.status()) and len(x["job"]["recoveries"]) > n, 30,
+        wait_for(lambda: (x := c.status()) and len(x["job"]["recoveries"]) > n, 30,
               "the recovery to begin", 0.1)
         time.sleep(rng.uniform(0.0, 1.0))
         out["coordinator_killed_at_s"] = round(time.time() - t0, 1)
@@ -431,14 +420,14 @@ def run_chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         c.start_coordinator()
         for i in range(args.agents):
             c.start_agent(f"agent-{i}")
-        s = _wait(lambda: steady(c, 1), 600, "the job to train its first step")
+        s = wait_for(lambda: steady(c, 1), 600, "the job to train its first step")
         started = time.time()
         for i, kind in enumerate(kinds):
             at = s["job"]["step"] + rng.randint(*args.gap_range)
             if at >= args.steps - 10:
                 _note(f"no steps left for fault {i + 1} (it would fall at step {at})")
                 break
-            s = _wait(lambda at=at: steady(c, at), args.fault_timeout,
+            s = wait_for(lambda at=at: steady(c, at), args.fault_timeout,
                       f"the job to pass step {at} at its full layout")
             if s["job"]["state"] in ("done", "failed"):
                 break
@@ -459,7 +448,7 @@ def run_chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                   f"{_fmt(fault['stall_s'], '.1f')} s, recovered {fault['recovered']}")
             if not fault["recovered"]:
                 break
-        done = _wait(lambda: (x := c.status()) and x["job"]["state"] in ("done", "failed")
+        done = wait_for(lambda: (x := c.status()) and x["job"]["state"] in ("done", "failed")
                      and x, args.fault_timeout + 20 * args.steps, "the job to finish")
         # let the last heartbeats land and workers exit before reading their files
         time.sleep(2)
@@ -480,7 +469,7 @@ def run_baseline(args: argparse.Namespace, work: Path, seed: int) -> dict[str, A
         c.start_coordinator()
         for i in range(args.agents):
             c.start_agent(f"agent-{i}")
-        final = _wait(lambda: (x := c.status()) and x["job"]["state"] in ("done", "failed")
+        final = wait_for(lambda: (x := c.status()) and x["job"]["state"] in ("done", "failed")
                       and x, 600 + 20 * args.steps, f"the uninterrupted job (seed {seed})")
         time.sleep(2)
         final = c.status() or final

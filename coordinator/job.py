@@ -267,7 +267,8 @@ class Job:
             if report.step > 0:
                 self._first_steps.setdefault(rec.agent_id, report.step)
             if report.step > 0 and self.recoveries.pending and self.state == S.JOB_STATE_RUNNING:
-                self.recoveries.trained(report.step)
+                self.recoveries.trained(report.resumed_step + 1
+                                        if report.HasField("resumed_step") else report.step)
                 self._persist()
             steps = self._steps.setdefault(rec.agent_id, deque(maxlen=STEP_WINDOW))
             if report.step >= 2 and report.step_s > 0 and (

@@ -45,7 +45,8 @@ class Recoveries:
             self._open.layout_after = layout_after
 
     def trained(self, first_step: int) -> None:
-        """The new epoch reported its first step: it resumed after `first_step - 1`."""
+        """The new epoch reported its first step: it resumed after `first_step - 1` (the job
+        passes the worker's own resumed step + 1 when the heartbeat carries it)."""
         rec, self._open = self._open, None
         if rec is None:
             return

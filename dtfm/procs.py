@@ -16,7 +16,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 
 def _send(proc: subprocess.Popen, sig: int, group: bool) -> None:  # type: ignore[type-arg]
@@ -57,3 +58,18 @@ async def terminate_all_async(procs: Iterable[subprocess.Popen], grace_s: float 
     around waitpid; a poll that finds the lock taken answers "still running").
     """
     return await asyncio.to_thread(terminate_all, list(procs), grace_s, group)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.2) -> Any:
+    """Poll `predicate` until it returns something true, and return that; after `timeout`
+    seconds raise TimeoutError naming `what` and the last value seen (tests and benchmarks
+    that drive real daemons wait on them this way)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")

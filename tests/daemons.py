@@ -12,28 +12,16 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dtfm.procs import terminate_all
+from dtfm.procs import terminate_all, wait_for
 from dtfm.rpc import free_port
 
 __all__ = ["Daemons", "free_port", "wait_for"]
 
 TOKEN = "test-token-0123456789"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
 
 
 class Daemons:

@@ -158,6 +158,7 @@ class Worker:
         self.phase = errors.JOIN
         self.ckpt = checkpoint.locate(self.cfg.checkpoint_dir, a.job_id,
                                       self.cfg.checkpoint_every)
+        self._resumed = -1  # the checkpoint step this run resumed after, once known
 
     def _deadline(self) -> Deadline:
         """How long each wait may block (`deadline.py`): a start-up budget sized by the model,
@@ -215,7 +216,7 @@ class Worker:
         self.links, self.dp_group = world.links, world.dp_group
         self.phase = errors.TRAIN
         pipe, averager = self._build_comm()
-        start = self._resume(opt, sampler)
+        start = self._resumed = self._resume(opt, sampler)
         log.info(
             "rank %d: stage %d/%d replica %d/%d layers [%d, %d), %d params, steps %d..%d",
             self.rank, a.stage, a.stages, a.replica, a.replicas, a.layer_begin, a.layer_end,
@@ -309,6 +310,7 @@ class Worker:
             recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
             stored_peak=times.peak_stored, pp_bytes=times.sent_bytes,
             dp_bytes=self._averager.sent_bytes, codec_s=times.codec_s + self._averager.codec_s,
+            resumed_step=self._resumed,
         ))
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:

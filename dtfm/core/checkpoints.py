@@ -27,7 +27,7 @@ ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.manifest.json   size and sha256 of the f
   seconds, so that copy may hold an older step than the other stages still keep. Every stage
   must hold the step a recovery resumes from, so while the coordinator names a floor (the
   oldest step any mirror holds as its newest) every step from it on is kept too, up to
-  `MAX_HELD` steps. Without the floor a fast job left a lost stage's mirror at step 10 while
+  `MAX_HELD` steps (more while they fit in `MAX_HELD_BYTES`). Without the floor a fast job left a lost stage's mirror at step 10 while
   the survivors kept only 25 and 30, and the recovery restarted from step 0.
 
 - **Read across a re-split** (`sources`): a job that changed its stage count (fewer stages
@@ -57,8 +57,10 @@ from dtfm.core.layout import layer_ranges
 log = logging.getLogger(__name__)
 
 KEEP = 2  # complete steps kept per stage: the newest, and one to fall back on
-# steps kept from the floor on at most: a mirror that stops copying must not fill the disk
+# Steps kept from the floor on, at most: a mirror that stops copying must not fill the disk.
+# MAX_HELD steps, or more while they fit in MAX_HELD_BYTES (small models checkpoint often).
 MAX_HELD = 16
+MAX_HELD_BYTES = 2 * 1024**3
 FLOOR_NAME = "keep-from"
 MANIFEST_FORMAT = "dtfm-checkpoint/1"
 MAX_STEP = 99_999_999  # step numbers have 8 digits in file names
@@ -297,12 +299,16 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
     keep = set(done[-KEEP:])
     if floor := read_floor(root):
         held = [s for s in done if s >= floor]
-        if len(held) > MAX_HELD:
-            log.warning("checkpoint: stage %d keeps only its newest %d steps, not all %d from "
-                        "step %d, which a mirror still holds as its newest: a fault now may "
-                        "resume from an older step (is a mirror failing to copy?)", stage,
-                        MAX_HELD, len(held), floor)
-        keep.update(held[-MAX_HELD:])
+        allowed = _held_allowance(root, stage, held)
+        if len(held) > allowed:
+            log.warning(
+                "checkpoint: stage %d keeps only its newest %d steps, not all %d from step %d, "
+                "the oldest step a mirror holds as its newest: losing a one-replica stage now "
+                "leaves no step its mirror's copy shares with this stage, and the job resumes "
+                "from an older common step or from 0. A mirror is failing to copy (see its "
+                "agent's log), or checkpoints come faster than mirrors copy them (every 5 s: "
+                "raise --checkpoint-every)", stage, allowed, len(held), floor)
+        keep.update(held[-allowed:])
     for p in d.iterdir():
         m = DATA_RE.match(p.name) or MANIFEST_RE.match(p.name) or TMP_RE.match(p.name)
         if m and int(m.group(1)) not in keep:
@@ -310,6 +316,19 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
         elif (part := PART_RE.match(p.name)) and int(part.group(1)) <= newest:
             p.unlink(missing_ok=True)
     return sorted(keep)
+
+
+def _held_allowance(root: str | Path, stage: int, held: Sequence[int]) -> int:
+    """How many of `held` (ascending) `prune` may keep: MAX_HELD, or the newest ones that
+    fit in MAX_HELD_BYTES when that is more."""
+    total, fit = 0, 0
+    for step in reversed(held):
+        m = complete_manifest(root, stage, step)
+        total += sum(f.size for f in m.files) if m else 0
+        if total > MAX_HELD_BYTES:
+            break
+        fit += 1
+    return max(MAX_HELD, fit)
 
 
 # ---- reading ----

@@ -82,6 +82,7 @@ class StepEvent:
     pp_bytes: int = 0  # bytes this rank sent on its pipeline links in the step
     dp_bytes: int = 0  # bytes this rank sent to its data-parallel peers in the step
     codec_s: float = NAN  # compressing and decompressing messages (agent/worker/compress.py)
+    resumed_step: int = -1  # the checkpoint step this run resumed after (0: none; -1: unknown)
 
 
 @dataclass(frozen=True)

@@ -454,8 +454,9 @@ def test_a_floor_keeps_every_step_a_lagging_mirror_may_resume_from(tmp_path: Pat
     assert steps_held(tmp_path, 0) == [16, 18]
 
 
-def test_a_floor_holds_at_most_max_held_steps(tmp_path: Path,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_a_floor_holds_at_most_max_held_steps(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ondisk, "MAX_HELD_BYTES", 4 * SIZE)  # fewer than MAX_HELD steps fit
     root = ondisk.job_dir(tmp_path, JOB)
     ondisk.write_floor(root, 1)  # a mirror that never copies must not fill the disk
     last = 2 * (ondisk.MAX_HELD + 3)
@@ -463,7 +464,19 @@ def test_a_floor_holds_at_most_max_held_steps(tmp_path: Path,
         for step in range(2, last + 1, 2):
             write_step(tmp_path, 0, step, payload(step))
     assert steps_held(tmp_path, 0) == list(range(last - 2 * ondisk.MAX_HELD + 2, last + 1, 2))
-    assert "a mirror failing to copy" in caplog.text
+    assert "A mirror is failing to copy" in caplog.text
+
+
+def test_small_checkpoints_hold_more_than_max_held_steps_for_a_mirror(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model checkpointing every fraction of a second outruns a 5 s mirror by more
+    than MAX_HELD steps; while they fit in MAX_HELD_BYTES, all of them stay."""
+    monkeypatch.setattr(ondisk, "MAX_HELD", 3)
+    monkeypatch.setattr(ondisk, "MAX_HELD_BYTES", 6 * SIZE)
+    ondisk.write_floor(ondisk.job_dir(tmp_path, JOB), 1)
+    for step in range(1, 11):
+        write_step(tmp_path, 0, step, payload(step))
+    assert steps_held(tmp_path, 0) == [5, 6, 7, 8, 9, 10]
 
 
 def test_a_mirror_reports_what_it_holds_and_the_agent_records_the_floor(

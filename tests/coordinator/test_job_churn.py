@@ -63,6 +63,21 @@ def test_a_lost_agent_shrinks_the_job_to_fewer_replicas_on_the_same_stages() -> 
     run(churn_config(min_agents=4), body, agents=6)
 
 
+def test_a_recovery_records_the_step_the_worker_says_it_resumed_from() -> None:
+    """Heartbeats are a second apart and fast steps outrun them: the first one of the new
+    epoch may carry step 8 of a run that resumed after step 4."""
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        report_all(h, 6)
+        lose(h, h.job.members[-1])
+        await h.running_epoch(2)
+        for agent_id in h.job.members:
+            h.report(agent_id, WorkerState.TRAINING, step=8, resumed_step=4)
+        rec = h.job.recoveries.items[-1]
+        assert rec.resumed_step == 4 and rec.steps_lost == 2, rec
+    run(churn_config(min_agents=4), body, agents=6)
+
+
 def test_without_min_agents_a_loss_waits_for_a_spare() -> None:
     async def body(h: Harness) -> None:
         await h.running_epoch(1)
