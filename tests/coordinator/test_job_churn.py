@@ -372,17 +372,7 @@ def test_one_replica_stages_keep_checkpoints_from_the_oldest_step_a_mirror_holds
         assert h.job.checkpoint_floor() == 8
         h.report(second, WorkerState.TRAINING, step=13, mirrored_steps={0: 12})
         assert h.job.checkpoint_floor() == 12
-
-    async def main() -> None:
-        cfg = two_stage_config()
-        h = Harness(cfg)
-        h.registry.add(2)
-        task = asyncio.get_running_loop().create_task(h.job.run())
-        try:
-            await body(h)
-        finally:
-            task.cancel()
-    asyncio.run(main())
+    run(two_stage_config(), body, agents=2)
 
 
 def test_replicated_stages_and_shared_checkpoint_dirs_need_no_floor() -> None:
@@ -394,13 +384,4 @@ def test_replicated_stages_and_shared_checkpoint_dirs_need_no_floor() -> None:
         if cfg.replicas == 1:
             cfg.train = TrainConfig(global_batch=4, micro_batches=2, steps=20,
                                     checkpoint_every=4, checkpoint_dir="/shared/ckpt")
-
-        async def main(cfg: JobConfig = cfg) -> None:
-            h = Harness(cfg)
-            h.registry.add(cfg.agents)
-            task = asyncio.get_running_loop().create_task(h.job.run())
-            try:
-                await body(h)
-            finally:
-                task.cancel()
-        asyncio.run(main())
+        run(cfg, body, agents=cfg.agents)
