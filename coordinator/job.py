@@ -85,6 +85,33 @@ def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int
             "pp_cost": result.pp_cost, "seconds": result.seconds}
 
 
+POLISH_RANDOM_STARTS = 3
+
+
+def _polish(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
+            flops: list[float], seed: int, seconds: float
+            ) -> tuple[list[list[int]], float, float]:
+    """Runs in a worker process: the searched grid, polished against the step model from it,
+    from rank order and from a few random grids (`steptime.polish`); with the predicted step
+    before and after. The even split's compute counts where every agent's speed is known."""
+    from coordinator.placement import random_grid, rank_order_grid
+    from coordinator.scheduler.steptime import polish
+
+    s, r = len(grid), len(grid[0])
+    net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+    shape = work.step_shape(None)
+    compute = None
+    if flops and all(f > 0 for f in flops):
+        every = [list(range(len(flops)))] * s  # each device on each stage
+        compute = tasklet_seconds(work, every, flops, None).T
+    starts = [grid, rank_order_grid(s, r)]
+    starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
+    comp = None if compute is None else compute[np.asarray(grid), np.arange(s)[:, None]]
+    before = simulate_step(net, grid, shape, comp).step_s
+    best, after = polish(net, starts, shape, seconds, compute)
+    return (best, before, after) if after < before else (grid, before, before)
+
+
 def _split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
            dev: Devices, move: bool, seconds: float) -> tuple[list[list[int]], list[int], str]:
     """Runs in a worker process: the grid and layer split for the devices' speed and memory."""
@@ -450,7 +477,8 @@ class Job:
         try:
             found = await self._place(placement, net, layout, ids, work,
                                       device_figures(members, cfg.train.dtype),
-                                      warm=self._warm_grid(layout, ids, placement))
+                                      warm=self._warm_grid(layout, ids, placement),
+                                      flops=agent_flops(members, cfg.train.dtype))
         except DoesNotFit as exc:
             self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
                       f"{layout.replicas} replicas does not fit: {exc}")
@@ -646,8 +674,11 @@ class Job:
 
     async def _place(self, placement: Placement, net: Network, layout: Layout,
                      ids: list[str], work: Workload, dev: Devices,
-                     warm: list[list[int]] | None = None) -> dict[str, Any]:
-        """The grid (searched or fixed), its layer split, and the paper's cost of the grid.
+                     warm: list[list[int]] | None = None,
+                     flops: list[float] | None = None) -> dict[str, Any]:
+        """The grid (searched, then polished against the step model; or fixed), its layer
+        split, and the paper's cost of the grid. `flops`: each agent's measured FLOP/s as
+        reported (0: unknown), for the polish's compute.
 
         Raises `DoesNotFit` when some member cannot hold its stage under that split."""
         cfg = self.config
@@ -663,7 +694,13 @@ class Job:
             found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
                                            layout.stages, layout.replicas, dp_gb, pp_gb,
                                            cfg.seed, cfg.search_seconds, work.compression),
-                     "algorithm": "hybrid-ga"}
+                     "algorithm": "hybrid-ga + step-time polish"}
+            found["grid"], before, after = await self._in_pool(
+                _polish, net.delay_ms, net.bandwidth_gbps, found["grid"], work,
+                flops or [], cfg.seed,
+                max(1.0, cfg.search_seconds / 2))
+            log.info("job %s: the step-time polish took the searched grid's predicted step "
+                     "from %.3f s to %.3f s", self.job_id, before, after)
         else:
             found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
         found["grid"], found["splits"], why = await self._choose_split(

@@ -228,20 +228,27 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
 
 
 def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepShape,
-           seconds: float = 2.0) -> tuple[list[list[int]], float]:
+           seconds: float = 2.0, compute: np.ndarray | None = None
+           ) -> tuple[list[list[int]], float]:
     """Swap descent on the simulated step time from each of `grids`; the best grid and step.
 
     The paper's objective charges every pipeline link a replica's whole batch at once; the
     runtime pipelines micro-batches and shards data parallelism as direct messages, so the
-    objective's optimum is not always the fastest step (on the emulated world matrix a
-    descent from rank order beat it by 7 %). Starting from the search's answer and from other
-    grids, this swaps any two tasklets while that shortens the predicted step."""
+    objective's optimum is not always the fastest step. Starting from the search's answer and
+    from other grids, this swaps any two tasklets while that shortens the predicted step.
+    `compute[device][stage]`: seconds of one micro-batch of that stage on that device (None:
+    communication only), so a swap that moves a stage onto a slower device pays for it."""
     deadline = time.perf_counter() + seconds
+
+    def step_of(g: np.ndarray) -> float:
+        comp = None if compute is None else compute[g, np.arange(g.shape[0])[:, None]]
+        return simulate_step(net, g.tolist(), shape, comp).step_s
+
     best_grid: np.ndarray | None = None
     best = np.inf
     for start in grids:
         g = np.asarray(start, dtype=np.int64)
-        cur = simulate_step(net, g.tolist(), shape).step_s
+        cur = step_of(g)
         cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
         improved = True
         while improved and time.perf_counter() < deadline:
@@ -249,7 +256,7 @@ def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepSh
             for p, q in itertools.combinations(cells, 2):
                 cand = g.copy()
                 cand[p], cand[q] = g[q], g[p]
-                value = simulate_step(net, cand.tolist(), shape).step_s
+                value = step_of(cand)
                 if value < cur - 1e-12:
                     g, cur, improved = cand, value, True
         if cur < best:

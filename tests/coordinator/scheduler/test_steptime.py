@@ -98,3 +98,16 @@ def test_polish_never_loses_to_its_starts_and_keeps_a_permutation() -> None:
     assert sorted(d for row in grid for d in row) == list(range(16))
     assert step == pytest.approx(simulate_step(net, grid, shape).step_s)
     assert step < min(simulate_step(net, g, shape).step_s for g in starts)
+
+
+def test_polish_counts_compute_and_gives_the_heavier_stage_the_faster_device() -> None:
+    # two stages on two devices over identical links: only compute tells the grids apart.
+    # Device 0 is twice as slow; stage 1 (with the head) costs three times stage 0.
+    compute = np.array([[1.0, 3.0], [0.5, 1.5]])  # [device][stage], one micro-batch
+    shape = StepShape(micro_batches=1, act_bytes=1e3, grad_bytes=[0.0, 0.0])
+    net = line(2, 1.0, 1.0)
+    grid, step = polish(net, [[[1], [0]]], shape, seconds=2.0, compute=compute)
+    assert grid == [[0], [1]]
+    assert step == pytest.approx(simulate_step(net, grid, shape, [[1.0], [1.5]]).step_s)
+    # without compute the two grids are the same step: nothing to swap for
+    assert polish(net, [[[1], [0]]], shape, seconds=2.0)[0] == [[1], [0]]
