@@ -11,7 +11,9 @@ the two against each other:
 
 - every stage runs `dtfm.core.layout.pipeline_ops` (GPipe or 1F1B), one device at a time;
 - a micro-batch's activations (and later its gradient) cross a pipeline link as one message:
-  serialized on that directed link at its bandwidth, then the link's one-way delay;
+  serialized on that directed link at its bandwidth, then the link's one-way delay (the
+  worker posts every receive of a step when the step starts, so no message waits a further
+  delay for gloo's ready notice);
 - forward takes a third and backward two thirds of a device's per-micro-batch compute;
 - after its last backward pass, a stage's data-parallel group averages gradients as the
   worker does: `sharded` as direct messages (each shard to its owner, the average straight
