@@ -28,6 +28,15 @@ def churn_config(**kw: Any) -> JobConfig:
     return cfg
 
 
+def with_state_dir(cfg: JobConfig, state_dir: Path) -> Harness:
+    """A harness whose job keeps its state in `state_dir`, as `coordinator start --state-dir`
+    does: a second one on the same directory is the coordinator restarted."""
+    h = Harness(cfg)
+    h.job = RecordingJob(cfg, h.registry, h.measurer, h.links, JobStore(state_dir))
+    h.registry.job = h.job
+    return h
+
+
 def lose(h: Harness, agent_id: str) -> None:
     h.registry.states[agent_id] = S.AGENT_STATE_LOST  # the registry's sweep did this
     h.job.on_lost([h.registry.agents[agent_id]])
@@ -138,12 +147,9 @@ def test_progress_refills_the_restart_budget() -> None:
 
 def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path) -> None:
     cfg = churn_config()
-    store = JobStore(tmp_path)
 
     async def main() -> None:
-        first = Harness(cfg)
-        first.job = RecordingJob(cfg, first.registry, first.measurer, first.links, store)
-        first.registry.job = first.job
+        first = with_state_dir(cfg, tmp_path)
         first.registry.add(6)
         task = asyncio.get_running_loop().create_task(first.job.run())
         await first.running_epoch(1)
@@ -152,10 +158,7 @@ def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path) -> None:
         task.cancel()  # the coordinator dies (SIGKILL: nothing more is written)
         job_id, members = first.job.job_id, list(first.job.members)
 
-        second = Harness(cfg)  # a new process: fresh registry, the same state dir
-        second.job = RecordingJob(cfg, second.registry, second.measurer, second.links,
-                                  JobStore(tmp_path))
-        second.registry.job = second.job
+        second = with_state_dir(cfg, tmp_path)  # a new process: fresh registry, the same state dir
         assert second.job.job_id == job_id and second.job.epoch == 1
         second.registry.add(6)  # the agents re-join
         task = asyncio.get_running_loop().create_task(second.job.run())
@@ -177,10 +180,7 @@ def test_a_coordinator_restarted_in_mid_recovery_finishes_the_recovery_record(
     cfg = churn_config(min_agents=4)
 
     async def main() -> None:
-        first = Harness(cfg)
-        first.job = RecordingJob(cfg, first.registry, first.measurer, first.links,
-                                 JobStore(tmp_path))
-        first.registry.job = first.job
+        first = with_state_dir(cfg, tmp_path)
         first.registry.add(6)
         task = asyncio.get_running_loop().create_task(first.job.run())
         await first.running_epoch(1)
@@ -190,10 +190,7 @@ def test_a_coordinator_restarted_in_mid_recovery_finishes_the_recovery_record(
         await first.running_epoch(2)  # the recovery's epoch is placed but has not trained
         task.cancel()  # the coordinator dies (SIGKILL)
 
-        second = Harness(cfg)
-        second.job = RecordingJob(cfg, second.registry, second.measurer, second.links,
-                                  JobStore(tmp_path))
-        second.registry.job = second.job
+        second = with_state_dir(cfg, tmp_path)
         second.registry.add(6)
         task = asyncio.get_running_loop().create_task(second.job.run())
         await until(lambda: second.job.state == S.JOB_STATE_RUNNING)
@@ -274,9 +271,7 @@ def test_too_few_agents_for_every_stage_re_plans_on_fewer_stages_and_grows_back(
 
     async def main() -> None:
         cfg = two_stage_config(min_agents=1)
-        h = Harness(cfg)
-        h.job = RecordingJob(cfg, h.registry, h.measurer, h.links, JobStore(tmp_path))
-        h.registry.job = h.job
+        h = with_state_dir(cfg, tmp_path)
         h.registry.add(2)
         task = asyncio.get_running_loop().create_task(h.job.run())
         try:
@@ -303,10 +298,7 @@ def test_a_restarted_coordinator_keeps_the_stages_a_shrunk_job_grows_back_to(
     cfg = two_stage_config(min_agents=1)
 
     async def main() -> None:
-        first = Harness(cfg)
-        first.job = RecordingJob(cfg, first.registry, first.measurer, first.links,
-                                 JobStore(tmp_path))
-        first.registry.job = first.job
+        first = with_state_dir(cfg, tmp_path)
         first.registry.add(2)
         task = asyncio.get_running_loop().create_task(first.job.run())
         await first.running_epoch(1)
@@ -316,11 +308,8 @@ def test_a_restarted_coordinator_keeps_the_stages_a_shrunk_job_grows_back_to(
         await first.running_epoch(2)  # shrunk to one stage, nothing re-written yet
         task.cancel()  # the coordinator dies (SIGKILL)
 
-        second = Harness(cfg)
+        second = with_state_dir(cfg, tmp_path)
         second.links.remember = True
-        second.job = RecordingJob(cfg, second.registry, second.measurer, second.links,
-                                  JobStore(tmp_path))
-        second.registry.job = second.job
         second.registry.add(2)  # both agents are back
         second.links.known.update(second.registry.agents)
         task = asyncio.get_running_loop().create_task(second.job.run())
