@@ -46,7 +46,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +67,7 @@ import grpc  # noqa: E402
 from coordinator.status import status_to_json  # noqa: E402
 from dtfm.core import checkpoints as ondisk  # noqa: E402
 from dtfm.procs import terminate_all, wait_for  # noqa: E402
-from dtfm.rpc import free_port  # noqa: E402
+from dtfm.rpc import free_port, listening  # noqa: E402
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 
@@ -120,13 +119,6 @@ def _env() -> dict[str, str]:
     return {**env, "DTFM_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
 
 
-def _listening(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.5):
-        return True
-    return False
-
-
 def _note(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -172,7 +164,7 @@ class Cluster:
 
     def start_coordinator(self) -> None:
         self.coordinator = self.spawn(self.coordinator_flags(), "coordinator")
-        wait_for(lambda: _listening(self.address) or self.coordinator.poll() is not None, 60,
+        wait_for(lambda: listening(self.address) or self.coordinator.poll() is not None, 60,
               "the coordinator to listen", interval=0.1)
         if self.coordinator.poll() is not None:
             raise RuntimeError(f"the coordinator exited: see {self.work / 'coordinator.log'}")

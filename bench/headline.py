@@ -45,11 +45,12 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "headline.json"
 sys.path.insert(0, str(REPO))
 
-from bench.uneven import Cluster, _env, _listening, _wait  # noqa: E402
+from bench.uneven import Cluster, _env  # noqa: E402
 from coordinator.scheduler.memory import MemoryShape, gib, stages_bytes  # noqa: E402
 from dtfm.core.events import StepEvent, parse_event  # noqa: E402
 from dtfm.core.presets import SEQ_SUFFIX, get_preset  # noqa: E402
-from dtfm.rpc import free_port  # noqa: E402
+from dtfm.procs import wait_for  # noqa: E402
+from dtfm.rpc import free_port, listening  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -180,7 +181,7 @@ def run_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with Cluster(work, args.threads) as c:
         address = f"127.0.0.1:{free_port()}"
         c.spawn(coordinator_argv(args, address), "coordinator", _env(args.threads))
-        _wait(lambda: _listening(address), 60, "the coordinator to listen")
+        wait_for(lambda: listening(address), 60, "the coordinator to listen")
         for i in range(args.agents):
             # no spare worker: 8 idle processes with torch would take ~3 GB the model needs
             c.spawn(["agent", "start", "--coordinator", address, "--device", "cpu",

@@ -45,10 +45,8 @@ data-parallel sync, the rest) from its progress events. Writes bench/results/une
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,8 +69,8 @@ from coordinator.status import status_to_json  # noqa: E402
 from dtfm.core.events import StepEvent, WorkerEnv, parse_event  # noqa: E402
 from dtfm.core.layout import layer_ranges  # noqa: E402
 from dtfm.core.presets import get_preset  # noqa: E402
-from dtfm.procs import terminate_all  # noqa: E402
-from dtfm.rpc import free_port  # noqa: E402
+from dtfm.procs import terminate_all, wait_for  # noqa: E402
+from dtfm.rpc import free_port, listening  # noqa: E402
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 PARTS = ("step_s", "compute_s", "pp_wait_s", "dp_s", "sync_s")
@@ -117,13 +115,6 @@ def _env(threads: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
     return {**env, "DTFM_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
             WorkerEnv.THREADS: str(threads), "OMP_NUM_THREADS": str(threads), **extra}
-
-
-def _listening(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.5):
-        return True
-    return False
 
 
 class Cluster:
@@ -177,7 +168,7 @@ def run_job(args: argparse.Namespace, split: str, flops: float, work: Path) -> d
                  "--no-measure", "--layer-split", split, "--search-seconds", "2",
                  "--eval-batches", "0", "--heartbeat-interval", "0.5"], "coordinator",
                 _env(args.threads))
-        _wait(lambda: _listening(address), 30, "the coordinator to listen")
+        wait_for(lambda: listening(address), 30, "the coordinator to listen")
         for i in range(args.agents):
             factor = args.base_slowdown * (args.slowdown if _slow(args, i) else 1.0)
             env = _env(args.threads, **({SEAM_ENV: f"{factor:g}"} if factor > 1 else {}))
@@ -186,7 +177,7 @@ def run_job(args: argparse.Namespace, split: str, flops: float, work: Path) -> d
                      str(work / f"agent-{i}"), "--device", args.device, "--no-prewarm",
                      "--flops", f"{speed:.6g}"], f"agent-{i}", env)
         plan_time: list[float] = []
-        status = _wait(lambda: _finished(c.status(address), plan_time), args.timeout,
+        status = wait_for(lambda: _finished(c.status(address), plan_time), args.timeout,
                        "the job")
     return summarize(split, status, plan_time[0] if plan_time else None,
                      _events(args, work), args, flops)
@@ -201,16 +192,6 @@ def _finished(status: dict[str, Any], plan_time: list[float]) -> dict[str, Any] 
     if plan and not plan_time and job["step"] < 2 and plan["predicted_step_s"]:
         plan_time.append(plan["predicted_step_s"])
     return status if job["state"] == "done" else None
-
-
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _events(args: argparse.Namespace, work: Path) -> dict[int, list[StepEvent]]:

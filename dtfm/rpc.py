@@ -150,6 +150,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def listening(address: str, timeout: float = 0.5) -> bool:
+    """Whether something accepts TCP connections at HOST:PORT now (a daemon that started)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout):
+            return True
+    except OSError:
+        return False
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

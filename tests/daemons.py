@@ -6,10 +6,8 @@ pin is what a person sees.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtfm.procs import terminate_all, wait_for
-from dtfm.rpc import free_port
+from dtfm.rpc import free_port, listening
 
 __all__ = ["Daemons", "free_port", "wait_for"]
 
@@ -56,7 +54,7 @@ class Daemons:
         name = f"coordinator-{len(self.procs)}"
         proc = self.spawn(["coordinator", "start", "--listen", address, "--liveness-timeout",
                            "3", "--heartbeat-interval", "0.5", *extra], name, env)
-        wait_for(lambda: self._listening(address) or proc.poll() is not None, 20,
+        wait_for(lambda: listening(address) or proc.poll() is not None, 20,
                  "the coordinator to listen")
         assert proc.poll() is None, self.log(proc)
         return proc, address
@@ -65,13 +63,6 @@ class Daemons:
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         return self.spawn(["agent", "start", "--coordinator", coordinator, "--state-dir",
                            str(self.tmp / name), "--device", "cpu", *extra], name, env)
-
-    @staticmethod
-    def _listening(address: str) -> bool:
-        host, port = address.rsplit(":", 1)
-        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.5):
-            return True
-        return False
 
     def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60
             ) -> subprocess.CompletedProcess[str]:

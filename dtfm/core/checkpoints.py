@@ -27,8 +27,9 @@ ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.manifest.json   size and sha256 of the f
   seconds, so that copy may hold an older step than the other stages still keep. Every stage
   must hold the step a recovery resumes from, so while the coordinator names a floor (the
   oldest step any mirror holds as its newest) every step from it on is kept too, up to
-  `MAX_HELD` steps (more while they fit in `MAX_HELD_BYTES`). Without the floor a fast job left a lost stage's mirror at step 10 while
-  the survivors kept only 25 and 30, and the recovery restarted from step 0.
+  `MAX_HELD` steps (more while they fit in `MAX_HELD_BYTES`). Without the floor a fast job
+  left a lost stage's mirror at step 10 while the survivors kept only 25 and 30, and the
+  recovery restarted from step 0.
 
 - **Read across a re-split** (`sources`): a job that changed its stage count (fewer stages
   after losing agents, more when growing back) resumes from checkpoints cut at the old

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from dtfm.rpc import listening
 from tests.daemons import Daemons, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -98,7 +99,7 @@ def test_config_file_and_environment_layering(daemons: Daemons) -> None:
     config.write_text(f'listen = "127.0.0.1:{free_port()}"\nliveness-timeout = 4.0\n')
     env = daemons.env(DTFM_LISTEN=f"127.0.0.1:{port}")
     proc = daemons.spawn(["coordinator", "start", "--config", str(config)], "layered", env)
-    wait_for(lambda: Daemons._listening(f"127.0.0.1:{port}"), 20,
+    wait_for(lambda: listening(f"127.0.0.1:{port}"), 20,
              "the environment's listen address to win over the file's")
     assert proc.poll() is None
     bad = daemons.tmp / "bad.toml"
