@@ -178,7 +178,7 @@ def run_job(args: argparse.Namespace, split: str, flops: float, work: Path) -> d
                      "--flops", f"{speed:.6g}"], f"agent-{i}", env)
         plan_time: list[float] = []
         status = wait_for(lambda: _finished(c.status(address), plan_time), args.timeout,
-                       "the job")
+                          "the job", interval=0.5)
     return summarize(split, status, plan_time[0] if plan_time else None,
                      _events(args, work), args, flops)
 
