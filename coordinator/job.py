@@ -85,31 +85,14 @@ def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int
             "pp_cost": result.pp_cost, "seconds": result.seconds}
 
 
-POLISH_RANDOM_STARTS = 3
-
-
 def _polish(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
             flops: list[float], seed: int, seconds: float
             ) -> tuple[list[list[int]], float, float]:
-    """Runs in a worker process: the searched grid, polished against the step model from it,
-    from rank order and from a few random grids (`steptime.polish`); with the predicted step
-    before and after. The even split's compute counts where every agent's speed is known."""
-    from coordinator.placement import random_grid, rank_order_grid
-    from coordinator.scheduler.steptime import polish
+    """Runs in a worker process: `placement.polished_grid`, pure numpy and CPU-bound."""
+    from coordinator.placement import polished_grid
 
-    s, r = len(grid), len(grid[0])
-    net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
-    shape = work.step_shape(None)
-    compute = None
-    if flops and all(f > 0 for f in flops):
-        every = [list(range(len(flops)))] * s  # each device on each stage
-        compute = tasklet_seconds(work, every, flops, None).T
-    starts = [grid, rank_order_grid(s, r)]
-    starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
-    comp = None if compute is None else compute[np.asarray(grid), np.arange(s)[:, None]]
-    before = simulate_step(net, grid, shape, comp).step_s
-    best, after = polish(net, starts, shape, seconds, compute)
-    return (best, before, after) if after < before else (grid, before, before)
+    return polished_grid(Network(delay_ms=delay, bandwidth_gbps=bandwidth), grid, work, flops,
+                         seed, seconds)
 
 
 def _split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,

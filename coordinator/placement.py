@@ -1,6 +1,7 @@
 """How a job's tasklets are placed on its agents: `coordinator start --placement`.
 
-- `scheduled` (default): the paper's search over the measured links (`scheduler.search_plan`).
+- `scheduled` (default): the paper's search over the measured links (`scheduler.search_plan`),
+  then polished against the step model (`polished_grid`).
 - `rank-order`: what a network-blind launcher does (Megatron, torchrun with a host file):
   agents in address order, stage-major, stage j = agents j*R .. j*R+R-1.
 - `random[:SEED]`: one uniformly random placement (seed 0 when not given).
@@ -23,6 +24,8 @@ import numpy as np
 
 from coordinator.scheduler import Network, plan_cost
 from coordinator.scheduler.compression import Compression
+from coordinator.scheduler.compute import Workload, tasklet_seconds
+from coordinator.scheduler.steptime import polish, simulate_step
 
 KINDS = ("scheduled", "rank-order", "random")
 
@@ -155,3 +158,26 @@ def score(net: Network, grid: list[list[int]], dp_gb: float, pp_gb: float,
           compression: Compression | None = None) -> dict[str, float]:
     cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb, compression)
     return {"cost": cost, "dp_cost": dp, "pp_cost": pp}
+
+
+POLISH_RANDOM_STARTS = 3
+
+
+def polished_grid(net: Network, grid: list[list[int]], work: Workload, flops: list[float],
+                  seed: int, seconds: float) -> tuple[list[list[int]], float, float]:
+    """`grid` (the paper's search's answer) polished against the step model: a swap descent
+    from it, from rank order and from a few random grids (`steptime.polish`), kept only when
+    the model rates it faster. Returns the grid and the predicted step before and after. The
+    even split's compute counts where every agent's FLOP/s is known (`flops`, 0: unknown)."""
+    s, r = len(grid), len(grid[0])
+    shape = work.step_shape(None)
+    compute = None
+    if flops and all(f > 0 for f in flops):
+        every = [list(range(len(flops)))] * s  # each device on each stage
+        compute = tasklet_seconds(work, every, flops, None).T
+    starts = [grid, rank_order_grid(s, r)]
+    starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
+    comp = None if compute is None else compute[np.asarray(grid), np.arange(s)[:, None]]
+    before = simulate_step(net, grid, shape, comp).step_s
+    best, after = polish(net, starts, shape, seconds, compute)
+    return (best, before, after) if after < before else (grid, before, before)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import plan_compress, plan_uneven, scenarios
+from coordinator.placement import polished_grid
 from coordinator.scheduler import Network, comm_gb, plan_cost, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
@@ -29,6 +30,7 @@ EXIT_USAGE = 2
 TSP_EXACT = "exact (Held-Karp)"
 TSP_HEURISTIC = "heuristic (nearest neighbour + 2-opt + or-opt)"
 DEFAULT_RANDOM = 1000
+POLISH_SECONDS = 5.0  # --polish without --seconds
 SEQUENCES_PER_REPLICA = 64  # default global batch = 64 x replicas (the paper used ~61)
 
 
@@ -75,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"random allocations for the baseline ({DEFAULT_RANDOM}; 20 above 128 devices)",
     )
+    parser.add_argument(
+        "--polish", action="store_true",
+        help="then polish the grid against the step model, as `coordinator start` does for "
+        "--placement scheduled (needs --model; speeds from --speeds/--flops/--devices count)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", default="",
                         help="also draw both matrices as heat maps with the chosen stage x "
@@ -218,9 +224,20 @@ def compute(args: argparse.Namespace,
     }
     if agents is not None:
         out["agents"] = agents
+    batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
+    if args.polish:
+        if args.model is None:
+            raise PlanInputError("--polish needs --model: the step model simulates its messages")
+        flops = plan_uneven.devices(args, net.size).flops.tolist() if plan_uneven.wanted(
+            args) else []
+        out["grid"], before, after = polished_grid(
+            net, res.grid, plan_uneven.workload(args, s, r, batch), flops, args.seed,
+            args.seconds or POLISH_SECONDS)
+        out["polish"] = {"searched_step_s": before, "polished_step_s": after}
+        out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb,
+                                                                comp)
     if plan_uneven.wanted(args):  # speeds or memory given: split layers, maybe move devices
-        batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
-        out.update(plan_uneven.split(args, net, res.grid, s, r, batch))
+        out.update(plan_uneven.split(args, net, out["grid"], s, r, batch))
         out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb,
                                                                 comp)
     if comp is not None:  # which codec each link got, and the uncompressed cost
@@ -258,6 +275,10 @@ def format_table(out: dict[str, Any]) -> str:
         f"search: {out['evaluated']} candidates in {out['seconds']:.2f}s, seed {out['seed']}, "
         f"gain {out['gain']}, TSP {out['tsp']}; random = best of {bp['random']['samples']}",
     ]
+    if "polish" in out:  # the grid above is the polished one
+        p = out["polish"]
+        lines.append(f"polished against the step model: predicted step "
+                     f"{p['searched_step_s']:.3f} s (search) -> {p['polished_step_s']:.3f} s")
     return "\n".join(lines + plan_uneven.format_lines(out) + plan_compress.format_lines(out))
 
 

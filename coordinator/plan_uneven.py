@@ -86,16 +86,20 @@ def devices(args: argparse.Namespace, n: int) -> Devices:
     return Devices.of(flops, memory)
 
 
+def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -> Workload:
+    """One step of `--model` as the flags describe it (the split and the polish simulate it)."""
+    return Workload(get_preset(args.model), stages, replicas, batch, args.micro_batches,
+                    args.schedule, "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
+                    moments_dtype=args.moments_dtype)
+
+
 def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages: int,
           replicas: int, batch: int) -> dict[str, Any]:
     """The layer split (and possibly refined grid) for the devices; raises `DoesNotFit`."""
     if args.model is None:
         raise ValueError("--speeds, --flops, --memory and --devices need --model (the layers "
                          "to split)")
-    spec = get_preset(args.model)
-    work = Workload(spec, stages, replicas, batch, args.micro_batches, args.schedule,
-                    "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
-                    moments_dtype=args.moments_dtype)
+    work = workload(args, stages, replicas, batch)
     dev = devices(args, net.size)
     placed = plan_split(net, grid, work, dev, seconds=args.seconds or SPLIT_SECONDS)
     need = stages_bytes(work.memory(), placed.best.splits)

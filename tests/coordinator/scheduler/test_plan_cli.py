@@ -107,6 +107,7 @@ def test_other_errors_exit_2(tmp_path: Path) -> None:
         (["--scenario", "world", "--dp-gb", "0.5"], "both"),
         (["--scenario", "world", "--model", "gpt-1.3b", "--batch", "100"], "split evenly"),
         (["--scenario", "world", "--model", "gpt-1.3b", "--micro-batches", "3"], "split evenly"),
+        (["--scenario", "world", "--polish"], "--polish needs --model"),
     ]
     for args, match in cases:
         p = plan(*args, "--budget", "10")
@@ -115,6 +116,24 @@ def test_other_errors_exit_2(tmp_path: Path) -> None:
     bad_json = tmp_path / "x.json"
     bad_json.write_text("{nope")
     assert plan("--links", str(bad_json)).returncode == 2
+
+
+def test_polish_prints_the_grid_coordinator_start_would_run() -> None:
+    """`--polish` is the job's `scheduled`: the search, then the step-model descent; its grid
+    is a permutation, its cost is that grid's, and the model rates it no slower."""
+    args = ["--scenario", "world", "--per-city", "2", "--model", "gpt-mini", "--stages", "4",
+            "--replicas", "4", "--batch", "16", "--micro-batches", "4", "--dtype", "fp32",
+            "--budget", "300", "--seconds", "2", "--random", "5"]
+    p = plan(*args, "--polish", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert sorted(d for row in out["grid"] for d in row) == list(range(16))
+    assert out["polish"]["polished_step_s"] <= out["polish"]["searched_step_s"]
+    net = scenarios.world(per_city=2)
+    ref = grid_cost(net.delay_ms, net.bandwidth_gbps, out["grid"], out["dp_gb"], out["pp_gb"])
+    assert (out["cost"], out["dp_cost"], out["pp_cost"]) == pytest.approx(ref, rel=1e-9)
+    table = plan(*args, "--polish")
+    assert "polished against the step model: predicted step" in table.stdout
 
 
 def test_pick_shape() -> None:
