@@ -33,6 +33,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                    help="start each training worker when its assignment arrives instead of "
                    "keeping one spare worker with torch imported (env DTFM_PREWARM=0)")
+    p.add_argument("--mirror-interval", type=flags.number(float, 0.1, maximum=3600, unit=" s"),
+                   default=1.0, metavar="SECONDS",
+                   help="how often this agent asks a peer for new checkpoints of a stage it "
+                   "mirrors (a one-replica stage's second copy; default 1)")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.add_argument("--flops", type=flags.number(float, 0, maximum=1e18, unit=" FLOP/s"),
@@ -88,6 +92,7 @@ def _start(args: argparse.Namespace) -> int:
         security=flags.security_from_args(args), device=args.device,
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
         flops=args.flops, memory=args.memory, prewarm=args.prewarm,
+        mirror_interval_s=args.mirror_interval,
     )
     config.validate()
     return flags.run_async(serve(config))

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.checkpoints import MIRROR_INTERVAL_S
 from dtfm.core.limits import is_host
 from dtfm.rpc import ConfigError, Security, split_hostport
 
@@ -31,6 +32,7 @@ class AgentConfig:
     flops: float = 0.0  # report this FLOP/s instead of measuring (0: measure)
     memory: int = 0  # report this many bytes of device memory instead of detecting (0: detect)
     prewarm: bool = True  # keep a spare worker with torch imported (agent.supervisor)
+    mirror_interval_s: float = MIRROR_INTERVAL_S  # how often a mirror asks for new checkpoints
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
@@ -53,6 +55,9 @@ class AgentConfig:
         if not (math.isfinite(self.flops) and self.flops >= 0) or self.memory < 0:
             raise ConfigError(f"--flops and --memory must be >= 0 (0: measure), got "
                               f"{self.flops} and {self.memory}")
+        if not (math.isfinite(self.mirror_interval_s) and self.mirror_interval_s > 0):
+            raise ConfigError(f"--mirror-interval must be a number of seconds > 0, got "
+                              f"{self.mirror_interval_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.bind_interface:

@@ -150,7 +150,9 @@ async def serve(config: AgentConfig) -> int:
              info.device.kind, config.coordinator)
     supervisor = Supervisor(Path(config.state_dir) / "work",
                             bind_interface=config.bind_interface,
-                            checkpoints=CheckpointCopier(checkpoints, config.security),
+                            checkpoints=CheckpointCopier(
+                                checkpoints, config.security,
+                                mirror_interval_s=config.mirror_interval_s),
                             prewarm=config.prewarm)
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
                                  config.max_backoff_s, state_dir=config.state_dir)

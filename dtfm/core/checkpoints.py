@@ -307,8 +307,9 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
                 "the oldest step a mirror holds as its newest: losing a one-replica stage now "
                 "leaves no step its mirror's copy shares with this stage, and the job resumes "
                 "from an older common step or from 0. A mirror is failing to copy (see its "
-                "agent's log), or checkpoints come faster than mirrors copy them (every 5 s: "
-                "raise --checkpoint-every)", stage, allowed, len(held), floor)
+                "agent's log), or checkpoints come faster than mirrors copy them (raise "
+                "--checkpoint-every, or lower the agents' --mirror-interval)", stage, allowed,
+                len(held), floor)
         keep.update(held[-allowed:])
     for p in d.iterdir():
         m = DATA_RE.match(p.name) or MANIFEST_RE.match(p.name) or TMP_RE.match(p.name)

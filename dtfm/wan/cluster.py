@@ -55,12 +55,13 @@ def measurement_wan(delay_ms: Sequence[Sequence[float]],
 
 class WanCluster:
     def __init__(self, wan: WanEmulator, workdir: Path, agents: int,
-                 coordinator_args: Sequence[str] = ()) -> None:
+                 coordinator_args: Sequence[str] = (), agent_args: Sequence[str] = ()) -> None:
         self.wan = wan
         self.workdir = workdir
         self.agents = agents
         self.token = secrets.token_hex(16)
         self.coordinator_args = list(coordinator_args)
+        self.agent_args = list(agent_args)  # extra `agent start` flags, for every agent
         self.procs: list[subprocess.Popen[bytes]] = []
         self.agent_procs: list[subprocess.Popen[bytes]] = []
 
@@ -101,7 +102,7 @@ class WanCluster:
                 "agent", "start", "--coordinator", self.coordinator_address,
                 "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
                 "--state-dir", str(self.workdir / f"agent-{i}"),
-                *([] if prewarm else ["--no-prewarm"])], f"agent-{i}"))
+                *([] if prewarm else ["--no-prewarm"]), *self.agent_args], f"agent-{i}"))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -88,6 +88,8 @@ def test_bad_configuration_is_refused_with_a_clear_message(daemons: Daemons) -> 
     assert out.returncode == 2 and "gpt-tiny" in out.stderr
     out = daemons.cli("agent", "start", "--listen", "0.0.0.0:0")
     assert out.returncode == 2 and "--advertise" in out.stderr
+    out = daemons.cli("agent", "start", "--mirror-interval", "0")
+    assert out.returncode == 2 and "--mirror-interval" in out.stderr, out.stderr
     out = daemons.cli("coordinator", "status", "--coordinator", f"127.0.0.1:{free_port()}",
                       "--timeout", "2")
     assert out.returncode == 1 and "cannot reach" in out.stderr

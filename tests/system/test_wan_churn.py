@@ -43,6 +43,7 @@ JOB = ["--model", "gpt-tiny", "--agents", "2", "--min-agents", "1", "--stages", 
        "--checkpoint-every", str(EVERY), "--search-seconds", "1", "--no-measure",
        "--eval-batches", "0", "--heartbeat-interval", "0.5"]
 MIRROR_SETTLE_S = 2.0  # a mirror pass (two copies of 1.4 MiB) is over well within this
+# (with --mirror-interval 5)
 MANIFEST = re.compile(r"^step-(\d{8})\.manifest\.json$")
 
 
@@ -64,7 +65,10 @@ def test_a_spare_on_another_host_resumes_a_killed_stage_from_a_copied_checkpoint
         tmp_path: Path) -> None:
     state = [tmp_path / f"agent-{i}" for i in range(3)]  # WanCluster's --state-dir per agent
     with measurement_wan(DELAY, RATE) as wan:
-        cluster = WanCluster(wan, tmp_path, agents=3, coordinator_args=JOB)
+        # mirrors poll every 5 s (the default is 1 s), so the survivor's copy lags its own
+        # stage by several checkpoints: the case the floor exists for
+        cluster = WanCluster(wan, tmp_path, agents=3, coordinator_args=JOB,
+                             agent_args=["--mirror-interval", "5"])
         try:
             ids = cluster.start(timeout=90)
             running = wait_for(lambda: (s := _status(cluster)) and s["job"]["state"] == "running"
