@@ -488,10 +488,6 @@ class CheckpointCopier:
             while True:
                 try:
                     await self.mirror_once(peers[0], job_id, stage)
-                    mine = await asyncio.to_thread(held, ondisk.job_dir(self.root, job_id),
-                                                   stage, job_id)
-                    if mine.newest:
-                        self.mirrored[stage] = mine.newest
                     if failing:
                         log.info("checkpoint: mirror of stage %d from %s works again", stage,
                                  address)
@@ -501,7 +497,7 @@ class CheckpointCopier:
                         why = (rpc.describe_rpc_error(e, address)
                                if isinstance(e, grpc.RpcError) else repr(e))
                         log.warning("checkpoint: cannot mirror stage %d of job %s from %s: "
-                                    "%s; retrying every %.0f s", stage, job_id, address, why,
+                                    "%s; retrying every %g s", stage, job_id, address, why,
                                     self.mirror_interval_s)
                     failing = True
                 await asyncio.sleep(self.mirror_interval_s)
@@ -509,8 +505,8 @@ class CheckpointCopier:
     async def mirror_once(self, peer: Peer, job_id: str, stage: int) -> list[int]:
         """Make this agent's copy of `stage` follow `peer`'s: copy its newest KEEP steps
         that are missing here or differ (the job resumed from an older step and rewrote
-        them), then prune as a worker would, so steps the peer abandoned go too. Returns the
-        steps copied."""
+        them), then prune as a worker would, so steps the peer abandoned go too, and note the
+        newest step now held in `mirrored` for the heartbeats. Returns the steps copied."""
         theirs = (await list_peer(peer, job_id, stage))[-KEEP:]
         if not theirs:
             return []
@@ -524,5 +520,6 @@ class CheckpointCopier:
                 copied.append(m.step)
         if copied or mine.newest != theirs[-1].step:
             await asyncio.to_thread(ondisk.prune, root, stage, theirs[-1].step)
+        self.mirrored[stage] = theirs[-1].step  # every one of `theirs` is held here now
         return copied
 
