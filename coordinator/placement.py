@@ -25,7 +25,7 @@ import numpy as np
 from coordinator.scheduler import Network, plan_cost
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import Workload, tasklet_seconds
-from coordinator.scheduler.steptime import polish, simulate_step
+from coordinator.scheduler.steptime import placed_step_s, polish
 
 KINDS = ("scheduled", "rank-order", "random")
 
@@ -177,7 +177,6 @@ def polished_grid(net: Network, grid: list[list[int]], work: Workload, flops: li
         compute = tasklet_seconds(work, every, flops, None).T
     starts = [grid, rank_order_grid(s, r)]
     starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
-    comp = None if compute is None else compute[np.asarray(grid), np.arange(s)[:, None]]
-    before = simulate_step(net, grid, shape, comp).step_s
+    before = placed_step_s(net, grid, shape, compute)
     best, after = polish(net, starts, shape, seconds, compute)
     return (best, before, after) if after < before else (grid, before, before)

@@ -229,6 +229,15 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                      compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype])
 
 
+def placed_step_s(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
+                  compute: np.ndarray | None = None) -> float:
+    """Predicted step of `grid` when `compute[device][stage]` is one micro-batch of that stage
+    on that device (None: communication only): each tasklet's compute follows its device."""
+    g = np.asarray(grid, dtype=np.int64)
+    comp = None if compute is None else compute[g, np.arange(g.shape[0])[:, None]]
+    return simulate_step(net, g.tolist(), shape, comp).step_s
+
+
 def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepShape,
            seconds: float = 2.0, compute: np.ndarray | None = None
            ) -> tuple[list[list[int]], float]:
@@ -241,16 +250,11 @@ def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepSh
     `compute[device][stage]`: seconds of one micro-batch of that stage on that device (None:
     communication only), so a swap that moves a stage onto a slower device pays for it."""
     deadline = time.perf_counter() + seconds
-
-    def step_of(g: np.ndarray) -> float:
-        comp = None if compute is None else compute[g, np.arange(g.shape[0])[:, None]]
-        return simulate_step(net, g.tolist(), shape, comp).step_s
-
     best_grid: np.ndarray | None = None
     best = np.inf
     for start in grids:
         g = np.asarray(start, dtype=np.int64)
-        cur = step_of(g)
+        cur = placed_step_s(net, g, shape, compute)
         cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
         improved = True
         while improved and time.perf_counter() < deadline:
@@ -258,7 +262,7 @@ def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepSh
             for p, q in itertools.combinations(cells, 2):
                 cand = g.copy()
                 cand[p], cand[q] = g[q], g[p]
-                value = step_of(cand)
+                value = placed_step_s(net, cand, shape, compute)
                 if value < cur - 1e-12:
                     g, cur, improved = cand, value, True
         if cur < best:
