@@ -37,6 +37,20 @@ def with_state_dir(cfg: JobConfig, state_dir: Path) -> Harness:
     return h
 
 
+async def die_in_recovery(cfg: JobConfig, state_dir: Path, agents: int) -> None:
+    """A coordinator keeping state in `state_dir` trains past the checkpoint of step 4, loses
+    its last member, places the recovery's epoch 2 and dies (SIGKILL) before that trains."""
+    h = with_state_dir(cfg, state_dir)
+    h.registry.add(agents)
+    task = asyncio.get_running_loop().create_task(h.job.run())
+    await h.running_epoch(1)
+    report_all(h, 6)
+    await until(lambda: h.job.checkpoint_step == 4)
+    lose(h, h.job.members[-1])
+    await h.running_epoch(2)
+    task.cancel()
+
+
 def lose(h: Harness, agent_id: str) -> None:
     h.registry.states[agent_id] = S.AGENT_STATE_LOST  # the registry's sweep did this
     h.job.on_lost([h.registry.agents[agent_id]])
@@ -180,16 +194,7 @@ def test_a_coordinator_restarted_in_mid_recovery_finishes_the_recovery_record(
     cfg = churn_config(min_agents=4)
 
     async def main() -> None:
-        first = with_state_dir(cfg, tmp_path)
-        first.registry.add(6)
-        task = asyncio.get_running_loop().create_task(first.job.run())
-        await first.running_epoch(1)
-        report_all(first, 6)
-        await until(lambda: first.job.checkpoint_step == 4)
-        lose(first, first.job.members[-1])
-        await first.running_epoch(2)  # the recovery's epoch is placed but has not trained
-        task.cancel()  # the coordinator dies (SIGKILL)
-
+        await die_in_recovery(cfg, tmp_path, agents=6)
         second = with_state_dir(cfg, tmp_path)
         second.registry.add(6)
         task = asyncio.get_running_loop().create_task(second.job.run())
@@ -298,16 +303,7 @@ def test_a_restarted_coordinator_keeps_the_stages_a_shrunk_job_grows_back_to(
     cfg = two_stage_config(min_agents=1)
 
     async def main() -> None:
-        first = with_state_dir(cfg, tmp_path)
-        first.registry.add(2)
-        task = asyncio.get_running_loop().create_task(first.job.run())
-        await first.running_epoch(1)
-        report_all(first, 6)
-        await until(lambda: first.job.checkpoint_step == 4)
-        lose(first, first.job.members[1])
-        await first.running_epoch(2)  # shrunk to one stage, nothing re-written yet
-        task.cancel()  # the coordinator dies (SIGKILL)
-
+        await die_in_recovery(cfg, tmp_path, agents=2)  # shrunk to one stage
         second = with_state_dir(cfg, tmp_path)
         second.links.remember = True
         second.registry.add(2)  # both agents are back
