@@ -91,7 +91,7 @@ def test_too_few_agents_for_every_stage_finish_the_job_on_fewer_stages(
         "--replicas", "1", "--steps", "60", "--batch", "4", "--micro-batches", "2",
         "--checkpoint-every", "5", "--search-seconds", "1", "--no-measure")
     agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}") for i in range(2)}
-    # past a few checkpoints, and long enough for a mirror poll (every 5 s) to copy one
+    # past a few checkpoints, and long enough for a mirror poll (every second) to copy one
     wait_for(lambda: _job(daemons, address)["step"] >= 12, 300, "training to pass step 12",
              interval=0.2)
     status = daemons.status(address)
