@@ -172,33 +172,12 @@ class SettledCluster(WanCluster):
         super().__init__(wan, workdir, agents)
         self.settle, self.prewarm = settle, prewarm
 
-    def env(self) -> dict[str, str]:
-        return {**super().env(), "DTFM_PREWARM": "1" if self.prewarm else "0"}
-
-    def start(self, timeout: float = 120.0) -> list[str]:
+    def start(self, timeout: float = 120.0, prewarm: bool = True) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for i in range(self.agents):
-            host = i + 1
-            self.agent_procs.append(self._spawn(host, [
-                "agent", "start", "--coordinator", self.coordinator_address, "--listen",
-                f"{self.wan.address(host)}:7071", "--device", "cpu", "--state-dir",
-                str(self.workdir / f"agent-{i}")], f"agent-{i}"))
+        self._start_agents(prewarm and self.prewarm)
         time.sleep(self.settle)
-        self._spawn(0, ["coordinator", "start", "--listen", self.coordinator_address,
-                        "--liveness-timeout", "10", *self.coordinator_args], "coordinator")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                status = self.cli("status", "--json", timeout=30)
-            except (RuntimeError, subprocess.TimeoutExpired):
-                time.sleep(0.5)
-                continue
-            ids = [a["id"] for a in status["agents"] if a["state"] == "alive"]
-            if len(ids) == self.agents:
-                return ids
-            time.sleep(0.5)
-        raise RuntimeError(f"agents did not all join within {timeout} s; logs in "
-                           f"{self.workdir}")
+        self._start_coordinator()
+        return self._wait_agents(timeout)
 
 
 def links_file(path: Path, ids: list[str], delay: list[list[float]],

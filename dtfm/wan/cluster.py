@@ -94,8 +94,15 @@ class WanCluster:
         spares importing torch while the agents ping each other inflate one end's round trips
         until the two ends of a pair disagree and the pair is dropped as contradictory."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._start_coordinator()
+        self._start_agents(prewarm)
+        return self._wait_agents(timeout)
+
+    def _start_coordinator(self) -> None:
         self._spawn(0, ["coordinator", "start", "--listen", self.coordinator_address,
                         "--liveness-timeout", "10", *self.coordinator_args], "coordinator")
+
+    def _start_agents(self, prewarm: bool) -> None:
         for i in range(self.agents):
             host = i + 1
             self.agent_procs.append(self._spawn(host, [
@@ -103,11 +110,14 @@ class WanCluster:
                 "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
                 "--state-dir", str(self.workdir / f"agent-{i}"),
                 *([] if prewarm else ["--no-prewarm"]), *self.agent_args], f"agent-{i}"))
+
+    def _wait_agents(self, timeout: float) -> list[str]:
+        """Agent ids in host order once every agent has joined."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 status = self.cli("status", "--json", timeout=15)
-            except RuntimeError:
+            except (RuntimeError, subprocess.TimeoutExpired):
                 time.sleep(0.5)
                 continue
             by_host = {a["address"].rsplit(":", 1)[0]: a["id"] for a in status["agents"]
