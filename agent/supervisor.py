@@ -228,8 +228,8 @@ class Supervisor:
     async def _follow(self, worker: WorkerProcess) -> None:
         async for event in worker.follow():
             self.progress.apply(event)
-            if isinstance(event, StepEvent):
-                self._started(worker)
+            if isinstance(event, StepEvent) and self._marks is not None:
+                self._started(worker)  # its first step (not every step: restock polls a pid)
             self.on_change()
         if worker.returncode == 0 and self.progress.state != WorkerState.FAILED:
             self.progress.state = WorkerState.DONE
