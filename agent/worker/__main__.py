@@ -26,8 +26,10 @@ STARTED_AT = time.time()  # before the imports below, which are most of a cold s
 import os  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from dtfm.core.events import WorkerEnv  # noqa: E402 - no torch: cheap
+from dtfm.core.files import open_private_append  # noqa: E402 - no torch either
 
 PARENT_ENV = WorkerEnv.SUPERVISOR_PID
 PR_SET_PDEATHSIG = 1
@@ -122,8 +124,6 @@ from agent.worker.train import read_assignment, run_assignment  # noqa: E402
 
 IMPORTED_AT = time.time()
 STARTUP_PREFIX = "start-up: "  # the log line bench/startup.py parses
-LOG_MODE = 0o600
-
 log = logging.getLogger("agent.worker")
 
 
@@ -189,12 +189,9 @@ def redirect_output(path: str) -> None:
     a crash's traceback follow) at the assignment's log, as a fresh worker's would be."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-    finally:
-        os.close(fd)
+    with open_private_append(Path(path)) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
 
 
 def log_startup(args: argparse.Namespace, warm_at: float | None, handed_at: float) -> None:
