@@ -163,10 +163,10 @@ class Spare:
         return self.popen.pid
 
     def fits(self, env: Mapping[str, str], python: str) -> bool:
-        """Alive, and started as a fresh worker would be now (same interpreter and
-        environment: torch reads some variables at import, so a differing one cannot be
-        applied afterwards)."""
-        return self.popen.poll() is None and self.python == python and self.env == dict(env)
+        """Started as a fresh worker would be now (same interpreter and environment: torch
+        reads some variables at import, so a differing one cannot be applied afterwards).
+        Whether it is still alive is `take`'s to find out."""
+        return self.python == python and self.env == dict(env)
 
     def take(self, assignment: common_pb2.Assignment, files: WorkerFiles,
              assigned_at: float | None = None) -> WorkerProcess | None:
