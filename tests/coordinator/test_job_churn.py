@@ -31,10 +31,7 @@ def churn_config(**kw: Any) -> JobConfig:
 def with_state_dir(cfg: JobConfig, state_dir: Path) -> Harness:
     """A harness whose job keeps its state in `state_dir`, as `coordinator start --state-dir`
     does: a second one on the same directory is the coordinator restarted."""
-    h = Harness(cfg)
-    h.job = RecordingJob(cfg, h.registry, h.measurer, h.links, JobStore(state_dir))
-    h.registry.job = h.job
-    return h
+    return Harness(cfg, JobStore(state_dir))
 
 
 async def die_in_recovery(cfg: JobConfig, state_dir: Path, agents: int) -> None:
@@ -273,17 +270,7 @@ def test_too_few_agents_for_every_stage_re_plans_on_fewer_stages_and_grows_back(
         await until(lambda: h.job.checkpoint_step == 16)
         snap = h.job.store.unfinished(job_fingerprint(h.job.config))
         assert snap is not None and snap.checkpoint_splits == [2, 2]
-
-    async def main() -> None:
-        cfg = two_stage_config(min_agents=1)
-        h = with_state_dir(cfg, tmp_path)
-        h.registry.add(2)
-        task = asyncio.get_running_loop().create_task(h.job.run())
-        try:
-            await body(h)
-        finally:
-            task.cancel()
-    asyncio.run(main())
+    run(two_stage_config(min_agents=1), body, agents=2, store=JobStore(tmp_path))
 
 
 def test_fewer_stages_wait_when_the_survivors_cannot_hold_the_model() -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from coordinator.config import JobConfig
 from coordinator.job import Job
+from coordinator.jobstore import JobStore
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -151,11 +152,12 @@ class RecordingJob(Job):
 
 
 class Harness:
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, store: JobStore | None = None) -> None:
+        """`store`: the job keeps its state there (`coordinator start --state-dir`)."""
         self.registry = FakeRegistry()
         self.links = FakeLinks()
         self.measurer = FakeMeasurer(self.links)
-        self.job = RecordingJob(cfg, self.registry, self.measurer, self.links)
+        self.job = RecordingJob(cfg, self.registry, self.measurer, self.links, store)
         self.registry.job = self.job
 
     def report(self, agent_id: str, state: WorkerState, **fields: Any) -> None:
@@ -185,10 +187,11 @@ async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def run(cfg: JobConfig, body: Callable[[Harness], Awaitable[None]], agents: int = 4) -> None:
+def run(cfg: JobConfig, body: Callable[[Harness], Awaitable[None]], agents: int = 4,
+        store: JobStore | None = None) -> None:
     """Run the job with `agents` fake agents joined, and `body` beside it."""
     async def main() -> None:
-        h = Harness(cfg)
+        h = Harness(cfg, store)
         h.registry.add(agents)
         task = asyncio.get_running_loop().create_task(h.job.run())
         try:
