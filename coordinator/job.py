@@ -43,7 +43,7 @@ from coordinator.scheduler.compute import (
 )
 from coordinator.scheduler.memory import DoesNotFit, check_fit, stages_bytes
 from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
-from dtfm.core.assignment import build_assignments
+from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import get_preset
 from dtfm.core.shape import choose_layout, elastic_layout
@@ -300,19 +300,19 @@ class Job:
     def checkpoint_floor(self) -> int:
         """The oldest checkpoint step every agent must keep (0: no floor, `write_floor`).
 
-        Only a layout of one-replica stages has mirrors (`checkpoint_routes`): stage s is
-        copied by the agent of stage s + 1. Losing a stage's agent leaves its mirror's newest
-        step as the newest that stage has, so the recovery resumes there, and every other
-        stage must still hold it. Before a mirror has reported a copy, the floor is 1: keep
-        everything (up to MAX_HELD), since whatever it copies first must stay matched."""
-        train = self._train or self.config.train
-        grid = self._grid_ids
-        if (train.checkpoint_dir or train.checkpoint_every <= 0 or len(grid) < 2
-                or len(grid[0]) != 1 or self.state != S.JOB_STATE_RUNNING):
+        Only a layout of one-replica stages has mirrors (`mirror_stages`). Losing a stage's
+        agent leaves its mirror's newest step as the newest that stage has, so the recovery
+        resumes there, and every other stage must still hold it. Before a mirror has reported
+        a copy, the floor is 1: keep everything (up to MAX_HELD), since whatever it copies
+        first must stay matched."""
+        train, grid = self._train, self._grid_ids
+        mirrors = mirror_stages(self._layout) if self._layout else {}
+        if (train.checkpoint_dir or train.checkpoint_every <= 0 or not mirrors
+                or self.state != S.JOB_STATE_RUNNING):
             return 0
         held = []
-        for stage in range(len(grid)):
-            report = self._progress.get(grid[(stage + 1) % len(grid)][0])
+        for stage, by in mirrors.items():
+            report = self._progress.get(grid[by][0])
             held.append(report.mirrored_steps.get(stage, 0) if report else 0)
         return max(1, min(held))
 

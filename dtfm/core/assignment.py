@@ -28,24 +28,30 @@ class CheckpointRoutes:
     mirrors: tuple[tuple[int, str], ...]  # (stage, member holding it) to keep a copy of
 
 
+def mirror_stages(layout: Layout) -> dict[int, int]:
+    """Stage -> the stage whose replica-0 agent mirrors it. Without shared storage a stage
+    must be held by two agents: one with two or more replicas already is (every replica
+    writes it); a stage with one is mirrored by the agent at the next stage (s + 1 mod S).
+    With one stage and one replica there is no other agent to hold a copy."""
+    if layout.replicas != 1 or layout.stages < 2:
+        return {}
+    return {stage: (stage + 1) % layout.stages for stage in range(layout.stages)}
+
+
 def checkpoint_routes(layout: Layout, members: Sequence[str]) -> list[CheckpointRoutes]:
     """Per rank (rank order), where its checkpoints come from and which stages it mirrors.
 
     `members[rank]` is the HOST:PORT of the agent running `rank`. Without shared storage a
     stage's checkpoint lives on the agents that ran it; to survive the loss of one, every
-    stage must be held by two. A stage with two or more replicas already is (every replica
-    writes it); a stage with one is mirrored by the agent at the next stage (s + 1 mod S,
-    replica 0), which copies it from the stage's holder. With one stage and one replica
-    there is no other agent to hold a copy. Every rank's peers are all other members, so an
-    agent that takes over a stage it never held can find whoever holds it.
+    stage must be held by two (`mirror_stages`: who copies a one-replica stage). Every rank's
+    peers are all other members, so an agent that takes over a stage it never held can find
+    whoever holds it.
     """
     if len(members) != layout.world_size:
         raise ValueError(f"{len(members)} member addresses for {layout.world_size} ranks")
     mirrors: dict[int, list[tuple[int, str]]] = {r: [] for r in range(layout.world_size)}
-    if layout.replicas == 1 and layout.stages >= 2:
-        for stage in range(layout.stages):
-            mirror = layout.rank((stage + 1) % layout.stages, 0)
-            mirrors[mirror].append((stage, members[layout.rank(stage, 0)]))
+    for stage, by in mirror_stages(layout).items():
+        mirrors[layout.rank(by, 0)].append((stage, members[layout.rank(stage, 0)]))
     return [CheckpointRoutes(tuple(m for m in members if m != members[rank]),
                              tuple(mirrors[rank]))
             for rank in range(layout.world_size)]
