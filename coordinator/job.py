@@ -73,26 +73,21 @@ def job_fingerprint(cfg: JobConfig) -> str:
 
 
 def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int,
-            dp_gb: float, pp_gb: float, seed: int, seconds: float,
-            compression: Compression | None = None) -> dict[str, Any]:
-    """Runs in a worker process: the scheduler is pure numpy and CPU-bound."""
+            dp_gb: float, pp_gb: float, seed: int, seconds: float, work: Workload,
+            flops: list[float]) -> dict[str, Any]:
+    """Runs in a worker process (the scheduler is pure numpy and CPU-bound): the paper's
+    search, then its grid polished against the step model for half as long again
+    (`placement.polished_grid`; `flops`: each agent's FLOP/s, 0 where unknown)."""
+    from coordinator.placement import polished_grid
     from coordinator.scheduler import Network, search_plan
 
-    result = search_plan(Network(delay_ms=delay, bandwidth_gbps=bandwidth), stages=stages,
-                         replicas=replicas, dp_gb=dp_gb, pp_gb=pp_gb, seed=seed,
-                         seconds=seconds, compression=compression)
-    return {"grid": result.grid, "cost": result.cost, "dp_cost": result.dp_cost,
-            "pp_cost": result.pp_cost, "seconds": result.seconds}
-
-
-def _polish(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
-            flops: list[float], seed: int, seconds: float
-            ) -> tuple[list[list[int]], float, float]:
-    """Runs in a worker process: `placement.polished_grid`, pure numpy and CPU-bound."""
-    from coordinator.placement import polished_grid
-
-    return polished_grid(Network(delay_ms=delay, bandwidth_gbps=bandwidth), grid, work, flops,
-                         seed, seconds)
+    net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+    result = search_plan(net, stages=stages, replicas=replicas, dp_gb=dp_gb, pp_gb=pp_gb,
+                         seed=seed, seconds=seconds, compression=work.compression)
+    grid, before, after = polished_grid(net, result.grid, work, flops, seed,
+                                        max(1.0, seconds / 2))
+    return {"grid": grid, "seconds": result.seconds, "searched_step_s": before,
+            "polished_step_s": after}
 
 
 def _split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work: Workload,
@@ -457,11 +452,11 @@ class Job:
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
                             device_kinds=[m.info.device.kind for m in members]))
+        flops = agent_flops(members, cfg.train.dtype)
         try:
             found = await self._place(placement, net, layout, ids, work,
-                                      device_figures(members, cfg.train.dtype),
-                                      warm=self._warm_grid(layout, ids, placement),
-                                      flops=agent_flops(members, cfg.train.dtype))
+                                      device_figures(members, cfg.train.dtype), flops,
+                                      warm=self._warm_grid(layout, ids, placement))
         except DoesNotFit as exc:
             self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
                       f"{layout.replicas} replicas does not fit: {exc}")
@@ -482,8 +477,7 @@ class Job:
         by_rank = layout.devices_by_rank(found["grid"])
         records = [members[int(d)] for d in by_rank]
         self._model = _Prediction(net=net, grid=found["grid"], work=work,
-                                  splits=found["splits"], agents=ids,
-                                  flops=agent_flops(members, cfg.train.dtype))
+                                  splits=found["splits"], agents=ids, flops=flops)
         predicted = self._model.predict({})
         self.plan = common_pb2.Plan(
             stages=layout.stages, replicas=layout.replicas,
@@ -657,8 +651,8 @@ class Job:
 
     async def _place(self, placement: Placement, net: Network, layout: Layout,
                      ids: list[str], work: Workload, dev: Devices,
-                     warm: list[list[int]] | None = None,
-                     flops: list[float] | None = None) -> dict[str, Any]:
+                     flops: list[float], warm: list[list[int]] | None = None
+                     ) -> dict[str, Any]:
         """The grid (searched, then polished against the step model; or fixed), its layer
         split, and the paper's cost of the grid. `flops`: each agent's measured FLOP/s as
         reported (0: unknown), for the polish's compute.
@@ -676,14 +670,11 @@ class Job:
         elif grid is None:
             found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
                                            layout.stages, layout.replicas, dp_gb, pp_gb,
-                                           cfg.seed, cfg.search_seconds, work.compression),
+                                           cfg.seed, cfg.search_seconds, work, flops),
                      "algorithm": "hybrid-ga + step-time polish"}
-            found["grid"], before, after = await self._in_pool(
-                _polish, net.delay_ms, net.bandwidth_gbps, found["grid"], work,
-                flops or [], cfg.seed,
-                max(1.0, cfg.search_seconds / 2))
             log.info("job %s: the step-time polish took the searched grid's predicted step "
-                     "from %.3f s to %.3f s", self.job_id, before, after)
+                     "from %.3f s to %.3f s", self.job_id, found["searched_step_s"],
+                     found["polished_step_s"])
         else:
             found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
         found["grid"], found["splits"], why = await self._choose_split(

@@ -166,9 +166,10 @@ POLISH_RANDOM_STARTS = 3
 def polished_grid(net: Network, grid: list[list[int]], work: Workload, flops: list[float],
                   seed: int, seconds: float) -> tuple[list[list[int]], float, float]:
     """`grid` (the paper's search's answer) polished against the step model: a swap descent
-    from it, from rank order and from a few random grids (`steptime.polish`), kept only when
-    the model rates it faster. Returns the grid and the predicted step before and after. The
-    even split's compute counts where every agent's FLOP/s is known (`flops`, 0: unknown)."""
+    from it, from rank order and from a few random grids (`steptime.polish`; it starts from
+    `grid` and keeps it unless another rates strictly faster). Returns the grid and the
+    predicted step before and after. The even split's compute counts where every agent's
+    FLOP/s is known (`flops`, 0: unknown)."""
     s, r = len(grid), len(grid[0])
     shape = work.step_shape(None)
     compute = None
@@ -179,4 +180,4 @@ def polished_grid(net: Network, grid: list[list[int]], work: Workload, flops: li
     starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
     before = placed_step_s(net, grid, shape, compute)
     best, after = polish(net, starts, shape, seconds, compute)
-    return (best, before, after) if after < before else (grid, before, before)
+    return best, before, after
