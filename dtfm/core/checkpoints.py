@@ -296,11 +296,11 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
     writers that died, and partial downloads of steps up to `newest` (one of a newer step may
     still be resumed). Returns the steps kept."""
     d = stage_dir(root, stage)
-    done = [s for s in steps_available(root, stage) if s <= newest and complete(root, stage, s)]
-    keep = set(done[-KEEP:])
+    done = [m for m in complete_steps(root, stage) if m.step <= newest]
+    keep = {m.step for m in done[-KEEP:]}
     if floor := read_floor(root):
-        held = [s for s in done if s >= floor]
-        allowed = _held_allowance(root, stage, held)
+        held = [m for m in done if m.step >= floor]
+        allowed = _held_allowance(held)
         if len(held) > allowed:
             log.warning(
                 "checkpoint: stage %d keeps only its newest %d steps, not all %d from step %d, "
@@ -310,7 +310,7 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
                 "agent's log), or checkpoints come faster than mirrors copy them (raise "
                 "--checkpoint-every, or lower the agents' --mirror-interval)", stage, allowed,
                 len(held), floor)
-        keep.update(held[-allowed:])
+        keep.update(m.step for m in held[-allowed:])
     for p in d.iterdir():
         m = DATA_RE.match(p.name) or MANIFEST_RE.match(p.name) or TMP_RE.match(p.name)
         if m and int(m.group(1)) not in keep:
@@ -320,13 +320,12 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
     return sorted(keep)
 
 
-def _held_allowance(root: str | Path, stage: int, held: Sequence[int]) -> int:
-    """How many of `held` (ascending) `prune` may keep: MAX_HELD, or the newest ones that
-    fit in MAX_HELD_BYTES when that is more."""
+def _held_allowance(held: Sequence[Manifest]) -> int:
+    """How many of the steps `held` (ascending) `prune` may keep: MAX_HELD, or the newest
+    ones that fit in MAX_HELD_BYTES when that is more."""
     total, fit = 0, 0
-    for step in reversed(held):
-        m = complete_manifest(root, stage, step)
-        total += sum(f.size for f in m.files) if m else 0
+    for m in reversed(held):
+        total += sum(f.size for f in m.files)
         if total > MAX_HELD_BYTES:
             break
         fit += 1
@@ -346,16 +345,12 @@ def steps_available(root: str | Path, stage: int) -> list[int]:
     return sorted(found)
 
 
-def complete(root: str | Path, stage: int, step: int) -> bool:
-    """The cheap check (no file is read): a manifest whose files exist with the sizes it
-    names. Pruning and listing for peers use it; loading uses `verify`."""
-    return complete_manifest(root, stage, step) is not None
-
-
 def complete_manifest(root: str | Path, stage: int, step: int,
                       job_id: str | None = None) -> Manifest | None:
-    """`step`'s manifest when the step is complete (see `complete`) and, given `job_id`, that
-    job's and this stage's and step's; else None."""
+    """`step`'s manifest when the step is complete and, given `job_id`, that job's and this
+    stage's and step's; else None. Complete is the cheap check (no data file is read): a
+    manifest whose files exist with the sizes it names. Pruning and listing for peers use
+    it; loading uses `verify`."""
     try:
         m = read_manifest(root, stage, step)
         if (m.stage, m.step) != (stage, step) or (job_id is not None and m.job_id != job_id):
