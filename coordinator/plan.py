@@ -183,6 +183,8 @@ def compute(args: argparse.Namespace,
         raise PlanInputError(f"--budget must be >= 1, got {args.budget}")
     if args.seconds is not None and args.seconds <= 0:
         raise PlanInputError(f"--seconds must be > 0, got {args.seconds}")
+    if args.polish and args.model is None:
+        raise PlanInputError("--polish needs --model: the step model simulates its messages")
     samples = args.random
     if samples is None:
         samples = DEFAULT_RANDOM if net.size <= 128 else 20
@@ -225,19 +227,17 @@ def compute(args: argparse.Namespace,
     if agents is not None:
         out["agents"] = agents
     batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
+    uneven = plan_uneven.wanted(args)  # speeds or memory given: split layers, maybe move
+    dev = plan_uneven.devices(args, net.size) if uneven and args.polish else None
     if args.polish:
-        if args.model is None:
-            raise PlanInputError("--polish needs --model: the step model simulates its messages")
-        flops = plan_uneven.devices(args, net.size).flops.tolist() if plan_uneven.wanted(
-            args) else []
         out["grid"], before, after = polished_grid(
-            net, res.grid, plan_uneven.workload(args, s, r, batch), flops, args.seed,
+            net, res.grid, plan_uneven.workload(args, s, r, batch),
+            dev.flops.tolist() if dev is not None else [], args.seed,
             args.seconds or POLISH_SECONDS)
         out["polish"] = {"searched_step_s": before, "polished_step_s": after}
-        out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb,
-                                                                comp)
-    if plan_uneven.wanted(args):  # speeds or memory given: split layers, maybe move devices
-        out.update(plan_uneven.split(args, net, out["grid"], s, r, batch))
+    if uneven:
+        out.update(plan_uneven.split(args, net, out["grid"], s, r, batch, dev))
+    if args.polish or uneven:  # the grid moved: its cost
         out["cost"], out["dp_cost"], out["pp_cost"] = plan_cost(net, out["grid"], dp_gb, pp_gb,
                                                                 comp)
     if comp is not None:  # which codec each link got, and the uncompressed cost

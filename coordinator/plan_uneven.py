@@ -94,13 +94,14 @@ def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -
 
 
 def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages: int,
-          replicas: int, batch: int) -> dict[str, Any]:
-    """The layer split (and possibly refined grid) for the devices; raises `DoesNotFit`."""
+          replicas: int, batch: int, dev: Devices | None = None) -> dict[str, Any]:
+    """The layer split (and possibly refined grid) for the devices (`dev`: `devices(args)`
+    when the caller already built it); raises `DoesNotFit`."""
     if args.model is None:
         raise ValueError("--speeds, --flops, --memory and --devices need --model (the layers "
                          "to split)")
     work = workload(args, stages, replicas, batch)
-    dev = devices(args, net.size)
+    dev = dev if dev is not None else devices(args, net.size)
     placed = plan_split(net, grid, work, dev, seconds=args.seconds or SPLIT_SECONDS)
     need = stages_bytes(work.memory(), placed.best.splits)
     check_fit(placed.best.grid, need, dev.memory.tolist(), moments_dtype=args.moments_dtype)
