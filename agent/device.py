@@ -78,7 +78,7 @@ def cpu_flops(seconds: float = MEASURE_S, n: int = 512) -> float:
     return 2.0 * n**3 * done / (time.perf_counter() - start)
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping), 0 if unknown."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -134,7 +134,7 @@ def detect(kind: str = "auto", flops: float = 0.0, memory: int = 0) -> common_pb
     if info is None:
         info = common_pb2.DeviceInfo(
             kind="cpu", name=_cpu_name(), memory_bytes=_ram_bytes(),
-            free_memory_bytes=_available_ram(), flops=cpu_flops() if flops <= 0 else 0.0,
+            free_memory_bytes=available_ram(), flops=cpu_flops() if flops <= 0 else 0.0,
             cores=os.cpu_count() or 0, memory_pool=memory_pool(),
         )
     if flops > 0:

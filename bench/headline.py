@@ -45,9 +45,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "headline.json"
 sys.path.insert(0, str(REPO))
 
-from bench.uneven import Cluster, _env  # noqa: E402
+from agent.device import available_ram  # noqa: E402
+from bench.uneven import Cluster, _env, _events  # noqa: E402
 from coordinator.scheduler.memory import MemoryShape, gib, stages_bytes  # noqa: E402
-from dtfm.core.events import StepEvent, parse_event  # noqa: E402
 from dtfm.core.presets import SEQ_SUFFIX, get_preset  # noqa: E402
 from dtfm.procs import wait_for  # noqa: E402
 from dtfm.rpc import free_port, listening  # noqa: E402
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "agent measures its own, under its neighbours' load)")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between /proc reads")
     p.add_argument("--status-every", type=float, default=10.0,
-                   help="seconds between `coordinator status` calls (each costs a process)")
+                   help="seconds between asking the coordinator for its status")
     p.add_argument("--timeout", type=float, default=7200.0, help="the whole job, seconds")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
@@ -121,24 +121,17 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 @dataclass
 class Memory:
     """Peak resident bytes per process, and the machine's lowest MemAvailable, while polled."""
 
-    baseline: int = field(default_factory=mem_available)
+    baseline: int = field(default_factory=available_ram)
     lowest: int = 0
     workers: dict[int, dict[str, int]] = field(default_factory=dict)  # pid -> agent, peak
     daemons: dict[str, int] = field(default_factory=dict)  # name -> peak
 
     def poll(self, agents: list[int], coordinator: int) -> None:
-        avail = mem_available()
+        avail = available_ram()
         self.lowest = avail if not self.lowest else min(self.lowest, avail)
         self._peak("coordinator", coordinator)
         children = _children(set(agents))
@@ -224,10 +217,7 @@ def workers(args: argparse.Namespace, work: Path, memory: Memory) -> list[dict[s
     """Each agent's worker: its stage, peak RSS and every step's time, from its progress file."""
     peaks = memory.per_agent()
     out = []
-    for i in range(args.agents):
-        events = [ev for path in sorted((work / f"agent-{i}").glob("work/*.progress.jsonl"))
-                  for ev in map(parse_event, path.read_text().splitlines())
-                  if isinstance(ev, StepEvent)]
+    for i, events in _events(args, work, first_step=1).items():
         last = events[-1] if events else None
         out.append({"agent": i, "stage": last.stage if last else -1,
                     "replica": last.replica if last else -1, "peak_rss": peaks.get(i, 0),

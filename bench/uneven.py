@@ -52,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -194,11 +193,13 @@ def _finished(status: dict[str, Any], plan_time: list[float]) -> dict[str, Any] 
     return status if job["state"] == "done" else None
 
 
-def _events(args: argparse.Namespace, work: Path) -> dict[int, list[StepEvent]]:
-    """Each agent's workers' steady step events (step 2 on; step 1 carries warm-up)."""
+def _events(args: argparse.Namespace, work: Path, first_step: int = 2
+            ) -> dict[int, list[StepEvent]]:
+    """Each agent's workers' step events from `first_step` on (by default the steady ones:
+    step 1 carries warm-up)."""
     return {i: [ev for path in sorted((work / f"agent-{i}").glob("work/*.progress.jsonl"))
                 for ev in map(parse_event, path.read_text().splitlines())
-                if isinstance(ev, StepEvent) and ev.step >= 2]
+                if isinstance(ev, StepEvent) and ev.step >= first_step]
             for i in range(args.agents)}
 
 
@@ -209,7 +210,7 @@ def _workers(args: argparse.Namespace, events: dict[int, list[StepEvent]]) -> li
     for i, evs in events.items():
         if not evs:
             continue
-        med = {k: statistics.median(asdict(ev)[k] for ev in evs) for k in PARTS}
+        med = {k: statistics.median(getattr(ev, k) for ev in evs) for k in PARTS}
         rest = med["step_s"] - med["compute_s"] - med["pp_wait_s"] - med["dp_s"] - med["sync_s"]
         out.append({"agent": i, "slow": _slow(args, i), "stage": evs[-1].stage,
                     "replica": evs[-1].replica, **med, "rest_s": rest})
