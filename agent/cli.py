@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from agent.checkpoints import MIRROR_INTERVAL_S
 from dtfm import flags, rpc
 
 
@@ -34,9 +35,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="start each training worker when its assignment arrives instead of "
                    "keeping one spare worker with torch imported (env DTFM_PREWARM=0)")
     p.add_argument("--mirror-interval", type=flags.number(float, 0.1, maximum=3600, unit=" s"),
-                   default=1.0, metavar="SECONDS",
+                   default=MIRROR_INTERVAL_S, metavar="SECONDS",
                    help="how often this agent asks a peer for new checkpoints of a stage it "
-                   "mirrors (a one-replica stage's second copy; default 1)")
+                   "mirrors (a one-replica stage's second copy; default %(default)g)")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.add_argument("--flops", type=flags.number(float, 0, maximum=1e18, unit=" FLOP/s"),
