@@ -118,8 +118,8 @@ class World:
         lowest = min(int(row[0]) for row in self.pipeline_exchange([float(value)]))
         return int(self.dp_all_reduce(lowest, dist.ReduceOp.MIN))
 
-    def _wait(self, works: list[dist.Work], what: str, peers: object) -> None:
-        wait_all(works, self.deadline, f"rank {self.rank}: {what} {peers or 'its replicas'}")
+    def _wait(self, works: list[dist.Work], what: str, peers: list[int]) -> None:
+        wait_all(works, self.deadline, f"rank {self.rank}: {what} {peers}")
 
 
 def join(a: Any, layout: Layout, deadline: Deadline, device: torch.device) -> World:
@@ -137,8 +137,9 @@ def join(a: Any, layout: Layout, deadline: Deadline, device: torch.device) -> Wo
         store: dist.Store = rendezvous_store(a.master_addr, a.master_port, a.rank,
                                              a.world_size, timeout)
         # gloo's address keys only; NCCL's store traffic is left exactly as torch does it
-        batch = GroupAddressStore(store) if backend == "gloo" else None
-        store = batch if batch is not None else store
+        batch: GroupAddressStore | None = None
+        if backend == "gloo":
+            store = batch = GroupAddressStore(store)
         dist.init_process_group(
             backend,
             store=store,
