@@ -42,6 +42,7 @@ from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 PARAM_STATE_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 DP_BUCKET_BYTES = 4  # the data-parallel averager's fp32 copy of every gradient
 WORKER_RUNTIME_BYTES = 256 * 2**20  # a worker process's own memory, rounded down
+POOL_NAMES_SHOWN = 4  # agents named in a shared pool's message
 FP32 = 4
 
 
@@ -124,11 +125,12 @@ class Shortfall:
     def missing(self) -> int:
         return self.needed - self.available
 
-    def describe(self, name: str = "", names: Sequence[str] | None = None) -> str:
+    def describe(self, names: Sequence[str] | None = None) -> str:
+        """What does not fit, naming devices by `names` (by index without)."""
         needs = f"{gib(self.needed)} ({self.needed} bytes)"
         has = (f"{gib(self.available)} ({self.available} bytes), {gib(self.missing)} short")
         if not self.pool:
-            who = name or f"device {self.device}"
+            who = names[self.device] if names is not None else f"device {self.device}"
             return f"{who} cannot hold stage {self.stage}: it needs {needs} but has {has}"
         agents = [names[d] if names is not None else f"device {d}" for d in self.devices]
         listed = ", ".join(agents[:POOL_NAMES_SHOWN]) + (
@@ -139,7 +141,6 @@ class Shortfall:
                 f"the machine has {has}")
 
 
-POOL_NAMES_SHOWN = 4
 def advice(moments_dtype: str = "fp32") -> str:
     """What to try when a plan does not fit; bf16 moments only where they are not on yet."""
     bf16 = ("store AdamW's moments in bf16 (--moments-dtype bf16: 12 instead of 16 bytes per "
@@ -190,11 +191,11 @@ def pool_shortfalls(grid: Sequence[Sequence[int]], needed: Sequence[int],
 class DoesNotFit(ValueError):
     """A plan whose stages cannot fit some device's memory; names the worst one."""
 
-    def __init__(self, worst: Shortfall, count: int, name: str = "",
-                 names: Sequence[str] | None = None, moments_dtype: str = "fp32") -> None:
+    def __init__(self, worst: Shortfall, count: int, names: Sequence[str] | None = None,
+                 moments_dtype: str = "fp32") -> None:
         self.worst, self.count = worst, count
         more = f" ({count - 1} other device(s) too)" if count > 1 else ""
-        super().__init__(f"{worst.describe(name, names)}{more}: {advice(moments_dtype)}")
+        super().__init__(f"{worst.describe(names)}{more}: {advice(moments_dtype)}")
 
 
 def check_fit(grid: Sequence[Sequence[int]], needed: Sequence[int],
@@ -204,5 +205,4 @@ def check_fit(grid: Sequence[Sequence[int]], needed: Sequence[int],
     bytes, if any does."""
     short = shortfalls(grid, needed, available, pools)
     if short:
-        name = names[short[0].device] if names is not None else ""
-        raise DoesNotFit(short[0], len(short), name, names, moments_dtype)
+        raise DoesNotFit(short[0], len(short), names, moments_dtype)
