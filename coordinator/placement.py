@@ -179,5 +179,5 @@ def polished_grid(net: Network, grid: list[list[int]], work: Workload, flops: li
     starts = [grid, rank_order_grid(s, r)]
     starts += [random_grid(s, r, seed + 1 + i) for i in range(POLISH_RANDOM_STARTS)]
     before = placed_step_s(net, grid, shape, compute)
-    best, after = polish(net, starts, shape, seconds, compute)
+    best, after = polish(net, starts, shape, seconds, compute, seed)
     return best, before, after

@@ -238,34 +238,64 @@ def placed_step_s(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
     return simulate_step(net, g.tolist(), shape, comp).step_s
 
 
+POLISH_KICK = 3  # random swaps that move a restart away from the best grid so far
+POLISH_STALE_KICKS = 30  # restarts in a row that found nothing better: the polish stops
+
+
+def _descend(net: Network, g: np.ndarray, cur: float, shape: StepShape,
+             compute: np.ndarray | None, deadline: float) -> tuple[np.ndarray, float]:
+    """Swap any two tasklets while that shortens the predicted step (first improvement)."""
+    cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for p, q in itertools.combinations(cells, 2):
+            cand = g.copy()
+            cand[p], cand[q] = g[q], g[p]
+            value = placed_step_s(net, cand, shape, compute)
+            if value < cur - 1e-12:
+                g, cur, improved = cand, value, True
+    return g, cur
+
+
 def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepShape,
-           seconds: float = 2.0, compute: np.ndarray | None = None
+           seconds: float = 2.0, compute: np.ndarray | None = None, seed: int = 0
            ) -> tuple[list[list[int]], float]:
-    """Swap descent on the simulated step time from each of `grids`; the best grid and step.
+    """Iterated swap descent on the simulated step time from each of `grids`; the best grid
+    and step.
 
     The paper's objective charges every pipeline link a replica's whole batch at once; the
     runtime pipelines micro-batches and shards data parallelism as direct messages, so the
     objective's optimum is not always the fastest step. Starting from the search's answer and
     from other grids, this swaps any two tasklets while that shortens the predicted step.
-    `compute[device][stage]`: seconds of one micro-batch of that stage on that device (None:
-    communication only), so a swap that moves a stage onto a slower device pays for it."""
+    A swap descent stops in the nearest local optimum, and on the world matrix those differ
+    by several per cent; so once every start has descended, the best grid is kicked by a few
+    random swaps and descended again (iterated local search), until `seconds` are spent or
+    `POLISH_STALE_KICKS` restarts in a row found nothing better. `compute[device][stage]`:
+    seconds of one micro-batch of that stage on that device (None: communication only), so a
+    swap that moves a stage onto a slower device pays for it. `seed` makes the kicks
+    repeatable."""
     deadline = time.perf_counter() + seconds
     best_grid: np.ndarray | None = None
     best = np.inf
     for start in grids:
         g = np.asarray(start, dtype=np.int64)
-        cur = placed_step_s(net, g, shape, compute)
-        cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
-        improved = True
-        while improved and time.perf_counter() < deadline:
-            improved = False
-            for p, q in itertools.combinations(cells, 2):
-                cand = g.copy()
-                cand[p], cand[q] = g[q], g[p]
-                value = placed_step_s(net, cand, shape, compute)
-                if value < cur - 1e-12:
-                    g, cur, improved = cand, value, True
+        g, cur = _descend(net, g, placed_step_s(net, g, shape, compute), shape, compute,
+                          deadline)
         if cur < best:
             best, best_grid = cur, g
     assert best_grid is not None, "polish needs at least one grid"
+    rng, stale = np.random.default_rng(seed), 0
+    while best_grid.size > 1 and stale < POLISH_STALE_KICKS and time.perf_counter() < deadline:
+        kicked = best_grid.copy()
+        flat = kicked.reshape(-1)
+        for _ in range(POLISH_KICK):
+            a, b = rng.choice(flat.size, 2, replace=False)
+            flat[a], flat[b] = flat[b], flat[a]
+        g, cur = _descend(net, kicked, placed_step_s(net, kicked, shape, compute), shape,
+                          compute, deadline)
+        if cur < best - 1e-12:
+            best, best_grid, stale = cur, g, 0
+        else:
+            stale += 1
     return best_grid.tolist(), float(best)
