@@ -41,7 +41,7 @@ from coordinator.scheduler.compute import (
     plan_split,
     tasklet_seconds,
 )
-from coordinator.scheduler.memory import DoesNotFit, check_fit, stages_bytes
+from coordinator.scheduler.memory import DoesNotFit, check_fit, packs, stages_bytes
 from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
 from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
@@ -539,27 +539,24 @@ class Job:
         """The layout `elastic_layout` picks for these agents, checked against their memory."""
         assert self._wanted is not None
         cfg = self.config
-        memory = device_figures(list(agents), cfg.train.dtype).memory
+        dev = device_figures(list(agents), cfg.train.dtype)
         return elastic_layout(len(agents), self._wanted.stages, self._wanted.replicas,
                               cfg.train.global_batch, cfg.train.micro_batches,
-                              fits=lambda layout, micro: self._fits(layout, micro, memory))
+                              fits=lambda layout, micro: self._fits(layout, micro, dev))
 
-    def _fits(self, layout: Layout, micro: int, memory: Sequence[int]) -> bool:
-        """Whether `layout` with `micro` micro-batches per replica fits devices with `memory`
-        bytes (0: unknown, taken to fit): the kept split, or an even one when the stages are
-        re-cut; its largest stages on the largest devices, which fits whenever any placement
-        does. `_place` checks the placement it makes again (`check_fit`)."""
+    def _fits(self, layout: Layout, micro: int, dev: Devices) -> bool:
+        """Whether `layout` with `micro` micro-batches per replica fits the devices' memory
+        (0: unknown, taken to fit), agents on one machine sharing its memory: the kept split,
+        or an even one when the stages are re-cut (`memory.packs`). `_place` checks the
+        placement it makes again (`check_fit`)."""
         cfg = self.config
         work = Workload(get_preset(cfg.model), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
                         moments_dtype=cfg.train.moments_dtype)
         kept = self._trained_splits if self._trained_splits and len(
             self._trained_splits) == layout.stages else None
-        needs = sorted((n for n in stages_bytes(work.memory(), kept)
-                        for _ in range(layout.replicas)), reverse=True)
-        room = sorted((m or math.inf for m in memory), reverse=True)
-        return len(room) >= len(needs) and all(
-            n <= m for n, m in zip(needs, room, strict=False))
+        needs = [n for n in stages_bytes(work.memory(), kept) for _ in range(layout.replicas)]
+        return packs(needs, dev.memory.tolist(), dev.pools or None)
 
     def _warm_grid(self, layout: Layout, ids: list[str],
                    placement: Placement) -> list[list[int]] | None:

@@ -140,8 +140,8 @@ def score(net: Network, grid: Sequence[Sequence[int]], work: Workload, dev: Devi
           splits: Sequence[int]) -> Scored:
     need = stages_bytes(work.memory(), splits)
     g = np.asarray(grid, dtype=np.int64)
-    avail = dev.memory[g]
-    missing = int(np.where(avail > 0, np.maximum(np.asarray(need)[:, None] - avail, 0), 0).sum())
+    missing = sum(s.missing for s in shortfalls(g.tolist(), need, dev.memory.tolist(),
+                                                dev.pools or None))
     step = simulate_step(net, grid, work.step_shape(splits),
                          tasklet_seconds(work, grid, dev.flops, splits))
     return Scored([list(map(int, r)) for r in g], list(splits), step, missing)
@@ -267,12 +267,25 @@ def _by_speed(grid: np.ndarray, flops: np.ndarray, descending: bool) -> np.ndarr
     return out
 
 
-def _swaps(grid: np.ndarray, flops: np.ndarray) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """Position pairs holding devices of different speed: inside a pipeline first."""
+def _swaps(grid: np.ndarray, dev: Devices) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Position pairs worth swapping: devices of different speed, or a device of a memory
+    pool that holds two or more of the grid's tasklets and one outside it (so a heavy stage
+    can leave a crowded machine); inside a pipeline first."""
     s, r = grid.shape
+    flops = dev.flops
+    crowded: set[str] = set()
+    if dev.pools:
+        held = [dev.pools[d] for d in grid.reshape(-1) if dev.pools[d]]
+        crowded = {p for p in held if held.count(p) > 1}
+
+    def worth(a: int, b: int) -> bool:
+        if abs(flops[a] - flops[b]) > SPEED_TOLERANCE / 2 * flops[a]:
+            return True
+        pa, pb = (dev.pools[a], dev.pools[b]) if dev.pools else ("", "")
+        return pa != pb and bool({pa, pb} & crowded)
+
     cells = [(j, k) for j in range(s) for k in range(r)]
-    pairs = [(p, q) for p, q in itertools.combinations(cells, 2)
-             if abs(flops[grid[p]] - flops[grid[q]]) > SPEED_TOLERANCE / 2 * flops[grid[p]]]
+    pairs = [(p, q) for p, q in itertools.combinations(cells, 2) if worth(grid[p], grid[q])]
     return sorted(pairs, key=lambda pq: pq[0][1] != pq[1][1])
 
 
@@ -297,7 +310,7 @@ def place_for_compute(net: Network, grid: Sequence[Sequence[int]], work: Workloa
     while improved and evaluated < budget:
         improved = False
         cur = np.asarray(best.grid)
-        for p, q in _swaps(cur, dev.flops):
+        for p, q in _swaps(cur, dev):
             if evaluated >= budget or (seconds is not None and time.perf_counter() - t0 > seconds):
                 break
             cand = cur.copy()
@@ -314,7 +327,7 @@ def place_for_compute(net: Network, grid: Sequence[Sequence[int]], work: Workloa
 def even_is_enough(grid: Sequence[Sequence[int]], work: Workload, dev: Devices) -> bool:
     """The devices are alike and every one holds its stage of the even split."""
     need = stages_bytes(work.memory(), None)
-    return dev.alike() and not shortfalls(grid, need, dev.memory.tolist())
+    return dev.alike() and not shortfalls(grid, need, dev.memory.tolist(), dev.pools or None)
 
 
 def plan_split(net: Network, grid: Sequence[Sequence[int]], work: Workload, dev: Devices, *,

@@ -33,6 +33,7 @@ Pure Python: no torch, grpc or protobuf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -186,6 +187,32 @@ def pool_shortfalls(grid: Sequence[Sequence[int]], needed: Sequence[int],
                                  devices=tuple(d for d, _ in held),
                                  stages=tuple(j for _, j in held)))
     return out
+
+
+def packs(needs: Sequence[int], available: Sequence[int],
+          pools: Sequence[str] | None = None) -> bool:
+    """Whether tasklets needing `needs` bytes can go one per device onto devices with
+    `available` bytes (0: unknown, taken to fit), where devices of one pool (`pools`, "" for
+    its own memory) share the most any of them reported.
+
+    Largest first, each onto the device (or pool) with the most room left. Without pools
+    that is exact (the largest stages on the largest devices fit whenever any placement
+    does); with pools it is the usual greedy for packing and can, rarely, miss a packing
+    that exists, and `check_fit` still checks the placement actually made."""
+    reported: dict[str, list[int]] = {}
+    for d, avail in enumerate(available):
+        key = pools[d] if pools is not None and pools[d] else f"device {d}"
+        reported.setdefault(key, []).append(avail)
+    bins = [[float(max(r)) if max(r) > 0 else math.inf, len(r)]  # [room left, free devices]
+            for r in reported.values()]
+    for need in sorted(needs, reverse=True):
+        open_bins = [b for b in bins if b[1] > 0 and b[0] >= need]
+        if not open_bins:
+            return False
+        best = max(open_bins, key=lambda b: b[0])
+        best[0] -= need
+        best[1] -= 1
+    return True
 
 
 class DoesNotFit(ValueError):

@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from agent import device
-from coordinator.scheduler.compute import Devices, Workload
+from coordinator.scheduler import Network
+from coordinator.scheduler.compute import Devices, Workload, even_is_enough, plan_split
 from coordinator.scheduler.memory import (
     DoesNotFit,
     MemoryShape,
     advice,
     check_fit,
+    packs,
     param_state_bytes,
     shortfalls,
     stage_bytes,
     stages_bytes,
 )
+from dtfm.core.layout import Layout
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import TrainConfig
 from protos.dtfm.v1 import common_pb2
@@ -80,6 +84,55 @@ def test_a_device_too_small_on_its_own_is_still_named() -> None:
         check_fit(GRID, NEED, [10_000, 10_000, 1200, 10_000], names=list("abcd"),
                   pools=["", "", "", ""])
     assert str(err.value).startswith("c cannot hold stage 1: it needs")
+
+
+def test_packing_counts_a_pool_once_and_matches_largest_first_without_pools() -> None:
+    assert packs([1500, 1500, 1000, 1000], [1500, 1500, 1000, 1000])
+    assert not packs([1500, 1500, 1000, 1000], [1500, 1400, 1000, 1000])
+    assert packs([1500, 1500, 1000, 1000], [0, 0, 0, 0])  # unknown: taken to fit
+    assert not packs([1000] * 5, [0] * 4)  # one tasklet per device
+    # two machines of 2500, two devices each: only one stage-0 and one stage-1 per machine
+    assert packs([1500, 1500, 1000, 1000], [2500] * 4, ["x", "x", "y", "y"])
+    assert not packs([1500, 1500, 1000, 1000], [2400] * 4, ["x", "x", "y", "y"])
+    # a pool has the most any member reported, and is unknown only if every member is
+    assert packs([1500, 1000], [0, 2500], ["x", "x"])
+    assert not packs([1500, 1000], [0, 2400], ["x", "x"])
+    assert packs([1500, 1000], [0, 0], ["x", "x"])
+
+
+def test_the_split_planner_moves_a_heavy_stage_off_a_crowded_machine() -> None:
+    # alike devices on two machines; the grid puts both replicas of a stage on one machine,
+    # which each device alone holds but the machine does not. Before pools counted here the
+    # planner called the even split on this grid "enough" and the job failed in check_fit.
+    work = Workload(get_preset("gpt-tiny"), 2, 2, 8, 2)
+    need = stages_bytes(work.memory())
+    room = sum(need) + 1
+    assert 2 * max(need) > room
+    memory, pools = [room] * 4, ["x", "x", "y", "y"]
+    dev = Devices.of([1e10] * 4, memory, pools)
+    with pytest.raises(DoesNotFit):
+        check_fit(GRID, need, memory, pools=pools)
+    assert not even_is_enough(GRID, work, dev)
+    flat = Network(np.where(np.eye(4) > 0, 0.0, 10.0), np.full((4, 4), 1.0))
+    placed = plan_split(flat, GRID, work, dev).best
+    assert placed.missing_bytes == 0
+    check_fit(placed.grid, stages_bytes(work.memory(), placed.splits), memory, pools=pools)
+
+
+def test_the_elastic_layout_check_counts_shared_memory() -> None:
+    # 2x2 on two machines of two agents: fits (one tasklet of each stage per machine, as
+    # `packs` puts them); on one machine it does not. A shrink to one pipeline doubles each
+    # replica's micro-batch: too much for one machine, enough for two.
+    need = _job_needs("fp32")
+    room = sum(need) + 1
+    c = Cluster(config(placement="rank-order"), _pool_devices(room))
+    two_machines = Devices.of([1e10] * 4, [room] * 4, ["x", "x", "y", "y"])
+    one_machine = Devices.of([1e10] * 4, [room] * 4, ["x"] * 4)
+    micro = c.job.config.train.micro_batches
+    assert c.job._fits(Layout(2, 2), micro, two_machines)
+    assert not c.job._fits(Layout(2, 2), micro, one_machine)
+    assert not c.job._fits(Layout(2, 1), micro, Devices.of([1e10] * 2, [room] * 2, ["x"] * 2))
+    assert c.job._fits(Layout(2, 1), micro, Devices.of([1e10] * 2, [room] * 2, ["x", "y"]))
 
 
 def test_devices_carry_their_pools() -> None:
@@ -145,6 +198,24 @@ def test_the_same_agents_on_separate_machines_run() -> None:
     for i, d in enumerate(devices):
         d.memory_pool = f"machine-{i}"
     run(body, config(placement="rank-order"), devices)
+
+
+def test_a_scheduled_job_on_two_crowded_machines_runs_with_one_stage_of_each_per_machine(
+        ) -> None:
+    need = _job_needs("fp32")
+    room = sum(need) + 1  # one tasklet of each stage per machine, not two of one
+    devices = _pool_devices(room)
+    for i, d in enumerate(devices):
+        d.memory_pool = "box-a" if i in (0, 2) else "box-b"  # rank order crowds both boxes
+
+    async def body(c: Cluster) -> None:
+        got = await c.assignments()
+        assert c.job.state == S.JOB_STATE_RUNNING
+        per_box: dict[str, list[int]] = {}
+        for i, agent in enumerate(c.ids):
+            per_box.setdefault(devices[i].memory_pool, []).append(got[agent].stage)
+        assert sorted(map(sorted, per_box.values())) == [[0, 1], [0, 1]], per_box
+    run(body, config(), devices)
 
 
 def test_bf16_moments_make_the_shared_machine_fit() -> None:
