@@ -160,6 +160,7 @@ class Deadline:
         self._saved: float | None = None  # this rank's last save (0: another replica wrote)
         self._pending_save = False  # a checkpoint was due since the last step ended
         self._pinned = "the ceiling DTFM_TIMEOUT_S (too low to adapt under it)"
+        self._current: Wait | None = None  # until the next report: every wait asks for it
 
     @classmethod
     def fixed(cls, seconds: float) -> Deadline:
@@ -175,6 +176,7 @@ class Deadline:
     # ---- what the worker reports ----
     def start(self) -> None:
         self._mark = self._clock()
+        self._current = None
 
     def step_finished(self) -> None:
         now = self._clock()
@@ -187,12 +189,14 @@ class Deadline:
             else:
                 self._steps.append(interval)
         self._mark, self._pending_save = now, False
+        self._current = None
 
     def checkpoint(self, saved_s: float | None) -> None:
         """A checkpoint was due after the step that just finished; `saved_s` is how long this
         rank took to write its own, None when another replica writes it."""
         self._pending_save = True
         self._saved = saved_s or 0.0
+        self._current = None
 
     # ---- the decision ----
     @property
@@ -200,7 +204,13 @@ class Deadline:
         return len(self._steps) + len(self._after_save) >= self.policy.warm_steps
 
     def current(self) -> Wait:
-        """How long the next wait may block, and why."""
+        """How long the next wait may block, and why: decided once per report, since every
+        pipeline receive and collective of a step asks and the reason is formatted text."""
+        if self._current is None:
+            self._current = self._decide()
+        return self._current
+
+    def _decide(self) -> Wait:
         p = self.policy
         if p.floor_s >= p.ceiling_s:
             return Wait(p.ceiling_s, f"{p.ceiling_s:g} s, {self._pinned}")
