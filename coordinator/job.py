@@ -42,7 +42,7 @@ from coordinator.scheduler.compute import (
     tasklet_seconds,
 )
 from coordinator.scheduler.memory import DoesNotFit, check_fit, packs, stages_bytes
-from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
+from coordinator.scheduler.steptime import StepShape, StepTime, dp_shares, simulate_step
 from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import get_preset
@@ -495,7 +495,7 @@ class Job:
             bind_addrs=[r.info.host for r in records], splits=found["splits"],
             codecs=found["codecs"],
             members=[(r.info.host, r.info.port) for r in records],
-            checkpoint_splits=resplit,
+            checkpoint_splits=resplit, dp_shares=found["dp_shares"],
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()
@@ -681,6 +681,11 @@ class Job:
                   names=ids, pools=dev.pools or None, moments_dtype=work.moments_dtype)
         assert work.compression is not None
         found["codecs"] = work.compression.choose(net, found["grid"])  # per link, for auto
+        found["dp_shares"] = None
+        if work.dp_mode == "sharded" and layout.replicas > 1:
+            found["dp_shares"] = dp_shares(net, found["grid"], work.step_shape(found["splits"]))
+            log.info("job %s: data-parallel shares per stage (replica order): %s", self.job_id,
+                     "; ".join(",".join(f"{x:.2f}" for x in row) for row in found["dp_shares"]))
         return {**found, **score(net, found["grid"], dp_gb, pp_gb, work.compression)}
 
     async def _choose_split(self, net: Network, grid: list[list[int]], work: Workload,

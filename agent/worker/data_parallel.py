@@ -1,8 +1,9 @@
 """Gradient averaging within a stage's data-parallel group, overlapped with the backward pass.
 
 Owns turning R replicas' gradients of one stage into their mean, identically on every
-replica. Parameters are cut into buckets of about `DTFM_DP_BUCKET_MB` (default 4 MB) in
-reverse registration order, which is roughly the order backward produces their gradients
+replica. Parameters are cut into buckets (`dtfm.core.buckets.dp_bucket_bytes`: about an
+eighth of the stage, 64 KB to 4 MB; `DTFM_DP_BUCKET_MB` overrides it) in reverse
+registration order, which is roughly the order backward produces their gradients
 (head first, embedding last). When the pipeline runs the step's last backward pass it arms
 the averager; from then on each parameter's post-accumulate-grad hook copies the finished
 gradient into its bucket, and a full bucket starts its collective at once (`async_op`), so
@@ -11,8 +12,10 @@ so every replica issues the same collectives in the same order. Two ways, as in 
 
 - `allreduce`: one `all_reduce(SUM)` per bucket, then divide by R.
 - `sharded` (the paper's scatter-reduce + all-gather, as direct messages): each bucket is
-  padded to R equal shards; the hook sends shard k straight to replica k; k sums the R
-  copies in replica order, divides by R and sends the averaged shard straight to every peer.
+  cut into R shards, equal (padded) or by the assignment's `dp_shares`
+  (`dtfm.core.buckets.shard_sizes`; a replica far from everyone may own none); the hook
+  sends shard k straight to replica k; k sums the R copies in replica order, divides by R
+  and sends the averaged shard straight to every peer. An empty shard sends nothing.
   Each replica sends and receives 2(R-1)/R of the bucket, like a ring, but in two hops of
   latency instead of a ring's 2(R-1) (over a 70 ms link, at R = 4, 0.14 s instead of 0.42
   s); on a WAN that is most of the difference. Every receive of both hops is posted when the
@@ -49,12 +52,12 @@ from torch import nn
 from agent.worker.compress import ErrorFeedback, TensorCodec
 from agent.worker.deadline import DEFAULT_CEILING_S, Deadline
 from agent.worker.errors import wait_all
+from dtfm.core.buckets import check_shares, dp_bucket_bytes, shard_sizes
 
 log = logging.getLogger(__name__)
 
 ENV_BUCKET_MB = "DTFM_DP_BUCKET_MB"
 TAG_SCATTER = 100  # sharded mode: bucket i's shards travel with tag 100 + 2i, averages + 1
-DEFAULT_BUCKET_MB = 4.0
 
 
 @dataclass(eq=False)  # buckets are compared by identity (list.index)
@@ -63,6 +66,7 @@ class _Bucket:
     offsets: list[int]
     flat: torch.Tensor  # gradients, then extras (last bucket), then padding (sharded)
     numel: int  # gradient elements
+    sizes: list[int]  # sharded: elements of each replica's shard (0: it owns none)
     ready: int = 0
     works: list[dist.Work] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)  # sharded: my shard, from each
@@ -87,8 +91,12 @@ def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list
     return out
 
 
-def bucket_bytes_from_env() -> int:
-    return max(1, int(float(os.environ.get(ENV_BUCKET_MB, DEFAULT_BUCKET_MB)) * (1 << 20)))
+def bucket_bytes_for(params: Sequence[nn.Parameter]) -> int:
+    """`DTFM_DP_BUCKET_MB` when set, else the size `dp_bucket_bytes` gives these gradients."""
+    raw = os.environ.get(ENV_BUCKET_MB, "").strip()
+    if raw:
+        return max(1, int(float(raw) * (1 << 20)))
+    return dp_bucket_bytes(sum(p.numel() * p.element_size() for p in params))
 
 
 class GradAverager:
@@ -105,6 +113,7 @@ class GradAverager:
         bucket_bytes: int | None = None,
         deadline: Deadline | None = None,
         codec: TensorCodec | None = None,
+        shares: Sequence[float] | None = None,
     ) -> None:
         if mode not in ("allreduce", "sharded"):
             raise ValueError(f"unknown dp mode {mode!r}; use 'allreduce' or 'sharded'")
@@ -118,6 +127,8 @@ class GradAverager:
         # how long one wait for the group may block (deadline.py: adapts to the step time)
         self.deadline = deadline or Deadline.fixed(DEFAULT_CEILING_S)
         self.codec = codec
+        # sharded: each replica's part of every bucket (None: equal shards, padded)
+        self.shares = None if shares is None else check_shares(shares, len(ranks))
         self._armed, self._next, self._posted = False, 0, False
         self._extras = [0.0] * extras
         self.sent_bytes = 0  # this step's bytes to the other replicas
@@ -125,7 +136,7 @@ class GradAverager:
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         if self.size > 1:
-            nbytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_from_env()
+            nbytes = bucket_bytes if bucket_bytes is not None else bucket_bytes_for(self.params)
             plan = plan_buckets(self.params[::-1], nbytes)
             if codec is not None and extras:
                 plan.append([])  # the extras travel exact, in a bucket of their own
@@ -138,11 +149,15 @@ class GradAverager:
             for p in params:
                 offsets.append(offsets[-1] + p.numel())
             n = offsets[-1] + (self.n_extras if k == len(plan) - 1 else 0)
-            if self.mode == "sharded":
+            sizes = [n]
+            if self.mode == "sharded" and self.shares is None:
                 n = -(-n // self.size) * self.size
+                sizes = [n // self.size] * self.size
+            elif self.mode == "sharded":
+                sizes = shard_sizes(n, self.shares)
             dtype = params[0].dtype if params else like.dtype
             flat = torch.zeros(n, dtype=dtype, device=like.device)
-            b = _Bucket(params, offsets[:-1], flat, offsets[-1],
+            b = _Bucket(params, offsets[:-1], flat, offsets[-1], sizes,
                         codec=self.codec if params else None)
             self.buckets.append(b)
             for p, off in zip(params, b.offsets, strict=True):
@@ -164,17 +179,18 @@ class GradAverager:
             return
         me = self.ranks.index(dist.get_rank())
         for i, b in enumerate(self.buckets):
-            chunks = b.flat.chunk(self.size)
+            chunks = b.flat.split(b.sizes)
+            peers = [k for k in range(self.size) if k != me]
             b.parts = [chunks[me] if k == me else self._recv_buffer(b, chunks[me])
-                       for k in range(self.size)]
+                       for k in range(self.size)] if b.sizes[me] else []
             tag = TAG_SCATTER + 2 * i
             b.works = [self._async(dist.irecv(b.parts[k], self.ranks[k], self.group, tag))
-                       for k in range(self.size) if k != me]
+                       for k in peers if b.parts]
+            owners = [k for k in peers if b.sizes[k]]  # their averages come back to me
             if b.codec is None:
-                into = [(k, chunks[k]) for k in range(self.size) if k != me]
+                into = [(k, chunks[k]) for k in owners]
             else:
-                b.gathered = [(k, self._recv_buffer(b, chunks[k]))
-                              for k in range(self.size) if k != me]
+                b.gathered = [(k, self._recv_buffer(b, chunks[k])) for k in owners]
                 into = b.gathered
             b.gather_works = [self._async(dist.irecv(buf, self.ranks[k], self.group, tag + 1))
                               for k, buf in into]
@@ -257,11 +273,11 @@ class GradAverager:
             self.sent_bytes += 2 * (self.size - 1) * b.flat.numel() * b.flat.element_size() \
                 // self.size
             return
-        me, chunks = self.ranks.index(dist.get_rank()), b.flat.chunk(self.size)
+        me, chunks = self.ranks.index(dist.get_rank()), b.flat.split(b.sizes)
         tag = TAG_SCATTER + 2 * self.buckets.index(b)
         b.works += [self._async(dist.isend(self._message(b, k, chunks[k]), self.ranks[k],
                                            self.group, tag))
-                    for k in range(self.size) if k != me]
+                    for k in range(self.size) if k != me and b.sizes[k]]
 
     def _recv_buffer(self, b: _Bucket, shard: torch.Tensor) -> torch.Tensor:
         """Where a peer's copy of `shard` arrives: a tensor like it, or its message's bytes."""
@@ -310,6 +326,9 @@ class GradAverager:
         me = self.ranks.index(dist.get_rank())
         for i, b in enumerate(self.buckets):
             self._wait(b.works)
+            if not b.sizes[me]:  # I own none of this bucket: only the averages to receive
+                b.works = b.gather_works
+                continue
             if b.codec is not None:
                 self._gather_compressed(b, i, me)
                 continue
@@ -317,7 +336,7 @@ class GradAverager:
             for part in b.parts[1:]:
                 mine.add_(part)
             mine.div_(self.size)
-            chunks = b.flat.chunk(self.size)
+            chunks = b.flat.split(b.sizes)
             chunks[me].copy_(mine)
             tag = TAG_SCATTER + 2 * i + 1
             b.works = b.gather_works + [
@@ -331,7 +350,7 @@ class GradAverager:
         shard becomes what they decode, so all replicas hold the same bits."""
         assert b.codec is not None
         t0 = time.perf_counter()
-        chunks = b.flat.chunk(self.size)
+        chunks = b.flat.split(b.sizes)
         n = chunks[me].numel()
         copies = [part if k == me else b.codec.decode(part, n) for k, part in enumerate(b.parts)]
         mine = copies[0].clone()
@@ -351,7 +370,7 @@ class GradAverager:
     def _decode_gathered(self, b: _Bucket) -> None:
         assert b.codec is not None
         t0 = time.perf_counter()
-        chunks = b.flat.chunk(self.size)
+        chunks = b.flat.split(b.sizes)
         for k, buf in b.gathered:
             chunks[k].copy_(b.codec.decode(buf, chunks[k].numel()))
         b.gathered = []

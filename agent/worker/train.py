@@ -261,6 +261,7 @@ class Worker:
         averager = GradAverager(
             self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode,
             extras=1 if self.stage.is_last else 0, deadline=self.deadline, codec=self.codecs[2],
+            shares=list(a.dp_shares) or None,
         )
         self._averager = averager  # its byte and codec counters go into step events
         return pipe, averager

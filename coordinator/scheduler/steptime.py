@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.scheduler.compression import TOPK_COST, Compression
+from coordinator.scheduler.dpshares import group_shares
 from coordinator.scheduler.network import Network
+from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.codecs import NONE, Codec, parse_codec
 from dtfm.core.layout import layer_ranges, pipeline_ops
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, check_batch
@@ -139,36 +141,63 @@ def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
 
 
 def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str,
-                codec: Codec = NONE, codec_s: float = 0.0) -> float:
+                codec: Codec = NONE, codec_s: float = 0.0,
+                shares: Sequence[float] | None = None) -> float:
     """The group's gradient averaging as the worker does it.
 
-    `sharded`: every replica sends shard k (1/R of the gradients) straight to replica k, k
-    averages and sends it straight back to everyone: replica d is done when the last averaged
-    shard reaches it, two hops after its owner received the last copy. `allreduce`: gloo's
-    ring, 2(R-1) steps of 1/R of the gradients around the group in rank order, each as slow as
-    the ring's slowest link. Compressed (`sharded` only), a shard travels as `codec`'s wire
-    bytes and costs `codec_s` (the whole buffer's compression time) over R per hop."""
+    `sharded`: the stage's gradients travel in `buckets.dp_bucket_count` buckets; replica k
+    owns `dpshares.group_shares` of each. Every replica sends its copy of shard k of each
+    bucket straight to k as backward fills the bucket; k sums the copies and sends the
+    average straight back to everyone. Each directed link sends its messages in the order
+    they were posted (every first-hop copy, then the averages as each bucket completes), so
+    the second hop of one bucket overlaps the first of the next; an empty shard sends
+    nothing. `allreduce`: gloo's ring, 2(R-1) steps of 1/R of the gradients around the group
+    in rank order, each as slow as the ring's slowest link. Compressed (`sharded` only), a
+    shard travels as `codec`'s wire bytes and costs its part of `codec_s` (the whole
+    buffer's compression time) on the way. `shares`: other shares than `group_shares`'
+    (to compare them)."""
     r = len(group)
     if r == 1:
         return 0.0
     g = np.asarray(group)
+    delay = net.delay_ms[g[:, None], g[None, :]] / 1000.0
+    per_byte = 8.0 / (net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9)
+    np.fill_diagonal(per_byte, 0.0)
     wire = grad_bytes * codec.ratio_to(4)
-    hop = (net.delay_ms[g[:, None], g[None, :]] / 1000.0
-           + 8.0 * wire / (r * net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9) + codec_s / r)
-    np.fill_diagonal(hop, 0.0)
     if mode == "allreduce":
-        ring = [hop[k, (k + 1) % r] for k in range(r)]
-        return 2 * (r - 1) * float(max(ring))
-    scattered = hop.max(axis=0)  # owner k has every copy of its shard
-    return float((scattered[:, None] + hop).max())
+        hop = delay + wire / r * per_byte + codec_s / r
+        return 2 * (r - 1) * float(max(hop[k, (k + 1) % r] for k in range(r)))
+    shares = np.asarray(group_shares(net, group, wire) if shares is None else shares)
+    buckets = dp_bucket_count(grad_bytes)
+    owns = shares > 0
+    # seconds a message of shard k of one bucket holds the link it goes out on
+    copy = (wire / buckets) * shares[None, :] * per_byte + codec_s / buckets * shares[None, :]
+    average = (wire / buckets) * shares[:, None] * per_byte + codec_s / buckets * shares[:, None]
+    np.fill_diagonal(copy, 0.0)
+    np.fill_diagonal(average, 0.0)
+    busy = np.zeros((r, r))  # when directed link i -> k has sent everything posted so far
+    arrivals = []
+    for _ in range(buckets):  # every replica's copies, as backward fills the buckets
+        busy = busy + copy
+        arrivals.append(np.where(np.eye(r, dtype=bool), 0.0, busy + delay).max(axis=0))
+    end = 0.0
+    for ready in arrivals:  # owner k sends bucket b's average once its copies are all in
+        sends = np.maximum(busy, ready[:, None]) + average
+        busy = np.where(owns[:, None], sends, busy)
+        out = np.where(np.eye(r, dtype=bool), 0.0, busy + delay)
+        end = max(end, float(out[owns].max()))
+    return end
 
 
 def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
-                  compute_s: Sequence[Sequence[float]] | None = None) -> StepTime:
+                  compute_s: Sequence[Sequence[float]] | None = None,
+                  memo: dict[tuple[object, ...], object] | None = None) -> StepTime:
     """Predicted step of `grid` (grid[stage][replica] -> device) on `net`.
 
     `compute_s[stage][replica]`: seconds of forward + backward compute of one micro-batch on
-    that tasklet's device (None: communication only).
+    that tasklet's device (None: communication only). `memo`: a dict kept across calls for
+    the same `net` and `shape` (a search's), remembering each pipeline's and each
+    data-parallel group's time, since a swap changes at most two of each.
     """
     g = np.asarray(grid, dtype=np.int64)
     if g.ndim != 2 or g.size == 0:
@@ -180,13 +209,25 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
     if comp.shape != (s, r) or not (np.isfinite(comp).all() and (comp >= 0).all()):
         raise ValueError(f"compute_s must be a {s}x{r} grid of seconds >= 0")
     pp_codecs, dp_codecs = _codecs(net, g, shape)
-    last_b = np.array([_pipeline(net, g[:, k].tolist(), shape, comp[:, k].tolist(),
-                                 [row[k] for row in pp_codecs])
-                       for k in range(r)]).T  # (stage, replica)
-    dp = np.array([_dp_seconds(net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode,
-                               dp_codecs[j],
-                               _codec_s(shape, dp_codecs[j], shape.grad_bytes[j], 4))
-                   for j in range(s)])
+    memo = {} if memo is None else memo
+
+    def pipeline(k: int) -> list[float]:
+        devices, work, codecs = g[:, k].tolist(), comp[:, k].tolist(), [row[k] for row in pp_codecs]
+        key = ("pp", *devices, *work, *codecs)
+        if key not in memo:
+            memo[key] = _pipeline(net, devices, shape, work, codecs)
+        return memo[key]  # type: ignore[return-value]
+
+    def dp_group(j: int) -> float:
+        key = ("dp", j, *g[j].tolist(), dp_codecs[j])
+        if key not in memo:
+            memo[key] = _dp_seconds(net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode,
+                                    dp_codecs[j],
+                                    _codec_s(shape, dp_codecs[j], shape.grad_bytes[j], 4))
+        return memo[key]  # type: ignore[return-value]
+
+    last_b = np.array([pipeline(k) for k in range(r)]).T  # (stage, replica)
+    dp = np.array([dp_group(j) for j in range(s)])
     dp_end = last_b.max(axis=1) + dp
     delay = net.delay_ms / 1000.0
     finish = dp_end.max()
@@ -199,6 +240,16 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
     return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()), dp_s=float(dp.max()),
                     sync_s=float(finish - dp_end.max()),
                     compute_s=float(comp.max() * shape.micro_batches))
+
+
+def dp_shares(net: Network, grid: Sequence[Sequence[int]], shape: StepShape) -> list[list[float]]:
+    """Per stage, each replica's share of the sharded gradient exchange
+    (`dpshares.group_shares` over the stage's wire bytes): what the coordinator sends in the
+    assignments and what `simulate_step` replays."""
+    g = np.asarray(grid, dtype=np.int64)
+    _, dp_codecs = _codecs(net, g, shape)
+    return [group_shares(net, g[j].tolist(), shape.grad_bytes[j] * dp_codecs[j].ratio_to(4))
+            for j in range(g.shape[0])]
 
 
 def _codecs(net: Network, g: np.ndarray,
@@ -230,12 +281,13 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
 
 
 def placed_step_s(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
-                  compute: np.ndarray | None = None) -> float:
+                  compute: np.ndarray | None = None,
+                  memo: dict[tuple[object, ...], object] | None = None) -> float:
     """Predicted step of `grid` when `compute[device][stage]` is one micro-batch of that stage
     on that device (None: communication only): each tasklet's compute follows its device."""
     g = np.asarray(grid, dtype=np.int64)
     comp = None if compute is None else compute[g, np.arange(g.shape[0])[:, None]]
-    return simulate_step(net, g.tolist(), shape, comp).step_s
+    return simulate_step(net, g.tolist(), shape, comp, memo).step_s
 
 
 POLISH_KICK = 3  # random swaps that move a restart away from the best grid so far
@@ -243,7 +295,8 @@ POLISH_STALE_KICKS = 30  # restarts in a row that found nothing better: the poli
 
 
 def _descend(net: Network, g: np.ndarray, cur: float, shape: StepShape,
-             compute: np.ndarray | None, deadline: float) -> tuple[np.ndarray, float]:
+             compute: np.ndarray | None, deadline: float,
+             memo: dict[tuple[object, ...], object] | None = None) -> tuple[np.ndarray, float]:
     """Swap any two tasklets while that shortens the predicted step (first improvement)."""
     cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
     improved = True
@@ -252,7 +305,7 @@ def _descend(net: Network, g: np.ndarray, cur: float, shape: StepShape,
         for p, q in itertools.combinations(cells, 2):
             cand = g.copy()
             cand[p], cand[q] = g[q], g[p]
-            value = placed_step_s(net, cand, shape, compute)
+            value = placed_step_s(net, cand, shape, compute, memo)
             if value < cur - 1e-12:
                 g, cur, improved = cand, value, True
     return g, cur
@@ -276,12 +329,13 @@ def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepSh
     swap that moves a stage onto a slower device pays for it. `seed` makes the kicks
     repeatable."""
     deadline = time.perf_counter() + seconds
+    memo: dict[tuple[object, ...], object] = {}  # one net, one shape: pipelines and groups
     best_grid: np.ndarray | None = None
     best = np.inf
     for start in grids:
         g = np.asarray(start, dtype=np.int64)
-        g, cur = _descend(net, g, placed_step_s(net, g, shape, compute), shape, compute,
-                          deadline)
+        g, cur = _descend(net, g, placed_step_s(net, g, shape, compute, memo), shape,
+                          compute, deadline, memo)
         if cur < best:
             best, best_grid = cur, g
     assert best_grid is not None, "polish needs at least one grid"
@@ -292,8 +346,8 @@ def polish(net: Network, grids: Sequence[Sequence[Sequence[int]]], shape: StepSh
         for _ in range(POLISH_KICK):
             a, b = rng.choice(flat.size, 2, replace=False)
             flat[a], flat[b] = flat[b], flat[a]
-        g, cur = _descend(net, kicked, placed_step_s(net, kicked, shape, compute), shape,
-                          compute, deadline)
+        g, cur = _descend(net, kicked, placed_step_s(net, kicked, shape, compute, memo),
+                          shape, compute, deadline, memo)
         if cur < best - 1e-12:
             best, best_grid, stale = cur, g, 0
         else:

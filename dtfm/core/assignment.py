@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtfm.core.buckets import check_shares
 from dtfm.core.codecs import LinkCodecs
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.spec import ModelSpec, TrainConfig
@@ -72,6 +73,7 @@ def build_assignments(
     codecs: LinkCodecs | None = None,
     members: Sequence[tuple[str, int]] | None = None,
     checkpoint_splits: Sequence[int] | None = None,
+    dp_shares: Sequence[Sequence[float]] | None = None,
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
@@ -85,6 +87,8 @@ def build_assignments(
     `checkpoint_splits`: layers per stage of the split the job's checkpoints hold, when the
     job re-planned on another stage count; set on every rank only when it differs from this
     layout's split (each worker then reads its layers from the old stages that held them).
+    `dp_shares[stage]`: that stage's share of each replica in the sharded gradient exchange
+    (`dtfm.core.buckets`); without it every replica owns an equal share.
     """
     train.validate(layout.replicas)
     if bind_addrs is not None and len(bind_addrs) != layout.world_size:
@@ -100,6 +104,11 @@ def build_assignments(
         old = list(checkpoint_splits)
         layer_splits(spec.n_layers, len(old), old)  # ValueError: not a split of this model
         resplit = [] if old == counts else old
+    if dp_shares is not None:
+        if len(dp_shares) != layout.stages:
+            raise ValueError(f"data-parallel shares for {len(dp_shares)} stages, the layout "
+                             f"has {layout.stages}")
+        dp_shares = [check_shares(row, layout.replicas) for row in dp_shares]
     routes = None
     if members is not None and not train.checkpoint_dir and train.checkpoint_every:
         routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members])
@@ -121,6 +130,7 @@ def build_assignments(
             bind_addr=bind_addrs[rank] if bind_addrs is not None else master_addr,
             pp_compress_prev=pp_prev, pp_compress_next=pp_next, dp_compress=dp,
             checkpoint_splits=resplit,
+            dp_shares=dp_shares[stage] if dp_shares is not None else [],
         ))
         if routes is not None:
             out[-1].checkpoint_peers.extend(routes[rank].peers)

@@ -74,8 +74,9 @@ class Cluster:
 
 def config(**kw: object) -> JobConfig:
     train = TrainConfig(global_batch=8, micro_batches=2, steps=5)
-    cfg = JobConfig(model="gpt-tiny", agents=4, stages=2, replicas=2, train=train,
-                    measure_links=False, **kw)  # type: ignore[arg-type]
+    shape = {"stages": 2, "replicas": 2, **kw}
+    cfg = JobConfig(model="gpt-tiny", agents=4, train=train, measure_links=False,
+                    **shape)  # type: ignore[arg-type]
     cfg.validate()
     return cfg
 
@@ -204,6 +205,28 @@ def test_a_links_file_without_the_members_fails_with_the_reason(tmp_path: Path) 
         await _until(lambda: c.job.state == S.JOB_STATE_FAILED)
         assert "no row for agent" in c.job.message
     run(body, config(links_file=str(path)))
+
+
+def test_a_replica_near_everyone_owns_more_of_the_gradient_exchange(tmp_path: Path) -> None:
+    # one stage, four replicas: agents 0 and 1 are 5 ms apart, agent-2 is 200 ms from both,
+    # agent-3 is 60 ms from everyone. A shard owned by 0, 1 or 2 crosses 200 ms twice; one
+    # owned by agent-3 crosses 60 ms twice, so agent-3 owns the most
+    ms = {(0, 1): 5, (0, 2): 200, (1, 2): 200, (0, 3): 60, (1, 3): 60, (2, 3): 60}
+    delay = [[0 if i == j else ms[min(i, j), max(i, j)] for j in range(4)] for i in range(4)]
+    bandwidth = [[None if i == j else 1.0 for j in range(4)] for i in range(4)]
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps({"agents": [f"agent-{i}" for i in range(4)],
+                                "delay_ms": delay, "bandwidth_gbps": bandwidth}))
+
+    async def body(c: Cluster) -> None:
+        got = await c.assignments()
+        shares = {agent: list(a.dp_shares) for agent, a in got.items()}
+        group = shares[c.ids[0]]
+        assert all(s == group for s in shares.values())  # one stage: one group, one list
+        assert sum(group) == pytest.approx(1.0)
+        owner = {agent: group[a.replica] for agent, a in got.items()}
+        assert owner["agent-3"] > 0.5 > max(v for a, v in owner.items() if a != "agent-3")
+    run(body, config(stages=1, replicas=4, links_file=str(path)))
 
 
 def _devices(flops: list[float], memory: list[int] | None = None) -> list[common_pb2.DeviceInfo]:

@@ -97,6 +97,53 @@ def test_bucketed_overlapped_averaging_is_the_exact_mean(
         assert torch.equal(a, b)  # overlap changes nothing
 
 
+SHARES = (None, [0.2, 0.3, 0.5], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0])
+
+
+def _shares_worker(rank: int, world: int, port: int, out: str) -> None:
+    _guard()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=30),
+                           use_local_synchronization=True)
+    results = []
+    for shares in SHARES:
+        model = _model()
+        avg = GradAverager(model, group, list(range(world)), "sharded", extras=1,
+                           bucket_bytes=200, shares=shares)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for i, x in enumerate(torch.randn(4, 7, generator=gen) for _ in range(3)):
+            if i == 2:
+                avg.arm([float(rank) + 0.25])
+            model(x).pow(2).mean().backward()
+        _, extras = avg.finish()
+        results.append(([p.grad.clone() for p in model.parameters()], extras, avg.sent_bytes))
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_uneven_shares_change_no_bit_and_an_empty_shard_sends_nothing(tmp_path: Path) -> None:
+    # the same gradients averaged with equal shares, uneven ones and shares where replicas
+    # own nothing: every replica holds the same bits in every case, since each element is
+    # summed over the replicas in replica order wherever it is owned
+    world = 3
+    mp.spawn(_shares_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    equal = got[0][0][0]
+    for r in range(world):
+        for grads, extras, _ in got[r]:
+            for g, e in zip(grads, equal, strict=True):
+                assert torch.equal(g, e)
+            assert extras == pytest.approx([sum(q + 0.25 for q in range(world)) / world])
+    # owning nothing, a replica only sends its copies (fewer bytes than with an equal
+    # share); owning everything, replica 2 sends its average to both peers and no copies
+    numel = sum(p.numel() for p in _model().parameters()) + 1
+    assert got[0][3][2] == 4 * numel and got[1][3][2] == 4 * numel
+    assert got[2][3][2] == 2 * 4 * numel
+    assert got[1][2][2] == 4 * numel < got[1][0][2]
+
+
 def test_buckets_are_reverse_order_runs_of_bounded_size() -> None:
     params = list(_model().parameters())
     plan = plan_buckets(params[::-1], 200)

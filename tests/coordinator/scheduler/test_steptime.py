@@ -10,14 +10,17 @@ import pytest
 
 from coordinator import scenarios
 from coordinator.scheduler import Network
+from coordinator.scheduler.dpshares import group_shares
 from coordinator.scheduler.steptime import (
     StepShape,
     _descend,
+    _dp_seconds,
     placed_step_s,
     polish,
     simulate_step,
     step_shape,
 )
+from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.presets import get_preset
 
 
@@ -63,10 +66,49 @@ def test_data_parallel_terms_follow_the_workers_two_ways() -> None:
     hop_far = 0.1 + 1.0  # the slowest pair's delay + one shard on the wire
     sharded = StepShape(micro_batches=1, act_bytes=0.0, grad_bytes=[3e6])
     got = simulate_step(net, [[0, 1, 2]], sharded)
-    assert got.dp_s == pytest.approx(2 * hop_far)  # scatter to the owner, average back
+    # every owner is 100 ms from someone both ways: equal shares. Each link carries its
+    # copies (1 s), then the averages (1 s); in 8 buckets each average waits behind the
+    # copies still on its link, so only the last bucket's delay shows
+    assert dp_bucket_count(3e6) == 8
+    assert group_shares(net, [0, 1, 2], 3e6) == pytest.approx([1 / 3] * 3)
+    assert got.dp_s == pytest.approx(2 * 1.0 + 0.1)
+    # in one bucket (60 kB: 20 ms a shard) nothing overlaps: scatter, then average back
+    one = simulate_step(net, [[0, 1, 2]], StepShape(micro_batches=1, act_bytes=0.0,
+                                                    grad_bytes=[6e4]))
+    assert dp_bucket_count(6e4) == 1
+    assert one.dp_s == pytest.approx(2 * (0.1 + 0.02))
     ring = StepShape(micro_batches=1, act_bytes=0.0, grad_bytes=[3e6], dp_mode="allreduce")
     got = simulate_step(net, [[0, 1, 2]], ring)
     assert got.dp_s == pytest.approx(4 * hop_far)  # 2(R-1) steps at the slowest ring link
+
+
+def test_a_replica_near_everyone_owns_more_and_the_exchange_is_faster() -> None:
+    # 0 and 1 are 200 ms apart, 2 is 50 ms from both: with equal shares every shard pays
+    # 0 <-> 1's delay twice; the shares give 2 most, and 0 and 1 (whose own shards must
+    # cross 200 ms) less, so the group finishes sooner
+    delay = np.array([[0, 200, 50], [200, 0, 50], [50, 50, 0]], dtype=float)
+    net = Network(delay, np.full((3, 3), 0.008))
+    shares = group_shares(net, [0, 1, 2], 3e5)
+    assert shares[2] > 1 / 3 > shares[0] == pytest.approx(shares[1])
+    assert sum(shares) == pytest.approx(1.0)
+    fitted = _dp_seconds(net, [0, 1, 2], 3e5, "sharded")
+    equal = _dp_seconds(net, [0, 1, 2], 3e5, "sharded", shares=[1 / 3] * 3)
+    assert fitted < 0.9 * equal
+
+
+def test_shares_are_close_to_the_best_a_search_finds_and_equal_on_equal_links() -> None:
+    # every 3-replica group of the 16-agent world: water-filling against the best shares on
+    # a 2 % grid of the simplex, replayed by the same exchange model
+    net = scenarios.world(per_city=2)
+    grid = [(a / 50, b / 50, 1 - (a + b) / 50) for a in range(51) for b in range(51 - a)]
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        group = rng.choice(16, 3, replace=False).tolist()
+        got = _dp_seconds(net, group, 1.6e6, "sharded")
+        best = min(_dp_seconds(net, group, 1.6e6, "sharded", shares=f) for f in grid)
+        equal = _dp_seconds(net, group, 1.6e6, "sharded", shares=[1 / 3] * 3)
+        assert got <= 1.05 * best and got <= equal * (1 + 1e-9)
+    assert group_shares(line(4, 30.0, 0.1), [0, 1, 2, 3], 1e6) == pytest.approx([0.25] * 4)
 
 
 def test_1f1b_waits_on_round_trips_that_gpipe_overlaps() -> None:
