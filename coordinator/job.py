@@ -481,7 +481,10 @@ class Job:
         predicted = self._model.predict({})
         self.plan = common_pb2.Plan(
             stages=layout.stages, replicas=layout.replicas,
-            grid=[common_pb2.PlanStage(agent_ids=[ids[d] for d in row]) for row in found["grid"]],
+            grid=[common_pb2.PlanStage(agent_ids=[ids[d] for d in row],
+                                       dp_shares=found["dp_shares"][j] if found["dp_shares"]
+                                       else [])
+                  for j, row in enumerate(found["grid"])],
             cost=found["cost"], dp_cost=found["dp_cost"], pp_cost=found["pp_cost"],
             seconds=found["seconds"], algorithm=found["algorithm"], epoch=self.epoch,
             placement=placement.label, predicted_step_s=predicted.step_s,

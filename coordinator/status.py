@@ -46,6 +46,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
     if status.plan.stages:
         plan = {"stages": status.plan.stages, "replicas": status.plan.replicas,
                 "grid": [list(row.agent_ids) for row in status.plan.grid],
+                "dp_shares": [list(row.dp_shares) for row in status.plan.grid],
                 "cost": status.plan.cost, "dp_cost": status.plan.dp_cost,
                 "pp_cost": status.plan.pp_cost, "seconds": status.plan.seconds,
                 "epoch": status.plan.epoch, "placement": status.plan.placement,
@@ -142,6 +143,9 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         splits = p["layer_splits"] or [0] * len(p["grid"])
         for s, (row, layers) in enumerate(zip(p["grid"], splits, strict=True)):
             held = f" ({layers} layers)" if layers else ""
+            shares = p["dp_shares"][s] if s < len(p["dp_shares"]) else []
+            if shares and max(shares) - min(shares) > 1e-9:  # uneven: say who owns what
+                row = [f"{a} ({x:.0%} of gradients)" for a, x in zip(row, shares, strict=True)]
             lines.append(f"  stage {s}{held}: {'  '.join(row)}")
     return "\n".join(lines)
 

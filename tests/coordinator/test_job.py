@@ -20,6 +20,7 @@ from coordinator.job import Job
 from coordinator.linkstore import LinkStore
 from coordinator.measure import LinkMeasurer
 from coordinator.registry import Registry
+from coordinator.status import status_to_text
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -226,6 +227,11 @@ def test_a_replica_near_everyone_owns_more_of_the_gradient_exchange(tmp_path: Pa
         assert sum(group) == pytest.approx(1.0)
         owner = {agent: group[a.replica] for agent, a in got.items()}
         assert owner["agent-3"] > 0.5 > max(v for a, v in owner.items() if a != "agent-3")
+        # the plan carries them and `coordinator status` says who owns what
+        assert c.job.plan is not None and list(c.job.plan.grid[0].dp_shares) == group
+        text = status_to_text(coordinator_pb2.ClusterStatus(job=c.job.status(),
+                                                            plan=c.job.plan))
+        assert f"agent-3 ({owner['agent-3']:.0%} of gradients)" in text, text
     run(body, config(stages=1, replicas=4, links_file=str(path)))
 
 

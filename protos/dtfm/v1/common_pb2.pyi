@@ -213,10 +213,12 @@ class LinkMatrix(_message.Message):
     def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlanStage(_message.Message):
-    __slots__ = ("agent_ids",)
+    __slots__ = ("agent_ids", "dp_shares")
     AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DP_SHARES_FIELD_NUMBER: _ClassVar[int]
     agent_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dp_shares: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., dp_shares: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s", "layer_splits")
