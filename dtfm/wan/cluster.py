@@ -192,7 +192,8 @@ class WanCluster:
         split = {k: statistics.median(w[k] for w in workers)
                  for k in ("step_s", "compute_s", "pp_wait_s", "dp_s")} if workers else {}
         return {
-            "placement": placement, "grid": plan.get("grid"), "cost": plan.get("cost"),
+            "placement": placement, "grid": plan.get("grid"),
+            "dp_shares": plan.get("dp_shares"), "cost": plan.get("cost"),
             "dp_cost": plan.get("dp_cost"), "pp_cost": plan.get("pp_cost"),
             "predicted_step_s": job["predicted_step_s"],
             "predicted_comm_s": plan.get("predicted_comm_s"),

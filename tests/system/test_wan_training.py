@@ -47,3 +47,29 @@ def test_a_job_trains_across_emulated_hosts_with_each_dp_group_in_one_city(
     assert got["measured_step_s"] > 0 and got["predicted_step_s"] > 0
     assert got["loss"] > 0
     assert got["assignment_to_first_step_s"] is not None
+
+
+# three agents, one data-parallel group: 0 and 1 are 60 ms apart, 2 is 8 ms from both. A shard
+# owned by 0 or 1 crosses 60 ms twice, one owned by 2 crosses 8 ms twice, so the coordinator
+# gives agent 2 the largest share of every bucket and the shards cross the hosts unevenly.
+SHARE_DELAY = [[0, 60, 8], [60, 0, 8], [8, 8, 0]]
+SHARE_RATE = [[0, 20, 20], [20, 0, 20], [20, 20, 0]]
+SHARE_JOB = ["--model", "gpt-tiny", "--agents", "3", "--stages", "1", "--replicas", "3",
+             "--steps", "3", "--batch", "6", "--micro-batches", "2", "--search-seconds", "1"]
+
+
+@pytest.mark.timeout(420)
+def test_uneven_data_parallel_shares_train_across_emulated_hosts(tmp_path: Path) -> None:
+    with measurement_wan(SHARE_DELAY, SHARE_RATE) as wan:
+        cluster = WanCluster(wan, tmp_path, agents=3)
+        ids = cluster.start(prewarm=False)  # measuring only
+        links = cluster.measure(timeout=120)
+        cluster.stop()
+        links_path = tmp_path / "links.json"
+        links_path.write_text(json.dumps(links))
+        got = cluster.train(SHARE_JOB, "rank-order", links_path, timeout=300, prewarm=False)
+    (row,), (shares,) = got["grid"], got["dp_shares"]
+    owner = dict(zip(row, shares, strict=True))
+    assert sum(shares) == pytest.approx(1.0)
+    assert owner[ids[2]] > max(owner[ids[0]], owner[ids[1]]) + 0.1, owner
+    assert got["loss"] > 0 and got["measured_step_s"] > 0
