@@ -64,7 +64,7 @@ TAG_SCATTER = 100  # sharded mode: bucket i's shards travel with tag 100 + 2i, a
 class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
-    flat: torch.Tensor  # gradients, then extras (last bucket), then padding (sharded)
+    flat: torch.Tensor  # gradients, then extras (last bucket), then padding (equal shards)
     numel: int  # gradient elements
     sizes: list[int]  # sharded: elements of each replica's shard (0: it owns none)
     ready: int = 0

@@ -27,17 +27,24 @@ import numpy as np
 from coordinator.scheduler.network import Network
 
 
+def group_links(net: Network, group: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The group's one-way delays (s) and seconds per byte, member x member, 0 on the
+    diagonal (a replica does not send to itself)."""
+    g = np.asarray(group)
+    delay = net.delay_ms[g[:, None], g[None, :]] / 1000.0
+    per_byte = 8.0 / (net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9)
+    np.fill_diagonal(delay, 0.0)
+    np.fill_diagonal(per_byte, 0.0)
+    return delay, per_byte
+
+
 def group_shares(net: Network, group: Sequence[int], wire_bytes: float) -> list[float]:
     """Each member's share (replica order, summing to 1) of a stage's gradients of
     `wire_bytes` bytes on the wire, for the group of devices `group`."""
     r = len(group)
     if r == 1:
         return [1.0]
-    g = np.asarray(group)
-    delay = net.delay_ms[g[:, None], g[None, :]] / 1000.0
-    per_byte = 8.0 / (net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9)
-    np.fill_diagonal(delay, 0.0)
-    np.fill_diagonal(per_byte, 0.0)
+    delay, per_byte = group_links(net, group)
     latency = delay.max(axis=0) + delay.max(axis=1)  # in from the farthest, out to it
     cost = np.maximum(per_byte.max(axis=0), per_byte.max(axis=1)) * max(wire_bytes, 1.0)
     if not (np.isfinite(cost).all() and (cost > 0).all()):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.scheduler.compression import TOPK_COST, Compression
-from coordinator.scheduler.dpshares import group_shares
+from coordinator.scheduler.dpshares import group_links, group_shares
 from coordinator.scheduler.network import Network
 from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.codecs import NONE, Codec, parse_codec
@@ -159,10 +159,7 @@ def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str
     r = len(group)
     if r == 1:
         return 0.0
-    g = np.asarray(group)
-    delay = net.delay_ms[g[:, None], g[None, :]] / 1000.0
-    per_byte = 8.0 / (net.bandwidth_gbps[g[:, None], g[None, :]] * 1e9)
-    np.fill_diagonal(per_byte, 0.0)
+    delay, per_byte = group_links(net, group)
     wire = grad_bytes * codec.ratio_to(4)
     if mode == "allreduce":
         hop = delay + wire / r * per_byte + codec_s / r
@@ -173,19 +170,17 @@ def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str
     # seconds a message of shard k of one bucket holds the link it goes out on
     copy = (wire / buckets) * shares[None, :] * per_byte + codec_s / buckets * shares[None, :]
     average = (wire / buckets) * shares[:, None] * per_byte + codec_s / buckets * shares[:, None]
-    np.fill_diagonal(copy, 0.0)
-    np.fill_diagonal(average, 0.0)
+    np.fill_diagonal(delay, -np.inf)  # nothing arrives from oneself: out of every max
     busy = np.zeros((r, r))  # when directed link i -> k has sent everything posted so far
     arrivals = []
     for _ in range(buckets):  # every replica's copies, as backward fills the buckets
         busy = busy + copy
-        arrivals.append(np.where(np.eye(r, dtype=bool), 0.0, busy + delay).max(axis=0))
+        arrivals.append((busy + delay).max(axis=0))
     end = 0.0
     for ready in arrivals:  # owner k sends bucket b's average once its copies are all in
         sends = np.maximum(busy, ready[:, None]) + average
         busy = np.where(owns[:, None], sends, busy)
-        out = np.where(np.eye(r, dtype=bool), 0.0, busy + delay)
-        end = max(end, float(out[owns].max()))
+        end = max(end, float((busy + delay)[owns].max()))
     return end
 
 
