@@ -141,9 +141,9 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                      f"2 x PP {p['pp_cost']:.3f}; predicted step {p['predicted_step_s']:.2f} s "
                      f"(communication alone {p['predicted_comm_s']:.2f} s)")
         splits = p["layer_splits"] or [0] * len(p["grid"])
-        for s, (row, layers) in enumerate(zip(p["grid"], splits, strict=True)):
+        for s, (row, layers, shares) in enumerate(zip(p["grid"], splits, p["dp_shares"],
+                                                      strict=True)):
             held = f" ({layers} layers)" if layers else ""
-            shares = p["dp_shares"][s] if s < len(p["dp_shares"]) else []
             if shares and max(shares) - min(shares) > 1e-9:  # uneven: say who owns what
                 row = [f"{a} ({x:.0%} of gradients)" for a, x in zip(row, shares, strict=True)]
             lines.append(f"  stage {s}{held}: {'  '.join(row)}")
