@@ -27,6 +27,7 @@ from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import PRESETS, get_preset
 from dtfm.core.spec import TrainConfig
+from dtfm.core.tokenfiles import check_data_path
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.rpc import free_port
 
@@ -95,6 +96,7 @@ class LocalJob:
         self.layout = Layout(args.stages, args.replicas)
         self.train = train_config(args)
         self.train.validate(args.replicas)
+        check_data_path(self.train.data_path, self.spec.vocab_size)
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
         self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
         self.backend = "nccl" if args.device == "cuda" else "gloo"

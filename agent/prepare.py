@@ -7,8 +7,8 @@ byte-level BPE trained on the same input (`--train-tokenizer VOCAB`).
 - Documents: a `.txt` file is one document; a `.jsonl` line or a `.parquet` row is one
   document, its text in `--text-field`. The tokenizer's end-of-text token follows every
   document. No BOS or other special token is added (`add_special_tokens=False`).
-- Streaming: text is read in pieces (a `.txt` is cut at line ends every `PIECE_CHARS`,
-  within a document, with no end-of-text between its pieces) and encoded in batches of
+- Streaming: text is read in pieces (a `.txt` is cut every `PIECE_CHARS` or less, before a
+  word's leading space: `piece_end`; no end-of-text between the pieces) and encoded in batches of
   about `BATCH_CHARS` characters with the `tokenizers` library's batch encoder (its own
   threads), on a background thread while the next batch is read, so memory stays bounded
   whatever the input's size and the two overlap. Ids are written as each batch returns.
@@ -245,8 +245,8 @@ class Reader:
             while block := f.read(READ_BYTES):
                 self.bytes_done += len(block)
                 carry += decoder.decode(block)
-                while len(carry) >= PIECE_CHARS:
-                    cut = carry.rfind("\n", 0, PIECE_CHARS) + 1 or PIECE_CHARS
+                while len(carry) > PIECE_CHARS:
+                    cut = piece_end(carry, PIECE_CHARS)
                     yield Piece(carry[:cut], False)
                     carry = carry[cut:]
         yield Piece(carry + decoder.decode(b"", final=True), True)
@@ -298,6 +298,22 @@ class Reader:
                 yield Piece(text, True)
             done += batch.num_rows
             self.bytes_done = start + src.size * done // rows
+
+
+def piece_end(text: str, limit: int, tries: int = 64) -> int:
+    """Where to cut `text` (longer than `limit`) into a piece of at most `limit` characters:
+    before the last whitespace character a non-space follows, so that a word and the space
+    before it stay together, as the usual pre-tokenizers (GPT-2's, Llama's) split them; the
+    pieces then encode as the whole text does. No such place: at `limit`."""
+    end = limit
+    for _ in range(tries):
+        i = max(text.rfind(" ", 0, end), text.rfind("\n", 0, end), text.rfind("\t", 0, end))
+        if i <= 0:
+            break
+        if not text[i + 1].isspace():
+            return i
+        end = i
+    return limit
 
 
 def batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
