@@ -10,8 +10,9 @@ byte-level BPE trained on the same input (`--train-tokenizer VOCAB`).
 - Streaming: text is read in pieces (a `.txt` is cut every `PIECE_CHARS` or less, before a
   word's leading space: `piece_end`; no end-of-text between the pieces) and encoded in batches of
   about `BATCH_CHARS` characters with the `tokenizers` library's batch encoder (its own
-  threads), on a background thread while the next batch is read, so memory stays bounded
-  whatever the input's size and the two overlap. Ids are written as each batch returns.
+  threads), `IN_FLIGHT` batches at once on background threads while the next batch is
+  read, so memory stays bounded whatever the input's size and reading overlaps encoding.
+  Ids are written, in order, as each batch returns.
 - Determinism: files are taken in sorted order, pieces are cut by position, batches do not
   change any id, and the split is by document index: the same input and flags give the same
   bytes. Document `d` goes to val when `floor((d+1)F) > floor(dF)` (`F`: `--val-fraction`):
@@ -34,6 +35,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +59,8 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 KNOWN_EOT = ("<|endoftext|>", "<|end_of_text|>", "</s>")  # tried before the configured eos
 TRAINED_EOT = "<|endoftext|>"
 PIECE_CHARS = 1 << 17  # a .txt is encoded in pieces of about this many characters
-BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
+BATCH_CHARS = 1 << 21  # characters handed to the tokenizer at once
+IN_FLIGHT = 2  # batches being encoded at once
 BATCH_PIECES = 4096
 READ_BYTES = 1 << 20
 PARQUET_ROWS = 1024
@@ -525,20 +528,22 @@ class Splitter:
 
 
 def encode_all(reader: Reader, tok: Any, splitter: Splitter, progress: Progress) -> None:
-    """Encode every piece, a batch on the tokenizer's threads while the next is read and the
-    previous one written."""
+    """Encode every piece: `IN_FLIGHT` batches on the tokenizer's threads at once (one
+    batch's last, longest documents leave cores idle that the next batch fills) while the
+    next is read and the oldest finished one is written, in order."""
     encode: Callable[..., list[Any]] = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    pending: tuple[list[Piece], Future[list[Any]]] | None = None
-    with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
+    pending: deque[tuple[list[Piece], Future[list[Any]]]] = deque()
+    with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="encode") as pool:
         for batch in batches(reader.pieces()):
             texts = [p.text for p in batch]
-            future = pool.submit(encode, texts, add_special_tokens=False)
-            if pending is not None:
-                splitter.add(pending[0], pending[1].result())
+            pending.append((batch, pool.submit(encode, texts, add_special_tokens=False)))
+            if len(pending) > IN_FLIGHT:
+                done, future = pending.popleft()
+                splitter.add(done, future.result())
                 progress.update(splitter.counts)
-            pending = (batch, future)
-        if pending is not None:
-            splitter.add(pending[0], pending[1].result())
+        while pending:
+            done, future = pending.popleft()
+            splitter.add(done, future.result())
     progress.update(splitter.counts)
 
 
