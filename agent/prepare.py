@@ -124,12 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        type=flags.number(int, MIN_TRAINED_VOCAB, maximum=MAX_TRAINED_VOCAB),
                        help="train a byte-level BPE of VOCAB tokens on the input and save it "
                        "in --out")
-    p.add_argument("--text-field", default="text",
+    p.add_argument("--text-field", default="text", metavar="FIELD",
                    help="the field holding the text in .jsonl and .parquet (default: text)")
-    p.add_argument("--val-fraction", default=DEFAULT_VAL_FRACTION,
+    p.add_argument("--val-fraction", default=DEFAULT_VAL_FRACTION, metavar="F",
                    type=flags.number(float, 0, above=True, maximum=0.5),
                    help="share of the documents that go to val.bin (default %(default)g)")
-    p.add_argument("--eot-token", default="",
+    p.add_argument("--eot-token", default="", metavar="TOKEN",
                    help="the token put between documents (default: <|endoftext|>, "
                    "<|end_of_text|> or </s>, whichever the tokenizer has, else the eos_token "
                    "of its tokenizer_config.json)")
@@ -350,7 +350,10 @@ class LoadedTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        """Ids the tokenizer can emit: its entries, or one past its largest id where ids
+        have gaps."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max(len(vocab), max(vocab.values(), default=-1) + 1)
 
 
 def _tokenizers() -> Any:

@@ -333,3 +333,16 @@ def test_the_command_line_refuses_clearly_and_trains_end_to_end(tmp_path: Path) 
     assert refused.returncode == 2
     assert f"--data {tmp_path / 'data300'} was tokenized with a vocabulary of 300 but the " \
            f"model's vocabulary is 256" in refused.stderr
+
+
+def test_a_vocabulary_with_gaps_is_sized_by_its_largest_id(tmp_path: Path) -> None:
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1, "fox": 70_000},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    out = run(tmp_path, [write_inputs(tmp_path, ["fox dog", "fox"])],
+              tokenizer=str(tmp_path / "tok"))
+    meta = read_meta(out)
+    assert meta is not None and (meta.vocab_size, meta.dtype) == (70_001, "uint32")
+    assert meta.max_token_id == 70_000
