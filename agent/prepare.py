@@ -165,7 +165,7 @@ def prepare(opts: Options, log: IO[str]) -> TokenMeta:
     opts.validate()
     sources = find_sources(opts.inputs)
     out = Path(opts.out)
-    _check_out(out, opts.force)
+    _check_out(out, opts.force, sources)
     tmp = _make_partial(out)
     try:
         meta = _prepare_into(tmp, sources, opts, log)
@@ -222,8 +222,8 @@ class Piece:
 class Reader:
     """The sources' documents as pieces, in order, counting the bytes read for progress."""
 
-    def __init__(self, sources: list[Source], text_field: str, log: IO[str]) -> None:
-        self.sources, self.text_field, self.log = sources, text_field, log
+    def __init__(self, sources: list[Source], text_field: str) -> None:
+        self.sources, self.text_field = sources, text_field
         self.total_bytes = sum(s.size for s in sources)
         self.bytes_done = 0
 
@@ -283,7 +283,10 @@ class Reader:
         except ImportError:
             raise PrepareError(f"{src.path}: reading .parquet needs pyarrow: "
                                f"pip install pyarrow") from None
-        pf = pq.ParquetFile(src.path)
+        try:
+            pf = pq.ParquetFile(src.path)
+        except Exception as exc:  # pyarrow's own errors (ArrowInvalid) are no OSError
+            raise PrepareError(f"{src.path}: not a parquet file pyarrow reads ({exc})") from None
         names = pf.schema_arrow.names
         if self.text_field not in names:
             raise PrepareError(f"{src.path}: no column {self.text_field!r} (it has: "
@@ -551,10 +554,10 @@ def encode_all(reader: Reader, tok: Any, splitter: Splitter, progress: Progress)
 
 
 def _prepare_into(tmp: Path, sources: list[Source], opts: Options, log: IO[str]) -> TokenMeta:
-    reader = Reader(sources, opts.text_field, log)
+    reader = Reader(sources, opts.text_field)
     if opts.train_vocab:
         loaded = train_tokenizer(reader, opts.train_vocab, tmp, log)
-        reader = Reader(sources, opts.text_field, log)
+        reader = Reader(sources, opts.text_field)
     else:
         loaded = load_tokenizer(opts.tokenizer)
         for name, src in loaded.files.items():
@@ -661,9 +664,13 @@ def _hms(seconds: float) -> str:
 # ---- the output directory
 
 
-def _check_out(out: Path, force: bool) -> None:
+def _check_out(out: Path, force: bool, sources: list[Source]) -> None:
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out} exists and is not a directory")
+    inside = [s.path for s in sources if out.resolve() in s.path.resolve().parents]
+    if inside:
+        raise PrepareError(f"--out {out} holds the input {inside[0]}: choose an --out outside "
+                           f"the input")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise PrepareError(f"--out {out} exists and is not empty: choose another directory, "
                            f"or pass --force to replace it")

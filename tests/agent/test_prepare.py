@@ -239,6 +239,9 @@ def test_an_existing_out_is_kept_unless_forced(tmp_path: Path) -> None:
     assert (tmp_path / "full" / "train.bin").read_bytes() == \
         (tmp_path / "empty" / "train.bin").read_bytes()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    with pytest.raises(PrepareError, match="holds the input .*a.txt: choose an --out outside"):
+        run(tmp_path, [inp], "in", tokenizer=tok, force=True)  # would delete the input
+    assert (inp / "a.txt").exists()
 
 
 def test_parquet_rows_are_documents(tmp_path: Path) -> None:
@@ -258,6 +261,9 @@ def test_parquet_rows_are_documents(tmp_path: Path) -> None:
     assert meta is not None and meta.documents == {"train": 3, "val": 2}
     want = expected(tok_dir, docs, meta.eot_id)
     assert np.fromfile(out / "train.bin", "<u2").tolist() == want[0] + want[2] + want[4]
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(PrepareError, match="bad.parquet: not a parquet file pyarrow reads"):
+        run(tmp_path, [tmp_path / "bad.parquet"], "o2", tokenizer=str(tok_dir))
 
 
 def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path: Path,
