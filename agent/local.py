@@ -199,17 +199,10 @@ class LocalJob:
         eta = (now - t_first) / (step - first) * (total - step) if step > first else float("nan")
         print(
             f"step {step:>6}/{total} | loss {ev.loss:.4f} | "
-            f"{ev.tokens_per_s:,.0f} tok/s | ETA {_hms(eta)}",
+            f"{ev.tokens_per_s:,.0f} tok/s | ETA {flags.hms(eta)}",
             file=self.out, flush=True,
         )
         return step
-
-
-def _hms(seconds: float) -> str:
-    if seconds != seconds:  # NaN: not enough steps yet
-        return "-:--:--"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

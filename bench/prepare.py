@@ -48,6 +48,7 @@ import tokenizers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from agent import prepare as prep  # noqa: E402
+from agent.textinput import Piece, batches  # noqa: E402
 from agent.worker.data import stdlib_files  # noqa: E402
 from dtfm.core.tokenfiles import read_meta  # noqa: E402
 
@@ -89,9 +90,8 @@ def train_tokenizer(docs: list[str], vocab: int, train_mb: float, into: Path) ->
 
 
 def in_batches(docs: list[str]) -> list[list[str]]:
-    """The documents cut into batches as `agent prepare` cuts them (prep.batches)."""
-    return [[p.text for p in batch]
-            for batch in prep.batches(iter(prep.Piece(d, True) for d in docs))]
+    """The documents cut into batches as `agent prepare` cuts them."""
+    return [[p.text for p in batch] for batch in batches(iter(Piece(d, True) for d in docs))]
 
 
 def run_baseline(tok: Tokenizer, batches: list[list[str]], fast: bool) -> tuple[float, int]:

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from agent.prepare import Options, PrepareError, prepare
+from agent.prepare import Options, prepare
+from agent.textinput import PrepareError
 from agent.worker.data import load_splits
 from dtfm.core.tokenfiles import read_meta, tokenizer_hash
 
@@ -126,10 +127,10 @@ def test_txt_and_jsonl_become_each_document_then_end_of_text(tmp_path: Path) -> 
 
 def test_a_long_text_file_is_one_document_in_pieces(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import agent.prepare as prep
+    import agent.textinput as textinput
 
-    monkeypatch.setattr(prep, "PIECE_CHARS", 64)  # many pieces, and batches of several
-    monkeypatch.setattr(prep, "BATCH_CHARS", 200)
+    monkeypatch.setattr(textinput, "PIECE_CHARS", 64)  # many pieces, and batches of several
+    monkeypatch.setattr(textinput, "BATCH_CHARS", 200)
     text = "\n".join(corpus(60)) + "\n  indented\tand  spaced \n\n\nend" + " " * 150 + "x"
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "long.txt").write_text(text)
