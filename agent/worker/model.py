@@ -302,18 +302,22 @@ PART_CLASSES: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]
 }
 
 
+def make_part(spec: SpecLike, index: int) -> nn.Module:
+    """One part, uninitialised (torch's defaults; under `torch.device("meta")`, no memory):
+    for a caller that loads every parameter anyway."""
+    embedding, block, head = PART_CLASSES[spec.arch]
+    if index == EMBEDDING_INDEX:
+        return embedding(spec)
+    if index == HEAD_INDEX:
+        return head(spec)
+    if 0 <= index < spec.n_layers:
+        return block(spec)
+    raise ValueError(f"part index {index} is outside the model's {spec.n_layers} layers")
+
+
 def build_part(spec: SpecLike, index: int, seed: int) -> nn.Module:
     """Build and deterministically initialise one part: a layer, the embedding or the head."""
-    embedding, block, head = PART_CLASSES[spec.arch]
-    part: nn.Module
-    if index == EMBEDDING_INDEX:
-        part = embedding(spec)
-    elif index == HEAD_INDEX:
-        part = head(spec)
-    elif 0 <= index < spec.n_layers:
-        part = block(spec)
-    else:
-        raise ValueError(f"part index {index} is outside the model's {spec.n_layers} layers")
+    part = make_part(spec, index)
     _init_(part, part_generator(seed, index), INIT_STD / math.sqrt(2 * spec.n_layers))
     return part
 
