@@ -297,3 +297,23 @@ def test_exported_llama_config_loads_in_transformers_and_computes_the_same(
     ids = torch.randint(0, VOCAB, (1, 64))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(120)
+def test_agent_generate_entry_point_with_prompt_ids(saved: dict, tmp_path: Path) -> None:
+    """The real command (`python -m agent generate`) on a directory without a tokenizer."""
+    import subprocess
+    import sys
+
+    path, model = saved["qwen2"]
+    path = _copy(path, tmp_path)
+    (path / "tokenizer.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "agent", "generate", "--model-dir", str(path),
+                           "--prompt-ids", "4,9,16,25", "--max-new-tokens", "6", "--greedy",
+                           "--json"], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[4, 9, 16, 25]]), max_new_tokens=6, do_sample=False)
+    assert out == {"prompt_ids": [4, 9, 16, 25], "new_ids": want[0, 4:].tolist(), "text": ""}
+    assert "loading" in proc.stderr and "tokens/s" in proc.stderr
