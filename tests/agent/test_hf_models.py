@@ -25,6 +25,7 @@ from agent.worker.hfload import (  # noqa: E402
     stage_tensors_hf,
     unexpected_tensors,
 )
+from agent.worker.model import HEAD_INDEX, build_part  # noqa: E402
 from agent.worker.stage import Stage  # noqa: E402
 from dtfm.core.hfconfig import (  # noqa: E402
     hf_config_from_spec,
@@ -231,6 +232,11 @@ def test_missing_and_misshaped_tensors_are_named_with_their_file(saved: dict,
                        r".*model\.safetensors has shape \(63, 48\) .* needs \(64, 48\)"):
         load_parts_from_hf(Stage(spec, 0, 1, seed=0).parts(), spec, path)
     assert unexpected_tensors(spec, path) == ["model.layers.0.extra.weight"]
+    # Untied in config.json, so a checkpoint without lm_head.weight lacks the head.
+    config = read_hf_config(path)
+    (path / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=False)))
+    with pytest.raises(CheckpointError, match="lm_head.weight is missing .*tie_word_embeddings"):
+        load_parts_from_hf({HEAD_INDEX: build_part(spec, HEAD_INDEX, seed=0)}, spec, path)
 
 
 def test_index_naming_a_missing_shard_is_named(saved: dict, tmp_path: Path) -> None:
