@@ -30,6 +30,8 @@ size (the coarse graph's TSP orders the groups, the matchings pair their members
 are `N! / (R!^S S!)` distinct ones: 280 for 3 x 3, 462 for 2 x 6, 10,395 for 6 x 2. When that
 is no more than the candidate budget (and `enumerate_max`), the structured seeds and then every
 partition are evaluated once, and the answer is the exact optimum (`PlanResult.exhaustive`).
+Under a time limit the rest of the enumeration must also fit in the time left at the pace the
+seeds took; otherwise the search evolves as usual (a cut-short enumeration sees one corner).
 
 The budget counts candidates: every child the search builds, evaluated or not (a child that
 duplicates a population member is not evaluated, but it paid for its crossover and local
@@ -172,6 +174,8 @@ class _Search:
         self.s, self.r, self.n = model.stages, model.replicas, model.n
         self.pop: list[np.ndarray] = []
         self.structured = np.inf
+        self._seeds: list[np.ndarray] | None = None
+        self.seed_costs: dict[bytes, float] = {}  # by key, when enumeration evaluated them
 
     # -- bookkeeping ------------------------------------------------------------------------
     def charge(self, ga: bool = False) -> None:
@@ -387,26 +391,39 @@ class _Search:
                 stall = 0
 
     def seeds(self) -> list[np.ndarray]:
-        """The structured candidates and the rank-order placement, in that order."""
-        orders = 3 if self.n <= 128 else 1
-        seeds = structured_candidates(self.m.pp_link, self.s, self.r, self.rng, orders)
-        seeds.append(self.m.rank_order_labels())
-        return seeds
+        """The structured candidates and the rank-order placement, in that order (built once:
+        they draw from the generator)."""
+        if self._seeds is None:
+            orders = 3 if self.n <= 128 else 1
+            self._seeds = structured_candidates(self.m.pp_link, self.s, self.r, self.rng, orders)
+            self._seeds.append(self.m.rank_order_labels())
+        return self._seeds
 
-    def enumerate_all(self) -> None:
-        """Evaluate the seeds, then every other placement once: the exact optimum, unless the
-        budget ends first (then the best seen, as from any search)."""
-        seen: set[bytes] = set()
+    def enumerate_all(self, count: int) -> bool:
+        """Evaluate the seeds, then every other of the `count` placements once: the exact
+        optimum (the budget may still end it: then the best seen, as from any search).
+
+        Under a time limit, returns False after the seeds when, at the pace they were
+        evaluated, the rest would not fit in the time left: an enumeration cut short has seen
+        one corner of the space, where the genetic phase (which reuses the seeds' costs)
+        spreads its candidates."""
+        known = self.seed_costs
+        t0, n0 = self.clock(), self.candidates
         for labels in self.seeds():
             key = self.key(labels)
-            if key not in seen:
-                seen.add(key)
-                self.evaluate(labels)
+            if key not in known:
+                known[key] = self.evaluate(labels)
         self.structured = self.best_cost
+        if self.deadline is not None:
+            now = self.clock()
+            pace = (now - t0) / max(1, self.candidates - n0)
+            if now + pace * (count - len(known)) > self.deadline:
+                return False
         for labels in balanced_labelings(self.s, self.r):
-            if self.key(labels) not in seen:
+            if self.key(labels) not in known:
                 self.evaluate(labels)
         self.exhaustive = True
+        return True
 
     def run(self, population: int) -> None:
         seeds = self.seeds()
@@ -420,9 +437,11 @@ class _Search:
             seen.add(self.key(labels))
 
         for labels in seeds:
-            if self.key(labels) in seen:
+            key = self.key(labels)
+            if key in seen:
                 continue
-            add(labels, self.evaluate(labels))  # seeds may use the whole budget
+            cost = self.seed_costs.get(key)  # evaluated already by `enumerate_all`
+            add(labels, self.evaluate(labels) if cost is None else cost)  # may use the budget
             self.structured = self.best_cost
             if len(pop) >= population:
                 break
@@ -515,15 +534,18 @@ def search_plan(
                      clock)
     search.structured = np.inf
     count = placements(stages, replicas)
+    enumerated = False
     if count <= min(enumerate_max, budget if budget is not None else enumerate_max):
-        phases = [search.enumerate_all]
-    else:
-        phases = [lambda: search.run(population), search.polish]
-    for phase in phases:  # each ends when its share of the budget is spent
         try:
-            phase()
+            enumerated = search.enumerate_all(count)
         except _Budget:
-            pass
+            enumerated = True  # the budget ended it: the best seen is the answer
+    if not enumerated:
+        for phase in (lambda: search.run(population), search.polish):
+            try:  # each ends when its share of the budget is spent
+                phase()
+            except _Budget:
+                pass
     grid = model.grid(search.best_labels)
     cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb, compression)
     elapsed = clock() - t0

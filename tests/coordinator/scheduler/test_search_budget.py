@@ -89,7 +89,7 @@ def test_every_small_shape_returns_on_clustered_matrices(s: int, r: int) -> None
     delay, bw = clustered_net(n, min(n, 2 + n % 3), np.random.default_rng(n))
     net = Network(delay, bw)
     model = CostModel(net, s, r, DP, PP)
-    budget = 400
+    budget, costs = 400, []
     for enumerate_max in (ENUMERATE_MAX, 0):
         res = search_plan(net, s, r, DP, PP, seed=1, budget=budget,
                           enumerate_max=enumerate_max)
@@ -98,6 +98,11 @@ def test_every_small_shape_returns_on_clustered_matrices(s: int, r: int) -> None
         assert sorted(d for row in res.grid for d in row) == list(range(n))
         assert res.cost == pytest.approx(plan_cost(net, res.grid, DP, PP)[0], rel=1e-12)
         assert res.cost <= rank_order(model).cost + 1e-9
+        costs.append(res.cost)
+    if placements(s, r) <= ENUMERATE_MAX:  # the default budget enumerates: nothing is better
+        exact = search_plan(net, s, r, DP, PP, seed=1)
+        assert exact.exhaustive and exact.candidates == placements(s, r)
+        assert exact.cost <= min(costs) + 1e-9
 
 
 def test_duplicate_children_count_against_the_budget() -> None:
@@ -134,3 +139,15 @@ def test_a_time_limit_before_the_first_candidate_still_gives_a_plan() -> None:
     res = search_plan(Network(delay, bw), 4, 2, DP, PP, seconds=1.0, clock=TickingClock(5.0))
     assert res.candidates == 0 and not res.exhaustive
     assert sorted(d for row in res.grid for d in row) == list(range(8))
+
+
+def test_a_time_limit_enumerates_only_what_it_can_finish() -> None:
+    """At one tick per candidate, 280 placements fit into 10,000 ticks but not into 150:
+    then the search evolves from the seeds (their costs reused) for the whole limit."""
+    delay, bw = clustered_net(9, 3, np.random.default_rng(3))
+    net = Network(delay, bw)
+    roomy = search_plan(net, 3, 3, DP, PP, seconds=10_000.0, clock=TickingClock(1.0))
+    assert roomy.exhaustive and roomy.candidates == roomy.evaluated == 280
+    tight = search_plan(net, 3, 3, DP, PP, seconds=150.0, clock=TickingClock(1.0))
+    assert not tight.exhaustive and 100 < tight.candidates <= 150
+    assert tight.cost >= roomy.cost - 1e-9
