@@ -121,7 +121,7 @@ class PlanResult:
     candidates: int = 0  # what the budget counts: evaluated, plus duplicates built and skipped
     exhaustive: bool = False  # every placement was evaluated: `cost` is the exact optimum
     structured_cost: float = float("inf")  # best structured seed, before the search
-    history: list[tuple[int, float]] = field(default_factory=list)  # (evaluated, best cost)
+    history: list[tuple[int, float]] = field(default_factory=list)  # (candidates, best cost)
 
 
 class _Budget(Exception):
