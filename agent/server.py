@@ -23,6 +23,7 @@ from agent.identity import load_or_create_id
 from agent.session import CoordinatorSession, FatalSessionError
 from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
+from agent.tuning import TuningCheck
 from dtfm import rpc
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -154,8 +155,11 @@ async def serve(config: AgentConfig) -> int:
                                 checkpoints, config.security,
                                 mirror_interval_s=config.mirror_interval_s),
                             prewarm=config.prewarm)
+    tuning = TuningCheck()
+    tuning.run()  # what a measurement cannot change; the buffers wait for measured links
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
-                                 config.max_backoff_s, state_dir=config.state_dir)
+                                 config.max_backoff_s, state_dir=config.state_dir,
+                                 tuning=tuning)
     service.session = session
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -75,6 +75,10 @@ class LinkMeasurer:
             if sample.reachable and sample.bandwidth_gbps > MAX_LINK_GBPS:
                 self._implausible(report.agent_id, sample)
                 continue
+            if sample.reachable and sample.estimated:
+                log.warning("link %s->%s: bandwidth %.2f Mbit/s is an estimate (%s)",
+                            report.agent_id, sample.peer_id, sample.bandwidth_gbps * 1e3,
+                            sample.estimate_note or "no note")
             self.store.record(report.agent_id, sample,
                               latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
                               bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)
