@@ -9,7 +9,6 @@ The end-to-end case across emulated hosts is in tests/coordinator/test_link_meas
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,7 +18,8 @@ from agent import linkprobe
 from agent.linkprobe import CHUNK_BYTES, MAX_WINDOWS, _estimate, _Windows
 from agent.server import AgentService
 from dtfm import rpc
-from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2
+from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2
+from tests.agent.servers import serving
 
 pytestmark = pytest.mark.timeout(60)
 SECURITY = rpc.Security(token="linkprobe-test-token")
@@ -89,21 +89,8 @@ class _SinkService(AgentService):
             yield agent_pb2.ProbeWindow(bytes=0, seconds=0.1, total_bytes=0)
 
 
-@contextlib.asynccontextmanager
-async def serving(service: AgentService) -> AsyncIterator[str]:
-    def register(server: grpc.aio.Server) -> list[str]:
-        agent_pb2_grpc.add_AgentServicer_to_server(service, server)
-        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
-
-    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test agent")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-
-
 async def _probe(service: AgentService) -> common_pb2.LinkSample:
-    async with serving(service) as address:
+    async with serving(service, SECURITY) as address:
         channel = rpc.open_channel(address, SECURITY)
         try:
             return await linkprobe.measure_peer(
