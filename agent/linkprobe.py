@@ -247,7 +247,7 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     stream = _PacedStream(cap, tick_s, INITIAL_INFLIGHT)
     began = time.perf_counter()
     rate: _Rate | None = None
-    ended = "the peer ended the stream"
+    ended, cut_short = "the peer ended the stream", True
     call = stub.Probe(stream.chunks(), timeout=max(60.0, 40 * target_s))
     while True:
         try:
@@ -269,7 +269,7 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         if steady is not None:
             rate = _Rate(steady / 1e9)
         elif len(windows.rates) >= MAX_WINDOWS:
-            ended = f"its {len(windows.rates)} windows never agreed"
+            ended, cut_short = f"its {len(windows.rates)} windows never agreed", False
         elif stream.sent >= cap:
             ended = f"it reached its cap of {cap / 2**20:.0f} MiB"
         else:
@@ -279,7 +279,7 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         break
     elapsed = time.perf_counter() - began
     if rate is None:
-        rate = _estimate(windows, stream.received, elapsed, ended)
+        rate = _estimate(windows, stream.received, elapsed, ended, cut_short)
     log.info("bandwidth to %s: %.1f Mbit/s%s after %.2f s; windows of %.2f s: %s Mbit/s",
              peer_id, rate.gbps * 1e3, f" (an estimate: {rate.estimate_note})"
              if rate.estimate_note else "", elapsed, windows.window_s,
@@ -287,17 +287,17 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     return rate
 
 
-def _estimate(windows: _Windows, received: int, elapsed_s: float, ended: str) -> _Rate:
+def _estimate(windows: _Windows, received: int, elapsed_s: float, ended: str,
+              cut_short: bool) -> _Rate:
     """The best figure of a probe whose windows never agreed; `ended` says why it stopped.
 
-    Cut short (the byte cap, the peer), the flow was most likely still climbing, so its
+    `cut_short` (the byte cap, the peer): the flow was most likely still climbing, so its
     fastest window after the first stands for it. Watched to MAX_WINDOWS, it kept changing
     (stalls and the bursts after them), so the median of its windows that moved data does.
     Nothing received at all: the peer is unreachable (ValueError).
     """
     if received <= 0:
         raise ValueError(f"no probe data arrived in {elapsed_s:.1f} s ({ended})")
-    cut_short = not ended.startswith("its ")
     bps = windows.best() if cut_short else windows.typical()
     how = "the fastest window after the first" if cut_short else (
         "the median of the windows that moved data")
