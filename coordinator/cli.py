@@ -269,4 +269,6 @@ def _links_text(data: dict) -> str:
             ("-" if v is None else f"{v:.4f}").rjust(12) for v in row))
     if data["unreachable"]:
         lines.append("unreachable: " + ", ".join(data["unreachable"]))
+    for pair, note in data.get("estimated", {}).items():
+        lines.append(f"estimated bandwidth {pair}: {note}")
     return "\n".join(lines)
