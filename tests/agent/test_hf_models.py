@@ -323,3 +323,16 @@ def test_agent_generate_entry_point_with_prompt_ids(saved: dict, tmp_path: Path)
         want = model.generate(torch.tensor([[4, 9, 16, 25]]), max_new_tokens=6, do_sample=False)
     assert out == {"prompt_ids": [4, 9, 16, 25], "new_ids": want[0, 4:].tolist(), "text": ""}
     assert "loading" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_bf16_checkpoint_loads_into_fp32_parts(saved: dict, tmp_path: Path) -> None:
+    """Hub checkpoints are mostly bf16: dtfm's fp32 parameters take the stored values exactly."""
+    import copy
+
+    _, model = saved["qwen2"]
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        want = back.eval()(ids).logits
+    torch.testing.assert_close(_dtfm_logits(tmp_path, ids), want, rtol=1e-5, atol=1e-5)
