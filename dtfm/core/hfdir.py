@@ -5,9 +5,9 @@ The coordinator reads only `config.json` (the spec, via `dtfm.core.hfconfig`); e
 holds the whole directory on its own disk, like `--data`, and each worker later reads only
 its stage's tensors (`agent.worker.hfload`). So that a machine holding another checkpoint
 under the same path fails at once instead of training on it, the coordinator hashes
-`config.json` and the index of a sharded checkpoint (or the header of a single
-`model.safetensors`: the tensors' names, shapes and offsets) and every worker compares its own
-copy's hash (`check_dir`) before it joins.
+`config.json` and the index of a sharded checkpoint and every worker compares its own copy's
+hash (`check_dir`) before it joins (a single file of other shapes fails its load, naming the
+tensor).
 
 Pure Python: no torch, no grpc (the coordinator and the agent daemon use it).
 """
@@ -49,14 +49,6 @@ def read_header(path: str | Path) -> dict:
     return header
 
 
-def header_bytes(path: str | Path) -> bytes:
-    """The raw 8-byte length and JSON header of a safetensors file (what `dir_hash` hashes)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        return head + f.read(min(n, MAX_HEADER))
-
-
 def weights_files(model_dir: str | Path) -> list[Path]:
     """The safetensors files of `model_dir`: the shards its index names, or the single file.
     ValueError naming what is missing and what a directory must hold."""
@@ -81,15 +73,13 @@ def weights_files(model_dir: str | Path) -> list[Path]:
 
 
 def dir_hash(model_dir: str | Path) -> str:
-    """What identifies the checkpoint in `model_dir`: sha256 of its config.json and of its
-    index (sharded) or its single file's header. Reads no tensor data."""
+    """What identifies the checkpoint in `model_dir`: sha256 of its config.json and, for a
+    sharded one, its index (the coordinator needs only those two files). Reads no tensor."""
     d = Path(model_dir)
     h = hashlib.sha256()
     h.update((d / CONFIG).read_bytes())
     if (d / INDEX).is_file():
         h.update(b"\0index\0" + (d / INDEX).read_bytes())
-    elif (d / SINGLE).is_file():
-        h.update(b"\0header\0" + header_bytes(d / SINGLE))
     return h.hexdigest()
 
 
