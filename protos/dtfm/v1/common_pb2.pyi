@@ -61,7 +61,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff")
+    __slots__ = ("name", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff", "arch", "n_kv_heads", "head_dim", "norm_eps", "activation", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions", "qkv_bias", "max_positions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,19 @@ class ModelSpec(_message.Message):
     N_HEADS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     D_FF_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    N_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NORM_EPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    ROPE_THETA_FIELD_NUMBER: _ClassVar[int]
+    ROPE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ROPE_LOW_FREQ_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ROPE_HIGH_FREQ_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ROPE_ORIGINAL_MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    QKV_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     n_layers: int
@@ -76,7 +89,20 @@ class ModelSpec(_message.Message):
     n_heads: int
     seq_len: int
     d_ff: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ...) -> None: ...
+    arch: str
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    activation: str
+    rope_theta: float
+    rope_type: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_positions: int
+    qkv_bias: bool
+    max_positions: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ..., arch: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., norm_eps: _Optional[float] = ..., activation: _Optional[str] = ..., rope_theta: _Optional[float] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., rope_low_freq_factor: _Optional[float] = ..., rope_high_freq_factor: _Optional[float] = ..., rope_original_max_positions: _Optional[int] = ..., qkv_bias: _Optional[bool] = ..., max_positions: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
     __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype", "init_from", "seq_len")
