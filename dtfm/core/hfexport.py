@@ -64,9 +64,8 @@ def tensor_bytes(header: dict) -> int:
 
 def expected_names(spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model has (`dtfm.core.hfconfig.part_tensors`)."""
-    from dtfm.core.hfconfig import part_tensors
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
 
-    EMBEDDING_INDEX, HEAD_INDEX = -1, -2  # as agent/worker/model.py numbers its parts
     names: set[str] = set()
     for index in (EMBEDDING_INDEX, *range(spec.n_layers), HEAD_INDEX):
         names.update(t.name for t in part_tensors(spec, index).values())
@@ -149,7 +148,7 @@ def write_export(out: str | Path, spec: ModelSpec, files: Sequence[StageFile], *
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _write_json(tmp / "config.json", hf_config_from_spec(spec))
+        _write_json(tmp / "config.json", hf_config_from_spec(spec, source=source_config))
         _write_json(tmp / "generation_config.json",
                     generation_config_from_spec(spec, source_config))
         for k, f in enumerate(files, start=1):
