@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from dtfm.core.hfconfig import read_hf_config
-
 from dtfm import flags
 from dtfm.core import hfexport
 from dtfm.core.assignment import build_assignments
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
-from dtfm.core.hfdir import dir_hash, resolve_spec
+from dtfm.core.hfconfig import read_hf_config
+from dtfm.core.hfdir import check_dir, dir_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import PRESETS
 from dtfm.core.spec import TrainConfig
@@ -109,7 +108,10 @@ class LocalJob:
         self.train.validate(args.replicas)
         self.spec = resolve_spec(args.model or ("" if self.train.init_from else DEFAULT_MODEL),
                                  self.train.init_from, self.train.seq_len)
-        self.init_hash = dir_hash(self.train.init_from) if self.train.init_from else ""
+        self.init_hash = ""
+        if self.train.init_from:
+            check_dir(self.train.init_from)
+            self.init_hash = dir_hash(self.train.init_from)
         self.layout = Layout(args.stages, args.replicas)
         self.export = self._plan_export(args)
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
@@ -148,7 +150,7 @@ class LocalJob:
         if not self.args.json:
             print(f"exported step {step} to {self.export}", file=self.out, flush=True)
         else:
-            self._write({"exported": str(self.export), "step": step})
+            self._write({"exported": str(self.export), "export_step": step})
 
     def _check_gpus(self) -> int:
         import torch

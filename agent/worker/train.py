@@ -249,7 +249,7 @@ class Worker:
         a, cfg, spec = self.a, self.cfg, self.spec
         torch.manual_seed(cfg.seed)
         if cfg.init_from:  # before joining: a machine lacking the checkpoint fails at once
-            check_init_dir(cfg.init_from, a.init_hash, spec)
+            check_init_dir(cfg.init_from, a.init_hash, spec, extra=a.rank == 0)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
         opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
         train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
@@ -425,18 +425,22 @@ class Worker:
         return loss_sum / (a.replicas * cfg.eval_batches)
 
 
-def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec) -> None:
+def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
+                   extra: bool) -> None:
     """Refuse (ValueError: a config error, so the job fails instead of retrying) a
-    `--init-from` directory this machine lacks, holds another version of, or whose
-    checkpoint holds tensors the model does not use."""
+    `--init-from` directory this machine lacks or holds another version of, and, with
+    `extra` (one rank checks, once), a checkpoint holding tensors the model does not use."""
     from agent.worker.hfload import unexpected_tensors
     from dtfm.core.hfdir import check_dir
 
     check_dir(model_dir, expected_hash)
-    extra = unexpected_tensors(spec, model_dir)
-    if extra:
-        raise ValueError(f"--init-from {model_dir}: its checkpoint holds {len(extra)} tensor(s) "
-                         f"no part of {spec.name} uses, such as {extra[0]} (another "
+    if not extra:
+        return
+    extra_names = unexpected_tensors(spec, model_dir)
+    if extra_names:
+        raise ValueError(f"--init-from {model_dir}: its checkpoint holds {len(extra_names)} "
+                         f"tensor(s) no part of {spec.name} uses, such as {extra_names[0]} ("
+                         f"another "
                          f"architecture, or a model with more layers than its config.json says)")
 
 
