@@ -237,8 +237,8 @@ def load_stage(root: str | Path, stage: int, step: int, *,
     except Exception as e:  # it passed its checksum: changed since, or a torch bug
         raise errors.CorruptCheckpoint(
             f"checkpoint {path} could not be loaded: {str(e).splitlines()[0]}") from e
-    if "model" not in state:
-        wpath = ondisk.weights_for(root, stage, step)
+    wpath = ondisk.weights_for(root, stage, step)
+    if any(f.name == wpath.name for f in ondisk.read_manifest(root, stage, step).files):
         try:
             from safetensors.torch import load_file
 
@@ -256,7 +256,7 @@ def load_stage(root: str | Path, stage: int, step: int, *,
 def stage_parts(stage: nn.Module) -> dict[int, nn.Module]:
     """The parts a `Stage` holds, keyed by part index (`agent.worker.model`), as
     `hfload.load_parts_from_hf` and `stage_tensors_hf` take them."""
-    from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX
 
     parts: dict[int, nn.Module] = {}
     if getattr(stage, "embed", None) is not None:
@@ -269,7 +269,7 @@ def stage_parts(stage: nn.Module) -> dict[int, nn.Module]:
 
 
 def _prefix(index: int) -> str:
-    from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX
 
     return {EMBEDDING_INDEX: "embed.", HEAD_INDEX: "head."}.get(index, f"layers.{index}.")
 
@@ -294,9 +294,7 @@ def model_state(state: Mapping[str, Any], spec: Any) -> dict[str, torch.Tensor]:
     naming the tensor when one is missing."""
     if "model" in state:
         return dict(state["model"])
-    from dtfm.core.hfconfig import part_tensors
-
-    from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
 
     begin, end = (int(x) for x in state["layers"])
     indices = list(range(begin, end))
