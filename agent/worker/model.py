@@ -135,15 +135,24 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
+def make_norm(spec: SpecLike) -> nn.Module:
+    """The block's normalisation: LayerNorm (gpt) or RMSNorm (llama), with the spec's eps."""
+    if spec.arch == "llama":
+        return RMSNorm(spec.d_model, spec.norm_eps)
+    return nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); the norm, attention
+    and MLP are the spec's arch's (`BLOCK_PIECES`)."""
 
     def __init__(self, spec: SpecLike) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
-        self.attn = CausalSelfAttention(spec)
-        self.ln2 = nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
-        self.mlp = MLP(spec)
+        attn, mlp = BLOCK_PIECES[spec.arch]
+        self.ln1 = make_norm(spec)
+        self.attn = attn(spec)
+        self.ln2 = make_norm(spec)
+        self.mlp = mlp(spec)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), cache)
@@ -151,11 +160,11 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the untied, bias-free LM head (last stage only)."""
+    """Final norm and the untied, bias-free LM head (last stage only)."""
 
     def __init__(self, spec: SpecLike) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
+        self.ln_f = make_norm(spec)
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,51 +278,32 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
-
-    def __init__(self, spec: SpecLike) -> None:
-        super().__init__()
-        self.ln1 = RMSNorm(spec.d_model, spec.norm_eps)
-        self.attn = LlamaAttention(spec)
-        self.ln2 = RMSNorm(spec.d_model, spec.norm_eps)
-        self.mlp = SwiGLU(spec)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cache)
-        return x + self.mlp(self.ln2(x))
-
-
-class LlamaHead(nn.Module):
-    """Final RMSNorm and the untied, bias-free LM head."""
-
-    def __init__(self, spec: SpecLike) -> None:
-        super().__init__()
-        self.norm = RMSNorm(spec.d_model, spec.norm_eps)
-        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
-
-
+BLOCK_PIECES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
+    "gpt": (CausalSelfAttention, MLP),
+    "llama": (LlamaAttention, SwiGLU),
+}
 PART_CLASSES: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
     "gpt": (Embedding, Block, Head),
-    "llama": (LlamaEmbedding, LlamaBlock, LlamaHead),
+    "llama": (LlamaEmbedding, Block, Head),
 }
+
+
+def make_part(spec: SpecLike, index: int) -> nn.Module:
+    """One part, uninitialised (torch's defaults; under `torch.device("meta")`, no memory):
+    for a caller that loads every parameter anyway."""
+    embedding, block, head = PART_CLASSES[spec.arch]
+    if index == EMBEDDING_INDEX:
+        return embedding(spec)
+    if index == HEAD_INDEX:
+        return head(spec)
+    if 0 <= index < spec.n_layers:
+        return block(spec)
+    raise ValueError(f"part index {index} is outside the model's {spec.n_layers} layers")
 
 
 def build_part(spec: SpecLike, index: int, seed: int) -> nn.Module:
     """Build and deterministically initialise one part: a layer, the embedding or the head."""
-    embedding, block, head = PART_CLASSES[spec.arch]
-    part: nn.Module
-    if index == EMBEDDING_INDEX:
-        part = embedding(spec)
-    elif index == HEAD_INDEX:
-        part = head(spec)
-    elif 0 <= index < spec.n_layers:
-        part = block(spec)
-    else:
-        raise ValueError(f"part index {index} is outside the model's {spec.n_layers} layers")
+    part = make_part(spec, index)
     _init_(part, part_generator(seed, index), INIT_STD / math.sqrt(2 * spec.n_layers))
     return part
 

@@ -356,7 +356,7 @@ def _llama_part(spec: ModelSpec, i: int) -> dict[str, HfTensor]:
     if i == EMBEDDING_INDEX:
         return {"wte.weight": HfTensor("model.embed_tokens.weight", False)}
     if i == HEAD_INDEX:
-        return {"norm.weight": HfTensor("model.norm.weight", False),
+        return {"ln_f.weight": HfTensor("model.norm.weight", False),
                 "lm_head.weight": HfTensor("lm_head.weight", False)}
     out = {f"{ours}.weight": HfTensor(f"model.layers.{i}.{theirs}.weight", False)
            for ours, theirs in LLAMA_LAYER}

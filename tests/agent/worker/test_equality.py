@@ -1,7 +1,7 @@
 """Every layout, schedule and DP mode trains the same model: losses equal the 1x1 reference.
 
-Real processes over gloo: `agent local` spawns S x R workers; gpt-tiny, fp32, same seed and
-global batch, 20 steps, 1e-4 relative.
+Real processes over gloo: `agent local` spawns S x R workers; gpt-tiny (and llama-tiny), fp32,
+same seed and global batch, 20 steps, 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def reference() -> LocalRun:
 def test_layout_matches_single_process(reference: LocalRun, flags: tuple[str, ...]) -> None:
     run = run_local(*COMMON, "--micro-batches", "2", *flags)
     RUNS[flags] = run
+    _assert_trains_like(run, reference)
+
+
+def _assert_trains_like(run: LocalRun, reference: LocalRun) -> None:
     assert run.rc == 0, run.stderr
     assert [s["step"] for s in run.steps] == list(range(1, 21))
     assert_close(run.losses, reference.losses, REL)
@@ -66,3 +70,29 @@ def test_schedules_and_dp_modes_agree_with_each_other() -> None:
     # Same backward order (0..M-1) in both schedules and a two-term sum in both DP modes.
     assert_close(one_f_one_b.losses, gpipe.losses, 1e-6)
     assert_close(sharded.losses, gpipe.losses, 1e-6)
+
+
+LLAMA = ("--model", "llama-tiny", *COMMON[2:], "--micro-batches", "2")
+
+
+@pytest.fixture(scope="module")
+def llama_reference() -> LocalRun:
+    ref = run_local(*LLAMA, "--stages", "1", "--replicas", "1")
+    assert ref.rc == 0, ref.stderr
+    return ref
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--stages", "2", "--replicas", "2", "--schedule", "1f1b", "--layer-splits", "3,1"),
+        ("--stages", "3", "--replicas", "1", "--schedule", "1f1b", "--layer-splits", "1,2,1"),
+    ],
+    ids=["2x2-1f1b-uneven", "3x1-1f1b-uneven"],
+)
+def test_llama_block_layouts_match_single_process(llama_reference: LocalRun,
+                                                  flags: tuple[str, ...]) -> None:
+    """The Llama block (RMSNorm, rotary, SwiGLU, grouped-query attention) split unevenly over
+    stages and replicas under 1F1B trains exactly as it does in one process."""
+    _assert_trains_like(run_local(*LLAMA, *flags), llama_reference)
