@@ -160,7 +160,7 @@ def write_export(out: str | Path, spec: ModelSpec, files: Sequence[StageFile], *
                                       "weight_map": dict(sorted(where.items()))})
         for src in toks:
             _copy(src, tmp / src.name)
-        _fsync_dir(tmp)
+        ondisk.fsync_dir(tmp)
         _install(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -192,14 +192,6 @@ def _copy(src: Path, dst: Path) -> None:
     os.chmod(dst, 0o644)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _install(tmp: Path, out: Path) -> None:
     """Rename `tmp` to `out`; an existing `out` (empty, or `force`) is moved aside first and
     removed only once the new one is in place."""
@@ -213,7 +205,7 @@ def _install(tmp: Path, out: Path) -> None:
         if old is not None:
             os.replace(old, out)
         raise
-    _fsync_dir(out.parent)
+    ondisk.fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
