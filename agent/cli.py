@@ -72,6 +72,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "generate", help="continue a prompt with a Hugging Face model directory's weights, "
         "computed by dtfm's own model")
     generate.add_arguments(p)
+
+    from agent import prepare
+
+    p = subs["prepare"] = sub.add_parser(
+        "prepare", help="tokenize .txt, .jsonl or .parquet files into the train.bin, val.bin "
+        "and meta.json that --data trains on")
+    prepare.add_arguments(p)
     return parser, subs
 
 
@@ -83,6 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return local_cmd.run(args)
 
+    def prepare(args: argparse.Namespace) -> int:
+        from agent import prepare as prepare_cmd
+
+        return prepare_cmd.run(args)
+
     def status(args: argparse.Namespace) -> int:
         return flags.run_async(_status(args))
 
@@ -92,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return generate_cmd.run(args)
 
     return flags.dispatch(parser, subs, argv, {"start": _start, "status": status,
-                                               "local": local, "generate": generate})
+                                               "local": local, "generate": generate,
+                                               "prepare": prepare})
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -26,10 +26,11 @@ from dtfm.core import hfexport
 from dtfm.core.assignment import build_assignments
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
 from dtfm.core.hfconfig import read_hf_config
-from dtfm.core.hfdir import check_dir, dir_hash, resolve_spec
+from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import PRESETS
 from dtfm.core.spec import TrainConfig
+from dtfm.core.tokenfiles import check_data_path
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.rpc import free_port
 
@@ -114,6 +115,8 @@ class LocalJob:
             self.init_hash = dir_hash(self.train.init_from)
         self.layout = Layout(args.stages, args.replicas)
         self.export = self._plan_export(args)
+        check_data_path(self.train.data_path, self.spec.vocab_size,
+                        model_tokenizer_hash(self.train.init_from))
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
         self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
         self.backend = "nccl" if args.device == "cuda" else "gloo"
@@ -246,17 +249,10 @@ class LocalJob:
         eta = (now - t_first) / (step - first) * (total - step) if step > first else float("nan")
         print(
             f"step {step:>6}/{total} | loss {ev.loss:.4f} | "
-            f"{ev.tokens_per_s:,.0f} tok/s | ETA {_hms(eta)}",
+            f"{ev.tokens_per_s:,.0f} tok/s | ETA {flags.hms(eta)}",
             file=self.out, flush=True,
         )
         return step
-
-
-def _hms(seconds: float) -> str:
-    if seconds != seconds:  # NaN: not enough steps yet
-        return "-:--:--"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -118,6 +118,19 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
                               f"{layout.replicas} replicas)") from None
+        self._check_data(spec.vocab_size)
+
+    def _check_data(self, vocab_size: int) -> None:
+        """`--data` against the model from its meta.json, where this machine holds it (each
+        agent's worker checks the token files themselves before it joins)."""
+        from dtfm.core.hfdir import model_tokenizer_hash
+        from dtfm.core.tokenfiles import check_data_path
+
+        try:
+            check_data_path(self.train.data_path, vocab_size,
+                            model_tokenizer_hash(self.train.init_from))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
     def _check_init_from(self) -> None:

@@ -311,6 +311,14 @@ def standalone(prog: str, description: str,
     return run(args)
 
 
+def hms(seconds: float) -> str:
+    """`H:MM:SS` of a progress line's ETA; `-:--:--` while it is unknown (NaN, inf)."""
+    if not math.isfinite(seconds):
+        return "-:--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def fail(message: str, code: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code

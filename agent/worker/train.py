@@ -39,6 +39,7 @@ from dtfm.core.events import (
     WorkerEnv,
     encode_event,
 )
+from dtfm.core.hfdir import model_tokenizer_hash
 from dtfm.core.layout import Layout, layer_ranges
 from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
@@ -252,7 +253,8 @@ class Worker:
             check_init_dir(cfg.init_from, a.init_hash, spec, extra=a.rank == 0)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
         opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
-        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
+        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size,
+                                               model_tokenizer_hash(cfg.init_from))
         return stage, opt, Sampler(train_tokens, spec.seq_len, cfg.seed), val_tokens
 
     def _build_comm(self) -> tuple[Pipeline, GradAverager]:

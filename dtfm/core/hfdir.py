@@ -144,3 +144,14 @@ def resolve_spec(model: str, init_from: str, seq_len: int = 0) -> ModelSpec:
                 f"d_model {spec.d_model}, vocabulary {spec.vocab_size}; drop --model (the "
                 f"spec comes from config.json)")
     return spec
+
+
+def model_tokenizer_hash(init_from: str) -> str | None:
+    """The fingerprint (`dtfm.core.tokenfiles.tokenizer_hash`) of the tokenizer.json beside
+    the model `--init-from` names, which prepared data (`meta.json`) must have been tokenized
+    with; None without --init-from or without a tokenizer.json there (nothing to compare)."""
+    from dtfm.core.tokenfiles import TOKENIZER_NAME, tokenizer_hash
+
+    if not init_from or not (Path(init_from) / TOKENIZER_NAME).is_file():
+        return None
+    return tokenizer_hash(init_from)

@@ -294,8 +294,9 @@ class TrainConfig:
     weight_decay: float = _option(
         0.1, "AdamW weight decay of matrices (biases and norms get none)")
     data_path: str = _option(
-        "", "uint16 .bin token file, or a directory with train.bin and val.bin, on every "
-        "worker's machine (empty: the bundled corpus)", flag="--data")
+        "", "a directory `agent prepare` wrote (train.bin, val.bin and meta.json: uint16 or "
+        "uint32 ids), nanoGPT's uint16 train.bin and val.bin, or one uint16 .bin file, on "
+        "every worker's machine (empty: the bundled corpus)", flag="--data")
     checkpoint_dir: str = _option(
         "", "where each stage checkpoints, under a folder per job id, and resumes from "
         "(empty: each agent's own state directory; agent local: none). Shared storage lets "
