@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dtfm.core.tokenfiles import TokenMeta, write_meta
 from tests.agent.worker.testlib import run_local
 
 transformers = pytest.importorskip("transformers")
@@ -76,6 +77,13 @@ def test_bad_input_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
     src, _ = saved(tmp_path, "gpt2")
     run = run_local("--init-from", str(src), "--model", "gpt-mini", "--steps", "1", timeout=60)
     assert run.rc == 2 and "--model gpt-mini disagrees with --init-from" in run.stderr
+    data = byte_data(tmp_path)  # prepared with another tokenizer than the model's
+    n = {split: (data / f"{split}.bin").stat().st_size // 2 for split in ("train", "val")}
+    write_meta(data, TokenMeta("uint16", VOCAB, "ab" * 32, 0, "<eot>", 255, {"train": 1,
+               "val": 1}, n, 0.1))
+    (src / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    run = run_local("--init-from", str(src), "--data", str(data), "--steps", "1", timeout=60)
+    assert run.rc == 2 and "another tokenizer than the model's" in run.stderr, run.stderr
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")
