@@ -4,11 +4,13 @@ checkpoint (`--init-from`), against its stage's share of the model and the whole
 Writes a random checkpoint of `--model` (default llama-1b, Llama-3.2-1B's shapes) in bf16 as
 Hugging Face shards of about `--shard-gb` GB plus their index and config.json, with
 `safetensors` directly (once; reused from `--dir`). Then, for each stage of an even
-`--stages` split, a fresh process builds that stage (fp32, as a worker does), records its
-peak RSS (`resource.getrusage`, ru_maxrss), loads the stage's tensors with
+`--stages` split, a fresh process builds that stage (fp32, as a worker does), notes its RSS,
+resets its peak (`/proc/self/clear_refs`), loads the stage's tensors with
 `agent.worker.hfload.load_parts_from_hf` (memory-mapped, only the shards it needs) and
-records the peak again. The load's cost is the difference; the stage's own fp32 parameters
-are what any worker must hold anyway.
+reads its peak RSS during the load (`VmHWM`; `ru_maxrss` would report the parent's peak
+across exec). The load's cost is peak minus the RSS before it; the stage's own fp32
+parameters are what any worker must hold anyway. (A worker that trains also builds its
+optimizer; not counted here.)
 
 Prints a table and writes bench/results/import_memory.json. Not a test: never run by CI.
 
@@ -27,25 +29,30 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch
 from agent.worker.hfload import load_parts_from_hf
 from agent.worker.stage import Stage
 from dtfm.core.hfdir import spec_from_dir
+
+def status(key):  # kB; VmHWM is this process's own peak (ru_maxrss keeps the parent's)
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+
 model_dir, begin, end = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 spec = spec_from_dir(model_dir, seq_len=2048)
-kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-base = kib()
+base = status("VmRSS")
 stage = Stage(spec, begin, end, 0)
-built = kib()
+built = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here on: the load's
 t0 = time.perf_counter()
 load_parts_from_hf(stage.parts(), spec, model_dir)
 took = time.perf_counter() - t0
 params = sum(p.numel() for p in stage.parameters())
-print(json.dumps({"base_kib": base, "built_kib": built, "loaded_kib": kib(),
+print(json.dumps({"base_kib": base, "built_kib": built, "loaded_kib": status("VmHWM"),
                   "stage_params": params, "load_s": took}))
 """
-
 
 def write_checkpoint(model: str, out: Path, shard_gb: float) -> dict:
     """A random bf16 checkpoint of preset `model` in Hugging Face's sharded layout."""
