@@ -25,6 +25,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from coordinator.config import JobConfig  # its defaults; `plan` below loads numpy anyway
+
     parser = flags.Parser(
         prog="coordinator",
         description="dtfm coordinator: registry, link matrix, scheduler and job control",
@@ -51,8 +53,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--stages", type=flags.count, default=0, help="pipeline stages (0: choose)")
     p.add_argument("--replicas", type=flags.count, default=0,
                    help="data-parallel replicas (0: choose)")
-    p.add_argument("--search-seconds", type=flags.seconds, default=5.0,
-                   help="time budget of the scheduler's search")
+    flags.add_search_seconds(p, JobConfig.search_seconds)
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
@@ -301,4 +302,6 @@ def _links_text(data: dict) -> str:
             ("-" if v is None else f"{v:.4f}").rjust(12) for v in row))
     if data["unreachable"]:
         lines.append("unreachable: " + ", ".join(data["unreachable"]))
+    for pair, note in data.get("estimated", {}).items():
+        lines.append(f"estimated bandwidth {pair}: {note}")
     return "\n".join(lines)

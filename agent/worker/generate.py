@@ -78,13 +78,14 @@ class LoadedModel:
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, caches: list[KVCache] | None = None,
-               start: int = 0) -> torch.Tensor:
-        """Logits of every position of `ids` (batch x tokens), the first at `start`; with
-        `caches` (one per layer), attending to the positions they already hold."""
+               start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """Logits of every position of `ids` (batch x tokens; `last_only`: of the last), the
+        first at `start`; with `caches` (one per layer), attending to the positions they
+        already hold."""
         x = self.parts[EMBEDDING_INDEX](ids, start)
         for i in range(self.spec.n_layers):
             x = self.parts[i](x, None if caches is None else caches[i])
-        return self.parts[HEAD_INDEX](x)
+        return self.parts[HEAD_INDEX](x[:, -1:] if last_only else x)
 
     def continue_ids(self, prompt: Sequence[int], max_new: int,
                      pick: Callable[[torch.Tensor], int]) -> list[int]:
@@ -94,7 +95,7 @@ class LoadedModel:
         caches = [KVCache() for _ in range(self.spec.n_layers)]
         ids, start, new = torch.tensor([list(prompt)]), 0, []
         for _ in range(max_new):
-            token = pick(self.logits(ids, caches, start)[0, -1].float())
+            token = pick(self.logits(ids, caches, start, last_only=True)[0, -1].float())
             new.append(token)
             if token in self.eos_ids:
                 break

@@ -10,8 +10,9 @@ part's tensors are opened and only those tensors are read, one at a time, straig
 parameter, so a worker's memory grows by its stage's share of the model, never the whole.
 
 What a checkpoint may do that the loader absorbs: GPT-2 files saved without the
-`transformer.` prefix; a tied model (config `tie_word_embeddings`, or no `lm_head.weight`):
-dtfm's untied head starts as a copy of the input embedding; non-parameter buffers older
+`transformer.` prefix; a tied model (config `tie_word_embeddings`, GPT-2's default): dtfm's
+untied head starts as a copy of the input embedding, whether or not the file kept a
+`lm_head.weight`; non-parameter buffers older
 savers kept (GPT-2's `attn.bias` / `attn.masked_bias` masks, rotary `inv_freq`) are ignored.
 Everything else is an error naming the tensor and the file: a missing or mis-shaped tensor, an
 index naming a file that is not there, a directory with no weights.
@@ -84,13 +85,15 @@ class Checkpoint:
     def source(self, spec: ModelSpec, tensor: HfTensor) -> str:
         """The checkpoint tensor a parameter loads from; CheckpointError if there is none."""
         name = tensor.name
-        if name == HEAD_TENSOR and (self.tied or self.locate(name) is None):
+        if name == HEAD_TENSOR and self.tied:
             name = embedding_tensor(spec)  # dtfm's untied head starts as the tied embedding
         found = self.locate(name)
         if found is None:
             where = INDEX_FILE if (self.model_dir / INDEX_FILE).is_file() else WEIGHTS_FILE
-            raise CheckpointError(f"tensor {name} is missing from {self.model_dir / where} (the "
-                                  f"model its config.json describes needs it)")
+            untied = (" (config.json has tie_word_embeddings false, so the head is not the "
+                      "input embedding)" if name == HEAD_TENSOR else "")
+            raise CheckpointError(f"tensor {name} is missing from {self.model_dir / where}: the "
+                                  f"model its config.json describes needs it{untied}")
         return found
 
     def read(self, wanted: Iterable[str]) -> Iterable[tuple[str, str, torch.Tensor]]:

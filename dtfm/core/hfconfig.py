@@ -217,6 +217,10 @@ def _check_window(config: dict, arch: str, positions: int) -> None:
     """Refuse a sliding-window attention that is narrower than the model's context: dtfm's
     attention is full causal (a window as wide as every position is no window)."""
     window = config.get("sliding_window")
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise HfConfigError(f"config.json: layer_types {sorted(kinds)} is not supported: dtfm's "
+                            f"attention is full causal in every layer")
     if arch == QWEN2 and not config.get("use_sliding_window", False):
         return
     if arch == LLAMA or window is None:

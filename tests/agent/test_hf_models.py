@@ -25,6 +25,7 @@ from agent.worker.hfload import (  # noqa: E402
     stage_tensors_hf,
     unexpected_tensors,
 )
+from agent.worker.model import HEAD_INDEX, build_part  # noqa: E402
 from agent.worker.stage import Stage  # noqa: E402
 from dtfm.core.hfconfig import (  # noqa: E402
     hf_config_from_spec,
@@ -231,6 +232,11 @@ def test_missing_and_misshaped_tensors_are_named_with_their_file(saved: dict,
                        r".*model\.safetensors has shape \(63, 48\) .* needs \(64, 48\)"):
         load_parts_from_hf(Stage(spec, 0, 1, seed=0).parts(), spec, path)
     assert unexpected_tensors(spec, path) == ["model.layers.0.extra.weight"]
+    # Untied in config.json, so a checkpoint without lm_head.weight lacks the head.
+    config = read_hf_config(path)
+    (path / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=False)))
+    with pytest.raises(CheckpointError, match="lm_head.weight is missing .*tie_word_embeddings"):
+        load_parts_from_hf({HEAD_INDEX: build_part(spec, HEAD_INDEX, seed=0)}, spec, path)
 
 
 def test_index_naming_a_missing_shard_is_named(saved: dict, tmp_path: Path) -> None:
@@ -297,3 +303,36 @@ def test_exported_llama_config_loads_in_transformers_and_computes_the_same(
     ids = torch.randint(0, VOCAB, (1, 64))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(120)
+def test_agent_generate_entry_point_with_prompt_ids(saved: dict, tmp_path: Path) -> None:
+    """The real command (`python -m agent generate`) on a directory without a tokenizer."""
+    import subprocess
+    import sys
+
+    path, model = saved["qwen2"]
+    path = _copy(path, tmp_path)
+    (path / "tokenizer.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "agent", "generate", "--model-dir", str(path),
+                           "--prompt-ids", "4,9,16,25", "--max-new-tokens", "6", "--greedy",
+                           "--json"], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[4, 9, 16, 25]]), max_new_tokens=6, do_sample=False)
+    assert out == {"prompt_ids": [4, 9, 16, 25], "new_ids": want[0, 4:].tolist(), "text": ""}
+    assert "loading" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_bf16_checkpoint_loads_into_fp32_parts(saved: dict, tmp_path: Path) -> None:
+    """Hub checkpoints are mostly bf16: dtfm's fp32 parameters take the stored values exactly."""
+    import copy
+
+    _, model = saved["qwen2"]
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        want = back.eval()(ids).logits
+    torch.testing.assert_close(_dtfm_logits(tmp_path, ids), want, rtol=1e-5, atol=1e-5)

@@ -100,6 +100,7 @@ def test_transformers_5_rope_parameters_and_mistral_without_window() -> None:
     (dict(MISTRAL_5X, sliding_window=64), "sliding_window=64"),
     (dict(QWEN25_05B, use_sliding_window=True, sliding_window=4096), "sliding_window=4096"),
     (dict(LLAMA32_1B, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
+    (dict(QWEN25_05B, layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(LLAMA32_1B, hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(LLAMA32_1B, attention_bias=True), "attention_bias=True"),
     (dict(LLAMA32_1B, num_key_value_heads=5), "n_kv_heads=5"),

@@ -217,32 +217,52 @@ class CheckpointMirror(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class LinkSample(_message.Message):
-    __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s")
+    __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s", "estimated", "estimate_note")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MEASURED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_NOTE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     delay_ms: float
     bandwidth_gbps: float
     reachable: bool
     error: str
     measured_unix_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., delay_ms: _Optional[float] = ..., bandwidth_gbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., measured_unix_s: _Optional[float] = ...) -> None: ...
+    estimated: bool
+    estimate_note: str
+    def __init__(self, peer_id: _Optional[str] = ..., delay_ms: _Optional[float] = ..., bandwidth_gbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., measured_unix_s: _Optional[float] = ..., estimated: _Optional[bool] = ..., estimate_note: _Optional[str] = ...) -> None: ...
 
 class LinkMatrix(_message.Message):
-    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable")
+    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable", "estimated", "estimate_notes")
     AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
     DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_NOTES_FIELD_NUMBER: _ClassVar[int]
     agent_ids: _containers.RepeatedScalarFieldContainer[str]
     delay_ms: _containers.RepeatedScalarFieldContainer[float]
     bandwidth_gbps: _containers.RepeatedScalarFieldContainer[float]
     unreachable: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+    estimated: _containers.RepeatedScalarFieldContainer[str]
+    estimate_notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ..., estimated: _Optional[_Iterable[str]] = ..., estimate_notes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TuningAdvice(_message.Message):
+    __slots__ = ("setting", "current", "wanted", "why")
+    SETTING_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    setting: str
+    current: str
+    wanted: str
+    why: str
+    def __init__(self, setting: _Optional[str] = ..., current: _Optional[str] = ..., wanted: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class PlanStage(_message.Message):
     __slots__ = ("agent_ids", "dp_shares")

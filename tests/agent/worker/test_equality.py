@@ -14,17 +14,23 @@ COMMON = ("--model", "gpt-tiny", "--batch", "8", "--steps", "20", "--seed", "1",
           "--eval-batches", "1", "--timeout", "60")
 REL = 1e-4
 RUNS: dict[tuple[str, ...], LocalRun] = {}
+REFERENCES: dict[tuple[str, ...], LocalRun] = {}
+LLAMA = ("--model", "llama-tiny")  # RMSNorm, rotary, SwiGLU, grouped-query attention
 
 
-@pytest.fixture(scope="module")
-def reference() -> LocalRun:
-    ref = run_local(*COMMON, "--stages", "1", "--replicas", "1", "--micro-batches", "2")
-    assert ref.rc == 0, ref.stderr
-    assert [s["step"] for s in ref.steps] == list(range(1, 21))
-    return ref
+def _reference(flags: tuple[str, ...]) -> LocalRun:
+    """The 1x1 run of the model `flags` names (gpt-tiny unless they start with --model)."""
+    model = flags[:2] if flags[:1] == ("--model",) else ()
+    if model not in REFERENCES:
+        ref = run_local(*COMMON, *model, "--stages", "1", "--replicas", "1",
+                        "--micro-batches", "2")
+        assert ref.rc == 0, ref.stderr
+        assert [s["step"] for s in ref.steps] == list(range(1, 21))
+        REFERENCES[model] = ref
+    return REFERENCES[model]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "flags",
     [
@@ -32,10 +38,16 @@ def reference() -> LocalRun:
         ("--stages", "2", "--replicas", "2", "--schedule", "1f1b", "--dp-mode", "allreduce"),
         ("--stages", "2", "--replicas", "2", "--schedule", "gpipe", "--dp-mode", "sharded"),
         ("--stages", "3", "--replicas", "1", "--schedule", "1f1b", "--layer-splits", "2,1,1"),
+        (*LLAMA, "--stages", "2", "--replicas", "2", "--schedule", "1f1b",
+         "--layer-splits", "3,1"),
+        (*LLAMA, "--stages", "3", "--replicas", "1", "--schedule", "1f1b",
+         "--layer-splits", "1,2,1"),
     ],
-    ids=["2x2-gpipe-allreduce", "2x2-1f1b-allreduce", "2x2-gpipe-sharded", "3x1-1f1b-uneven"],
+    ids=["2x2-gpipe-allreduce", "2x2-1f1b-allreduce", "2x2-gpipe-sharded", "3x1-1f1b-uneven",
+         "llama-2x2-1f1b-uneven", "llama-3x1-1f1b-uneven"],
 )
-def test_layout_matches_single_process(reference: LocalRun, flags: tuple[str, ...]) -> None:
+def test_layout_matches_single_process(flags: tuple[str, ...]) -> None:
+    reference = _reference(flags)
     run = run_local(*COMMON, "--micro-batches", "2", *flags)
     RUNS[flags] = run
     _assert_trains_like(run, reference)
@@ -70,29 +82,3 @@ def test_schedules_and_dp_modes_agree_with_each_other() -> None:
     # Same backward order (0..M-1) in both schedules and a two-term sum in both DP modes.
     assert_close(one_f_one_b.losses, gpipe.losses, 1e-6)
     assert_close(sharded.losses, gpipe.losses, 1e-6)
-
-
-LLAMA = ("--model", "llama-tiny", *COMMON[2:], "--micro-batches", "2")
-
-
-@pytest.fixture(scope="module")
-def llama_reference() -> LocalRun:
-    ref = run_local(*LLAMA, "--stages", "1", "--replicas", "1")
-    assert ref.rc == 0, ref.stderr
-    return ref
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("--stages", "2", "--replicas", "2", "--schedule", "1f1b", "--layer-splits", "3,1"),
-        ("--stages", "3", "--replicas", "1", "--schedule", "1f1b", "--layer-splits", "1,2,1"),
-    ],
-    ids=["2x2-1f1b-uneven", "3x1-1f1b-uneven"],
-)
-def test_llama_block_layouts_match_single_process(llama_reference: LocalRun,
-                                                  flags: tuple[str, ...]) -> None:
-    """The Llama block (RMSNorm, rotary, SwiGLU, grouped-query attention) split unevenly over
-    stages and replicas under 1F1B trains exactly as it does in one process."""
-    _assert_trains_like(run_local(*LLAMA, *flags), llama_reference)
