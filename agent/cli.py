@@ -90,11 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return local_cmd.run(args)
 
-    def prepare(args: argparse.Namespace) -> int:
-        from agent import prepare as prepare_cmd
-
-        return prepare_cmd.run(args)
-
     def status(args: argparse.Namespace) -> int:
         return flags.run_async(_status(args))
 
@@ -102,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent import generate as generate_cmd
 
         return generate_cmd.run(args)
+
+    def prepare(args: argparse.Namespace) -> int:
+        from agent import prepare as prepare_cmd
+
+        return prepare_cmd.run(args)
 
     return flags.dispatch(parser, subs, argv, {"start": _start, "status": status,
                                                "local": local, "generate": generate,

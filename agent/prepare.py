@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import IO, Any
 
@@ -296,9 +297,10 @@ class Sink:
         self.path, self.dtype, self.tokens = path, np.dtype(dtype).newbyteorder("<"), 0
         self.f = path.open("wb")
 
-    def write(self, ids: list[int]) -> int:
-        """Append `ids`; returns the largest."""
-        arr = np.array(ids, dtype=self.dtype)
+    def write(self, segments: list[list[int]], count: int) -> int:
+        """Append the ids of `segments` (`count` in all); returns the largest."""
+        # fromiter over the chained lists: half the time of np.array(one concatenated list)
+        arr = np.fromiter(chain.from_iterable(segments), dtype=self.dtype, count=count)
         try:
             self.f.write(memoryview(arr))
         except OSError as exc:
@@ -335,20 +337,22 @@ class Splitter:
         return "val" if math.floor((doc + 1) * f) > math.floor(doc * f) else "train"
 
     def add(self, batch: list[Piece], encodings: list[Any]) -> None:
-        out: dict[str, list[int]] = {"train": [], "val": []}
+        out: dict[str, list[list[int]]] = {"train": [], "val": []}
+        eot = [self.eot]
         for piece, enc in zip(batch, encodings, strict=True):
-            ids = out[self.split]
-            ids.extend(enc.ids)
+            segments = out[self.split]
+            segments.append(enc.ids)
             if piece.ends:
-                ids.append(self.eot)
+                segments.append(eot)
                 self.counts.documents[self.split] += 1
                 self.doc += 1
                 self.split = self._split_of(self.doc)
-        for split, ids in out.items():
-            if ids:
-                top = self.sinks[split].write(ids)
+        for split, segments in out.items():
+            count = sum(map(len, segments))
+            if count:
+                top = self.sinks[split].write(segments, count)
                 self.counts.max_id = max(self.counts.max_id, top)
-                self.counts.tokens_seen += len(ids)
+                self.counts.tokens_seen += count
 
 
 def encode_all(reader: Reader, tok: Any, splitter: Splitter, progress: Progress) -> None:
