@@ -64,7 +64,7 @@ __all__ = [
     "KEEP", "MANIFEST_FORMAT", "Digest", "Finder", "Location", "Source", "SpanFinder", "agree",
     "atomic_save", "atomic_save_safetensors", "job_dir", "job_key", "load_span", "load_stage",
     "locate", "manifest_for", "merge_states", "model_state", "optimizer_names", "other_jobs",
-    "path_for", "prune", "save_stage", "sources", "stage_buffers", "stage_dir", "stage_parts",
+    "path_for", "prune", "save_stage", "sources", "stage_buffers", "stage_dir",
     "stage_weights_hf", "steps_available", "verify",
 ]
 
@@ -253,32 +253,17 @@ def load_stage(root: str | Path, stage: int, step: int, *,
 # ---- weights under Hugging Face names ----
 
 
-def stage_parts(stage: nn.Module) -> dict[int, nn.Module]:
-    """The parts a `Stage` holds, keyed by part index (`agent.worker.model`), as
-    `hfload.load_parts_from_hf` and `stage_tensors_hf` take them."""
-    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX
-
-    parts: dict[int, nn.Module] = {}
-    if getattr(stage, "embed", None) is not None:
-        parts[EMBEDDING_INDEX] = stage.embed
-    for index, layer in stage.layers.items():
-        parts[int(index)] = layer
-    if getattr(stage, "head", None) is not None:
-        parts[HEAD_INDEX] = stage.head
-    return parts
-
-
 def _prefix(index: int) -> str:
     from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX
 
     return {EMBEDDING_INDEX: "embed.", HEAD_INDEX: "head."}.get(index, f"layers.{index}.")
 
 
-def stage_weights_hf(stage: nn.Module, spec: Any) -> dict[str, torch.Tensor]:
+def stage_weights_hf(stage: Any, spec: Any) -> dict[str, torch.Tensor]:
     """The stage's parameters under Hugging Face names and layout, for its safetensors file."""
     from agent.worker.hfload import stage_tensors_hf
 
-    return stage_tensors_hf(stage_parts(stage), spec)
+    return stage_tensors_hf(stage.parts(), spec)
 
 
 def stage_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:

@@ -346,7 +346,7 @@ class Worker:
         from agent.worker.hfload import load_parts_from_hf
 
         t0 = time.perf_counter()
-        load_parts_from_hf(checkpoint.stage_parts(self.stage), self.spec, model_dir)
+        load_parts_from_hf(self.stage.parts(), self.spec, model_dir)
         log.info("rank %d: loaded layers [%d, %d) from %s in %.1f s", self.rank,
                  self.a.layer_begin, self.a.layer_end, model_dir, time.perf_counter() - t0)
 
