@@ -12,22 +12,24 @@ reports seconds and GB/s. Prints a table and writes bench/results/export.json. N
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/export.py`
+    sys.path.insert(0, str(REPO))
+
+from bench.import_memory import RESULTS, bench_args, hf_shapes  # noqa: E402
 
 
 def stage_files(model: str, stages: int, root: Path) -> list:
     import torch
     from safetensors.torch import save_file
 
-    from agent.worker.model import make_part
-    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX
     from dtfm.core.hfexport import StageFile
     from dtfm.core.layout import layer_ranges
     from dtfm.core.presets import get_preset
@@ -41,28 +43,16 @@ def stage_files(model: str, stages: int, root: Path) -> list:
             continue
         parts = [*([EMBEDDING_INDEX] if begin == 0 else []), *range(begin, end),
                  *([HEAD_INDEX] if end == spec.n_layers else [])]
-        tensors = {}
-        for index in parts:
-            with torch.device("meta"):
-                part = make_part(spec, index)
-            names = part_tensors(spec, index)
-            for name, p in part.named_parameters():
-                t = names[name]
-                shape = tuple(reversed(p.shape)) if t.transpose else tuple(p.shape)
-                tensors[t.name] = torch.zeros(shape, dtype=torch.float32)
+        tensors = {name: torch.zeros(shape, dtype=torch.float32)
+                   for name, shape in hf_shapes(spec, parts)}
         save_file(tensors, path, metadata={"format": "pt"})
         print(f"  wrote {path} ({path.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
     return [spec, files]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt-1.3b")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--dir", default="/tmp/dtfm-bench-export")
-    args = parser.parse_args()
+    args = bench_args(__doc__, model="gpt-1.3b", directory="/tmp/dtfm-bench-export",
+                      extra=[("--repeat", 2)])
     from dtfm.core.hfexport import write_export
 
     root = Path(args.dir)

@@ -24,7 +24,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -54,13 +56,42 @@ print(json.dumps({"base_kib": base, "built_kib": built, "loaded_kib": status("Vm
                   "stage_params": params, "load_s": took}))
 """
 
+def bench_args(doc: str | None, *, model: str, directory: str,
+               extra: Sequence[tuple[str, float]]) -> argparse.Namespace:
+    """The flags both model benchmarks take (--model, --stages, --dir) and their own."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--dir", default=directory)
+    for flag, default in extra:
+        parser.add_argument(flag, type=type(default), default=default)
+    return parser.parse_args()
+
+
+def hf_shapes(spec: Any, indices: Iterable[int]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape in the checkpoint) of every parameter of parts `indices`,
+    from parts built on the meta device (no memory)."""
+    import torch
+
+    from agent.worker.model import make_part
+    from dtfm.core.hfconfig import part_tensors
+
+    for index in indices:
+        with torch.device("meta"):
+            part = make_part(spec, index)
+        names = part_tensors(spec, index)
+        for name, p in part.named_parameters():
+            t = names[name]
+            yield t.name, tuple(reversed(p.shape)) if t.transpose else tuple(p.shape)
+
+
 def write_checkpoint(model: str, out: Path, shard_gb: float) -> dict:
     """A random bf16 checkpoint of preset `model` in Hugging Face's sharded layout."""
     import torch
     from safetensors.torch import save_file
 
-    from agent.worker.model import make_part
-    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, hf_config_from_spec, part_tensors
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, hf_config_from_spec
     from dtfm.core.presets import get_preset
 
     spec = get_preset(model)
@@ -74,20 +105,13 @@ def write_checkpoint(model: str, out: Path, shard_gb: float) -> dict:
     gen = torch.Generator().manual_seed(0)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, limit = 0, int(shard_gb * 2**30)
-    for index in (EMBEDDING_INDEX, *range(spec.n_layers), HEAD_INDEX):
-        with torch.device("meta"):
-            part = make_part(spec, index)
-        names = part_tensors(spec, index)
-        for name, p in part.named_parameters():
-            t = names[name]
-            shape = tuple(reversed(p.shape)) if t.transpose else tuple(p.shape)
-            value = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-            if size + value.nbytes > limit and shards[-1]:
-                shards.append({})
-                size = 0
-            shards[-1][t.name] = value
-            size += value.nbytes
-        print(f"  generated part {index}", file=sys.stderr, flush=True)
+    for name, shape in hf_shapes(spec, (EMBEDDING_INDEX, *range(spec.n_layers), HEAD_INDEX)):
+        value = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        if size + value.nbytes > limit and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
     total, weight_map = 0, {}
     for k, tensors in enumerate(shards, start=1):
         name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
@@ -101,13 +125,8 @@ def write_checkpoint(model: str, out: Path, shard_gb: float) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-1b")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--shard-gb", type=float, default=1.0)
-    parser.add_argument("--dir", default="/tmp/dtfm-bench-import")
-    args = parser.parse_args()
+    args = bench_args(__doc__, model="llama-1b", directory="/tmp/dtfm-bench-import",
+                      extra=[("--shard-gb", 1.0)])
     from dtfm.core.layout import layer_ranges
 
     t0 = time.perf_counter()
