@@ -139,10 +139,12 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "pp_compress": codec_setting("--pp-compress", topk=False),
     "dp_compress": codec_setting("--dp-compress", topk=True),
     "moments_dtype": MomentsDtype,
+    "init_from": str,
+    "seq_len": count,
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC",
-                   "dp_compress": "CODEC"}  # and N for the integers
+                   "dp_compress": "CODEC", "init_from": "DIR"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 

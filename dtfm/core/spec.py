@@ -319,6 +319,14 @@ class TrainConfig:
         MomentsDtype.FP32, "what AdamW stores its two moments in: fp32, or bf16 (the update is "
         "still computed in fp32; 12 instead of 16 bytes of state per parameter, for a model "
         "whose fp32 state does not fit)")
+    init_from: str = _option(
+        "", "a Hugging Face model directory (config.json and model.safetensors, or shards and "
+        "their index) to start from, on every worker's machine: the model comes from its "
+        "config.json (no --model needed); GPT2LMHeadModel, LlamaForCausalLM, "
+        "Qwen2ForCausalLM, MistralForCausalLM")
+    seq_len: int = _option(
+        0, "with --init-from: the sequence length to train on (0: the config's maximum "
+        "positions, at most 2048)")
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -367,6 +375,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise ValueError(f"{flag(name)} must be a finite number, got {value}")
+        if self.seq_len and not self.init_from:
+            raise ValueError("--seq-len applies with --init-from; for a preset give "
+                             "--model NAME:seq=N")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         for name in ("grad_clip", "weight_decay"):
@@ -396,7 +407,7 @@ _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode
 # Enum fields the wire gained after its first version: unset on the wire means the default.
 _ADDED_LATER = ("moments_dtype",)
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches")
+           "eval_batches", "seq_len")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:

@@ -105,7 +105,7 @@ class ModelSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ..., arch: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., norm_eps: _Optional[float] = ..., activation: _Optional[str] = ..., rope_theta: _Optional[float] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., rope_low_freq_factor: _Optional[float] = ..., rope_high_freq_factor: _Optional[float] = ..., rope_original_max_positions: _Optional[int] = ..., qkv_bias: _Optional[bool] = ..., max_positions: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype")
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype", "init_from", "seq_len")
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class TrainConfig(_message.Message):
     PP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     global_batch: int
     micro_batches: int
     steps: int
@@ -142,10 +144,12 @@ class TrainConfig(_message.Message):
     pp_compress: str
     dp_compress: str
     moments_dtype: str
-    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ...) -> None: ...
+    init_from: str
+    seq_len: int
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., init_from: _Optional[str] = ..., seq_len: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares")
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares", "init_hash")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +177,7 @@ class Assignment(_message.Message):
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SPLITS_FIELD_NUMBER: _ClassVar[int]
     DP_SHARES_FIELD_NUMBER: _ClassVar[int]
+    INIT_HASH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     master_addr: str
@@ -200,7 +205,8 @@ class Assignment(_message.Message):
     mirrors: _containers.RepeatedCompositeFieldContainer[CheckpointMirror]
     checkpoint_splits: _containers.RepeatedScalarFieldContainer[int]
     dp_shares: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ...) -> None: ...
+    init_hash: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., init_hash: _Optional[str] = ...) -> None: ...
 
 class CheckpointMirror(_message.Message):
     __slots__ = ("stage", "peer")

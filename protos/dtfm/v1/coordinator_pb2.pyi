@@ -217,7 +217,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class JobStatus(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model: str
@@ -256,7 +257,8 @@ class JobStatus(_message.Message):
     checkpoint_step: int
     restarts: int
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
+    model_spec: _common_pb2.ModelSpec
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("at_unix_s", "reason", "layout_before", "layout_after", "last_step", "resumed_step", "steps_lost", "stalled_s", "planned")
