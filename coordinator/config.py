@@ -11,6 +11,30 @@ from dtfm.rpc import ConfigError, Security, split_hostport
 
 
 @dataclass
+class DriftConfig:
+    """Watching a running job for network or device drift and re-planning when it pays
+    (coordinator/drift.py, coordinator/replan.py)."""
+
+    replan: bool = True  # --no-replan: watch and report, never move
+    threshold: float = 0.3  # --drift-threshold: a step this much slower than expected is drift
+    window: int = 6  # --drift-window: ... for this many steps in a row (a blip is shorter)
+    margin: float = 2.0  # --replan-margin: move when the predicted gain exceeds margin x cost
+    probe_seconds: float = 0.5  # --remeasure-probe-seconds: each background bandwidth probe
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.threshold) and self.threshold > 0):
+            raise ConfigError(f"--drift-threshold must be a fraction > 0 (0.3: 30 % slower), "
+                              f"got {self.threshold}")
+        if self.window < 2:
+            raise ConfigError(f"--drift-window must be >= 2 steps, got {self.window}")
+        if not (math.isfinite(self.margin) and self.margin >= 1):
+            raise ConfigError(f"--replan-margin must be >= 1, got {self.margin}")
+        if not (math.isfinite(self.probe_seconds) and self.probe_seconds > 0):
+            raise ConfigError(f"--remeasure-probe-seconds must be > 0, got "
+                              f"{self.probe_seconds}")
+
+
+@dataclass
 class JobConfig:
     """The training job the coordinator drives once enough agents are alive.
 
@@ -31,6 +55,7 @@ class JobConfig:
     placement: str = "scheduled"  # scheduled, rank-order, random[:SEED] or a plan file
     links_file: str = ""  # plan on this measured matrix instead of measuring
     layer_split: str = "auto"  # auto (by device speed and memory), even, or counts "4,2"
+    drift: DriftConfig = field(default_factory=DriftConfig)
 
     def parsed_split(self) -> list[int] | None:
         """The `--layer-split` counts, or None for auto/even."""
@@ -53,6 +78,7 @@ class JobConfig:
 
     def validate(self) -> None:
         self._check_ranges()
+        self.drift.validate()
         if not self.model:
             return
         if self.links_file:
