@@ -111,17 +111,22 @@ class LinkMeasurer:
                 self.store.mark_unreachable(a, b, why)
                 self.store.mark_unreachable(b, a, why)
 
-    async def measure(self, agents: list[AgentRecord],
-                      only_missing: bool = False) -> common_pb2.LinkMatrix:
+    async def measure(self, agents: list[AgentRecord], only_missing: bool = False,
+                      bandwidth_links: set[tuple[str, str]] | None = None,
+                      probe_seconds: float | None = None) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
         and from everyone): links between agents measured before did not change because
-        someone joined, and probing them again would cost the job minutes of probes."""
+        someone joined, and probing them again would cost the job minutes of probes.
+        `bandwidth_links` (a re-measurement while the job trains, coordinator/replan.py):
+        the latency of every pair, but the bandwidth of just these links, each probe lasting
+        about `probe_seconds` (default: the measurer's)."""
         async with self._lock:
             self.running = True
             try:
-                return await self._measure(agents, only_missing)
+                return await self._measure(agents, only_missing, bandwidth_links,
+                                           probe_seconds or self.probe_seconds)
             finally:
                 self.running = False
 
@@ -131,8 +136,9 @@ class LinkMeasurer:
         return {(a, b) for a in ids for b in ids
                 if a != b and ((e := self.store.entries.get((a, b))) is None or not e.reachable)}
 
-    async def _measure(self, agents: list[AgentRecord],
-                       only_missing: bool) -> common_pb2.LinkMatrix:
+    async def _measure(self, agents: list[AgentRecord], only_missing: bool,
+                       bandwidth_links: set[tuple[str, str]] | None,
+                       probe_seconds: float) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         wanted = self.missing_links(ids) if only_missing else {
@@ -145,22 +151,27 @@ class LinkMeasurer:
         # behind each other, and every agent opens its channels to every peer on the way.
         latency = [_Probe(a, peers) for a in ids
                    if (peers := tuple(b for b in ids if (a, b) in wanted))]
-        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
+        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent,
+                        probe_seconds)
         self._check_reverse_delays(ids)
+        if bandwidth_links is not None:
+            wanted &= bandwidth_links
         log.info("latencies measured after %.1f s", time.monotonic() - started)
         # Then bandwidth: each device sends one transfer and receives one at a time, and a
         # link is never measured while its reverse is (its acknowledgements would queue).
         bandwidth = [_Probe(a, (b,), frozenset((f"send {a}", f"receive {b}",
                                                 f"pair {min(a, b)} {max(a, b)}")))
                      for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
-        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent)
+        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent,
+                        probe_seconds)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
                  self.last_seconds)
         return self.store.matrix(ids)
 
     async def _run(self, run: int, kind: int, probes: list[_Probe],
-                   by_id: dict[str, AgentRecord], silent: set[str]) -> None:
+                   by_id: dict[str, AgentRecord], silent: set[str],
+                   probe_seconds: float) -> None:
         """Run `probes`, each as soon as no running probe holds what it holds.
 
         No round barrier: a probe starts as soon as its devices are free, so one slow link
@@ -188,7 +199,8 @@ class LinkMeasurer:
                         continue
                     pending.remove(probe)
                     busy.update(probe.holds)
-                    task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent))
+                    task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent,
+                                                           probe_seconds))
                     running[task] = probe.holds
                 if not running:
                     continue
@@ -205,7 +217,7 @@ class LinkMeasurer:
         return entry is not None and not entry.reachable
 
     async def _probe(self, run: int, kind: int, probe: _Probe, by_id: dict[str, AgentRecord],
-                     silent: set[str]) -> None:
+                     silent: set[str], probe_seconds: float) -> None:
         """Send one command and wait for its report; a measurer silent past the deadline is
         noted, so it is not asked again."""
         measurer, peers = probe.measurer, probe.peers
@@ -214,7 +226,7 @@ class LinkMeasurer:
             round_id=round_id,
             peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
                    for p in peers],
-            ping_count=self.ping_count, probe_seconds=self.probe_seconds,
+            ping_count=self.ping_count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
         ))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
