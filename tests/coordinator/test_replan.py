@@ -165,3 +165,35 @@ def test_move_verdict_weighs_gain_against_margin_times_cost() -> None:
     assert move_verdict(2.0, 1.0, 100, 40.0, 2.0)[:2] == (True, 100.0)
     assert move_verdict(2.0, 1.0, 100, 60.0, 2.0)[0] is False
     assert move_verdict(1.0, 1.2, 100, 1.0, 2.0)[0] is False
+
+
+def test_a_slower_device_gets_fewer_layers(tmp_path: Path) -> None:
+    links = tmp_path / "links.json"
+    write_links(links, set())
+
+    async def body(c: Cluster) -> None:
+        first = await c.assignments()
+        assert {a.layer_end - a.layer_begin for a in first.values()} == {2}
+        steps(c, 1, 9, 0.5)
+        slow = c.ids[0]
+        for step in range(10, 16):  # agent-0's device computes 4x slower; the others wait
+            for agent in c.ids:
+                c.report(agent, worker_state=WorkerState.TRAINING, step=step, step_s=1.1,
+                         compute_s=0.8 if agent == slow else 0.2,
+                         pp_wait_s=0.3 if agent == slow else 0.9, dp_s=0.0, loss=3.0)
+        await _until(lambda: bool(c.job.replan.records)
+                     and c.job.replan.records[-1].outcome in ("pending", "declined"))
+        rec = c.job.replan.records[-1]
+        assert [d.agent for d in rec.devices] == [slow]
+        assert rec.devices[0].compute_s_after == pytest.approx(0.8)
+        assert rec.decision == "move", rec.why
+        assert rec.predicted_new_s < rec.predicted_stay_s
+        for step in range(16, 22):
+            for agent in c.ids:
+                c.report(agent, worker_state=WorkerState.TRAINING, step=step, step_s=1.1,
+                         compute_s=0.8 if agent == slow else 0.2, loss=3.0)
+        second = await c.assignments()
+        layers = second[slow].layer_end - second[slow].layer_begin
+        assert layers < 2  # its stage was cut shorter
+        assert list(second[slow].checkpoint_splits) == [2, 2]  # re-cut from the checkpoint
+    run(body, replan_config(links, tmp_path))
