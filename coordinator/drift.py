@@ -11,8 +11,8 @@ drifted from its first step.
 
 A verdict needs every point of the window slower than that by more than `threshold` (a
 fraction), so a blip shorter than the window never fires. Each member's split over the window
-against its settled split names the suspects: a member whose compute grew by the threshold has
-a slower device; members whose waits (pipeline + data-parallel) grew by the threshold of a step
+against its settled split names the suspects: a member whose compute grew by the threshold (of
+its own compute, and of the step) has a slower device; members whose waits (pipeline + data-parallel) grew by the threshold of a step
 have links that may have changed, unless the devices that slowed explain the step's growth.
 Once a verdict is acted on (a re-plan decided either way), `accept` takes the drifted figures
 as the new normal, so only a further change fires again: a flapping link does not make
@@ -132,9 +132,13 @@ class DriftWatch:
             return None
         now = self._figures(steps)
         settled = self._settled
+        # a device is slower when its compute grew by the threshold of its own and of the
+        # step: a tiny stage's compute doubling from 0.02 s is noise, not a slower device
+        floor = self.threshold * self.expected_s()
         devices = {a: (settled.compute_s[a], c) for a, c in now.compute_s.items()
                    if a in settled.compute_s
-                   and c > settled.compute_s[a] * (1.0 + self.threshold)}
+                   and c > settled.compute_s[a] * (1.0 + self.threshold)
+                   and c - settled.compute_s[a] > floor}
         grew = now.step_s - settled.step_s
         explained = devices and max(n - b for b, n in devices.values()) >= 0.5 * grew
         waits = {a: w - settled.wait_s[a] for a, w in now.wait_s.items()
