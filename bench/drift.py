@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/drift.py`
     sys.path.insert(0, str(REPO))
 
+from bench.wan import wan_or_exit, world_arguments  # noqa: E402
 from coordinator.scenarios import world_links  # noqa: E402
 from dtfm.procs import wait_for  # noqa: E402
 from dtfm.wan import WanEmulator  # noqa: E402
@@ -52,9 +53,7 @@ RECOVERED = 1.1  # a step within 10 % of the settled step after the move counts 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--per-city", type=int, default=2, help="agents per city (8 cities)")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--model", default="gpt-mini")
+    world_arguments(p)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--degrade-at", type=int, default=15, help="the step the links degrade at")
     p.add_argument("--checkpoint-every", type=int, default=10)
@@ -192,10 +191,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ok, why = WanEmulator.available()
-    if not ok:
-        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
-        return 2
+    wan_or_exit()
     delay, bandwidth, cities = world_links(args.per_city, args.scale)
     rows = []
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-drift-") as scratch, \
