@@ -12,8 +12,9 @@ drifted from its first step.
 A verdict needs every point of the window slower than that by more than `threshold` (a
 fraction), so a blip shorter than the window never fires. Each member's split over the window
 against its settled split names the suspects: a member whose compute grew by the threshold (of
-its own compute, and of the step) has a slower device; members whose waits (pipeline + data-parallel) grew by the threshold of a step
-have links that may have changed, unless the devices that slowed explain the step's growth.
+its own compute, and of the step) has a slower device; members whose waits (pipeline +
+data-parallel) grew by the threshold of a step have links that may have changed, unless the
+devices that slowed explain the step's growth.
 Once a verdict is acted on (a re-plan decided either way), `accept` takes the drifted figures
 as the new normal, so only a further change fires again: a flapping link does not make
 flapping plans. Pure logic with no clock, so tests feed it series.

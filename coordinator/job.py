@@ -640,11 +640,14 @@ class Job:
 
     def _prefer_previous(self, ordered: list[AgentRecord], count: int) -> list[AgentRecord]:
         """Agents of the last epoch first, as many per stage as the new layout has replicas:
-        they hold their stage's checkpoints, so keeping them where they were costs no copy."""
+        they hold their stage's checkpoints, so keeping them where they were costs no copy.
+        A re-plan's move (coordinator/replan.py) picks its own, a spare perhaps among them."""
+        by_id = {a.agent_id: a for a in ordered}
+        if (moving := self.replan.planned_members()) and all(a in by_id for a in moving):
+            return [by_id[a] for a in moving] + [a for a in ordered if a.agent_id not in moving]
         if not self._grid_ids:
             return ordered
         per_stage = max(count // len(self._grid_ids), 1)
-        by_id = {a.agent_id: a for a in ordered}
         picked = [by_id[a] for row in self._grid_ids
                   for a in [x for x in row if x in by_id][:per_stage]]
         return picked + [a for a in ordered if a not in picked]

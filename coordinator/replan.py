@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SPARES_TRIED = 2  # spares weighed in place of the member whose links degraded most
 RESTART_OVERHEAD_S = 5.0  # stopping the members and planning, on top of a start-up's stall
 LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) did not change
 
@@ -90,12 +91,13 @@ def changed_links(old: Network, new: Network, ids: list[str], threshold: float
 
 
 def copy_seconds(old_grid: list[list[int]], new_grid: list[list[int]], stage_bytes: list[int],
-                 net: Network) -> float:
+                 net: Network, newcomers: frozenset[int] = frozenset()) -> float:
     """Seconds for the members that change stage to fetch their new stage's checkpoint from
-    the best-connected member that holds it (fetches run in parallel: the slowest counts)."""
+    the best-connected member that holds it (fetches run in parallel: the slowest counts).
+    `newcomers`: devices that hold nothing (a spare put in a member's place, at its index)."""
     worst = 0.0
     for j, row in enumerate(new_grid):
-        holders = old_grid[j]
+        holders = [h for h in old_grid[j] if h not in newcomers] or old_grid[j]
         for d in row:
             if d in holders:
                 continue
@@ -195,6 +197,12 @@ class Replanner:
             return None
         return [[index[a] for a in row] for row in grid]
 
+    def planned_members(self) -> list[str]:
+        """The agents a move puts in the plan (a spare may replace a member), else []."""
+        if self._moving is None or self._planned is None:
+            return []
+        return [a for row in self._planned[0] for a in row]
+
     def planned_splits(self, stages: int) -> list[int] | None:
         if self._moving is None or self._planned is None or len(self._planned[1]) != stages:
             return None
@@ -268,11 +276,19 @@ class Replanner:
                 job.config.search_seconds)
         new = _prediction_like(model, net, grid, splits, flops).predict(
             self._compute_for(compute, model, grid, splits, flops))
-        rec.predicted_new_s = new.step_s
         steps_left = max(job.config.train.steps - drift.at_step, 0)
         checkpoint_every = job.config.train.checkpoint_every
-        cost = self._stall_s() + copy_seconds(
-            model.grid, grid, self._stage_checkpoint_bytes(model), net)
+        stage_bytes = self._stage_checkpoint_bytes(model)
+        cost = self._stall_s() + copy_seconds(model.grid, grid, stage_bytes, net)
+        for swap in await self._with_spares(rec, model, compute, flops):
+            swap_cost = self._stall_s() + copy_seconds(
+                model.grid, swap["grid"], stage_bytes, swap["net"], frozenset({swap["at"]}))
+            if (new.step_s - swap["step_s"]) * steps_left > swap_cost - cost:
+                log.info("job %s: spare %s in place of %s predicts %.2f s/step", job.job_id,
+                         swap["ids"][swap["at"]], ids[swap["at"]], swap["step_s"])
+                ids, grid, splits, cost = swap["ids"], swap["grid"], swap["splits"], swap_cost
+                new = swap["prediction"]
+        rec.predicted_new_s = new.step_s
         rec.cost_s = cost
         if checkpoint_every <= 0:
             rec.decision, rec.outcome = "stay", "declined"
@@ -292,6 +308,80 @@ class Replanner:
             self._planned = ([[ids[d] for d in row] for row in grid], list(splits))
             rec.grid_after = grid_text(self._planned[0])
             self._pending = rec
+
+    async def _with_spares(self, rec: coordinator_pb2.Replan, model: _Prediction,
+                           compute: dict[str, float], flops: list[float]
+                           ) -> list[dict[str, Any]]:
+        """Plans with a spare in place of the member most of the changed links touch (a
+        member whose own uplink degraded): for up to SPARES_TRIED live spares whose links to
+        the other members are known (measured in the background as they joined, or in the
+        `--links` file)."""
+        job = self.job
+        worse = [c for c in rec.links if c.gbps_after < c.gbps_before
+                 or c.delay_ms_after > c.delay_ms_before]
+        touched: dict[str, int] = {}
+        for c in worse:
+            for a in (c.src, c.dst):
+                touched[a] = touched.get(a, 0) + 1
+        if not touched or job._layout is None:
+            return []
+        worst = max(touched, key=lambda a: touched[a])
+        if touched[worst] < 2 or worst not in model.agents:
+            return []
+        at = model.agents.index(worst)
+        out = []
+        from coordinator.job import agent_flops, device_figures
+
+        for spare in job._spares()[:SPARES_TRIED]:
+            ids = [spare.agent_id if a == worst else a for a in model.agents]
+            net = self._known(ids)
+            if net is None:
+                continue
+            records = [r for a in ids if (r := job.registry.get(a)) is not None]
+            if len(records) != len(ids):
+                continue
+            figures = device_figures(records, job.config.train.dtype)
+            spare_flops = list(flops)
+            spare_flops[at] = agent_flops([spare], job.config.train.dtype)[0]
+            dev = Devices.of(spare_flops, figures.memory.tolist(), figures.pools or None)
+            try:
+                found = await job._place(job.config.parsed_placement(), net, job._layout, ids,
+                                         model.work, dev, spare_flops)
+            except ValueError as exc:  # DoesNotFit included: this spare cannot hold it
+                log.info("job %s: spare %s cannot replace %s: %s", job.job_id,
+                         spare.agent_id, worst, exc)
+                continue
+            # the old grid with the spare at the member's index: it has no measured compute
+            before = _prediction_like(model, model.net, model.grid, model.splits, spare_flops,
+                                      ids)
+            measured = self._compute_for(compute, before, found["grid"], found["splits"],
+                                         spare_flops)
+            prediction = _prediction_like(model, net, found["grid"], found["splits"],
+                                          spare_flops, ids).predict(measured)
+            out.append({"ids": ids, "grid": found["grid"], "splits": found["splits"],
+                        "net": net, "at": at, "step_s": prediction.step_s,
+                        "prediction": prediction})
+        return out
+
+    def _known(self, ids: list[str]) -> Network | None:
+        """These agents' links as stored (or in the `--links` file); None where some are
+        not known."""
+        job = self.job
+        if job.config.links_file:
+            try:
+                delay, bandwidth = job._known_links(ids)
+            except ValueError:
+                return None
+        elif job.config.measure_links and job.links.complete_for(ids):
+            matrix = job.links.matrix(ids)
+            n = len(ids)
+            delay = np.array(matrix.delay_ms, dtype=float).reshape(n, n)
+            bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(n, n)
+        else:
+            return None
+        np.fill_diagonal(delay, 0.0)
+        np.fill_diagonal(bandwidth, 1.0)
+        return Network(delay_ms=delay, bandwidth_gbps=bandwidth)
 
     async def _remeasured(self, ids: list[str], model: _Prediction, drift: Drift) -> Network:
         """The members' links as they are now: the `--links` file read again, or a latency
@@ -336,12 +426,20 @@ class Replanner:
         old = tasklet_seconds(model.work, model.grid, known, model.splits)
         new = tasklet_seconds(model.work, grid, known, splits)
         where_old = {d: (j, k) for j, row in enumerate(model.grid) for k, d in enumerate(row)}
+        m = model.work.micro_batches
+        # how the members' measured compute compares with the FLOP/s estimate: a device that
+        # never trained here (a spare) is estimated and scaled alike
+        ratios = [compute[model.agents[d]] / (m * float(old[where_old[d]]))
+                  for d in where_old if model.agents[d] in compute and old[where_old[d]] > 0]
+        calibration = statistics.median(ratios) if ratios else 1.0
         out = {}
         for j, row in enumerate(grid):
             for k, d in enumerate(row):
                 agent = model.agents[d]
                 if agent in compute and d in where_old and old[where_old[d]] > 0:
                     out[agent] = compute[agent] * float(new[j, k] / old[where_old[d]])
+                else:
+                    out[agent] = m * float(new[j, k]) * calibration
         return out
 
     def _scaled_flops(self, model: _Prediction, compute: dict[str, float],
@@ -379,8 +477,9 @@ class Replanner:
 
 
 def _prediction_like(model: _Prediction, net: Network, grid: list[list[int]],
-                     splits: list[int], flops: list[float]) -> _Prediction:
+                     splits: list[int], flops: list[float],
+                     agents: list[str] | None = None) -> _Prediction:
     from coordinator.job import _Prediction
 
     return _Prediction(net=net, grid=grid, work=model.work, splits=list(splits),
-                       agents=model.agents, flops=flops)
+                       agents=list(agents or model.agents), flops=flops)

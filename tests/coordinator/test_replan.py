@@ -21,7 +21,7 @@ from coordinator.replan import changed_links, copy_seconds, move_verdict, plan_l
 from coordinator.scheduler import Network
 from coordinator.status import status_to_json, status_to_text
 from dtfm.core.spec import WorkerState
-from protos.dtfm.v1 import coordinator_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.test_job import Cluster, _until, config, run
 
 S = coordinator_pb2
@@ -29,8 +29,7 @@ FAST = (10.0, 1.0)  # ms, Gbit/s
 SLOW = (150.0, 0.0005)
 
 
-def write_links(path: Path, slow_pairs: set[frozenset[int]]) -> None:
-    n = 4
+def write_links(path: Path, slow_pairs: set[frozenset[int]], n: int = 4) -> None:
     delay = [[0.0] * n for _ in range(n)]
     bandwidth: list[list[float | None]] = [[None] * n for _ in range(n)]
     for i in range(n):
@@ -38,7 +37,7 @@ def write_links(path: Path, slow_pairs: set[frozenset[int]]) -> None:
             if i != j:
                 d, b = SLOW if frozenset((i, j)) in slow_pairs else FAST
                 delay[i][j], bandwidth[i][j] = d, b
-    path.write_text(json.dumps({"agents": [f"agent-{i}" for i in range(4)],
+    path.write_text(json.dumps({"agents": [f"agent-{i}" for i in range(n)],
                                 "delay_ms": delay, "bandwidth_gbps": bandwidth}))
 
 
@@ -196,4 +195,34 @@ def test_a_slower_device_gets_fewer_layers(tmp_path: Path) -> None:
         layers = second[slow].layer_end - second[slow].layer_begin
         assert layers < 2  # its stage was cut shorter
         assert list(second[slow].checkpoint_splits) == [2, 2]  # re-cut from the checkpoint
+    run(body, replan_config(links, tmp_path))
+
+
+def test_a_spare_replaces_a_member_whose_uplink_degraded(tmp_path: Path) -> None:
+    links = tmp_path / "links.json"
+    write_links(links, set(), n=5)
+
+    async def body(c: Cluster) -> None:
+        first = await c.assignments()
+        # a fifth agent joins while the job trains: a spare, fast to everyone
+        info = common_pb2.AgentInfo(agent_id="agent-4", host="10.0.0.9", port=7071,
+                                    device=common_pb2.DeviceInfo(kind="cpu", flops=1e10))
+        spare = c.registry.join(info).agent_id
+        c.ids.append(spare)  # its heartbeats; its progress reports are not a member's
+        steps(c, 1, 9, 0.5)
+        victim = next(a for a, x in first.items() if x.stage == 0 and x.replica == 0)
+        k = int(victim[-1])
+        write_links(links, {frozenset((k, j)) for j in range(5) if j != k}, n=5)
+        steps(c, 10, 15, 3.0, wait_s=2.8)
+        await _until(lambda: bool(c.job.replan.records)
+                     and c.job.replan.records[-1].outcome in ("pending", "declined"))
+        rec = c.job.replan.records[-1]
+        assert rec.decision == "move", rec.why
+        assert spare in rec.grid_after and victim not in rec.grid_after, rec.grid_after
+        steps(c, 16, 21, 3.0, wait_s=2.8)
+        await _until(lambda: c.job.epoch == 2)
+        assert c.job.plan is not None
+        members = {a for row in c.job.plan.grid for a in row.agent_ids}
+        assert spare in members and victim not in members
+        assert rec.outcome == "moved"
     run(body, replan_config(links, tmp_path))
