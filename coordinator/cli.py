@@ -107,6 +107,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _add_client_args(p)
     p.add_argument("--measure", action="store_true",
                    help="measure all live agents' links now and wait for the result")
+    p.add_argument("--sampled", action="store_true",
+                   help="with --measure: latency of every pair, bandwidth only for one link "
+                   "per pair of latency clusters (the rest inferred, marked as estimates); "
+                   "for many agents, where all pairs take minutes")
     flags.add_common_args(p, config_file=False)
 
     try:
@@ -228,7 +232,8 @@ async def _query(args: argparse.Namespace) -> int:
                 if args.measure:
                     budget = args.timeout or 600.0
                     matrix = await stub.MeasureLinks(
-                        coordinator_pb2.MeasureRequest(timeout_s=budget), timeout=budget + 10)
+                        coordinator_pb2.MeasureRequest(timeout_s=budget, sampled=args.sampled),
+                        timeout=budget + 10)
                 else:
                     matrix = (await stub.GetStatus(coordinator_pb2.StatusRequest(),
                                                    timeout=args.timeout or 10.0)).links

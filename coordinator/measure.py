@@ -23,8 +23,9 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
 from coordinator.linkstore import LinkStore, rotation_rounds
 from coordinator.registry import AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -113,7 +114,8 @@ class LinkMeasurer:
 
     async def measure(self, agents: list[AgentRecord], only_missing: bool = False,
                       bandwidth_links: set[tuple[str, str]] | None = None,
-                      probe_seconds: float | None = None) -> common_pb2.LinkMatrix:
+                      probe_seconds: float | None = None,
+                      sampled: bool = False) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
@@ -121,12 +123,14 @@ class LinkMeasurer:
         someone joined, and probing them again would cost the job minutes of probes.
         `bandwidth_links` (a re-measurement while the job trains, coordinator/replan.py):
         the latency of every pair, but the bandwidth of just these links, each probe lasting
-        about `probe_seconds` (default: the measurer's)."""
+        about `probe_seconds` (default: the measurer's). `sampled`: bandwidth only for
+        representatives of latency clusters, the rest inferred and marked so
+        (`coordinator/linkinfer.py`)."""
         async with self._lock:
             self.running = True
             try:
                 return await self._measure(agents, only_missing, bandwidth_links,
-                                           probe_seconds or self.probe_seconds)
+                                           probe_seconds or self.probe_seconds, sampled)
             finally:
                 self.running = False
 
@@ -138,7 +142,7 @@ class LinkMeasurer:
 
     async def _measure(self, agents: list[AgentRecord], only_missing: bool,
                        bandwidth_links: set[tuple[str, str]] | None,
-                       probe_seconds: float) -> common_pb2.LinkMatrix:
+                       probe_seconds: float, sampled: bool = False) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         wanted = self.missing_links(ids) if only_missing else {
@@ -156,6 +160,14 @@ class LinkMeasurer:
         self._check_reverse_delays(ids)
         if bandwidth_links is not None:
             wanted &= bandwidth_links
+        stands_for: dict[tuple[str, str], tuple[str, str]] = {}
+        if sampled:
+            clusters = latency_clusters(ids, self._delay)
+            stands_for = sampled_links(clusters)
+            wanted &= to_measure(stands_for)
+            log.info("%d latency clusters (%s): probing the bandwidth of %d links, inferring "
+                     "the rest", len(clusters), " ".join(str(len(c)) for c in clusters),
+                     len(wanted))
         log.info("latencies measured after %.1f s", time.monotonic() - started)
         # Then bandwidth: each device sends one transfer and receives one at a time, and a
         # link is never measured while its reverse is (its acknowledgements would queue).
@@ -164,6 +176,8 @@ class LinkMeasurer:
                      for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent,
                         probe_seconds)
+        if stands_for:
+            self._infer(stands_for)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
                  self.last_seconds)
@@ -211,6 +225,22 @@ class LinkMeasurer:
         finally:
             for task in running:
                 task.cancel()
+
+    def _delay(self, a: str, b: str) -> float | None:
+        entry = self.store.entries.get((a, b))
+        return entry.delay_ms if entry is not None and entry.reachable else None
+
+    def _infer(self, stands_for: dict[tuple[str, str], tuple[str, str]]) -> None:
+        """Give every reachable link that was not probed its sample's bandwidth, marked as
+        inferred (an estimate: `coordinator links` and `status` show it)."""
+        for link, sample in stands_for.items():
+            target, source = self.store.entries.get(link), self.store.entries.get(sample)
+            if link == sample or target is None or source is None:
+                continue
+            if target.reachable and source.reachable:
+                self.store.entries[link] = replace(
+                    target, bandwidth_gbps=source.bandwidth_gbps,
+                    estimate=f"inferred from {sample[0]}->{sample[1]} (same latency clusters)")
 
     def _unreachable(self, a: str, b: str) -> bool:
         entry = self.store.entries.get((a, b))

@@ -216,6 +216,8 @@ class WanCluster:
             raise RuntimeError(f"coordinator {' '.join(args)} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)
 
-    def measure(self, timeout: float = 600.0) -> dict[str, Any]:
+    def measure(self, timeout: float = 600.0, sampled: bool = False) -> dict[str, Any]:
+        """`coordinator links --measure` (`sampled`: bandwidth for representatives of
+        latency clusters, the rest inferred)."""
         return self.cli("links", "--measure", "--json", "--timeout", str(timeout),
-                        timeout=timeout + 30)
+                        *(["--sampled"] if sampled else []), timeout=timeout + 30)

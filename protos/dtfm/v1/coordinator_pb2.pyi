@@ -371,10 +371,12 @@ class PlanRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MeasureRequest(_message.Message):
-    __slots__ = ("timeout_s",)
+    __slots__ = ("timeout_s", "sampled")
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
-    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+    sampled: bool
+    def __init__(self, timeout_s: _Optional[float] = ..., sampled: _Optional[bool] = ...) -> None: ...
 
 class HistoryRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,81 @@
+"""Measuring many agents quickly: bandwidth for representatives of latency clusters, the rest
+inferred and marked so.
+
+All-pairs bandwidth probing costs N(N-1) probes, minutes for 64 agents. Latency is cheap (every
+agent pings every peer at once, a few hundred bytes each), and agents in one place (a city, a
+data centre, a campus) see alike delays to everyone else. So a sampled measurement
+(`LinkMeasurer.measure(sampled=True)`, `coordinator links --measure --sampled`) pings every
+pair, groups the agents into latency clusters, measures bandwidth only for one link per ordered
+pair of clusters and one each way inside every cluster of two or more (spread over the
+clusters' members, so the probes run in parallel), and gives every other link the bandwidth of
+its clusters' sample, recorded as an estimate whose note names the link it was inferred from.
+
+Pure functions over delay figures; the measurer drives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+CLUSTER_TOL_MS = 5.0  # one-way delays within this (or CLUSTER_TOL_REL) are "alike"
+CLUSTER_TOL_REL = 0.1
+
+Delay = Callable[[str, str], "float | None"]  # one-way ms from a to b; None: not known
+
+
+def _alike(x: float | None, y: float | None) -> bool:
+    if x is None or y is None:
+        return True  # nothing says they differ
+    return abs(x - y) <= max(CLUSTER_TOL_MS, CLUSTER_TOL_REL * max(x, y))
+
+
+def latency_clusters(ids: Sequence[str], delay: Delay) -> list[list[str]]:
+    """Agents grouped by latency, greedily in `ids` order: an agent joins the first cluster
+    whose first member is within CLUSTER_TOL_MS of it both ways and sees alike delays to and
+    from every other agent; otherwise it starts a cluster."""
+    clusters: list[list[str]] = []
+    for a in ids:
+        for cluster in clusters:
+            r = cluster[0]
+            near = all((d := delay(x, y)) is not None and d <= CLUSTER_TOL_MS
+                       for x, y in ((a, r), (r, a)))
+            if near and all(_alike(delay(a, x), delay(r, x)) and _alike(delay(x, a), delay(x, r))
+                            for x in ids if x not in (a, r)):
+                cluster.append(a)
+                break
+        else:
+            clusters.append([a])
+    return clusters
+
+
+def sampled_links(clusters: Sequence[Sequence[str]]) -> dict[tuple[str, str], tuple[str, str]]:
+    """Which directed link stands for which: {(a, b): the measured link (c, d)} for every pair
+    of agents in the clusters. The sample of an ordered pair of clusters rotates over their
+    members, so no agent sends or receives all of its cluster's probes."""
+    of = {a: i for i, c in enumerate(clusters) for a in c}
+    sample: dict[tuple[int, int], tuple[str, str]] = {}
+    turn = 0
+    for i, ci in enumerate(clusters):
+        for j, cj in enumerate(clusters):
+            if i != j:
+                sample[i, j] = (ci[turn % len(ci)], cj[turn % len(cj)])
+                turn += 1
+            elif len(ci) >= 2:
+                sample[i, i] = (ci[0], ci[1])
+    out = {}
+    for a in of:
+        for b in of:
+            if a == b:
+                continue
+            key = (of[a], of[b])
+            if key == (of[a], of[a]) and len(clusters[of[a]]) >= 2:
+                first, second = clusters[of[a]][:2]
+                out[a, b] = (second, first) if (a, b) == (second, first) else (first, second)
+            elif key in sample:
+                out[a, b] = sample[key]
+    return out
+
+
+def to_measure(stands_for: dict[tuple[str, str], tuple[str, str]]) -> set[tuple[str, str]]:
+    """The links whose bandwidth a sampled measurement probes."""
+    return set(stands_for.values())

@@ -1,0 +1,84 @@
+"""Sampled link measurement: latency clusters, which links stand for which, and the measurer
+probing only the samples' bandwidth and marking every other link as inferred."""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
+from coordinator.linkstore import LinkStore
+from coordinator.measure import LinkMeasurer
+from coordinator.registry import Registry
+from protos.dtfm.v1 import common_pb2
+from tests.coordinator.test_measure_rounds import BANDWIDTH, FakeAgents
+
+# three places: a0-a2 in one, a3-a5 in another, a6-a7 in a third (one-way ms between places)
+PLACE = {f"a{i}": p for i, p in enumerate([0, 0, 0, 1, 1, 1, 2, 2])}
+BETWEEN = {(0, 1): 40.0, (0, 2): 90.0, (1, 2): 70.0}
+
+
+def one_way(a: str, b: str) -> float:
+    pa, pb = PLACE[a], PLACE[b]
+    return 1.0 if pa == pb else BETWEEN[min(pa, pb), max(pa, pb)]
+
+
+def test_agents_in_one_place_form_one_cluster() -> None:
+    clusters = latency_clusters(list(PLACE), one_way)
+    assert clusters == [["a0", "a1", "a2"], ["a3", "a4", "a5"], ["a6", "a7"]]
+
+
+def test_an_agent_with_its_own_path_is_not_clustered_with_its_neighbours() -> None:
+    def delay(a: str, b: str) -> float:  # a1 is in place 0 but 30 ms further from place 1
+        extra = 30.0 if {a, b} & {"a1"} and {PLACE[a], PLACE[b]} == {0, 1} else 0.0
+        return one_way(a, b) + extra
+    clusters = latency_clusters(list(PLACE), delay)
+    assert ["a1"] in clusters and ["a0", "a2"] in clusters
+
+
+def test_every_link_has_a_sample_and_samples_spread_over_members() -> None:
+    clusters = latency_clusters(list(PLACE), one_way)
+    stands_for = sampled_links(clusters)
+    assert len(stands_for) == 8 * 7  # every ordered pair
+    probed = to_measure(stands_for)
+    assert len(probed) == 3 * 2 + 3 * 2  # one per ordered cluster pair, two inside each
+    for (a, b), (c, d) in stands_for.items():
+        assert (PLACE[a], PLACE[b]) == (PLACE[c], PLACE[d])
+    senders = {c for c, _ in probed}
+    assert len(senders) > 3  # not only each cluster's first member
+
+
+class PlacedAgents(FakeAgents):
+    """Fake agents whose delays follow PLACE and whose bandwidth says which pair it was."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.delay_of = {(a, b): one_way(a, b) for a in PLACE for b in PLACE if a != b}
+
+
+def test_a_sampled_measurement_probes_only_samples_and_infers_the_rest() -> None:
+    async def main() -> tuple[PlacedAgents, LinkStore]:
+        registry = Registry(liveness_timeout_s=60)
+        for i, agent_id in enumerate(PLACE):
+            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
+                                               port=1000 + i))
+        store = LinkStore()
+        measurer = LinkMeasurer(registry, store, probe_timeout_s=1.0)
+        agents = PlacedAgents(registry, list(PLACE))
+        agents.measurer = measurer
+        servers = [asyncio.create_task(agents.serve(i)) for i in PLACE]
+        try:
+            await asyncio.wait_for(measurer.measure(registry.alive(), sampled=True), 30)
+        finally:
+            for task in servers:
+                task.cancel()
+        return agents, store
+
+    agents, store = asyncio.run(main())
+    probed = {(a, peers[0]) for a, kind, peers in agents.commands if kind == BANDWIDTH}
+    assert len(probed) == 12
+    assert not agents.overlaps
+    inferred = {k: e for k, e in store.entries.items() if e.estimate.startswith("inferred")}
+    assert len(inferred) == 8 * 7 - 12
+    assert all(e.reachable and e.bandwidth_gbps == 1.0 for e in store.entries.values())
+    (a, b), entry = next(iter(inferred.items()))
+    assert "latency clusters" in entry.estimate and (a, b) not in probed
