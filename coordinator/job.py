@@ -215,6 +215,7 @@ class Job:
         self.job_id, self.epoch, self.restarts = snap.job_id, snap.epoch, snap.restarts
         self.checkpoint_step = self._epoch_checkpoint = snap.checkpoint_step
         self.recoveries = Recoveries(snap.recoveries)
+        self.replan.restore(snap.replans)
         self._grid_ids = snap.grid
         if snap.grid:
             self._wanted = Layout(snap.wanted_stages or len(snap.grid),
@@ -246,7 +247,8 @@ class Job:
             restarts=self.restarts, members=list(self.members), grid=self._grid_ids,
             splits=list(self._epoch_splits), checkpoint_splits=list(self._trained_splits or []),
             checkpoint_step=self.checkpoint_step,
-            recoveries=self.recoveries.to_json(), started_unix_s=self.started_unix_s,
+            recoveries=self.recoveries.to_json(), replans=self.replan.to_json(),
+            started_unix_s=self.started_unix_s,
             micro_batches=self._train.micro_batches,
             wanted_replicas=self._wanted.replicas if self._wanted else 0,
             wanted_stages=self._wanted.stages if self._wanted else 0)

@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from google.protobuf import json_format
 
 from coordinator.drift import Drift, DriftWatch, Sample
 from coordinator.scheduler import Network
@@ -468,12 +469,19 @@ class Replanner:
         return [per_param * spec.stage_params(b, e)
                 for b, e in layer_ranges(spec.n_layers, model.work.stages, model.splits)]
 
-    # --- what status and metrics show ---
+    # --- what status, metrics and the state directory keep ---
     def to_json(self) -> list[dict[str, Any]]:
-        from google.protobuf import json_format
-
         return [json_format.MessageToDict(r, preserving_proto_field_name=True)
                 for r in self.records]
+
+    def restore(self, saved: list[dict[str, Any]]) -> None:
+        """The records a previous coordinator process kept (`--state-dir`); one it left
+        pending or moving is dropped: the new process re-plans from its own watch."""
+        self.records = [json_format.ParseDict(d, coordinator_pb2.Replan()) for d in saved]
+        for rec in self.records:
+            if rec.outcome in ("pending", ""):
+                rec.outcome = "dropped"
+                rec.why += " (dropped: the coordinator restarted)"
 
 
 def _prediction_like(model: _Prediction, net: Network, grid: list[list[int]],

@@ -226,3 +226,28 @@ def test_a_spare_replaces_a_member_whose_uplink_degraded(tmp_path: Path) -> None
         assert spare in members and victim not in members
         assert rec.outcome == "moved"
     run(body, replan_config(links, tmp_path))
+
+
+def test_re_plans_outlive_a_coordinator_restart(tmp_path: Path) -> None:
+    from coordinator.job import Job
+    from coordinator.jobstore import JobStore
+    from coordinator.linkstore import LinkStore
+    from coordinator.measure import LinkMeasurer
+    from coordinator.registry import Registry
+
+    def job() -> Job:
+        registry, links = Registry(liveness_timeout_s=60), LinkStore()
+        return Job(config(), registry, LinkMeasurer(registry, links), links,
+                   JobStore(tmp_path / "state"))
+
+    first = job()
+    first.replan.records.append(coordinator_pb2.Replan(
+        at_step=40, decision="move", outcome="moved", gain_s=90.0, step_after_s=0.4))
+    first.replan.records.append(coordinator_pb2.Replan(at_step=70, decision="move",
+                                                       outcome="pending", why="faster"))
+    first._persist()
+    second = job()
+    assert second.job_id == first.job_id
+    moved, pending = second.replan.records
+    assert (moved.at_step, moved.outcome, moved.gain_s) == (40, "moved", 90.0)
+    assert pending.outcome == "dropped" and "restarted" in pending.why
