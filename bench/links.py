@@ -91,6 +91,9 @@ def main() -> int:
                         help="agents per city: 1 (8 agents), 4 (32), 8 (64)")
     parser.add_argument("--mode", choices=("all", "sampled", "both"), default="both")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per measurement, s")
+    parser.add_argument("--settle-s", type=float, default=20.0,
+                        help="wait this long after the agents joined: a measurement while N "
+                        "agents are still starting on shared cores reads delays a few ms high")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--workdir", default="", help="keep the daemons' logs here")
     args = parser.parse_args()
@@ -106,6 +109,7 @@ def main() -> int:
         started = time.monotonic()
         ids = cluster.start(timeout=max(60.0, 3.0 * n), prewarm=False)  # measuring only
         print(f"{n} agents joined in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        time.sleep(args.settle_s)
         for mode in modes:
             print(f"measuring {n * (n - 1)} links ({mode}) ...", file=sys.stderr, flush=True)
             started = time.monotonic()
