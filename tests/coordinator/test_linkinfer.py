@@ -6,11 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
-from coordinator.registry import Registry
-from protos.dtfm.v1 import common_pb2
-from tests.coordinator.test_measure_rounds import BANDWIDTH, FakeAgents
+from tests.coordinator.test_measure_rounds import BANDWIDTH, _measure
 
 # three places: a0-a2 in one, a3-a5 in another, a6-a7 in a third (one-way ms between places)
 PLACE = {f"a{i}": p for i, p in enumerate([0, 0, 0, 1, 1, 1, 2, 2])}
@@ -47,33 +43,9 @@ def test_every_link_has_a_sample_and_samples_spread_over_members() -> None:
     assert len(senders) > 3  # not only each cluster's first member
 
 
-class PlacedAgents(FakeAgents):
-    """Fake agents whose delays follow PLACE and whose bandwidth says which pair it was."""
-
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.delay_of = {(a, b): one_way(a, b) for a in PLACE for b in PLACE if a != b}
-
-
 def test_a_sampled_measurement_probes_only_samples_and_infers_the_rest() -> None:
-    async def main() -> tuple[PlacedAgents, LinkStore]:
-        registry = Registry(liveness_timeout_s=60)
-        for i, agent_id in enumerate(PLACE):
-            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
-                                               port=1000 + i))
-        store = LinkStore()
-        measurer = LinkMeasurer(registry, store, probe_timeout_s=1.0)
-        agents = PlacedAgents(registry, list(PLACE))
-        agents.measurer = measurer
-        servers = [asyncio.create_task(agents.serve(i)) for i in PLACE]
-        try:
-            await asyncio.wait_for(measurer.measure(registry.alive(), sampled=True), 30)
-        finally:
-            for task in servers:
-                task.cancel()
-        return agents, store
-
-    agents, store = asyncio.run(main())
+    delays = {(a, b): one_way(a, b) for a in PLACE for b in PLACE if a != b}
+    agents, _, store = asyncio.run(_measure(len(PLACE), delay_of=delays, sampled=True))
     probed = {(a, peers[0]) for a, kind, peers in agents.commands if kind == BANDWIDTH}
     assert len(probed) == 12
     assert not agents.overlaps
