@@ -809,6 +809,7 @@ class Job:
         self._spare_task = None
 
     async def _recover(self, failure: str) -> None:
+        self.replan.cancel()  # a re-plan in the making is moot: the recovery plans anew
         self.recoveries.begin(failure, self._layout_text(), self._last_step())
         self._settle_after = self.registry.now()
         await self._stop_members(f"recovering: {failure}")
