@@ -54,3 +54,24 @@ def test_a_sampled_measurement_probes_only_samples_and_infers_the_rest() -> None
     assert all(e.reachable and e.bandwidth_gbps == 1.0 for e in store.entries.values())
     (a, b), entry = next(iter(inferred.items()))
     assert "latency clusters" in entry.estimate and (a, b) not in probed
+
+
+def test_clusters_hold_when_every_delay_reads_a_few_ms_high() -> None:
+    # a loaded host: every measured delay 1.5-4 ms above the truth, 5 ms inside a place
+    def delay(a: str, b: str) -> float:
+        noise = 1.5 + (int(a[1]) * 7 + int(b[1]) * 3) % 5 * 0.6
+        return (5.0 if PLACE[a] == PLACE[b] else one_way(a, b)) + noise
+    assert latency_clusters(list(PLACE), delay) == [["a0", "a1", "a2"], ["a3", "a4", "a5"],
+                                                   ["a6", "a7"]]
+
+
+def test_places_a_few_ms_apart_stay_apart() -> None:
+    # place 1 is 11 ms from place 0 (Virginia and Ohio), 5 ms inside each
+    def delay(a: str, b: str) -> float:
+        if PLACE[a] == PLACE[b]:
+            return 5.0
+        if {PLACE[a], PLACE[b]} == {0, 1}:
+            return 11.0
+        return one_way(a, b) + (15.0 if PLACE[a] == 1 or PLACE[b] == 1 else 0.0)
+    clusters = latency_clusters(list(PLACE), delay)
+    assert ["a0", "a1", "a2"] in clusters and ["a3", "a4", "a5"] in clusters
