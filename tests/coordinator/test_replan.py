@@ -251,3 +251,30 @@ def test_re_plans_outlive_a_coordinator_restart(tmp_path: Path) -> None:
     moved, pending = second.replan.records
     assert (moved.at_step, moved.outcome, moved.gain_s) == (40, "moved", 90.0)
     assert pending.outcome == "dropped" and "restarted" in pending.why
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"placement": "rank-order"}, "the placement is fixed (rank-order)"),
+    ({"no_replan": True}, "--no-replan: reported only"),
+])
+def test_a_fixed_placement_or_no_replan_reports_and_never_moves(
+        tmp_path: Path, change: dict, says: str) -> None:
+    links = tmp_path / "links.json"
+    write_links(links, set())
+    cfg = replan_config(links, tmp_path)
+    cfg.placement = change.get("placement", cfg.placement)
+    cfg.drift.replan = not change.get("no_replan", False)
+
+    async def body(c: Cluster) -> None:
+        first = await c.assignments()
+        steps(c, 1, 9, 0.5)
+        write_links(links, pipeline_pairs(first))
+        steps(c, 10, 15, 3.0, wait_s=2.8)
+        await _until(lambda: bool(c.job.replan.records)
+                     and c.job.replan.records[-1].outcome == "declined")
+        rec = c.job.replan.records[-1]
+        assert says in rec.why and rec.links and rec.predicted_stay_s > 0
+        steps(c, 16, 31, 3.0, wait_s=2.8)  # past two checkpoints: no move
+        await asyncio.sleep(0.3)
+        assert c.job.epoch == 1
+    run(body, cfg)
