@@ -66,20 +66,25 @@ def pipeline_pairs(got: dict[str, coordinator_pb2.Assignment]) -> set[frozenset[
     return {frozenset((by_place[0, r], by_place[1, r])) for r in range(2)}
 
 
+async def degrade_plan_links(c: Cluster, links: Path, *outcomes: str
+                             ) -> tuple[coordinator_pb2.Replan, set[frozenset[int]]]:
+    """Settle at 0.5 s/step, degrade both pipelines' links, step at 3 s until the job has
+    weighed a re-plan to one of `outcomes`; the record and the degraded pairs."""
+    used = pipeline_pairs(await c.assignments())
+    steps(c, 1, 9, 0.5)
+    write_links(links, used)
+    steps(c, 10, 15, 3.0, wait_s=2.8)
+    await _until(lambda: bool(c.job.replan.records)
+                 and c.job.replan.records[-1].outcome in outcomes)
+    return c.job.replan.records[-1], used
+
+
 def test_a_degraded_plan_link_re_plans_and_moves_at_the_next_checkpoint(tmp_path: Path) -> None:
     links = tmp_path / "links.json"
     write_links(links, set())
 
     async def body(c: Cluster) -> None:
-        first = await c.assignments()
-        used = pipeline_pairs(first)
-        steps(c, 1, 9, 0.5)
-        assert c.job.replan.watch.settled_s == pytest.approx(0.5)
-        write_links(links, used)  # both pipelines' links degrade
-        steps(c, 10, 14, 3.0, wait_s=2.8)
-        await _until(lambda: bool(c.job.replan.records)
-                     and c.job.replan.records[-1].outcome in ("pending", "declined"))
-        rec = c.job.replan.records[-1]
+        rec, used = await degrade_plan_links(c, links, "pending", "declined")
         assert rec.decision == "move", rec.why
         assert {frozenset((int(x.src[-1]), int(x.dst[-1]))) for x in rec.links} == used
         assert rec.predicted_new_s < rec.predicted_stay_s and rec.gain_s > 2 * rec.cost_s > 0
@@ -123,13 +128,7 @@ def test_a_move_that_does_not_pay_is_declined_and_said_why(tmp_path: Path) -> No
     write_links(links, set())
 
     async def body(c: Cluster) -> None:
-        first = await c.assignments()
-        steps(c, 1, 9, 0.5)
-        write_links(links, pipeline_pairs(first))
-        steps(c, 10, 15, 3.0, wait_s=2.8)
-        await _until(lambda: bool(c.job.replan.records)
-                     and c.job.replan.records[-1].outcome == "declined")
-        rec = c.job.replan.records[-1]
+        rec, _ = await degrade_plan_links(c, links, "declined")
         assert rec.decision == "stay" and "costs" in rec.why and rec.gain_s > 0
         steps(c, 16, 40, 3.0, wait_s=2.8)  # the new normal: no second verdict
         await asyncio.sleep(0.3)
@@ -266,13 +265,7 @@ def test_a_fixed_placement_or_no_replan_reports_and_never_moves(
     cfg.drift.replan = not change.get("no_replan", False)
 
     async def body(c: Cluster) -> None:
-        first = await c.assignments()
-        steps(c, 1, 9, 0.5)
-        write_links(links, pipeline_pairs(first))
-        steps(c, 10, 15, 3.0, wait_s=2.8)
-        await _until(lambda: bool(c.job.replan.records)
-                     and c.job.replan.records[-1].outcome == "declined")
-        rec = c.job.replan.records[-1]
+        rec, _ = await degrade_plan_links(c, links, "declined")
         assert says in rec.why and rec.links and rec.predicted_stay_s > 0
         steps(c, 16, 31, 3.0, wait_s=2.8)  # past two checkpoints: no move
         await asyncio.sleep(0.3)
