@@ -252,7 +252,7 @@ class Replanner:
         rec.measure_s = time.monotonic() - started
         rec.links.extend(changed_links(model.net, net, ids, self.cfg.threshold))
         compute = self._compute_now(ids)
-        flops = self._scaled_flops(model, compute, drift)
+        flops = self._scaled_flops(model, drift)
         stay = _prediction_like(model, net, model.grid, model.splits, flops).predict(compute)
         rec.predicted_stay_s = stay.step_s
         placement = job.config.parsed_placement()
@@ -443,8 +443,8 @@ class Replanner:
                     out[agent] = m * float(new[j, k]) * calibration
         return out
 
-    def _scaled_flops(self, model: _Prediction, compute: dict[str, float],
-                      drift: Drift) -> list[float]:
+    @staticmethod
+    def _scaled_flops(model: _Prediction, drift: Drift) -> list[float]:
         """The plan's FLOP/s per agent, a slowed device's scaled by how much slower it
         computes now than when the epoch settled."""
         flops = list(model.flops)
