@@ -41,12 +41,25 @@ from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "wan.json"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def world_arguments(p: argparse.ArgumentParser) -> None:
+    """The world's shape and the job's model, shared by the benchmarks that run jobs on it."""
     p.add_argument("--per-city", type=int, default=2, help="agents per city (8 cities)")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--model", default="gpt-mini")
+
+
+def wan_or_exit() -> None:
+    """Exit 2, saying why, where this machine cannot emulate a WAN."""
+    ok, why = WanEmulator.available()
+    if not ok:
+        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    world_arguments(p)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=4)

@@ -7,11 +7,15 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from dtfm import flags, rpc
 from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
+
+if TYPE_CHECKING:
+    from coordinator.config import DriftConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
@@ -54,6 +58,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--replicas", type=flags.count, default=0,
                    help="data-parallel replicas (0: choose)")
     flags.add_search_seconds(p, JobConfig.search_seconds)
+    _add_drift_flags(p)
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
@@ -117,6 +122,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _add_client_args(p)
     p.add_argument("--measure", action="store_true",
                    help="measure all live agents' links now and wait for the result")
+    p.add_argument("--sampled", action="store_true",
+                   help="with --measure: latency of every pair, bandwidth only for one link "
+                   "per pair of latency clusters (the rest inferred, marked as estimates); "
+                   "for many agents, where all pairs take minutes")
     flags.add_common_args(p, config_file=False)
 
     try:
@@ -167,6 +176,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": report, "export": lambda args: flags.run_async(_export(args))})
 
 
+def _add_drift_flags(p: argparse.ArgumentParser) -> None:
+    """Watching the running job for drift and re-planning it (coordinator/drift.py,
+    coordinator/replan.py); defaults from `DriftConfig`."""
+    from coordinator.config import DriftConfig
+
+    d = DriftConfig()
+    p.add_argument("--no-replan", action="store_true",
+                   help="watch the running job for network or device drift and report it, "
+                   "but never move it to a new plan")
+    p.add_argument("--drift-threshold", type=float, default=d.threshold,
+                   help="a step this fraction slower than the plan's expected step is drift "
+                   f"(default {d.threshold}: 30 %% slower)")
+    p.add_argument("--drift-window", type=flags.count, default=d.window,
+                   help="... when it lasts this many steps in a row; a shorter blip is "
+                   f"ignored (default {d.window})")
+    p.add_argument("--replan-margin", type=float, default=d.margin,
+                   help="move to a new plan only when its predicted gain over the remaining "
+                   f"steps exceeds this many times the cost of moving (default {d.margin})")
+    p.add_argument("--remeasure-probe-seconds", type=flags.seconds, default=d.probe_seconds,
+                   help="each bandwidth probe of the background re-measurement lasts about "
+                   f"this long (default {d.probe_seconds} s)")
+
+
+def _drift_config(args: argparse.Namespace) -> DriftConfig:
+    from coordinator.config import DriftConfig
+
+    return DriftConfig(replan=not args.no_replan, threshold=args.drift_threshold,
+                       window=args.drift_window, margin=args.replan_margin,
+                       probe_seconds=args.remeasure_probe_seconds)
+
+
 def _start(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig, JobConfig
     from coordinator.server import serve
@@ -187,7 +227,8 @@ def _start(args: argparse.Namespace) -> int:
                       seed=args.seed, max_restarts=args.max_restarts,
                       min_agents=args.min_agents,
                       placement=args.placement, links_file=args.links,
-                      layer_split=args.layer_split, export_dir=args.export_dir),
+                      layer_split=args.layer_split, export_dir=args.export_dir,
+                      drift=_drift_config(args)),
     )
     config.validate()
     flags.run_async(serve(config))
@@ -225,7 +266,8 @@ async def _query(args: argparse.Namespace) -> int:
                 if args.measure:
                     budget = args.timeout or 600.0
                     matrix = await stub.MeasureLinks(
-                        coordinator_pb2.MeasureRequest(timeout_s=budget), timeout=budget + 10)
+                        coordinator_pb2.MeasureRequest(timeout_s=budget, sampled=args.sampled),
+                        timeout=budget + 10)
                 else:
                     matrix = (await stub.GetStatus(coordinator_pb2.StatusRequest(),
                                                    timeout=args.timeout or 10.0)).links

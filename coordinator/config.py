@@ -11,6 +11,30 @@ from dtfm.rpc import ConfigError, Security, split_hostport
 
 
 @dataclass
+class DriftConfig:
+    """Watching a running job for network or device drift and re-planning when it pays
+    (coordinator/drift.py, coordinator/replan.py)."""
+
+    replan: bool = True  # --no-replan: watch and report, never move
+    threshold: float = 0.3  # --drift-threshold: a step this much slower than expected is drift
+    window: int = 6  # --drift-window: ... for this many steps in a row (a blip is shorter)
+    margin: float = 2.0  # --replan-margin: move when the predicted gain exceeds margin x cost
+    probe_seconds: float = 0.5  # --remeasure-probe-seconds: each background bandwidth probe
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.threshold) and self.threshold > 0):
+            raise ConfigError(f"--drift-threshold must be a fraction > 0 (0.3: 30 % slower), "
+                              f"got {self.threshold}")
+        if self.window < 2:
+            raise ConfigError(f"--drift-window must be >= 2 steps, got {self.window}")
+        if not (math.isfinite(self.margin) and self.margin >= 1):
+            raise ConfigError(f"--replan-margin must be >= 1, got {self.margin}")
+        if not (math.isfinite(self.probe_seconds) and self.probe_seconds > 0):
+            raise ConfigError(f"--remeasure-probe-seconds must be > 0, got "
+                              f"{self.probe_seconds}")
+
+
+@dataclass
 class JobConfig:
     """The training job the coordinator drives once enough agents are alive.
 
@@ -45,6 +69,7 @@ class JobConfig:
             preset = "" if self.model.startswith("hf:") else self.model
             self._spec = resolve_spec(preset, self.train.init_from, self.train.seq_len)
         return self._spec
+    drift: DriftConfig = field(default_factory=DriftConfig)
 
     def parsed_split(self) -> list[int] | None:
         """The `--layer-split` counts, or None for auto/even."""
@@ -76,6 +101,7 @@ class JobConfig:
                 check_destination(self.export_dir, force=False)
             except ExportError as exc:
                 raise ConfigError(f"--export-dir: {exc}") from None
+        self.drift.validate()
         if not self.model:
             return
         if self.links_file:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.replanlog import replans_to_json, replans_to_text
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
@@ -67,7 +68,8 @@ class History:
         return coordinator_pb2.JobHistory(
             job_id=job.job_id, model=job.model, state=job.state, total_steps=job.total_steps,
             predicted_step_s=job.predicted_step_s, restarts=restarts,
-            points=[p.to_proto(tokens_per_step) for p in self._points.values()])
+            points=[p.to_proto(tokens_per_step) for p in self._points.values()],
+            replans=job.replans)
 
 
 def history_to_json(history: coordinator_pb2.JobHistory) -> dict[str, Any]:
@@ -80,6 +82,7 @@ def history_to_json(history: coordinator_pb2.JobHistory) -> dict[str, Any]:
         "points": [{"epoch": p.epoch, "step": p.step, "loss": p.loss, "step_s": p.step_s,
                     "tokens_per_s": p.tokens_per_s, "unix_s": p.unix_s}
                    for p in history.points],
+        "replans": replans_to_json(history.replans),
     }
 
 
@@ -96,4 +99,5 @@ def history_to_text(data: dict[str, Any]) -> str:
         step_s = f"{p['step_s']:.3f}" if p["step_s"] else "-"
         tokens = f"{p['tokens_per_s']:.0f}" if p["tokens_per_s"] else "-"
         lines.append(f"{p['epoch']:>5} {p['step']:>7} {loss:>9} {step_s:>9} {tokens:>11}")
+    lines.extend(replans_to_text(data.get("replans", []), last=len(data.get("replans", []))))
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
 from coordinator.recovery import Recoveries, layout_text
 from coordinator.registry import AgentRecord, Registry
+from coordinator.replan import Replanner
 from coordinator.scheduler import Network
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import (
@@ -200,6 +201,7 @@ class Job:
         self._spare_task: asyncio.Task[None] | None = None  # measuring newcomers' links
         self._spare_retry_at = 0.0
         self.recoveries = Recoveries()
+        self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
         if store is not None and config.model:
             self._adopt(store.unfinished(job_fingerprint(config)))
@@ -213,6 +215,7 @@ class Job:
         self.job_id, self.epoch, self.restarts = snap.job_id, snap.epoch, snap.restarts
         self.checkpoint_step = self._epoch_checkpoint = snap.checkpoint_step
         self.recoveries = Recoveries(snap.recoveries)
+        self.replan.restore(snap.replans)
         self._grid_ids = snap.grid
         if snap.grid:
             self._wanted = Layout(snap.wanted_stages or len(snap.grid),
@@ -244,7 +247,8 @@ class Job:
             restarts=self.restarts, members=list(self.members), grid=self._grid_ids,
             splits=list(self._epoch_splits), checkpoint_splits=list(self._trained_splits or []),
             checkpoint_step=self.checkpoint_step,
-            recoveries=self.recoveries.to_json(), started_unix_s=self.started_unix_s,
+            recoveries=self.recoveries.to_json(), replans=self.replan.to_json(),
+            started_unix_s=self.started_unix_s,
             micro_batches=self._train.micro_batches,
             wanted_replicas=self._wanted.replicas if self._wanted else 0,
             wanted_stages=self._wanted.stages if self._wanted else 0)
@@ -279,6 +283,7 @@ class Job:
             if report.step >= 2 and report.step_s > 0 and (
                     not steps or steps[-1].step != report.step):
                 steps.append(report)  # step 1 carries warm-up; later ones are steady
+                self.replan.observe(rec.agent_id, report)
             failed = WorkerState.from_wire(report.worker_state) is WorkerState.FAILED
             if failed and not self._failure:
                 self._failure = f"worker on {rec.agent_id} failed: {report.error or 'no reason'}"
@@ -352,7 +357,7 @@ class Job:
             stages=self._layout.stages if self._layout else 0,
             replicas=self._layout.replicas if self._layout else 0,
             checkpoint_step=self.checkpoint_step, restarts=self.restarts,
-            recoveries=self.recoveries.items,
+            recoveries=self.recoveries.items, replans=self.replan.records,
         )
 
     # --- the machine ---
@@ -521,6 +526,7 @@ class Job:
                      if self._wanted and layout != self._wanted else "")
                   + (f", resuming from checkpoints cut as "
                      f"{','.join(map(str, resplit))} layers per stage" if resplit else ""))
+        self.replan.start_epoch(predicted.step_s)
         self._persist()
         await self._follow()
 
@@ -567,7 +573,10 @@ class Job:
                    placement: Placement) -> list[list[int]] | None:
         """The previous epoch's grid when the same agents form the same layout again (a
         coordinator restart, a worker crash): no search, and every agent keeps the stage
-        whose checkpoints it holds."""
+        whose checkpoints it holds. A re-plan's move (coordinator/replan.py) brings its grid."""
+        planned = self.replan.planned_grid(ids)
+        if planned is not None and layout == Layout(len(planned), len(planned[0])):
+            return planned
         if placement.kind != "scheduled" or len(self._grid_ids) != layout.stages:
             return None
         index = {a: i for i, a in enumerate(ids)}
@@ -635,11 +644,14 @@ class Job:
 
     def _prefer_previous(self, ordered: list[AgentRecord], count: int) -> list[AgentRecord]:
         """Agents of the last epoch first, as many per stage as the new layout has replicas:
-        they hold their stage's checkpoints, so keeping them where they were costs no copy."""
+        they hold their stage's checkpoints, so keeping them where they were costs no copy.
+        A re-plan's move (coordinator/replan.py) picks its own, a spare perhaps among them."""
+        by_id = {a.agent_id: a for a in ordered}
+        if (moving := self.replan.planned_members()) and all(a in by_id for a in moving):
+            return [by_id[a] for a in moving] + [a for a in ordered if a.agent_id not in moving]
         if not self._grid_ids:
             return ordered
         per_stage = max(count // len(self._grid_ids), 1)
-        by_id = {a.agent_id: a for a in ordered}
         picked = [by_id[a] for row in self._grid_ids
                   for a in [x for x in row if x in by_id][:per_stage]]
         return picked + [a for a in ordered if a not in picked]
@@ -703,6 +715,8 @@ class Job:
                 f"even: --layer-split {cfg.layer_split} is for {len(given)} stages")
         if cfg.layer_split != "auto":
             return grid, layer_splits(n, work.stages, given), cfg.layer_split
+        if (planned := self.replan.planned_splits(work.stages)) is not None:
+            return grid, planned, "re-planned for the devices' measured speed"
         kept = self._trained_splits
         if kept is not None and len(kept) == work.stages:
             # checkpoints hold these layer ranges: the workers resume without re-cutting
@@ -734,7 +748,8 @@ class Job:
                 await self._recover(self._failure)
                 return
             self._measure_spares()
-            if fresh_checkpoint and (grow := self._grow_reason()):
+            self.replan.tick()
+            if fresh_checkpoint and (grow := self._grow_reason() or self.replan.move_reason()):
                 self.recoveries.begin(grow, self._layout_text(), self._last_step(), planned=True)
                 await self._stop_members(f"recovering: {grow}")
                 self._set(S.JOB_STATE_RECOVERING, grow)
@@ -796,6 +811,7 @@ class Job:
         self._spare_task = None
 
     async def _recover(self, failure: str) -> None:
+        self.replan.cancel()  # a re-plan in the making is moot: the recovery plans anew
         self.recoveries.begin(failure, self._layout_text(), self._last_step())
         self._settle_after = self.registry.now()
         await self._stop_members(f"recovering: {failure}")
@@ -925,6 +941,7 @@ class Job:
         """Stop the members, unless the job is kept in a state directory: then the workers
         train on and the next coordinator process adopts them."""
         self._cancel_spare_measurement()
+        self.replan.cancel()
         if self.state == S.JOB_STATE_RUNNING and self.store is None:
             await self._stop_members("coordinator shutting down")
         elif self.store is not None:

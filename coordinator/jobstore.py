@@ -54,6 +54,7 @@ class JobSnapshot:
     wanted_stages: int = 0  # (0: as many as the grid has)
     checkpoint_step: int = 0  # newest step every stage holds intact on some agent
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # Recovery messages as JSON
+    replans: list[dict[str, Any]] = field(default_factory=list)  # Replan messages as JSON
     links: dict[str, Any] = field(default_factory=dict)  # the members' measured matrix
     started_unix_s: float = 0.0
 

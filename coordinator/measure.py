@@ -23,8 +23,9 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
 from coordinator.linkstore import LinkStore, rotation_rounds
 from coordinator.registry import AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -111,17 +112,25 @@ class LinkMeasurer:
                 self.store.mark_unreachable(a, b, why)
                 self.store.mark_unreachable(b, a, why)
 
-    async def measure(self, agents: list[AgentRecord],
-                      only_missing: bool = False) -> common_pb2.LinkMatrix:
+    async def measure(self, agents: list[AgentRecord], only_missing: bool = False,
+                      bandwidth_links: set[tuple[str, str]] | None = None,
+                      probe_seconds: float | None = None,
+                      sampled: bool = False) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
         and from everyone): links between agents measured before did not change because
-        someone joined, and probing them again would cost the job minutes of probes."""
+        someone joined, and probing them again would cost the job minutes of probes.
+        `bandwidth_links` (a re-measurement while the job trains, coordinator/replan.py):
+        the latency of every pair, but the bandwidth of just these links, each probe lasting
+        about `probe_seconds` (default: the measurer's). `sampled`: bandwidth only for
+        representatives of latency clusters, the rest inferred and marked so
+        (`coordinator/linkinfer.py`)."""
         async with self._lock:
             self.running = True
             try:
-                return await self._measure(agents, only_missing)
+                return await self._measure(agents, only_missing, bandwidth_links,
+                                           probe_seconds or self.probe_seconds, sampled)
             finally:
                 self.running = False
 
@@ -131,8 +140,9 @@ class LinkMeasurer:
         return {(a, b) for a in ids for b in ids
                 if a != b and ((e := self.store.entries.get((a, b))) is None or not e.reachable)}
 
-    async def _measure(self, agents: list[AgentRecord],
-                       only_missing: bool) -> common_pb2.LinkMatrix:
+    async def _measure(self, agents: list[AgentRecord], only_missing: bool,
+                       bandwidth_links: set[tuple[str, str]] | None,
+                       probe_seconds: float, sampled: bool = False) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         wanted = self.missing_links(ids) if only_missing else {
@@ -145,22 +155,37 @@ class LinkMeasurer:
         # behind each other, and every agent opens its channels to every peer on the way.
         latency = [_Probe(a, peers) for a in ids
                    if (peers := tuple(b for b in ids if (a, b) in wanted))]
-        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent)
+        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent,
+                        probe_seconds)
         self._check_reverse_delays(ids)
+        if bandwidth_links is not None:
+            wanted &= bandwidth_links
+        stands_for: dict[tuple[str, str], tuple[str, str]] = {}
+        if sampled:
+            clusters = latency_clusters(ids, self._delay)
+            stands_for = sampled_links(clusters)
+            wanted &= to_measure(stands_for)
+            log.info("%d latency clusters (%s): probing the bandwidth of %d links, inferring "
+                     "the rest", len(clusters), " ".join(str(len(c)) for c in clusters),
+                     len(wanted))
         log.info("latencies measured after %.1f s", time.monotonic() - started)
         # Then bandwidth: each device sends one transfer and receives one at a time, and a
         # link is never measured while its reverse is (its acknowledgements would queue).
         bandwidth = [_Probe(a, (b,), frozenset((f"send {a}", f"receive {b}",
                                                 f"pair {min(a, b)} {max(a, b)}")))
                      for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
-        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent)
+        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent,
+                        probe_seconds)
+        if stands_for:
+            self._infer(stands_for)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
                  self.last_seconds)
         return self.store.matrix(ids)
 
     async def _run(self, run: int, kind: int, probes: list[_Probe],
-                   by_id: dict[str, AgentRecord], silent: set[str]) -> None:
+                   by_id: dict[str, AgentRecord], silent: set[str],
+                   probe_seconds: float) -> None:
         """Run `probes`, each as soon as no running probe holds what it holds.
 
         No round barrier: a probe starts as soon as its devices are free, so one slow link
@@ -188,7 +213,8 @@ class LinkMeasurer:
                         continue
                     pending.remove(probe)
                     busy.update(probe.holds)
-                    task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent))
+                    task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent,
+                                                           probe_seconds))
                     running[task] = probe.holds
                 if not running:
                     continue
@@ -200,12 +226,28 @@ class LinkMeasurer:
             for task in running:
                 task.cancel()
 
+    def _delay(self, a: str, b: str) -> float | None:
+        entry = self.store.entries.get((a, b))
+        return entry.delay_ms if entry is not None and entry.reachable else None
+
+    def _infer(self, stands_for: dict[tuple[str, str], tuple[str, str]]) -> None:
+        """Give every reachable link that was not probed its sample's bandwidth, marked as
+        inferred (an estimate: `coordinator links` and `status` show it)."""
+        for link, sample in stands_for.items():
+            target, source = self.store.entries.get(link), self.store.entries.get(sample)
+            if link == sample or target is None or source is None:
+                continue
+            if target.reachable and source.reachable:
+                self.store.entries[link] = replace(
+                    target, bandwidth_gbps=source.bandwidth_gbps,
+                    estimate=f"inferred from {sample[0]}->{sample[1]} (same latency clusters)")
+
     def _unreachable(self, a: str, b: str) -> bool:
         entry = self.store.entries.get((a, b))
         return entry is not None and not entry.reachable
 
     async def _probe(self, run: int, kind: int, probe: _Probe, by_id: dict[str, AgentRecord],
-                     silent: set[str]) -> None:
+                     silent: set[str], probe_seconds: float) -> None:
         """Send one command and wait for its report; a measurer silent past the deadline is
         noted, so it is not asked again."""
         measurer, peers = probe.measurer, probe.peers
@@ -214,7 +256,7 @@ class LinkMeasurer:
             round_id=round_id,
             peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
                    for p in peers],
-            ping_count=self.ping_count, probe_seconds=self.probe_seconds,
+            ping_count=self.ping_count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
         ))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -113,6 +113,30 @@ class CoordinatorCollector(Collector):
                                        "stopped and rescheduled", labels=["job_id", "model"])
         restarts.add_metric(labels, len(self.job.recoveries.items))
         yield restarts
+        yield from self._replans(labels)
+
+    def _replans(self, labels: list[str]) -> Iterator[Metric]:
+        """Every re-plan the job weighed (coordinator/replan.py), by outcome; the newest's
+        predicted gain and cost, and the step it measured before, during and after."""
+        records = self.job.replan.records
+        count = CounterMetricFamily("dtfm_job_replans", "Re-plans weighed while training, by "
+                                    "outcome (pending, moved, declined, dropped)",
+                                    labels=["job_id", "model", "outcome"])
+        for outcome in ("pending", "moved", "declined", "dropped"):
+            count.add_metric([*labels, outcome], sum(r.outcome == outcome for r in records))
+        yield count
+        if not records:
+            return
+        last = records[-1]
+        g = _gauge("dtfm_job_replan_seconds", "The newest re-plan: predicted gain and cost of "
+                   "moving, and the step before the drift, during it and after the move",
+                   ["job_id", "model", "figure"])
+        for figure, value in (("gain", last.gain_s), ("cost", last.cost_s),
+                              ("step_before", last.step_before_s),
+                              ("step_drifted", last.step_drifted_s),
+                              ("step_after", last.step_after_s)):
+            g.add_metric([*labels, figure], value)
+        yield g
 
     def _plan(self) -> Iterator[Metric]:
         plan = self.job.plan

@@ -239,7 +239,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         timeout = request.timeout_s or self.config.measure_timeout_s
         try:
-            return await asyncio.wait_for(self.measurer.measure(agents), timeout)
+            return await asyncio.wait_for(
+                self.measurer.measure(agents, sampled=request.sampled), timeout)
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

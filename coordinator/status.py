@@ -10,6 +10,7 @@ from typing import Any
 
 from coordinator.linkstore import matrix_to_json
 from coordinator.registry import STATE_NAMES
+from coordinator.replanlog import replans_to_json, replans_to_text
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
@@ -68,7 +69,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "agents_min": j.agents_min, "stages": j.stages, "replicas": j.replicas,
                 "checkpoint_step": j.checkpoint_step, "restarts": j.restarts,
                 "recoveries": [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
-                               for r in j.recoveries]},
+                               for r in j.recoveries],
+                "replans": replans_to_json(j.replans)},
         "plan": plan,
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
@@ -121,6 +123,7 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                      f"stalled {r['stalled_s']:.0f} s" if r["stalled_s"] else "not resumed yet")
             lines.append(f"    {when} {r['layout_before']} -> {r['layout_after'] or '?'}: "
                          f"{r['reason'][:80]} ({after})")
+        lines.extend(replans_to_text(j["replans"]))
     else:
         lines.append(f"job: {j['state']} ({j['message']})")
     alive = sum(a["state"] == "alive" for a in data["agents"])

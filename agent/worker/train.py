@@ -9,6 +9,7 @@ fault-injection seam tests use).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -50,12 +51,19 @@ ENV_TIMEOUT = WorkerEnv.TIMEOUT  # the ceiling of any wait (deadline.py decides 
 ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
 ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
 ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
+# a file holding that factor, read before every step: the WAN emulator's live compute changes
+ENV_SLOWDOWN_FILE = "DTFM_COMPUTE_SLOWDOWN_FILE"
 
 
 def compute_slowdown() -> float:
     """The test and benchmark seam for uneven devices on one machine: forward and backward
-    passes take this factor longer (the worker idles for the difference)."""
+    passes take this factor longer (the worker idles for the difference). The factor comes
+    from DTFM_COMPUTE_SLOWDOWN_FILE once that file exists (`WanEmulator.set_compute` writes
+    it while the job runs), else from DTFM_COMPUTE_SLOWDOWN."""
     raw = os.environ.get(ENV_SLOWDOWN, "1")
+    if path := os.environ.get(ENV_SLOWDOWN_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            raw = Path(path).read_text().strip()
     try:
         factor = float(raw)
     except ValueError:
@@ -229,6 +237,7 @@ class Worker:
         for step in range(start + 1, cfg.steps + 1):
             if self.fault:
                 self.fault.maybe_fire(self.rank, step)
+            pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
             if self.ckpt and self.ckpt.due(step, cfg.steps):

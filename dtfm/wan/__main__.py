@@ -5,6 +5,10 @@ network from matrices given as JSON (or a spec file), prints each host's namespa
 with a ready-to-paste ``ip netns exec`` line, and holds until Ctrl-C or SIGTERM, then tears
 everything down. With ``--measure`` it instead runs the TCP probes over every ordered pair and
 prints measured RTT and goodput next to what the matrices promise.
+
+``python -m dtfm.wan set --control SOCKET ...`` changes a running emulator (the holding command
+prints its control socket): a link's delay or rate, a host's compute speed, e.g.
+``set --control S --link 1:2 --both-ways --delay-ms 140 --bandwidth-mbps 2``.
 """
 
 from __future__ import annotations
@@ -114,7 +118,71 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
               f"{want:>11} {r['mbps']:>10.1f}")
 
 
+def _parse_set(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dtfm.wan set",
+        description="Change a running emulated WAN: a link's delay or rate, or a host's compute "
+        "speed. Prints the matrices as they are afterwards (JSON).",
+        epilog="Example: python -m dtfm.wan set --control /tmp/dtfm-wan-x/control.sock "
+        "--link 1:2 --both-ways --delay-ms 140 --bandwidth-mbps 2")
+    p.add_argument("--control", required=True,
+                   help="the emulator's control socket (printed by `python -m dtfm.wan`; "
+                   "WanEmulator.control_socket)")
+    p.add_argument("--link", action="append", default=[], metavar="SRC:DST",
+                   help="a directed link to change (repeatable)")
+    p.add_argument("--both-ways", action="store_true", help="change DST:SRC as well")
+    p.add_argument("--delay-ms", type=float, help="the links' new one-way delay")
+    p.add_argument("--bandwidth-mbps",
+                   help="the links' new rate in Mbit/s, or 'unlimited'")
+    p.add_argument("--compute", action="append", default=[], metavar="HOST:FACTOR",
+                   help="host HOST's workers compute FACTOR times slower (1: full speed)")
+    args = p.parse_args(argv)
+    if not args.link and not args.compute:
+        p.error("give --link SRC:DST (with --delay-ms and/or --bandwidth-mbps) or "
+                "--compute HOST:FACTOR")
+    if args.link and args.delay_ms is None and args.bandwidth_mbps is None:
+        p.error("--link needs --delay-ms and/or --bandwidth-mbps")
+    return args
+
+
+def _pair(text: str, flag: str) -> tuple[str, str]:
+    a, sep, b = text.partition(":")
+    if not sep or not a or not b:
+        raise SystemExit(f"{flag} {text!r}: give two numbers as A:B")
+    return a, b
+
+
+def set_main(argv: list[str]) -> int:
+    """`python -m dtfm.wan set ...`: one request to a running emulator's control socket."""
+    from dtfm.wan.emulator import request
+
+    args = _parse_set(argv)
+    links: list[dict[str, Any]] = []
+    for text in args.link:
+        src, dst = (int(x) for x in _pair(text, "--link"))
+        change: dict[str, Any] = {"src": src, "dst": dst}
+        if args.delay_ms is not None:
+            change["delay_ms"] = args.delay_ms
+        if args.bandwidth_mbps is not None:
+            change["bandwidth_mbps"] = (None if args.bandwidth_mbps == "unlimited"
+                                        else float(args.bandwidth_mbps))
+        links.append(change)
+        if args.both_ways:
+            links.append({**change, "src": dst, "dst": src})
+    compute = {h: float(f) for h, f in (_pair(t, "--compute") for t in args.compute)}
+    try:
+        answer = request(args.control, {"links": links, "compute": compute})
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["set"]:
+        return set_main(argv[1:])
     args = _parse(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -136,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(wan.size):
                 print(f"host {i}: {wan.address(i):<15} netns {wan.namespace(i)}   "
                       f"run: ip netns exec {wan.namespace(i)} CMD")
+            print(f"change it live: python -m dtfm.wan set --control {wan.control_socket} "
+                  "--link SRC:DST --delay-ms MS --bandwidth-mbps MBPS | --compute HOST:FACTOR")
             print("holding; Ctrl-C or SIGTERM tears it down", flush=True)
             stop = threading.Event()
             signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -80,8 +80,10 @@ class WanCluster:
 
     def _spawn(self, host: int, argv: Sequence[str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
+        # the host's workers read their compute factor here: `wan.set_compute` slows them live
+        env = {**self.env(), "DTFM_COMPUTE_SLOWDOWN_FILE": self.wan.compute_file(host)}
         proc = self.wan.popen(host, [sys.executable, "-m", *argv], stdout=log,
-                              stderr=subprocess.STDOUT, env=self.env())
+                              stderr=subprocess.STDOUT, env=env)
         log.close()
         self.procs.append(proc)
         return proc
@@ -214,6 +216,8 @@ class WanCluster:
             raise RuntimeError(f"coordinator {' '.join(args)} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)
 
-    def measure(self, timeout: float = 600.0) -> dict[str, Any]:
+    def measure(self, timeout: float = 600.0, sampled: bool = False) -> dict[str, Any]:
+        """`coordinator links --measure` (`sampled`: bandwidth for representatives of
+        latency clusters, the rest inferred)."""
         return self.cli("links", "--measure", "--json", "--timeout", str(timeout),
-                        timeout=timeout + 30)
+                        *(["--sampled"] if sampled else []), timeout=timeout + 30)

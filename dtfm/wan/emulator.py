@@ -20,7 +20,22 @@ Spec (JSON)::
     {"hosts": [{"namespace": "dtfm-ab12cd-0", "ifname": "wan0", "address": "10.213.0.1"}, ...],
      "delay_ms": [[...]], "bandwidth_mbps": [[...]] or null (null entries: unlimited),
      "queue_ms": null, "watch_stdin": true, "cleanup_on_orphan": true,
-     "stats_path": null}   # where to write the counters (JSON) on exit
+     "stats_path": null,   # where to write the counters (JSON) on exit
+     "control_socket": null,   # a Unix datagram socket path: live changes (below)
+     "compute_dir": null}      # where host i's compute slowdown factor is written (file "i")
+
+Live changes: with ``control_socket`` set, the forwarder also reads JSON datagrams there and
+answers each (to the sender's address) with ``{"ok": true, ...}`` or ``{"error": "..."}``::
+
+    {"links": [{"src": 1, "dst": 2, "delay_ms": 140, "bandwidth_mbps": 2.5}, ...]}
+    {"compute": {"3": 2.0}}          # host 3's workers compute 2x slower (needs compute_dir)
+    {"get": true}                    # the current matrices and compute factors
+
+A changed link applies to packets that enter it from then on; those already queued keep their
+times, and no packet overtakes an earlier one on the same link (a shorter delay waits for the
+packets still in flight), so TCP sees a path change, not reordering. A compute factor is a file
+that workers started with ``DTFM_COMPUTE_SLOWDOWN_FILE`` pointing at it read before every step
+(``agent/worker/train.py``).
 """
 
 from __future__ import annotations
@@ -84,6 +99,8 @@ class Spec:
     watch_stdin: bool = True
     cleanup_on_orphan: bool = True
     stats_path: str | None = None
+    control_socket: str | None = None
+    compute_dir: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -102,6 +119,8 @@ class Spec:
             watch_stdin=bool(data.get("watch_stdin", True)),
             cleanup_on_orphan=bool(data.get("cleanup_on_orphan", True)),
             stats_path=data.get("stats_path"),
+            control_socket=data.get("control_socket"),
+            compute_dir=data.get("compute_dir"),
         )
 
 
@@ -122,6 +141,8 @@ class Forwarder:
         ]
         self.queue_s = None if spec.queue_ms is None else spec.queue_ms / 1e3
         self.free_at = [[0.0] * n for _ in range(n)]
+        self.last_due = [[0.0] * n for _ in range(n)]  # FIFO per link across delay changes
+        self.compute: dict[int, float] = {}
         self.heap: list[tuple[float, int, int, bytes]] = []
         self.seq = 0
         self.counters = Counters()
@@ -153,7 +174,11 @@ class Forwarder:
             depart = start + len(pkt) * self.sec_per_byte[src][dst]
             self.free_at[src][dst] = depart
             self.seq += 1
-            heapq.heappush(self.heap, (depart + self.delay_s[src][dst], self.seq, dst, pkt))
+            due = depart + self.delay_s[src][dst]
+            if due < self.last_due[src][dst]:
+                due = self.last_due[src][dst]
+            self.last_due[src][dst] = due
+            heapq.heappush(self.heap, (due, self.seq, dst, pkt))
 
     def _deliver(self, now: float) -> None:
         heap = self.heap
@@ -173,7 +198,65 @@ class Forwarder:
             if late > counters.late_s_max:
                 counters.late_s_max = late
 
-    def run(self, control_fd: int | None) -> str:
+    # ---- live changes (the control socket) ----
+    def control(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Apply one control request; the answer says what changed or what was wrong."""
+        n = len(self.fds)
+        if not isinstance(request, dict):
+            return {"error": f"a request is a JSON object, not {type(request).__name__}"}
+        unknown = set(request) - {"links", "compute", "get"}
+        if unknown:
+            return {"error": f"unknown request key(s) {sorted(unknown)}: give links, "
+                             "compute or get"}
+        links = request.get("links") or []
+        compute = request.get("compute") or {}
+        try:
+            checked = [_link_change(c, n) for c in links]
+            factors = {_host(h, n): _factor(f) for h, f in compute.items()}
+        except (TypeError, ValueError) as exc:
+            return {"error": str(exc)}
+        if factors and not self.spec.compute_dir:
+            return {"error": "this emulator has no compute_dir: compute cannot change"}
+        for src, dst, delay_ms, mbps in checked:
+            if delay_ms is not None:
+                self.delay_s[src][dst] = delay_ms / 1e3
+            if mbps is not _KEEP:
+                self.sec_per_byte[src][dst] = 0.0 if mbps is None else 8.0 / (mbps * 1e6)
+        for host, factor in factors.items():
+            path = Path(self.spec.compute_dir or "") / str(host)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(f"{factor}\n")
+            os.replace(tmp, path)  # workers never read a half-written factor
+            self.compute[host] = factor
+        if checked or factors:
+            log.info("live change: links %s, compute %s", checked, factors)
+        return {"ok": True, "links_changed": len(checked), "compute_changed": len(factors),
+                **self.current()}
+
+    def current(self) -> dict[str, Any]:
+        """The matrices and compute factors now (delay in ms, rate in Mbit/s, None: unlimited)."""
+        return {
+            "delay_ms": [[d * 1e3 for d in row] for row in self.delay_s],
+            "bandwidth_mbps": [[None if x == 0.0 else 8.0 / x / 1e6 for x in row]
+                               for row in self.sec_per_byte],
+            "compute": {str(h): f for h, f in sorted(self.compute.items())},
+        }
+
+    def _serve_control(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                data, peer = sock.recvfrom(1 << 20)
+            except BlockingIOError:
+                return
+            try:
+                answer = self.control(json.loads(data))
+            except ValueError as exc:
+                answer = {"error": f"not JSON: {exc}"}
+            if peer:
+                with contextlib.suppress(OSError):
+                    sock.sendto(json.dumps(answer).encode(), peer)
+
+    def run(self, control_fd: int | None, control_sock: socket.socket | None = None) -> str:
         """Forward until SIGTERM (returns "stopped") or EOF on ``control_fd`` ("orphaned")."""
         ep = select.epoll()
         try:
@@ -181,6 +264,10 @@ class Forwarder:
                 ep.register(fd, select.EPOLLIN)
             if control_fd is not None:
                 ep.register(control_fd, select.EPOLLIN | select.EPOLLHUP)
+            sock_fd = -1
+            if control_sock is not None:
+                sock_fd = control_sock.fileno()
+                ep.register(sock_fd, select.EPOLLIN)
             clock = time.monotonic
             while True:
                 # epoll rounds its timeout up to whole milliseconds, which would make every
@@ -206,10 +293,71 @@ class Forwarder:
                         if not data:
                             return "orphaned"
                         continue
+                    if fd == sock_fd:
+                        assert control_sock is not None
+                        self._serve_control(control_sock)
+                        continue
                     self._receive(self.index_of_fd[fd], now)
                 self._deliver(clock())
         finally:
             ep.close()
+
+
+_KEEP: Any = object()  # a link change that leaves the rate as it is
+
+
+def _host(value: Any, n: int) -> int:
+    host = int(value)
+    if not 0 <= host < n:
+        raise ValueError(f"host {value!r} out of range [0, {n})")
+    return host
+
+
+def _factor(value: Any) -> float:
+    factor = float(value)
+    if not (1.0 <= factor < 1000.0):
+        raise ValueError(f"compute factor {value!r}: give a factor >= 1 (2 = half as fast)")
+    return factor
+
+
+def _link_change(change: Any, n: int) -> tuple[int, int, float | None, Any]:
+    """(src, dst, delay ms or None to keep, Mbit/s or None for unlimited or _KEEP)."""
+    if not isinstance(change, dict):
+        raise ValueError(f"a link change is an object with src and dst, not {change!r}")
+    src, dst = _host(change.get("src"), n), _host(change.get("dst"), n)
+    if src == dst:
+        raise ValueError(f"link {src}->{dst}: a host has no link to itself")
+    delay = change.get("delay_ms")
+    if delay is not None and not (math.isfinite(float(delay)) and float(delay) >= 0):
+        raise ValueError(f"link {src}->{dst}: delay_ms must be finite and >= 0; got {delay}")
+    mbps: Any = _KEEP
+    if "bandwidth_mbps" in change:
+        mbps = change["bandwidth_mbps"]
+        if mbps is not None and not (math.isfinite(float(mbps)) and float(mbps) > 0):
+            raise ValueError(f"link {src}->{dst}: bandwidth_mbps must be > 0 or null "
+                             f"(unlimited); got {mbps}")
+        mbps = None if mbps is None else float(mbps)
+    return src, dst, None if delay is None else float(delay), mbps
+
+
+def request(control_socket: str, message: dict[str, Any], timeout: float = 5.0
+            ) -> dict[str, Any]:
+    """Send one request to a running forwarder's control socket; its answer (raises
+    RuntimeError with the forwarder's reason when it refused)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("")  # an autobound abstract address, so the forwarder can answer
+        sock.settimeout(timeout)
+        try:
+            sock.sendto(json.dumps(message).encode(), control_socket)
+            answer = json.loads(sock.recv(1 << 20))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise RuntimeError(f"no emulator listens on {control_socket}: {exc}") from None
+        except TimeoutError:
+            raise RuntimeError(f"the emulator at {control_socket} did not answer within "
+                               f"{timeout:.0f} s") from None
+    if "error" in answer:
+        raise RuntimeError(f"the emulator refused the change: {answer['error']}")
+    return dict(answer)
 
 
 def open_tuns(spec: Spec) -> list[int]:
@@ -256,16 +404,25 @@ def main(argv: list[str] | None = None) -> int:
         control_fd = sys.stdin.fileno()
         os.set_blocking(control_fd, False)
     forwarder = Forwarder(spec, fds)
+    control_sock: socket.socket | None = None
+    if spec.control_socket:
+        control_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spec.control_socket)
+        control_sock.bind(spec.control_socket)
+        control_sock.setblocking(False)
     signal.signal(signal.SIGTERM, _on_sigterm)
     outcome = "stopped"
     try:
         print("ready", flush=True)
         log.info("forwarding between %d hosts: %s", len(fds), ", ".join(spec.addresses))
-        outcome = forwarder.run(control_fd)
+        outcome = forwarder.run(control_fd, control_sock)
     except _Stop:
         outcome = "stopped"
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if control_sock is not None:
+            control_sock.close()
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

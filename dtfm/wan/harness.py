@@ -7,6 +7,11 @@ runs commands inside the hosts. On exit (also on an exception or SIGTERM in the 
 ends the processes it started and any others still inside its namespaces, stops the emulator,
 and deletes exactly the namespaces it created.
 
+While it runs, any link's delay or rate and any host's compute speed can change
+(:meth:`WanEmulator.set_link`, :meth:`WanEmulator.set_compute`, or ``python -m dtfm.wan set``
+against :attr:`WanEmulator.control_socket`), so tests and benchmarks can script "this link
+degrades at step 40".
+
 Traffic stays inside the namespaces: the only route each host has besides ``lo`` is the /24
 on its TUN, and the emulator forwards only between the addresses it assigned.
 """
@@ -129,6 +134,7 @@ class WanEmulator:
         self._emulator: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
         self._log_path: Path | None = None
+        self._compute: dict[int, float] = {}
         self._prev_sigterm: Any = None
         self._started = False
         self._closed = False
@@ -176,6 +182,63 @@ class WanEmulator:
     @property
     def emulator_pid(self) -> int | None:
         return None if self._emulator is None else self._emulator.pid
+
+    @property
+    def control_socket(self) -> str:
+        """The forwarder's control socket (for ``python -m dtfm.wan set --control``)."""
+        self._require_running()
+        assert self._workdir is not None
+        return str(Path(self._workdir.name) / "control.sock")
+
+    def compute_file(self, i: int) -> str:
+        """The file host ``i``'s compute slowdown factor is written to: start its workers with
+        ``DTFM_COMPUTE_SLOWDOWN_FILE`` set to it and :meth:`set_compute` slows them live."""
+        self._require_running()
+        assert self._workdir is not None
+        return str(Path(self._workdir.name) / "compute" / str(self._index(i)))
+
+    @property
+    def compute(self) -> dict[int, float]:
+        """Hosts whose compute was slowed, and by what factor (1: as fast as it is)."""
+        return dict(self._compute)
+
+    def set_link(self, src: int, dst: int, *, delay_ms: float | None = None,
+                 bandwidth_mbps: float | None | str = "keep", both_ways: bool = False) -> None:
+        """Change the link src -> dst (and dst -> src with ``both_ways``) while it runs:
+        ``delay_ms`` None keeps the delay, ``bandwidth_mbps`` "keep" keeps the rate and None
+        lifts the limit. Applies to packets sent from now on."""
+        change: dict[str, Any] = {"src": self._index(src), "dst": self._index(dst)}
+        if delay_ms is not None:
+            change["delay_ms"] = delay_ms
+        if bandwidth_mbps != "keep":
+            change["bandwidth_mbps"] = bandwidth_mbps
+        changes = [change] + ([{**change, "src": change["dst"], "dst": change["src"]}]
+                              if both_ways else [])
+        self.set_links(changes)
+
+    def set_links(self, changes: Sequence[Mapping[str, Any]]) -> None:
+        """Apply several link changes at once (``{"src", "dst", "delay_ms"?,
+        "bandwidth_mbps"?}`` each, as the control socket takes them)."""
+        self._apply(self._control({"links": [dict(c) for c in changes]}))
+
+    def set_compute(self, i: int, factor: float) -> None:
+        """Make host ``i``'s workers compute ``factor`` times slower from their next step (1:
+        back to full speed); they must have been started with ``compute_file(i)``."""
+        self._apply(self._control({"compute": {str(self._index(i)): factor}}))
+
+    def _control(self, message: dict[str, Any]) -> dict[str, Any]:
+        from dtfm.wan.emulator import request
+
+        self._require_running()
+        if not self.emulator_running:
+            raise RuntimeError(f"the WAN emulator has exited: {self.emulator_log()}")
+        return request(self.control_socket, message)
+
+    def _apply(self, answer: dict[str, Any]) -> None:
+        self._delay_ms = [[float(x) for x in row] for row in answer["delay_ms"]]
+        self._bandwidth_mbps = [[None if x is None else float(x) for x in row]
+                                for row in answer["bandwidth_mbps"]]
+        self._compute = {int(h): float(f) for h, f in answer["compute"].items()}
 
     def address(self, i: int) -> str:
         """IPv4 address of host ``i`` (inside its namespace)."""
@@ -252,6 +315,7 @@ class WanEmulator:
     def _start_emulator(self) -> None:
         self._workdir = tempfile.TemporaryDirectory(prefix=f"dtfm-wan-{self._token}-")
         work = Path(self._workdir.name)
+        (work / "compute").mkdir()
         spec = {
             "hosts": [
                 {"namespace": name, "ifname": DEFAULT_IFNAME, "address": addr}
@@ -263,6 +327,8 @@ class WanEmulator:
             "watch_stdin": True,
             "cleanup_on_orphan": True,
             "stats_path": str(work / "stats.json"),
+            "control_socket": str(work / "control.sock"),
+            "compute_dir": str(work / "compute"),
         }
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))

@@ -39,6 +39,11 @@ FLAG_CASES = [
     (["--steps", "ten"], "--steps"),
     (["--steps", str(2**40)], "--steps"),
     (["--dtype", "fp16"], "--dtype"),
+    (["--drift-threshold", "nan"], "--drift-threshold"),
+    (["--drift-threshold", "0"], "--drift-threshold"),
+    (["--drift-window", "1"], "--drift-window"),
+    (["--replan-margin", "0.5"], "--replan-margin"),
+    (["--remeasure-probe-seconds", "0"], "--remeasure-probe-seconds"),
 ]
 
 ENV_CASES = [

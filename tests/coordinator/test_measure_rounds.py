@@ -73,6 +73,7 @@ class FakeAgents:
 async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
                    kind: type[FakeAgents] = FakeAgents, probe_timeout_s: float = 0.5,
                    delay_of: dict[tuple[str, str], float] | None = None,
+                   sampled: bool = False,
                    ) -> tuple[FakeAgents, common_pb2.LinkMatrix, LinkStore]:
     registry = Registry(liveness_timeout_s=60)
     ids = [f"a{i}" for i in range(n)]
@@ -85,7 +86,7 @@ async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
     agents.delay_of = delay_of or {}
     servers = [asyncio.create_task(agents.serve(i)) for i in ids]
     try:
-        matrix = await asyncio.wait_for(measurer.measure(registry.alive()), 30)
+        matrix = await asyncio.wait_for(measurer.measure(registry.alive(), sampled=sampled), 30)
     finally:
         for task in servers:
             task.cancel()

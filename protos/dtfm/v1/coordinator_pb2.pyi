@@ -217,7 +217,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class JobStatus(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    REPLANS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model: str
@@ -258,7 +259,78 @@ class JobStatus(_message.Message):
     restarts: int
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
     model_spec: _common_pb2.ModelSpec
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ...) -> None: ...
+    replans: _containers.RepeatedCompositeFieldContainer[Replan]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ...) -> None: ...
+
+class Replan(_message.Message):
+    __slots__ = ("at_unix_s", "at_step", "trigger", "suspects", "links", "devices", "step_before_s", "step_drifted_s", "predicted_stay_s", "predicted_new_s", "gain_s", "cost_s", "decision", "why", "measure_s", "outcome", "stalled_s", "step_after_s", "grid_before", "grid_after")
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    STEP_BEFORE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_DRIFTED_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STAY_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_NEW_S_FIELD_NUMBER: _ClassVar[int]
+    GAIN_S_FIELD_NUMBER: _ClassVar[int]
+    COST_S_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_S_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    GRID_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    GRID_AFTER_FIELD_NUMBER: _ClassVar[int]
+    at_unix_s: float
+    at_step: int
+    trigger: str
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    links: _containers.RepeatedCompositeFieldContainer[LinkChange]
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceChange]
+    step_before_s: float
+    step_drifted_s: float
+    predicted_stay_s: float
+    predicted_new_s: float
+    gain_s: float
+    cost_s: float
+    decision: str
+    why: str
+    measure_s: float
+    outcome: str
+    stalled_s: float
+    step_after_s: float
+    grid_before: str
+    grid_after: str
+    def __init__(self, at_unix_s: _Optional[float] = ..., at_step: _Optional[int] = ..., trigger: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkChange, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceChange, _Mapping]]] = ..., step_before_s: _Optional[float] = ..., step_drifted_s: _Optional[float] = ..., predicted_stay_s: _Optional[float] = ..., predicted_new_s: _Optional[float] = ..., gain_s: _Optional[float] = ..., cost_s: _Optional[float] = ..., decision: _Optional[str] = ..., why: _Optional[str] = ..., measure_s: _Optional[float] = ..., outcome: _Optional[str] = ..., stalled_s: _Optional[float] = ..., step_after_s: _Optional[float] = ..., grid_before: _Optional[str] = ..., grid_after: _Optional[str] = ...) -> None: ...
+
+class LinkChange(_message.Message):
+    __slots__ = ("src", "dst", "delay_ms_before", "delay_ms_after", "gbps_before", "gbps_after")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DELAY_MS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    DELAY_MS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    GBPS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    GBPS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    delay_ms_before: float
+    delay_ms_after: float
+    gbps_before: float
+    gbps_after: float
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., delay_ms_before: _Optional[float] = ..., delay_ms_after: _Optional[float] = ..., gbps_before: _Optional[float] = ..., gbps_after: _Optional[float] = ...) -> None: ...
+
+class DeviceChange(_message.Message):
+    __slots__ = ("agent", "compute_s_before", "compute_s_after")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_AFTER_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    compute_s_before: float
+    compute_s_after: float
+    def __init__(self, agent: _Optional[str] = ..., compute_s_before: _Optional[float] = ..., compute_s_after: _Optional[float] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("at_unix_s", "reason", "layout_before", "layout_after", "last_step", "resumed_step", "steps_lost", "stalled_s", "planned")
@@ -301,10 +373,12 @@ class PlanRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MeasureRequest(_message.Message):
-    __slots__ = ("timeout_s",)
+    __slots__ = ("timeout_s", "sampled")
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
-    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+    sampled: bool
+    def __init__(self, timeout_s: _Optional[float] = ..., sampled: _Optional[bool] = ...) -> None: ...
 
 class HistoryRequest(_message.Message):
     __slots__ = ()
@@ -327,7 +401,7 @@ class HistoryPoint(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., unix_s: _Optional[float] = ...) -> None: ...
 
 class JobHistory(_message.Message):
-    __slots__ = ("job_id", "model", "state", "total_steps", "predicted_step_s", "restarts", "points")
+    __slots__ = ("job_id", "model", "state", "total_steps", "predicted_step_s", "restarts", "points", "replans")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +409,7 @@ class JobHistory(_message.Message):
     PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     POINTS_FIELD_NUMBER: _ClassVar[int]
+    REPLANS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     state: JobState
@@ -342,4 +417,5 @@ class JobHistory(_message.Message):
     predicted_step_s: float
     restarts: int
     points: _containers.RepeatedCompositeFieldContainer[HistoryPoint]
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., total_steps: _Optional[int] = ..., predicted_step_s: _Optional[float] = ..., restarts: _Optional[int] = ..., points: _Optional[_Iterable[_Union[HistoryPoint, _Mapping]]] = ...) -> None: ...
+    replans: _containers.RepeatedCompositeFieldContainer[Replan]
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., total_steps: _Optional[int] = ..., predicted_step_s: _Optional[float] = ..., restarts: _Optional[int] = ..., points: _Optional[_Iterable[_Union[HistoryPoint, _Mapping]]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ...) -> None: ...

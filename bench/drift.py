@@ -1,0 +1,236 @@
+"""Benchmark: when the network changes under a running job, does the plan follow?
+
+The 16-agent world of `bench/wan.py` (2 agents in each of the paper's 8 cities, emulated
+hosts, bandwidths scaled to Mbit/s). Three jobs of the same model, seed and steps:
+
+- **static**: planned on the healthy network and kept (`--no-replan`);
+- **adaptive**: the same, with the drift watch and re-planning on (the defaults);
+- **fresh**: planned on the degraded network from the start (the reference: what a plan that
+  knew the new network would do).
+
+In the static and adaptive runs, once the job has settled (`--degrade-at` steps), the links
+between two cities the plan relies on (the first pipeline hop of the plan's grid that crosses
+cities) degrade, both ways, through the emulator's live changes: bandwidth / `--bw-factor`
+(10), delay + `--add-delay-ms` (100). Each job's coordinator measures the links itself (no
+`--links` file), so the adaptive job re-measures them while it trains.
+
+For each job the table shows the step time and tokens/s after the change (the median of the
+steps trained after it, for the adaptive job after its move), the re-plans weighed and their
+outcome, and for the adaptive job the time from the change to the first step at recovered speed
+(within 10 % of its median after the move). The issue's targets: adaptive >= 0.9 x fresh's
+tokens/s, >= 1.5 x static's where the step model predicts >= 1.7 x between them; recovery
+within two checkpoint intervals + 60 s. Writes bench/results/drift.json.
+
+Needs root (network namespaces). Run: `python bench/drift.py` (16 agents; three jobs, each
+measuring 240 links first: expect most of an hour on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/drift.py`
+    sys.path.insert(0, str(REPO))
+
+from bench.wan import wan_or_exit, world_arguments  # noqa: E402
+from coordinator.scenarios import world_links  # noqa: E402
+from dtfm.procs import wait_for  # noqa: E402
+from dtfm.wan import WanEmulator  # noqa: E402
+from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "drift.json"
+RECOVERED = 1.1  # a step within 10 % of the settled step after the move counts as recovered
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    world_arguments(p)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--degrade-at", type=int, default=15, help="the step the links degrade at")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
+    p.add_argument("--bw-factor", type=float, default=10.0, help="degraded bandwidth divisor")
+    p.add_argument("--add-delay-ms", type=float, default=100.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="per job, seconds")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--workdir", default="", help="keep the daemons' logs here")
+    return p.parse_args(argv)
+
+
+def job_flags(args: argparse.Namespace, agents: int, extra: list[str]) -> list[str]:
+    return ["--model", args.model, "--agents", str(agents), "--stages", str(args.stages),
+            "--replicas", str(agents // args.stages), "--steps", str(args.steps),
+            "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
+            "--search-seconds", "10", "--layer-split", "even", "--seed", "1",
+            "--checkpoint-every", str(args.checkpoint_every), "--eval-batches", "0",
+            "--heartbeat-interval", "0.5", "--max-restarts", "0", *extra]
+
+
+def _status(cluster: WanCluster) -> dict[str, Any] | None:
+    try:
+        return cluster.cli("status", "--json", timeout=15)
+    except RuntimeError:
+        return None
+
+
+def degrade(wan: WanEmulator, hosts_a: list[int], hosts_b: list[int],
+            args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every link between the two cities' hosts, both ways: bandwidth / factor, delay + ms."""
+    changes = []
+    for a in hosts_a:
+        for b in hosts_b:
+            for src, dst in ((a, b), (b, a)):
+                changes.append({"src": src, "dst": dst,
+                                "delay_ms": wan.delay_ms[src][dst] + args.add_delay_ms,
+                                "bandwidth_mbps": wan.bandwidth_mbps[src][dst] / args.bw_factor})
+    wan.set_links(changes)
+    return changes
+
+
+def relied_on_cities(grid: list[list[str]], city_of: dict[str, str]) -> tuple[str, str]:
+    """The first pipeline hop of the grid (stage j to j + 1, replica 0 first) that crosses
+    cities: the plan relies on that pair of cities."""
+    for r in range(len(grid[0])):
+        for j in range(len(grid) - 1):
+            a, b = city_of[grid[j][r]], city_of[grid[j + 1][r]]
+            if a != b:
+                return a, b
+    raise RuntimeError(f"the plan {grid} crosses no cities: nothing to degrade")
+
+
+def run(wan: WanEmulator, root: Path, name: str, args: argparse.Namespace,
+        cities: list[str], extra: list[str], degrade_cities: tuple[str, str] | None = None,
+        degrade_mid_run: bool = False) -> dict[str, Any]:
+    """One job from the start; with `degrade_mid_run`, the links between the two cities the
+    plan relies on degrade at `--degrade-at`."""
+    n = len(cities)
+    cluster = WanCluster(wan, root / name, agents=n,
+                         coordinator_args=job_flags(args, n, extra))
+    started = time.monotonic()
+    changed_at_unix = 0.0
+    pair: tuple[str, str] | None = degrade_cities
+    try:
+        ids = cluster.start(timeout=180, prewarm=False)
+        city_of = {a: cities[i] for i, a in enumerate(ids)}
+        if degrade_mid_run:
+            status = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"]
+                              >= args.degrade_at and s, args.timeout,
+                              f"[{name}] step {args.degrade_at}", 1.0)
+            pair = relied_on_cities(status["plan"]["grid"], city_of)
+            hosts = {c: [i + 1 for i, x in enumerate(cities) if x == c] for c in pair}
+            degrade(wan, hosts[pair[0]], hosts[pair[1]], args)
+            changed_at_unix = time.time()
+            print(f"  [{name}] step {status['job']['step']}: degraded {pair[0]} <-> {pair[1]}",
+                  file=sys.stderr, flush=True)
+
+        def progress(status: dict[str, Any]) -> None:
+            job = status["job"]
+            print(f"  [{name}] {time.monotonic() - started:6.0f}s {job['state']:<10} step "
+                  f"{job['step']:>3}/{job['total_steps']} {job['measured_step_s']:.2f} s/step "
+                  f"replans {len(job['replans'])}", file=sys.stderr, flush=True)
+
+        done = cluster.wait_job(args.timeout, progress)
+        report = cluster.cli("report", "--json", timeout=30)
+    finally:
+        cluster.stop()
+    return summarize(name, done, report, changed_at_unix, pair)
+
+
+def summarize(name: str, status: dict[str, Any], report: dict[str, Any],
+              changed_at_unix: float, pair: tuple[str, str] | None) -> dict[str, Any]:
+    job = status["job"]
+    points = [p for p in report["points"] if p["step_s"] > 0]
+    last_epoch = max((p["epoch"] for p in points), default=0)
+    moved = any(r["outcome"] == "moved" for r in job["replans"])
+    if moved:  # the adaptive job after its move
+        after = [p for p in points if p["epoch"] == last_epoch]
+    else:
+        after = [p for p in points if p["unix_s"] >= changed_at_unix] if changed_at_unix \
+            else points
+    after = after[2:] or after  # the first steps after a change or a start carry warm-up
+    step_s = statistics.median(p["step_s"] for p in after) if after else 0.0
+    recovered_s = None
+    if moved and changed_at_unix and step_s:
+        fast = [p for p in after if p["step_s"] <= RECOVERED * step_s]
+        if fast:
+            recovered_s = min(p["unix_s"] for p in fast) - changed_at_unix
+    return {
+        "job": name, "state": job["state"], "step_after_s": step_s,
+        "tokens_per_s_after": (statistics.median(p["tokens_per_s"] for p in after)
+                               if after else 0.0),
+        "predicted_step_s": status["plan"]["predicted_step_s"] if status["plan"] else 0.0,
+        "grid": status["plan"]["grid"] if status["plan"] else None,
+        "degraded_cities": list(pair) if pair else None,
+        "replans": job["replans"], "recoveries": job["recoveries"],
+        "change_to_recovered_s": recovered_s, "final_loss": job["loss"],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    fresh = next((r for r in rows if r["job"] == "fresh"), None)
+    lines = [f"{'job':<10}{'s/step':>8}{'tok/s':>9}{'x fresh':>9}{'replans':>9}  outcome"]
+    for r in rows:
+        ratio = (r["tokens_per_s_after"] / fresh["tokens_per_s_after"]
+                 if fresh and fresh["tokens_per_s_after"] else 0.0)
+        outcomes = ",".join(x["outcome"] for x in r["replans"]) or "-"
+        lines.append(f"{r['job']:<10}{r['step_after_s']:>8.2f}{r['tokens_per_s_after']:>9.0f}"
+                     f"{ratio:>9.2f}{len(r['replans']):>9}  {outcomes}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wan_or_exit()
+    delay, bandwidth, cities = world_links(args.per_city, args.scale)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-drift-") as scratch, \
+            measurement_wan(delay, bandwidth) as wan:
+        root = Path(args.workdir or scratch)
+        healthy = (wan.delay_ms, wan.bandwidth_mbps)
+        for name, extra in (("static", ["--no-replan"]), ("adaptive", [])):
+            rows.append(run(wan, root, name, args, cities, extra, degrade_mid_run=True))
+            wan.set_links([{"src": i, "dst": j, "delay_ms": healthy[0][i][j],
+                            "bandwidth_mbps": healthy[1][i][j]}
+                           for i in range(wan.size) for j in range(wan.size) if i != j])
+        pair = rows[-1]["degraded_cities"]
+        assert pair is not None
+        hosts = {c: [i + 1 for i, x in enumerate(cities) if x == c] for c in pair}
+        degrade(wan, hosts[pair[0]], hosts[pair[1]], args)  # the fresh plan sees it all along
+        rows.append(run(wan, root, "fresh", args, cities, ["--no-replan"],
+                        degrade_cities=tuple(pair)))
+    print(table(rows))
+    by = {r["job"]: r for r in rows}
+    adaptive = by["adaptive"]
+    moved = [r for r in adaptive["replans"] if r["outcome"] == "moved"]
+    summary = {
+        "adaptive_over_fresh": adaptive["tokens_per_s_after"] / by["fresh"]["tokens_per_s_after"]
+        if by["fresh"]["tokens_per_s_after"] else None,
+        "adaptive_over_static": adaptive["tokens_per_s_after"]
+        / by["static"]["tokens_per_s_after"] if by["static"]["tokens_per_s_after"] else None,
+        "change_to_recovered_s": adaptive["change_to_recovered_s"],
+        "recovery_target_s": 2 * args.checkpoint_every * (adaptive["step_after_s"] or 0) + 60,
+        "predicted_static_over_new": (moved[0]["predicted_stay_s"] / moved[0]["predicted_new_s"]
+                                      if moved and moved[0]["predicted_new_s"] else None),
+    }
+    for k, v in summary.items():
+        print(f"{k}: {v if v is None else round(v, 3)}")
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+           "rows": rows, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""Measuring many agents quickly: bandwidth for representatives of latency clusters, the rest
+inferred and marked so.
+
+All-pairs bandwidth probing costs N(N-1) probes, minutes for 64 agents. Latency is cheap (every
+agent pings every peer at once, a few hundred bytes each), and agents in one place (a city, a
+data centre, a campus) see alike delays to everyone else. So a sampled measurement
+(`LinkMeasurer.measure(sampled=True)`, `coordinator links --measure --sampled`) pings every
+pair, groups the agents into latency clusters, measures bandwidth only for one link per ordered
+pair of clusters and one each way inside every cluster of two or more (spread over the
+clusters' members, so the probes run in parallel), and gives every other link the bandwidth of
+its clusters' sample, recorded as an estimate whose note names the link it was inferred from.
+
+Pure functions over delay figures; the measurer drives them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+CLUSTER_TOL_MS = 8.0  # one-way delays within this (or CLUSTER_TOL_REL) are "alike"
+CLUSTER_TOL_REL = 0.08
+PROFILE_AGREE = 0.7  # the share of other agents two members of a cluster must see alike
+
+Delay = Callable[[str, str], "float | None"]  # one-way ms from a to b; None: not known
+
+
+def _alike(x: float | None, y: float | None) -> bool:
+    if x is None or y is None:
+        return True  # nothing says they differ
+    return abs(x - y) <= max(CLUSTER_TOL_MS, CLUSTER_TOL_REL * max(x, y))
+
+
+def _near(a: str, r: str, ids: Sequence[str], delay: Delay) -> bool:
+    """Whether a and r are close compared with everyone else: their one-way delay (the mean of
+    both ways) within CLUSTER_TOL_MS or half the median delay from either to the others (a
+    measured delay carries a few ms of processing, more on a loaded host); whether they are
+    one place is for the delay profiles to say (`latency_clusters`)."""
+    there, back = delay(a, r), delay(r, a)
+    if there is None or back is None:
+        return False
+    others = [d for x in ids if x not in (a, r) for d in (delay(a, x), delay(r, x))
+              if d is not None]
+    return (there + back) / 2 <= max(CLUSTER_TOL_MS,
+                                     0.5 * statistics.median(others) if others else 0.0)
+
+
+def _same_profile(a: str, r: str, ids: Sequence[str], delay: Delay) -> bool:
+    """Whether a and r see alike delays to and from the others: at least PROFILE_AGREE of
+    them (a few noisy pings on a loaded host must not split a place)."""
+    checks = [_alike(delay(a, x), delay(r, x)) and _alike(delay(x, a), delay(x, r))
+              for x in ids if x not in (a, r)]
+    return not checks or sum(checks) >= PROFILE_AGREE * len(checks)
+
+
+def latency_clusters(ids: Sequence[str], delay: Delay) -> list[list[str]]:
+    """Agents grouped by latency, greedily in `ids` order: an agent joins the first cluster
+    whose first member is near it (`_near`) and sees alike delays to and from the others
+    (`_same_profile`); otherwise it starts a cluster."""
+    clusters: list[list[str]] = []
+    for a in ids:
+        for cluster in clusters:
+            r = cluster[0]
+            if _near(a, r, ids, delay) and _same_profile(a, r, ids, delay):
+                cluster.append(a)
+                break
+        else:
+            clusters.append([a])
+    return clusters
+
+
+def sampled_links(clusters: Sequence[Sequence[str]]) -> dict[tuple[str, str], tuple[str, str]]:
+    """Which directed link stands for which: {(a, b): the measured link (c, d)} for every pair
+    of agents in the clusters. The sample of an ordered pair of clusters rotates over their
+    members, so no agent sends or receives all of its cluster's probes."""
+    of = {a: i for i, c in enumerate(clusters) for a in c}
+    sample: dict[tuple[int, int], tuple[str, str]] = {}
+    turn = 0
+    for i, ci in enumerate(clusters):
+        for j, cj in enumerate(clusters):
+            if i != j:
+                sample[i, j] = (ci[turn % len(ci)], cj[turn % len(cj)])
+                turn += 1
+            elif len(ci) >= 2:
+                sample[i, i] = (ci[0], ci[1])
+    out = {}
+    for a in of:
+        for b in of:
+            if a == b:
+                continue
+            key = (of[a], of[b])
+            if key == (of[a], of[a]) and len(clusters[of[a]]) >= 2:
+                first, second = clusters[of[a]][:2]
+                out[a, b] = (second, first) if (a, b) == (second, first) else (first, second)
+            elif key in sample:
+                out[a, b] = sample[key]
+    return out
+
+
+def to_measure(stands_for: dict[tuple[str, str], tuple[str, str]]) -> set[tuple[str, str]]:
+    """The links whose bandwidth a sampled measurement probes."""
+    return set(stands_for.values())
