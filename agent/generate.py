@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtfm import flags
-
-TOKENIZER_FILE = "tokenizer.json"
+from dtfm.core.tokenfiles import TOKENIZER_NAME
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "shards with model.safetensors.index.json), tokenizer.json for text")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="text to continue (needs "
-                        f"{TOKENIZER_FILE} in --model-dir)")
+                        f"{TOKENIZER_NAME} in --model-dir)")
     prompt.add_argument("--prompt-ids", metavar="ID,ID,...", type=_ids,
                         help="token ids to continue, comma-separated")
     p.add_argument("--max-new-tokens", type=flags.number(int, 0, maximum=1_000_000), default=32,
@@ -60,7 +59,7 @@ def _ids(text: str) -> list[int]:
 
 def load_tokenizer(model_dir: Path, needed: bool) -> Any:
     """The directory's tokenizers.Tokenizer, or None where there is none and none is needed."""
-    path = model_dir / TOKENIZER_FILE
+    path = model_dir / TOKENIZER_NAME
     if not path.is_file():
         if needed:
             raise ValueError(f"--prompt needs {path}, which is missing: put the model's "
