@@ -139,10 +139,13 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "pp_compress": codec_setting("--pp-compress", topk=False),
     "dp_compress": codec_setting("--dp-compress", topk=True),
     "moments_dtype": MomentsDtype,
+    "sync_every": positive_count,
+    "outer_lr": number(float, 0, above=True),
+    "outer_momentum": number(float, 0, maximum=1),
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
-                   "weight_decay": "X", "pp_compress": "CODEC",
-                   "dp_compress": "CODEC"}  # and N for the integers
+                   "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
+                   "outer_momentum": "MU", "dp_compress": "CODEC"}  # and N for the integers
 
 
 def train_dest(name: str) -> str:

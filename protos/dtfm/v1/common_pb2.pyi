@@ -79,7 +79,7 @@ class ModelSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype")
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype", "sync_every", "outer_lr", "outer_momentum")
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,9 @@ class TrainConfig(_message.Message):
     PP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     global_batch: int
     micro_batches: int
     steps: int
@@ -116,7 +119,10 @@ class TrainConfig(_message.Message):
     pp_compress: str
     dp_compress: str
     moments_dtype: str
-    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ...) -> None: ...
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares")
