@@ -448,6 +448,7 @@ class Job:
                         train.micro_batches, cfg.train.schedule, cfg.train.dtype,
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
+                        sync_every=cfg.train.sync_every,  # local steps: exchange every H
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
@@ -555,7 +556,7 @@ class Job:
         cfg = self.config
         work = Workload(get_preset(cfg.model), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
-                        moments_dtype=cfg.train.moments_dtype)
+                        moments_dtype=cfg.train.moments_dtype, sync_every=cfg.train.sync_every)
         kept = self._trained_splits if self._trained_splits and len(
             self._trained_splits) == layout.stages else None
         needs = [n for n in stages_bytes(work.memory(), kept) for _ in range(layout.replicas)]

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 ENV_TIMEOUT = WorkerEnv.TIMEOUT  # the ceiling of any wait (deadline.py decides below it)
 ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
-ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
+# "RANK:STEP[:exit|hang[:EPOCH]]": that rank fails before running STEP (in that epoch only)
+ENV_FAULT = "DTFM_FAULT"
 ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
 
 
@@ -87,11 +88,13 @@ class Progress:
 
 @dataclass(frozen=True)
 class Fault:
-    """The fault-injection seam: `rank` fails just before running step `step` (1-based)."""
+    """The fault-injection seam: `rank` fails just before running step `step` (1-based);
+    with `epoch`, only in that epoch of the job (a job the coordinator recovers then goes on)."""
 
     rank: int
     step: int
     mode: str = "exit"
+    epoch: int | None = None
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -102,10 +105,11 @@ class Fault:
         mode = parts[2] if len(parts) > 2 else "exit"
         if mode not in ("exit", "hang"):
             raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit' or 'hang'")
-        return cls(int(parts[0]), int(parts[1]), mode)
+        return cls(int(parts[0]), int(parts[1]), mode,
+                   int(parts[3]) if len(parts) > 3 else None)
 
-    def maybe_fire(self, rank: int, step: int) -> None:
-        if rank != self.rank or step != self.step:
+    def maybe_fire(self, rank: int, step: int, epoch: int = 0) -> None:
+        if rank != self.rank or step != self.step or self.epoch not in (None, epoch):
             return
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
         if self.mode == "hang":
@@ -229,7 +233,7 @@ class Worker:
         wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
         for step in range(start + 1, cfg.steps + 1):
             if self.fault:
-                self.fault.maybe_fire(self.rank, step)
+                self.fault.maybe_fire(self.rank, step, a.epoch)
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
             wanted |= bool(self.ckpt and self.ckpt.due(step, cfg.steps))
@@ -281,7 +285,10 @@ class Worker:
 
     def _exact_averager(self) -> GradAverager:
         """An uncompressed averager over the stage's replicas, for the AdamW moments at a
-        checkpoint (`outer.average_moments`); built the first time one is needed."""
+        checkpoint (`outer.average_moments`): the job's own when it compresses nothing, else
+        one built the first time it is needed."""
+        if self._averager.codec is None:
+            return self._averager
         if self._moments_averager is None:
             a = self.a
             self._moments_averager = GradAverager(

@@ -71,7 +71,8 @@ class Workload:
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,
-                           self.micro_batches, self.schedule, self.dtype, self.moments_dtype)
+                           self.micro_batches, self.schedule, self.dtype, self.moments_dtype,
+                           self.sync_every)
 
 
 def stage_flops(spec: ModelSpec, begin: int, end: int, tokens: float) -> float:
