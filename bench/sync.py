@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from compress import _events, _files  # bench/ is not a package: run as bench/sync.py
-from wan import measured_world, run_job
+from wan import add_world_arguments, measured_world, run_job
 
 from dtfm.core.presets import get_preset
 from dtfm.wan import WanEmulator
@@ -57,14 +57,8 @@ TARGETS = {"dp_cut": 100.0, "val_loss_pct": 3.0, "speedup_over_sync": 1.5,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--per-city", type=int, default=1, help="agents per city (8 cities)")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--model", default="gpt-mini")
-    p.add_argument("--steps", type=int, default=128,
-                   help="steps of every variant (the same tokens for each; >= the largest H)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
+    add_world_arguments(p, per_city=1, steps=128, batch=64, steps_help="steps of every "
+                        "variant (the same tokens for each; >= the largest H)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hs", default="4,16,64", help="comma-separated H for local steps")
     p.add_argument("--compressed", default="int4/int3",

@@ -240,6 +240,7 @@ class Worker:
             if self.ckpt and wanted and (self.outer is None or self.outer.due(step, cfg.steps)):
                 wanted = False
                 if self.outer is not None:  # one inner state for the checkpoint (outer.py)
+                    self.deadline.sync_point()
                     average_moments(opt, self.outer.params, self._exact_averager())
                 # every rank notes it: a peer's save makes this rank wait in the next step
                 saved_s = None
@@ -330,7 +331,10 @@ class Worker:
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
-        synced = outer.sync(step) if outer and outer.due(step, cfg.steps) else None
+        synced = None
+        if outer and outer.due(step, cfg.steps):
+            self.deadline.sync_point()  # the exchange's waits: not an inner step's
+            synced = outer.sync(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._emit_step(step, table[-1][1], norm, lr, time.perf_counter() - t0, times,

@@ -72,7 +72,7 @@ def test_local_steps_resume_across_emulated_hosts_to_the_uninterrupted_losses(
         full, _ = _run(wan, tmp_path / "full", "")
         crashed, _ = _run(wan, tmp_path / "crashy", FAULT)
     for status in (full, crashed):
-        assert status["job"]["state"] == "done" and status["job"]["step"] == STEPS, status["job"]
+        assert status["job"]["state"] == "done", status["job"]  # the steps: from the files
     assert not full["job"]["recoveries"]
     recovery = crashed["job"]["recoveries"][0]
     assert recovery["resumed_step"] == 8, recovery  # the last sync point before the fault
@@ -82,6 +82,7 @@ def test_local_steps_resume_across_emulated_hosts_to_the_uninterrupted_losses(
     first = _losses(tmp_path / "crashy", crashed["job"]["id"], 1)
     again = _losses(tmp_path / "crashy", crashed["job"]["id"], 2)
     assert sorted(ref) == sorted(again) == [0, 1, 2, 3]
+    assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in ref.values())
     assert ref[1][STEPS] < ref[1][1] - 0.3  # it learns
     for rank in (1, 3):  # the last stage of each replica reports its replica's loss
         assert [first[rank][s] for s in range(1, 10) if s in first[rank]] == \
