@@ -46,6 +46,7 @@ from coordinator.scheduler.steptime import StepShape, StepTime, dp_shares, simul
 from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import get_preset
+from dtfm.core.rounds import newest_checkpoint
 from dtfm.core.shape import choose_layout, elastic_layout
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -829,7 +830,7 @@ class Job:
         if len(steps) < len(self.members) or min(steps) < 1:
             return False
         # a worker reports step s before it has written s's checkpoint; s + 1 proves it
-        passed = ((min(steps) - 1) // every) * every
+        passed = newest_checkpoint(min(steps) - 1, every, self.config.train.sync_every)
         done = all(WorkerState.from_wire(self._progress[a].worker_state) is WorkerState.DONE
                    for a in self.members)
         if done:

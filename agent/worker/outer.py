@@ -13,7 +13,8 @@ the learning-rate schedule and the global batch keep their meaning, since every 
 still consumes one global batch, cut over the replicas as before.
 
 Sync points are the steps that are multiples of H, and the last step, counted from step 0 of
-the job, so a run resumed from a checkpoint keeps the rounds where they were. Checkpoints are
+the job, so a run resumed from a checkpoint keeps the rounds where they were (the rule is
+`dtfm.core.rounds`, which the coordinator reads too). Checkpoints are
 taken only at sync points (the worker defers a request that falls inside a round) and hold the
 outer state (`state_dict`): the anchor is the model they already hold, plus the momentum by
 parameter name (so a re-split can regroup it). The replicas' inner AdamW states differ, and a
@@ -35,6 +36,7 @@ from torch import nn
 
 from agent.worker.data_parallel import GradAverager
 from agent.worker.optim import MOMENTS
+from dtfm.core.rounds import round_of, sync_due
 
 
 def outer_step_(anchor: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor,
@@ -47,16 +49,6 @@ def outer_step_(anchor: torch.Tensor, delta: torch.Tensor, momentum: torch.Tenso
     """
     momentum.mul_(mu).add_(delta)
     anchor.sub_(delta.add(momentum, alpha=mu), alpha=lr)
-
-
-def due(step: int, every: int, last: int) -> bool:
-    """Whether step `step` (1-based) ends a round: a multiple of `every`, or the last step."""
-    return step % every == 0 or step == last
-
-
-def rounds_at(step: int, every: int) -> int:
-    """Sync points passed once step `step` is done and synced (the last step ends a round)."""
-    return -(-step // every)
 
 
 @dataclass(frozen=True)
@@ -87,7 +79,7 @@ class OuterSync:
         self.rounds = 0  # sync points passed since step 0 of the job
 
     def due(self, step: int, last: int) -> bool:
-        return due(step, self.every, last)
+        return sync_due(step, self.every, last)
 
     def sync(self, step: int) -> SyncResult:
         """Average the pseudo-gradients over the stage's replicas and take the outer step."""
@@ -103,7 +95,7 @@ class OuterSync:
                 p.copy_(a)
                 p.grad = None
             checksum = sum(float(p.double().sum()) for p in self.params)
-        self.rounds = rounds_at(step, self.every)
+        self.rounds = round_of(step, self.every)
         return SyncResult(dp_s, self.averager.sent_bytes, self.averager.codec_s, drift, checksum)
 
     # ---- checkpoints ----

@@ -27,7 +27,7 @@ from agent.worker.data import Position, Sampler, load_splits, replica_slice, val
 from agent.worker.data_parallel import GradAverager
 from agent.worker.deadline import Deadline, measure_flops
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
-from agent.worker.outer import OuterSync, SyncResult, average_moments, rounds_at
+from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.stage import Stage
 from agent.worker.world import join
@@ -41,6 +41,7 @@ from dtfm.core.events import (
     encode_event,
 )
 from dtfm.core.layout import Layout, layer_ranges
+from dtfm.core.rounds import round_of
 from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
 
@@ -349,7 +350,7 @@ class Worker:
         outer: dict[str, Any] = {}
         if self.outer is not None:  # local steps: only a sync point exchanges anything
             dp_bytes, codec_s = (synced.dp_bytes, synced.codec_s) if synced else (0, 0.0)
-            outer = {"sync_round": rounds_at(step, self.outer.every)}
+            outer = {"sync_round": round_of(step, self.outer.every)}
             if synced:
                 dp_s = synced.dp_s
                 outer.update(drift=synced.drift, param_checksum=synced.checksum)
@@ -427,7 +428,7 @@ class Worker:
         sampler.position = Position.from_dict(state["data_position"])
         if self.outer is not None:  # the anchor is the model just loaded (a sync point's)
             self.outer.load([st.get("outer") for st in states])
-            self.outer.rounds = rounds_at(step, self.outer.every)
+            self.outer.rounds = round_of(step, self.outer.every)
         log.info("rank %d: resumed at step %d from %s in %s", self.rank, step, held, loc.dir)
         return step
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.worker.outer import due, outer_step_, rounds_at
+from agent.worker.outer import outer_step_
+from dtfm.core.rounds import newest_checkpoint, round_of, sync_due
 from tests.agent.worker.testlib import assert_close, run_local
 
 
@@ -48,8 +49,19 @@ def test_outer_step_is_torch_sgd_with_nesterov_momentum() -> None:
 
 
 def test_rounds_end_every_h_steps_and_at_the_last_step() -> None:
-    assert [s for s in range(1, 11) if due(s, 4, 10)] == [4, 8, 10]
-    assert [rounds_at(s, 4) for s in (1, 4, 5, 8, 10)] == [1, 1, 2, 2, 3]
+    assert [s for s in range(1, 11) if sync_due(s, 4, 10)] == [4, 8, 10]
+    assert [round_of(s, 4) for s in (1, 4, 5, 8, 10)] == [1, 1, 2, 2, 3]
+
+
+def test_checkpoints_due_inside_a_round_are_written_at_its_end() -> None:
+    # every 6 with H = 4: due after 6, 12, 18, 24 -> written after 8, 12, 20, 24
+    assert [newest_checkpoint(s, 6, 4) for s in (5, 7, 8, 11, 12, 19, 20, 24)] == \
+        [0, 0, 8, 8, 12, 12, 20, 24]
+    # synchronous: every multiple, at once (the coordinator's old rule)
+    assert [newest_checkpoint(s, 5) for s in range(1, 16)] == [s // 5 * 5 for s in range(1, 16)]
+    # H larger than the interval: one checkpoint per round
+    assert [newest_checkpoint(s, 2, 8) for s in (7, 8, 15, 16)] == [0, 8, 8, 16]
+    assert newest_checkpoint(9, 0, 4) == 0
 
 
 COMMON = ("--model", "gpt-tiny", "--batch", "8", "--micro-batches", "2", "--steps", "12",
