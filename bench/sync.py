@@ -39,15 +39,13 @@ import json
 import math
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 from compress import _events, _files  # bench/ is not a package: run as bench/sync.py
-from wan import add_world_arguments, measured_world, run_job
+from wan import add_world_arguments, emulator_missing, measured_world, run_job
 
 from dtfm.core.presets import get_preset
-from dtfm.wan import WanEmulator
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
 TARGETS = {"dp_cut": 100.0, "val_loss_pct": 3.0, "speedup_over_sync": 1.5,
@@ -199,9 +197,7 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ok, why = WanEmulator.available()
-    if not ok:
-        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+    if emulator_missing():
         return 2
     todo = variants(args)
     with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links, _):

@@ -53,6 +53,15 @@ def add_world_arguments(p: argparse.ArgumentParser, *, per_city: int, steps: int
     p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
 
 
+def emulator_missing() -> bool:
+    """True, having said why on stderr, when this machine cannot emulate a WAN (root and
+    network namespaces): the benchmarks on the emulated world then exit 2."""
+    ok, why = WanEmulator.available()
+    if not ok:
+        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+    return not ok
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,9 +166,7 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ok, why = WanEmulator.available()
-    if not ok:
-        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+    if emulator_missing():
         return 2
     placements = ([p for p in args.placements.split(",") if p] if args.placements else
                   ["scheduled", "rank-order", *(f"random:{s}" for s in args.seeds.split(","))])

@@ -17,7 +17,7 @@ import torch
 
 from agent.worker.outer import outer_step_
 from dtfm.core.rounds import newest_checkpoint, round_of, sync_due
-from tests.agent.worker.testlib import assert_close, run_local
+from tests.agent.worker.testlib import assert_resumed, run_local
 
 
 def test_outer_step_matches_a_hand_computed_nesterov_step() -> None:
@@ -128,9 +128,4 @@ def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path) -> None:
     assert state["outer"]["every"] == 4 and state["outer"]["rounds"] == 2
     assert any(float(m.abs().sum()) > 0 for m in state["outer"]["momentum"].values())
 
-    resumed = run_local(*RESUME, "--checkpoint-dir", str(ckpt))
-    assert resumed.rc == 0, resumed.stderr
-    assert [s["step"] for s in resumed.steps] == [9, 10, 11, 12]
-    assert_close(resumed.losses, full.losses[8:], 1e-6)
-    assert resumed.done is not None and full.done is not None
-    assert abs(resumed.done["val_loss"] - full.done["val_loss"]) <= 1e-6 * full.done["val_loss"]
+    assert_resumed(run_local(*RESUME, "--checkpoint-dir", str(ckpt)), full, after=8)
