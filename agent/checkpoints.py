@@ -9,7 +9,8 @@ three moves, all through the agents' authenticated `Agent` service:
 - **Serving** (`CheckpointStore`, behind `ListCheckpoints` / `FetchCheckpoint`): the complete
   steps (manifest present, file sizes match) of one stage, and any file one of them names, in
   1 MiB chunks from any offset. Nothing else under the root can be named: the file must be a
-  `step-NNNNNNNN.pt` its step's manifest lists.
+  `step-NNNNNNNN.pt` or `.safetensors` (the stage's weights) its step's manifest lists.
+  `coordinator export` gathers a job's weights through the same two calls.
 - **Fetching before a worker starts** (`CheckpointCopier.prepare`): an agent given a stage
   whose newest checkpoint it lacks (it never held the stage, or its copy is damaged) asks
   every peer in `Assignment.checkpoint_peers` and copies the newest complete steps newer than

@@ -65,6 +65,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             "local", help="train on this machine: S x R worker processes, like torchrun "
             "--standalone")
         local.add_arguments(p)
+
+    from agent import generate
+
+    p = subs["generate"] = sub.add_parser(
+        "generate", help="continue a prompt with a Hugging Face model directory's weights, "
+        "computed by dtfm's own model")
+    generate.add_arguments(p)
+
+    from agent import prepare
+
+    p = subs["prepare"] = sub.add_parser(
+        "prepare", help="tokenize .txt, .jsonl or .parquet files into the train.bin, val.bin "
+        "and meta.json that --data trains on")
+    prepare.add_arguments(p)
     return parser, subs
 
 
@@ -79,8 +93,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     def status(args: argparse.Namespace) -> int:
         return flags.run_async(_status(args))
 
-    return flags.dispatch(parser, subs, argv,
-                            {"start": _start, "status": status, "local": local})
+    def generate(args: argparse.Namespace) -> int:
+        from agent import generate as generate_cmd
+
+        return generate_cmd.run(args)
+
+    def prepare(args: argparse.Namespace) -> int:
+        from agent import prepare as prepare_cmd
+
+        return prepare_cmd.run(args)
+
+    return flags.dispatch(parser, subs, argv, {"start": _start, "status": status,
+                                               "local": local, "generate": generate,
+                                               "prepare": prepare})
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -4,10 +4,14 @@ Latency is half the shortest round trip of several pings, after one warm-up ping
 the connection set-up: the path never returns a ping early, while a busy host (two agents'
 event loops, the scheduler) only ever adds to it, so the minimum is the link's own delay and
 the median drifted 2 ms high on 10 ms links whenever the cores were shared.
-Bandwidth comes from one continuous, paced stream: the receiver reports
-what arrived every tick, the sender sums ticks into windows and stops once three windows after
-the first agree (the first pays for slow start and window growth), after MAX_WINDOWS, or at
-the size cap. A peer that does not answer becomes an unreachable sample, never an exception.
+Bandwidth comes from one continuous, paced stream: the receiver reports what arrived every
+tick, the sender sums ticks into windows and stops once three windows after the first agree
+(the first pays for slow start and window growth). A probe whose windows never agree (a slow,
+far link stalls for a retransmission timeout whenever a packet is lost, so some windows carry
+nothing and the next one a burst) ends after MAX_WINDOWS, at the size cap, or when the peer
+ends the stream, and reports its best estimate marked as one (`LinkSample.estimated`). Only a
+peer that moves no data at all, or does not answer, becomes an unreachable sample, never an
+exception.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import collections
 import logging
 import math
 import random
+import statistics
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -29,7 +35,10 @@ from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 1024  # fine enough to time a 5 Mbit/s link in a quarter second
-MAX_WINDOWS = 10
+# A steady flow settles within about five windows; one that has not after MAX_WINDOWS (about
+# 6.7 s at the default probe_seconds of 1 s) is estimated rather than watched any longer: a
+# 2 Mbit/s link with 171 ms one way still had windows of nothing after ten.
+MAX_WINDOWS = 20
 # Three windows within CONVERGED of each other: two could agree while the rate still ramps.
 STEADY_WINDOWS = 3
 CONVERGED = 0.1  # windows within 10 % of each other: the flow is steady
@@ -82,8 +91,10 @@ async def measure_peer(
             if latency:
                 sample.delay_ms = rtt_s / 2 * 1000.0
         if bandwidth:
-            sample.bandwidth_gbps = await _bandwidth(stub, probe_seconds, probe_max_bytes, rtt_s,
-                                                     peer_id)
+            rate = await _bandwidth(stub, probe_seconds, probe_max_bytes, rtt_s, peer_id)
+            sample.bandwidth_gbps = rate.gbps
+            sample.estimated = bool(rate.estimate_note)
+            sample.estimate_note = clip(rate.estimate_note)
         sample.reachable = True
     except grpc.aio.AioRpcError as exc:
         sample.reachable = False
@@ -170,32 +181,62 @@ class _Windows:
         """The fastest window after the first (or the first, if it is all there is)."""
         return max(self.rates[1:] or self.rates or [0.0])
 
+    def typical(self) -> float:
+        """The median of the windows after the first that moved data (or of all that did).
+
+        For windows that never agreed because the flow stalled: a stalled window reads
+        nothing and the one after it a burst of what the stall held back, and the median
+        ignores both."""
+        moving = [r for r in self.rates[1:] if r > 0] or [r for r in self.rates if r > 0]
+        return statistics.median(moving) if moving else 0.0
+
+    def stalled(self) -> int:
+        """How many windows moved no data."""
+        return sum(r <= 0 for r in self.rates)
+
+    def _agree(self, rates: list[float]) -> bool:
+        """Within CONVERGED of each other, or one chunk per window apart: the receiver counts
+        whole chunks, so at 2 Mbit/s a window of 0.33 s holds 5 or 6 of them (17 % apart)
+        however steady the flow."""
+        spread = max(rates) - min(rates)
+        return spread <= max(CONVERGED * max(rates), CHUNK_BYTES * 8 / self.window_s)
+
     def ramping(self) -> bool:
         """True until two windows after the first agree."""
         last = self.rates[1:][-2:]
-        return len(last) < 2 or max(last) - min(last) > CONVERGED * max(last)
+        return len(last) < 2 or not self._agree(last)
 
     def steady(self) -> float | None:
-        """The rate once STEADY_WINDOWS windows after the first agree, else None."""
+        """The rate once STEADY_WINDOWS windows after the first moved data and agree, else
+        None. A window that moved nothing is a stall, never part of a steady rate."""
         last = self.rates[1:][-STEADY_WINDOWS:]
-        if len(last) == STEADY_WINDOWS and max(last) - min(last) <= CONVERGED * max(last):
+        if len(last) == STEADY_WINDOWS and min(last) > 0 and self._agree(last):
             return sum(last) / len(last)
         return None
 
 
+@dataclass(frozen=True)
+class _Rate:
+    """What a bandwidth probe found: a settled rate, or an estimate and how it was made."""
+
+    gbps: float
+    estimate_note: str = ""  # empty: the windows agreed; else why not and what was taken
+
+
 async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
-                     rtt_s: float, peer_id: str) -> float:
-    """Steady-state rate in Gbit/s of one continuous, paced stream, once its windows agree.
+                     rtt_s: float, peer_id: str) -> _Rate:
+    """Steady-state rate of one continuous, paced stream once its windows agree, else an
+    estimate (see `_estimate`); raises ValueError only when no data arrived at all.
 
     A fresh connection reads low at first (slow start, and the receiver's TCP buffer grows
     only while data flows: a 30 Mbit/s path with 476 ms round trips takes about 2.5 s to
     reach its rate), so the sender keeps streaming and sums the receiver's ticks into windows
     of `target_s / STEADY_WINDOWS`; after the first window, STEADY_WINDOWS consecutive windows
-    within CONVERGED of each other end the probe, so the steady rate is watched for about
-    `target_s`. The stream is then cancelled rather than drained: the pace limit keeps what
-    is in flight within about 1.5 round trips' worth, and the next probe through either
-    device counts only windows that agree, so a backlog still draining cannot pass for a
-    steady rate.
+    that moved data and lie within CONVERGED of each other end the probe, so the steady rate
+    is watched for about `target_s`. The stream is then cancelled rather than drained: the
+    pace limit keeps what is in flight within about 1.5 round trips' worth, and the next
+    probe through either device counts only windows that agree, so a backlog still draining
+    cannot pass for a steady rate.
     """
     tick_s = min(TICK_S, target_s / 4)
     windows = _Windows(target_s / STEADY_WINDOWS)
@@ -205,7 +246,8 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         maxlen=math.ceil((rtt_s + tick_s) / tick_s) + 1)
     stream = _PacedStream(cap, tick_s, INITIAL_INFLIGHT)
     began = time.perf_counter()
-    result: float | None = None
+    rate: _Rate | None = None
+    ended, cut_short = "the peer ended the stream", True
     call = stub.Probe(stream.chunks(), timeout=max(60.0, 40 * target_s))
     while True:
         try:
@@ -219,23 +261,50 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         windows.add(tick.bytes, tick.seconds)
         if tick.seconds > 0:
             recent.append(tick.bytes * 8 / tick.seconds)
-        rate = max(recent, default=0.0)
+        fastest = max(recent, default=0.0)
         factor = RAMP_FACTOR if windows.ramping() else INFLIGHT_FACTOR
-        limit = max(MIN_INFLIGHT, int(factor * rate / 8 * (rtt_s + 2 * tick_s)))
+        limit = max(MIN_INFLIGHT, int(factor * fastest / 8 * (rtt_s + 2 * tick_s)))
         stream.report(tick.total_bytes, limit)
-        result = windows.steady()
-        if result is None and (len(windows.rates) >= MAX_WINDOWS or stream.sent >= cap):
-            result = windows.best()
-        if result is not None:
-            stream.stop()
-            call.cancel()
-            break
-    if result is None:  # the peer ended the stream early
-        result = windows.best()
-    log.info("bandwidth to %s: %.1f Mbit/s after %.2f s; windows of %.2f s: %s Mbit/s",
-             peer_id, (result or 0) / 1e6, time.perf_counter() - began, windows.window_s,
+        steady = windows.steady()
+        if steady is not None:
+            rate = _Rate(steady / 1e9)
+        elif len(windows.rates) >= MAX_WINDOWS:
+            ended, cut_short = f"its {len(windows.rates)} windows never agreed", False
+        elif stream.sent >= cap:
+            ended = f"it reached its cap of {cap / 2**20:.0f} MiB"
+        else:
+            continue
+        stream.stop()
+        call.cancel()
+        break
+    elapsed = time.perf_counter() - began
+    if rate is None:
+        rate = _estimate(windows, stream.received, elapsed, ended, cut_short)
+    log.info("bandwidth to %s: %.1f Mbit/s%s after %.2f s; windows of %.2f s: %s Mbit/s",
+             peer_id, rate.gbps * 1e3, f" (an estimate: {rate.estimate_note})"
+             if rate.estimate_note else "", elapsed, windows.window_s,
              " ".join(f"{r / 1e6:.1f}" for r in windows.rates))
-    if not result:
-        raise ValueError(
-            f"the probe ended after {len(windows.rates)} window(s) without a rate")
-    return result / 1e9
+    return rate
+
+
+def _estimate(windows: _Windows, received: int, elapsed_s: float, ended: str,
+              cut_short: bool) -> _Rate:
+    """The best figure of a probe whose windows never agreed; `ended` says why it stopped.
+
+    `cut_short` (the byte cap, the peer): the flow was most likely still climbing, so its
+    fastest window after the first stands for it. Watched to MAX_WINDOWS, it kept changing
+    (stalls and the bursts after them), so the median of its windows that moved data does.
+    Nothing received at all: the peer is unreachable (ValueError).
+    """
+    if received <= 0:
+        raise ValueError(f"no probe data arrived in {elapsed_s:.1f} s ({ended})")
+    bps = windows.best() if cut_short else windows.typical()
+    how = "the fastest window after the first" if cut_short else (
+        "the median of the windows that moved data")
+    if bps <= 0:  # data arrived, but no window completed with any: the whole probe's average
+        bps, how = received * 8 / elapsed_s, "the average over the whole probe"
+    stalls = windows.stalled()
+    note = (f"no steady rate: {ended}"
+            + (f" ({stalls} of {len(windows.rates)} moved no data)" if stalls else "")
+            + f"; took {how}, {bps / 1e6:.2f} Mbit/s")
+    return _Rate(bps / 1e9, note)

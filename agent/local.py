@@ -22,14 +22,19 @@ from pathlib import Path
 from typing import IO, Any
 
 from dtfm import flags
+from dtfm.core import hfexport
 from dtfm.core.assignment import build_assignments
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
+from dtfm.core.hfconfig import read_hf_config
+from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_splits
-from dtfm.core.presets import PRESETS, get_preset
+from dtfm.core.presets import PRESETS
 from dtfm.core.spec import TrainConfig
+from dtfm.core.tokenfiles import check_data_path
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.rpc import free_port
 
+DEFAULT_MODEL = "gpt-tiny"
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
 
@@ -50,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     abbreviation of it.
     """
     p, positive = parser, flags.positive_count
-    p.add_argument("--model", default="gpt-tiny", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", default="", help=f"preset: {', '.join(PRESETS)} (default: "
+                   f"{DEFAULT_MODEL}, or the model --init-from names)")
     p.add_argument("--stages", type=positive, default=2, help="pipeline stages S")
     p.add_argument("--replicas", type=positive, default=2, help="data-parallel replicas R")
     p.add_argument("--layer-splits", type=_splits, default="",
@@ -64,13 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps between progress lines")
     p.add_argument("--json", action="store_true", help="one JSON object per step, then done")
     p.add_argument("--workdir", default="", help="keep assignments, progress and logs here")
+    p.add_argument("--export-dir", default="", metavar="DIR",
+                   help="after the last step, write the trained model there as a Hugging Face "
+                   "directory (config.json, model.safetensors, tokenizer files)")
+    p.add_argument("--tokenizer", default="", metavar="PATH",
+                   help="with --export-dir: the tokenizer.json (or its directory) to export "
+                   "(default: the one in --data's directory, else --init-from's)")
+    p.add_argument("--force", action="store_true",
+                   help="with --export-dir: replace a directory that is not empty")
     flags.add_train_args(p)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The job's `TrainConfig`, paths made absolute: they must not depend on a worker's cwd."""
     train = flags.train_config_from_args(args)
-    for name in ("data_path", "checkpoint_dir"):
+    for name in ("data_path", "checkpoint_dir", "init_from"):
         if getattr(train, name):
             setattr(train, name, str(Path(getattr(train, name)).resolve()))
     return train
@@ -91,10 +105,18 @@ class LocalJob:
 
     def __init__(self, args: argparse.Namespace, out: IO[str]) -> None:
         self.args, self.out = args, out
-        self.spec = get_preset(args.model)
-        self.layout = Layout(args.stages, args.replicas)
         self.train = train_config(args)
         self.train.validate(args.replicas)
+        self.spec = resolve_spec(args.model or ("" if self.train.init_from else DEFAULT_MODEL),
+                                 self.train.init_from, self.train.seq_len)
+        self.init_hash = ""
+        if self.train.init_from:
+            check_dir(self.train.init_from)
+            self.init_hash = dir_hash(self.train.init_from)
+        self.layout = Layout(args.stages, args.replicas)
+        self.export = self._plan_export(args)
+        check_data_path(self.train.data_path, self.spec.vocab_size,
+                        model_tokenizer_hash(self.train.init_from))
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
         self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
         self.backend = "nccl" if args.device == "cuda" else "gloo"
@@ -102,6 +124,36 @@ class LocalJob:
         self.procs: list[Proc] = []
         self.report_rank = self.layout.rank(self.layout.stages - 1, 0)
         self._first_step: tuple[int, float] | None = None
+
+    def _plan_export(self, args: argparse.Namespace) -> Path | None:
+        """--export-dir: checked before training (a non-empty directory is refused unless
+        --force); the stages' weights come from their checkpoints of the last step, in the
+        workdir unless --checkpoint-dir names a place."""
+        if not args.export_dir:
+            return None
+        if self.train.checkpoint_every == 0:
+            raise ValueError("--export-dir needs the last step's checkpoint, which "
+                             "--checkpoint-every 0 turns off: drop it")
+        hfexport.check_destination(args.export_dir, args.force)
+        if args.tokenizer:
+            hfexport.tokenizer_sources(args.tokenizer)
+        return Path(args.export_dir).resolve()
+
+    def write_export(self, workdir: Path) -> None:
+        """Write --export-dir from the stages' checkpoints of the newest step all hold."""
+        assert self.export is not None
+        root = Path(self.train.checkpoint_dir or workdir / "checkpoints")
+        step, files = hfexport.local_stage_files(root, "local", self.layout.stages)
+        tokenizer = self.args.tokenizer or hfexport.find_tokenizer(self.train.data_path,
+                                                                   self.train.init_from)
+        source = read_hf_config(self.train.init_from) if self.train.init_from else None
+        hfexport.write_export(self.export, self.spec, files, tokenizer=tokenizer,
+                              force=self.args.force, source_config=source,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if not self.args.json:
+            print(f"exported step {step} to {self.export}", file=self.out, flush=True)
+        else:
+            self._write({"exported": str(self.export), "export_step": step})
 
     def _check_gpus(self) -> int:
         import torch
@@ -119,7 +171,7 @@ class LocalJob:
         assignments = build_assignments(
             job_id="local", epoch=0, layout=self.layout, spec=self.spec, train=self.train,
             master_addr="127.0.0.1", master_port=free_port(), backend=self.backend,
-            splits=self.splits,
+            splits=self.splits, init_hash=self.init_hash,
         )
         threads = a.threads or max(1, (os.cpu_count() or 1) // self.layout.world_size)
         for msg in assignments:
@@ -197,17 +249,10 @@ class LocalJob:
         eta = (now - t_first) / (step - first) * (total - step) if step > first else float("nan")
         print(
             f"step {step:>6}/{total} | loss {ev.loss:.4f} | "
-            f"{ev.tokens_per_s:,.0f} tok/s | ETA {_hms(eta)}",
+            f"{ev.tokens_per_s:,.0f} tok/s | ETA {flags.hms(eta)}",
             file=self.out, flush=True,
         )
         return step
-
-
-def _hms(seconds: float) -> str:
-    if seconds != seconds:  # NaN: not enough steps yet
-        return "-:--:--"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -218,12 +263,12 @@ def run(args: argparse.Namespace) -> int:
     """Run a local job; returns the process exit status."""
     try:
         job = LocalJob(args, sys.stdout)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, hfexport.ExportError) as e:
         print(f"agent local: {e}", file=sys.stderr)
         return 2
     if not args.json:
         print(
-            f"agent local: {args.model} ({job.spec.param_count():,} params) on "
+            f"agent local: {job.spec.name} ({job.spec.param_count():,} params) on "
             f"{args.stages} stages x {args.replicas} replicas, layers {job.splits}, "
             f"{args.schedule}, dp {args.dp_mode}, batch {args.batch} in "
             f"{args.micro_batches} micro-batches, {args.steps} steps",
@@ -234,8 +279,16 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     with ctx as workdir:
         try:
+            if job.export is not None and not job.train.checkpoint_dir:
+                job.train.checkpoint_dir = str(Path(workdir).resolve() / "checkpoints")
             job.spawn(Path(workdir))
-            return job.monitor()
+            code = job.monitor()
+            if code == 0 and job.export is not None:
+                job.write_export(Path(workdir))
+            return code
+        except hfexport.ExportError as e:
+            print(f"agent local: export failed: {e}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print("agent local: interrupted; stopping workers", file=sys.stderr)
             return 130

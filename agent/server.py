@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -23,6 +23,7 @@ from agent.identity import load_or_create_id
 from agent.session import CoordinatorSession, FatalSessionError
 from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
+from agent.tuning import TuningCheck
 from dtfm import rpc
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -117,6 +118,16 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             yield chunk
 
 
+def registrar(service: AgentService) -> Callable[[grpc.aio.Server], list[str]]:
+    """What `rpc.start_server` calls to add `service` and name it (for health, reflection)."""
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        agent_pb2_grpc.add_AgentServicer_to_server(service, server)
+        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
+
+    return register
+
+
 async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.Server | None:
     """The Prometheus endpoint of `--metrics-listen`, or None when it is off."""
     if not config.metrics_listen:
@@ -139,12 +150,8 @@ async def serve(config: AgentConfig) -> int:
     service = AgentService(info, CheckpointStore(checkpoints))
     metrics = await start_metrics(config, service)
 
-    def register(server: grpc.aio.Server) -> list[str]:
-        agent_pb2_grpc.add_AgentServicer_to_server(service, server)
-        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
-
-    server, port, health = await rpc.start_server(config.listen, config.security, register,
-                                                  f"agent {agent_id}")
+    server, port, health = await rpc.start_server(config.listen, config.security,
+                                                  registrar(service), f"agent {agent_id}")
     info.port = port
     log.info("agent %s serving on %s:%d (%s), coordinator %s", agent_id, info.host, port,
              info.device.kind, config.coordinator)
@@ -154,8 +161,11 @@ async def serve(config: AgentConfig) -> int:
                                 checkpoints, config.security,
                                 mirror_interval_s=config.mirror_interval_s),
                             prewarm=config.prewarm)
+    tuning = TuningCheck()
+    tuning.run()  # what a measurement cannot change; the buffers wait for measured links
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
-                                 config.max_backoff_s, state_dir=config.state_dir)
+                                 config.max_backoff_s, state_dir=config.state_dir,
+                                 tuning=tuning)
     service.session = session
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

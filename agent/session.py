@@ -17,6 +17,7 @@ import grpc
 from agent.identity import SecretFile
 from agent.linkprobe import measure_peer
 from agent.supervisor import Supervisor
+from agent.tuning import TuningCheck
 from dtfm import rpc
 from dtfm.core.limits import MAX_KIND, clip
 from dtfm.core.spec import WorkerState
@@ -35,8 +36,10 @@ class FatalSessionError(RuntimeError):
 class CoordinatorSession:
     def __init__(self, info: common_pb2.AgentInfo, target: str, security: rpc.Security,
                  supervisor: Supervisor, max_backoff_s: float = 10.0,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, tuning: TuningCheck | None = None) -> None:
         self.info = info
+        # the host's kernel settings, re-checked after each measurement (None: not checked)
+        self.tuning = tuning
         self._secret_file = SecretFile(state_dir)
         self.secret = self._secret_file.load()
         self.target = target
@@ -133,6 +136,8 @@ class CoordinatorSession:
                     *(self._measure_peer(cmd, peer) for peer in cmd.peers)))
             else:
                 samples = [await self._measure_peer(cmd, peer) for peer in cmd.peers]
+            if self.tuning is not None and cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY:
+                self.tuning.run()  # the buffers against the bandwidth-delay products just seen
             report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
                                                 round_id=cmd.round_id, samples=samples,
                                                 agent_secret=self.secret)
@@ -159,6 +164,8 @@ class CoordinatorSession:
             rtt_hint_s=self._rtt_s.get(peer.address, 0.0))
         if sample.reachable and sample.delay_ms > 0:
             self._rtt_s[peer.address] = 2 * sample.delay_ms / 1000
+        if self.tuning is not None and sample.bandwidth_gbps > 0:
+            self.tuning.observe(sample, self._rtt_s.get(peer.address, 0.0))
         if not sample.reachable:  # start afresh next time
             self._rtt_s.pop(peer.address, None)
             if self._peer_channels.get(peer.address) is channel:
@@ -187,6 +194,7 @@ class CoordinatorSession:
             mirrored_steps=copier.mirrored if (copier := self.supervisor.checkpoints) else {},
             resumed_step=p.resumed_step if p.resumed_step >= 0 else None,
             sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
+            tuning=self.tuning.to_proto() if self.tuning is not None else [],
         )
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:

@@ -25,6 +25,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from coordinator.config import JobConfig  # its defaults; `plan` below loads numpy anyway
+
     parser = flags.Parser(
         prog="coordinator",
         description="dtfm coordinator: registry, link matrix, scheduler and job control",
@@ -51,8 +53,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--stages", type=flags.count, default=0, help="pipeline stages (0: choose)")
     p.add_argument("--replicas", type=flags.count, default=0,
                    help="data-parallel replicas (0: choose)")
-    p.add_argument("--search-seconds", type=flags.seconds, default=5.0,
-                   help="time budget of the scheduler's search")
+    flags.add_search_seconds(p, JobConfig.search_seconds)
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
@@ -78,6 +79,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "of measuring; it must cover the job's agents")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    p.add_argument("--export-dir", default="", metavar="DIR",
+                   help="after the last step, write the trained model there as a Hugging Face "
+                   "directory, gathered from the agents (as `coordinator export` does)")
     flags.add_train_args(p)  # --seed among them: it also seeds the placement search
     flags.add_common_args(p)
 
@@ -94,6 +98,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--plot", metavar="FILE.png", default="",
                    help="also draw loss and throughput by step into this PNG (needs matplotlib: "
                    "pip install 'dtfm[plot]')")
+    flags.add_common_args(p, config_file=False)
+
+    p = subs["export"] = sub.add_parser(
+        "export", help="write a job's newest complete step as a Hugging Face model directory, "
+        "gathered from the agents that hold its stages")
+    _add_client_args(p)
+    p.add_argument("--job", default="", metavar="ID",
+                   help="the job id `coordinator status` shows (default: the running job)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    p.add_argument("--force", action="store_true", help="replace --out if it is not empty")
+    p.add_argument("--tokenizer", default="", metavar="PATH",
+                   help="tokenizer.json (or a directory holding one) to write beside the model")
     flags.add_common_args(p, config_file=False)
 
     p = subs["links"] = sub.add_parser(
@@ -148,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return flags.dispatch(parser, subs, argv, {
         "start": _start, "status": query, "links": query, "plan": plan, "demo": demo,
-        "report": report})
+        "report": report, "export": lambda args: flags.run_async(_export(args))})
 
 
 def _start(args: argparse.Namespace) -> int:
@@ -171,10 +187,28 @@ def _start(args: argparse.Namespace) -> int:
                       seed=args.seed, max_restarts=args.max_restarts,
                       min_agents=args.min_agents,
                       placement=args.placement, links_file=args.links,
-                      layer_split=args.layer_split),
+                      layer_split=args.layer_split, export_dir=args.export_dir),
     )
     config.validate()
     flags.run_async(serve(config))
+    return 0
+
+
+async def _export(args: argparse.Namespace) -> int:
+    from coordinator.export import export_job
+    from dtfm.core.hfexport import ExportError
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        step, out = await export_job(args.coordinator, flags.security_from_args(args), args.out,
+                                     job_id=args.job, force=args.force,
+                                     tokenizer=args.tokenizer, say=say)
+    except ExportError as exc:
+        return flags.fail(str(exc), 1)
+    print(json.dumps({"out": str(out), "step": step}) if args.json
+          else f"exported step {step} to {out}")
     return 0
 
 
@@ -268,4 +302,6 @@ def _links_text(data: dict) -> str:
             ("-" if v is None else f"{v:.4f}").rjust(12) for v in row))
     if data["unreachable"]:
         lines.append("unreachable: " + ", ".join(data["unreachable"]))
+    for pair, note in data.get("estimated", {}).items():
+        lines.append(f"estimated bandwidth {pair}: {note}")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from coordinator.placement import Placement
-from dtfm.core.spec import TrainConfig
+from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 
@@ -15,7 +15,9 @@ class JobConfig:
     """The training job the coordinator drives once enough agents are alive.
 
     `model` empty means no job: the coordinator only keeps the registry and measures links.
-    `stages`/`replicas` 0 means: chosen from the number of agents.
+    `stages`/`replicas` 0 means: chosen from the number of agents. With `train.init_from`
+    the model comes from that directory's config.json (`validate` names it `hf:<dir name>`
+    unless `--model` names a preset of the same shape) and `init_hash` identifies it.
     """
 
     model: str = ""
@@ -31,6 +33,18 @@ class JobConfig:
     placement: str = "scheduled"  # scheduled, rank-order, random[:SEED] or a plan file
     links_file: str = ""  # plan on this measured matrix instead of measuring
     layer_split: str = "auto"  # auto (by device speed and memory), even, or counts "4,2"
+    export_dir: str = ""  # write the trained model there as a Hugging Face directory
+    init_hash: str = ""  # set by validate: dtfm.core.hfdir.dir_hash of train.init_from
+    _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
+
+    def model_spec(self) -> ModelSpec:
+        """What the job trains: preset `model`, or the model `train.init_from` names."""
+        if self._spec is None:
+            from dtfm.core.hfdir import resolve_spec
+
+            preset = "" if self.model.startswith("hf:") else self.model
+            self._spec = resolve_spec(preset, self.train.init_from, self.train.seq_len)
+        return self._spec
 
     def parsed_split(self) -> list[int] | None:
         """The `--layer-split` counts, or None for auto/even."""
@@ -53,6 +67,15 @@ class JobConfig:
 
     def validate(self) -> None:
         self._check_ranges()
+        if self.train.init_from:
+            self._check_init_from()
+        if self.export_dir:
+            from dtfm.core.hfexport import ExportError, check_destination
+
+            try:
+                check_destination(self.export_dir, force=False)
+            except ExportError as exc:
+                raise ConfigError(f"--export-dir: {exc}") from None
         if not self.model:
             return
         if self.links_file:
@@ -65,10 +88,8 @@ class JobConfig:
         placement = self.parsed_placement()
         if placement.pinned is not None:
             self._check_pinned(placement)
-        from dtfm.core.presets import get_preset
-
         try:
-            spec = get_preset(self.model)
+            spec = self.model_spec()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.agents < 1:
@@ -97,7 +118,37 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
                               f"{layout.replicas} replicas)") from None
+        self._check_data(spec.vocab_size)
 
+    def _check_data(self, vocab_size: int) -> None:
+        """`--data` against the model from its meta.json, where this machine holds it (each
+        agent's worker checks the token files themselves before it joins)."""
+        from dtfm.core.hfdir import model_tokenizer_hash
+        from dtfm.core.tokenfiles import check_data_path
+
+        try:
+            check_data_path(self.train.data_path, vocab_size,
+                            model_tokenizer_hash(self.train.init_from))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+    def _check_init_from(self) -> None:
+        """--init-from: the spec from config.json (refusing a --model that disagrees), the
+        hash every worker's copy must match, and an absolute path (workers run elsewhere)."""
+        from pathlib import Path
+
+        from dtfm.core.hfdir import dir_hash
+
+        self.train.init_from = str(Path(self.train.init_from).absolute())
+        self._spec = None
+        try:
+            spec = self.model_spec()
+            self.init_hash = dir_hash(self.train.init_from)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(str(exc)) from None
+        if not self.model:
+            self.model = spec.name
 
     def _check_ranges(self) -> None:
         for flag, value in (("--agents", self.agents), ("--stages", self.stages),

@@ -2,8 +2,8 @@
 
 Starts a coordinator and several agents as real processes on loopback (a fresh token in a
 temporary directory), lets the coordinator measure links, schedule and push assignments, and
-prints the job's progress until training ends. Everything it started is stopped on the way
-out, whatever happens.
+prints the job's progress until training ends, then where the loss went, how long it took and
+what to try next. Everything it started is stopped on the way out, whatever happens.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import contextlib
 import json
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -117,9 +119,59 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
     return 1  # pragma: no cover
 
 
+# What to try after the loopback demo: the same product across an emulated WAN, then machines.
+NEXT_STEPS = [
+    "the scheduler on an emulated world-wide WAN, against network-blind rank order: "
+    "`sudo .venv/bin/coordinator demo --wan world` (needs root, about 3 minutes)",
+    "your own machines: README.md, \"Running a real cluster\" (tune their TCP with "
+    "deploy/install.sh or deploy/sysctl.d)",
+]
+
+
+def summary(history: coordinator_pb2.JobHistory, status: coordinator_pb2.ClusterStatus,
+            seconds: float) -> dict[str, Any]:
+    """Where the loss went (first and last step that reported one), how long it took (all
+    of it, and a step as the members measured it), and what to try next: the demo's last
+    word."""
+    losses = [p for p in history.points if p.loss > 0]
+    step_times = [p.step_s for p in history.points if p.step_s > 0]
+    first, last = (losses[0], losses[-1]) if losses else (None, None)
+    steps = status.job.step or status.job.total_steps
+    return {
+        "model": status.job.model, "agents": len(status.agents),
+        "stages": status.plan.stages, "replicas": status.plan.replicas,
+        "steps": steps, "first_step": first.step if first else 0,
+        "first_loss": first.loss if first else 0.0, "last_step": last.step if last else 0,
+        "last_loss": last.loss if last else 0.0, "seconds": round(seconds, 1),
+        "step_s": round(statistics.median(step_times), 4) if step_times else 0.0,
+        "plan_cost": status.plan.cost, "next": NEXT_STEPS,
+    }
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    loss = (f"loss {s['first_loss']:.3f} at step {s['first_step']} -> {s['last_loss']:.3f} at "
+            f"step {s['last_step']}" if s["last_step"] else "no loss reported")
+    return (f"demo: trained {s['steps']} steps of {s['model']} on {s['agents']} agents "
+            f"({s['stages']} stages x {s['replicas']} replicas) in {s['seconds']:.0f} s "
+            f"({s['step_s']:.2f} s a step); {loss}; "
+            f"plan cost {s['plan_cost']:.4f} s\n"
+            + "".join(f"demo: next, {n}\n" for n in s["next"]))
+
+
+async def _summary(stub: coordinator_pb2_grpc.CoordinatorStub,
+                   status: coordinator_pb2.ClusterStatus, started: float) -> dict[str, Any]:
+    """`summary` of the finished job, with its loss history from the coordinator."""
+    try:
+        history = await stub.GetHistory(coordinator_pb2.HistoryRequest(), timeout=5.0)
+    except grpc.aio.AioRpcError:
+        history = coordinator_pb2.JobHistory()  # the summary then says no loss was reported
+    return summary(history, status, time.monotonic() - started)
+
+
 async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Popen[bytes]],
                  args: argparse.Namespace, workdir: Path) -> int:
-    deadline = time.monotonic() + args.timeout
+    started = time.monotonic()
+    deadline = started + args.timeout
     last_line = ""
     start_step_time: tuple[int, float] | None = None
     async with rpc.open_channel(address, security) as channel:
@@ -143,10 +195,13 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
             if start_step_time and job.step > start_step_time[0]:
                 rate = (job.step - start_step_time[0]) / (time.monotonic() - start_step_time[1])
                 eta = f"  ETA {max(0.0, (job.total_steps - job.step) / rate):.0f}s"
+            done = job.state == coordinator_pb2.JOB_STATE_DONE
+            closing = await _summary(stub, status, started) if done else None
             if args.json:
-                line = json.dumps({"state": state, "agents_alive": alive, "step": job.step,
-                                   "total_steps": job.total_steps, "loss": job.loss,
-                                   "tokens_per_s": job.tokens_per_s})
+                update = {"state": state, "agents_alive": alive, "step": job.step,
+                          "total_steps": job.total_steps, "loss": job.loss,
+                          "tokens_per_s": job.tokens_per_s}
+                line = json.dumps({**update, "summary": closing} if closing else update)
             else:
                 line = (f"[{state}] agents {alive}/{args.agents}  step {job.step}/"
                         f"{job.total_steps}  loss {job.loss:.4f}  "
@@ -154,9 +209,8 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
             if line != last_line:
                 print(line, flush=True)
                 last_line = line
-            if job.state == coordinator_pb2.JOB_STATE_DONE:
-                print(f"demo: trained {job.total_steps} steps; plan cost "
-                      f"{status.plan.cost:.4f} s", file=sys.stderr)
+            if closing is not None:
+                sys.stderr.write(summary_text(closing))
                 return 0
             if job.state == coordinator_pb2.JOB_STATE_FAILED:
                 return flags.fail(f"job failed: {job.message}; see logs in {workdir}", 1)

@@ -45,7 +45,6 @@ from coordinator.scheduler.memory import DoesNotFit, check_fit, packs, stages_by
 from coordinator.scheduler.steptime import StepShape, StepTime, dp_shares, simulate_step
 from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
-from dtfm.core.presets import get_preset
 from dtfm.core.rounds import newest_checkpoint
 from dtfm.core.shape import choose_layout, elastic_layout
 from dtfm.core.spec import TrainConfig, WorkerState
@@ -70,7 +69,8 @@ def job_fingerprint(cfg: JobConfig) -> str:
     return fingerprint({"model": cfg.model, "agents": cfg.agents, "stages": cfg.stages,
                         "replicas": cfg.replicas, "train": asdict(cfg.train),
                         "placement": cfg.placement, "layer_split": cfg.layer_split,
-                        "seed": cfg.seed})
+                        "seed": cfg.seed,
+                        **({"init_hash": cfg.init_hash} if cfg.init_hash else {})})
 
 
 def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int,
@@ -337,10 +337,11 @@ class Job:
         with_loss = [r for r in reports if r.step == step and r.loss > 0]
         self._refresh_prediction()
         measured = self.measured_step_s()
-        tokens = self.config.train.global_batch * get_preset(self.config.model).seq_len \
+        tokens = self.config.train.global_batch * self.config.model_spec().seq_len \
             if self.config.model else 0
         return coordinator_pb2.JobStatus(
             job_id=self.job_id, state=self.state, model=self.config.model,
+            model_spec=self.config.model_spec().to_proto() if self.config.model else None,
             agents_wanted=self.config.agents, epoch=self.epoch, step=step,
             total_steps=self.config.train.steps,
             loss=with_loss[0].loss if with_loss else 0.0,
@@ -403,7 +404,7 @@ class Job:
 
     async def _run_epoch(self) -> None:
         cfg = self.config
-        spec = get_preset(cfg.model)
+        spec = cfg.model_spec()
         placement = cfg.parsed_placement()
         members = await self._gather(placement)
         wanted = len(members)
@@ -501,6 +502,7 @@ class Job:
             codecs=found["codecs"],
             members=[(r.info.host, r.info.port) for r in records],
             checkpoint_splits=resplit, dp_shares=found["dp_shares"],
+            init_hash=cfg.init_hash,
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()
@@ -555,7 +557,7 @@ class Job:
         or an even one when the stages are re-cut (`memory.packs`). `_place` checks the
         placement it makes again (`check_fit`)."""
         cfg = self.config
-        work = Workload(get_preset(cfg.model), layout.stages, layout.replicas,
+        work = Workload(cfg.model_spec(), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
                         moments_dtype=cfg.train.moments_dtype, sync_every=cfg.train.sync_every)
         kept = self._trained_splits if self._trained_splits and len(

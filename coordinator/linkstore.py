@@ -36,6 +36,9 @@ class LinkEntry:
     reachable: bool
     error: str
     measured_unix_s: float
+    # Non-empty: bandwidth_gbps is the probe's estimate, not a settled rate, and how it was
+    # made (LinkSample.estimated and estimate_note).
+    estimate: str = ""
 
 
 @dataclass
@@ -55,6 +58,7 @@ class LinkStore:
             reachable=sample.reachable and (old is None or old.reachable or latency),
             error=sample.error or (old.error if old is not None and not latency else ""),
             measured_unix_s=sample.measured_unix_s or time.time(),
+            estimate=(estimate_of(sample) if bandwidth or old is None else old.estimate),
         )
 
     def forget(self, agent_ids: Iterable[str]) -> None:
@@ -79,6 +83,7 @@ class LinkStore:
         delay = [math.nan] * (n * n)
         bw = [math.nan] * (n * n)
         unreachable = []
+        estimated, notes = [], []
         for i, a in enumerate(ids):
             delay[i * n + i] = 0.0
             for j, b in enumerate(ids):
@@ -88,17 +93,27 @@ class LinkStore:
                 if entry.reachable:
                     delay[i * n + j] = entry.delay_ms
                     bw[i * n + j] = entry.bandwidth_gbps
+                    if entry.estimate:
+                        estimated.append(f"{a}->{b}")
+                        notes.append(entry.estimate)
                 else:
                     unreachable.append(f"{a}->{b}")
         return common_pb2.LinkMatrix(
-            agent_ids=list(ids), delay_ms=delay, bandwidth_gbps=bw, unreachable=unreachable
-        )
+            agent_ids=list(ids), delay_ms=delay, bandwidth_gbps=bw, unreachable=unreachable,
+            estimated=estimated, estimate_notes=notes)
 
     def complete_for(self, ids: Sequence[str]) -> bool:
         return all(
             (a, b) in self.entries and self.entries[(a, b)].reachable
             for a in ids for b in ids if a != b
         )
+
+
+def estimate_of(sample: common_pb2.LinkSample) -> str:
+    """What the store keeps of a sample's estimate mark: "" for a settled rate (or none)."""
+    if not (sample.reachable and sample.estimated):
+        return ""
+    return sample.estimate_note or "the probe's estimate, not a settled rate"
 
 
 def blame(ids: Sequence[str], failed: Iterable[tuple[str, str]]) -> list[str]:
@@ -150,7 +165,8 @@ def load_links_file(path: str, need_agents: bool = True) -> dict:
 
 
 def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
-    """The `--links FILE` format of `coordinator plan`, plus what failed.
+    """The `--links FILE` format of `coordinator plan`, plus what failed and which
+    bandwidths are estimates.
 
     JSON has no NaN: unmeasured or unreachable cells become null.
     """
@@ -167,5 +183,7 @@ def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
         "delay_ms": rows(m.delay_ms),
         "bandwidth_gbps": rows(m.bandwidth_gbps),
         "unreachable": list(m.unreachable),
+        # "from->to": how its bandwidth was estimated (the probe never settled on a rate)
+        "estimated": dict(zip(m.estimated, m.estimate_notes, strict=False)),
         "excluded": blame(m.agent_ids, [tuple(p.split("->", 1)) for p in m.unreachable]),
     }

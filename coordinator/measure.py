@@ -5,7 +5,10 @@ then hands out bandwidth probes in the rotation order of `coordinator.linkstore`
 soon as its sender can send and its receiver can receive, so no device sends (or receives) two
 transfers at once and no slow link holds up a whole round. A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
-agent that stays silent past it is recorded as a failed link and not asked again.
+agent that stays silent past it is recorded as a failed link and not asked again. A sample
+marked `estimated` (its probe moved data but never settled on a rate, as a 2 Mbit/s link
+171 ms away may not) is a measured link like any other: logged, and kept with its mark so
+`coordinator links` and `status` show it; only a peer that moved nothing is unreachable.
 
 A report counts only from the agent the command went to (the server checked its secret), for
 the round it was asked, and only for the peers it was asked to probe; a figure no network can
@@ -75,6 +78,10 @@ class LinkMeasurer:
             if sample.reachable and sample.bandwidth_gbps > MAX_LINK_GBPS:
                 self._implausible(report.agent_id, sample)
                 continue
+            if sample.reachable and sample.estimated:
+                log.warning("link %s->%s: bandwidth %.2f Mbit/s is an estimate (%s)",
+                            report.agent_id, sample.peer_id, sample.bandwidth_gbps * 1e3,
+                            sample.estimate_note or "no note")
             self.store.record(report.agent_id, sample,
                               latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
                               bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)

@@ -30,7 +30,7 @@ EXIT_USAGE = 2
 TSP_EXACT = "exact (Held-Karp)"
 TSP_HEURISTIC = "heuristic (nearest neighbour + 2-opt + or-opt)"
 DEFAULT_RANDOM = 1000
-POLISH_SECONDS = 5.0  # --polish without --seconds
+POLISH_SECONDS = 5.0  # --polish without --search-seconds
 SEQUENCES_PER_REPLICA = 64  # default global batch = 64 x replicas (the paper used ~61)
 
 
@@ -64,10 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="micro-batches per replica (must divide its batch; the bytes sent do not change)",
     )
-    parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
+    flags.add_train_arg(parser, "dtype")  # what a job sends: its default and choices
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budget", type=int, help="candidates to evaluate (default: ~10 s)")
-    parser.add_argument("--seconds", type=float, help="wall-clock limit on the search")
+    parser.add_argument(
+        "--budget", type=int,
+        help="candidates the search may build (default: 10,000 up to 128 devices, fewer "
+        "above; an "
+        "instance with no more placements than that is enumerated for its exact optimum)")
+    flags.add_search_seconds(parser, None, "none: the --budget of candidates, so a seed gives "
+                             "the same plan on every machine")
     parser.add_argument(
         "--gain", choices=("paper", "kl"), default="paper", help="local search gain"
     )
@@ -147,9 +152,9 @@ def _sizes(args: argparse.Namespace, s: int, r: int) -> tuple[float, float, str]
     return scenarios.PAPER_DP_GB, scenarios.PAPER_PP_GB, "paper (GPT-3 XL)"
 
 
-def _progress(evaluated: int, elapsed: float, best: float) -> None:
+def _progress(candidates: int, elapsed: float, best: float) -> None:
     if elapsed >= 2.0:
-        _note(f"searching: {evaluated} candidates, {elapsed:.0f}s, best {best:.3f}")
+        _note(f"searching: {candidates} candidates, {elapsed:.0f}s, best {best:.3f}")
 
 
 def load_network(args: argparse.Namespace) -> tuple[Network, list[Any] | None, str]:
@@ -182,8 +187,6 @@ def compute(args: argparse.Namespace,
     dp_gb, pp_gb, sizes_from = _sizes(args, s, r)
     if args.budget is not None and args.budget < 1:
         raise PlanInputError(f"--budget must be >= 1, got {args.budget}")
-    if args.seconds is not None and args.seconds <= 0:
-        raise PlanInputError(f"--seconds must be > 0, got {args.seconds}")
     if args.polish and args.model is None:
         raise PlanInputError("--polish needs --model: the step model simulates its messages")
     samples = args.random
@@ -194,7 +197,7 @@ def compute(args: argparse.Namespace,
     comp = plan_compress.compression(args)  # None: nothing compressed, the paper's model
     t0 = time.perf_counter()
     res = search_plan(
-        net, s, r, dp_gb, pp_gb, seed=args.seed, budget=args.budget, seconds=args.seconds,
+        net, s, r, dp_gb, pp_gb, seed=args.seed, budget=args.budget, seconds=args.search_seconds,
         gain=args.gain, progress=_progress, compression=comp,
     )
     model = CostModel(net, s, r, dp_gb, pp_gb, compression=comp)
@@ -220,6 +223,8 @@ def compute(args: argparse.Namespace,
         "devices": net.size,
         "seed": args.seed,
         "evaluated": res.evaluated,
+        "candidates": res.candidates,
+        "exhaustive": res.exhaustive,
         "tsp": TSP_EXACT if res.tsp_exact else TSP_HEURISTIC,
         "tsp_exact": res.tsp_exact,
         "gain": res.gain,
@@ -234,7 +239,7 @@ def compute(args: argparse.Namespace,
         out["grid"], before, after = polished_grid(
             net, res.grid, plan_uneven.workload(args, s, r, batch),
             dev.flops.tolist() if dev is not None else [], args.seed,
-            args.seconds or POLISH_SECONDS)
+            args.search_seconds or POLISH_SECONDS)
         out["polish"] = {"searched_step_s": before, "polished_step_s": after}
     if uneven:
         out.update(plan_uneven.split(args, net, out["grid"], s, r, batch, dev))
@@ -280,7 +285,7 @@ def format_table(out: dict[str, Any]) -> str:
         f"{'total':<22}{out['cost']:>10.3f}{out['baselines']['random']:>10.3f}"
         f"{out['baselines']['rank_order']:>12.3f}",
         "",
-        f"search: {out['evaluated']} candidates in {out['seconds']:.2f}s, seed {out['seed']}, "
+        f"search: {_searched(out)} in {out['seconds']:.2f}s, seed {out['seed']}, "
         f"gain {out['gain']}, TSP {out['tsp']}; random = best of {bp['random']['samples']}",
     ]
     if "polish" in out:  # the grid above is the polished one
@@ -289,6 +294,12 @@ def format_table(out: dict[str, Any]) -> str:
                      f"{p['searched_step_s']:.3f} s (search) -> {p['polished_step_s']:.3f} s")
     return "\n".join(lines + plan_uneven.format_lines(out) + plan_compress.format_lines(out)
                      + plan_sync.format_lines(out))
+
+
+def _searched(out: dict[str, Any]) -> str:
+    if out.get("exhaustive"):
+        return f"all {out['evaluated']} placements (the exact optimum)"
+    return f"{out['candidates']} candidates ({out['evaluated']} evaluated)"
 
 
 def write_plot(net: Network, out: dict[str, Any], path: str) -> str:

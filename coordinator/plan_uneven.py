@@ -20,7 +20,7 @@ from dtfm import flags
 from dtfm.core.presets import get_preset
 
 DEFAULT_FLOPS = 100e12  # what `--speeds` factors multiply: a V100-class device in fp16
-SPLIT_SECONDS = 10.0  # the compute-aware grid search's limit without --seconds
+SPLIT_SECONDS = 10.0  # the compute-aware grid search's limit without --search-seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    metavar="BYTES", help="memory of every device (default: unlimited)")
     g.add_argument("--devices", default="", metavar="FILE",
                    help='JSON {"flops": [...], "memory_bytes": [...]}, one entry per device')
-    g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe",
-                   help="pipeline schedule (activations held: GPipe M micro-batches, 1F1B S)")
-    g.add_argument("--moments-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="what AdamW stores its two moments in: 16 or 12 bytes per parameter "
-                   "(default: %(default)s)")
+    flags.add_train_arg(g, "schedule")  # the job's flags, so the plan describes a job
+    flags.add_train_arg(g, "moments_dtype")
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -102,7 +99,7 @@ def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages:
                          "to split)")
     work = workload(args, stages, replicas, batch)
     dev = dev if dev is not None else devices(args, net.size)
-    placed = plan_split(net, grid, work, dev, seconds=args.seconds or SPLIT_SECONDS)
+    placed = plan_split(net, grid, work, dev, seconds=args.search_seconds or SPLIT_SECONDS)
     need = stages_bytes(work.memory(), placed.best.splits)
     check_fit(placed.best.grid, need, dev.memory.tolist(), moments_dtype=args.moments_dtype)
     step = placed.best.step

@@ -176,6 +176,12 @@ class Registry:
         if rec is None:
             return None
         rec.last_seen = self._clock()
+        said = {t.setting: t.wanted for t in rec.progress.tuning}
+        new = [t for t in report.tuning if said.get(t.setting) != t.wanted]
+        if new:
+            log.warning("agent %s's host is not tuned for long links (coordinator status "
+                        "shows the fix): %s", rec.agent_id,
+                        "; ".join(f"{t.setting} is {t.current}, wants {t.wanted}" for t in new))
         rec.progress = report
         if rec.state != ALIVE:
             log.log(logging.WARNING if rec.state == LOST else logging.INFO,

@@ -32,7 +32,6 @@ from coordinator.validate import (
 )
 from dtfm import rpc
 from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
-from dtfm.core.presets import get_preset
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -166,6 +165,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise  # unreachable: abort raises
 
     # --- people and scripts ---
+    async def run_job(self) -> None:
+        """Drive the job; after its last step, write --export-dir when given."""
+        await self.job.run()
+        job = self.config.job
+        if not (job.export_dir and self.job.state == coordinator_pb2.JOB_STATE_DONE):
+            return
+        from coordinator.export import export_from_status
+        from dtfm.core.hfexport import ExportError, find_tokenizer
+
+        status = coordinator_pb2.ClusterStatus(
+            agents=[a.to_proto() for a in self.registry.status_rows(MAX_AGENTS)[0]],
+            job=self.job.status())
+        try:
+            step, out = await export_from_status(
+                status, self.config.security, job.export_dir,
+                tokenizer=find_tokenizer(job.train.data_path, job.train.init_from),
+                say=log.info)
+        except ExportError as exc:
+            log.error("export to %s failed: %s (run `coordinator export` to try again)",
+                      job.export_dir, exc)
+            return
+        log.info("exported step %d of job %s to %s", step, self.job.job_id, out)
+
     async def GetStatus(
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
@@ -196,7 +218,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.HistoryRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.JobHistory:
         job = self.config.job
-        tokens = job.train.global_batch * get_preset(job.model).seq_len if job.model else 0
+        tokens = job.train.global_batch * job.model_spec().seq_len if job.model else 0
         return self.history.to_proto(self.job.status(), tokens, self.job.restarts)
 
     async def MeasureLinks(
@@ -286,7 +308,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(service.sweep_forever()), asyncio.create_task(service.job.run()),
+    tasks = [asyncio.create_task(service.sweep_forever()),
+             asyncio.create_task(service.run_job()),
              asyncio.create_task(service.remeasure_forever())]
     if ready is not None:
         ready.set()

@@ -41,6 +41,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "error_kind": p.error_kind, "step_s": p.step_s,
                        "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s,
                        **traffic_per_step(p)},
+            # kernel settings of its host that slow long links (agent/tuning.py); [] = tuned
+            "tuning": [{"setting": t.setting, "current": t.current, "wanted": t.wanted,
+                        "why": t.why, "line": f"{t.setting} = {t.wanted}"} for t in p.tuning],
         })
     j = status.job
     plan = None
@@ -164,6 +167,12 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    lines.extend(_tuning_lines(data["agents"]))
+    if data["links"] and data["links"]["estimated"]:
+        estimated = data["links"]["estimated"]
+        lines.append(f"links: {len(estimated)} bandwidth(s) estimated, their probes never "
+                     f"settled on a rate (`coordinator links` says how):")
+        lines.extend(f"  {pair}" for pair in estimated)
     if data["plan"]:
         p = data["plan"]
         lines.append(f"plan (epoch {p['epoch']}, {p['placement'] or 'scheduled'}): "
@@ -179,6 +188,22 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                 row = [f"{a} ({x:.0%} of gradients)" for a, x in zip(row, shares, strict=True)]
             lines.append(f"  stage {s}{held}: {'  '.join(row)}")
     return "\n".join(lines)
+
+
+def _tuning_lines(agents: list[dict[str, Any]]) -> list[str]:
+    """Agents whose hosts are not tuned for long links: what it costs and the sysctl lines,
+    once per distinct set of lines."""
+    by_fix: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for a in agents:
+        if a["tuning"] and a["state"] == "alive":
+            by_fix.setdefault(tuple(t["line"] for t in a["tuning"]), []).append(a)
+    lines = []
+    for fix, group in by_fix.items():
+        lines.append(f"untuned host(s) {', '.join(a['id'] for a in group)}: apply "
+                     f"deploy/sysctl.d/60-dtfm-wan.conf (deploy/install.sh does), i.e. set")
+        for line, t in zip(fix, group[0]["tuning"], strict=True):
+            lines.append(f"    {line}    # now {t['current']}: {t['why']}")
+    return lines
 
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)

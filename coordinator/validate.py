@@ -13,6 +13,7 @@ from dtfm.core.limits import (
     MAX_ERROR,
     MAX_KIND,
     MAX_NAME,
+    MAX_TUNING,
     is_host,
     number_problem,
     text_problem,
@@ -79,7 +80,15 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
     if len(report.mirrored_steps) > MAX_AGENTS:
         return (f"mirrored_steps names {len(report.mirrored_steps)} stages; a job has at "
                 f"most {MAX_AGENTS}")
+    if len(report.tuning) > MAX_TUNING:
+        return f"tuning names {len(report.tuning)} settings; the limit is {MAX_TUNING}"
     return _first(
+        *(problem for t in report.tuning for problem in (
+            text_problem("tuning setting", t.setting, MAX_NAME),
+            text_problem(f"tuning {t.setting[:MAX_KIND]}: current", t.current, MAX_NAME),
+            text_problem(f"tuning {t.setting[:MAX_KIND]}: wanted", t.wanted, MAX_NAME),
+            text_problem(f"tuning {t.setting[:MAX_KIND]}: why", t.why, MAX_ERROR,
+                         free_text=True))),
         number_problem("loss", report.loss, None),
         number_problem("tokens_per_s", report.tokens_per_s),
         *(number_problem(name, getattr(report, name))
@@ -113,6 +122,8 @@ def validate_link_report(report: coordinator_pb2.LinkReport) -> str | None:
             number_problem(f"sample for {s.peer_id}: bandwidth_gbps", s.bandwidth_gbps),
             number_problem(f"sample for {s.peer_id}: measured_unix_s", s.measured_unix_s),
             text_problem(f"sample for {s.peer_id}: error", s.error, MAX_ERROR, free_text=True),
+            text_problem(f"sample for {s.peer_id}: estimate_note", s.estimate_note, MAX_ERROR,
+                         free_text=True),
         )
         if problem:
             return problem

@@ -139,13 +139,17 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "pp_compress": codec_setting("--pp-compress", topk=False),
     "dp_compress": codec_setting("--dp-compress", topk=True),
     "moments_dtype": MomentsDtype,
+    "init_from": str,
+    "seq_len": count,
     "sync_every": positive_count,
     "outer_lr": number(float, 0, above=True),
     "outer_momentum": number(float, 0, maximum=1),
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
-                   "outer_momentum": "MU", "dp_compress": "CODEC"}  # and N for the integers
+                   "outer_momentum": "MU", "dp_compress": "CODEC",
+                   "init_from": "DIR"}  # and N for the integers
+_TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 
 def train_dest(name: str) -> str:
@@ -161,19 +165,55 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     operator-facing flag set at once (a test compares `coordinator start` with `agent local`).
     """
     group = parser.add_argument_group("training")
-    defaults = TrainConfig()
     for f in fields(TrainConfig):
-        kind = _TRAIN_TYPES[f.name]
-        default = getattr(defaults, f.name)
-        doc = str(f.metadata["doc"]).replace("%", "%%")
-        extra: dict[str, Any] = {"type": kind}
-        if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
-            extra = {"choices": [m.value for m in kind]}
-            default = str(default)
-        help_text = doc + (" (default: %(default)s)" if default != "" else "")
-        metavar = _TRAIN_METAVARS.get(f.name, "N" if type(default) is int else None)
-        group.add_argument(TrainConfig.flag_of(f.name), dest=train_dest(f.name), default=default,
-                           metavar=metavar, help=help_text, **extra)
+        add_train_arg(group, f.name)
+
+
+def add_train_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+    """Add the flag of one `TrainConfig` field, exactly as `add_train_args` defines it: for a
+    command that does not train but must describe the job the same way (`coordinator plan
+    --dtype` sizes messages in what a job would send, with a job's default and choices)."""
+    f = _TRAIN_FIELDS[name]
+    kind = _TRAIN_TYPES[name]
+    default = getattr(TrainConfig(), name)
+    doc = str(f.metadata["doc"]).replace("%", "%%")
+    extra: dict[str, Any] = {"type": kind}
+    if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+        extra = {"choices": [m.value for m in kind]}
+        default = str(default)
+    help_text = doc + (" (default: %(default)s)" if default != "" else "")
+    metavar = _TRAIN_METAVARS.get(name, "N" if type(default) is int else None)
+    parser.add_argument(TrainConfig.flag_of(name), dest=train_dest(name), default=default,
+                        metavar=metavar, help=help_text, **extra)
+
+
+class _OldName(argparse.Action):
+    """A flag's former spelling: still sets the same value, and says what it is called now."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"{parser.prog}: {option_string} is the old name of {self.new}; use {self.new}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+SEARCH_SECONDS = "--search-seconds"
+
+
+def add_search_seconds(parser: argparse.ArgumentParser, default: float | None,
+                       default_note: str = "") -> None:
+    """`--search-seconds`: the placement search's wall-clock limit, one definition for
+    `coordinator start` and `coordinator plan`. `--seconds`, plan's former name for it, still
+    works (hidden; it says the new name on stderr). `default_note` explains a None default."""
+    what = "wall-clock limit of the placement search, in seconds"
+    parser.add_argument(SEARCH_SECONDS, type=seconds, default=default, metavar="SECONDS",
+                        help=f"{what} (default: {default_note or '%(default)s'})")
+    parser.add_argument("--seconds", dest="search_seconds", type=seconds, action=_OldName,
+                        new=SEARCH_SECONDS, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -260,7 +300,8 @@ def layered_defaults(parser: argparse.ArgumentParser, argv: Sequence[str]) -> No
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    actions = {a.dest: a for a in parser._actions if a.dest not in _SKIP}
+    actions = {a.dest: a for a in parser._actions  # a hidden old name shares its dest
+               if a.dest not in _SKIP and a.help != argparse.SUPPRESS}
     defaults = _toml_defaults(known.config, actions) if known.config else {}
     for dest, action in actions.items():
         raw = os.environ.get(ENV_PREFIX + dest.upper())
@@ -310,6 +351,14 @@ def standalone(prog: str, description: str,
     except ConfigError as exc:
         return fail(str(exc))
     return run(args)
+
+
+def hms(seconds: float) -> str:
+    """`H:MM:SS` of a progress line's ETA; `-:--:--` while it is unknown (NaN, inf)."""
+    if not math.isfinite(seconds):
+        return "-:--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def fail(message: str, code: int = 2) -> int:

@@ -62,9 +62,10 @@ from dtfm.core.events import WorkerEnv
 
 __all__ = [
     "KEEP", "MANIFEST_FORMAT", "Digest", "Finder", "Location", "Source", "SpanFinder", "agree",
-    "atomic_save", "job_dir", "job_key", "load_span", "load_stage", "locate", "manifest_for",
-    "merge_states", "optimizer_names", "other_jobs", "path_for", "prune", "save_stage",
-    "sources", "stage_dir", "steps_available", "verify",
+    "atomic_save", "atomic_save_safetensors", "job_dir", "job_key", "load_span", "load_stage",
+    "locate", "manifest_for", "merge_states", "model_state", "optimizer_names", "other_jobs",
+    "path_for", "prune", "save_stage", "sources", "stage_buffers", "stage_dir",
+    "stage_weights_hf", "steps_available", "verify",
 ]
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,18 @@ def atomic_save(obj: Any, path: Path) -> Digest:
     return digest
 
 
+def atomic_save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> Digest:
+    """Write `tensors` as a safetensors file (metadata format pt, which `transformers`
+    requires), atomically; returns its size and sha256. The file is serialized in memory
+    first (the stage's weights once more, briefly), so hashing needs no second read."""
+    from safetensors.torch import save
+
+    data = save(dict(tensors), metadata={"format": "pt"})
+    digest = Digest()
+    _atomic_write(path, lambda f: _HashingWriter(f, digest).write(data))
+    return digest
+
+
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """`ondisk.atomic_write`, with a refused write raised as `errors.StorageError`."""
     try:
@@ -168,15 +181,26 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
 
 
 def save_stage(root: str | Path, stage: int, step: int, state: dict[str, Any], *,
-               job_id: str = "", layers: Iterable[int] | None = None) -> Path:
+               job_id: str = "", layers: Iterable[int] | None = None,
+               weights: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write stage `stage`'s state after `step` completed steps under job folder `root`,
-    then its manifest, then prune to the newest KEEP complete steps."""
+    then its manifest, then prune to the newest KEEP complete steps.
+
+    `weights` (the stage's parameters under Hugging Face names, `stage_tensors_hf`) go to
+    their own safetensors file beside the `.pt`, which then holds no weights (`state` without
+    `model`, its buffers under `buffers`); the manifest lists both files."""
     path, manifest = path_for(root, stage, step), manifest_for(root, stage, step)
     # A manifest of an earlier write of this step must not vouch for the new file mid-write.
     manifest.unlink(missing_ok=True)
+    entries = []
+    if weights is not None:
+        wpath = ondisk.weights_for(root, stage, step)
+        wdigest = atomic_save_safetensors(weights, wpath)
+        entries.append(FileEntry(wpath.name, wdigest.size, wdigest.sha256.hexdigest()))
     digest = atomic_save({"step": step, **state}, path)
+    entries.insert(0, FileEntry(path.name, digest.size, digest.sha256.hexdigest()))
     body = Manifest(job_id, stage, step, None if layers is None else ondisk.parse_layers(
-        list(layers)), (FileEntry(path.name, digest.size, digest.sha256.hexdigest()),))
+        list(layers)), tuple(entries))
     data = body.to_bytes()
     _atomic_write(manifest, lambda f: f.write(data))
     prune(root, stage, step)
@@ -213,7 +237,66 @@ def load_stage(root: str | Path, stage: int, step: int, *,
     except Exception as e:  # it passed its checksum: changed since, or a torch bug
         raise errors.CorruptCheckpoint(
             f"checkpoint {path} could not be loaded: {str(e).splitlines()[0]}") from e
+    wpath = ondisk.weights_for(root, stage, step)
+    if any(f.name == wpath.name for f in ondisk.read_manifest(root, stage, step).files):
+        try:
+            from safetensors.torch import load_file
+
+            state["weights_hf"] = load_file(wpath, device="cpu")
+        except Exception as e:  # it passed its checksum (verify read it): changed since
+            raise errors.CorruptCheckpoint(
+                f"checkpoint weights {wpath} could not be loaded: "
+                f"{str(e).splitlines()[0]}") from e
     return state
+
+
+# ---- weights under Hugging Face names ----
+
+
+def _prefix(index: int) -> str:
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX
+
+    return {EMBEDDING_INDEX: "embed.", HEAD_INDEX: "head."}.get(index, f"layers.{index}.")
+
+
+def stage_weights_hf(stage: Any, spec: Any) -> dict[str, torch.Tensor]:
+    """The stage's parameters under Hugging Face names and layout, for its safetensors file."""
+    from agent.worker.hfload import stage_tensors_hf
+
+    return stage_tensors_hf(stage.parts(), spec)
+
+
+def stage_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The entries of the stage's state dict that are not parameters (the `.pt` keeps them)."""
+    params = {name for name, _ in stage.named_parameters()}
+    return {k: v for k, v in stage.state_dict().items() if k not in params}
+
+
+def model_state(state: Mapping[str, Any], spec: Any) -> dict[str, torch.Tensor]:
+    """A loaded checkpoint's weights under the stage's parameter names: its `model` entry
+    (checkpoints from before the safetensors file), else its Hugging Face tensors mapped back
+    through `hfconfig.part_tensors` for the layers it holds, plus its buffers. ValueError
+    naming the tensor when one is missing."""
+    if "model" in state:
+        return dict(state["model"])
+    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
+
+    begin, end = (int(x) for x in state["layers"])
+    indices = list(range(begin, end))
+    if begin == 0:
+        indices.insert(0, EMBEDDING_INDEX)
+    if end == spec.n_layers:
+        indices.append(HEAD_INDEX)
+    tensors = state["weights_hf"]
+    out: dict[str, torch.Tensor] = dict(state.get("buffers", {}))
+    for index in indices:
+        for name, t in part_tensors(spec, index).items():
+            if t.name not in tensors:
+                raise ValueError(f"checkpoint weights of layers [{begin}, {end}) lack tensor "
+                                 f"{t.name}")
+            value = tensors[t.name]
+            out[_prefix(index) + name] = value.t().contiguous() if t.transpose else value
+    return out
 
 
 class _Steps:

@@ -2,9 +2,10 @@
 
 Owns what every replica must agree on for the global batch to be the same in every layout:
 the token stream (the byte-level default corpus, the Python standard library's source of the
-running interpreter, present on every machine with no download; or a nanoGPT-style uint16
-`.bin` file), its deterministic train/validation split, and the order sequences are drawn
-in. The sampler's position is plain data so checkpoints can store it and resume exactly.
+running interpreter, present on every machine with no download; a directory `agent prepare`
+wrote, uint16 or uint32 as its `meta.json` says; or a nanoGPT-style uint16 `.bin` file), its
+deterministic train/validation split, and the order sequences are drawn in. The sampler's
+position is plain data so checkpoints can store it and resume exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from dtfm.core.tokenfiles import (
+    BARE_DTYPE,
+    DTYPE_BYTES,
+    META_NAME,
+    SPLITS,
+    TokenMeta,
+    check_data_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,36 +63,71 @@ def stdlib_corpus() -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 
 
-def load_bin(path: str | Path, vocab_size: int) -> np.ndarray:
-    """A nanoGPT-style token file (raw little-endian uint16), memory-mapped."""
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    if tokens.size == 0:
+def load_bin(path: str | Path, vocab_size: int, dtype: str = BARE_DTYPE,
+             max_token_id: int | None = None, n_tokens: int | None = None) -> np.ndarray:
+    """A token file (raw little-endian `dtype` ids), memory-mapped.
+
+    `max_token_id`/`n_tokens` come from the `meta.json` of a prepared directory: the file's
+    size must hold exactly `n_tokens`, and the largest id is taken from there. Without them
+    (a bare nanoGPT `.bin`) the whole file is scanned, in blocks, for its largest id. Either
+    way an id the model cannot embed is refused, naming the file and both numbers."""
+    path = Path(path)
+    if n_tokens is not None:
+        size, want = path.stat().st_size, n_tokens * DTYPE_BYTES[dtype]
+        if size != want:
+            raise ValueError(
+                f"token file {path} has {size} bytes but its {META_NAME} says {n_tokens} "
+                f"{dtype} tokens ({want} bytes): the file was truncated or replaced; "
+                f"prepare the data again with `agent prepare`")
+    if path.stat().st_size == 0:
         raise ValueError(f"token file {path} is empty")
-    top = int(tokens[: min(tokens.size, 1 << 24)].max())
+    tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    top = max_token_id if max_token_id is not None else _largest_id(tokens)
     if top >= vocab_size:
         raise ValueError(
-            f"token file {path} holds token id {top} but the model's vocabulary is {vocab_size}"
+            f"token file {path} holds token id {top} but the model's vocabulary is "
+            f"{vocab_size} (ids 0..{vocab_size - 1}): tokenize it with the model's tokenizer "
+            f"(`agent prepare --tokenizer`) or choose a model with a larger vocabulary"
         )
     return tokens
 
 
-def load_splits(data_path: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _largest_id(tokens: np.ndarray, block: int = 1 << 24) -> int:
+    return max(int(tokens[i : i + block].max()) for i in range(0, tokens.size, block))
+
+
+def load_splits(data_path: str, vocab_size: int,
+                tokenizer_hash: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) token arrays.
 
     `data_path` empty: the stdlib corpus, last 5% is validation. A directory: its `train.bin`
-    and `val.bin` (nanoGPT's layout). A file: that file, last 5% is validation.
+    and `val.bin`, described by its `meta.json` when it has one (`agent prepare`: uint16 or
+    uint32, checked against the model's vocabulary and, when `tokenizer_hash` is given, its
+    tokenizer), else nanoGPT's bare uint16 files. A file: that file, last 5% is validation
+    (`train.bin` or `val.bin` of a prepared directory: in its dtype).
     """
     if not data_path:
         tokens: np.ndarray = stdlib_corpus()
     else:
         p = Path(data_path)
+        if not p.exists():
+            raise FileNotFoundError(f"--data {data_path} is neither a token file nor a "
+                                    f"directory on this machine")
+        meta = check_data_path(data_path, vocab_size, tokenizer_hash)
         if p.is_dir():
-            return load_bin(p / "train.bin", vocab_size), load_bin(p / "val.bin", vocab_size)
-        if not p.is_file():
-            raise FileNotFoundError(f"data path {data_path} is neither a .bin file nor a dir")
-        tokens = load_bin(p, vocab_size)
+            train, val = (_load_split(p / name, vocab_size, meta, split)
+                          for split, name in SPLITS.items())
+            return train, val
+        split = next((s for s, name in SPLITS.items() if name == p.name), "")
+        tokens = _load_split(p, vocab_size, meta, split)
     cut = int(tokens.size * (1 - VAL_FRACTION))
     return tokens[:cut], tokens[cut:]
+
+
+def _load_split(path: Path, vocab_size: int, meta: TokenMeta | None, split: str) -> np.ndarray:
+    if meta is None:
+        return load_bin(path, vocab_size)
+    return load_bin(path, vocab_size, meta.dtype, meta.max_token_id, meta.tokens[split])
 
 
 @dataclass

@@ -15,7 +15,7 @@ from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX, SpecLike, build_part
 
 
 class Stage(nn.Module):
-    """Layers [layer_begin, layer_end) of the GPT; `first`/`last` add embedding/head."""
+    """Layers [layer_begin, layer_end) of the model; `first`/`last` add embedding/head."""
 
     def __init__(self, spec: SpecLike, layer_begin: int, layer_end: int, seed: int) -> None:
         super().__init__()
@@ -33,6 +33,16 @@ class Stage(nn.Module):
             {str(i): build_part(spec, i, seed) for i in range(layer_begin, layer_end)}
         )
         self.head = build_part(spec, HEAD_INDEX, seed) if self.is_last else None
+
+    def parts(self) -> dict[int, nn.Module]:
+        """This stage's parts by part index (EMBEDDING_INDEX, layer, HEAD_INDEX), as
+        `agent.worker.hfload` loads and saves them."""
+        out: dict[int, nn.Module] = {int(i): layer for i, layer in self.layers.items()}
+        if self.embed is not None:
+            out[EMBEDDING_INDEX] = self.embed
+        if self.head is not None:
+            out[HEAD_INDEX] = self.head
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (first stage) or hidden states in; hidden states or logits (last) out."""

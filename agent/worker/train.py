@@ -40,6 +40,7 @@ from dtfm.core.events import (
     WorkerEnv,
     encode_event,
 )
+from dtfm.core.hfdir import model_tokenizer_hash
 from dtfm.core.layout import Layout, layer_ranges
 from dtfm.core.rounds import round_of
 from dtfm.core.spec import ModelSpec, TrainConfig
@@ -225,6 +226,10 @@ class Worker:
         self.phase = errors.TRAIN
         pipe, averager = self._build_comm()
         start = self._resumed = self._resume(opt, sampler)
+        if start == 0 and cfg.init_from:
+            self._import(cfg.init_from)
+            if self.outer is not None:  # the first round starts from the imported weights
+                self.outer.load([])
         log.info(
             "rank %d: stage %d/%d replica %d/%d layers [%d, %d), %d params, steps %d..%d",
             self.rank, a.stage, a.stages, a.replica, a.replicas, a.layer_begin, a.layer_end,
@@ -250,6 +255,8 @@ class Worker:
                     self._save(step, opt, sampler)
                     saved_s = time.perf_counter() - t0
                 self.deadline.checkpoint(saved_s)
+        if cfg.steps == 0 and self.ckpt and self.ckpt.writes(a.replica):
+            self._save(0, opt, sampler)  # --steps 0: the initial (imported) weights, to export
         val = self._evaluate(pipe, val_tokens)
         self.progress.emit(DoneEvent(val_loss=None if math.isnan(val) else val, rank=self.rank))
         dist.destroy_process_group()
@@ -258,9 +265,12 @@ class Worker:
         """The stage, its optimizer and the data: everything that needs no peer."""
         a, cfg, spec = self.a, self.cfg, self.spec
         torch.manual_seed(cfg.seed)
+        if cfg.init_from:  # before joining: a machine lacking the checkpoint fails at once
+            check_init_dir(cfg.init_from, a.init_hash, spec, extra=a.rank == 0)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
         opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
-        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size)
+        train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size,
+                                               model_tokenizer_hash(cfg.init_from))
         return stage, opt, Sampler(train_tokens, spec.seq_len, cfg.seed), val_tokens
 
     def _build_comm(self) -> tuple[Pipeline, GradAverager]:
@@ -372,7 +382,7 @@ class Worker:
         checkpoint.save_stage(
             self.ckpt.dir, a.stage, step,
             {
-                "model": self.stage.state_dict(),
+                "buffers": checkpoint.stage_buffers(self.stage),  # weights: the safetensors
                 "optimizer": opt.state_dict(),
                 "data_position": sampler.position.to_dict(),
                 "layers": [a.layer_begin, a.layer_end],
@@ -381,7 +391,18 @@ class Worker:
                 **({"outer": self.outer.state_dict()} if self.outer else {}),
             },
             job_id=a.job_id, layers=(a.layer_begin, a.layer_end),
+            weights=checkpoint.stage_weights_hf(self.stage, self.spec),
         )
+
+    def _import(self, model_dir: str) -> None:
+        """Start from the Hugging Face checkpoint's values of this stage's tensors only
+        (memory-mapped; no process reads the whole model)."""
+        from agent.worker.hfload import load_parts_from_hf
+
+        t0 = time.perf_counter()
+        load_parts_from_hf(self.stage.parts(), self.spec, model_dir)
+        log.info("rank %d: loaded layers [%d, %d) from %s in %.1f s", self.rank,
+                 self.a.layer_begin, self.a.layer_end, model_dir, time.perf_counter() - t0)
 
     def _resume(self, opt: torch.optim.Optimizer, sampler: Sampler) -> int:
         """Load the newest step every rank holds intact; returns that completed step (0: none).
@@ -419,6 +440,8 @@ class Worker:
             log.info("rank %d: %s hold step %d, but not every rank does: resuming from step "
                      "%d", self.rank, held, mine, step)
         states = checkpoint.load_span(loc.dir, srcs, step, job_id=a.job_id)
+        for st in states:  # weights from the safetensors file, under this stage's names
+            st["model"] = checkpoint.model_state(st, self.spec)
         if srcs == [checkpoint.Source(a.stage, (a.layer_begin, a.layer_end))]:
             state = states[0]
         else:
@@ -459,6 +482,25 @@ class Worker:
         last_total = self.world.pipeline_exchange([total])[-1][0]  # the last stage's
         loss_sum = float(self.world.dp_all_reduce(last_total, dist.ReduceOp.SUM))
         return loss_sum / (a.replicas * cfg.eval_batches)
+
+
+def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
+                   extra: bool) -> None:
+    """Refuse (ValueError: a config error, so the job fails instead of retrying) a
+    `--init-from` directory this machine lacks or holds another version of, and, with
+    `extra` (one rank checks, once), a checkpoint holding tensors the model does not use."""
+    from agent.worker.hfload import unexpected_tensors
+    from dtfm.core.hfdir import check_dir
+
+    check_dir(model_dir, expected_hash)
+    if not extra:
+        return
+    extra_names = unexpected_tensors(spec, model_dir)
+    if extra_names:
+        raise ValueError(f"--init-from {model_dir}: its checkpoint holds {len(extra_names)} "
+                         f"tensor(s) no part of {spec.name} uses, such as {extra_names[0]} ("
+                         f"another "
+                         f"architecture, or a model with more layers than its config.json says)")
 
 
 def run_assignment(a: common_pb2.Assignment, progress_path: str | None) -> None:

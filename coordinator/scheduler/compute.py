@@ -78,13 +78,13 @@ class Workload:
 def stage_flops(spec: ModelSpec, begin: int, end: int, tokens: float) -> float:
     """Forward + backward FLOPs of layers [begin, end) (and the head, if last) for `tokens`.
 
-    Matmuls: 6 per weight and token; attention scores and their use: 12 x seq x d per layer
-    and token (the embedding lookup has no matmul)."""
-    d, ff = spec.d_model, spec.d_ff
-    weights = (end - begin) * (4 * d * d + 2 * d * ff)
+    Matmuls: 6 per weight and token (the Llama block's three MLP matrices and grouped k/v
+    projections counted as they are); attention scores and their use: 12 x seq x heads x
+    head_dim per layer and token (the embedding lookup has no matmul)."""
+    weights = (end - begin) * spec.layer_matmul_params()
     if end == spec.n_layers:
-        weights += d * spec.vocab_size
-    attention = (end - begin) * 12 * spec.seq_len * d
+        weights += spec.d_model * spec.vocab_size
+    attention = (end - begin) * 12 * spec.seq_len * spec.n_heads * spec.head_size
     return tokens * (FLOPS_PER_PARAM_TOKEN * weights + attention)
 
 

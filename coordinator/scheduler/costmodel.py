@@ -32,7 +32,7 @@ import numpy as np
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.network import Network
 from dtfm.core.layout import layer_ranges
-from dtfm.core.spec import DTYPE_BYTES, ModelSpec
+from dtfm.core.spec import DTYPE_BYTES, ModelSpec, TrainConfig
 
 EXACT_TSP_MAX = 12  # Held-Karp up to this many stages (2^12 x 12 x 12 numpy work per path)
 HALL_MAX = 8  # vectorized Hall bottleneck up to this many replicas (2^R subsets)
@@ -40,9 +40,11 @@ _CACHE_LIMIT = 400_000
 
 
 def comm_gb(
-    spec: ModelSpec, stages: int, replicas: int, global_batch: int, dtype: str = "fp16"
+    spec: ModelSpec, stages: int, replicas: int, global_batch: int,
+    dtype: str = TrainConfig.dtype,
 ) -> tuple[float, float]:
-    """(c_DP, c_PP) in GB (1e9 bytes) for `spec` split evenly into `stages` stages.
+    """(c_DP, c_PP) in GB (1e9 bytes) for `spec` split evenly into `stages` stages, its
+    messages in `dtype` (default: a job's, fp32).
 
     c_DP: the largest stage's parameters in `dtype` (its gradient message). c_PP: the hidden
     states one stage sends the next for one replica's share of the batch,

@@ -24,16 +24,29 @@ Owns `search_plan`, the function the coordinator and `coordinator plan` call. Th
   member or a random partition after `RESTART_AFTER` fruitless kicks. Measured on noisy
   matrices, this split beats giving the GA most of the budget (docs/scheduler.md).
 
+Small instances are not evolved but enumerated (`placements`, `balanced_labelings`): the
+cost model sees a placement only as a partition of the devices into unordered groups of equal
+size (the coarse graph's TSP orders the groups, the matchings pair their members), so there
+are `N! / (R!^S S!)` distinct ones: 280 for 3 x 3, 462 for 2 x 6, 10,395 for 6 x 2. When that
+is no more than the candidate budget (and `enumerate_max`), the structured seeds and then every
+partition are evaluated once, and the answer is the exact optimum (`PlanResult.exhaustive`).
+Under a time limit the rest of the enumeration must also fit in the time left at the pace the
+seeds took; otherwise the search evolves as usual (a cut-short enumeration sees one corner).
+
+The budget counts candidates: every child the search builds, evaluated or not (a child that
+duplicates a population member is not evaluated, but it paid for its crossover and local
+search, so it counts). Every loop checks both the candidate budget and the wall-clock limit
+(`seconds`, read from `clock`, which a test may inject), so the search always ends.
 Deterministic for a given seed and candidate budget: all randomness comes from one
-`numpy.random.Generator`. A wall-clock limit (`seconds`) is also honoured, but then the
-answer depends on the machine's speed.
+`numpy.random.Generator`. Under a wall-clock limit the answer depends on the machine's speed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,7 +62,37 @@ GAINS = ("paper", "kl")
 CROSSOVER_POINTS = 5
 RESTART_AFTER = 8  # kicks without improvement before the local search restarts elsewhere
 POLISH_SHARE = 0.75  # share of the budget (candidates and seconds) for the iterated local search
-Progress = Callable[[int, float, float], None]  # (evaluated, elapsed seconds, best cost)
+ENUMERATE_MAX = 10_000  # enumerate every placement when there are at most this many
+Progress = Callable[[int, float, float], None]  # (candidates, elapsed seconds, best cost)
+Clock = Callable[[], float]  # seconds, monotonic
+
+
+def placements(stages: int, replicas: int) -> int:
+    """Distinct placements the cost model can tell apart: partitions of `stages * replicas`
+    devices into `stages` unordered groups of `replicas`, `N! / (R!^S S!)`."""
+    n = stages * replicas
+    return math.factorial(n) // (math.factorial(replicas) ** stages * math.factorial(stages))
+
+
+def balanced_labelings(stages: int, replicas: int) -> Iterator[np.ndarray]:
+    """Every partition counted by `placements`, once, as labels (device -> group) in canonical
+    form: groups numbered in order of their first device (what `_Search.key` gives)."""
+    n = stages * replicas
+    labels = np.zeros(n, dtype=np.int64)
+    room = [replicas] * stages
+
+    def fill(i: int, opened: int) -> Iterator[np.ndarray]:
+        if i == n:
+            yield labels.copy()
+            return
+        for g in range(min(opened + 1, stages)):  # an open group, or the next new one
+            if room[g]:
+                labels[i] = g
+                room[g] -= 1
+                yield from fill(i + 1, max(opened, g + 1))
+                room[g] += 1
+
+    yield from fill(0, 0)
 
 
 def default_budget(devices: int) -> int:
@@ -71,12 +114,14 @@ class PlanResult:
     pp_cost: float
     seconds: float
     tsp_exact: bool
-    evaluated: int
+    evaluated: int  # candidates whose cost was computed
     stages: int
     replicas: int
     gain: str = "paper"
+    candidates: int = 0  # what the budget counts: evaluated, plus duplicates built and skipped
+    exhaustive: bool = False  # every placement was evaluated: `cost` is the exact optimum
     structured_cost: float = float("inf")  # best structured seed, before the search
-    history: list[tuple[int, float]] = field(default_factory=list)  # (evaluated, best cost)
+    history: list[tuple[int, float]] = field(default_factory=list)  # (candidates, best cost)
 
 
 class _Budget(Exception):
@@ -92,23 +137,27 @@ class _Search:
         seconds: float | None,
         gain: str,
         progress: Progress | None,
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.m = model
         self.rng = rng
+        self.clock = clock
+        self.start = clock()
         self.budget = budget
-        self.deadline = None if seconds is None else time.perf_counter() + seconds
+        self.deadline = None if seconds is None else self.start + seconds
         self.ga_budget = None if budget is None else max(1, int(budget * (1.0 - POLISH_SHARE)))
         self.ga_deadline = (
-            None if seconds is None else time.perf_counter() + seconds * (1.0 - POLISH_SHARE)
+            None if seconds is None else self.start + seconds * (1.0 - POLISH_SHARE)
         )
-        self.start = time.perf_counter()
         self.gain = gain
         self.progress = progress
+        self.candidates = 0  # what the budget counts
         self.evaluated = 0
+        self.exhaustive = False
         self.best_cost = np.inf
         self.best_labels: np.ndarray = model.rank_order_labels()
         self.history: list[tuple[int, float]] = []
-        self._next_report = time.perf_counter() + 1.0
+        self._next_report = self.start + 1.0
         link = (model.pp_link + model.pp_link.T) / 2.0
         self.link = link
         n = model.n
@@ -125,33 +174,35 @@ class _Search:
         self.s, self.r, self.n = model.stages, model.replicas, model.n
         self.pop: list[np.ndarray] = []
         self.structured = np.inf
+        self._seeds: list[np.ndarray] | None = None
+        self.seed_costs: dict[bytes, float] = {}  # by key, when enumeration evaluated them
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def spent(self, ga: bool = False) -> bool:
-        """Budget spent? With `ga`, the genetic phase's share of candidates and seconds."""
+    def charge(self, ga: bool = False) -> None:
+        """Count one candidate against the budget, or raise `_Budget` when it is spent (with
+        `ga`, the genetic phase's share of candidates and seconds). Every loop of the search
+        passes through here, evaluating or not, so each one ends with the budget."""
         lim = self.ga_budget if ga else self.budget
-        if lim is not None and self.evaluated >= lim:
-            return True
         deadline = self.ga_deadline if ga else self.deadline
-        if deadline is None:
-            return False
-        return time.perf_counter() >= deadline
+        now = self.clock()
+        if (lim is not None and self.candidates >= lim) or (
+                deadline is not None and now >= deadline):
+            raise _Budget
+        self.candidates += 1
+        if self.progress is not None and now >= self._next_report:
+            self._next_report = now + 1.0
+            self.progress(self.candidates, now - self.start, self.best_cost)
 
     def evaluate(self, labels: np.ndarray, ga: bool = False) -> float:
         return self.evaluate_ranked(labels, ga)[0]
 
     def evaluate_ranked(self, labels: np.ndarray, ga: bool = False) -> tuple[float, float]:
-        if self.spent(ga):
-            raise _Budget
+        self.charge(ga)
         self.evaluated += 1
         c, tie = self.m.evaluate_ranked(labels)
         if c < self.best_cost - 1e-12:
             self.best_cost, self.best_labels = c, labels.copy()
-            self.history.append((self.evaluated, c))
-        now = time.perf_counter()
-        if self.progress is not None and now >= self._next_report:
-            self._next_report = now + 1.0
-            self.progress(self.evaluated, now - self.start, self.best_cost)
+            self.history.append((self.candidates, c))
         return c, tie
 
     # -- operators --------------------------------------------------------------------------
@@ -339,11 +390,43 @@ class _Search:
                 labels, rank = kicked, c
                 stall = 0
 
+    def seeds(self) -> list[np.ndarray]:
+        """The structured candidates and the rank-order placement, in that order (built once:
+        they draw from the generator)."""
+        if self._seeds is None:
+            orders = 3 if self.n <= 128 else 1
+            self._seeds = structured_candidates(self.m.pp_link, self.s, self.r, self.rng, orders)
+            self._seeds.append(self.m.rank_order_labels())
+        return self._seeds
+
+    def enumerate_all(self, count: int) -> bool:
+        """Evaluate the seeds, then every other of the `count` placements once: the exact
+        optimum (the budget may still end it: then the best seen, as from any search).
+
+        Under a time limit, returns False after the seeds when, at the pace they were
+        evaluated, the rest would not fit in the time left: an enumeration cut short has seen
+        one corner of the space, where the genetic phase (which reuses the seeds' costs)
+        spreads its candidates."""
+        known = self.seed_costs
+        t0, n0 = self.clock(), self.candidates
+        for labels in self.seeds():
+            key = self.key(labels)
+            if key not in known:
+                known[key] = self.evaluate(labels)
+        self.structured = self.best_cost
+        if self.deadline is not None:
+            now = self.clock()
+            pace = (now - t0) / max(1, self.candidates - n0)
+            if now + pace * (count - len(known)) > self.deadline:
+                return False
+        for labels in balanced_labelings(self.s, self.r):
+            if self.key(labels) not in known:
+                self.evaluate(labels)
+        self.exhaustive = True
+        return True
+
     def run(self, population: int) -> None:
-        m = self.m
-        orders = 3 if self.n <= 128 else 1
-        seeds = structured_candidates(m.pp_link, self.s, self.r, self.rng, orders)
-        seeds.append(m.rank_order_labels())
+        seeds = self.seeds()
         pop: list[np.ndarray] = self.pop
         costs: list[float] = []
         seen: set[bytes] = set()
@@ -354,9 +437,11 @@ class _Search:
             seen.add(self.key(labels))
 
         for labels in seeds:
-            if self.key(labels) in seen:
+            key = self.key(labels)
+            if key in seen:
                 continue
-            add(labels, self.evaluate(labels))  # seeds may use the whole budget
+            cost = self.seed_costs.get(key)  # evaluated already by `enumerate_all`
+            add(labels, self.evaluate(labels) if cost is None else cost)  # may use the budget
             self.structured = self.best_cost
             if len(pop) >= population:
                 break
@@ -366,6 +451,8 @@ class _Search:
             labels = self.random_labels()
             if self.key(labels) not in seen:
                 add(labels, self.evaluate(labels, ga=True))
+            else:
+                self.charge(ga=True)  # a duplicate drawn: it counts, or this could spin
         if len(pop) < 2 or self.s < 2 or self.r < 2:
             return
         stale = 0
@@ -377,10 +464,11 @@ class _Search:
             child = self.local_search(child)
             key = self.key(child)
             if key in seen:
+                self.charge(ga=True)  # not evaluated, but it paid the local search
                 stale += 1
                 if stale > 50 * population:
                     return  # the population has converged: leave the rest to the polish
-                continue  # duplicates are not evaluated (and not counted)
+                continue
             stale = 0
             c = self.evaluate(child, ga=True)
             worse = i if costs[i] >= costs[j] else j
@@ -389,7 +477,8 @@ class _Search:
                 pop[worse], costs[worse] = child, c
                 seen.add(key)
 
-    def key(self, labels: np.ndarray) -> bytes:
+    @staticmethod
+    def key(labels: np.ndarray) -> bytes:
         """Canonical form: groups renamed in order of first appearance."""
         _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
         rank = np.argsort(np.argsort(first))
@@ -417,12 +506,17 @@ def search_plan(
     rng: np.random.Generator | None = None,
     progress: Progress | None = None,
     compression: Compression | None = None,
+    enumerate_max: int = ENUMERATE_MAX,
+    clock: Clock = time.perf_counter,
 ) -> PlanResult:
     """Search for the cheapest plan of `stages` x `replicas` tasklets on `net`.
 
-    `budget` counts evaluated candidates, `seconds` is a wall-clock limit; with neither, the
-    budget is `default_budget(N)`. `rng` overrides `seed`. The returned cost is `plan_cost`
-    of the returned grid. `compression`: count each link's compressed bytes (None: the paper's).
+    `budget` counts candidates (evaluated, or built and skipped as duplicates), `seconds` is a
+    wall-clock limit read from `clock`; with neither, the budget is `default_budget(N)`. When
+    the instance has no more `placements` than the budget and `enumerate_max` (0: never), every
+    one is evaluated instead of evolving. `rng` overrides `seed`. The returned cost is
+    `plan_cost` of the returned grid. `compression`: count each link's compressed bytes (None:
+    the paper's).
     """
     if gain not in GAINS:
         raise ValueError(f"gain must be one of {GAINS}, got {gain!r}")
@@ -430,28 +524,35 @@ def search_plan(
         raise ValueError(f"budget must be >= 1 candidate, got {budget}")
     if seconds is not None and seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    t0 = time.perf_counter()
+    t0 = clock()
     model = CostModel(net, stages, replicas, dp_gb, pp_gb, compression=compression)
     if budget is None and seconds is None:
         budget = default_budget(net.size)
     if population is None:
         population = 100 if net.size <= 128 else 24
-    search = _Search(model, rng or np.random.default_rng(seed), budget, seconds, gain, progress)
+    search = _Search(model, rng or np.random.default_rng(seed), budget, seconds, gain, progress,
+                     clock)
     search.structured = np.inf
-    try:
-        search.run(population)
-    except _Budget:
-        pass
-    try:
-        search.polish()
-    except _Budget:
-        pass
+    count = placements(stages, replicas)
+    enumerated = False
+    if count <= min(enumerate_max, budget if budget is not None else enumerate_max):
+        try:
+            enumerated = search.enumerate_all(count)
+        except _Budget:
+            enumerated = True  # the budget ended it: the best seen is the answer
+    if not enumerated:
+        for phase in (lambda: search.run(population), search.polish):
+            try:  # each ends when its share of the budget is spent
+                phase()
+            except _Budget:
+                pass
     grid = model.grid(search.best_labels)
     cost, dp, pp = plan_cost(net, grid, dp_gb, pp_gb, compression)
-    elapsed = time.perf_counter() - t0
+    elapsed = clock() - t0
+    how = f"all {count} placements" if search.exhaustive else f"{search.candidates} candidates"
     log.info(
-        "plan %dx%d: cost %.4f (dp %.4f + 2 x pp %.4f) after %d candidates in %.2fs",
-        stages, replicas, cost, dp, pp, search.evaluated, elapsed,
+        "plan %dx%d: cost %.4f (dp %.4f + 2 x pp %.4f) after %s in %.2fs",
+        stages, replicas, cost, dp, pp, how, elapsed,
     )
     return PlanResult(
         grid=grid,
@@ -464,6 +565,8 @@ def search_plan(
         stages=stages,
         replicas=replicas,
         gain=gain,
+        candidates=search.candidates,
+        exhaustive=search.exhaustive,
         structured_cost=float(search.structured),
         history=search.history,
     )

@@ -22,6 +22,9 @@ Counted the way the worker really trains (pinned against torch by
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
   the first stage keeps the token ids, the last the head's inputs and the fp32 log-softmax;
   under bf16 every micro-batch's graph also holds its own bf16 copies of the matmul weights;
+- the Llama block (`_llama_saved`) keeps per token its RMSNorms' fp32 inputs and outputs, the
+  rotated q and k, v, the attention output and 4 ff of SwiGLU, plus each layer's rotary
+  tables;
 - GPipe keeps all M micro-batches of a step, 1F1B at most S - stage;
 - the worker process itself (interpreter, torch, gloo) holds `WORKER_RUNTIME_BYTES` before any
   model state: little beside one stage of a large model, but eight workers on one machine's
@@ -73,23 +76,48 @@ def param_state_bytes(moments_dtype: str = "fp32") -> int:
 
 def matmul_params(spec: ModelSpec, begin: int, end: int) -> int:
     """Weights of the matrix multiplies in layers [begin, end) and, on the last stage, the head."""
-    d, ff = spec.d_model, spec.d_ff
-    n = (end - begin) * (4 * d * d + 2 * d * ff)
-    return n + (d * spec.vocab_size if end == spec.n_layers else 0)
+    n = (end - begin) * spec.layer_matmul_params()
+    return n + (spec.d_model * spec.vocab_size if end == spec.n_layers else 0)
 
 
 def activation_bytes(spec: ModelSpec, begin: int, end: int, sequences: int,
                      dtype: str = "fp32") -> int:
     """Bytes autograd keeps for one micro-batch of `sequences` in layers [begin, end)."""
-    d, ff, act = spec.d_model, spec.d_ff, DTYPE_BYTES[dtype]
-    per_layer = 2 * d * FP32 + (6 * d + 2 * ff) * act + (4 + spec.n_heads) * FP32
+    act = DTYPE_BYTES[dtype]
+    per_layer, per_layer_fixed, head = (_llama_saved(spec, dtype) if spec.arch == "llama"
+                                        else _gpt_saved(spec, dtype))
     per_token = (end - begin) * per_layer
     if begin == 0:
         per_token += 8  # int64 token ids
     if end == spec.n_layers:
-        per_token += d * FP32 + d * act + spec.vocab_size * FP32 + 16
+        per_token += head + spec.vocab_size * FP32 + 8  # fp32 log-softmax, int64 targets
     weights = 2 * matmul_params(spec, begin, end) if dtype != "fp32" else 0
-    return sequences * spec.seq_len * per_token + weights
+    fixed = (end - begin) * per_layer_fixed * act
+    return sequences * spec.seq_len * per_token + weights + fixed
+
+
+def _gpt_saved(spec: ModelSpec, dtype: str) -> tuple[int, int, int]:
+    """Per token: a GPT layer's bytes, its sequence-independent elements, the head's bytes."""
+    d, ff, act = spec.d_model, spec.d_ff, DTYPE_BYTES[dtype]
+    per_layer = 2 * d * FP32 + (6 * d + 2 * ff) * act + (4 + spec.n_heads) * FP32
+    return per_layer, 0, d * FP32 + d * act + 8  # ln_f: input, mean and rstd; head input
+
+
+def _llama_saved(spec: ModelSpec, dtype: str) -> tuple[int, int, int]:
+    """Per token: a Llama layer's bytes, its sequence-independent elements, the head's bytes.
+
+    Each RMSNorm keeps its fp32 input, its normalised value and its 1/rms; its output is kept
+    once in fp32 or, under autocast, as one compute-dtype copy per matmul reading it (q, k, v
+    after the first norm; gate, up after the second). Attention keeps the rotated q and k, v,
+    its output and the log-sum-exp per head; the SwiGLU MLP 4 x ff (gate, up, silu, product).
+    Each layer also keeps its rotary cos and sin tables (seq_len x head_dim each)."""
+    d, act = spec.d_model, DTYPE_BYTES[dtype]
+    q, kv = spec.n_heads * spec.head_size, spec.kv_heads * spec.head_size
+    copies = 2 if dtype == "fp32" else 5
+    per_layer = (4 * d * FP32 + copies * d * act + (2 * q + 2 * kv + 4 * spec.d_ff) * act
+                 + (spec.n_heads + 2) * FP32)
+    head = 2 * d * FP32 + d * act + FP32
+    return per_layer, 2 * spec.seq_len * spec.head_size, head
 
 
 def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: int) -> int:

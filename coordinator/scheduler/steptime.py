@@ -325,12 +325,16 @@ POLISH_STALE_KICKS = 30  # restarts in a row that found nothing better: the poli
 def _descend(net: Network, g: np.ndarray, cur: float, shape: StepShape,
              compute: np.ndarray | None, deadline: float,
              memo: dict[tuple[object, ...], object] | None = None) -> tuple[np.ndarray, float]:
-    """Swap any two tasklets while that shortens the predicted step (first improvement)."""
+    """Swap any two tasklets while that shortens the predicted step (first improvement),
+    until `deadline`: a pass over every pair is quadratic in the devices, so the clock is
+    read at every pair, not only between passes."""
     cells = [(j, k) for j in range(g.shape[0]) for k in range(g.shape[1])]
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved:
         improved = False
         for p, q in itertools.combinations(cells, 2):
+            if time.perf_counter() >= deadline:
+                return g, cur
             cand = g.copy()
             cand[p], cand[q] = g[q], g[p]
             value = placed_step_s(net, cand, shape, compute, memo)

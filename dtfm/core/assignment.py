@@ -74,6 +74,7 @@ def build_assignments(
     members: Sequence[tuple[str, int]] | None = None,
     checkpoint_splits: Sequence[int] | None = None,
     dp_shares: Sequence[Sequence[float]] | None = None,
+    init_hash: str = "",
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
@@ -89,6 +90,8 @@ def build_assignments(
     layout's split (each worker then reads its layers from the old stages that held them).
     `dp_shares[stage]`: that stage's share of each replica in the sharded gradient exchange
     (`dtfm.core.buckets`); without it every replica owns an equal share.
+    `init_hash`: `dtfm.core.hfdir.dir_hash` of `train.init_from` where it was planned; every
+    worker checks its own copy against it.
     """
     train.validate(layout.replicas)
     if bind_addrs is not None and len(bind_addrs) != layout.world_size:
@@ -131,6 +134,7 @@ def build_assignments(
             pp_compress_prev=pp_prev, pp_compress_next=pp_next, dp_compress=dp,
             checkpoint_splits=resplit,
             dp_shares=dp_shares[stage] if dp_shares is not None else [],
+            init_hash=init_hash,
         ))
         if routes is not None:
             out[-1].checkpoint_peers.extend(routes[rank].peers)

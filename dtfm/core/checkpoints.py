@@ -8,9 +8,16 @@ Layout under a checkpoint directory ROOT (the operator's `--checkpoint-dir`, or 
 agent's own `STATE_DIR/checkpoints`):
 
 ```
-ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.pt              model, optimizer, data position, layers
-ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.manifest.json   size and sha256 of the file above
+ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.safetensors     the stage's weights, Hugging Face names
+ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.pt              optimizer, data position, layers, buffers
+ROOT/<job id>/stage-<S>/step-<NNNNNNNN>.manifest.json   size and sha256 of the files above
 ```
+
+The weights are a safetensors file under the tensor names and layout of the model's Hugging
+Face class (`dtfm.core.hfconfig.part_tensors`), so an export (`dtfm.core.hfexport`) is the
+stages' files plus an index and a config, and the agents' mirroring copies them like any
+file a manifest lists. Checkpoints written before that hold the weights in the `.pt` itself
+(its `model` entry) and load as they did.
 
 - **Keyed by job** (`job_key`): a new job pointed at a directory an earlier job left starts
   from step 0; a recovering job (same id, new epoch) finds its own.
@@ -65,12 +72,12 @@ MAX_HELD_BYTES = 2 * 1024**3
 FLOOR_NAME = "keep-from"
 MANIFEST_FORMAT = "dtfm-checkpoint/1"
 MAX_STEP = 99_999_999  # step numbers have 8 digits in file names
-DATA_RE = re.compile(r"^step-(\d{8})\.pt$")
+DATA_RE = re.compile(r"^step-(\d{8})\.(?:pt|safetensors)$")
 MANIFEST_RE = re.compile(r"^step-(\d{8})\.manifest\.json$")
-TMP_RE = re.compile(r"^\.step-(\d{8})\.(pt|manifest\.json)\.tmp\.")
+TMP_RE = re.compile(r"^\.step-(\d{8})\.(pt|safetensors|manifest\.json)\.tmp\.")
 # a download from a peer in progress, named by the sha256 it must end with, so that it is
 # resumed only from a peer offering the very same file
-PART_RE = re.compile(r"^\.step-(\d{8})\.pt\.([0-9a-f]{16})\.part$")
+PART_RE = re.compile(r"^\.step-(\d{8})\.(?:pt|safetensors)\.([0-9a-f]{16})\.part$")
 STAGE_RE = re.compile(r"^stage-\d+$")
 _SAFE_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -106,6 +113,15 @@ def path_for(root: str | Path, stage: int, step: int) -> Path:
     return stage_dir(root, stage) / data_name(step)
 
 
+def weights_name(step: int) -> str:
+    return f"step-{step:08d}.safetensors"
+
+
+def weights_for(root: str | Path, stage: int, step: int) -> Path:
+    """The stage's weights of `step` under Hugging Face names (absent in old checkpoints)."""
+    return stage_dir(root, stage) / weights_name(step)
+
+
 def manifest_for(root: str | Path, stage: int, step: int) -> Path:
     return stage_dir(root, stage) / f"step-{step:08d}.manifest.json"
 
@@ -116,7 +132,8 @@ def part_for(root: str | Path, stage: int, name: str, sha256: str) -> Path:
 
 
 def step_of(name: str) -> int | None:
-    """The step a data file name (`step-NNNNNNNN.pt`) belongs to, or None for any other name."""
+    """The step a data file name (`step-NNNNNNNN.pt` or `.safetensors`) belongs to, or None
+    for any other name."""
     m = DATA_RE.match(name)
     return int(m.group(1)) if m else None
 

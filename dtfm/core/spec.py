@@ -4,11 +4,17 @@ The planner needs sizes (parameters per stage, activation bytes between stages) 
 needs a shape to build; both read the same `ModelSpec`, so a test can pin that the analytic
 sizes here equal what the torch model really holds. The GPT these formulas describe:
 
-- token embedding `V x d` and learned position embedding `T x d` (first stage),
+- token embedding `V x d` and learned position embedding `P x d` (first stage; P =
+  max_positions, seq_len by default),
 - per layer: LayerNorm(d) -> causal self-attention (qkv Linear d->3d with bias, out Linear d->d
   with bias) -> residual; LayerNorm(d) -> MLP (Linear d->ff with bias, GELU, Linear ff->d with
   bias) -> residual,
 - final LayerNorm(d) and an untied LM head Linear d->V without bias (last stage).
+
+The Llama block (`arch="llama"`): token embedding `V x d` only (positions are rotary); per
+layer RMSNorm(d) -> attention (q: d -> H*hd, k and v: d -> KV*hd, each with a bias only under
+`qkv_bias`; o: H*hd -> d, no bias) -> residual; RMSNorm(d) -> SwiGLU MLP (gate and up d->ff,
+down ff->d, no biases) -> residual; final RMSNorm(d) and the untied head d->V.
 
 Pure Python: no torch, no grpc; `to_proto`/`from_proto` import the generated messages lazily.
 """
@@ -73,9 +79,23 @@ DP_MODES = tuple(m.value for m in DpMode)
 TRAIN_DTYPES = tuple(m.value for m in Dtype)
 
 
+ARCHS = ("gpt", "llama")
+GPT_ACTIVATIONS = ("gelu", "gelu_tanh")
+ROPE_TYPES = ("", "llama3", "linear")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only GPT's shape."""
+    """A decoder-only transformer's shape: dtfm's GPT (`arch="gpt"`) or the Llama family
+    (`arch="llama"`: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention; Llama,
+    Mistral and, with `qkv_bias`, Qwen2).
+
+    Every field added after the GPT-only first version has a default that leaves the GPT as it
+    was (and an unset wire field means that default); zero-valued sizes mean "derived":
+    `d_ff` 0 is 4 x d_model, `n_kv_heads` 0 is n_heads, `head_dim` 0 is d_model / n_heads,
+    `max_positions` 0 is seq_len (the rows of the GPT's learned position embedding).
+    Embeddings and LM head are always separate parameters (untied).
+    """
 
     name: str
     vocab_size: int
@@ -84,6 +104,19 @@ class ModelSpec:
     n_heads: int
     seq_len: int
     d_ff: int = 0  # 0 means 4 * d_model
+    arch: str = "gpt"
+    n_kv_heads: int = 0  # 0: n_heads (llama only; the GPT has one K/V head per query head)
+    head_dim: int = 0  # 0: d_model // n_heads
+    norm_eps: float = 1e-5  # LayerNorm (gpt) or RMSNorm (llama) epsilon
+    activation: str = "gelu"  # gpt: "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
+    rope_theta: float = 10000.0
+    rope_type: str = ""  # "": plain rotary; "llama3" or "linear" scaling
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_positions: int = 0  # llama3 only: the context it was pretrained on
+    qkv_bias: bool = False  # llama: biases on q/k/v projections (Qwen2)
+    max_positions: int = 0  # 0: seq_len; gpt: rows of the learned position embedding
 
     def __post_init__(self) -> None:
         if self.d_ff == 0:
@@ -91,25 +124,91 @@ class ModelSpec:
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model spec {self.name!r}: {name} must be >= 1")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model spec {self.name!r}: d_model={self.d_model} is not divisible by "
-                f"n_heads={self.n_heads}"
-            )
+        for name, allowed in (("arch", ARCHS), ("activation", GPT_ACTIVATIONS),
+                              ("rope_type", ROPE_TYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model spec {self.name!r}: {name} must be one of "
+                                 f"{', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+        for name in ("n_kv_heads", "head_dim", "max_positions", "rope_original_max_positions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model spec {self.name!r}: {name} must be >= 0")
+        for name in ("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model spec {self.name!r}: {name} must be > 0, got {value}")
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        what = f"model spec {self.name!r}"
+        if self.head_dim == 0 and self.d_model % self.n_heads:
+            raise ValueError(f"{what}: d_model={self.d_model} is not divisible by "
+                             f"n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"{what}: n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.kv_heads}")
+        if self.arch == "gpt":
+            if self.kv_heads != self.n_heads or self.head_size * self.n_heads != self.d_model:
+                raise ValueError(f"{what}: the gpt block has n_kv_heads = n_heads and "
+                                 f"head_dim = d_model / n_heads; use arch 'llama' otherwise")
+            if self.qkv_bias or self.rope_type:
+                raise ValueError(f"{what}: qkv_bias and rope_type are for arch 'llama' (the gpt "
+                                 f"block always has biases and learned positions)")
+            if self.max_positions and self.max_positions < self.seq_len:
+                raise ValueError(f"{what}: max_positions={self.max_positions} is shorter than "
+                                 f"seq_len={self.seq_len}: the position embedding has a row "
+                                 f"per position")
+        elif self.head_size % 2:
+            raise ValueError(f"{what}: rotary embeddings need an even head_dim, got "
+                             f"{self.head_size}")
+
+    # --- derived shape ---
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_heads, or n_heads where 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """Dimensions per attention head (head_dim, or d_model // n_heads where 0)."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def positions(self) -> int:
+        """Positions the model knows (max_positions, or seq_len where 0)."""
+        return self.max_positions or self.seq_len
+
+    def attention_matmul_params(self) -> int:
+        """Weights of one layer's q, k, v and output projections."""
+        q = self.n_heads * self.head_size
+        return 2 * self.d_model * q + 2 * self.d_model * self.kv_heads * self.head_size
+
+    def mlp_matmul_params(self) -> int:
+        """Weights of one layer's MLP: d->ff->d (gpt) or gate, up and down (llama's SwiGLU)."""
+        return (3 if self.arch == "llama" else 2) * self.d_model * self.d_ff
+
+    def layer_matmul_params(self) -> int:
+        return self.attention_matmul_params() + self.mlp_matmul_params()
 
     # --- analytic sizes (must equal the torch model; tests pin it) ---
     def embedding_params(self) -> int:
-        return self.vocab_size * self.d_model + self.seq_len * self.d_model
+        if self.arch == "llama":
+            return self.vocab_size * self.d_model
+        return self.vocab_size * self.d_model + self.positions * self.d_model
 
     def layer_params(self) -> int:
         d, ff = self.d_model, self.d_ff
+        if self.arch == "llama":
+            bias = (self.n_heads + 2 * self.kv_heads) * self.head_size if self.qkv_bias else 0
+            return self.layer_matmul_params() + bias + 2 * d  # two RMSNorm weights
         attn = d * 3 * d + 3 * d + d * d + d
         mlp = d * ff + ff + ff * d + d
         norms = 2 * 2 * d
         return attn + mlp + norms
 
     def head_params(self) -> int:
-        return 2 * self.d_model + self.d_model * self.vocab_size
+        norm = self.d_model if self.arch == "llama" else 2 * self.d_model
+        return norm + self.d_model * self.vocab_size
 
     def param_count(self) -> int:
         return self.embedding_params() + self.n_layers * self.layer_params() + self.head_params()
@@ -141,7 +240,18 @@ class ModelSpec:
 
     @classmethod
     def from_proto(cls, msg: Any) -> ModelSpec:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+        """The spec a `dtfm.v1.ModelSpec` describes; a field left unset (zero or empty, as a
+        peer that predates it sends) takes its default, none of which is a zero."""
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        for f in fields(cls):
+            if f.name in _SPEC_ADDED_LATER and not values[f.name]:
+                values[f.name] = f.default
+        return cls(**values)
+
+
+# ModelSpec fields the wire gained after its first version whose default is not zero.
+_SPEC_ADDED_LATER = ("arch", "norm_eps", "activation", "rope_theta", "rope_factor",
+                     "rope_low_freq_factor", "rope_high_freq_factor")
 
 
 def _option(default: Any, doc: str, flag: str = "") -> Any:
@@ -184,8 +294,9 @@ class TrainConfig:
     weight_decay: float = _option(
         0.1, "AdamW weight decay of matrices (biases and norms get none)")
     data_path: str = _option(
-        "", "uint16 .bin token file, or a directory with train.bin and val.bin, on every "
-        "worker's machine (empty: the bundled corpus)", flag="--data")
+        "", "a directory `agent prepare` wrote (train.bin, val.bin and meta.json: uint16 or "
+        "uint32 ids), nanoGPT's uint16 train.bin and val.bin, or one uint16 .bin file, on "
+        "every worker's machine (empty: the bundled corpus)", flag="--data")
     checkpoint_dir: str = _option(
         "", "where each stage checkpoints, under a folder per job id, and resumes from "
         "(empty: each agent's own state directory; agent local: none). Shared storage lets "
@@ -208,6 +319,14 @@ class TrainConfig:
         MomentsDtype.FP32, "what AdamW stores its two moments in: fp32, or bf16 (the update is "
         "still computed in fp32; 12 instead of 16 bytes of state per parameter, for a model "
         "whose fp32 state does not fit)")
+    init_from: str = _option(
+        "", "a Hugging Face model directory (config.json and model.safetensors, or shards and "
+        "their index) to start from, on every worker's machine: the model comes from its "
+        "config.json (no --model needed); GPT2LMHeadModel, LlamaForCausalLM, "
+        "Qwen2ForCausalLM, MistralForCausalLM")
+    seq_len: int = _option(
+        0, "with --init-from: the sequence length to train on (0: the config's maximum "
+        "positions, at most 2048)")
     sync_every: int = _option(
         1, "replicas take this many optimizer steps on their own before they average what "
         "they learned (the pseudo-gradient) and take an outer Nesterov step: data-parallel "
@@ -266,6 +385,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise ValueError(f"{flag(name)} must be a finite number, got {value}")
+        if self.seq_len and not self.init_from:
+            raise ValueError("--seq-len applies with --init-from; for a preset give "
+                             "--model NAME:seq=N")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         for name in ("grad_clip", "weight_decay"):
@@ -308,7 +430,7 @@ _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode
 _ADDED_LATER = ("moments_dtype",)
 _OUTER = ("sync_every", "outer_lr", "outer_momentum")  # unset on the wire: all their defaults
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches", "sync_every")
+           "eval_batches", "seq_len", "sync_every")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:

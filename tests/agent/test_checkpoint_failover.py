@@ -21,11 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from agent.checkpoints import CheckpointCopier, CheckpointStore
-from agent.server import AgentService
+from agent.server import AgentService, registrar
 from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
 from dtfm import rpc
@@ -34,7 +33,7 @@ from dtfm.core.assignment import build_assignments
 from dtfm.core.layout import Layout
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import TrainConfig, WorkerState
-from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from protos.dtfm.v1 import common_pb2
 from tests.daemons import TOKEN
 
 JOB = "job-failover"
@@ -73,12 +72,8 @@ async def agent(state: Path) -> AsyncIterator[Agent]:
     root = checkpoint_dir(state)
     service = AgentService(common_pb2.AgentInfo(agent_id=state.name, host="127.0.0.1"),
                            CheckpointStore(root))
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        agent_pb2_grpc.add_AgentServicer_to_server(service, server)
-        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
-
-    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, state.name)
+    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, registrar(service),
+                                             state.name)
     supervisor = Supervisor(state / "work", checkpoints=CheckpointCopier(
         root, SECURITY, budget_s=60, mirror_interval_s=0.2))
     try:

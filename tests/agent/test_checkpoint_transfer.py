@@ -28,6 +28,7 @@ from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import FileEntry, Manifest
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from tests.agent.servers import serving as serving_agent
 from tests.daemons import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,16 +67,8 @@ async def serving(root: Path, service: type[AgentService] = AgentService
                   ) -> AsyncIterator[str]:
     """An agent's gRPC server over checkpoint root `root`; yields its address."""
     svc = service(common_pb2.AgentInfo(agent_id="t", host="127.0.0.1"), CheckpointStore(root))
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        agent_pb2_grpc.add_AgentServicer_to_server(svc, server)
-        return [agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name]
-
-    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test agent")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
+    async with serving_agent(svc, SECURITY) as address:
+        yield address
 
 
 async def eventually(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

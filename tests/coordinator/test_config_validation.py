@@ -204,3 +204,21 @@ def test_units_keep_state_private() -> None:
     for unit in ("dtfm-coordinator.service", "dtfm-agent@.service"):
         text = (deploy / unit).read_text()
         assert "\nUMask=0077\n" in text and "\nStateDirectoryMode=0700\n" in text, unit
+
+
+def test_data_prepared_for_a_larger_vocabulary_is_refused_before_any_worker(
+        tmp_path: Path) -> None:
+    from dtfm.core.tokenfiles import TokenMeta, write_meta
+
+    write_meta(tmp_path, TokenMeta(
+        dtype="uint16", vocab_size=300, tokenizer_hash="ab" * 32, eot_id=0, eot_token="</s>",
+        max_token_id=299, documents={"train": 9, "val": 1}, tokens={"train": 900, "val": 100},
+        val_fraction=0.1))
+    job = JobConfig(model="gpt-tiny", agents=1, train=TrainConfig(data_path=str(tmp_path)))
+    with pytest.raises(ConfigError, match=f"--data {tmp_path} holds token id 299 but the "
+                                          f"model's vocabulary is 256"):
+        job.validate()
+    JobConfig(model="gpt-125m", agents=1, train=TrainConfig(data_path=str(tmp_path))).validate()
+    # a path the coordinator's disk does not hold is the agents' to check
+    JobConfig(model="gpt-tiny", agents=1,
+              train=TrainConfig(data_path=str(tmp_path / "on-the-agents"))).validate()

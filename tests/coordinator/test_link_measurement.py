@@ -92,3 +92,47 @@ def test_a_dead_peer_is_reported_unreachable_and_left_out(tmp_path: Path) -> Non
     a, b = measured["agents"].index(ids[0]), measured["agents"].index(ids[1])
     assert math.isclose(measured["delay_ms"][a][b], 10, abs_tol=2)
     assert measured["excluded"] == [dead], "the scheduler must be told to leave it out"
+
+
+# An ordinary volunteer uplink, far away: 2.1 Mbit/s and 171 ms one way between the two agents
+# (the coordinator's host 0 has free links). Hosts keep Linux's default TCP settings and a
+# 1500-byte MTU, as an agent started by hand does: its probes stall for retransmission
+# timeouts and count whole 16 KiB chunks, so their windows need not agree.
+SLOW_MBPS, FAR_MS = 2.1, 171.0
+SLOW_JOB = ["--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
+            "--steps", "2", "--batch", "2", "--micro-batches", "1", "--search-seconds", "1",
+            "--max-restarts", "0"]
+
+
+@needs_wan
+@pytest.mark.timeout(400)
+def test_a_slow_far_link_is_measured_and_its_agents_train(tmp_path: Path) -> None:
+    """The job measures the slow link (an estimate at worst, never "unreachable"), leaves
+    nobody out and trains across it."""
+    delay = [[0, 0, 0], [0, 0, FAR_MS], [0, FAR_MS, 0]]
+    rate: list[list[float | None]] = [[None, None, None], [None, None, SLOW_MBPS],
+                                      [None, SLOW_MBPS, None]]
+    with WanEmulator(delay_ms=delay, bandwidth_mbps=rate) as wan:
+        cluster = WanCluster(wan, tmp_path, agents=2, coordinator_args=SLOW_JOB)
+        try:
+            ids = cluster.start()
+            status = cluster.wait_job(timeout=300)
+        finally:
+            cluster.stop()
+    log = (tmp_path / "coordinator.log").read_text()
+    assert " lost: " not in log and "unreachable" not in log, log[-3000:]
+    assert status["job"]["state"] == "done", status["job"]
+    assert [a["state"] for a in status["agents"]] == ["alive", "alive"]
+    for agent in status["agents"]:  # a fresh namespace has Linux's default: say so
+        assert "net.ipv4.tcp_slow_start_after_idle = 0" in [t["line"] for t in agent["tuning"]]
+    links = status["links"]
+    assert links["unreachable"] == [] and links["excluded"] == []
+    order = [links["agents"].index(i) for i in ids]
+    for a, b in ((0, 1), (1, 0)):
+        mbps = links["bandwidth_gbps"][order[a]][order[b]] * 1000
+        assert SLOW_MBPS / 2 <= mbps <= SLOW_MBPS * 2, f"{a}->{b}: {mbps:.2f} Mbit/s"
+        delay_ms = links["delay_ms"][order[a]][order[b]]
+        assert abs(delay_ms - FAR_MS) <= 0.1 * FAR_MS, f"{a}->{b}: {delay_ms:.1f} ms"
+    for pair, note in links["estimated"].items():  # an estimate says how it was made
+        assert pair in {f"{ids[0]}->{ids[1]}", f"{ids[1]}->{ids[0]}"}
+        assert note.startswith("no steady rate"), note

@@ -33,7 +33,7 @@ PACKAGES = ("dtfm", "coordinator", "agent")
 OURS = (*PACKAGES, "protos")
 CLI_MODULES = frozenset({
     "coordinator.cli", "agent.cli", "coordinator.plan", "coordinator.demo",
-    "coordinator.demo_wan", "coordinator.report", "agent.local",
+    "coordinator.demo_wan", "coordinator.report", "agent.local", "agent.prepare",
 })
 FORBIDDEN_IN_CORE = ("torch", "grpc", "grpc_health", "grpc_reflection")
 

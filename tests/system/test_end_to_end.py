@@ -30,7 +30,16 @@ def test_demo_trains_a_gpt_and_the_loss_falls(tmp_path: Path) -> None:
     losses = [u["loss"] for u in updates if u["step"] > 0]
     assert losses[0] > 5.0  # a byte-level model starts near ln(256) = 5.55
     assert losses[-1] < losses[0] - 1.0, losses
+    # the last update sums it up: where the loss went, how long it took, what to try next
+    summary = updates[-1]["summary"]
+    assert summary["first_loss"] > 5.0 and summary["last_loss"] < summary["first_loss"] - 1.0
+    assert summary["first_step"] < summary["last_step"] <= 40 == summary["steps"]
+    assert summary["seconds"] > 0 and summary["step_s"] > 0
+    assert (f"loss {summary['first_loss']:.3f} at step {summary['first_step']} -> "
+            f"{summary['last_loss']:.3f} at step {summary['last_step']}") in out.stderr
     assert "plan cost" in out.stderr
+    assert "sudo .venv/bin/coordinator demo --wan world" in out.stderr
+    assert '"Running a real cluster"' in out.stderr
 
 
 def _job(daemons: Daemons, address: str) -> dict:

@@ -50,12 +50,19 @@ def _bad_reports() -> list[tuple[str, object, str]]:
     progress = coordinator_pb2.ProgressReport
     links = coordinator_pb2.LinkReport
     sample = common_pb2.LinkSample
+    tuning = common_pb2.TuningAdvice
     many = [sample(peer_id=f"p{i}", reachable=True) for i in range(MAX_AGENTS + 1)]
     return [
         ("ReportProgress", progress(agent_id="limits-ok", error="e" * 100_000), "error"),
         ("ReportProgress", progress(agent_id="limits-ok", job_id="j" * 1000), "job_id"),
         ("ReportProgress", progress(agent_id="limits-ok", error_kind="k" * 100), "error_kind"),
         ("ReportProgress", progress(agent_id="limits-ok", step_s=math.inf), "step_s"),
+        ("ReportProgress", progress(agent_id="limits-ok", tuning=[tuning(setting="s")] * 17),
+         "tuning"),
+        ("ReportProgress", progress(agent_id="limits-ok", tuning=[tuning(why="w" * 10**5)]),
+         "why"),
+        ("ReportProgress", progress(agent_id="limits-ok", tuning=[tuning(current="\x07")]),
+         "current"),
         ("ReportProgress", progress(agent_id="y" * 1_000_000), "agent_id"),
         ("ReportProgress", progress(agent_id="limits-ok", agent_secret="s" * 10**5),
          "agent_secret"),
@@ -65,6 +72,8 @@ def _bad_reports() -> list[tuple[str, object, str]]:
          "peer_id"),
         ("ReportLinks", links(agent_id="limits-ok",
                               samples=[sample(peer_id="p", error="x" * 10**5)]), "error"),
+        ("ReportLinks", links(agent_id="limits-ok", samples=[
+            sample(peer_id="p", estimated=True, estimate_note="n" * 10**5)]), "estimate_note"),
     ]
 
 

@@ -61,7 +61,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff")
+    __slots__ = ("name", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff", "arch", "n_kv_heads", "head_dim", "norm_eps", "activation", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions", "qkv_bias", "max_positions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,19 @@ class ModelSpec(_message.Message):
     N_HEADS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     D_FF_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    N_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NORM_EPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    ROPE_THETA_FIELD_NUMBER: _ClassVar[int]
+    ROPE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ROPE_LOW_FREQ_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ROPE_HIGH_FREQ_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ROPE_ORIGINAL_MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    QKV_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     n_layers: int
@@ -76,10 +89,23 @@ class ModelSpec(_message.Message):
     n_heads: int
     seq_len: int
     d_ff: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ...) -> None: ...
+    arch: str
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    activation: str
+    rope_theta: float
+    rope_type: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_positions: int
+    qkv_bias: bool
+    max_positions: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ..., arch: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., norm_eps: _Optional[float] = ..., activation: _Optional[str] = ..., rope_theta: _Optional[float] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., rope_low_freq_factor: _Optional[float] = ..., rope_high_freq_factor: _Optional[float] = ..., rope_original_max_positions: _Optional[int] = ..., qkv_bias: _Optional[bool] = ..., max_positions: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype", "sync_every", "outer_lr", "outer_momentum")
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "pp_compress", "dp_compress", "moments_dtype", "init_from", "seq_len", "sync_every", "outer_lr", "outer_momentum")
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +124,8 @@ class TrainConfig(_message.Message):
     PP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     DP_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     MOMENTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -119,13 +147,15 @@ class TrainConfig(_message.Message):
     pp_compress: str
     dp_compress: str
     moments_dtype: str
+    init_from: str
+    seq_len: int
     sync_every: int
     outer_lr: float
     outer_momentum: float
-    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., init_from: _Optional[str] = ..., seq_len: _Optional[int] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares")
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares", "init_hash")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +183,7 @@ class Assignment(_message.Message):
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SPLITS_FIELD_NUMBER: _ClassVar[int]
     DP_SHARES_FIELD_NUMBER: _ClassVar[int]
+    INIT_HASH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     master_addr: str
@@ -180,7 +211,8 @@ class Assignment(_message.Message):
     mirrors: _containers.RepeatedCompositeFieldContainer[CheckpointMirror]
     checkpoint_splits: _containers.RepeatedScalarFieldContainer[int]
     dp_shares: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ...) -> None: ...
+    init_hash: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., init_hash: _Optional[str] = ...) -> None: ...
 
 class CheckpointMirror(_message.Message):
     __slots__ = ("stage", "peer")
@@ -191,32 +223,52 @@ class CheckpointMirror(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class LinkSample(_message.Message):
-    __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s")
+    __slots__ = ("peer_id", "delay_ms", "bandwidth_gbps", "reachable", "error", "measured_unix_s", "estimated", "estimate_note")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MEASURED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_NOTE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     delay_ms: float
     bandwidth_gbps: float
     reachable: bool
     error: str
     measured_unix_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., delay_ms: _Optional[float] = ..., bandwidth_gbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., measured_unix_s: _Optional[float] = ...) -> None: ...
+    estimated: bool
+    estimate_note: str
+    def __init__(self, peer_id: _Optional[str] = ..., delay_ms: _Optional[float] = ..., bandwidth_gbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., measured_unix_s: _Optional[float] = ..., estimated: _Optional[bool] = ..., estimate_note: _Optional[str] = ...) -> None: ...
 
 class LinkMatrix(_message.Message):
-    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable")
+    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable", "estimated", "estimate_notes")
     AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
     DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_NOTES_FIELD_NUMBER: _ClassVar[int]
     agent_ids: _containers.RepeatedScalarFieldContainer[str]
     delay_ms: _containers.RepeatedScalarFieldContainer[float]
     bandwidth_gbps: _containers.RepeatedScalarFieldContainer[float]
     unreachable: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+    estimated: _containers.RepeatedScalarFieldContainer[str]
+    estimate_notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ..., estimated: _Optional[_Iterable[str]] = ..., estimate_notes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TuningAdvice(_message.Message):
+    __slots__ = ("setting", "current", "wanted", "why")
+    SETTING_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    setting: str
+    current: str
+    wanted: str
+    why: str
+    def __init__(self, setting: _Optional[str] = ..., current: _Optional[str] = ..., wanted: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class PlanStage(_message.Message):
     __slots__ = ("agent_ids", "dp_shares")

@@ -78,6 +78,28 @@ def test_bin_files_load_and_reject_out_of_vocab(tmp_path: Path) -> None:
     assert (train.size, val.size) == (500, 100)
 
 
+def test_a_prepared_directory_is_read_in_its_dtype_and_checked(tmp_path: Path) -> None:
+    from dtfm.core.tokenfiles import TokenMeta, write_meta
+
+    ids = np.array([70_000, 5, 65_536, 0], dtype="<u4")
+    ids.tofile(tmp_path / "train.bin")
+    ids[:2].tofile(tmp_path / "val.bin")
+    meta = TokenMeta(dtype="uint32", vocab_size=70_001, tokenizer_hash="ab" * 32, eot_id=0,
+                     eot_token="</s>", max_token_id=70_000, documents={"train": 2, "val": 1},
+                     tokens={"train": 4, "val": 2}, val_fraction=0.3)
+    write_meta(tmp_path, meta)
+    train, val = load_splits(str(tmp_path), 70_001)
+    assert train.tolist() == ids.tolist() and val.tolist() == ids[:2].tolist()
+    with pytest.raises(ValueError, match="another tokenizer"):
+        load_splits(str(tmp_path), 70_001, tokenizer_hash="cd" * 32)
+    with pytest.raises(ValueError, match="token id 70000 but the model's vocabulary is 65536"):
+        load_splits(str(tmp_path), 65_536)
+    ids[:3].tofile(tmp_path / "train.bin")
+    with pytest.raises(ValueError, match=r"train.bin has 12 bytes but its meta.json says 4 "
+                                         r"uint32 tokens \(16 bytes\)"):
+        load_splits(str(tmp_path), 70_001)
+
+
 def test_sampler_is_deterministic_sliced_and_resumable() -> None:
     tokens = np.arange(10_000, dtype=np.uint16) % 256
     a, b = Sampler(tokens, 16, seed=3), Sampler(tokens, 16, seed=3)

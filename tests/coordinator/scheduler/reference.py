@@ -95,3 +95,18 @@ def random_net(
     np.fill_diagonal(delay, 0.0)
     np.fill_diagonal(bw, 1.0)
     return delay, bw
+
+
+def clustered_net(
+    n: int, sites: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Devices in a few sites (dealt at random): fast links inside a site, slow ones between,
+    each within 5 % of its kind, so many placements cost nearly the same."""
+    site = np.arange(n) % sites
+    rng.shuffle(site)
+    same = site[:, None] == site[None, :]
+    delay = np.where(same, 0.2, 40.0) * rng.uniform(0.95, 1.05, (n, n))
+    bw = np.where(same, 10.0, 0.2) * rng.uniform(0.95, 1.05, (n, n))
+    np.fill_diagonal(delay, 0.0)
+    np.fill_diagonal(bw, 1.0)
+    return delay, bw

@@ -21,6 +21,7 @@ from coordinator.scheduler.memory import (  # noqa: E402
     param_state_bytes,
 )
 from dtfm.core.presets import get_preset  # noqa: E402
+from dtfm.core.spec import ModelSpec  # noqa: E402
 
 
 def _state_bytes(stage: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -30,11 +31,12 @@ def _state_bytes(stage: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@pytest.mark.parametrize("name", ["gpt-tiny", "qwen-like"])
 @pytest.mark.parametrize("moments", ["fp32", "bf16"])
 @pytest.mark.parametrize("begin,end", [(0, 2), (1, 3), (2, 4)])
 def test_parameter_state_is_16_or_12_bytes_per_parameter(begin: int, end: int,
-                                                          moments: str) -> None:
-    spec = get_preset("gpt-tiny")
+                                                          moments: str, name: str) -> None:
+    spec = _spec(name)
     stage = Stage(spec, begin, end, seed=0)
     opt = make_optimizer(stage, lr=1e-3, weight_decay=0.1, moments_dtype=moments)
     x = (torch.randint(0, spec.vocab_size, (2, spec.seq_len)) if begin == 0
@@ -67,11 +69,22 @@ def _saved_bytes(stage: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor 
     return sum(seen.values())
 
 
+# The Llama block with every option that changes a size: grouped-query attention, a head_dim
+# that is not d_model / n_heads, q/k/v biases (Qwen2), an MLP width of its own.
+QWEN_LIKE = ModelSpec("qwen-like", vocab_size=300, n_layers=4, d_model=48, n_heads=6,
+                      seq_len=40, d_ff=136, arch="llama", n_kv_heads=2, head_dim=12,
+                      qkv_bias=True, rope_theta=1e6, norm_eps=1e-6)
+
+
+def _spec(name: str) -> ModelSpec:
+    return QWEN_LIKE if name == QWEN_LIKE.name else get_preset(name)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-mini"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-mini", "llama-tiny", QWEN_LIKE.name])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_activation_bytes_match_what_autograd_saves(name: str, dtype: str, where: str) -> None:
-    spec = get_preset(name)
+    spec = _spec(name)
     begin, end = {"first": (0, 2), "middle": (1, 3), "last": (2, spec.n_layers)}[where]
     sequences = 3
     ids = torch.randint(0, spec.vocab_size, (sequences, spec.seq_len))

@@ -123,7 +123,7 @@ def test_polish_prints_the_grid_coordinator_start_would_run() -> None:
     is a permutation, its cost is that grid's, and the model rates it no slower."""
     args = ["--scenario", "world", "--per-city", "2", "--model", "gpt-mini", "--stages", "4",
             "--replicas", "4", "--batch", "16", "--micro-batches", "4", "--dtype", "fp32",
-            "--budget", "300", "--seconds", "2", "--random", "5"]
+            "--budget", "300", "--search-seconds", "2", "--random", "5"]
     p = plan(*args, "--polish", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)

@@ -114,6 +114,16 @@ def test_stage_flops_is_six_per_weight_and_token_plus_attention() -> None:
     assert stage_flops(spec, 3, 4, 10) == 10 * (per_layer + 6 * d * v)
 
 
+def test_stage_flops_counts_the_llama_blocks_matrices() -> None:
+    """SwiGLU's three MLP matrices and grouped-query attention's narrower k and v."""
+    spec = get_preset("llama-1b")
+    d, ff, hd = spec.d_model, spec.d_ff, spec.head_size
+    weights = 2 * d * 32 * hd + 2 * d * 8 * hd + 3 * d * ff
+    per_layer = 6 * weights + 12 * spec.seq_len * 32 * hd
+    assert stage_flops(spec, 0, 1, 10) == 10 * per_layer
+    assert stage_flops(spec, 15, 16, 10) == 10 * (per_layer + 6 * d * spec.vocab_size)
+
+
 # --- the benchmark's setting (bench/uneven.py), worked out by hand ---
 
 def _compute_only(n: int) -> Network:

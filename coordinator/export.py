@@ -1,0 +1,200 @@
+"""`coordinator export` and `coordinator start --export-dir`: a job's newest complete step as a
+Hugging Face directory, gathered from whichever agents hold its stages.
+
+Every stage checkpoint holds its weights as a safetensors file under Hugging Face names
+(`dtfm.core.checkpoints`), and every stage is held by at least two agents (its replicas, or a
+mirror), on their own disks. So an export needs no shared storage and no torch:
+
+1. ask the coordinator (`GetStatus`) for the job's id, its model spec and the agents;
+2. ask every live agent (`Agent.ListCheckpoints`, authenticated like every agent call) which
+   complete steps it holds of each stage; pick the newest step for which the stages of one
+   split (their layer ranges join end to end, 0 to the model's last layer) each have a copy
+   with its weights file (after a re-cut, an older split's step can be the newest complete);
+3. copy each stage's weights file of that step from one holder (`agent.checkpoints.download`:
+   resumable, checked against the holder's manifest sha256), trying the next holder on
+   failure;
+4. assemble the directory (`dtfm.core.hfexport.write_export`: atomic, refuses a non-empty
+   destination unless forced).
+
+It works while the job trains: a checkpoint step, once its manifest is listed, is immutable
+until pruned, and a holder that pruned it meanwhile makes the copy fall to the next holder
+(each stage keeps its newest two steps, so a retry from the listing finds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from agent.checkpoints import BadCopy, Peer, download, list_peer
+from dtfm import rpc
+from dtfm.core import checkpoints as ondisk
+from dtfm.core.assignment import member_address
+from dtfm.core.checkpoints import Manifest
+from dtfm.core.hfexport import ExportError, StageFile, check_destination, write_export
+from dtfm.core.spec import ModelSpec
+from protos.dtfm.v1 import agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS_TIMEOUT_S = 10.0
+MAX_STAGES = 1024  # how many stage folders a listing asks an agent about, at most
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One agent's complete copy of one stage's step."""
+
+    peer: Peer
+    manifest: Manifest
+
+
+def pick_step(held: dict[tuple[int, int], list[Holding]], n_layers: int
+              ) -> tuple[int, list[list[Holding]]] | None:
+    """The newest step whose stages 0..S-1 (for some S) are each held with a weights file and
+    their layer ranges join into one split of the model's `n_layers` layers; its holders per
+    stage, in stage order. None when no step is complete."""
+    for step in sorted({s for _, s in held}, reverse=True):
+        per_stage: list[list[Holding]] = []
+        end = 0
+        stage = 0
+        while end < n_layers and (stage, step) in held:
+            ok = [h for h in held[(stage, step)] if _has_weights(h.manifest)
+                  and h.manifest.layers is not None and h.manifest.layers[0] == end]
+            if not ok:
+                break
+            # one split: every holder of this stage must agree on its end too
+            end = ok[0].manifest.layers[1]  # type: ignore[index]
+            per_stage.append([h for h in ok if h.manifest.layers[1] == end])  # type: ignore[index]
+            stage += 1
+        if end == n_layers and per_stage:
+            return step, per_stage
+    return None
+
+
+def _has_weights(m: Manifest) -> bool:
+    return any(f.name == ondisk.weights_name(m.step) for f in m.files)
+
+
+async def job_status(address: str, security: rpc.Security) -> coordinator_pb2.ClusterStatus:
+    async with rpc.open_channel(address, security) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        return await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+
+
+def agent_addresses(status: coordinator_pb2.ClusterStatus) -> list[str]:
+    """HOST:PORT of every agent the coordinator lists (lost ones too: one may be back)."""
+    return list(dict.fromkeys(member_address(a.info.host, a.info.port)
+                              for a in status.agents if a.info.port))
+
+
+async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
+                 security: rpc.Security, into: Path,
+                 say: Callable[[str], None]) -> tuple[int, list[StageFile]]:
+    """Copy each stage's weights of the newest complete step into job folder `into`."""
+    channels = [rpc.open_channel(a, security) for a in addresses]
+    try:
+        peers = [Peer(a, agent_pb2_grpc.AgentStub(c)) for a, c in
+                 zip(addresses, channels, strict=True)]
+        held = await _listings(peers, job_id, spec.n_layers)
+        picked = pick_step(held, spec.n_layers)
+        if picked is None:
+            raise ExportError(
+                f"no step of job {job_id} is held complete, with its weights, by the "
+                f"{len(peers)} agents the coordinator lists: wait for the job's first "
+                f"checkpoint (--checkpoint-every), or check the agents are reachable")
+        step, holders = picked
+        say(f"export: job {job_id} step {step}, {len(holders)} stages, from "
+            f"{len({h.peer.address for hs in holders for h in hs})} agents")
+        files = []
+        for stage, candidates in enumerate(holders):
+            files.append(StageFile(stage, await _copy_stage(candidates, job_id, into, say)))
+        return step, files
+    finally:
+        for c in channels:
+            await c.close()
+
+
+async def _listings(peers: Sequence[Peer], job_id: str, n_layers: int
+                    ) -> dict[tuple[int, int], list[Holding]]:
+    """(stage, step) -> its holders, over every peer and every stage it may hold (a stage
+    count is at most the layer count: a split of any epoch, re-cuts included)."""
+    held: dict[tuple[int, int], list[Holding]] = {}
+
+    async def one(peer: Peer) -> None:
+        for stage in range(min(n_layers, MAX_STAGES)):
+            try:
+                found = await list_peer(peer, job_id, stage)
+            except grpc.RpcError as e:
+                log.info("export: %s did not list stage %d: %s", peer.address, stage,
+                         rpc.describe_rpc_error(e, peer.address))  # type: ignore[arg-type]
+                return
+            for m in found:
+                held.setdefault((m.stage, m.step), []).append(Holding(peer, m))
+
+    await asyncio.gather(*(one(p) for p in peers))
+    return held
+
+
+async def _copy_stage(candidates: Sequence[Holding], job_id: str, into: Path,
+                      say: Callable[[str], None]) -> Path:
+    for h in candidates:
+        f = next(f for f in h.manifest.files if f.name == ondisk.weights_name(h.manifest.step))
+        try:
+            await download(h.peer, job_id, into, h.manifest, f)
+        except (BadCopy, OSError) as e:
+            log.warning("export: stage %d step %d not copied from %s: %s", h.manifest.stage,
+                        h.manifest.step, h.peer.address, e)
+            continue
+        say(f"export: stage {h.manifest.stage} ({f.size / 2**20:.1f} MiB) from "
+            f"{h.peer.address}")
+        return ondisk.stage_dir(into, h.manifest.stage) / f.name
+    stage, step = candidates[0].manifest.stage, candidates[0].manifest.step
+    raise ExportError(f"no agent delivered stage {stage}'s weights of step {step} (tried "
+                      f"{', '.join(h.peer.address for h in candidates)}; see the log): run the "
+                      f"export again")
+
+
+async def export_job(coordinator: str, security: rpc.Security, out: str | Path, *,
+                     job_id: str = "", force: bool = False, tokenizer: str = "",
+                     say: Callable[[str], None] = print) -> tuple[int, Path]:
+    """The whole `coordinator export`: returns the step exported and the directory."""
+    check_destination(out, force)
+    try:
+        status = await job_status(coordinator, security)
+    except grpc.aio.AioRpcError as e:
+        raise ExportError(rpc.describe_rpc_error(e, coordinator)) from None
+    return await export_from_status(status, security, out, job_id=job_id, force=force,
+                                    tokenizer=tokenizer, say=say, where=coordinator)
+
+
+async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rpc.Security,
+                             out: str | Path, *, job_id: str = "", force: bool = False,
+                             tokenizer: str | Path | None = None,
+                             say: Callable[[str], None] = print,
+                             where: str = "this coordinator") -> tuple[int, Path]:
+    """Export the job `status` describes from the agents it lists (the coordinator's own
+    status, after the last step, for `coordinator start --export-dir`)."""
+    job = status.job
+    if not job.job_id:
+        raise ExportError(f"the coordinator at {where} runs no job")
+    if job_id and job_id != job.job_id:
+        raise ExportError(f"the coordinator at {where} runs job {job.job_id}, not {job_id}")
+    if not job.HasField("model_spec"):
+        raise ExportError(f"the coordinator at {where} does not say which model job "
+                          f"{job.job_id} trains (an older coordinator): upgrade it")
+    spec = ModelSpec.from_proto(job.model_spec)
+    parent = Path(out).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".dtfm-export-", dir=parent) as tmp:
+        step, files = await gather(job.job_id, spec, agent_addresses(status), security,
+                                   Path(tmp), say)
+        path = await asyncio.to_thread(write_export, out, spec, files,
+                                       tokenizer=tokenizer or None, force=force, progress=say)
+    return step, path

@@ -1,0 +1,117 @@
+"""The bandwidth probe: a settled rate, an estimate marked as one, or unreachable.
+
+A slow, far link (2 Mbit/s, 171 ms one way) stalls for a retransmission timeout whenever a
+packet is lost, so some windows carry nothing and the next a burst; such a probe must report
+its best estimate, never "unreachable". Only a peer that moves no data at all is unreachable.
+The end-to-end case across emulated hosts is in tests/coordinator/test_link_measurement.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from agent import linkprobe
+from agent.linkprobe import CHUNK_BYTES, MAX_WINDOWS, _estimate, _Windows
+from agent.server import AgentService
+from dtfm import rpc
+from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2
+from tests.agent.servers import serving
+
+pytestmark = pytest.mark.timeout(60)
+SECURITY = rpc.Security(token="linkprobe-test-token")
+MBIT = 1e6
+
+
+def windows_of(rates_mbps: list[float], window_s: float = 1 / 3) -> _Windows:
+    w = _Windows(window_s)
+    for r in rates_mbps:
+        w.add(int(r * MBIT / 8 * window_s), window_s)
+    return w
+
+
+def test_windows_that_stalled_are_never_steady() -> None:
+    assert windows_of([0.6, 0.0, 0.0, 0.0]).steady() is None
+    assert windows_of([0.7, 1.6, 0.0, 0.0, 0.0, 0.0]).steady() is None
+    assert windows_of([40.0, 50.0, 50.0, 50.0]).steady() == pytest.approx(50.0 * MBIT, rel=1e-3)
+
+
+def test_windows_one_chunk_apart_agree_on_a_slow_link() -> None:
+    """At 2 Mbit/s a third of a second holds 5 or 6 chunks: 17 % apart however steady."""
+    chunk_mbps = CHUNK_BYTES * 8 * 3 / MBIT
+    w = windows_of([1.0, 5 * chunk_mbps, 6 * chunk_mbps, 5 * chunk_mbps])
+    assert w.steady() == pytest.approx(16 / 3 * chunk_mbps * MBIT, rel=1e-3)
+    # on a fast link the same 17 % is real disagreement
+    assert windows_of([40.0, 50.0, 60.0, 50.0]).steady() is None
+
+
+def test_an_unsettled_probe_is_estimated_from_the_windows_that_moved_data() -> None:
+    rates = [0.6, 0.0, 0.0, 1.6, 0.0, 1.9, 2.3, 0.0, 2.0, 2.6, 1.3, 2.0] + [2.0] * 8
+    w = windows_of(rates)
+    rate = _estimate(w, received=10**6, elapsed_s=8.0, ended="its 20 windows never agreed",
+                     cut_short=False)
+    assert rate.gbps * 1e3 == pytest.approx(2.0, rel=0.02)
+    assert "its 20 windows never agreed" in rate.estimate_note
+    assert f"4 of {len(rates)} moved no data" in rate.estimate_note
+    assert "median" in rate.estimate_note
+
+
+def test_a_probe_cut_short_takes_its_fastest_window() -> None:
+    w = windows_of([5.0, 20.0, 35.0])
+    rate = _estimate(w, received=10**6, elapsed_s=1.0, ended="it reached its cap of 1 MiB",
+                     cut_short=True)
+    assert rate.gbps * 1e3 == pytest.approx(35.0, rel=0.02)
+    assert rate.estimate_note.startswith("no steady rate: it reached its cap")
+
+
+def test_data_without_a_complete_window_is_averaged_over_the_probe() -> None:
+    rate = _estimate(_Windows(1.0), received=250_000, elapsed_s=2.0,
+                     ended="the peer ended the stream", cut_short=True)
+    assert rate.gbps * 1e9 == pytest.approx(1e6)
+    assert "average over the whole probe" in rate.estimate_note
+
+
+def test_no_data_at_all_is_unreachable() -> None:
+    with pytest.raises(ValueError, match="no probe data arrived"):
+        _estimate(windows_of([0.0, 0.0, 0.0]), received=0, elapsed_s=3.0,
+                  ended="its 3 windows never agreed", cut_short=False)
+
+
+class _SinkService(AgentService):
+    """A peer that answers pings and reports on time but never takes in the payload: its
+    reports say no bytes arrived, as a peer whose path carries nothing would."""
+
+    async def Probe(self, request_iterator: AsyncIterator[agent_pb2.ProbeChunk],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ProbeWindow]:
+        for _ in range(10 * MAX_WINDOWS):
+            await asyncio.sleep(0.02)
+            yield agent_pb2.ProbeWindow(bytes=0, seconds=0.1, total_bytes=0)
+
+
+async def _probe(service: AgentService) -> common_pb2.LinkSample:
+    async with serving(service, SECURITY) as address:
+        channel = rpc.open_channel(address, SECURITY)
+        try:
+            return await linkprobe.measure_peer(
+                "me", coordinator_pb2.PeerTarget(agent_id="peer", address=address), channel,
+                probe_seconds=0.3, probe_max_bytes=64 * 2**20)
+        finally:
+            await channel.close()
+
+
+def test_a_real_peer_on_loopback_is_reachable_with_a_rate() -> None:
+    info = common_pb2.AgentInfo(agent_id="peer", host="127.0.0.1")
+    sample = asyncio.run(_probe(AgentService(info)))
+    assert sample.reachable, sample.error
+    assert sample.bandwidth_gbps > 0 and sample.delay_ms > 0
+    assert sample.estimated == bool(sample.estimate_note)
+
+
+def test_a_peer_that_moves_nothing_is_unreachable() -> None:
+    sample = asyncio.run(_probe(_SinkService(common_pb2.AgentInfo(agent_id="peer"))))
+    assert not sample.reachable
+    assert "no probe data arrived" in sample.error
+    assert not sample.estimated

@@ -1,0 +1,67 @@
+"""Tiny random Hugging Face models and byte-token data for the import/export tests (built
+with `transformers`; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import load_file
+
+VOCAB = 256  # byte-valued tokens: the bundled corpus and the val.bin below fit
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3,
+                                      n_head=2)
+        return transformers.GPT2LMHeadModel(cfg)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **common, tie_word_embeddings=False, rope_theta=500000.0))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **common, tie_word_embeddings=True))
+
+
+def saved(tmp: Path, kind: str) -> tuple[Path, torch.nn.Module]:
+    model = tiny_model(kind).eval()
+    out = tmp / kind
+    model.save_pretrained(out, safe_serialization=True)
+    return out, model
+
+
+def exported_tensors(out: Path) -> dict[str, torch.Tensor]:
+    index = out / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
+        if index.exists() else ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(out / name))
+    return tensors
+
+
+def byte_data(tmp: Path) -> Path:
+    """train.bin / val.bin of byte tokens (uint16), from this repository's own text."""
+    text = b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[1].glob("docs/*.md")))
+    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    d = tmp / "data"
+    d.mkdir()
+    cut = int(len(tokens) * 0.9)
+    tokens[:cut].tofile(d / "train.bin")
+    tokens[cut:].tofile(d / "val.bin")
+    return d
+
+
+def hf_val_loss(model: torch.nn.Module, data: Path, seq: int = 32, batches: int = 8) -> float:
+    val = np.fromfile(data / "val.bin", dtype=np.uint16).astype(np.int64)
+    ids = torch.from_numpy(val[: batches * (seq + 1)].reshape(batches, seq + 1))
+    with torch.no_grad():
+        return float(model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss)
+
+
