@@ -28,6 +28,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     for stage in (0, 1):  # checkpoints are kept per job id; agent local's is "local"
         names = sorted(p.name for p in (ckpt / "local" / f"stage-{stage}").iterdir())
         # complete files only, no temp leftovers
-        assert names == ["step-00000004.manifest.json", "step-00000004.pt"], names
+        assert names == ["step-00000004.manifest.json", "step-00000004.pt",
+                         "step-00000004.safetensors"], names
 
     assert_resumed(run_local(*FLAGS, "--checkpoint-dir", str(ckpt)), full, after=4)
