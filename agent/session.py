@@ -193,6 +193,7 @@ class CoordinatorSession:
             agent_secret=self.secret,
             mirrored_steps=copier.mirrored if (copier := self.supervisor.checkpoints) else {},
             resumed_step=p.resumed_step if p.resumed_step >= 0 else None,
+            sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
         )
 

@@ -57,6 +57,9 @@ class WorkerProgress:
     dp_bytes_sent: int = 0
     startup_s: float = 0.0  # from the assignment to its first step event (0: none yet)
     resumed_step: int = -1  # the step the worker resumed after (-1: not known yet)
+    sync_every: int = 1  # local steps: H, the round of the last step, the last sync's drift
+    sync_round: int = 0
+    drift: float = 0.0
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -71,7 +74,8 @@ class WorkerProgress:
                 self.resumed_step = event.resumed_step
             self.pp_bytes_sent += event.pp_bytes
             self.dp_bytes_sent += event.dp_bytes
-            for name in ("step_s", "compute_s", "pp_wait_s", "dp_s"):
+            self.sync_every, self.sync_round = event.sync_every, event.sync_round
+            for name in ("step_s", "compute_s", "pp_wait_s", "dp_s", "drift"):
                 value = getattr(event, name)
                 if not math.isnan(value):
                     setattr(self, name, value)

@@ -23,14 +23,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from wan import measured_world, run_job  # bench/ is not a package: run as bench/compress.py
+from wan import (  # bench/ is not a package: run as bench/compress.py
+    emulator_missing,
+    measured_world,
+    run_job,
+)
 
-from dtfm.wan import WanEmulator
 from protos.dtfm.v1 import common_pb2
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compress.json"
@@ -131,9 +133,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ok, why = WanEmulator.available()
-    if not ok:
-        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+    if emulator_missing():
         return 2
     variants = [v for v in args.variants.split(",") if v]
     rows = []

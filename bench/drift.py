@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/drift.py`
     sys.path.insert(0, str(REPO))
 
-from bench.wan import wan_or_exit, world_arguments  # noqa: E402
+from bench.wan import add_world_arguments, emulator_missing  # noqa: E402
 from coordinator.scenarios import world_links  # noqa: E402
 from dtfm.procs import wait_for  # noqa: E402
 from dtfm.wan import WanEmulator  # noqa: E402
@@ -53,13 +53,9 @@ RECOVERED = 1.1  # a step within 10 % of the settled step after the move counts 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    world_arguments(p)
-    p.add_argument("--steps", type=int, default=80)
+    add_world_arguments(p, per_city=2, steps=80, batch=16)
     p.add_argument("--degrade-at", type=int, default=15, help="the step the links degrade at")
     p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
     p.add_argument("--bw-factor", type=float, default=10.0, help="degraded bandwidth divisor")
     p.add_argument("--add-delay-ms", type=float, default=100.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="per job, seconds")
@@ -191,7 +187,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    wan_or_exit()
+    if emulator_missing():
+        return 2
     delay, bandwidth, cities = world_links(args.per_city, args.scale)
     rows = []
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-drift-") as scratch, \

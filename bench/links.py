@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/links.py`
     sys.path.insert(0, str(REPO))
 
-from bench.wan import wan_or_exit  # noqa: E402
+from bench.wan import emulator_missing  # noqa: E402
 from coordinator.scenarios import world_links  # noqa: E402
 from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 
@@ -97,7 +97,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--workdir", default="", help="keep the daemons' logs here")
     args = parser.parse_args()
-    wan_or_exit()
+    if emulator_missing():
+        return 2
     d, b, cities = world_links(args.per_city, args.scale)
     delay, bandwidth = np.array(d, dtype=float), np.array(b, dtype=float)
     n = len(delay)

@@ -41,29 +41,31 @@ from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "wan.json"
 
 
-def world_arguments(p: argparse.ArgumentParser) -> None:
-    """The world's shape and the job's model, shared by the benchmarks that run jobs on it."""
-    p.add_argument("--per-city", type=int, default=2, help="agents per city (8 cities)")
+def add_world_arguments(p: argparse.ArgumentParser, *, per_city: int, steps: int, batch: int,
+                        steps_help: str = "", batch_help: str = "") -> None:
+    """The flags every benchmark on the emulated world shares: its size, the job's shape."""
+    p.add_argument("--per-city", type=int, default=per_city, help="agents per city (8 cities)")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--model", default="gpt-mini")
+    p.add_argument("--steps", type=int, default=steps, help=steps_help or None)
+    p.add_argument("--batch", type=int, default=batch, help=batch_help or None)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
 
 
-def wan_or_exit() -> None:
-    """Exit 2, saying why, where this machine cannot emulate a WAN."""
+def emulator_missing() -> bool:
+    """True, having said why on stderr, when this machine cannot emulate a WAN (root and
+    network namespaces): the benchmarks on the emulated world then exit 2."""
     ok, why = WanEmulator.available()
     if not ok:
         print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
-        raise SystemExit(2)
+    return not ok
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    world_arguments(p)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--scale", type=float, default=25.0, help="emulated Mbit/s per Gbit/s")
+    add_world_arguments(p, per_city=2, steps=8, batch=16)
     p.add_argument("--seeds", default="1,2,3", help="random placements to run")
     p.add_argument("--placements", default="",
                    help="comma-separated placements instead of scheduled, rank-order, randoms")
@@ -164,9 +166,7 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ok, why = WanEmulator.available()
-    if not ok:
-        print(f"cannot emulate a WAN here: {why}", file=sys.stderr)
+    if emulator_missing():
         return 2
     placements = ([p for p in args.placements.split(",") if p] if args.placements else
                   ["scheduled", "rank-order", *(f"random:{s}" for s in args.seeds.split(","))])

@@ -46,6 +46,7 @@ from coordinator.scheduler.memory import DoesNotFit, check_fit, packs, stages_by
 from coordinator.scheduler.steptime import StepShape, StepTime, dp_shares, simulate_step
 from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
+from dtfm.core.rounds import newest_checkpoint
 from dtfm.core.shape import choose_layout, elastic_layout
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -454,6 +455,7 @@ class Job:
                         train.micro_batches, cfg.train.schedule, cfg.train.dtype,
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
+                        sync_every=cfg.train.sync_every,  # local steps: exchange every H
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
@@ -563,7 +565,7 @@ class Job:
         cfg = self.config
         work = Workload(cfg.model_spec(), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
-                        moments_dtype=cfg.train.moments_dtype)
+                        moments_dtype=cfg.train.moments_dtype, sync_every=cfg.train.sync_every)
         kept = self._trained_splits if self._trained_splits and len(
             self._trained_splits) == layout.stages else None
         needs = [n for n in stages_bytes(work.memory(), kept) for _ in range(layout.replicas)]
@@ -846,7 +848,7 @@ class Job:
         if len(steps) < len(self.members) or min(steps) < 1:
             return False
         # a worker reports step s before it has written s's checkpoint; s + 1 proves it
-        passed = ((min(steps) - 1) // every) * every
+        passed = newest_checkpoint(min(steps) - 1, every, self.config.train.sync_every)
         done = all(WorkerState.from_wire(self._progress[a].worker_state) is WorkerState.DONE
                    for a in self.members)
         if done:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from coordinator.job import Job
 from coordinator.linkstore import LinkStore
 from coordinator.registry import ALIVE, STATE_NAMES, Registry
+from coordinator.status import traffic_per_step
 from protos.dtfm.v1 import coordinator_pb2
 
 JOB_STATES = [n.removeprefix("JOB_STATE_").lower() for n in coordinator_pb2.JobState.keys()
@@ -70,10 +71,24 @@ class CoordinatorCollector(Collector):
         sent = CounterMetricFamily("dtfm_worker_sent_bytes", "Bytes the agent's worker sent "
                                    "this epoch as compressed on the wire, by traffic: pipeline "
                                    "or data_parallel", labels=["agent", "traffic"])
+        per_step = _gauge("dtfm_worker_bytes_per_step", "Bytes the agent's worker sent per "
+                          "step this epoch, by traffic: pipeline or data_parallel (local steps: "
+                          "the sync points' bytes spread over their rounds)", ["agent", "traffic"])
+        rounds = _gauge("dtfm_worker_sync_round", "Local steps (--sync-every > 1): the round "
+                        "of the worker's last step", ["agent"])
+        drift = _gauge("dtfm_worker_drift", "Local steps: the norm of the worker's "
+                       "pseudo-gradient at the last sync point (how far its replica drifted)",
+                       ["agent"])
         for r in self.registry.all():
             p = r.progress
             if not p.job_id:
                 continue
+            traffic = traffic_per_step(p)
+            per_step.add_metric([r.agent_id, "pipeline"], traffic["pp_bytes_per_step"])
+            per_step.add_metric([r.agent_id, "data_parallel"], traffic["dp_bytes_per_step"])
+            if p.sync_every > 1:
+                rounds.add_metric([r.agent_id], p.sync_round)
+                drift.add_metric([r.agent_id], p.drift)
             step.add_metric([r.agent_id], p.step)
             loss.add_metric([r.agent_id], p.loss)
             tokens.add_metric([r.agent_id], p.tokens_per_s)
@@ -81,7 +96,7 @@ class CoordinatorCollector(Collector):
                 split.add_metric([r.agent_id, part], getattr(p, attr))
             sent.add_metric([r.agent_id, "pipeline"], float(p.pp_bytes_sent))
             sent.add_metric([r.agent_id, "data_parallel"], float(p.dp_bytes_sent))
-        yield from (step, loss, tokens, split, sent)
+        yield from (step, loss, tokens, split, sent, per_step, rounds, drift)
 
     def _job(self) -> Iterator[Metric]:
         status = self.job.status()

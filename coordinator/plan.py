@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import plan_compress, plan_uneven, scenarios
+from coordinator import plan_compress, plan_sync, plan_uneven, scenarios
 from coordinator.placement import polished_grid
 from coordinator.scheduler import Network, comm_gb, plan_cost, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
@@ -92,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "pipeline grid over them (needs matplotlib: pip install 'dtfm[plot]')")
     plan_uneven.add_arguments(parser)
     plan_compress.add_arguments(parser)
+    plan_sync.add_arguments(parser)
 
 
 def _note(msg: str) -> None:
@@ -247,6 +248,13 @@ def compute(args: argparse.Namespace,
                                                                 comp)
     if comp is not None:  # which codec each link got, and the uncompressed cost
         out.update(plan_compress.describe(comp, net, out["grid"], dp_gb, pp_gb))
+    if plan_sync.every(args) > 1:  # the predicted step with the exchange every H steps
+        if args.model is None:
+            raise PlanInputError("--sync-every needs --model: the step model prices its "
+                                 "messages")
+        flops = (dev or plan_uneven.devices(args, net.size)).flops.tolist()
+        out.update(plan_sync.describe(net, out["grid"], plan_uneven.workload(args, s, r, batch),
+                                      flops, out.get("layer_splits")))
     return out
 
 
@@ -284,7 +292,8 @@ def format_table(out: dict[str, Any]) -> str:
         p = out["polish"]
         lines.append(f"polished against the step model: predicted step "
                      f"{p['searched_step_s']:.3f} s (search) -> {p['polished_step_s']:.3f} s")
-    return "\n".join(lines + plan_uneven.format_lines(out) + plan_compress.format_lines(out))
+    return "\n".join(lines + plan_uneven.format_lines(out) + plan_compress.format_lines(out)
+                     + plan_sync.format_lines(out))
 
 
 def _searched(out: dict[str, Any]) -> str:

@@ -87,7 +87,7 @@ def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -
     """One step of `--model` as the flags describe it (the split and the polish simulate it)."""
     return Workload(get_preset(args.model), stages, replicas, batch, args.micro_batches,
                     args.schedule, "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
-                    moments_dtype=args.moments_dtype)
+                    moments_dtype=args.moments_dtype, sync_every=getattr(args, "sync_every", 1))
 
 
 def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages: int,

@@ -40,7 +40,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "epoch": p.epoch, "step": p.step, "loss": p.loss,
                        "tokens_per_s": p.tokens_per_s, "error": p.error,
                        "error_kind": p.error_kind, "step_s": p.step_s,
-                       "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s},
+                       "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s,
+                       **traffic_per_step(p)},
             # kernel settings of its host that slow long links (agent/tuning.py); [] = tuned
             "tuning": [{"setting": t.setting, "current": t.current, "wanted": t.wanted,
                         "why": t.why, "line": f"{t.setting} = {t.wanted}"} for t in p.tuning],
@@ -72,9 +73,34 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                                for r in j.recoveries],
                 "replans": replans_to_json(j.replans)},
         "plan": plan,
+        "local_steps": local_steps(status.job.job_id, agents),
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
     }
+
+
+def traffic_per_step(p: coordinator_pb2.ProgressReport) -> dict[str, Any]:
+    """A worker's bytes per step by traffic kind over this epoch's steps so far, and its
+    local-steps round and drift (`--sync-every`)."""
+    done = p.step - (p.resumed_step if p.HasField("resumed_step") else 0)
+    return {"pp_bytes_per_step": p.pp_bytes_sent / done if done > 0 else 0.0,
+            "dp_bytes_per_step": p.dp_bytes_sent / done if done > 0 else 0.0,
+            "sync_every": max(p.sync_every, 1), "sync_round": p.sync_round, "drift": p.drift}
+
+
+def local_steps(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's rounds of local steps, over its training workers: H, the newest round, the
+    bytes every worker sends per step by traffic kind (summed), and the largest drift at the
+    last sync point; None for a synchronous job (or none running)."""
+    workers = [a["worker"] for a in agents
+               if a["worker"]["job_id"] == job_id and a["worker"]["sync_every"] > 1]
+    if not job_id or not workers:
+        return None
+    return {"every": max(w["sync_every"] for w in workers),
+            "round": max(w["sync_round"] for w in workers),
+            "dp_bytes_per_step": sum(w["dp_bytes_per_step"] for w in workers),
+            "pp_bytes_per_step": sum(w["pp_bytes_per_step"] for w in workers),
+            "drift": max(w["drift"] for w in workers)}
 
 
 def _ago(seconds: float) -> str:
@@ -117,6 +143,11 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         if j["stages"]:
             lines.append(f"  layout {j['stages']}x{j['replicas']}, checkpoint at step "
                          f"{j['checkpoint_step']}, {len(j['recoveries'])} recoveries")
+        if (ls := data["local_steps"]) is not None:
+            lines.append(f"  local steps: sync every {ls['every']} steps, round {ls['round']}; "
+                         f"per step data-parallel {ls['dp_bytes_per_step'] / 1e6:.3g} MB, "
+                         f"pipeline {ls['pp_bytes_per_step'] / 1e6:.3g} MB; drift at the last "
+                         f"sync {ls['drift']:.3g}")
         for r in j["recoveries"][-5:]:
             when = time.strftime("%H:%M:%S", time.localtime(r["at_unix_s"]))
             after = (f"resumed after step {r['resumed_step']}, {r['steps_lost']} steps lost, "

@@ -92,7 +92,7 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
         number_problem("loss", report.loss, None),
         number_problem("tokens_per_s", report.tokens_per_s),
         *(number_problem(name, getattr(report, name))
-          for name in ("step_s", "compute_s", "pp_wait_s", "dp_s")),
+          for name in ("step_s", "compute_s", "pp_wait_s", "dp_s", "drift")),
         text_problem("job_id", report.job_id, MAX_NAME),
         text_problem("error", report.error, MAX_ERROR, free_text=True),
         text_problem("error_kind", report.error_kind, MAX_KIND),

@@ -141,10 +141,14 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "moments_dtype": MomentsDtype,
     "init_from": str,
     "seq_len": count,
+    "sync_every": positive_count,
+    "outer_lr": number(float, 0, above=True),
+    "outer_momentum": number(float, 0, maximum=1),
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
-                   "weight_decay": "X", "pp_compress": "CODEC",
-                   "dp_compress": "CODEC", "init_from": "DIR"}  # and N for the integers
+                   "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
+                   "outer_momentum": "MU", "dp_compress": "CODEC",
+                   "init_from": "DIR"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 

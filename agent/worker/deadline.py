@@ -198,6 +198,14 @@ class Deadline:
         self._saved = saved_s or 0.0
         self._current = None
 
+    def sync_point(self) -> None:
+        """A round of local steps ends here (`--sync-every`, agent/worker/outer.py): the
+        replicas now exchange a stage's worth of bytes that the round's other steps never
+        send, so the waits from here to the next step end get the allowance a step after a
+        checkpoint gets, and this step is measured with those, apart from the steady ones."""
+        self._pending_save = True
+        self._current = None
+
     # ---- the decision ----
     @property
     def measured(self) -> bool:

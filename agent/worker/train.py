@@ -28,6 +28,7 @@ from agent.worker.data import Position, Sampler, load_splits, replica_slice, val
 from agent.worker.data_parallel import GradAverager
 from agent.worker.deadline import Deadline, measure_flops
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
+from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.stage import Stage
 from agent.worker.world import join
@@ -42,6 +43,7 @@ from dtfm.core.events import (
 )
 from dtfm.core.hfdir import model_tokenizer_hash
 from dtfm.core.layout import Layout, layer_ranges
+from dtfm.core.rounds import round_of
 from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
 
@@ -49,7 +51,8 @@ log = logging.getLogger(__name__)
 
 ENV_TIMEOUT = WorkerEnv.TIMEOUT  # the ceiling of any wait (deadline.py decides below it)
 ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
-ENV_FAULT = "DTFM_FAULT"  # "RANK:STEP[:exit|hang]": that rank fails before running STEP
+# "RANK:STEP[:exit|hang[:EPOCH]]": that rank fails before running STEP (in that epoch only)
+ENV_FAULT = "DTFM_FAULT"
 ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
 # a file holding that factor, read before every step: the WAN emulator's live compute changes
 ENV_SLOWDOWN_FILE = "DTFM_COMPUTE_SLOWDOWN_FILE"
@@ -95,11 +98,13 @@ class Progress:
 
 @dataclass(frozen=True)
 class Fault:
-    """The fault-injection seam: `rank` fails just before running step `step` (1-based)."""
+    """The fault-injection seam: `rank` fails just before running step `step` (1-based);
+    with `epoch`, only in that epoch of the job (a job the coordinator recovers then goes on)."""
 
     rank: int
     step: int
     mode: str = "exit"
+    epoch: int | None = None
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -110,10 +115,11 @@ class Fault:
         mode = parts[2] if len(parts) > 2 else "exit"
         if mode not in ("exit", "hang"):
             raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit' or 'hang'")
-        return cls(int(parts[0]), int(parts[1]), mode)
+        return cls(int(parts[0]), int(parts[1]), mode,
+                   int(parts[3]) if len(parts) > 3 else None)
 
-    def maybe_fire(self, rank: int, step: int) -> None:
-        if rank != self.rank or step != self.step:
+    def maybe_fire(self, rank: int, step: int, epoch: int = 0) -> None:
+        if rank != self.rank or step != self.step or self.epoch not in (None, epoch):
             return
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
         if self.mode == "hang":
@@ -168,6 +174,8 @@ class Worker:
         self.ckpt = checkpoint.locate(self.cfg.checkpoint_dir, a.job_id,
                                       self.cfg.checkpoint_every)
         self._resumed = -1  # the checkpoint step this run resumed after, once known
+        self.outer: OuterSync | None = None  # with --sync-every > 1 (`_build_comm`)
+        self._moments_averager: GradAverager | None = None
 
     def _deadline(self) -> Deadline:
         """How long each wait may block (`deadline.py`): a start-up budget sized by the model,
@@ -228,19 +236,27 @@ class Worker:
         start = self._resumed = self._resume(opt, sampler)
         if start == 0 and cfg.init_from:
             self._import(cfg.init_from)
+            if self.outer is not None:  # the first round starts from the imported weights
+                self.outer.load([])
         log.info(
             "rank %d: stage %d/%d replica %d/%d layers [%d, %d), %d params, steps %d..%d",
             self.rank, a.stage, a.stages, a.replica, a.replicas, a.layer_begin, a.layer_end,
             sum(p.numel() for p in self.stage.parameters()), start + 1, cfg.steps,
         )
         self.deadline.start()
+        wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
         for step in range(start + 1, cfg.steps + 1):
             if self.fault:
-                self.fault.maybe_fire(self.rank, step)
+                self.fault.maybe_fire(self.rank, step, a.epoch)
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
-            if self.ckpt and self.ckpt.due(step, cfg.steps):
+            wanted |= bool(self.ckpt and self.ckpt.due(step, cfg.steps))
+            if self.ckpt and wanted and (self.outer is None or self.outer.due(step, cfg.steps)):
+                wanted = False
+                if self.outer is not None:  # one inner state for the checkpoint (outer.py)
+                    self.deadline.sync_point()
+                    average_moments(opt, self.outer.params, self._exact_averager())
                 # every rank notes it: a peer's save makes this rank wait in the next step
                 saved_s = None
                 if self.ckpt.writes(a.replica):
@@ -275,20 +291,43 @@ class Worker:
             slowdown=compute_slowdown(),
             codec_prev=self.codecs[0], codec_next=self.codecs[1],  # compress.py
         )
+        synchronous = cfg.sync_every == 1
         averager = GradAverager(
             self.stage, self.dp_group, self.dp_ranks, cfg.dp_mode,
-            extras=1 if self.stage.is_last else 0, deadline=self.deadline, codec=self.codecs[2],
-            shares=list(a.dp_shares) or None,
+            extras=1 if self.stage.is_last and synchronous else 0, deadline=self.deadline,
+            codec=self.codecs[2], shares=list(a.dp_shares) or None,
         )
         self._averager = averager  # its byte and codec counters go into step events
+        # local steps: the replicas average pseudo-gradients every sync_every steps (outer.py)
+        self.outer = None if synchronous else OuterSync(
+            self.stage, averager, every=cfg.sync_every, lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum)
         return pipe, averager
+
+    def _exact_averager(self) -> GradAverager:
+        """An uncompressed averager over the stage's replicas, for the AdamW moments at a
+        checkpoint (`outer.average_moments`): the job's own when it compresses nothing, else
+        one built the first time it is needed."""
+        if self._averager.codec is None:
+            return self._averager
+        if self._moments_averager is None:
+            a = self.a
+            self._moments_averager = GradAverager(
+                self.stage, self.dp_group, self.dp_ranks, self.cfg.dp_mode,
+                deadline=self.deadline, shares=list(a.dp_shares) or None)
+        return self._moments_averager
 
     def _step(
         self, step: int, pipe: Pipeline, averager: GradAverager, opt: torch.optim.Optimizer,
         sampler: Sampler,
     ) -> None:
-        """One optimizer step: pipeline (DP sync overlapped), norm exchange, clip, AdamW."""
+        """One optimizer step: pipeline (DP sync overlapped), norm exchange, clip, AdamW.
+
+        With local steps (`self.outer`) the replicas exchange nothing here: the pipeline's
+        loss and norm are this replica's, and a step that ends a round then syncs the
+        replicas (`outer.OuterSync.sync`)."""
         a, cfg, last = self.a, self.cfg, self.stage.is_last
+        outer = self.outer
         t0 = time.perf_counter()
         ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
         x, y = sampler.windows(ids)
@@ -296,13 +335,15 @@ class Worker:
         set_lr(opt, lr)
         opt.zero_grad(set_to_none=True)
         # this step's data-parallel and norm-exchange receives, posted a pipeline ahead
-        averager.prepost()
+        if outer is None:
+            averager.prepost()
         exchange = self.world.post_exchange(2)
-        _, times = pipe.train_step(
+        local_loss, times = pipe.train_step(
             cfg.schedule, list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches)),
-            before_last_backward=lambda loss: averager.arm([loss] if last else []),
+            before_last_backward=None if outer else (
+                lambda loss: averager.arm([loss] if last else [])),
         )
-        dp_s, extras = averager.finish()
+        dp_s, extras = averager.finish() if outer is None else (0.0, [local_loss])
         t1 = time.perf_counter()
         sq = float(local_sq_norm(self.stage))
         table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0], exchange)
@@ -310,16 +351,28 @@ class Worker:
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
+        synced = None
+        if outer and outer.due(step, cfg.steps):
+            self.deadline.sync_point()  # the exchange's waits: not an inner step's
+            synced = outer.sync(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._emit_step(step, table[-1][1], norm, lr, time.perf_counter() - t0, times,
-                        dp_s, sync_s)
+                        dp_s, sync_s, synced)
 
     def _emit_step(
         self, step: int, loss: float, norm: float, lr: float, dt: float, times: Timings,
-        dp_s: float, sync_s: float,
+        dp_s: float, sync_s: float, synced: SyncResult | None = None,
     ) -> None:
         a, cfg = self.a, self.cfg
+        dp_bytes, codec_s = self._averager.sent_bytes, self._averager.codec_s
+        outer: dict[str, Any] = {}
+        if self.outer is not None:  # local steps: only a sync point exchanges anything
+            dp_bytes, codec_s = (synced.dp_bytes, synced.codec_s) if synced else (0, 0.0)
+            outer = {"sync_round": round_of(step, self.outer.every)}
+            if synced:
+                dp_s = synced.dp_s
+                outer.update(drift=synced.drift, param_checksum=synced.checksum)
         self.progress.emit(StepEvent(
             step=step, loss=loss, tokens_per_s=cfg.global_batch * self.spec.seq_len / dt,
             total_steps=cfg.steps, rank=self.rank, stage=a.stage, replica=a.replica,
@@ -327,8 +380,8 @@ class Worker:
             pp_wait_s=times.recv_wait_s + times.send_wait_s, dp_s=dp_s, sync_s=sync_s,
             recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
             stored_peak=times.peak_stored, pp_bytes=times.sent_bytes,
-            dp_bytes=self._averager.sent_bytes, codec_s=times.codec_s + self._averager.codec_s,
-            resumed_step=self._resumed,
+            dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s,
+            resumed_step=self._resumed, sync_every=cfg.sync_every, **outer,
         ))
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:
@@ -344,6 +397,7 @@ class Worker:
                 "layers": [a.layer_begin, a.layer_end],
                 # AdamW's state is numbered by position: names let another split regroup it
                 "param_names": checkpoint.optimizer_names(self.stage, opt),
+                **({"outer": self.outer.state_dict()} if self.outer else {}),
             },
             job_id=a.job_id, layers=(a.layer_begin, a.layer_end),
             weights=checkpoint.stage_weights_hf(self.stage, self.spec),
@@ -404,6 +458,9 @@ class Worker:
         self.stage.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.position = Position.from_dict(state["data_position"])
+        if self.outer is not None:  # the anchor is the model just loaded (a sync point's)
+            self.outer.load([st.get("outer") for st in states])
+            self.outer.rounds = round_of(step, self.outer.every)
         log.info("rank %d: resumed at step %d from %s in %s", self.rank, step, held, loc.dir)
         return step
 

@@ -16,7 +16,8 @@ Counted the way the worker really trains (pinned against torch by
 - parameters stay fp32 whatever the training dtype (bf16 is autocast): 4 bytes of weight,
   4 of gradient, 8 of AdamW state = 16 bytes per parameter (4 of AdamW state, 12 in all, with
   `--moments-dtype bf16`), plus 4 more for the gradient buckets when the stage has
-  data-parallel peers;
+  data-parallel peers, and 8 more for the outer optimizer's anchor and momentum with local
+  steps (`--sync-every` > 1, agent/worker/outer.py);
 - per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
   the first stage keeps the token ids, the last the head's inputs and the fp32 log-softmax;
@@ -62,6 +63,10 @@ class MemoryShape:
     schedule: str = "gpipe"
     dtype: str = "fp32"  # the training (autocast) dtype
     moments_dtype: str = "fp32"  # what AdamW stores its two moments in
+    sync_every: int = 1  # > 1: local steps, with an fp32 anchor and momentum per parameter
+
+
+OUTER_STATE_BYTES = 2 * FP32  # local steps: the anchor and the outer momentum, fp32
 
 
 def param_state_bytes(moments_dtype: str = "fp32") -> int:
@@ -125,7 +130,8 @@ def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: in
 def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
     """Peak bytes on one device holding `stage` with layers [begin, end)."""
     per_param = (param_state_bytes(shape.moments_dtype)
-                 + (DP_BUCKET_BYTES if shape.replicas > 1 else 0))
+                 + (DP_BUCKET_BYTES if shape.replicas > 1 else 0)
+                 + (OUTER_STATE_BYTES if shape.sync_every > 1 else 0))
     held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
     return (WORKER_RUNTIME_BYTES + per_param * shape.spec.stage_params(begin, end)
             + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype))

@@ -22,7 +22,13 @@ the two against each other:
   the step ends when the last of them has arrived;
 - with compression (`StepShape.compression`), every pipeline link and data-parallel group
   sends its codec's wire bytes (`compression.Compression.choose` for this grid) and pays
-  its compression time on the way.
+  its compression time on the way;
+- with local steps (`StepShape.sync_every` H > 1, `agent/worker/outer.py`) the replicas
+  exchange nothing for H - 1 steps; the H-th step, after its optimizer step, averages the
+  pseudo-gradients (the same bytes and exchange as a gradient average, not hidden behind
+  backward). The step is priced as its average over the round: the step without data-parallel
+  traffic plus 1/H of the slowest group's exchange, so the polish and the placement weigh the
+  pipelines more the larger H is.
 
 Pure numpy, like the rest of the scheduler.
 """
@@ -53,9 +59,15 @@ class StepTime:
 
     step_s: float
     pipeline_s: float  # until the last backward pass of any device ends
-    dp_s: float  # the slowest data-parallel group's all-reduce
+    dp_s: float  # the slowest data-parallel group's all-reduce (local steps: 1/H of it)
     sync_s: float  # the norm exchange after data-parallel sync
     compute_s: float  # the busiest device's compute in one step
+    sync_every: int = 1  # H: the data-parallel exchange runs once every H steps
+
+    @property
+    def dp_exchange_s(self) -> float:
+        """One data-parallel exchange, which runs once every `sync_every` steps."""
+        return self.dp_s * self.sync_every
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,13 @@ class StepShape:
     dp_mode: str = "sharded"
     compression: Compression | None = None  # None: every message as it is
     act_raw_bytes: int = 4  # bytes of one uncompressed activation (2 under bf16)
+    sync_every: int = 1  # local steps: replicas exchange once every this many steps
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         if not (self.act_bytes >= 0 and all(b >= 0 for b in self.grad_bytes)):
             raise ValueError("message sizes must be >= 0 bytes")
 
@@ -223,6 +238,25 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
 
     last_b = np.array([pipeline(k) for k in range(r)]).T  # (stage, replica)
     dp = np.array([dp_group(j) for j in range(s)])
+    if shape.sync_every > 1:  # the step without data-parallel traffic, plus 1/H of it
+        inner = _finish(g, last_b, np.zeros(s), net)
+        exchange = float(dp.max())
+        return StepTime(step_s=inner + exchange / shape.sync_every,
+                        pipeline_s=float(last_b.max()), dp_s=exchange / shape.sync_every,
+                        sync_s=inner - float(last_b.max()),
+                        compute_s=float(comp.max() * shape.micro_batches),
+                        sync_every=shape.sync_every)
+    finish = _finish(g, last_b, dp, net)
+    dp_end = last_b.max(axis=1) + dp
+    return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()), dp_s=float(dp.max()),
+                    sync_s=float(finish - dp_end.max()),
+                    compute_s=float(comp.max() * shape.micro_batches))
+
+
+def _finish(g: np.ndarray, last_b: np.ndarray, dp: np.ndarray, net: Network) -> float:
+    """When the step ends: each stage's data-parallel averaging after its last backward pass
+    (`dp`, per stage), then every rank's norm reaching every rank of its pipeline."""
+    s, r = g.shape
     dp_end = last_b.max(axis=1) + dp
     delay = net.delay_ms / 1000.0
     finish = dp_end.max()
@@ -232,9 +266,7 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
             arrive = dp_end[:, None] + delay[col[:, None], col[None, :]]
             np.fill_diagonal(arrive, 0.0)
             finish = max(finish, float(np.maximum(arrive.max(axis=0), dp_end).max()))
-    return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()), dp_s=float(dp.max()),
-                    sync_s=float(finish - dp_end.max()),
-                    compute_s=float(comp.max() * shape.micro_batches))
+    return float(finish)
 
 
 def dp_shares(net: Network, grid: Sequence[Sequence[int]], shape: StepShape) -> list[list[float]]:
@@ -262,9 +294,9 @@ def _codecs(net: Network, g: np.ndarray,
 def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
                splits: Sequence[int] | None = None, dp_mode: str = "sharded",
-               compression: Compression | None = None) -> StepShape:
-    """The messages of one step of `spec` as the runtime sends them (fp32 gradients), and
-    how they are compressed (None: not at all)."""
+               compression: Compression | None = None, sync_every: int = 1) -> StepShape:
+    """The messages of one step of `spec` as the runtime sends them (fp32 gradients), how
+    they are compressed (None: not at all), and how often replicas sync (`sync_every`)."""
     check_batch(global_batch, micro_batches, replicas)
     micro_size = global_batch // (replicas * micro_batches)
     grads = [spec.stage_params(b, e) * DTYPE_BYTES["fp32"]
@@ -272,7 +304,8 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
     return StepShape(micro_batches=micro_batches,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
                      grad_bytes=grads, schedule=schedule, dp_mode=dp_mode,
-                     compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype])
+                     compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype],
+                     sync_every=sync_every)
 
 
 def placed_step_s(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,

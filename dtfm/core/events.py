@@ -63,7 +63,7 @@ class StepEvent:
     NAME: ClassVar[EventName] = EventName.STEP
 
     step: int = 0
-    loss: float = NAN  # the global mean loss of the step (NaN if it diverged)
+    loss: float = NAN  # the global mean loss of the step (NaN if it diverged; local steps: below)
     tokens_per_s: float = 0.0
     total_steps: int = 0
     rank: int = -1
@@ -83,6 +83,12 @@ class StepEvent:
     dp_bytes: int = 0  # bytes this rank sent to its data-parallel peers in the step
     codec_s: float = NAN  # compressing and decompressing messages (agent/worker/compress.py)
     resumed_step: int = -1  # the checkpoint step this run resumed after (0: none; -1: unknown)
+    # Local steps (--sync-every H > 1, agent/worker/outer.py): `loss` and `grad_norm` are then
+    # this replica's, dp_* count only the sync point that ends each round of H steps.
+    sync_every: int = 1
+    sync_round: int = 0  # the round this step belongs to: 1 for steps 1..H
+    drift: float = NAN  # at a sync point: the norm of this stage's pseudo-gradient, this replica
+    param_checksum: float = NAN  # at a sync point: a sum of the synced parameters (replicas agree)
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,16 @@ class TrainConfig:
     seq_len: int = _option(
         0, "with --init-from: the sequence length to train on (0: the config's maximum "
         "positions, at most 2048)")
+    sync_every: int = _option(
+        1, "replicas take this many optimizer steps on their own before they average what "
+        "they learned (the pseudo-gradient) and take an outer Nesterov step: data-parallel "
+        "traffic falls by this factor, at a small loss per token (DiLoCo); 1: every step is "
+        "exact synchronous training")
+    outer_lr: float = _option(
+        0.7, "learning rate of the outer Nesterov step on the averaged pseudo-gradient "
+        "(with --sync-every > 1)")
+    outer_momentum: float = _option(
+        0.9, "momentum of the outer Nesterov step (with --sync-every > 1)")
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -383,6 +393,15 @@ class TrainConfig:
         for name in ("grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        self._check_outer()
+
+    def _check_outer(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"--sync-every must be >= 1 (1: synchronous), got {self.sync_every}")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
 
     def to_proto(self) -> Any:
         from protos.dtfm.v1 import common_pb2
@@ -398,6 +417,9 @@ class TrainConfig:
         for name in _ADDED_LATER:  # a peer that predates the field leaves it unset ("")
             if values[name] == "":
                 values[name] = _FIELDS[name].default
+        if values["sync_every"] == 0:  # a peer that predates local steps: synchronous
+            for name in _OUTER:
+                values[name] = _FIELDS[name].default
         return cls(**values)
 
 
@@ -406,8 +428,9 @@ _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode
                                           "moments_dtype": MomentsDtype}
 # Enum fields the wire gained after its first version: unset on the wire means the default.
 _ADDED_LATER = ("moments_dtype",)
+_OUTER = ("sync_every", "outer_lr", "outer_momentum")  # unset on the wire: all their defaults
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches", "seq_len")
+           "eval_batches", "seq_len", "sync_every")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:

@@ -177,6 +177,19 @@ def test_a_rank_that_writes_nothing_still_allows_for_its_peers_save() -> None:
     assert "GB of stage state" in wait.why
 
 
+def test_a_sync_point_of_local_steps_gets_the_allowance_of_a_heavy_step() -> None:
+    budget = _budget("gpt-1.3b", 50 * GFLOPS)  # about 10 GB of stage state to exchange
+    dl, clock = _tracker(Policy(ceiling_s=3600.0), budget)
+    _run_steps(dl, clock, [5.0, 2.0, 2.0, 2.0])
+    assert dl.current().seconds == pytest.approx(16.0)  # an inner step's waits
+    dl.sync_point()  # the round's exchange starts within this step
+    assert dl.current().seconds > 16.0 + 100.0
+    _run_steps(dl, clock, [40.0])  # the sync step, measured apart from the inner steps
+    assert dl.current().seconds == pytest.approx(16.0)
+    dl.sync_point()
+    assert dl.current().seconds == pytest.approx(8 * 40.0)
+
+
 def test_a_checkpoint_after_every_step_still_adapts() -> None:
     dl, clock = _tracker()
     for dt in (5.0, 2.0, 2.5, 2.0):

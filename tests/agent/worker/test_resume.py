@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.worker.testlib import assert_close, run_local
+from tests.agent.worker.testlib import assert_resumed, run_local
 
 FLAGS = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "1", "--batch", "4",
          "--micro-batches", "2", "--steps", "8", "--checkpoint-every", "4", "--seed", "5",
@@ -28,11 +28,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     for stage in (0, 1):  # checkpoints are kept per job id; agent local's is "local"
         names = sorted(p.name for p in (ckpt / "local" / f"stage-{stage}").iterdir())
         # complete files only, no temp leftovers
-        assert names == ["step-00000004.manifest.json", "step-00000004.pt"], names
+        assert names == ["step-00000004.manifest.json", "step-00000004.pt",
+                         "step-00000004.safetensors"], names
 
-    resumed = run_local(*FLAGS, "--checkpoint-dir", str(ckpt))
-    assert resumed.rc == 0, resumed.stderr
-    assert [s["step"] for s in resumed.steps] == [5, 6, 7, 8]
-    assert_close(resumed.losses, full.losses[4:], 1e-6)
-    assert resumed.done is not None and full.done is not None
-    assert abs(resumed.done["val_loss"] - full.done["val_loss"]) <= 1e-6 * full.done["val_loss"]
+    assert_resumed(run_local(*FLAGS, "--checkpoint-dir", str(ckpt)), full, after=4)

@@ -53,6 +53,16 @@ def run_local(
     return run
 
 
+def assert_resumed(resumed: LocalRun, full: LocalRun, after: int, rel: float = 1e-6) -> None:
+    """A run resumed after step `after` trained the rest of `full`'s steps to its losses and
+    validation loss."""
+    assert resumed.rc == 0, resumed.stderr
+    assert [s["step"] for s in resumed.steps] == list(range(after + 1, len(full.steps) + 1))
+    assert_close(resumed.losses, full.losses[after:], rel)
+    assert resumed.done is not None and full.done is not None
+    assert abs(resumed.done["val_loss"] - full.done["val_loss"]) <= rel * full.done["val_loss"]
+
+
 def assert_close(a: list[float], b: list[float], rel: float) -> None:
     assert len(a) == len(b) and a, (a, b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):

@@ -1,0 +1,227 @@
+"""Benchmark: sync less. Local steps (`--sync-every H`) against synchronous training, with and
+without compression, on the emulated world-wide WAN; then the paper's headline comparison.
+
+Part 1, `--per-city` agents in each of the paper's 8 cities (default 1: 8 agents, 4 stages x 2
+replicas), each in its own network namespace with the paper's delays and bandwidths scaled to
+Mbit/s (`bench/wan.py`, whose measurement and job runner this reuses). The links are measured
+once; then the same job (scheduled placement, same seed, same steps and global batch, so the
+same tokens) runs once per variant: synchronous uncompressed and int4/int3 (pipeline int4,
+data-parallel int3), and H in `--hs` (4, 16, 64) with and without int4/int3. Per variant the
+table shows data-parallel and pipeline bytes per step (summed over ranks, averaged over every
+step, so a sync point's bytes are spread over its round), the mean step time and tokens/s
+(from the workers' own step times: a local-steps run's median step would hide its sync
+points), the step model's prediction (the coordinator's, for the planned grid, with the
+exchange amortised over H), the validation loss after the same tokens, and each against
+synchronous uncompressed.
+
+Part 2 (`--headline`, on by default): the comparison the paper headlines, on the 16-agent
+world of `bench/wan.py` (`--headline-per-city 2`), same tokens: network-blind rank order,
+synchronous, uncompressed, against everything on: scheduled placement, per-link compression
+(`--pp-compress auto --dp-compress int3`) and local steps (`--headline-h`, default: the H of
+part 1 with the most tokens/s whose validation loss is within the target, else 16).
+
+The issue's targets: data-parallel bytes per step >= 100x below synchronous uncompressed with
+validation loss within 3 %; tokens/s >= 1.5x the best synchronous variant, the step model
+within 15 % of every measured variant; everything on >= 10x the tokens/s of rank order,
+validation loss within 3 %.
+
+Writes bench/results/sync.json. Needs root (network namespaces).
+Run: `python bench/sync.py` (hours on a shared 2-core machine: 128 steps of gpt-mini per
+variant, eight variants, then two jobs on 16 agents). A quick check that it works:
+`python bench/sync.py --model gpt-tiny --steps 8 --batch 16 --hs 4 --compressed int4/int3
+--no-headline` (about 10 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from compress import _events, _files  # bench/ is not a package: run as bench/sync.py
+from wan import add_world_arguments, emulator_missing, measured_world, run_job
+
+from dtfm.core.presets import get_preset
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
+TARGETS = {"dp_cut": 100.0, "val_loss_pct": 3.0, "speedup_over_sync": 1.5,
+           "prediction_err_pct": 15.0, "headline_speedup": 10.0}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_world_arguments(p, per_city=1, steps=128, batch=64, steps_help="steps of every "
+                        "variant (the same tokens for each; >= the largest H)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hs", default="4,16,64", help="comma-separated H for local steps")
+    p.add_argument("--compressed", default="int4/int3",
+                   help="the compressed setting PP/DP each H (and synchronous) also runs with "
+                   "('' for none)")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--headline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run part 2 (16 agents: rank order, synchronous, uncompressed "
+                   "against everything on)")
+    p.add_argument("--headline-per-city", type=int, default=2)
+    p.add_argument("--headline-stages", type=int, default=4)
+    p.add_argument("--headline-h", type=int, default=0, help="0: the best H of part 1")
+    p.add_argument("--timeout", type=float, default=7200.0, help="per job, seconds")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--workdir", default="", help="keep the daemons' logs here")
+    return p.parse_args(argv)
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
+    """(label, H, pp codec, dp codec), synchronous uncompressed first (the baseline)."""
+    settings = [("none", "none")]
+    if args.compressed:
+        pp, _, dp = args.compressed.partition("/")
+        settings.append((pp, dp or pp))
+    hs = [1, *(int(h) for h in args.hs.split(",") if h)]
+    too_long = [h for h in hs if h > args.steps]
+    if too_long:
+        raise SystemExit(f"--steps {args.steps} is shorter than H = {too_long[0]}: every "
+                         f"variant must sync at least once; raise --steps")
+    return [(f"{'sync' if h == 1 else f'H={h}'} {pp}/{dp}", h, pp, dp)
+            for h in hs for pp, dp in settings]
+
+
+def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str) -> list[str]:
+    return ["--sync-every", str(h), "--pp-compress", pp, "--dp-compress", dp,
+            "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
+            "--seed", str(args.seed), "--checkpoint-every", "0"]
+
+
+def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
+    """Bytes per step (summed over ranks, averaged over every step), the mean step time and
+    tokens/s (steps >= 2: the first holds the start-up), the validation loss and the drift
+    at the last sync point, from the workers' own progress files."""
+    events = _events(progress)
+    steps = [e for e in events if e.get("event") == "step"]
+    count = len({e["step"] for e in steps}) or 1
+    steady = [e["step_s"] for e in steps if e["step"] >= 2 and e.get("step_s")]
+    mean_step = statistics.fmean(steady) if steady else float("nan")
+    drifts = [e["drift"] for e in steps
+              if isinstance(e.get("drift"), float) and math.isfinite(e["drift"])]
+    done = [e["val_loss"] for e in events if e.get("event") == "done" and e.get("val_loss")]
+    return {
+        "pp_bytes_per_step": sum(e.get("pp_bytes", 0) for e in steps) / count,
+        "dp_bytes_per_step": sum(e.get("dp_bytes", 0) for e in steps) / count,
+        "mean_step_s": mean_step, "tokens_per_s": tokens_per_step / mean_step,
+        "val_loss": statistics.median(done) if done else None,
+        "drift_last": drifts[-1] if drifts else None,
+    }
+
+
+def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
+                 todo: list[tuple[str, int, str, str]], placement: str = "scheduled"
+                 ) -> list[dict[str, Any]]:
+    tokens = args.batch * get_preset(args.model).seq_len
+    rows = []
+    for label, h, pp, dp in todo:
+        before = _files(cluster.workdir, ".progress.jsonl")
+        load_before = os.getloadavg()[0]
+        row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp), label=label)
+        row.update(variant=label, sync_every=h, pp_compress=pp, dp_compress=dp,
+                   load_before=load_before, load_after=os.getloadavg()[0])
+        row.update(figures(_files(cluster.workdir, ".progress.jsonl") - before, tokens))
+        row["prediction_err_pct"] = 100 * (row["predicted_step_s"] - row["mean_step_s"]) \
+            / row["mean_step_s"]
+        rows.append(row)
+    return rows
+
+
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Each row against the first (synchronous, uncompressed) and the best synchronous one."""
+    base = rows[0]
+    best_sync = max((r for r in rows if r["sync_every"] == 1), key=lambda r: r["tokens_per_s"])
+    for r in rows:
+        r["dp_cut"] = base["dp_bytes_per_step"] / max(r["dp_bytes_per_step"], 1)
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["over_best_sync"] = r["tokens_per_s"] / best_sync["tokens_per_s"]
+        r["val_loss_pct"] = (100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"]
+                             if r["val_loss"] and base["val_loss"] else None)
+        within = r["val_loss_pct"] is not None and r["val_loss_pct"] <= TARGETS["val_loss_pct"]
+        r["targets"] = {
+            "dp_cut_at_equal_loss": r["dp_cut"] >= TARGETS["dp_cut"] and within,
+            "over_best_sync": r["over_best_sync"] >= TARGETS["speedup_over_sync"],
+            "prediction": abs(r["prediction_err_pct"]) <= TARGETS["prediction_err_pct"],
+        }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'variant':<20}{'DP MB/st':>9}{'cut':>8}{'PP MB/st':>9}{'step s':>8}"
+            f"{'pred s':>8}{'err %':>7}{'tok/s':>8}{'x':>6}{'val loss':>9}{'d %':>7}"
+            f"{'load':>10}")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['variant']:<20}{r['dp_bytes_per_step'] / 1e6:>9.3f}{r['dp_cut']:>8.1f}"
+            f"{r['pp_bytes_per_step'] / 1e6:>9.2f}{r['mean_step_s']:>8.2f}"
+            f"{r['predicted_step_s']:>8.2f}{r['prediction_err_pct']:>7.1f}"
+            f"{r['tokens_per_s']:>8.0f}{r['speedup']:>6.2f}{r['val_loss'] or 0:>9.4f}"
+            f"{r['val_loss_pct'] or 0:>7.2f}{r['load_before']:>5.1f}/{r['load_after']:<4.1f}")
+    return "\n".join(lines)
+
+
+def best_h(rows: list[dict[str, Any]]) -> int:
+    """The H of the fastest local-steps row within the loss target (16 if none is)."""
+    ok = [r for r in rows if r["sync_every"] > 1 and r["val_loss_pct"] is not None
+          and r["val_loss_pct"] <= TARGETS["val_loss_pct"]]
+    return max(ok, key=lambda r: r["tokens_per_s"])["sync_every"] if ok else 16
+
+
+def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
+    """Rank order, synchronous, uncompressed against scheduled + auto/int3 + H, 16 agents."""
+    sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages})
+    with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
+                                                                              _):
+        blind = run_variants(cluster, links, sub, [("rank-order sync none", 1, "none",
+                                                    "none")], placement="rank-order")[0]
+        on = run_variants(cluster, links, sub, [(f"scheduled H={h} auto/int3", h, "auto",
+                                                 "int3")])[0]
+    speedup = on["tokens_per_s"] / blind["tokens_per_s"]
+    loss_pct = (100 * (on["val_loss"] - blind["val_loss"]) / blind["val_loss"]
+                if on["val_loss"] and blind["val_loss"] else None)
+    return {"agents": cluster.agents, "sync_every": h, "rank_order": blind, "everything_on": on,
+            "speedup": speedup, "val_loss_pct": loss_pct,
+            "targets": {"speedup": speedup >= TARGETS["headline_speedup"],
+                        "val_loss": loss_pct is not None
+                        and loss_pct <= TARGETS["val_loss_pct"]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if emulator_missing():
+        return 2
+    todo = variants(args)
+    with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links, _):
+        rows = run_variants(cluster, links, args, todo)
+        agents = cluster.agents
+    compare(rows)
+    print(table(rows))
+    for r in rows[1:]:
+        met = ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in r["targets"].items())
+        print(f"{r['variant']}: {met}")
+    out: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+        "agents": agents, "targets": TARGETS, "rows": rows}
+    if args.headline:
+        h = args.headline_h or best_h(rows)
+        out["headline"] = top = headline(args, h)
+        print(f"{top['agents']} agents, same tokens: everything on (scheduled, auto/int3, "
+              f"H = {h}) {top['everything_on']['tokens_per_s']:.0f} tok/s vs network-blind "
+              f"rank order, synchronous, uncompressed {top['rank_order']['tokens_per_s']:.0f} "
+              f"tok/s: {top['speedup']:.2f}x, validation loss {top['val_loss_pct'] or 0:+.2f} %")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

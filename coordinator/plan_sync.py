@@ -1,0 +1,61 @@
+"""`coordinator plan --sync-every H`: the step model's price of local steps for the plan.
+
+Owns the planner's `--sync-every` flag (the training flag of the same name: replicas sync
+every H steps, `agent/worker/outer.py`) and the lines that show what it buys: the predicted
+step of the planned grid and its parts, with the data-parallel exchange amortised over the
+round of H steps, beside the same grid synchronous. With `--polish` the polish itself prices
+the amortised exchange (`plan_uneven.workload` carries H), so a large H lets it favour faster
+pipelines over data-parallel groups inside one city. The paper's objective, which the
+evolutionary search ranks by, stays the paper's. Needs `--model`; without the flag the plan
+and its output are unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Any
+
+from coordinator.scheduler import Network
+from coordinator.scheduler.compute import Workload, tasklet_seconds
+from coordinator.scheduler.steptime import StepTime, simulate_step
+from dtfm import flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("local steps (need --model)")
+    g.add_argument("--sync-every", type=flags.positive_count, default=1, metavar="H",
+                   help="replicas sync every H steps (the training flag): price the "
+                   "data-parallel exchange once per H steps (default: %(default)s)")
+
+
+def every(args: argparse.Namespace) -> int:
+    return int(getattr(args, "sync_every", 1))
+
+
+def describe(net: Network, grid: list[list[int]], work: Workload, flops: list[float],
+             splits: list[int] | None) -> dict[str, Any]:
+    """The `--json` field `sync`: the grid's predicted step with local steps, and without."""
+    compute = tasklet_seconds(work, grid, flops, splits)
+    local = simulate_step(net, grid, work.step_shape(splits), compute)
+    sync = simulate_step(net, grid, replace(work, sync_every=1).step_shape(splits), compute)
+
+    def parts(t: StepTime) -> dict[str, float]:
+        return {"step_s": t.step_s, "pipeline_s": t.pipeline_s, "dp_s": t.dp_s,
+                "dp_exchange_s": t.dp_exchange_s, "sync_s": t.sync_s,
+                "compute_s": t.compute_s}
+
+    return {"sync": {"every": work.sync_every, "predicted": parts(local),
+                     "synchronous": parts(sync)}}
+
+
+def format_lines(out: dict[str, Any]) -> list[str]:
+    sync = out.get("sync")
+    if not sync:
+        return []
+    p, s, h = sync["predicted"], sync["synchronous"], sync["every"]
+    return ["", f"local steps: sync every {h} steps: predicted step {p['step_s']:.3f} s = "
+            f"pipeline {p['pipeline_s']:.3f} + norm exchange {p['sync_s']:.3f} + data-parallel "
+            f"{p['dp_s']:.4f} (one {p['dp_exchange_s']:.3f} s exchange every {h} steps); "
+            f"synchronous {s['step_s']:.3f} s (data-parallel {s['dp_s']:.3f} s), "
+            f"{s['step_s'] / p['step_s']:.2f}x"]

@@ -1,0 +1,87 @@
+"""Local steps in the step model: the data-parallel exchange, once every H steps, is priced
+amortised over the round, so a large H leaves the pipelines to decide the placement."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from coordinator import scenarios
+from coordinator.scheduler import Network
+from coordinator.scheduler.steptime import StepShape, polish, simulate_step, step_shape
+from dtfm.core.presets import get_preset
+
+
+@pytest.mark.parametrize("h", [2, 4, 16, 64])
+def test_the_data_parallel_part_scales_by_one_over_h(h: int) -> None:
+    net = scenarios.world(per_city=2)
+    grid = np.arange(16).reshape(4, 4).tolist()
+    sync = step_shape(get_preset("gpt-mini"), 4, 4, 16, 4)
+    every_step = simulate_step(net, grid, sync)
+    local = simulate_step(net, grid, replace(sync, sync_every=h))
+    assert every_step.dp_s > 0.1  # the world's groups cross oceans: not a rounding error
+    assert local.dp_s == pytest.approx(every_step.dp_s / h)
+    assert local.dp_exchange_s == pytest.approx(every_step.dp_s)
+    assert local.pipeline_s == pytest.approx(every_step.pipeline_s)
+    # the round's other steps are the step without the exchange, plus 1/H of it
+    no_dp = local.step_s - local.dp_s
+    assert no_dp == pytest.approx(local.pipeline_s + local.sync_s)
+    assert local.step_s < every_step.step_s
+
+
+def test_h_one_is_the_synchronous_model_unchanged() -> None:
+    net = scenarios.world(per_city=2)
+    grid = np.random.default_rng(1).permutation(16).reshape(4, 4).tolist()
+    shape = step_shape(get_preset("gpt-mini"), 4, 4, 16, 4)
+    assert simulate_step(net, grid, replace(shape, sync_every=1)) == \
+        simulate_step(net, grid, shape)
+
+
+def test_a_large_h_moves_the_slow_links_from_the_pipelines_to_the_groups() -> None:
+    # two cities of two devices, 1 Gbit/s inside, 20 Mbit/s and 50 ms between. Synchronous,
+    # each step's 20 MB of gradients outweigh 4 MB of activations: every data-parallel group
+    # (a row) stays in a city and the pipelines cross. With H = 64 the exchange hardly
+    # counts: the pipelines (columns) stay in a city and the groups cross.
+    city = np.array([0, 0, 1, 1])
+    same = city[:, None] == city[None, :]
+    net = Network(np.where(same, 1.0, 50.0) * ~np.eye(4, dtype=bool),
+                  np.where(same, 1.0, 0.02))
+    shape = StepShape(micro_batches=4, act_bytes=1e6, grad_bytes=[20e6, 20e6])
+    start = [[[0, 2], [1, 3]]]
+    sync_grid, _ = polish(net, start, shape, seconds=2.0)
+    local_grid, _ = polish(net, start, replace(shape, sync_every=64), seconds=2.0)
+    assert all(len({city[d] for d in row}) == 1 for row in sync_grid), sync_grid
+    assert all(len({city[row[k]] for row in local_grid}) == 1 for k in range(2)), local_grid
+
+
+def test_sync_every_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="sync_every"):
+        replace(step_shape(get_preset("gpt-mini"), 2, 2, 8, 2), sync_every=0)
+
+
+def test_coordinator_plan_shows_the_amortised_step() -> None:
+    from coordinator.plan import main
+
+    args = ["--scenario", "world", "--per-city", "2", "--model", "gpt-mini", "--stages", "4",
+            "--replicas", "4", "--batch", "16", "--micro-batches", "4", "--seconds", "1",
+            "--random", "5", "--budget", "20", "--sync-every", "8"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*args, "--json"]) == 0
+    sync = json.loads(buf.getvalue())["sync"]
+    got, plain = sync["predicted"], sync["synchronous"]
+    assert sync["every"] == 8
+    assert got["dp_s"] == pytest.approx(plain["dp_s"] / 8)
+    assert got["step_s"] == pytest.approx(got["pipeline_s"] + got["sync_s"] + got["dp_s"])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(args) == 0
+    assert "sync every 8 steps: predicted step" in buf.getvalue()
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main(["--scenario", "world", "--sync-every", "8"]) == 2
+    assert "--sync-every needs --model" in err.getvalue()
