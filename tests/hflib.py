@@ -4,6 +4,8 @@ with `transformers`; nothing is downloaded)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,3 +67,28 @@ def hf_val_loss(model: torch.nn.Module, data: Path, seq: int = 32, batches: int 
         return float(model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss)
 
 
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """The ids `transformers`' greedy `generate` appends to `prompt`."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def agent_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """The ids `python -m agent generate --greedy` appends to `prompt`, run as a user would (a
+    fresh interpreter, dtfm's own model code on the directory)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent", "generate", "--model-dir", str(model_dir),
+         "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new_tokens),
+         "--greedy", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["prompt_ids"] == prompt, out
+    return list(out["new_ids"])
+
+
+def val_prompt(data: Path, length: int = 8) -> list[int]:
+    """The first `length` ids of val.bin: a prompt from text the model was not trained on."""
+    return np.fromfile(data / "val.bin", dtype=np.uint16, count=length).astype(int).tolist()

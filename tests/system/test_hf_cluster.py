@@ -2,7 +2,8 @@
 replicas): `coordinator start --init-from DIR` takes the model from config.json, every worker
 loads its stage's tensors, and `--export-dir` writes, after the last step, a directory
 `transformers` loads whose validation loss (as `transformers` computes it on val.bin) is
-lower than the imported model's.
+lower than the imported model's, and on which `agent generate --greedy` (dtfm's own forward
+pass) gives exactly the ids `transformers`' greedy generation gives.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from tests.daemons import Daemons, wait_for
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hflib import byte_data, hf_val_loss, saved  # noqa: E402
+from tests.hflib import (  # noqa: E402
+    agent_greedy,
+    byte_data,
+    hf_greedy,
+    hf_val_loss,
+    saved,
+    val_prompt,
+)
 
 
 @pytest.mark.timeout(300)
@@ -40,6 +48,9 @@ def test_a_2x2_cluster_fine_tunes_an_import_and_exports_it(daemons: Daemons) -> 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     after = hf_val_loss(tuned, data)
     assert after < before - 0.3, (before, after)
+    prompt = val_prompt(data)
+    want = hf_greedy(tuned, prompt, 8)
+    assert len(want) == 8 and agent_greedy(out, prompt, 8) == want
 
 
 def test_init_from_with_a_disagreeing_model_is_refused_naming_both(daemons: Daemons,
