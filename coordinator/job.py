@@ -678,8 +678,7 @@ class Job:
         from coordinator.scheduler import comm_gb
 
         dp_gb, pp_gb = comm_gb(work.spec, layout.stages, layout.replicas,
-                               cfg.train.global_batch,
-                               dtype="fp32" if cfg.train.dtype == "fp32" else "fp16")
+                               cfg.train.global_batch, dtype=cfg.train.dtype)
         grid = warm or fixed_grid(placement, layout.stages, layout.replicas, ids)
         if warm is not None:
             found = {"grid": warm, "seconds": 0.0, "algorithm": "kept from the last epoch"}
