@@ -169,13 +169,15 @@ def unexpected_tensors(spec: ModelSpec, model_dir: str | Path) -> list[str]:
 
 
 def stage_tensors_hf(parts: Mapping[int, nn.Module], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The parts' parameters under Hugging Face names and layout: contiguous CPU copies, for
-    writing a stage's safetensors file (checkpoints, exports)."""
+    """The parts' parameters under Hugging Face names and layout, contiguous on the CPU, for
+    writing a stage's safetensors file (checkpoints, exports). Written at once, while no step
+    runs, so a CPU parameter already in HF layout is handed over as it is: only a transposed
+    (GPT-2 Conv1D) or device-resident one is copied, and once."""
     out: dict[str, torch.Tensor] = {}
     for index, part in parts.items():
         params = dict(part.named_parameters())
         for key, tensor in part_tensors(spec, index).items():
             value = params[key].detach()
-            value = value.t().contiguous() if tensor.transpose else value
-            out[tensor.name] = value.to("cpu", copy=True).contiguous()
+            value = value.t() if tensor.transpose else value
+            out[tensor.name] = value.to("cpu").contiguous()
     return out
