@@ -166,6 +166,7 @@ class Job:
         self.job_id = f"job-{uuid.uuid4().hex[:8]}" if config.model else ""
         self.epoch = 0
         self.plan: common_pb2.Plan | None = None
+        self._warm_replanned = False  # the warm grid is a re-plan's move (its plan's label)
         self.message = "" if config.model else "no job: start with --model and --agents"
         self.members: list[str] = []
         self.restarts = 0
@@ -577,7 +578,9 @@ class Job:
         coordinator restart, a worker crash): no search, and every agent keeps the stage
         whose checkpoints it holds. A re-plan's move (coordinator/replan.py) brings its grid."""
         planned = self.replan.planned_grid(ids)
-        if planned is not None and layout == Layout(len(planned), len(planned[0])):
+        self._warm_replanned = planned is not None and \
+            layout == Layout(len(planned), len(planned[0]))
+        if planned is not None and self._warm_replanned:
             return planned
         if placement.kind != "scheduled" or len(self._grid_ids) != layout.stages:
             return None
@@ -590,6 +593,16 @@ class Job:
         if any(len(row) != layout.replicas for row in rows):
             return None
         return rows
+
+    def _warm_label(self) -> str:
+        """How a warm grid was found: a re-plan's move, or the last epoch's plan kept, with the
+        search that first found it (a user reading status after a restart still sees it)."""
+        if self._warm_replanned:
+            return "re-planned on re-measured links (hybrid-ga + step-time polish)"
+        found = self.plan.algorithm if self.plan is not None else ""
+        found = found.split(", kept from epoch")[0]
+        return f"{found}, kept from epoch {self.epoch}" if found else \
+            f"kept from epoch {self.epoch}"
 
     def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The members' rows of the `--links` file (read again: it may have been refreshed)."""
@@ -681,7 +694,7 @@ class Job:
                                cfg.train.global_batch, dtype=cfg.train.dtype)
         grid = warm or fixed_grid(placement, layout.stages, layout.replicas, ids)
         if warm is not None:
-            found = {"grid": warm, "seconds": 0.0, "algorithm": "kept from the last epoch"}
+            found = {"grid": warm, "seconds": 0.0, "algorithm": self._warm_label()}
         elif grid is None:
             found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
                                            layout.stages, layout.replicas, dp_gb, pp_gb,

@@ -116,6 +116,8 @@ def test_the_job_grows_back_at_the_next_checkpoint_when_agents_join() -> None:
         lose(h, victim)
         await h.running_epoch(2)
         assert h.job.plan is not None and h.job.plan.replicas == 2
+        # the survivors keep their stages, and status still says how that grid was found
+        assert h.job.plan.algorithm == "hybrid-ga + step-time polish, kept from epoch 1"
         assert len(h.measurer.rounds) == 1, "survivors' links are reused, not measured again"
         h.registry.add(1)  # a new agent joins
         newcomer = max(h.registry.agents)
@@ -131,6 +133,7 @@ def test_the_job_grows_back_at_the_next_checkpoint_when_agents_join() -> None:
         report_all(h, 9)  # passed the checkpoint of step 8: grow now
         await h.running_epoch(3)
         assert h.job.plan.replicas == 3 and h.job.restarts == 0
+        assert h.job.plan.algorithm == "hybrid-ga + step-time polish, kept from epoch 2"
         grow = h.job.recoveries.items[-1]
         assert grow.planned and grow.layout_before == "2x2" and grow.layout_after == "2x3"
         assert len(h.measurer.rounds) == 2, "growing back did not stop to measure"

@@ -92,6 +92,7 @@ def test_a_degraded_plan_link_re_plans_and_moves_at_the_next_checkpoint(tmp_path
         steps(c, 15, 21, 3.0, wait_s=2.8)  # every member passes the checkpoint of step 20
         second = await c.assignments()
         assert c.job.epoch == 2
+        assert c.job.plan is not None and c.job.plan.algorithm.startswith("re-planned")
         assert pipeline_pairs(second).isdisjoint(used)  # the new plan avoids the slow links
         assert all(a.train.steps == 400 for a in second.values())
         assert c.job.recoveries.items[-1].planned
