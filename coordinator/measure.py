@@ -115,7 +115,8 @@ class LinkMeasurer:
     async def measure(self, agents: list[AgentRecord], only_missing: bool = False,
                       bandwidth_links: set[tuple[str, str]] | None = None,
                       probe_seconds: float | None = None,
-                      sampled: bool = False) -> common_pb2.LinkMatrix:
+                      sampled: bool = False,
+                      max_probes: int = 0) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
@@ -125,12 +126,14 @@ class LinkMeasurer:
         the latency of every pair, but the bandwidth of just these links, each probe lasting
         about `probe_seconds` (default: the measurer's). `sampled`: bandwidth only for
         representatives of latency clusters, the rest inferred and marked so
-        (`coordinator/linkinfer.py`)."""
+        (`coordinator/linkinfer.py`). `max_probes`: at most this many bandwidth probes at
+        once (0: as many as the devices allow), for a job's links while it trains."""
         async with self._lock:
             self.running = True
             try:
                 return await self._measure(agents, only_missing, bandwidth_links,
-                                           probe_seconds or self.probe_seconds, sampled)
+                                           probe_seconds or self.probe_seconds, sampled,
+                                           max_probes)
             finally:
                 self.running = False
 
@@ -142,7 +145,8 @@ class LinkMeasurer:
 
     async def _measure(self, agents: list[AgentRecord], only_missing: bool,
                        bandwidth_links: set[tuple[str, str]] | None,
-                       probe_seconds: float, sampled: bool = False) -> common_pb2.LinkMatrix:
+                       probe_seconds: float, sampled: bool = False,
+                       max_probes: int = 0) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
         wanted = self.missing_links(ids) if only_missing else {
@@ -157,7 +161,8 @@ class LinkMeasurer:
                    if (peers := tuple(b for b in ids if (a, b) in wanted))]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent,
                         probe_seconds)
-        self._check_reverse_delays(ids)
+        if bandwidth_links is None:  # while a job trains, its traffic makes pings disagree
+            self._check_reverse_delays(ids)
         if bandwidth_links is not None:
             wanted &= bandwidth_links
         stands_for: dict[tuple[str, str], tuple[str, str]] = {}
@@ -175,7 +180,7 @@ class LinkMeasurer:
                                                 f"pair {min(a, b)} {max(a, b)}")))
                      for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent,
-                        probe_seconds)
+                        probe_seconds, max_probes)
         if stands_for:
             self._infer(stands_for)
         self.last_seconds = time.monotonic() - started
@@ -185,8 +190,9 @@ class LinkMeasurer:
 
     async def _run(self, run: int, kind: int, probes: list[_Probe],
                    by_id: dict[str, AgentRecord], silent: set[str],
-                   probe_seconds: float) -> None:
-        """Run `probes`, each as soon as no running probe holds what it holds.
+                   probe_seconds: float, max_probes: int = 0) -> None:
+        """Run `probes`, each as soon as no running probe holds what it holds (and fewer than
+        `max_probes` run, where that is > 0).
 
         No round barrier: a probe starts as soon as its devices are free, so one slow link
         holds up only the probes that need its devices, not a whole round.
@@ -211,6 +217,8 @@ class LinkMeasurer:
                         continue
                     if probe.holds & busy:
                         continue
+                    if 0 < max_probes <= len(running):
+                        break
                     pending.remove(probe)
                     busy.update(probe.holds)
                     task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent,

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 SPARES_TRIED = 2  # spares weighed in place of the member whose links degraded most
 RESTART_OVERHEAD_S = 5.0  # stopping the members and planning, on top of a start-up's stall
 LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) did not change
+# bandwidth probes at once while the job trains: each takes a link's capacity from the training
+# traffic for its probe, so few at a time (bench/drift.py measures what they cost a step)
+BACKGROUND_PROBES = 2
 
 
 def grid_text(grid: list[list[str]]) -> str:
@@ -71,24 +74,49 @@ def plan_links(grid: list[list[int]]) -> set[tuple[int, int]]:
     return links
 
 
+def moved(old: Network, new: Network, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per directed link: did its delay, did its bandwidth move by more than the threshold (a
+    fraction; delays also by more than LINK_CHANGE_MS)? Less than that is measurement noise."""
+    d0, d1 = old.delay_ms, new.delay_ms
+    b0, b1 = old.bandwidth_gbps, new.bandwidth_gbps
+    with np.errstate(divide="ignore", invalid="ignore"):
+        delay = np.abs(d1 - d0) > np.maximum(LINK_CHANGE_MS, threshold * d0)
+        rate = (b0 > 0) & (b1 > 0) & (np.maximum(b0 / b1, b1 / b0) > 1.0 + threshold)
+    np.fill_diagonal(delay, False)
+    np.fill_diagonal(rate, False)
+    return delay, rate
+
+
 def changed_links(old: Network, new: Network, ids: list[str], threshold: float
                   ) -> list[coordinator_pb2.LinkChange]:
     """The links whose delay or bandwidth moved by more than the threshold (a fraction)."""
-    out = []
-    n = len(ids)
-    for i in range(n):
-        for j in range(n):
-            if i == j:
-                continue
-            d0, d1 = float(old.delay_ms[i, j]), float(new.delay_ms[i, j])
-            b0, b1 = float(old.bandwidth_gbps[i, j]), float(new.bandwidth_gbps[i, j])
-            delay_moved = abs(d1 - d0) > max(LINK_CHANGE_MS, threshold * d0)
-            rate_moved = b0 > 0 and b1 > 0 and max(b0 / b1, b1 / b0) > 1.0 + threshold
-            if delay_moved or rate_moved:
-                out.append(coordinator_pb2.LinkChange(
-                    src=ids[i], dst=ids[j], delay_ms_before=d0, delay_ms_after=d1,
-                    gbps_before=b0, gbps_after=b1))
-    return out
+    delay, rate = moved(old, new, threshold)
+    return [coordinator_pb2.LinkChange(
+        src=ids[i], dst=ids[j], delay_ms_before=float(old.delay_ms[i, j]),
+        delay_ms_after=float(new.delay_ms[i, j]), gbps_before=float(old.bandwidth_gbps[i, j]),
+        gbps_after=float(new.bandwidth_gbps[i, j]))
+        for i, j in zip(*np.nonzero(delay | rate), strict=True)]
+
+
+def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray,
+                      threshold: float) -> Network:
+    """The figures a re-plan weighs, from a re-measurement taken while the job trains.
+
+    Pings then queue behind the training traffic and wait for busy cores, so they read high,
+    and more on one end of a pair than the other. Both ends time the same round trip, so the
+    lesser of the two readings is the better one for both directions. A link whose figure
+    stayed within the threshold of the plan's keeps the plan's: noise must not re-route a
+    plan (a link that failed to measure keeps it too)."""
+    delay = np.fmin(delay_ms, delay_ms.T)
+    delay = np.where(np.isnan(delay), old.delay_ms, delay)
+    bandwidth = np.where(np.isnan(bandwidth_gbps), old.bandwidth_gbps, bandwidth_gbps)
+    new = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+    delay_moved, rate_moved = moved(old, new, threshold)
+    delay = np.where(delay_moved, delay, old.delay_ms)
+    bandwidth = np.where(rate_moved, bandwidth, old.bandwidth_gbps)
+    np.fill_diagonal(delay, 0.0)
+    np.fill_diagonal(bandwidth, 1.0)
+    return Network(delay_ms=delay, bandwidth_gbps=bandwidth)
 
 
 def copy_seconds(old_grid: list[list[int]], new_grid: list[list[int]], stage_bytes: list[int],
@@ -396,13 +424,12 @@ class Replanner:
                      if ids[a] in suspects or ids[b] in suspects}
             records = [r for a in ids if (r := job.registry.get(a)) is not None]
             matrix = await job.measurer.measure(records, bandwidth_links=links,
-                                                probe_seconds=self.cfg.probe_seconds)
+                                                probe_seconds=self.cfg.probe_seconds,
+                                                max_probes=BACKGROUND_PROBES)
             n = len(ids)
-            delay = np.array(matrix.delay_ms, dtype=float).reshape(n, n)
-            bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(n, n)
-            # a link that failed now keeps the figure the plan was made on
-            delay = np.where(np.isnan(delay), model.net.delay_ms, delay)
-            bandwidth = np.where(np.isnan(bandwidth), model.net.bandwidth_gbps, bandwidth)
+            return settle_remeasured(
+                model.net, np.array(matrix.delay_ms, dtype=float).reshape(n, n),
+                np.array(matrix.bandwidth_gbps, dtype=float).reshape(n, n), self.cfg.threshold)
         else:
             return model.net
         np.fill_diagonal(delay, 0.0)

@@ -108,6 +108,31 @@ def test_transfers_never_share_a_sender_a_receiver_or_a_link_with_its_reverse() 
             assert agents.max_concurrent >= 4
 
 
+def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once() -> None:
+    async def body() -> tuple[FakeAgents, int]:
+        registry = Registry(liveness_timeout_s=60)
+        ids = [f"a{i}" for i in range(8)]
+        for i, agent_id in enumerate(ids):
+            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
+                                               port=1000 + i))
+        measurer = LinkMeasurer(registry, LinkStore(), probe_timeout_s=0.5)
+        agents = FakeAgents(registry, ids)
+        agents.measurer = measurer
+        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+        links = {(a, b) for a in ids for b in ids if a != b}
+        try:
+            matrix = await asyncio.wait_for(measurer.measure(
+                registry.alive(), bandwidth_links=links, max_probes=2), 30)
+        finally:
+            for task in servers:
+                task.cancel()
+        return agents, sum(x == x for x in matrix.bandwidth_gbps)
+
+    agents, measured = asyncio.run(body())
+    assert agents.max_concurrent == 2 and agents.overlaps == []
+    assert measured == 8 * 7  # every directed link still measured
+
+
 def test_every_agent_pings_all_its_peers_in_one_command() -> None:
     agents, _, _ = asyncio.run(_measure(6))
     latency = [(a, set(peers)) for a, kind, peers in agents.commands if kind == LATENCY]

@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.replan import changed_links, copy_seconds, move_verdict, plan_links
+from coordinator.replan import (
+    changed_links,
+    copy_seconds,
+    move_verdict,
+    plan_links,
+    settle_remeasured,
+)
 from coordinator.scheduler import Network
 from coordinator.status import status_to_json, status_to_text
 from dtfm.core.spec import WorkerState
@@ -150,6 +156,24 @@ def test_changed_links_ignore_noise_and_report_both_figures() -> None:
     got = changed_links(old, new, ["a", "b"], 0.3)
     assert [(c.src, c.dst) for c in got] == [("b", "a")]
     assert got[0].delay_ms_before == 10 and got[0].gbps_after == pytest.approx(0.1)
+
+
+def test_a_re_measurement_under_training_traffic_keeps_what_only_noise_moved() -> None:
+    nan = float("nan")
+    old = Network(delay_ms=np.array([[0, 10, 50], [10, 0, 40], [50, 40, 0]], float),
+                  bandwidth_gbps=np.full((3, 3), 1.0))
+    # a -> b read one-sidedly high (a busy core), a <-> c really 100 ms slower both ways,
+    # b -> c failed to measure; bandwidths: noise on a -> b, a real drop on c -> a
+    delay = np.array([[0, 300, 151], [11, 0, nan], [149, 43, 0]], float)
+    rate = np.array([[1, 0.8, 1], [1, 1, nan], [0.1, 1, 1]], float)
+    got = settle_remeasured(old, delay, rate, threshold=0.3)
+    # the lesser of the two ends' readings, then within noise: the plan's figure
+    assert got.delay_ms[0, 1] == got.delay_ms[1, 0] == 10.0
+    assert got.delay_ms[0, 2] == got.delay_ms[2, 0] == 149.0  # a real change goes through
+    assert got.delay_ms[1, 2] == 40.0 and got.delay_ms[2, 1] == 40.0  # failed: the lesser/old
+    assert got.bandwidth_gbps[0, 1] == 1.0 and got.bandwidth_gbps[1, 2] == 1.0
+    assert got.bandwidth_gbps[2, 0] == pytest.approx(0.1)
+    assert np.all(np.diag(got.delay_ms) == 0)
 
 
 def test_copy_seconds_counts_only_members_that_change_stage() -> None:
