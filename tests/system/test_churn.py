@@ -20,11 +20,17 @@ def _job(daemons: Daemons, address: str) -> dict[str, Any]:
     return daemons.status(address)["job"]
 
 
-def test_a_lost_agent_shrinks_the_job_and_a_new_one_grows_it_back(daemons: Daemons) -> None:
+@pytest.mark.parametrize(("sync_every", "every"), [(1, 5), (4, 4)], ids=["sync", "H4"])
+def test_a_lost_agent_shrinks_the_job_and_a_new_one_grows_it_back(daemons: Daemons,
+                                                                  sync_every: int,
+                                                                  every: int) -> None:
+    """With local steps (H = 4) checkpoints are taken at sync points and hold the outer
+    optimizer: the survivors resume a round from one, and the newcomer fetches it."""
     _, address = daemons.coordinator(
         "--model", "gpt-tiny", "--agents", "6", "--min-agents", "4", "--stages", "2",
         "--replicas", "3", "--steps", "90", "--batch", "12", "--micro-batches", "2",
-        "--checkpoint-every", "5", "--search-seconds", "1", "--no-measure")
+        "--checkpoint-every", str(every), "--search-seconds", "1", "--no-measure",
+        "--sync-every", str(sync_every))
     agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}") for i in range(6)}
     wait_for(lambda: _job(daemons, address)["step"] >= 8, 300, "training to pass step 8",
              interval=0.2)
@@ -41,7 +47,8 @@ def test_a_lost_agent_shrinks_the_job_and_a_new_one_grows_it_back(daemons: Daemo
     first = shrunk["recoveries"][0]
     assert first["layout_before"] == "2x3" and first["layout_after"] == "2x2", shrunk
     # resumed from a checkpoint the survivors hold, not from step 0
-    assert first["resumed_step"] >= 5 and first["steps_lost"] <= 5 + 3, first
+    assert first["resumed_step"] >= every and first["steps_lost"] <= every + 3, first
+    assert first["resumed_step"] % sync_every == 0, first  # a sync point
 
     daemons.agent(address, "agent-6")  # a newcomer: it holds no checkpoint at all
     grown = wait_for(lambda: (j := _job(daemons, address))["epoch"] == 3 and j["step"] > 0
@@ -50,7 +57,8 @@ def test_a_lost_agent_shrinks_the_job_and_a_new_one_grows_it_back(daemons: Daemo
     assert (grown["stages"], grown["replicas"]) == (2, 3), grown
     back = grown["recoveries"][-1]
     assert back["planned"] and back["layout_after"] == "2x3"
-    assert back["resumed_step"] >= first["resumed_step"] + 5, back  # a newer checkpoint
+    assert back["resumed_step"] >= first["resumed_step"] + every, back  # a newer checkpoint
+    assert back["resumed_step"] % sync_every == 0, back
     done = wait_for(lambda: (j := _job(daemons, address))["state"] in ("done", "failed") and j,
                     300, "the job to finish", interval=0.5)
     assert done["state"] == "done" and done["step"] == 90, done
