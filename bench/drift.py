@@ -8,11 +8,15 @@ hosts, bandwidths scaled to Mbit/s). Three jobs of the same model, seed and step
 - **fresh**: planned on the degraded network from the start (the reference: what a plan that
   knew the new network would do).
 
-In the static and adaptive runs, once the job has settled (`--degrade-at` steps), the links
+In the adaptive run (first), once the job has settled (`--degrade-at` steps), the links
 between two cities the plan relies on (the first pipeline hop of the plan's grid that crosses
 cities) degrade, both ways, through the emulator's live changes: bandwidth / `--bw-factor`
-(10), delay + `--add-delay-ms` (100). Each job's coordinator measures the links itself (no
-`--links` file), so the adaptive job re-measures them while it trains.
+(10), delay + `--add-delay-ms` (100); the same cities degrade at the same step of the static
+run (its plan, searched with a time budget on a shared machine, may differ: the table says
+whether it crossed them). Each job's coordinator measures the links itself (no `--links`
+file), so the adaptive job re-measures them while it trains. Agents run with their spare
+workers (the default), so a move restarts on warm spares. The table also shows what the first
+re-plan's background re-measurement cost the steps while it probed.
 
 For each job the table shows the step time and tokens/s after the change (the median of the
 steps trained after it, for the adaptive job after its move), the re-plans weighed and their
@@ -116,14 +120,18 @@ def run(wan: WanEmulator, root: Path, name: str, args: argparse.Namespace,
     started = time.monotonic()
     changed_at_unix = 0.0
     pair: tuple[str, str] | None = degrade_cities
+    planned: list[list[str]] | None = None  # the grid trained when the links degraded
     try:
-        ids = cluster.start(timeout=180, prewarm=False)
+        # spare workers on, as agents run by default: a move's restart is what is measured,
+        # and it starts on the agents' warm spares (they import torch once, before step 15)
+        ids = cluster.start(timeout=180, prewarm=True)
         city_of = {a: cities[i] for i, a in enumerate(ids)}
         if degrade_mid_run:
             status = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"]
                               >= args.degrade_at and s, args.timeout,
                               f"[{name}] step {args.degrade_at}", 1.0)
-            pair = relied_on_cities(status["plan"]["grid"], city_of)
+            planned = status["plan"]["grid"]
+            pair = degrade_cities or relied_on_cities(planned, city_of)
             hosts = {c: [i + 1 for i, x in enumerate(cities) if x == c] for c in pair}
             degrade(wan, hosts[pair[0]], hosts[pair[1]], args)
             changed_at_unix = time.time()
@@ -140,7 +148,17 @@ def run(wan: WanEmulator, root: Path, name: str, args: argparse.Namespace,
         report = cluster.cli("report", "--json", timeout=30)
     finally:
         cluster.stop()
-    return summarize(name, done, report, changed_at_unix, pair)
+    row = summarize(name, done, report, changed_at_unix, pair)
+    # did this job's first plan send pipeline traffic between the degraded cities? (the
+    # plans of separate runs may differ: the search has a time budget on a shared machine)
+    grid = planned or row["grid"]
+    row["plan_crosses_degraded"] = bool(pair and grid and crosses(grid, city_of, pair))
+    return row
+
+
+def crosses(grid: list[list[str]], city_of: dict[str, str], pair: tuple[str, str]) -> bool:
+    return any({city_of[grid[j][r]], city_of[grid[j + 1][r]]} == set(pair)
+               for r in range(len(grid[0])) for j in range(len(grid) - 1))
 
 
 def summarize(name: str, status: dict[str, Any], report: dict[str, Any],
@@ -163,6 +181,7 @@ def summarize(name: str, status: dict[str, Any], report: dict[str, Any],
             recovered_s = min(p["unix_s"] for p in fast) - changed_at_unix
     return {
         "job": name, "state": job["state"], "step_after_s": step_s,
+        "remeasure": remeasure_slowdown(points, job["replans"], changed_at_unix),
         "tokens_per_s_after": (statistics.median(p["tokens_per_s"] for p in after)
                                if after else 0.0),
         "predicted_step_s": status["plan"]["predicted_step_s"] if status["plan"] else 0.0,
@@ -173,15 +192,45 @@ def summarize(name: str, status: dict[str, Any], report: dict[str, Any],
     }
 
 
+def remeasure_slowdown(points: list[dict[str, Any]], replans: list[dict[str, Any]],
+                       changed_at_unix: float) -> dict[str, Any] | None:
+    """How much the first re-plan's background re-measurement slowed the steps: the median
+    step while it probed against the median of the same epoch's steps on the same (degraded)
+    network outside it (after the change, before any move). The only time the job probes
+    while training is after a drift verdict, so this is the probing's whole cost."""
+    if not replans or not changed_at_unix or not replans[0].get("measure_s"):
+        return None
+    rec = replans[0]
+    start, end = rec["at_unix_s"], rec["at_unix_s"] + rec["measure_s"]
+    epoch = next((p["epoch"] for p in points if p["unix_s"] >= start), None)
+    same = [p for p in points if p["epoch"] == epoch and p["unix_s"] >= changed_at_unix]
+    during = [p["step_s"] for p in same if start <= p["unix_s"] <= end]
+    # the change's first steps carry the transition; skip two on either side of the probing
+    outside = [p["step_s"] for p in same if p["unix_s"] < start][2:] + \
+        [p["step_s"] for p in same if p["unix_s"] > end][2:]
+    if not during or not outside:
+        return None
+    slow = statistics.median(during) / statistics.median(outside)
+    return {"measure_s": rec["measure_s"], "links": len(rec.get("links", [])),
+            "steps_during": len(during), "steps_outside": len(outside),
+            "step_during_s": statistics.median(during),
+            "step_outside_s": statistics.median(outside),
+            "slowdown_pct": 100 * (slow - 1)}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     fresh = next((r for r in rows if r["job"] == "fresh"), None)
-    lines = [f"{'job':<10}{'s/step':>8}{'tok/s':>9}{'x fresh':>9}{'replans':>9}  outcome"]
+    lines = [f"{'job':<10}{'s/step':>8}{'tok/s':>9}{'x fresh':>9}{'replans':>9}"
+             f"{'crosses':>9}{'probing +%':>11}  outcome"]
     for r in rows:
         ratio = (r["tokens_per_s_after"] / fresh["tokens_per_s_after"]
                  if fresh and fresh["tokens_per_s_after"] else 0.0)
         outcomes = ",".join(x["outcome"] for x in r["replans"]) or "-"
+        probing = (r["remeasure"] or {}).get("slowdown_pct")
         lines.append(f"{r['job']:<10}{r['step_after_s']:>8.2f}{r['tokens_per_s_after']:>9.0f}"
-                     f"{ratio:>9.2f}{len(r['replans']):>9}  {outcomes}")
+                     f"{ratio:>9.2f}{len(r['replans']):>9}"
+                     f"{'yes' if r['plan_crosses_degraded'] else 'no':>9}"
+                     f"{'-' if probing is None else f'{probing:.0f}':>11}  {outcomes}")
     return "\n".join(lines)
 
 
@@ -195,12 +244,16 @@ def main(argv: list[str] | None = None) -> int:
             measurement_wan(delay, bandwidth) as wan:
         root = Path(args.workdir or scratch)
         healthy = (wan.delay_ms, wan.bandwidth_mbps)
-        for name, extra in (("static", ["--no-replan"]), ("adaptive", [])):
-            rows.append(run(wan, root, name, args, cities, extra, degrade_mid_run=True))
+        # the adaptive job first: the cities its plan relies on degrade, and the same cities
+        # degrade under the static job (planned alike, on the same healthy network)
+        pair: tuple[str, str] | None = None
+        for name, extra in (("adaptive", []), ("static", ["--no-replan"])):
+            rows.append(run(wan, root, name, args, cities, extra, degrade_cities=pair,
+                            degrade_mid_run=True))
+            pair = tuple(rows[-1]["degraded_cities"])  # type: ignore[assignment]
             wan.set_links([{"src": i, "dst": j, "delay_ms": healthy[0][i][j],
                             "bandwidth_mbps": healthy[1][i][j]}
                            for i in range(wan.size) for j in range(wan.size) if i != j])
-        pair = rows[-1]["degraded_cities"]
         assert pair is not None
         hosts = {c: [i + 1 for i, x in enumerate(cities) if x == c] for c in pair}
         degrade(wan, hosts[pair[0]], hosts[pair[1]], args)  # the fresh plan sees it all along
@@ -217,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         / by["static"]["tokens_per_s_after"] if by["static"]["tokens_per_s_after"] else None,
         "change_to_recovered_s": adaptive["change_to_recovered_s"],
         "recovery_target_s": 2 * args.checkpoint_every * (adaptive["step_after_s"] or 0) + 60,
+        "remeasure_slowdown_pct": {r["job"]: (r["remeasure"] or {}).get("slowdown_pct")
+                                   for r in rows if r["remeasure"]},
         "predicted_static_over_new": (moved[0]["predicted_stay_s"] / moved[0]["predicted_new_s"]
                                       if moved and moved[0]["predicted_new_s"] else None),
     }
     for k, v in summary.items():
-        print(f"{k}: {v if v is None else round(v, 3)}")
+        print(f"{k}: {v if v is None or isinstance(v, dict) else round(v, 3)}")
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
            "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -184,6 +184,7 @@ class WanCluster:
 
         try:
             status = self.wait_job(timeout, watch)
+            ended = time.monotonic() - started
         finally:
             self.stop()
         job, plan = status["job"], status["plan"] or {}
@@ -201,6 +202,10 @@ class WanCluster:
             "predicted_comm_s": plan.get("predicted_comm_s"),
             "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
             "loss": job["loss"], "worker_split_median": split,
+            # a job on a steady network should weigh no re-plan: benchmarks count them
+            "replans": [{k: r[k] for k in ("at_step", "decision", "outcome", "trigger")}
+                        for r in job.get("replans", [])],
+            "trained_s": ended - marks["first_step"] if "first_step" in marks else None,
             "assignment_to_first_step_s": (marks["first_step"] - marks["running"]
                                            if {"first_step", "running"} <= marks.keys()
                                            else None),
