@@ -70,15 +70,21 @@ class FakeAgents:
         assert error is None, error
 
 
+def _joined(n: int) -> tuple[Registry, list[str]]:
+    """A registry with agents a0..a{n-1} joined."""
+    registry = Registry(liveness_timeout_s=60)
+    ids = [f"a{i}" for i in range(n)]
+    for i, agent_id in enumerate(ids):
+        registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1", port=1000 + i))
+    return registry, ids
+
+
 async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
                    kind: type[FakeAgents] = FakeAgents, probe_timeout_s: float = 0.5,
                    delay_of: dict[tuple[str, str], float] | None = None,
                    sampled: bool = False,
                    ) -> tuple[FakeAgents, common_pb2.LinkMatrix, LinkStore]:
-    registry = Registry(liveness_timeout_s=60)
-    ids = [f"a{i}" for i in range(n)]
-    for i, agent_id in enumerate(ids):
-        registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1", port=1000 + i))
+    registry, ids = _joined(n)
     store = LinkStore()
     measurer = LinkMeasurer(registry, store, probe_timeout_s=probe_timeout_s)
     agents = kind(registry, ids, silent, seed)
@@ -110,11 +116,7 @@ def test_transfers_never_share_a_sender_a_receiver_or_a_link_with_its_reverse() 
 
 def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once() -> None:
     async def body() -> tuple[FakeAgents, int]:
-        registry = Registry(liveness_timeout_s=60)
-        ids = [f"a{i}" for i in range(8)]
-        for i, agent_id in enumerate(ids):
-            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
-                                               port=1000 + i))
+        registry, ids = _joined(8)
         measurer = LinkMeasurer(registry, LinkStore(), probe_timeout_s=0.5)
         agents = FakeAgents(registry, ids)
         agents.measurer = measurer
@@ -208,11 +210,7 @@ def test_only_missing_probes_just_a_newcomers_links() -> None:
     """A grow-back measures the new agent to and from everyone, not the n^2 links measured
     before; a link that failed last time is tried again."""
     async def main() -> tuple[FakeAgents, LinkStore]:
-        registry = Registry(liveness_timeout_s=60)
-        ids = [f"a{i}" for i in range(5)]
-        for i, agent_id in enumerate(ids):
-            registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1",
-                                               port=1000 + i))
+        registry, ids = _joined(5)
         store = LinkStore()
         for a in ids[:4]:  # measured in an earlier epoch, one of them failed since
             for b in ids[:4]:
