@@ -59,6 +59,7 @@ class JobConfig:
     layer_split: str = "auto"  # auto (by device speed and memory), even, or counts "4,2"
     export_dir: str = ""  # write the trained model there as a Hugging Face directory
     init_hash: str = ""  # set by validate: dtfm.core.hfdir.dir_hash of train.init_from
+    drift: DriftConfig = field(default_factory=DriftConfig)
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
     def model_spec(self) -> ModelSpec:
@@ -69,7 +70,6 @@ class JobConfig:
             preset = "" if self.model.startswith("hf:") else self.model
             self._spec = resolve_spec(preset, self.train.init_from, self.train.seq_len)
         return self._spec
-    drift: DriftConfig = field(default_factory=DriftConfig)
 
     def parsed_split(self) -> list[int] | None:
         """The `--layer-split` counts, or None for auto/even."""

@@ -99,5 +99,6 @@ def history_to_text(data: dict[str, Any]) -> str:
         step_s = f"{p['step_s']:.3f}" if p["step_s"] else "-"
         tokens = f"{p['tokens_per_s']:.0f}" if p["tokens_per_s"] else "-"
         lines.append(f"{p['epoch']:>5} {p['step']:>7} {loss:>9} {step_s:>9} {tokens:>11}")
-    lines.extend(replans_to_text(data.get("replans", []), last=len(data.get("replans", []))))
+    replans = data.get("replans", [])
+    lines.extend(replans_to_text(replans, last=len(replans)))
     return "\n".join(lines)

@@ -27,7 +27,7 @@ import numpy as np
 
 from coordinator.config import JobConfig
 from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
-from coordinator.linkstore import LinkStore
+from coordinator.linkstore import LinkStore, matrix_arrays
 from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
 from coordinator.recovery import Recoveries, layout_text
@@ -166,7 +166,6 @@ class Job:
         self.job_id = f"job-{uuid.uuid4().hex[:8]}" if config.model else ""
         self.epoch = 0
         self.plan: common_pb2.Plan | None = None
-        self._warm_replanned = False  # the warm grid is a re-plan's move (its plan's label)
         self.message = "" if config.model else "no job: start with --model and --agents"
         self.members: list[str] = []
         self.restarts = 0
@@ -424,9 +423,7 @@ class Job:
         elif cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids):
             # a recovery among agents measured before: their links did not change because
             # someone else died, and measuring again would cost a minute of stall
-            matrix = self.links.matrix(ids)
-            delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
-            bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
+            delay, bandwidth = matrix_arrays(self.links.matrix(ids))
         elif cfg.measure_links and wanted > 1:
             self._cancel_spare_measurement()
             # a recovery measures only the links it has no figure for (newcomers'): the
@@ -441,14 +438,11 @@ class Job:
                           f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
                 self._hold_out(bad)
                 return
-            delay = np.array(matrix.delay_ms, dtype=float).reshape(wanted, wanted)
-            bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(wanted, wanted)
+            delay, bandwidth = matrix_arrays(matrix)
         else:
             delay = np.ones((wanted, wanted))
             bandwidth = np.ones((wanted, wanted))
-        np.fill_diagonal(delay, 0.0)
-        np.fill_diagonal(bandwidth, 1.0)
-        net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+        net = Network.measured(delay, bandwidth)
         layout, train = self._epoch_layout(members, spec.n_layers)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
                   f"{layout.replicas} replicas ({placement.label})")
@@ -573,15 +567,14 @@ class Job:
         return packs(needs, dev.memory.tolist(), dev.pools or None)
 
     def _warm_grid(self, layout: Layout, ids: list[str],
-                   placement: Placement) -> list[list[int]] | None:
+                   placement: Placement) -> tuple[list[list[int]], str] | None:
         """The previous epoch's grid when the same agents form the same layout again (a
         coordinator restart, a worker crash): no search, and every agent keeps the stage
-        whose checkpoints it holds. A re-plan's move (coordinator/replan.py) brings its grid."""
+        whose checkpoints it holds. A re-plan's move (coordinator/replan.py) brings its grid.
+        With it, how it was found (the plan's `algorithm`)."""
         planned = self.replan.planned_grid(ids)
-        self._warm_replanned = planned is not None and \
-            layout == Layout(len(planned), len(planned[0]))
-        if planned is not None and self._warm_replanned:
-            return planned
+        if planned is not None and layout == Layout(len(planned), len(planned[0])):
+            return planned, "re-planned on re-measured links (hybrid-ga + step-time polish)"
         if placement.kind != "scheduled" or len(self._grid_ids) != layout.stages:
             return None
         index = {a: i for i, a in enumerate(ids)}
@@ -592,17 +585,10 @@ class Job:
             row.extend(itertools.islice(newcomers, layout.replicas - len(row)))
         if any(len(row) != layout.replicas for row in rows):
             return None
-        return rows
-
-    def _warm_label(self) -> str:
-        """How a warm grid was found: a re-plan's move, or the last epoch's plan kept, with the
-        search that first found it (a user reading status after a restart still sees it)."""
-        if self._warm_replanned:
-            return "re-planned on re-measured links (hybrid-ga + step-time polish)"
-        found = self.plan.algorithm if self.plan is not None else ""
-        found = found.split(", kept from epoch")[0]
-        return f"{found}, kept from epoch {self.epoch}" if found else \
-            f"kept from epoch {self.epoch}"
+        # kept: still say which search first found it (a user reading status after a restart)
+        found = (self.plan.algorithm if self.plan is not None else "").split(", kept from")[0]
+        return rows, (f"{found}, kept from epoch {self.epoch}" if found
+                      else f"kept from epoch {self.epoch}")
 
     def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The members' rows of the `--links` file (read again: it may have been refreshed)."""
@@ -680,7 +666,7 @@ class Job:
 
     async def _place(self, placement: Placement, net: Network, layout: Layout,
                      ids: list[str], work: Workload, dev: Devices,
-                     flops: list[float], warm: list[list[int]] | None = None
+                     flops: list[float], warm: tuple[list[list[int]], str] | None = None
                      ) -> dict[str, Any]:
         """The grid (searched, then polished against the step model; or fixed), its layer
         split, and the paper's cost of the grid. `flops`: each agent's measured FLOP/s as
@@ -692,9 +678,9 @@ class Job:
 
         dp_gb, pp_gb = comm_gb(work.spec, layout.stages, layout.replicas,
                                cfg.train.global_batch, dtype=cfg.train.dtype)
-        grid = warm or fixed_grid(placement, layout.stages, layout.replicas, ids)
+        grid = warm[0] if warm else fixed_grid(placement, layout.stages, layout.replicas, ids)
         if warm is not None:
-            found = {"grid": warm, "seconds": 0.0, "algorithm": self._warm_label()}
+            found = {"grid": warm[0], "seconds": 0.0, "algorithm": warm[1]}
         elif grid is None:
             found = {**await self._in_pool(_search, net.delay_ms, net.bandwidth_gbps,
                                            layout.stages, layout.replicas, dp_gb, pp_gb,

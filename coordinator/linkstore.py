@@ -12,8 +12,12 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protos.dtfm.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def rotation_rounds(ids: Sequence[str]) -> list[list[tuple[str, str]]]:
@@ -162,6 +166,16 @@ def load_links_file(path: str, need_agents: bool = True) -> dict:
         raise ValueError(f"link file {path!r} must name its agents: an 'agents' list with one "
                          f"id per row")
     return obj
+
+
+def matrix_arrays(m: common_pb2.LinkMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """The matrix's delays (ms) and bandwidths (Gbit/s) as N x N arrays, NaN where unmeasured
+    (numpy is imported here: `coordinator status` renders matrices without it)."""
+    import numpy as np
+
+    n = len(m.agent_ids)
+    return (np.array(m.delay_ms, dtype=float).reshape(n, n),
+            np.array(m.bandwidth_gbps, dtype=float).reshape(n, n))
 
 
 def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:

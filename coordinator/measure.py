@@ -161,9 +161,9 @@ class LinkMeasurer:
                    if (peers := tuple(b for b in ids if (a, b) in wanted))]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent,
                         probe_seconds)
-        if bandwidth_links is None:  # while a job trains, its traffic makes pings disagree
+        if bandwidth_links is None:
             self._check_reverse_delays(ids)
-        if bandwidth_links is not None:
+        else:  # while a job trains, its traffic makes pings disagree: no pair is dropped
             wanted &= bandwidth_links
         stands_for: dict[tuple[str, str], tuple[str, str]] = {}
         if sampled:

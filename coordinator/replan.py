@@ -39,6 +39,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from coordinator.drift import Drift, DriftWatch, Sample
+from coordinator.linkstore import matrix_arrays
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, tasklet_seconds
 from coordinator.scheduler.memory import FP32, param_state_bytes
@@ -110,13 +111,9 @@ def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.nda
     delay = np.fmin(delay_ms, delay_ms.T)
     delay = np.where(np.isnan(delay), old.delay_ms, delay)
     bandwidth = np.where(np.isnan(bandwidth_gbps), old.bandwidth_gbps, bandwidth_gbps)
-    new = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
-    delay_moved, rate_moved = moved(old, new, threshold)
-    delay = np.where(delay_moved, delay, old.delay_ms)
-    bandwidth = np.where(rate_moved, bandwidth, old.bandwidth_gbps)
-    np.fill_diagonal(delay, 0.0)
-    np.fill_diagonal(bandwidth, 1.0)
-    return Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+    delay_moved, rate_moved = moved(old, Network.measured(delay, bandwidth), threshold)
+    return Network.measured(np.where(delay_moved, delay, old.delay_ms),
+                            np.where(rate_moved, bandwidth, old.bandwidth_gbps))
 
 
 def copy_seconds(old_grid: list[list[int]], new_grid: list[list[int]], stage_bytes: list[int],
@@ -402,15 +399,10 @@ class Replanner:
             except ValueError:
                 return None
         elif job.config.measure_links and job.links.complete_for(ids):
-            matrix = job.links.matrix(ids)
-            n = len(ids)
-            delay = np.array(matrix.delay_ms, dtype=float).reshape(n, n)
-            bandwidth = np.array(matrix.bandwidth_gbps, dtype=float).reshape(n, n)
+            delay, bandwidth = matrix_arrays(job.links.matrix(ids))
         else:
             return None
-        np.fill_diagonal(delay, 0.0)
-        np.fill_diagonal(bandwidth, 1.0)
-        return Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+        return Network.measured(delay, bandwidth)
 
     async def _remeasured(self, ids: list[str], model: _Prediction, drift: Drift) -> Network:
         """The members' links as they are now: the `--links` file read again, or a latency
@@ -426,15 +418,10 @@ class Replanner:
             matrix = await job.measurer.measure(records, bandwidth_links=links,
                                                 probe_seconds=self.cfg.probe_seconds,
                                                 max_probes=BACKGROUND_PROBES)
-            n = len(ids)
-            return settle_remeasured(
-                model.net, np.array(matrix.delay_ms, dtype=float).reshape(n, n),
-                np.array(matrix.bandwidth_gbps, dtype=float).reshape(n, n), self.cfg.threshold)
+            return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold)
         else:
             return model.net
-        np.fill_diagonal(delay, 0.0)
-        np.fill_diagonal(bandwidth, 1.0)
-        return Network(delay_ms=delay, bandwidth_gbps=bandwidth)
+        return Network.measured(delay, bandwidth)
 
     def _compute_now(self, ids: list[str]) -> dict[str, float]:
         """Each member's compute per step over the recent steps."""

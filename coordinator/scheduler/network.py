@@ -22,6 +22,16 @@ class Network:
     delay_ms: np.ndarray
     bandwidth_gbps: np.ndarray
 
+    @classmethod
+    def measured(cls, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray) -> Network:
+        """A measured matrix with its diagonal (a device to itself: never measured, NaN in a
+        LinkMatrix) set to 0 ms and 1 Gbit/s, so code that reads whole rows need not skip it."""
+        delay = np.array(delay_ms, dtype=float)
+        bandwidth = np.array(bandwidth_gbps, dtype=float)
+        np.fill_diagonal(delay, 0.0)
+        np.fill_diagonal(bandwidth, 1.0)
+        return cls(delay_ms=delay, bandwidth_gbps=bandwidth)
+
     def __post_init__(self) -> None:
         delay = _as_matrix(self.delay_ms, "delay_ms")
         bw = _as_matrix(self.bandwidth_gbps, "bandwidth_gbps")
