@@ -56,6 +56,9 @@ PING_TIMEOUT_S = 5.0
 # every peer at once, and pings fired together queue in the agents' event loops (on 2 cores, 8
 # agents pinging 7 peers every 10 ms read 11 ms links 1.7 ms long).
 PING_SPACING_S = 0.1
+# A command's spread is capped here: the coordinator waits for the report, and a spread of
+# minutes (or NaN) from a bad command must not hold a latency pass that long.
+MAX_PING_SPREAD_S = 10.0
 
 
 async def measure_peer(
@@ -68,13 +71,15 @@ async def measure_peer(
     latency: bool = True,
     bandwidth: bool = True,
     rtt_hint_s: float = 0.0,
+    ping_spread_s: float = 0.0,
 ) -> common_pb2.LinkSample:
     """Measure the directed link from this agent to `peer` (latency, bandwidth or both).
 
     `channel` is the caller's to keep: reusing one per peer across phases saves the TCP and
     HTTP/2 handshakes, which cost round trips on long links. A bandwidth-only probe given
     `rtt_hint_s` (the round trip from the latency pass) starts streaming at once instead of
-    spending two round trips on pings.
+    spending two round trips on pings. `ping_spread_s` > 0 spreads the pings over that long
+    (one per slot, at a random point of it) instead of PING_SPACING_S apart.
     """
     peer_id, address = peer.agent_id, peer.address
     sample = common_pb2.LinkSample(peer_id=peer_id, measured_unix_s=time.time())
@@ -84,9 +89,12 @@ async def measure_peer(
         if latency or rtt_s <= 0:
             await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
                             timeout=PING_TIMEOUT_S, wait_for_ready=False)
+            count = max(1, ping_count) if latency else 1
+            spread_s = min(ping_spread_s, MAX_PING_SPREAD_S) if ping_spread_s > 0 else 0.0
+            slot_s = spread_s / count if spread_s > 0 else PING_SPACING_S
             rtts = await asyncio.gather(*(
-                _ping(stub, my_id, nonce, delay_s=PING_SPACING_S * (nonce - 1 + random.random()))
-                for nonce in range(1, (max(1, ping_count) if latency else 1) + 1)))
+                _ping(stub, my_id, nonce, delay_s=slot_s * (nonce - 1 + random.random()))
+                for nonce in range(1, count + 1)))
             rtt_s = min(rtts)
             if latency:
                 sample.delay_ms = rtt_s / 2 * 1000.0

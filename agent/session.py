@@ -161,7 +161,8 @@ class CoordinatorSession:
             probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
             latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
             bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY,
-            rtt_hint_s=self._rtt_s.get(peer.address, 0.0))
+            rtt_hint_s=self._rtt_s.get(peer.address, 0.0),
+            ping_spread_s=cmd.ping_spread_s)
         if sample.reachable and sample.delay_ms > 0:
             self._rtt_s[peer.address] = 2 * sample.delay_ms / 1000
         if self.tuning is not None and sample.bandwidth_gbps > 0:

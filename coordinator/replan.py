@@ -406,7 +406,10 @@ class Replanner:
 
     async def _remeasured(self, ids: list[str], model: _Prediction, drift: Drift) -> Network:
         """The members' links as they are now: the `--links` file read again, or a latency
-        sweep and the bandwidth of the suspects' plan links measured in the background."""
+        sweep and the bandwidth of the suspects' plan links measured in the background. Each
+        peer's pings are spread over one (drifted) step: pings fired together queue behind the
+        job's bursts and read links tens of milliseconds longer than they are (bench/drift.py:
+        93 of 95 links read as changed were delays, where one city pair had changed)."""
         job = self.job
         if job.config.links_file:
             delay, bandwidth = job._known_links(ids)
@@ -417,7 +420,8 @@ class Replanner:
             records = [r for a in ids if (r := job.registry.get(a)) is not None]
             matrix = await job.measurer.measure(records, bandwidth_links=links,
                                                 probe_seconds=self.cfg.probe_seconds,
-                                                max_probes=BACKGROUND_PROBES)
+                                                max_probes=BACKGROUND_PROBES,
+                                                ping_spread_s=drift.measured_s)
             return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold)
         else:
             return model.net

@@ -115,3 +115,56 @@ def test_a_peer_that_moves_nothing_is_unreachable() -> None:
     assert not sample.reachable
     assert "no probe data arrived" in sample.error
     assert not sample.estimated
+
+
+class _BurstyService(AgentService):
+    """A peer whose link is busy with a job's burst for BURST_S after the first ping: every
+    ping answered in it waits behind the burst (QUEUE_S), as one behind training traffic."""
+
+    BURST_S, QUEUE_S = 0.7, 0.2
+
+    def __init__(self, info: common_pb2.AgentInfo) -> None:
+        super().__init__(info)
+        self.first = 0.0
+
+    async def Ping(self, request: agent_pb2.PingRequest,
+                   context: grpc.aio.ServicerContext) -> agent_pb2.PingReply:
+        now = asyncio.get_running_loop().time()
+        self.first = self.first or now
+        if now - self.first < self.BURST_S:
+            await asyncio.sleep(self.QUEUE_S)
+        return await super().Ping(request, context)
+
+
+async def _latency(spread_s: float) -> common_pb2.LinkSample:
+    async with serving(_BurstyService(common_pb2.AgentInfo(agent_id="peer")), SECURITY) as addr:
+        channel = rpc.open_channel(addr, SECURITY)
+        try:
+            return await linkprobe.measure_peer(
+                "me", coordinator_pb2.PeerTarget(agent_id="peer", address=addr), channel,
+                ping_count=5, bandwidth=False, ping_spread_s=spread_s)
+        finally:
+            await channel.close()
+
+
+def test_pings_spread_over_a_step_read_the_link_between_the_jobs_bursts() -> None:
+    """Five pings a tenth of a second apart all fall in the burst and read its queue; spread
+    over 2 s, the later ones miss it and the least of them reads the link."""
+    bunched = asyncio.run(_latency(0.0))
+    spread = asyncio.run(_latency(2.0))
+    assert bunched.reachable and spread.reachable
+    assert bunched.delay_ms >= _BurstyService.QUEUE_S / 2 * 1000  # half the queued round trip
+    assert spread.delay_ms < 40.0, spread  # loopback, well clear of the burst's 100 ms
+
+
+def test_a_commands_ping_spread_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad command (minutes, infinity) must not hold a latency pass past MAX_PING_SPREAD_S."""
+    monkeypatch.setattr(linkprobe, "MAX_PING_SPREAD_S", 1.0)
+
+    async def timed() -> float:
+        start = asyncio.get_running_loop().time()
+        sample = await _latency(float("inf"))
+        assert sample.reachable, sample.error
+        return asyncio.get_running_loop().time() - start
+
+    assert asyncio.run(timed()) < 3.0

@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
+from coordinator.measure import SPREAD_PINGS, LinkMeasurer
 from coordinator.registry import Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -33,6 +33,7 @@ class FakeAgents:
         self.overlaps: list[str] = []
         self.max_concurrent = 0
         self.commands: list[tuple[str, int, tuple[str, ...]]] = []
+        self.pings: set[tuple[int, float]] = set()  # (count, spread) of the latency commands
         self.delay_of: dict[tuple[str, str], float] = {}  # reported delays other than 10 ms
 
     async def serve(self, agent_id: str) -> None:
@@ -43,6 +44,8 @@ class FakeAgents:
             cmd = command.measure
             peers = tuple(p.agent_id for p in cmd.peers)
             self.commands.append((agent_id, cmd.kind, peers))
+            if cmd.kind == LATENCY:
+                self.pings.add((cmd.ping_count, cmd.ping_spread_s))
             if agent_id in self.silent:
                 continue
             asyncio.get_running_loop().create_task(self._answer(agent_id, cmd, peers))
@@ -124,7 +127,7 @@ def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once
         links = {(a, b) for a in ids for b in ids if a != b}
         try:
             matrix = await asyncio.wait_for(measurer.measure(
-                registry.alive(), bandwidth_links=links, max_probes=2), 30)
+                registry.alive(), bandwidth_links=links, max_probes=2, ping_spread_s=3.0), 30)
         finally:
             for task in servers:
                 task.cancel()
@@ -133,6 +136,8 @@ def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once
     agents, measured = asyncio.run(body())
     assert agents.max_concurrent == 2 and agents.overlaps == []
     assert measured == 8 * 7  # every directed link still measured
+    # pings spread over the step (3 s here), more of them, so one falls between its bursts
+    assert agents.pings == {(SPREAD_PINGS, 3.0)}
 
 
 def test_every_agent_pings_all_its_peers_in_one_command() -> None:
@@ -140,6 +145,7 @@ def test_every_agent_pings_all_its_peers_in_one_command() -> None:
     latency = [(a, set(peers)) for a, kind, peers in agents.commands if kind == LATENCY]
     assert sorted(a for a, _ in latency) == agents.ids
     assert all(peers == set(agents.ids) - {a} for a, peers in latency)
+    assert agents.pings == {(5, 0.0)}  # before a job: five, a tenth of a second apart
 
 
 def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:

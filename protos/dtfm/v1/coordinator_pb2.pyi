@@ -78,20 +78,22 @@ class PeerTarget(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class MeasureLinksCommand(_message.Message):
-    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes", "kind")
+    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes", "kind", "ping_spread_s")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PING_COUNT_FIELD_NUMBER: _ClassVar[int]
     PROBE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROBE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    PING_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerTarget]
     ping_count: int
     probe_seconds: float
     probe_max_bytes: int
     kind: MeasureKind
-    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ..., kind: _Optional[_Union[MeasureKind, str]] = ...) -> None: ...
+    ping_spread_s: float
+    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ..., kind: _Optional[_Union[MeasureKind, str]] = ..., ping_spread_s: _Optional[float] = ...) -> None: ...
 
 class StopCommand(_message.Message):
     __slots__ = ("job_id", "reason")
