@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from dtfm import rpc
+from dtfm.core import limits
 from dtfm.core.limits import clip
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2
 
@@ -56,9 +57,6 @@ PING_TIMEOUT_S = 5.0
 # every peer at once, and pings fired together queue in the agents' event loops (on 2 cores, 8
 # agents pinging 7 peers every 10 ms read 11 ms links 1.7 ms long).
 PING_SPACING_S = 0.1
-# A command's spread is capped here: the coordinator waits for the report, and a spread of
-# minutes (or NaN) from a bad command must not hold a latency pass that long.
-MAX_PING_SPREAD_S = 10.0
 
 
 async def measure_peer(
@@ -90,7 +88,8 @@ async def measure_peer(
             await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
                             timeout=PING_TIMEOUT_S, wait_for_ready=False)
             count = max(1, ping_count) if latency else 1
-            spread_s = min(ping_spread_s, MAX_PING_SPREAD_S) if ping_spread_s > 0 else 0.0
+            # capped: a spread of hours (or NaN) from a bad command must not hold the pass
+            spread_s = min(ping_spread_s, limits.MAX_PING_SPREAD_S) if ping_spread_s > 0 else 0.0
             slot_s = spread_s / count if spread_s > 0 else PING_SPACING_S
             rtts = await asyncio.gather(*(
                 _ping(stub, my_id, nonce, delay_s=slot_s * (nonce - 1 + random.random()))

@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from dtfm import flags, rpc
-from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
+from dtfm.core.limits import (
+    MAX_AGENTS,
+    MAX_PING_SPREAD_S,
+    MAX_STATUS_AGENTS,
+    OMITTED_METADATA,
+)
 
 if TYPE_CHECKING:
     from coordinator.config import DriftConfig
@@ -126,6 +131,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="with --measure: latency of every pair, bandwidth only for one link "
                    "per pair of latency clusters (the rest inferred, marked as estimates); "
                    "for many agents, where all pairs take minutes")
+    p.add_argument("--ping-spread", type=flags.number(float, 0, maximum=MAX_PING_SPREAD_S,
+                                                       unit=" seconds"),
+                   default=0.0, metavar="SECONDS",
+                   help="with --measure: spread each agent's pings to each peer over this long "
+                   "(default: a tenth of a second apart); for many agents on few cores, whose "
+                   "pings fired together queue in their own event loops")
     flags.add_common_args(p, config_file=False)
 
     try:
@@ -266,7 +277,8 @@ async def _query(args: argparse.Namespace) -> int:
                 if args.measure:
                     budget = args.timeout or 600.0
                     matrix = await stub.MeasureLinks(
-                        coordinator_pb2.MeasureRequest(timeout_s=budget, sampled=args.sampled),
+                        coordinator_pb2.MeasureRequest(timeout_s=budget, sampled=args.sampled,
+                                                       ping_spread_s=args.ping_spread),
                         timeout=budget + 10)
                 else:
                     matrix = (await stub.GetStatus(coordinator_pb2.StatusRequest(),

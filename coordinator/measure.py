@@ -35,9 +35,17 @@ log = logging.getLogger(__name__)
 MAX_LINK_GBPS = 1000.0  # above any NIC sold today: a figure beyond it is a bug or a lie
 # the two ends' one-way delays of a pair may differ by 3x + 50 ms (load, jitter) at most
 REVERSE_DELAY_SLACK = (3.0, 50.0)
-# pings per peer when they are spread over a step (while a job trains): enough that one of
-# them likely falls between the job's bursts, few enough not to load the agents' event loops
-SPREAD_PINGS = 10
+
+
+@dataclass(frozen=True)
+class Pings:
+    """How each agent pings each peer in a latency pass: `count` pings (0: the measurer's)
+    spread over `spread_s` seconds (0: a tenth of a second apart). Spreading them lets the
+    least of them miss a running job's bursts, and keeps many agents on few cores from
+    queueing their pings in their own event loops."""
+
+    count: int = 0
+    spread_s: float = 0.0
 
 
 class LinkMeasurer:
@@ -120,7 +128,7 @@ class LinkMeasurer:
                       probe_seconds: float | None = None,
                       sampled: bool = False,
                       max_probes: int = 0,
-                      ping_spread_s: float = 0.0) -> common_pb2.LinkMatrix:
+                      pings: Pings = Pings()) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
@@ -132,14 +140,13 @@ class LinkMeasurer:
         representatives of latency clusters, the rest inferred and marked so
         (`coordinator/linkinfer.py`). `max_probes`: at most this many bandwidth probes at
         once (0: as many as the devices allow), for a job's links while it trains.
-        `ping_spread_s`: each peer's pings spread over this long (a step, while a job trains:
-        the least of them then misses the job's bursts)."""
+        `pings`: how many pings per peer, over how long (`Pings`)."""
         async with self._lock:
             self.running = True
             try:
                 return await self._measure(agents, only_missing, bandwidth_links,
                                            probe_seconds or self.probe_seconds, sampled,
-                                           max_probes, ping_spread_s)
+                                           max_probes, pings)
             finally:
                 self.running = False
 
@@ -152,7 +159,7 @@ class LinkMeasurer:
     async def _measure(self, agents: list[AgentRecord], only_missing: bool,
                        bandwidth_links: set[tuple[str, str]] | None,
                        probe_seconds: float, sampled: bool = False,
-                       max_probes: int = 0, ping_spread_s: float = 0.0
+                       max_probes: int = 0, pings: Pings = Pings()
                        ) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
@@ -167,7 +174,7 @@ class LinkMeasurer:
         latency = [_Probe(a, peers) for a in ids
                    if (peers := tuple(b for b in ids if (a, b) in wanted))]
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent,
-                        probe_seconds, ping_spread_s=ping_spread_s)
+                        probe_seconds, pings=pings)
         if bandwidth_links is None:
             self._check_reverse_delays(ids)
         else:  # while a job trains, its traffic makes pings disagree: no pair is dropped
@@ -197,7 +204,7 @@ class LinkMeasurer:
 
     async def _run(self, run: int, kind: int, probes: list[_Probe],
                    by_id: dict[str, AgentRecord], silent: set[str],
-                   probe_seconds: float, max_probes: int = 0, ping_spread_s: float = 0.0
+                   probe_seconds: float, max_probes: int = 0, pings: Pings = Pings()
                    ) -> None:
         """Run `probes`, each as soon as no running probe holds what it holds (and fewer than
         `max_probes` run, where that is > 0).
@@ -230,7 +237,7 @@ class LinkMeasurer:
                     pending.remove(probe)
                     busy.update(probe.holds)
                     task = asyncio.create_task(self._probe(run, kind, probe, by_id, silent,
-                                                           probe_seconds, ping_spread_s))
+                                                           probe_seconds, pings))
                     running[task] = probe.holds
                 if not running:
                     continue
@@ -263,7 +270,7 @@ class LinkMeasurer:
         return entry is not None and not entry.reachable
 
     async def _probe(self, run: int, kind: int, probe: _Probe, by_id: dict[str, AgentRecord],
-                     silent: set[str], probe_seconds: float, ping_spread_s: float = 0.0
+                     silent: set[str], probe_seconds: float, pings: Pings = Pings()
                      ) -> None:
         """Send one command and wait for its report; a measurer silent past the deadline is
         noted, so it is not asked again."""
@@ -273,10 +280,9 @@ class LinkMeasurer:
             round_id=round_id,
             peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
                    for p in peers],
-            ping_count=max(self.ping_count, SPREAD_PINGS) if ping_spread_s > 0
-            else self.ping_count, probe_seconds=probe_seconds,
+            ping_count=pings.count or self.ping_count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
-            ping_spread_s=ping_spread_s,
+            ping_spread_s=pings.spread_s,
         ))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[(round_id, measurer)] = _Pending(future, kind, peers)
@@ -289,7 +295,9 @@ class LinkMeasurer:
                         measurer, peer, f"agent {measurer} left before it could measure")
                 return
             try:
-                await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s)
+                # a latency pass's pings take their spread before the report comes
+                await asyncio.wait_for(asyncio.shield(future),
+                                       self.probe_timeout_s + pings.spread_s)
             except TimeoutError:
                 silent.add(measurer)
                 for peer in peers:

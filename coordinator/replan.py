@@ -40,6 +40,7 @@ from google.protobuf import json_format
 
 from coordinator.drift import Drift, DriftWatch, Sample
 from coordinator.linkstore import matrix_arrays
+from coordinator.measure import Pings
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, tasklet_seconds
 from coordinator.scheduler.memory import FP32, param_state_bytes
@@ -57,6 +58,9 @@ LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) di
 # bandwidth probes at once while the job trains: each takes a link's capacity from the training
 # traffic for its probe, so few at a time (bench/drift.py measures what they cost a step)
 BACKGROUND_PROBES = 2
+# pings per peer while the job trains, spread over one step: enough that one of them likely
+# falls between the job's bursts, few enough not to load the agents' event loops
+BACKGROUND_PINGS = 10
 
 
 def grid_text(grid: list[list[str]]) -> str:
@@ -421,7 +425,8 @@ class Replanner:
             matrix = await job.measurer.measure(records, bandwidth_links=links,
                                                 probe_seconds=self.cfg.probe_seconds,
                                                 max_probes=BACKGROUND_PROBES,
-                                                ping_spread_s=drift.measured_s)
+                                                pings=Pings(BACKGROUND_PINGS,
+                                                            drift.measured_s))
             return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold)
         else:
             return model.net

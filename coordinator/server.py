@@ -21,7 +21,7 @@ from coordinator.history import History
 from coordinator.job import Job
 from coordinator.jobstore import JobStore
 from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
+from coordinator.measure import LinkMeasurer, Pings
 from coordinator.registry import AgentRecord, IdentityError, Registry
 from coordinator.validate import (
     secret_problem,
@@ -31,7 +31,12 @@ from coordinator.validate import (
     validate_progress,
 )
 from dtfm import rpc
-from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA
+from dtfm.core.limits import (
+    MAX_AGENTS,
+    MAX_PING_SPREAD_S,
+    MAX_STATUS_AGENTS,
+    OMITTED_METADATA,
+)
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -226,6 +231,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> common_pb2.LinkMatrix:
         if not (_finite(request.timeout_s) and request.timeout_s >= 0):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        if not (_finite(request.ping_spread_s) and 0 <= request.ping_spread_s
+                <= MAX_PING_SPREAD_S):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"ping_spread_s must be from 0 to {MAX_PING_SPREAD_S:g} seconds, "
+                                f"got {request.ping_spread_s}")
         agents = self.registry.alive()
         if len(agents) < 2:
             await context.abort(
@@ -240,7 +250,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         timeout = request.timeout_s or self.config.measure_timeout_s
         try:
             return await asyncio.wait_for(
-                self.measurer.measure(agents, sampled=request.sampled), timeout)
+                self.measurer.measure(agents, sampled=request.sampled,
+                                      pings=Pings(spread_s=request.ping_spread_s)), timeout)
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -20,6 +20,7 @@ MAX_HOST = 253  # RFC 1123: a DNS name's length
 MAX_NAME = 256  # device name, version, job and round ids
 MAX_ERROR = 4096  # free-text error strings (worker failures, unreachable links)
 MAX_KIND = 32  # short enum-like strings (error_kind)
+MAX_PING_SPREAD_S = 60.0  # a latency pass's pings to one peer spread over at most this long
 MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/tuning.py checks 5)
 OMITTED_METADATA = "dtfm-agents-omitted"  # GetStatus trailer: agent rows left out
 

@@ -221,8 +221,11 @@ class WanCluster:
             raise RuntimeError(f"coordinator {' '.join(args)} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)
 
-    def measure(self, timeout: float = 600.0, sampled: bool = False) -> dict[str, Any]:
+    def measure(self, timeout: float = 600.0, sampled: bool = False,
+                ping_spread_s: float = 0.0) -> dict[str, Any]:
         """`coordinator links --measure` (`sampled`: bandwidth for representatives of
-        latency clusters, the rest inferred)."""
+        latency clusters, the rest inferred; `ping_spread_s`: `--ping-spread`)."""
         return self.cli("links", "--measure", "--json", "--timeout", str(timeout),
-                        *(["--sampled"] if sampled else []), timeout=timeout + 30)
+                        *(["--sampled"] if sampled else []),
+                        *(["--ping-spread", str(ping_spread_s)] if ping_spread_s else []),
+                        timeout=timeout + 30)

@@ -159,7 +159,7 @@ def test_pings_spread_over_a_step_read_the_link_between_the_jobs_bursts() -> Non
 
 def test_a_commands_ping_spread_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad command (minutes, infinity) must not hold a latency pass past MAX_PING_SPREAD_S."""
-    monkeypatch.setattr(linkprobe, "MAX_PING_SPREAD_S", 1.0)
+    monkeypatch.setattr(linkprobe.limits, "MAX_PING_SPREAD_S", 1.0)
 
     async def timed() -> float:
         start = asyncio.get_running_loop().time()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,11 @@ def test_measured_matrix_matches_the_emulated_one(tmp_path: Path) -> None:
     with measurement_wan(delay.tolist(), bandwidth.tolist()) as wan:
         cluster = WanCluster(wan, tmp_path, agents=n)
         ids = cluster.start()
-        measured = cluster.measure()
+        # `--ping-spread` across hosts (the jobs' own measurements cover the default): each
+        # agent's pings to a peer spread over 2 s still read every delay
+        started = time.monotonic()
+        measured = cluster.measure(ping_spread_s=2.0)
+        assert time.monotonic() - started >= 2.0
     order = [measured["agents"].index(i) for i in ids]
     got_delay = np.array(measured["delay_ms"], dtype=float)[np.ix_(order, order)]
     got_bw = np.array(measured["bandwidth_gbps"], dtype=float)[np.ix_(order, order)] * 1000

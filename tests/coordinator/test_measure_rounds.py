@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 from coordinator.linkstore import LinkStore
-from coordinator.measure import SPREAD_PINGS, LinkMeasurer
+from coordinator.measure import LinkMeasurer, Pings
 from coordinator.registry import Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -127,7 +127,7 @@ def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once
         links = {(a, b) for a in ids for b in ids if a != b}
         try:
             matrix = await asyncio.wait_for(measurer.measure(
-                registry.alive(), bandwidth_links=links, max_probes=2, ping_spread_s=3.0), 30)
+                registry.alive(), bandwidth_links=links, max_probes=2, pings=Pings(10, 3.0)), 30)
         finally:
             for task in servers:
                 task.cancel()
@@ -136,8 +136,8 @@ def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once
     agents, measured = asyncio.run(body())
     assert agents.max_concurrent == 2 and agents.overlaps == []
     assert measured == 8 * 7  # every directed link still measured
-    # pings spread over the step (3 s here), more of them, so one falls between its bursts
-    assert agents.pings == {(SPREAD_PINGS, 3.0)}
+    # the pings as asked: ten, spread over 3 s
+    assert agents.pings == {(10, 3.0)}
 
 
 def test_every_agent_pings_all_its_peers_in_one_command() -> None:
@@ -159,6 +159,40 @@ def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:
         assert "a2" in store.entries[(other, "a2")].error
     assert store.entries[("a0", "a1")].reachable
     assert matrix is not None
+
+
+class SpreadingAgents(FakeAgents):
+    """Agents that spend a latency command's spread on its pings before they report."""
+
+    async def _answer(self, agent_id: str, cmd: coordinator_pb2.MeasureLinksCommand,
+                      peers: tuple[str, ...]) -> None:
+        if cmd.kind == LATENCY:
+            await asyncio.sleep(cmd.ping_spread_s)
+        await super()._answer(agent_id, cmd, peers)
+
+
+def test_a_latency_pass_waits_out_its_pings_spread_before_its_deadline() -> None:
+    """Pings spread over 1 s report after it: the 0.5 s deadline counts from then, so no
+    agent that did its pings as asked is taken for silent."""
+    async def body() -> tuple[SpreadingAgents, LinkStore]:
+        registry, ids = _joined(4)
+        store = LinkStore()
+        measurer = LinkMeasurer(registry, store, probe_timeout_s=0.5)
+        agents = SpreadingAgents(registry, ids)
+        agents.measurer = measurer
+        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+        try:
+            await asyncio.wait_for(measurer.measure(registry.alive(), pings=Pings(spread_s=1.0)),
+                                   30)
+        finally:
+            for task in servers:
+                task.cancel()
+        return agents, store
+
+    agents, store = asyncio.run(body())
+    assert agents.pings == {(5, 1.0)}  # the measurer's count, spread as asked
+    assert len(store.entries) == 12 and all(e.reachable for e in store.entries.values()), \
+        [e.error for e in store.entries.values() if not e.reachable]
 
 
 class LyingAgents(FakeAgents):

@@ -47,6 +47,9 @@ def _malformed() -> list[tuple[str, bytes, grpc.StatusCode]]:
         agent_id="never-joined").SerializeToString(), grpc.StatusCode.FAILED_PRECONDITION))
     cases.append(("/dtfm.v1.Coordinator/MeasureLinks", coordinator_pb2.MeasureRequest(
         timeout_s=-1).SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT))
+    for spread in (-1.0, math.nan, 3600.0):  # a latency pass held for an hour, or NaN
+        cases.append(("/dtfm.v1.Coordinator/MeasureLinks", coordinator_pb2.MeasureRequest(
+            ping_spread_s=spread).SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT))
     cases.append(("/dtfm.v1.Coordinator/ReportLinks", coordinator_pb2.LinkReport(
         agent_id="ghost").SerializeToString(), grpc.StatusCode.FAILED_PRECONDITION))
     cases.append(("/dtfm.v1.Coordinator/GetPlan", b"", grpc.StatusCode.FAILED_PRECONDITION))

@@ -381,12 +381,14 @@ class PlanRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MeasureRequest(_message.Message):
-    __slots__ = ("timeout_s", "sampled")
+    __slots__ = ("timeout_s", "sampled", "ping_spread_s")
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    PING_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
     sampled: bool
-    def __init__(self, timeout_s: _Optional[float] = ..., sampled: _Optional[bool] = ...) -> None: ...
+    ping_spread_s: float
+    def __init__(self, timeout_s: _Optional[float] = ..., sampled: _Optional[bool] = ..., ping_spread_s: _Optional[float] = ...) -> None: ...
 
 class HistoryRequest(_message.Message):
     __slots__ = ()
