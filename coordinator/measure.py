@@ -128,7 +128,7 @@ class LinkMeasurer:
                       probe_seconds: float | None = None,
                       sampled: bool = False,
                       max_probes: int = 0,
-                      pings: Pings = Pings()) -> common_pb2.LinkMatrix:
+                      pings: Pings = Pings(), latency: bool = True) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
@@ -140,13 +140,14 @@ class LinkMeasurer:
         representatives of latency clusters, the rest inferred and marked so
         (`coordinator/linkinfer.py`). `max_probes`: at most this many bandwidth probes at
         once (0: as many as the devices allow), for a job's links while it trains.
-        `pings`: how many pings per peer, over how long (`Pings`)."""
+        `pings`: how many pings per peer, over how long (`Pings`). `latency=False` skips the
+        latency pass (the bandwidth of `bandwidth_links` right after a latency-only pass)."""
         async with self._lock:
             self.running = True
             try:
                 return await self._measure(agents, only_missing, bandwidth_links,
                                            probe_seconds or self.probe_seconds, sampled,
-                                           max_probes, pings)
+                                           max_probes, pings, latency)
             finally:
                 self.running = False
 
@@ -159,7 +160,7 @@ class LinkMeasurer:
     async def _measure(self, agents: list[AgentRecord], only_missing: bool,
                        bandwidth_links: set[tuple[str, str]] | None,
                        probe_seconds: float, sampled: bool = False,
-                       max_probes: int = 0, pings: Pings = Pings()
+                       max_probes: int = 0, pings: Pings = Pings(), latency: bool = True
                        ) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
@@ -171,10 +172,11 @@ class LinkMeasurer:
         silent: set[str] = set()  # agents that let a probe time out: not asked again this run
         # All latencies first, at once: a ping is a few hundred bytes, so pings do not queue
         # behind each other, and every agent opens its channels to every peer on the way.
-        latency = [_Probe(a, peers) for a in ids
-                   if (peers := tuple(b for b in ids if (a, b) in wanted))]
-        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY, latency, by_id, silent,
-                        probe_seconds, pings=pings)
+        if latency:
+            await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
+                            [_Probe(a, peers) for a in ids
+                             if (peers := tuple(b for b in ids if (a, b) in wanted))],
+                            by_id, silent, probe_seconds, pings=pings)
         if bandwidth_links is None:
             self._check_reverse_delays(ids)
         else:  # while a job trains, its traffic makes pings disagree: no pair is dropped

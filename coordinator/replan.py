@@ -120,6 +120,24 @@ def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.nda
                             np.where(rate_moved, bandwidth, old.bandwidth_gbps))
 
 
+def links_to_probe(grid: list[list[int]], ids: list[str], delay_moved: np.ndarray,
+                   suspects: set[str]) -> set[tuple[str, str]]:
+    """The links whose bandwidth a re-measurement probes, after its latency sweep.
+
+    Those whose delay moved (both directions of the pair, in the plan or not): a congested,
+    throttled or re-routed path shows in its round trip, and a link the plan does not use yet
+    keeping its old rate would draw the new plan onto it. Where no delay moved, the plan's
+    links that touch a suspect: a link can lose rate without its delay moving. Probing every
+    plan link instead took 48 s on the 16-agent world (72 links, two at a time) and slowed the
+    steps meanwhile (bench/drift.py)."""
+    n = len(ids)
+    pairs = {(a, b) for a in range(n) for b in range(n)
+             if a != b and (delay_moved[a, b] or delay_moved[b, a])}
+    if not pairs:
+        pairs = {(a, b) for a, b in plan_links(grid) if ids[a] in suspects or ids[b] in suspects}
+    return {(ids[a], ids[b]) for a, b in pairs}
+
+
 def copy_seconds(old_grid: list[list[int]], new_grid: list[list[int]], stage_bytes: list[int],
                  net: Network, newcomers: frozenset[int] = frozenset()) -> float:
     """Seconds for the members that change stage to fetch their new stage's checkpoint from
@@ -410,7 +428,8 @@ class Replanner:
 
     async def _remeasured(self, ids: list[str], model: _Prediction, drift: Drift) -> Network:
         """The members' links as they are now: the `--links` file read again, or a latency
-        sweep and the bandwidth of the suspects' plan links measured in the background. Each
+        sweep and then the bandwidth of the links `links_to_probe` picks from it, measured in
+        the background. Each
         peer's pings are spread over one (drifted) step: pings fired together queue behind the
         job's bursts and read links tens of milliseconds longer than they are (bench/drift.py:
         93 of 95 links read as changed were delays, where one city pair had changed)."""
@@ -418,15 +437,18 @@ class Replanner:
         if job.config.links_file:
             delay, bandwidth = job._known_links(ids)
         elif job.config.measure_links and len(ids) > 1:
-            suspects = set(drift.links) or set(ids)
-            links = {(ids[a], ids[b]) for a, b in plan_links(model.grid)
-                     if ids[a] in suspects or ids[b] in suspects}
             records = [r for a in ids if (r := job.registry.get(a)) is not None]
-            matrix = await job.measurer.measure(records, bandwidth_links=links,
+            swept = await job.measurer.measure(records, bandwidth_links=set(),
+                                               pings=Pings(BACKGROUND_PINGS, drift.measured_s))
+            delay_moved, _ = moved(model.net, settle_remeasured(
+                model.net, *matrix_arrays(swept), self.cfg.threshold), self.cfg.threshold)
+            links = links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids))
+            log.info("job %s: re-measuring the bandwidth of %d links (%s)", job.job_id,
+                     len(links), "their delays moved" if delay_moved.any()
+                     else "no delay moved: the suspects' plan links")
+            matrix = await job.measurer.measure(records, bandwidth_links=links, latency=False,
                                                 probe_seconds=self.cfg.probe_seconds,
-                                                max_probes=BACKGROUND_PROBES,
-                                                pings=Pings(BACKGROUND_PINGS,
-                                                            drift.measured_s))
+                                                max_probes=BACKGROUND_PROBES)
             return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold)
         else:
             return model.net

@@ -20,6 +20,7 @@ import pytest
 from coordinator.replan import (
     changed_links,
     copy_seconds,
+    links_to_probe,
     move_verdict,
     plan_links,
     settle_remeasured,
@@ -296,3 +297,18 @@ def test_a_fixed_placement_or_no_replan_reports_and_never_moves(
         await asyncio.sleep(0.3)
         assert c.job.epoch == 1
     run(body, cfg)
+
+
+def test_the_bandwidth_probed_is_of_links_whose_delay_moved_else_the_suspects_plan_links(
+        ) -> None:
+    """After the latency sweep: probe the pairs whose delay moved, in the plan or not (a new
+    plan must not route over one with its old rate); where none moved, the suspects' plan
+    links (a link can lose rate and keep its delay)."""
+    ids = ["a", "b", "c", "d"]
+    grid = [[0, 1], [2, 3]]  # pipelines a-c and b-d; replica groups {a, b} and {c, d}
+    moved_delay = np.zeros((4, 4), dtype=bool)
+    moved_delay[0, 3] = True  # a -> d (not a plan link) read longer; d -> a did not
+    assert links_to_probe(grid, ids, moved_delay, {"a"}) == {("a", "d"), ("d", "a")}
+    none = np.zeros((4, 4), dtype=bool)
+    assert links_to_probe(grid, ids, none, {"c"}) == {
+        ("c", "a"), ("a", "c"), ("c", "d"), ("d", "c")}
