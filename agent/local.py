@@ -29,7 +29,7 @@ from dtfm.core.hfconfig import read_hf_config
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import PRESETS
-from dtfm.core.spec import TrainConfig
+from dtfm.core.spec import SYNC_AUTO, TrainConfig
 from dtfm.core.tokenfiles import check_data_path
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.rpc import free_port
@@ -107,6 +107,10 @@ class LocalJob:
         self.args, self.out = args, out
         self.train = train_config(args)
         self.train.validate(args.replicas)
+        if self.train.sync_every == SYNC_AUTO:
+            raise ValueError("--sync-every auto picks H from the links the coordinator "
+                             "measured; agent local trains on one machine: give a number "
+                             "(1: synchronous)")
         self.spec = resolve_spec(args.model or ("" if self.train.init_from else DEFAULT_MODEL),
                                  self.train.init_from, self.train.seq_len)
         self.init_hash = ""

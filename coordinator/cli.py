@@ -92,6 +92,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--export-dir", default="", metavar="DIR",
                    help="after the last step, write the trained model there as a Hugging Face "
                    "directory, gathered from the agents (as `coordinator export` does)")
+    p.add_argument("--sync-overhead", type=flags.number(float, 0, above=True, maximum=1.0),
+                   default=JobConfig.sync_overhead, metavar="FRACTION",
+                   help="with --sync-every auto: the share of a step the data-parallel "
+                   "exchange, amortised over H steps, may cost; auto takes the smallest H "
+                   "within it (default: %(default)s)")
     flags.add_train_args(p)  # --seed among them: it also seeds the placement search
     flags.add_common_args(p)
 
@@ -239,7 +244,7 @@ def _start(args: argparse.Namespace) -> int:
                       min_agents=args.min_agents,
                       placement=args.placement, links_file=args.links,
                       layer_split=args.layer_split, export_dir=args.export_dir,
-                      drift=_drift_config(args)),
+                      drift=_drift_config(args), sync_overhead=args.sync_overhead),
     )
     config.validate()
     flags.run_async(serve(config))

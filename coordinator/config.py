@@ -60,6 +60,9 @@ class JobConfig:
     export_dir: str = ""  # write the trained model there as a Hugging Face directory
     init_hash: str = ""  # set by validate: dtfm.core.hfdir.dir_hash of train.init_from
     drift: DriftConfig = field(default_factory=DriftConfig)
+    # --sync-overhead: with --sync-every auto, the share of a step the amortised exchange
+    # may cost (coordinator/sync_auto.py)
+    sync_overhead: float = 0.10
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
     def model_spec(self) -> ModelSpec:
@@ -188,6 +191,9 @@ class JobConfig:
         if not (math.isfinite(self.search_seconds) and self.search_seconds > 0):
             raise ConfigError(f"--search-seconds must be a finite number > 0, got "
                               f"{self.search_seconds}")
+        if not (math.isfinite(self.sync_overhead) and 0 < self.sync_overhead <= 1):
+            raise ConfigError(f"--sync-overhead must be a fraction in (0, 1] (0.1: the "
+                              f"exchange may cost 10 % of a step), got {self.sync_overhead}")
 
     def _check_pinned(self, placement: Placement) -> None:
         pinned = placement.pinned

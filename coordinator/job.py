@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator import sync_auto
 from coordinator.config import JobConfig
 from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
 from coordinator.linkstore import LinkStore, matrix_arrays
@@ -48,7 +49,7 @@ from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.rounds import newest_checkpoint
 from dtfm.core.shape import choose_layout, elastic_layout
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import SYNC_AUTO, TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,9 @@ class Job:
         self._wanted: Layout | None = None
         self._layout: Layout | None = None
         self._train: TrainConfig = config.train
+        # --sync-every: the job's H for its life; with auto (SYNC_AUTO) chosen on the first
+        # plan (coordinator/sync_auto.py), with the reason the plan shows
+        self._sync_every, self._sync_note = config.train.sync_every, ""
         self.checkpoint_step = 0
         self._epoch_checkpoint = 0
         self._settle_after = -math.inf
@@ -226,6 +230,9 @@ class Job:
         if snap.checkpoint_splits or snap.splits:  # older snapshots: one split for both
             self._trained_splits = list(snap.checkpoint_splits or snap.splits)
         self.started_unix_s = snap.started_unix_s
+        if self._sync_every == SYNC_AUTO and snap.sync_every:
+            self._sync_every = snap.sync_every
+            self._sync_note = f"auto: every {snap.sync_every} steps, chosen on the first plan"
         if snap.state == "running" and snap.members:
             self.members = list(snap.members)
             self._train = replace(self.config.train, micro_batches=snap.micro_batches
@@ -252,7 +259,8 @@ class Job:
             started_unix_s=self.started_unix_s,
             micro_batches=self._train.micro_batches,
             wanted_replicas=self._wanted.replicas if self._wanted else 0,
-            wanted_stages=self._wanted.stages if self._wanted else 0)
+            wanted_stages=self._wanted.stages if self._wanted else 0,
+            sync_every=self._sync_every)
         try:
             self.store.save(snap, finished=finished)
         except Exception as exc:  # a full disk must not stop training; say so loudly
@@ -450,7 +458,7 @@ class Job:
                         train.micro_batches, cfg.train.schedule, cfg.train.dtype,
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
-                        sync_every=cfg.train.sync_every,  # local steps: exchange every H
+                        sync_every=self._sync_every or 1,  # local steps: exchange every H
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
@@ -467,6 +475,14 @@ class Job:
         except ValueError as exc:
             self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
             return
+        if self._sync_every == SYNC_AUTO:
+            try:
+                work = self._choose_sync(net, found, work, flops, members, ids, train.steps)
+            except DoesNotFit as exc:
+                self._set(S.JOB_STATE_FAILED, f"{cfg.model} with --sync-every "
+                          f"{self._sync_every} (auto) does not fit: {exc}")
+                return
+        train = replace(train, sync_every=self._sync_every)
         self.epoch += 1
         self._layout, self._train = layout, train
         self._epoch_checkpoint = self.checkpoint_step
@@ -492,7 +508,8 @@ class Job:
             seconds=found["seconds"], algorithm=found["algorithm"], epoch=self.epoch,
             placement=placement.label, predicted_step_s=predicted.step_s,
             predicted_comm_s=self._model.comm_s, predicted_compute_s=predicted.compute_s,
-            layer_splits=found["splits"],
+            layer_splits=found["splits"], sync_every=self._sync_every,
+            sync_note=self._sync_note,
         )
         assignments = build_assignments(
             job_id=self.job_id, epoch=self.epoch, layout=layout, spec=spec, train=train,
@@ -527,6 +544,22 @@ class Job:
         self._persist()
         await self._follow()
 
+    def _choose_sync(self, net: Network, found: dict[str, Any], work: Workload,
+                     flops: list[float], members: Sequence[AgentRecord], ids: list[str],
+                     steps: int) -> Workload:
+        """`--sync-every auto`, on the first plan: H by the step model on this grid
+        (`sync_auto.choose`), checked to fit with the outer state H > 1 keeps per parameter.
+        Raises `DoesNotFit`."""
+        choice = sync_auto.choose(net, found["grid"], work, flops, found["splits"], steps,
+                                  self.config.sync_overhead)
+        self._sync_every, self._sync_note = choice.every, choice.note
+        log.info("job %s: --sync-every %s", self.job_id, choice.note)
+        work = replace(work, sync_every=choice.every)
+        dev = device_figures(list(members), self.config.train.dtype)
+        check_fit(found["grid"], stages_bytes(work.memory(), found["splits"]), dev.memory,
+                  names=ids, pools=dev.pools or None, moments_dtype=work.moments_dtype)
+        return work
+
     def _epoch_layout(self, members: Sequence[AgentRecord],
                       n_layers: int) -> tuple[Layout, TrainConfig]:
         """The first epoch's layout is the job's; later ones take fewer replicas, then fewer
@@ -560,7 +593,7 @@ class Job:
         cfg = self.config
         work = Workload(cfg.model_spec(), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
-                        moments_dtype=cfg.train.moments_dtype, sync_every=cfg.train.sync_every)
+                        moments_dtype=cfg.train.moments_dtype, sync_every=self._sync_every or 1)
         kept = self._trained_splits if self._trained_splits and len(
             self._trained_splits) == layout.stages else None
         needs = [n for n in stages_bytes(work.memory(), kept) for _ in range(layout.replicas)]
@@ -846,7 +879,7 @@ class Job:
         if len(steps) < len(self.members) or min(steps) < 1:
             return False
         # a worker reports step s before it has written s's checkpoint; s + 1 proves it
-        passed = newest_checkpoint(min(steps) - 1, every, self.config.train.sync_every)
+        passed = newest_checkpoint(min(steps) - 1, every, self._sync_every or 1)
         done = all(WorkerState.from_wire(self._progress[a].worker_state) is WorkerState.DONE
                    for a in self.members)
         if done:

@@ -57,6 +57,7 @@ class JobSnapshot:
     replans: list[dict[str, Any]] = field(default_factory=list)  # Replan messages as JSON
     links: dict[str, Any] = field(default_factory=dict)  # the members' measured matrix
     started_unix_s: float = 0.0
+    sync_every: int = 0  # `--sync-every auto`: the H chosen on the first plan (0: not yet)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -24,7 +24,7 @@ from coordinator.scheduler.costmodel import CostModel
 from dtfm import flags
 from dtfm.core.presets import PRESETS, get_preset
 from dtfm.core.shape import pick_shape
-from dtfm.core.spec import check_batch
+from dtfm.core.spec import SYNC_AUTO, check_batch
 
 EXIT_USAGE = 2
 TSP_EXACT = "exact (Held-Karp)"
@@ -248,13 +248,15 @@ def compute(args: argparse.Namespace,
                                                                 comp)
     if comp is not None:  # which codec each link got, and the uncompressed cost
         out.update(plan_compress.describe(comp, net, out["grid"], dp_gb, pp_gb))
-    if plan_sync.every(args) > 1:  # the predicted step with the exchange every H steps
+    if plan_sync.every(args) != 1:  # the predicted step with the exchange every H steps
         if args.model is None:
             raise PlanInputError("--sync-every needs --model: the step model prices its "
                                  "messages")
         flops = (dev or plan_uneven.devices(args, net.size)).flops.tolist()
         out.update(plan_sync.describe(net, out["grid"], plan_uneven.workload(args, s, r, batch),
-                                      flops, out.get("layer_splits")))
+                                      flops, out.get("layer_splits"),
+                                      auto=plan_sync.every(args) == SYNC_AUTO,
+                                      overhead=args.sync_overhead))
     return out
 
 

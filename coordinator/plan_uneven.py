@@ -87,7 +87,8 @@ def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -
     """One step of `--model` as the flags describe it (the split and the polish simulate it)."""
     return Workload(get_preset(args.model), stages, replicas, batch, args.micro_batches,
                     args.schedule, "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
-                    moments_dtype=args.moments_dtype, sync_every=getattr(args, "sync_every", 1))
+                    moments_dtype=args.moments_dtype,
+                    sync_every=getattr(args, "sync_every", 1) or 1)  # auto: priced per H later
 
 
 def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages: int,

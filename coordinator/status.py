@@ -59,7 +59,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "predicted_step_s": status.plan.predicted_step_s,
                 "predicted_comm_s": status.plan.predicted_comm_s,
                 "predicted_compute_s": status.plan.predicted_compute_s,
-                "layer_splits": list(status.plan.layer_splits)}
+                "layer_splits": list(status.plan.layer_splits),
+                "sync_every": status.plan.sync_every or 1,
+                "sync_note": status.plan.sync_note}
     return {
         "agents": agents,
         "job": {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
@@ -190,6 +192,8 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
             if shares and max(shares) - min(shares) > 1e-9:  # uneven: say who owns what
                 row = [f"{a} ({x:.0%} of gradients)" for a, x in zip(row, shares, strict=True)]
             lines.append(f"  stage {s}{held}: {'  '.join(row)}")
+        if p["sync_note"]:
+            lines.append(f"  replicas sync {p['sync_note']}")
     return "\n".join(lines)
 
 

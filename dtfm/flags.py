@@ -22,7 +22,7 @@ from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
 from dtfm.core.codecs import check_setting
-from dtfm.core.spec import DpMode, Dtype, MomentsDtype, Schedule, TrainConfig
+from dtfm.core.spec import SYNC_AUTO, DpMode, Dtype, MomentsDtype, Schedule, TrainConfig
 from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
@@ -115,6 +115,21 @@ def codec_setting(flag: str, *, topk: bool) -> Callable[[str], str]:
     return parse
 
 
+def sync_every_setting(text: str) -> int:
+    """`--sync-every`: H >= 1, or auto (SYNC_AUTO: the coordinator chooses H from the measured
+    links, `coordinator/sync_auto.py`)."""
+    if text.strip().lower() == "auto":
+        return SYNC_AUTO
+    try:
+        return int(positive_count(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from 1 to {UINT32} or auto, got {text!r}") from None
+
+
+sync_every_setting.toml_types = (int, str)  # type: ignore[attr-defined]
+
+
 # --- the training flags: one per TrainConfig field, the same in every command that trains ---
 
 # How each field is parsed; its flag name, help text and default come from `TrainConfig`.
@@ -141,14 +156,14 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "moments_dtype": MomentsDtype,
     "init_from": str,
     "seq_len": count,
-    "sync_every": positive_count,
+    "sync_every": sync_every_setting,
     "outer_lr": number(float, 0, above=True),
     "outer_momentum": number(float, 0, maximum=1),
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
                    "outer_momentum": "MU", "dp_compress": "CODEC",
-                   "init_from": "DIR"}  # and N for the integers
+                   "init_from": "DIR", "sync_every": "H"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 

@@ -31,6 +31,10 @@ UINT32 = 2**32 - 1
 # Checkpoints are on unless the operator says 0: a crashed or rescheduled job then loses at
 # most this many steps, and a few-step test run writes only its final checkpoint.
 DEFAULT_CHECKPOINT_EVERY = 50
+# TrainConfig.sync_every of `--sync-every auto`: the coordinator picks H from the measured links
+# (coordinator/sync_auto.py) before any worker sees it; 0 on the wire is a peer that predates
+# local steps, which `from_proto` reads as synchronous training
+SYNC_AUTO = 0
 
 
 class Schedule(enum.StrEnum):
@@ -331,7 +335,9 @@ class TrainConfig:
         1, "replicas take this many optimizer steps on their own before they average what "
         "they learned (the pseudo-gradient) and take an outer Nesterov step: data-parallel "
         "traffic falls by this factor, at a small loss per token (DiLoCo); 1: every step is "
-        "exact synchronous training")
+        "exact synchronous training; auto (coordinator start): the smallest H whose "
+        "exchange costs at most --sync-overhead of the step, by the step model on the "
+        "measured links")
     outer_lr: float = _option(
         0.7, "learning rate of the outer Nesterov step on the averaged pseudo-gradient "
         "(with --sync-every > 1)")
@@ -396,8 +402,9 @@ class TrainConfig:
         self._check_outer()
 
     def _check_outer(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(f"--sync-every must be >= 1 (1: synchronous), got {self.sync_every}")
+        if self.sync_every < 0:  # 0 is SYNC_AUTO: the coordinator resolves it before training
+            raise ValueError(f"--sync-every must be >= 1 (1: synchronous) or auto, got "
+                             f"{self.sync_every}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

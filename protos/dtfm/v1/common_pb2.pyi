@@ -279,7 +279,7 @@ class PlanStage(_message.Message):
     def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., dp_shares: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s", "layer_splits")
+    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s", "layer_splits", "sync_every", "sync_note")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,8 @@ class Plan(_message.Message):
     PREDICTED_COMM_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LAYER_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SYNC_NOTE_FIELD_NUMBER: _ClassVar[int]
     stages: int
     replicas: int
     grid: _containers.RepeatedCompositeFieldContainer[PlanStage]
@@ -308,4 +310,6 @@ class Plan(_message.Message):
     predicted_comm_s: float
     predicted_compute_s: float
     layer_splits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ..., layer_splits: _Optional[_Iterable[int]] = ...) -> None: ...
+    sync_every: int
+    sync_note: str
+    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ..., layer_splits: _Optional[_Iterable[int]] = ..., sync_every: _Optional[int] = ..., sync_note: _Optional[str] = ...) -> None: ...
