@@ -50,6 +50,9 @@ from dtfm.core.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_CEILING_S = 300.0  # without DTFM_TIMEOUT_S (raised to the start-up budget if larger)
+# at a sync point of local steps, a replica up to this many times slower over the round is
+# waited for, not taken for frozen (its pace over the round is not this rank's to see)
+SLOWER_REPLICA = 3.0
 FLOPS_PER_PARAM_TOKEN = 6.0  # forward + backward of a dense matmul, per weight and token
 STATE_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two moments: what a checkpoint holds
 GB = 1e9
@@ -159,6 +162,7 @@ class Deadline:
         self._first_done = False
         self._saved: float | None = None  # this rank's last save (0: another replica wrote)
         self._pending_save = False  # a checkpoint was due since the last step ended
+        self._round = 0  # > 0: this step ends a round of this many local steps (sync_point)
         self._pinned = "the ceiling DTFM_TIMEOUT_S (too low to adapt under it)"
         self._current: Wait | None = None  # until the next report: every wait asks for it
 
@@ -188,7 +192,7 @@ class Deadline:
                 self._after_save.append(interval)
             else:
                 self._steps.append(interval)
-        self._mark, self._pending_save = now, False
+        self._mark, self._pending_save, self._round = now, False, 0
         self._current = None
 
     def checkpoint(self, saved_s: float | None) -> None:
@@ -198,12 +202,19 @@ class Deadline:
         self._saved = saved_s or 0.0
         self._current = None
 
-    def sync_point(self) -> None:
-        """A round of local steps ends here (`--sync-every`, agent/worker/outer.py): the
-        replicas now exchange a stage's worth of bytes that the round's other steps never
+    def sync_point(self, every: int = 1) -> None:
+        """A round of `every` local steps ends here (`--sync-every`, agent/worker/outer.py):
+        the replicas now exchange a stage's worth of bytes that the round's other steps never
         send, so the waits from here to the next step end get the allowance a step after a
-        checkpoint gets, and this step is measured with those, apart from the steady ones."""
+        checkpoint gets, and this step is measured with those, apart from the steady ones.
+
+        And the replicas ran the round apart: a replica on slower links or a slower device
+        reaches the sync point later by the round's accumulated difference, not a step's
+        (bench/sync.py, H = 64: a replica 20+ s behind read as frozen under 8 x a 2.9 s step).
+        So the wait also allows a peer up to SLOWER_REPLICA times this rank's pace over the
+        round."""
         self._pending_save = True
+        self._round = max(every, 1)
         self._current = None
 
     # ---- the decision ----
@@ -234,7 +245,14 @@ class Deadline:
                          f"the last {len(self._steps)} steps ({_s(slowest)})")
         if not self._pending_save:
             return steady
-        return max(steady, self._after_checkpoint(slowest), key=lambda w: w.seconds)
+        waits = [steady, self._after_checkpoint(slowest)]
+        if self._round > 1:
+            behind = (SLOWER_REPLICA - 1) * self._round * slowest
+            waits.append(p.clamp(p.step_multiple * slowest + behind,
+                                 f"{p.step_multiple:g} x the slowest recent step "
+                                 f"({_s(slowest)}) + a replica {SLOWER_REPLICA:g}x slower over "
+                                 f"this round of {self._round} steps ({_s(behind)})"))
+        return max(waits, key=lambda w: w.seconds)
 
     def _after_checkpoint(self, slowest: float) -> Wait:
         p = self.policy

@@ -255,7 +255,7 @@ class Worker:
             if self.ckpt and wanted and (self.outer is None or self.outer.due(step, cfg.steps)):
                 wanted = False
                 if self.outer is not None:  # one inner state for the checkpoint (outer.py)
-                    self.deadline.sync_point()
+                    self.deadline.sync_point()  # just synced: no round apart
                     average_moments(opt, self.outer.params, self._exact_averager())
                 # every rank notes it: a peer's save makes this rank wait in the next step
                 saved_s = None
@@ -353,7 +353,7 @@ class Worker:
         opt.step()
         synced = None
         if outer and outer.due(step, cfg.steps):
-            self.deadline.sync_point()  # the exchange's waits: not an inner step's
+            self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
             synced = outer.sync(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -458,10 +458,14 @@ class Worker:
         self.stage.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.position = Position.from_dict(state["data_position"])
+        outer = ""
         if self.outer is not None:  # the anchor is the model just loaded (a sync point's)
             self.outer.load([st.get("outer") for st in states])
             self.outer.rounds = round_of(step, self.outer.every)
-        log.info("rank %d: resumed at step %d from %s in %s", self.rank, step, held, loc.dir)
+            outer = (f", with the outer momentum of round {self.outer.rounds} (norm "
+                     f"{self.outer.momentum_norm():.4g})")
+        log.info("rank %d: resumed at step %d from %s in %s%s", self.rank, step, held, loc.dir,
+                 outer)
         return step
 
     def _optimizer_names(self, src: checkpoint.Source) -> list[str]:

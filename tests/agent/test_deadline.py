@@ -13,6 +13,7 @@ import pytest
 
 from agent.worker.deadline import (
     DEFAULT_CEILING_S,
+    SLOWER_REPLICA,
     Deadline,
     Policy,
     Startup,
@@ -188,6 +189,26 @@ def test_a_sync_point_of_local_steps_gets_the_allowance_of_a_heavy_step() -> Non
     assert dl.current().seconds == pytest.approx(16.0)
     dl.sync_point()
     assert dl.current().seconds == pytest.approx(8 * 40.0)
+
+
+def test_a_sync_point_waits_for_a_replica_that_fell_behind_over_the_round() -> None:
+    """Replicas run a round of H local steps apart: at its end a peer on slower links may
+    arrive H x the difference later. bench/sync.py's H = 64 job failed when a replica 20+ s
+    behind was taken for frozen under 8 x a 2.9 s step."""
+    dl, clock = _tracker(Policy(ceiling_s=3600.0))
+    _run_steps(dl, clock, [5.0, 2.9, 2.9, 2.9])
+    dl.sync_point(64)
+    wait = dl.current()
+    assert wait.seconds == pytest.approx(8 * 2.9 + (SLOWER_REPLICA - 1) * 64 * 2.9)
+    assert "3x slower over this round of 64 steps" in wait.why
+    _run_steps(dl, clock, [30.0])  # the sync step; the next round starts together
+    assert dl.current().seconds == pytest.approx(8 * 2.9)
+    dl.sync_point()  # a checkpoint's moment averaging right after a sync: no round apart
+    assert dl.current().seconds == pytest.approx(8 * 30.0)
+    dl, clock = _tracker()  # the default ceiling still bounds it
+    _run_steps(dl, clock, [5.0, 2.9, 2.9, 2.9])
+    dl.sync_point(64)
+    assert dl.current().seconds == DEFAULT_CEILING_S
 
 
 def test_a_checkpoint_after_every_step_still_adapts() -> None:
