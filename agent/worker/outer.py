@@ -105,6 +105,11 @@ class OuterSync:
                 "momentum": {n: m.detach().cpu() for n, m in
                              zip(self.names, self.momentum, strict=True)}}
 
+    def momentum_norm(self) -> float:
+        """The outer momentum's L2 norm: 0 before the first round, or where a resume found
+        no outer state (the logs say which, so a lost state cannot pass unseen)."""
+        return math.sqrt(sum(float(m.double().pow(2).sum()) for m in self.momentum))
+
     def load(self, states: Sequence[Mapping[str, Any] | None]) -> None:
         """Resume from the outer states of the checkpoints this stage's layers came from (one,
         or several after a re-split), after the model was loaded: the anchor is the model.
