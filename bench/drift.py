@@ -26,8 +26,13 @@ outcome, and for the adaptive job the time from the change to the first step at 
 tokens/s, >= 1.5 x static's where the step model predicts >= 1.7 x between them; recovery
 within two checkpoint intervals + 60 s. Writes bench/results/drift.json.
 
+`--steady-minutes M` runs instead one adaptive job on the steady (healthy) network for M
+minutes of training (the issue's "no re-plan in a 30-minute steady run"), then reports the
+re-plans it weighed and the steps it trained, and stops it.
+
 Needs root (network namespaces). Run: `python bench/drift.py` (16 agents; three jobs, each
-measuring 240 links first: expect most of an hour on a 2-core machine).
+measuring 240 links first: expect most of an hour on a 2-core machine);
+`python bench/drift.py --steady-minutes 30 --out bench/results/drift-steady.json`.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bw-factor", type=float, default=10.0, help="degraded bandwidth divisor")
     p.add_argument("--add-delay-ms", type=float, default=100.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="per job, seconds")
+    p.add_argument("--steady-minutes", type=float, default=0.0,
+                   help="instead: one adaptive job on the steady network for this many minutes "
+                   "of training (its --steps made large enough), counting its re-plans")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
     return p.parse_args(argv)
@@ -236,11 +244,58 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def steady(wan: WanEmulator, root: Path, args: argparse.Namespace, cities: list[str]
+           ) -> dict[str, Any]:
+    """One adaptive job on the healthy network, watched for `--steady-minutes` of training;
+    the re-plans it weighed in that time (the target: none)."""
+    n = len(cities)
+    cluster = WanCluster(wan, root / "steady", agents=n,
+                         coordinator_args=job_flags(args, n, []))
+    try:
+        cluster.start(timeout=180, prewarm=False)  # no spares: see `run`
+        first = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= 1 and s,
+                         args.timeout, "[steady] the first step", 1.0)
+        started, status = time.monotonic(), first
+        while time.monotonic() - started < 60 * args.steady_minutes:
+            time.sleep(10.0)
+            status = _status(cluster) or status
+            job = status["job"]
+            print(f"  [steady] {(time.monotonic() - started) / 60:5.1f} min {job['state']:<10}"
+                  f" step {job['step']:>5}/{job['total_steps']} {job['measured_step_s']:.2f} "
+                  f"s/step replans {len(job['replans'])}", file=sys.stderr, flush=True)
+            if job["state"] != "running":
+                break
+        trained_min = (time.monotonic() - started) / 60
+    finally:
+        cluster.stop()
+    job = status["job"]
+    return {"minutes": trained_min, "state": job["state"], "steps": job["step"],
+            "first_step": first["job"]["step"], "measured_step_s": job["measured_step_s"],
+            "predicted_step_s": job["predicted_step_s"], "epoch": job["epoch"],
+            "replans": job["replans"],
+            "moved": sum(r["outcome"] == "moved" for r in job["replans"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if emulator_missing():
         return 2
     delay, bandwidth, cities = world_links(args.per_city, args.scale)
+    if args.steady_minutes:
+        # steps for the minutes at a generous 0.5 s a step: the job outlasts the watch
+        args.steps = max(args.steps, int(args.steady_minutes * 60 / 0.5))
+        with tempfile.TemporaryDirectory(prefix="dtfm-bench-drift-") as scratch, \
+                measurement_wan(delay, bandwidth) as wan:
+            row = steady(wan, Path(args.workdir or scratch), args, cities)
+        print(f"steady network: {row['minutes']:.1f} min of training, steps "
+              f"{row['first_step']}..{row['steps']} at {row['measured_step_s']:.2f} s/step "
+              f"(predicted {row['predicted_step_s']:.2f}): {len(row['replans'])} re-plans "
+              f"weighed, {row['moved']} moved")
+        out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+               "steady": row}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-drift-") as scratch, \
             measurement_wan(delay, bandwidth) as wan:

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -124,14 +125,24 @@ def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
 
 
 def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
-                 todo: list[tuple[str, int, str, str]], placement: str = "scheduled"
-                 ) -> list[dict[str, Any]]:
+                 todo: list[tuple[str, int, str, str]], placement: str = "scheduled",
+                 failed: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One job per variant; a job that fails is noted in `failed` (its variant and why) and
+    the others still run: an hour of variants must not be lost to one."""
     tokens = args.batch * get_preset(args.model).seq_len
     rows = []
     for label, h, pp, dp in todo:
         before = _files(cluster.workdir, ".progress.jsonl")
         load_before = os.getloadavg()[0]
-        row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp), label=label)
+        try:
+            row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp),
+                          label=label)
+        except RuntimeError as exc:
+            if failed is None:
+                raise
+            print(f"  [{label}] FAILED: {exc}", file=sys.stderr, flush=True)
+            failed.append({"variant": label, "sync_every": h, "error": str(exc)})
+            continue
         row.update(variant=label, sync_every=h, pp_compress=pp, dp_compress=dp,
                    load_before=load_before, load_after=os.getloadavg()[0])
         row.update(figures(_files(cluster.workdir, ".progress.jsonl") - before, tokens))
@@ -220,20 +231,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.variants and not args.headline:
         raise SystemExit("--no-variants --no-headline leaves nothing to run")
     rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     agents = 0
     if args.variants:
         todo = variants(args)
         with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links, _):
-            rows = run_variants(cluster, links, args, todo)
+            rows = run_variants(cluster, links, args, todo, failed=failed)
             agents = cluster.agents
+        if not rows or rows[0]["variant"] != todo[0][0]:
+            raise SystemExit(f"the baseline ({todo[0][0]}) failed: {failed[0]['error']}")
         compare(rows)
         print(table(rows))
         for r in rows[1:]:
             met = ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in r["targets"].items())
             print(f"{r['variant']}: {met}")
+        for f in failed:
+            print(f"{f['variant']}: FAILED ({f['error'][:300]})")
     out: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
-        "agents": agents, "targets": TARGETS, "rows": rows}
+        "agents": agents, "targets": TARGETS, "rows": rows, "failed": failed}
     if args.headline:
         h = args.headline_h or best_h(rows)
         out["headline"] = top = headline(args, h)
