@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the compressed setting PP/DP each H (and synchronous) also runs with "
                    "('' for none)")
     p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-momentum", default="auto",
+                   help="the training flag's value: auto (0.9 for H >= 16, 0.5 below) or MU")
     p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                    help="run part 1 (8 cities: synchronous against H, with and without "
                    "compression); --no-variants runs part 2 alone, with --headline-h or 16")

@@ -22,7 +22,15 @@ from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
 from dtfm.core.codecs import check_setting
-from dtfm.core.spec import SYNC_AUTO, DpMode, Dtype, MomentsDtype, Schedule, TrainConfig
+from dtfm.core.spec import (
+    OUTER_MOMENTUM_AUTO,
+    SYNC_AUTO,
+    DpMode,
+    Dtype,
+    MomentsDtype,
+    Schedule,
+    TrainConfig,
+)
 from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
@@ -130,6 +138,23 @@ def sync_every_setting(text: str) -> int:
 sync_every_setting.toml_types = (int, str)  # type: ignore[attr-defined]
 
 
+def outer_momentum_setting(text: str) -> float:
+    """`--outer-momentum`: a number in [0, 1), or auto (OUTER_MOMENTUM_AUTO: by the round's
+    length, `TrainConfig.outer_mu`)."""
+    if text.strip().lower() == "auto":
+        return OUTER_MOMENTUM_AUTO
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) or auto, got {text!r}")
+    return value
+
+
+outer_momentum_setting.toml_types = (int, float, str)  # type: ignore[attr-defined]
+
+
 # --- the training flags: one per TrainConfig field, the same in every command that trains ---
 
 # How each field is parsed; its flag name, help text and default come from `TrainConfig`.
@@ -158,13 +183,15 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "seq_len": count,
     "sync_every": sync_every_setting,
     "outer_lr": number(float, 0, above=True),
-    "outer_momentum": number(float, 0, maximum=1),
+    "outer_momentum": outer_momentum_setting,
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
-                   "outer_momentum": "MU", "dp_compress": "CODEC",
+                   "outer_momentum": "MU|auto", "dp_compress": "CODEC",
                    "init_from": "DIR", "sync_every": "H"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
+# (field, value) pairs that mean auto, shown as such in --help
+_TRAIN_AUTO = {("sync_every", SYNC_AUTO), ("outer_momentum", OUTER_MOMENTUM_AUTO)}
 
 
 def train_dest(name: str) -> str:
@@ -196,7 +223,8 @@ def add_train_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, nam
     if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
         extra = {"choices": [m.value for m in kind]}
         default = str(default)
-    help_text = doc + (" (default: %(default)s)" if default != "" else "")
+    shown = "auto" if (name, default) in _TRAIN_AUTO else "%(default)s"
+    help_text = doc + (f" (default: {shown})" if default != "" else "")
     metavar = _TRAIN_METAVARS.get(name, "N" if type(default) is int else None)
     parser.add_argument(TrainConfig.flag_of(name), dest=train_dest(name), default=default,
                         metavar=metavar, help=help_text, **extra)

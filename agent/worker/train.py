@@ -301,7 +301,7 @@ class Worker:
         # local steps: the replicas average pseudo-gradients every sync_every steps (outer.py)
         self.outer = None if synchronous else OuterSync(
             self.stage, averager, every=cfg.sync_every, lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum)
+            momentum=cfg.outer_mu())
         return pipe, averager
 
     def _exact_averager(self) -> GradAverager:

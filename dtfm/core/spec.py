@@ -35,6 +35,13 @@ DEFAULT_CHECKPOINT_EVERY = 50
 # (coordinator/sync_auto.py) before any worker sees it; 0 on the wire is a peer that predates
 # local steps, which `from_proto` reads as synchronous training
 SYNC_AUTO = 0
+# TrainConfig.outer_momentum of `--outer-momentum auto` (the default): DiLoCo's 0.9 for rounds of
+# at least SHORT_ROUND local steps, its regime; 0.5 for shorter rounds, whose pseudo-gradient is
+# nearly H steps in one direction, which 0.9's steady 1/(1 - 0.9) = 10x amplification
+# overshoots (gpt-tiny, 128 steps, 2 replicas: val loss +4.3 to +6.1 % against synchronous at
+# H = 2 and 4 with 0.9, -1.5 % with 0.5; docs/benchmarks.md, "Outer momentum")
+OUTER_MOMENTUM_AUTO = -1.0
+SHORT_ROUND = 16
 
 
 class Schedule(enum.StrEnum):
@@ -342,7 +349,15 @@ class TrainConfig:
         0.7, "learning rate of the outer Nesterov step on the averaged pseudo-gradient "
         "(with --sync-every > 1)")
     outer_momentum: float = _option(
-        0.9, "momentum of the outer Nesterov step (with --sync-every > 1)")
+        OUTER_MOMENTUM_AUTO, "momentum of the outer Nesterov step (with --sync-every > 1); "
+        "auto: DiLoCo's 0.9 for rounds of 16 steps or more, 0.5 for shorter ones, where 0.9 "
+        "overshoots")
+
+    def outer_mu(self) -> float:
+        """The outer momentum the worker applies: the flag's, or auto's by the round length."""
+        if self.outer_momentum != OUTER_MOMENTUM_AUTO:
+            return self.outer_momentum
+        return 0.9 if self.sync_every >= SHORT_ROUND else 0.5
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -407,8 +422,9 @@ class TrainConfig:
                              f"{self.sync_every}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_momentum != OUTER_MOMENTUM_AUTO and not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be in [0, 1) or auto, got "
+                             f"{self.outer_momentum}")
 
     def to_proto(self) -> Any:
         from protos.dtfm.v1 import common_pb2
