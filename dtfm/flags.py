@@ -188,7 +188,7 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
                    "outer_momentum": "MU|auto", "dp_compress": "CODEC",
-                   "init_from": "DIR", "sync_every": "H"}  # and N for the integers
+                   "init_from": "DIR", "sync_every": "H|auto"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 # (field, value) pairs that mean auto, shown as such in --help
 _TRAIN_AUTO = {("sync_every", SYNC_AUTO), ("outer_momentum", OUTER_MOMENTUM_AUTO)}
