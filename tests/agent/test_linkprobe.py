@@ -48,6 +48,17 @@ def test_windows_one_chunk_apart_agree_on_a_slow_link() -> None:
     assert windows_of([40.0, 50.0, 60.0, 50.0]).steady() is None
 
 
+def test_windows_of_two_or_three_chunks_are_too_coarse_to_agree() -> None:
+    """A trickle between stalls on a 2.1 Mbit/s link read 3, 2, 3 chunks a window: one chunk
+    apart, yet 0.87 Mbit/s is not the link's rate (CI once reported it as measured). Even
+    equal windows that coarse say little: such a probe ends estimated, from its median."""
+    chunk_mbps = CHUNK_BYTES * 8 * 3 / MBIT
+    assert windows_of([0.7, 3 * chunk_mbps, 2 * chunk_mbps, 3 * chunk_mbps]).steady() is None
+    assert windows_of([0.7, 3 * chunk_mbps, 3 * chunk_mbps, 3 * chunk_mbps]).steady() is None
+    assert windows_of([0.7, 4 * chunk_mbps, 5 * chunk_mbps, 4 * chunk_mbps]).steady() \
+        == pytest.approx(13 / 3 * chunk_mbps * MBIT, rel=1e-3)
+
+
 def test_an_unsettled_probe_is_estimated_from_the_windows_that_moved_data() -> None:
     rates = [0.6, 0.0, 0.0, 1.6, 0.0, 1.9, 2.3, 0.0, 2.0, 2.6, 1.3, 2.0] + [2.0] * 8
     w = windows_of(rates)
