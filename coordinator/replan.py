@@ -33,7 +33,7 @@ import asyncio
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from google.protobuf import json_format
@@ -103,8 +103,16 @@ def changed_links(old: Network, new: Network, ids: list[str], threshold: float
         for i, j in zip(*np.nonzero(delay | rate), strict=True)]
 
 
+class Settled(NamedTuple):
+    """A settled re-measurement and which of its links moved past the threshold."""
+
+    net: Network
+    delay_moved: np.ndarray  # bool [i, j]
+    rate_moved: np.ndarray
+
+
 def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray,
-                      threshold: float) -> Network:
+                      threshold: float) -> Settled:
     """The figures a re-plan weighs, from a re-measurement taken while the job trains.
 
     Pings then queue behind the training traffic and wait for busy cores, so they read high,
@@ -116,8 +124,9 @@ def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.nda
     delay = np.where(np.isnan(delay), old.delay_ms, delay)
     bandwidth = np.where(np.isnan(bandwidth_gbps), old.bandwidth_gbps, bandwidth_gbps)
     delay_moved, rate_moved = moved(old, Network.measured(delay, bandwidth), threshold)
-    return Network.measured(np.where(delay_moved, delay, old.delay_ms),
-                            np.where(rate_moved, bandwidth, old.bandwidth_gbps))
+    return Settled(Network.measured(np.where(delay_moved, delay, old.delay_ms),
+                                    np.where(rate_moved, bandwidth, old.bandwidth_gbps)),
+                   delay_moved, rate_moved)
 
 
 def links_to_probe(grid: list[list[int]], ids: list[str], delay_moved: np.ndarray,
@@ -440,8 +449,8 @@ class Replanner:
             records = [r for a in ids if (r := job.registry.get(a)) is not None]
             swept = await job.measurer.measure(records, bandwidth_links=set(),
                                                pings=Pings(BACKGROUND_PINGS, drift.measured_s))
-            delay_moved, _ = moved(model.net, settle_remeasured(
-                model.net, *matrix_arrays(swept), self.cfg.threshold), self.cfg.threshold)
+            delay_moved = settle_remeasured(model.net, *matrix_arrays(swept),
+                                            self.cfg.threshold).delay_moved
             links = links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids))
             log.info("job %s: re-measuring the bandwidth of %d links (%s)", job.job_id,
                      len(links), "their delays moved" if delay_moved.any()
@@ -449,7 +458,7 @@ class Replanner:
             matrix = await job.measurer.measure(records, bandwidth_links=links, latency=False,
                                                 probe_seconds=self.cfg.probe_seconds,
                                                 max_probes=BACKGROUND_PROBES)
-            return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold)
+            return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold).net
         else:
             return model.net
         return Network.measured(delay, bandwidth)

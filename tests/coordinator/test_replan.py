@@ -167,7 +167,8 @@ def test_a_re_measurement_under_training_traffic_keeps_what_only_noise_moved() -
     # b -> c failed to measure; bandwidths: noise on a -> b, a real drop on c -> a
     delay = np.array([[0, 300, 151], [11, 0, nan], [149, 43, 0]], float)
     rate = np.array([[1, 0.8, 1], [1, 1, nan], [0.1, 1, 1]], float)
-    got = settle_remeasured(old, delay, rate, threshold=0.3)
+    settled = settle_remeasured(old, delay, rate, threshold=0.3)
+    got = settled.net
     # the lesser of the two ends' readings, then within noise: the plan's figure
     assert got.delay_ms[0, 1] == got.delay_ms[1, 0] == 10.0
     assert got.delay_ms[0, 2] == got.delay_ms[2, 0] == 149.0  # a real change goes through
@@ -175,6 +176,9 @@ def test_a_re_measurement_under_training_traffic_keeps_what_only_noise_moved() -
     assert got.bandwidth_gbps[0, 1] == 1.0 and got.bandwidth_gbps[1, 2] == 1.0
     assert got.bandwidth_gbps[2, 0] == pytest.approx(0.1)
     assert np.all(np.diag(got.delay_ms) == 0)
+    # what moved is what changed: a <-> c's delay, c -> a's rate, nothing that noise moved
+    assert {tuple(p) for p in np.argwhere(settled.delay_moved)} == {(0, 2), (2, 0)}
+    assert {tuple(p) for p in np.argwhere(settled.rate_moved)} == {(2, 0)}
 
 
 def test_copy_seconds_counts_only_members_that_change_stage() -> None:
