@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "('' for none)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", default="auto",
-                   help="the training flag's value: auto (0.9 for H >= 16, 0.5 below) or MU")
+                   help="the training flag's value: auto (0.5 for H <= 64, 0.9 above) or MU")
     p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                    help="run part 1 (8 cities: synchronous against H, with and without "
                    "compression); --no-variants runs part 2 alone, with --headline-h or 16")

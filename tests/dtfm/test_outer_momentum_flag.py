@@ -1,5 +1,5 @@
-"""`--outer-momentum`: auto by default, DiLoCo's 0.9 for rounds of 16 local steps or more and
-0.5 for shorter ones (where 0.9 overshoots); an explicit value is used as given, and a wrong
+"""`--outer-momentum`: auto by default, 0.5 for rounds of up to 64 local steps (where DiLoCo's
+0.9 overshoots) and 0.9 for longer ones; an explicit value is used as given, and a wrong
 one is refused naming the flag. The worker applies `TrainConfig.outer_mu()`."""
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ import pytest
 from agent.cli import build_parser as agent_parser
 from coordinator.cli import build_parser as coordinator_parser
 from dtfm import flags
-from dtfm.core.spec import OUTER_MOMENTUM_AUTO, SHORT_ROUND, TrainConfig
+from dtfm.core.spec import LONGEST_MEASURED_ROUND, OUTER_MOMENTUM_AUTO, TrainConfig
 from dtfm.rpc import ConfigError
 from protos.dtfm.v1 import common_pb2
 
 
-@pytest.mark.parametrize(("every", "mu"), [(2, 0.5), (4, 0.5), (SHORT_ROUND - 1, 0.5),
-                                           (SHORT_ROUND, 0.9), (64, 0.9), (500, 0.9)])
-def test_auto_takes_dilocos_momentum_for_long_rounds_and_half_for_short(every: int,
-                                                                         mu: float) -> None:
+@pytest.mark.parametrize(("every", "mu"), [(2, 0.5), (4, 0.5), (16, 0.5),
+                                           (LONGEST_MEASURED_ROUND, 0.5),
+                                           (LONGEST_MEASURED_ROUND + 1, 0.9), (500, 0.9)])
+def test_auto_takes_half_for_measured_rounds_and_dilocos_momentum_past_them(every: int,
+                                                                             mu: float) -> None:
     assert TrainConfig(sync_every=every).outer_mu() == mu
     assert TrainConfig(sync_every=every, outer_momentum=0.7).outer_mu() == 0.7
 
