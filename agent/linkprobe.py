@@ -177,6 +177,7 @@ class _Windows:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
+        self.chunk_bps = CHUNK_BYTES * 8 / window_s  # one chunk more or less in a window
         self.rates: list[float] = []  # bit/s of each completed window
         self._bytes = 0
         self._seconds = 0.0
@@ -210,7 +211,7 @@ class _Windows:
         whole chunks, so at 2 Mbit/s a window of 0.33 s holds 5 or 6 of them (17 % apart)
         however steady the flow."""
         spread = max(rates) - min(rates)
-        return spread <= max(CONVERGED * max(rates), CHUNK_BYTES * 8 / self.window_s)
+        return spread <= max(CONVERGED * max(rates), self.chunk_bps)
 
     def ramping(self) -> bool:
         """True until two windows after the first agree."""
@@ -223,7 +224,7 @@ class _Windows:
         of fewer than MIN_CHUNKS_TO_JUDGE chunks are too coarse to call steady: a probe of
         them ends estimated, from the median of its windows."""
         last = self.rates[1:][-STEADY_WINDOWS:]
-        coarse = MIN_CHUNKS_TO_JUDGE * CHUNK_BYTES * 8 / self.window_s
+        coarse = MIN_CHUNKS_TO_JUDGE * self.chunk_bps
         if len(last) == STEADY_WINDOWS and min(last) >= coarse and self._agree(last):
             return sum(last) / len(last)
         return None

@@ -352,8 +352,8 @@ class TrainConfig:
         "(with --sync-every > 1)")
     outer_momentum: float = _option(
         OUTER_MOMENTUM_AUTO, "momentum of the outer Nesterov step (with --sync-every > 1); "
-        "auto: 0.5 for rounds of up to 64 steps, where DiLoCo's 0.9 overshoots, 0.9 for longer "
-        "ones")
+        f"auto: 0.5 for rounds of up to {LONGEST_MEASURED_ROUND} steps, where DiLoCo's 0.9 "
+        "overshoots, 0.9 for longer ones")
 
     def outer_mu(self) -> float:
         """The outer momentum the worker applies: the flag's, or auto's by the round length."""
