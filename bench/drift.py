@@ -14,10 +14,11 @@ cities) degrade, both ways, through the emulator's live changes: bandwidth / `--
 (10), delay + `--add-delay-ms` (100); the same cities degrade at the same step of the static
 run (its plan, searched with a time budget on a shared machine, may differ: the table says
 whether it crossed them). Each job's coordinator measures the links itself (no `--links`
-file), so the adaptive job re-measures them while it trains. Agents run without spare
-workers (16 of them importing torch on a 2-core machine starve the first link probes), so a
-move restarts cold. The table also shows what the first re-plan's background re-measurement
-cost the steps while it probed.
+file), so the adaptive job re-measures them while it trains. Agents keep a spare worker, as
+deployed agents do (a spare waits in the idle scheduling class, so 16 of them importing on a
+2-core machine no longer starve the link probes), so a move starts its workers warm;
+`--no-prewarm` runs them without, and a move restarts cold. The table also shows what the
+first re-plan's background re-measurement cost the steps while it probed.
 
 For each job the table shows the step time and tokens/s after the change (the median of the
 steps trained after it, for the adaptive job after its move), the re-plans weighed and their
@@ -72,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steady-minutes", type=float, default=0.0,
                    help="instead: one adaptive job on the steady network for this many minutes "
                    "of training (its --steps made large enough), counting its re-plans")
+    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
+                   help="agents keep a spare worker with torch imported (the agent's default)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
     return p.parse_args(argv)
@@ -131,10 +134,7 @@ def run(wan: WanEmulator, root: Path, name: str, args: argparse.Namespace,
     pair: tuple[str, str] | None = degrade_cities
     planned: list[list[str]] | None = None  # the grid trained when the links degraded
     try:
-        # no spare workers: 16 spares importing torch on 2 shared cores starve the agents'
-        # link probes at the start (agents time out and are left out); on real hosts each
-        # agent warms a spare on its own machine, so a move's restart here reads slower
-        ids = cluster.start(timeout=180, prewarm=False)
+        ids = cluster.start(timeout=180, prewarm=args.prewarm)
         city_of = {a: cities[i] for i, a in enumerate(ids)}
         if degrade_mid_run:
             status = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"]
@@ -252,7 +252,7 @@ def steady(wan: WanEmulator, root: Path, args: argparse.Namespace, cities: list[
     cluster = WanCluster(wan, root / "steady", agents=n,
                          coordinator_args=job_flags(args, n, []))
     try:
-        cluster.start(timeout=180, prewarm=False)  # no spares: see `run`
+        cluster.start(timeout=180, prewarm=args.prewarm)
         first = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= 1 and s,
                          args.timeout, "[steady] the first step", 1.0)
         started, status = time.monotonic(), first

@@ -152,9 +152,13 @@ def test_a_reassignment_kills_the_handed_over_worker(tmp_path: Path) -> None:
         # (where it can be raised back: as root)
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert niceness(spare) == ours
+        assert os.sched_getscheduler(spare) == os.sched_getscheduler(0)
         following = await until(lambda: sup.spare_pid, "a new spare")
         if os.geteuid() == 0:
             await until(lambda: niceness(following) == min(19, ours + 10), "the spare's nice")
+            # ... in the idle class, so its import takes no CPU time a worker or agent wants
+            await until(lambda: os.sched_getscheduler(following) == os.SCHED_IDLE,
+                        "the spare's idle scheduling class")
         await sup.start(assignment("job-next", steps=2))
         assert not alive(spare)  # stop() reaped it before the next worker started
         await until(lambda: sup.progress.state in ENDED, "the next job to end")
