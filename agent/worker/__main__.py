@@ -65,9 +65,11 @@ def idle_priority() -> int | None:
     workers share the import (seconds of CPU) would slow their steps. Only where the niceness
     can be raised back at hand-over (root, or an RLIMIT_NICE that allows it): a worker must
     never train at a lower priority than its peers. Where it can, the spare also takes the
-    idle scheduling class (SCHED_IDLE): a nice of 10 still takes a tenth of a busy core from
-    each peer, and 16 agents' spares importing at once on 2 cores starved the agents' link
-    probes; an idle-class spare imports only on CPU time nobody else wants.
+    idle scheduling class (SCHED_IDLE) and the lowest autogroup niceness. The autogroup is
+    what made the nice alone useless: the spare runs in its own session, and where the kernel
+    groups sessions (`kernel.sched_autogroup_enabled`, on in most distributions) CPU time is
+    shared between sessions first, so a spare at any nice or class got as much CPU as a whole
+    agent, and 16 spares importing at once on 2 cores delayed the agents' pings by a second.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -84,7 +86,27 @@ def idle_priority() -> int | None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # a kernel or a sandbox without it: the nice alone
             pass
+    _set_autogroup_nice(19)
     return current
+
+
+AUTOGROUP = Path("/proc/self/autogroup")  # "/autogroup-N nice K" where the kernel groups
+
+
+def _set_autogroup_nice(nice: int) -> None:
+    """This session's autogroup niceness, where the kernel has autogroups. Any process may
+    set 0..19 on its own group; without CAP_SYS_ADMIN the kernel takes one such write per
+    0.1 s from all processes together (EAGAIN otherwise), so this retries for up to 3 s."""
+    if not AUTOGROUP.exists():
+        return
+    for _ in range(60):
+        try:
+            AUTOGROUP.write_text(str(nice))
+            return
+        except BlockingIOError:
+            time.sleep(0.05)
+        except OSError:  # no autogroups after all, or a sandbox that forbids it
+            return
 
 
 def restore_priority(niceness: int | None) -> None:
@@ -92,6 +114,7 @@ def restore_priority(niceness: int | None) -> None:
     (both are per thread on Linux)."""
     if niceness is None:
         return
+    _set_autogroup_nice(0)  # a new session's own group starts at 0
     for tid in os.listdir("/proc/self/task"):
         try:
             if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:

@@ -86,6 +86,14 @@ def niceness(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
+def autogroup_nice(pid: int) -> int | None:
+    """The niceness of `pid`'s autogroup (None: the kernel has no autogroups)."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+    except (OSError, IndexError):
+        return None
+
+
 def startup_line(work: Path, a: common_pb2.Assignment) -> dict[str, Any]:
     """The worker's own `start-up:` log line, from the assignment's log."""
     text = (work / f"{a.job_id}-e{a.epoch}-r{a.rank}.log").read_text()
@@ -153,12 +161,16 @@ def test_a_reassignment_kills_the_handed_over_worker(tmp_path: Path) -> None:
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert niceness(spare) == ours
         assert os.sched_getscheduler(spare) == os.sched_getscheduler(0)
+        assert autogroup_nice(spare) in (None, 0)
         following = await until(lambda: sup.spare_pid, "a new spare")
         if os.geteuid() == 0:
             await until(lambda: niceness(following) == min(19, ours + 10), "the spare's nice")
             # ... in the idle class, so its import takes no CPU time a worker or agent wants
             await until(lambda: os.sched_getscheduler(following) == os.SCHED_IDLE,
                         "the spare's idle scheduling class")
+            # ... and its session's group at the lowest priority, or the kernel's autogroups
+            # would share CPU between the spare's session and each agent's as equals
+            await until(lambda: autogroup_nice(following) in (None, 19), "the group's nice")
         await sup.start(assignment("job-next", steps=2))
         assert not alive(spare)  # stop() reaped it before the next worker started
         await until(lambda: sup.progress.state in ENDED, "the next job to end")
