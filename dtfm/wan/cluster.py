@@ -91,10 +91,11 @@ class WanCluster:
     def start(self, timeout: float = 60.0, prewarm: bool = True) -> list[str]:
         """Start everything; return agent ids in host order (agent i is on host i + 1).
 
-        `prewarm=False` starts the agents without their spare workers: a cluster started only
-        to measure links must, because every emulated host shares this machine's cores, and N
-        spares importing torch while the agents ping each other inflate one end's round trips
-        until the two ends of a pair disagree and the pair is dropped as contradictory."""
+        `prewarm=False` starts the agents without their spare workers. The benchmarks that
+        measure links or steady steps keep it to compare with their earlier runs: before a
+        waiting spare lowered its session's autogroup (agent.worker), N spares importing
+        torch on this machine's shared cores inflated the agents' round trips until the two
+        ends of a pair disagreed and the pair was dropped as contradictory."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._start_coordinator()
         self._start_agents(prewarm)
