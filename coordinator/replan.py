@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 SPARES_TRIED = 2  # spares weighed in place of the member whose links degraded most
 RESTART_OVERHEAD_S = 5.0  # stopping the members and planning, on top of a start-up's stall
 LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) did not change
+# a sweep taken while the job trains reads many links high by a similar amount; a delay moved
+# only past that sweep's own noise: twice the shift that 3 in 4 of its links stay under ...
+SWEEP_NOISE_QUANTILE = 0.75
+SWEEP_NOISE_FACTOR = 2.0
+SWEEP_NOISE_CAP_MS = 50.0  # ... but a delay that moved by 50 ms always changed
+SWEEP_NOISE_MIN_LINKS = 8  # fewer readings cannot tell a sweep's noise from a change
 # bandwidth probes at once while the job trains: each takes a link's capacity from the training
 # traffic for its probe, so few at a time (bench/drift.py measures what they cost a step)
 BACKGROUND_PROBES = 2
@@ -79,13 +85,14 @@ def plan_links(grid: list[list[int]]) -> set[tuple[int, int]]:
     return links
 
 
-def moved(old: Network, new: Network, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+def moved(old: Network, new: Network, threshold: float, floor_ms: float = LINK_CHANGE_MS
+          ) -> tuple[np.ndarray, np.ndarray]:
     """Per directed link: did its delay, did its bandwidth move by more than the threshold (a
-    fraction; delays also by more than LINK_CHANGE_MS)? Less than that is measurement noise."""
+    fraction; delays also by more than `floor_ms`)? Less than that is measurement noise."""
     d0, d1 = old.delay_ms, new.delay_ms
     b0, b1 = old.bandwidth_gbps, new.bandwidth_gbps
     with np.errstate(divide="ignore", invalid="ignore"):
-        delay = np.abs(d1 - d0) > np.maximum(LINK_CHANGE_MS, threshold * d0)
+        delay = np.abs(d1 - d0) > np.maximum(floor_ms, threshold * d0)
         rate = (b0 > 0) & (b1 > 0) & (np.maximum(b0 / b1, b1 / b0) > 1.0 + threshold)
     np.fill_diagonal(delay, False)
     np.fill_diagonal(rate, False)
@@ -109,6 +116,27 @@ class Settled(NamedTuple):
     net: Network
     delay_moved: np.ndarray  # bool [i, j]
     rate_moved: np.ndarray
+    noise_ms: float  # the sweep's noise floor: a delay moved by less did not change
+
+
+def sweep_noise_ms(old_delay_ms: np.ndarray, delay_ms: np.ndarray) -> float:
+    """How far a sweep moved the delays of links that did not change, from the sweep itself.
+
+    Pings taken beside training traffic on busy hosts read high, and by much the same for
+    many links at once: bench/drift.py's run 4 read 85 unchanged links 14-16 ms high, past
+    the fixed 5 ms floor, where the 8 degraded links had moved 125-157 ms, and probing the
+    bandwidth of every pair whose delay "moved" took 95 s. A change is the exception among a
+    sweep's links, so twice the shift that 3 in 4 links stay under bounds the noise as long
+    as fewer than a quarter of the links changed (one degraded city pair of 8 cities moves 3 %
+    of them); a mode of noise that only some links share (a third of them there) stays under
+    it too, where the median and its deviation would call it a change. Capped, so a move of
+    `SWEEP_NOISE_CAP_MS` always counts; never below `LINK_CHANGE_MS`."""
+    seen = np.isfinite(delay_ms) & np.isfinite(old_delay_ms) & ~np.eye(len(delay_ms), dtype=bool)
+    shift = np.abs(delay_ms - old_delay_ms)[seen]
+    if shift.size < SWEEP_NOISE_MIN_LINKS:
+        return LINK_CHANGE_MS
+    return float(np.clip(SWEEP_NOISE_FACTOR * np.quantile(shift, SWEEP_NOISE_QUANTILE),
+                         LINK_CHANGE_MS, SWEEP_NOISE_CAP_MS))
 
 
 def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray,
@@ -118,15 +146,17 @@ def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.nda
     Pings then queue behind the training traffic and wait for busy cores, so they read high,
     and more on one end of a pair than the other. Both ends time the same round trip, so the
     lesser of the two readings is the better one for both directions. A link whose figure
-    stayed within the threshold of the plan's keeps the plan's: noise must not re-route a
-    plan (a link that failed to measure keeps it too)."""
+    stayed within the threshold of the plan's, or within the sweep's own noise
+    (`sweep_noise_ms`), keeps the plan's: noise must not re-route a plan (a link that failed
+    to measure keeps it too)."""
     delay = np.fmin(delay_ms, delay_ms.T)
+    noise = sweep_noise_ms(old.delay_ms, delay)
     delay = np.where(np.isnan(delay), old.delay_ms, delay)
     bandwidth = np.where(np.isnan(bandwidth_gbps), old.bandwidth_gbps, bandwidth_gbps)
-    delay_moved, rate_moved = moved(old, Network.measured(delay, bandwidth), threshold)
+    delay_moved, rate_moved = moved(old, Network.measured(delay, bandwidth), threshold, noise)
     return Settled(Network.measured(np.where(delay_moved, delay, old.delay_ms),
                                     np.where(rate_moved, bandwidth, old.bandwidth_gbps)),
-                   delay_moved, rate_moved)
+                   delay_moved, rate_moved, noise)
 
 
 def links_to_probe(grid: list[list[int]], ids: list[str], delay_moved: np.ndarray,
@@ -449,12 +479,13 @@ class Replanner:
             records = [r for a in ids if (r := job.registry.get(a)) is not None]
             swept = await job.measurer.measure(records, bandwidth_links=set(),
                                                pings=Pings(BACKGROUND_PINGS, drift.measured_s))
-            delay_moved = settle_remeasured(model.net, *matrix_arrays(swept),
-                                            self.cfg.threshold).delay_moved
+            sweep = settle_remeasured(model.net, *matrix_arrays(swept), self.cfg.threshold)
+            delay_moved = sweep.delay_moved
             links = links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids))
-            log.info("job %s: re-measuring the bandwidth of %d links (%s)", job.job_id,
-                     len(links), "their delays moved" if delay_moved.any()
-                     else "no delay moved: the suspects' plan links")
+            log.info("job %s: re-measuring the bandwidth of %d links (%s; the sweep's noise "
+                     "floor %.1f ms)", job.job_id, len(links), "their delays moved"
+                     if delay_moved.any() else "no delay moved: the suspects' plan links",
+                     sweep.noise_ms)
             matrix = await job.measurer.measure(records, bandwidth_links=links, latency=False,
                                                 probe_seconds=self.cfg.probe_seconds,
                                                 max_probes=BACKGROUND_PROBES)

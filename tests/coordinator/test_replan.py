@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from coordinator.replan import (
+    LINK_CHANGE_MS,
+    SWEEP_NOISE_CAP_MS,
     changed_links,
     copy_seconds,
     links_to_probe,
@@ -179,6 +181,44 @@ def test_a_re_measurement_under_training_traffic_keeps_what_only_noise_moved() -
     # what moved is what changed: a <-> c's delay, c -> a's rate, nothing that noise moved
     assert {tuple(p) for p in np.argwhere(settled.delay_moved)} == {(0, 2), (2, 0)}
     assert {tuple(p) for p in np.argwhere(settled.rate_moved)} == {(2, 0)}
+
+
+def test_a_sweep_under_load_counts_as_moved_only_what_moved_past_its_own_noise() -> None:
+    """bench/drift.py run 4: most links read ~15 ms high beside the training traffic, the
+    degraded pair 100+ ms; only the pair's bandwidth is worth probing."""
+    rng = np.random.default_rng(0)
+    n = 10
+    base = rng.uniform(5, 100, (n, n))
+    base = (base + base.T) / 2
+    np.fill_diagonal(base, 0)
+    old = Network(delay_ms=base, bandwidth_gbps=np.full((n, n), 0.02))
+    noisy = np.triu(rng.random((n, n)) < 0.4)  # these pairs read 14-16 ms high, the rest 0-3
+    noisy |= noisy.T
+    shift = np.where(noisy, rng.uniform(14, 16, (n, n)), rng.uniform(0, 3, (n, n)))
+    shift = np.minimum(shift, shift.T)  # the lesser end's reading stands for both
+    delay = base + shift
+    delay[0, 1] = delay[1, 0] = base[0, 1] + 120
+    np.fill_diagonal(delay, 0)
+    settled = settle_remeasured(old, delay, np.full((n, n), np.nan), threshold=0.3)
+    assert {tuple(p) for p in np.argwhere(settled.delay_moved)} == {(0, 1), (1, 0)}
+    assert 16.0 < settled.noise_ms < 50.0
+    assert settled.net.delay_ms[0, 1] == pytest.approx(base[0, 1] + 120)
+    assert settled.net.delay_ms[2, 3] == base[2, 3]  # noise keeps the plan's figure
+
+    # a quiet sweep keeps the fixed floor: a 10 ms move on a 20 ms link is a change
+    quiet = base.copy()
+    quiet[2, 3] = quiet[3, 2] = base[2, 3] + max(10.0, 0.35 * base[2, 3])
+    settled = settle_remeasured(old, quiet, np.full((n, n), np.nan), threshold=0.3)
+    assert settled.noise_ms == LINK_CHANGE_MS
+    assert {tuple(p) for p in np.argwhere(settled.delay_moved)} == {(2, 3), (3, 2)}
+
+    # most links changed (a whole region re-routed): the floor stops at its cap
+    far = base + np.where(rng.random((n, n)) < 0.6, 200.0, 0.0)
+    far = np.minimum(far, far.T)
+    np.fill_diagonal(far, 0)
+    settled = settle_remeasured(old, far, np.full((n, n), np.nan), threshold=0.3)
+    assert settled.noise_ms == SWEEP_NOISE_CAP_MS
+    assert np.array_equal(settled.delay_moved, far - base > 100)
 
 
 def test_copy_seconds_counts_only_members_that_change_stage() -> None:
