@@ -15,8 +15,8 @@ cities) degrade, both ways, through the emulator's live changes: bandwidth / `--
 run (its plan, searched with a time budget on a shared machine, may differ: the table says
 whether it crossed them). Each job's coordinator measures the links itself (no `--links`
 file), so the adaptive job re-measures them while it trains. Agents keep a spare worker, as
-deployed agents do (a spare waits in the idle scheduling class, so 16 of them importing on a
-2-core machine no longer starve the link probes), so a move starts its workers warm;
+deployed agents do (a waiting spare lowers its session's autogroup, so 16 of them importing
+on a 2-core machine no longer starve the link probes), so a move starts its workers warm;
 `--no-prewarm` runs them without, and a move restarts cold. The table also shows what the
 first re-plan's background re-measurement cost the steps while it probed.
 
