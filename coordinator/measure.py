@@ -12,9 +12,9 @@ marked `estimated` (its probe moved data but never settled on a rate, as a 2 Mbi
 
 A report counts only from the agent the command went to (the server checked its secret), for
 the round it was asked, and only for the peers it was asked to probe; a figure no network can
-produce (over MAX_LINK_GBPS), or delays the two ends of a pair contradict each other on, are
-logged and the link recorded as failed, so one careless or hostile agent cannot pull the
-scheduler towards links it made up.
+produce (over MAX_LINK_GBPS), or delays the two ends of a pair contradict each other on (still,
+when the pair is pinged a second time on its own), are logged and the link recorded as failed,
+so one careless or hostile agent cannot pull the scheduler towards links it made up.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
 from coordinator.linkstore import LinkStore, rotation_rounds
 from coordinator.registry import AgentRecord, Registry
+from dtfm.core.limits import MAX_PING_SPREAD_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -35,17 +36,34 @@ log = logging.getLogger(__name__)
 MAX_LINK_GBPS = 1000.0  # above any NIC sold today: a figure beyond it is a bug or a lie
 # the two ends' one-way delays of a pair may differ by 3x + 50 ms (load, jitter) at most
 REVERSE_DELAY_SLACK = (3.0, 50.0)
+# Timed pings one agent sends a second in a latency pass, at most (its warm-up ping per peer
+# counts too). Pings are the load that made them read high: 16 agents sharing 2 cores, each
+# pinging its 15 peers 10 times within 2 s (75 a second) beside a training job, read the
+# median link 51-76 ms long; 4 times (30 a second) read it 5 ms long. The agents' own default
+# (a tenth of a second apart, all peers at once) sent 150 a second and had the two ends of 7
+# pairs contradict each other by 100 ms before a 16-agent job, which then left 7 agents out.
+PING_RATE = 20.0
+DEFAULT_PING_SPACING_S = 0.1  # the agents' spacing where a command gives no spread
 
 
 @dataclass(frozen=True)
 class Pings:
     """How each agent pings each peer in a latency pass: `count` pings (0: the measurer's)
-    spread over `spread_s` seconds (0: a tenth of a second apart). Spreading them lets the
-    least of them miss a running job's bursts, and keeps many agents on few cores from
-    queueing their pings in their own event loops."""
+    spread over `spread_s` seconds (0: a tenth of a second apart), or longer where the agent
+    has so many peers that this would send more than PING_RATE pings a second (`spread_for`).
+    Spreading them lets the least of them miss a running job's bursts, and keeps many agents
+    on few cores from queueing their pings in their own event loops."""
 
     count: int = 0
     spread_s: float = 0.0
+
+    def spread_for(self, count: int, peers: int) -> float:
+        """The spread to command for `count` pings to each of `peers` (0: the agent's default
+        spacing, where that keeps under PING_RATE); at most MAX_PING_SPREAD_S."""
+        paced = (count + 1) * peers / PING_RATE
+        if self.spread_s <= 0 and paced <= count * DEFAULT_PING_SPACING_S:
+            return 0.0
+        return min(MAX_PING_SPREAD_S, max(self.spread_s, paced))
 
 
 class LinkMeasurer:
@@ -107,21 +125,44 @@ class LinkMeasurer:
         log.warning("implausible link measurement: %s", why)
         self.store.mark_unreachable(agent_id, sample.peer_id, why)
 
-    def _check_reverse_delays(self, ids: list[str]) -> None:
-        """Both ends of a pair measure half the same round trip, so their delays must agree;
-        a pair that disagrees by more than REVERSE_DELAY_SLACK (a lie, or a broken agent) is
-        flagged and both directions are dropped, which leaves the pair out of plans."""
+    def _contradicting(self, ids: list[str]) -> list[tuple[str, str, str]]:
+        """The pairs whose two ends' delays disagree by more than REVERSE_DELAY_SLACK, each
+        with what they said."""
+        out = []
         for a, b in itertools.combinations(ids, 2):
             ab, ba = self.store.entries.get((a, b)), self.store.entries.get((b, a))
             if ab is None or ba is None or not (ab.reachable and ba.reachable):
                 continue
             low, high = sorted((ab.delay_ms, ba.delay_ms))
             if high > REVERSE_DELAY_SLACK[0] * low + REVERSE_DELAY_SLACK[1]:
-                why = (f"{a} measured {ab.delay_ms:.1f} ms to {b} but {b} measured "
-                       f"{ba.delay_ms:.1f} ms back: one round trip cannot give both")
-                log.warning("contradictory link measurement: %s", why)
-                self.store.mark_unreachable(a, b, why)
-                self.store.mark_unreachable(b, a, why)
+                out.append((a, b, f"{a} measured {ab.delay_ms:.1f} ms to {b} but {b} measured "
+                                  f"{ba.delay_ms:.1f} ms back: one round trip cannot give both"))
+        return out
+
+    async def _check_reverse_delays(self, run: int, ids: list[str],
+                                    by_id: dict[str, AgentRecord], silent: set[str],
+                                    probe_seconds: float, pings: Pings) -> None:
+        """Both ends of a pair measure half the same round trip, so their delays must agree.
+        A pair that disagrees is pinged again, both ways and on its own: a burst of pings on
+        busy cores can make one end read a link 100 ms long (a 16-agent job lost 7 agents so),
+        and a second, quiet look settles that. A pair that still disagrees (a lie, or a broken
+        agent) is flagged and both directions are dropped, which leaves the pair out of plans."""
+        pairs = self._contradicting(ids)
+        if not pairs:
+            return
+        log.info("pinging %d pairs again, on their own: their two ends disagreed (%s)",
+                 len(pairs), pairs[0][2])
+        peers: dict[str, list[str]] = {}
+        for a, b, _ in pairs:
+            peers.setdefault(a, []).append(b)
+            peers.setdefault(b, []).append(a)
+        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
+                        [_Probe(a, tuple(p)) for a, p in peers.items()], by_id, silent,
+                        probe_seconds, pings=pings)
+        for a, b, why in self._contradicting(ids):
+            log.warning("contradictory link measurement: %s", why)
+            self.store.mark_unreachable(a, b, why)
+            self.store.mark_unreachable(b, a, why)
 
     async def measure(self, agents: list[AgentRecord], only_missing: bool = False,
                       bandwidth_links: set[tuple[str, str]] | None = None,
@@ -178,7 +219,7 @@ class LinkMeasurer:
                              if (peers := tuple(b for b in ids if (a, b) in wanted))],
                             by_id, silent, probe_seconds, pings=pings)
         if bandwidth_links is None:
-            self._check_reverse_delays(ids)
+            await self._check_reverse_delays(run, ids, by_id, silent, probe_seconds, pings)
         else:  # while a job trains, its traffic makes pings disagree: no pair is dropped
             wanted &= bandwidth_links
         stands_for: dict[tuple[str, str], tuple[str, str]] = {}
@@ -278,13 +319,16 @@ class LinkMeasurer:
         noted, so it is not asked again."""
         measurer, peers = probe.measurer, probe.peers
         round_id = f"m{run}-k{kind}-{next(self._seq)}"
+        count = pings.count or self.ping_count
+        spread_s = (pings.spread_for(count, len(peers))
+                    if kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH else 0.0)
         command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
             round_id=round_id,
             peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
                    for p in peers],
-            ping_count=pings.count or self.ping_count, probe_seconds=probe_seconds,
+            ping_count=count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
-            ping_spread_s=pings.spread_s,
+            ping_spread_s=spread_s,
         ))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[(round_id, measurer)] = _Pending(future, kind, peers)
@@ -298,8 +342,7 @@ class LinkMeasurer:
                 return
             try:
                 # a latency pass's pings take their spread before the report comes
-                await asyncio.wait_for(asyncio.shield(future),
-                                       self.probe_timeout_s + pings.spread_s)
+                await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s + spread_s)
             except TimeoutError:
                 silent.add(measurer)
                 for peer in peers:

@@ -66,7 +66,7 @@ SWEEP_NOISE_MIN_LINKS = 8  # fewer readings cannot tell a sweep's noise from a c
 BACKGROUND_PROBES = 2
 # pings per peer while the job trains, spread over one step: enough that one of them likely
 # falls between the job's bursts, few enough not to load the agents' event loops
-BACKGROUND_PINGS = 10
+BACKGROUND_PINGS = 5
 
 
 def grid_text(grid: list[list[str]]) -> str:

@@ -11,8 +11,9 @@ import random
 from typing import Any
 
 from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer, Pings
+from coordinator.measure import PING_RATE, LinkMeasurer, Pings
 from coordinator.registry import Registry
+from dtfm.core.limits import MAX_PING_SPREAD_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 LATENCY = coordinator_pb2.MEASURE_KIND_LATENCY
@@ -136,8 +137,9 @@ def test_a_measurement_beside_training_runs_at_most_max_probes_transfers_at_once
     agents, measured = asyncio.run(body())
     assert agents.max_concurrent == 2 and agents.overlaps == []
     assert measured == 8 * 7  # every directed link still measured
-    # the pings as asked: ten, spread over 3 s
-    assert agents.pings == {(10, 3.0)}
+    # the pings as asked, ten, but over 3.85 s where 3 s would send more than PING_RATE a
+    # second: 7 peers x (10 + a warm-up) / 20
+    assert agents.pings == {(10, 11 * 7 / PING_RATE)}
 
 
 def test_every_agent_pings_all_its_peers_in_one_command() -> None:
@@ -145,7 +147,22 @@ def test_every_agent_pings_all_its_peers_in_one_command() -> None:
     latency = [(a, set(peers)) for a, kind, peers in agents.commands if kind == LATENCY]
     assert sorted(a for a, _ in latency) == agents.ids
     assert all(peers == set(agents.ids) - {a} for a, peers in latency)
-    assert agents.pings == {(5, 0.0)}  # before a job: five, a tenth of a second apart
+    # before a job: five each, paced to PING_RATE a second: 5 peers x (5 + a warm-up) / 20
+    assert agents.pings == {(5, 6 * 5 / PING_RATE)}
+
+
+def test_pings_keep_under_the_ping_rate_however_many_peers() -> None:
+    """Pings are the load that made them read high (16 agents on 2 cores): a latency pass
+    spreads each agent's pings so it sends at most PING_RATE a second, whatever was asked."""
+    assert Pings().spread_for(5, 1) == 0.0  # 2 agents: the agents' own spacing keeps under it
+    assert Pings().spread_for(5, 15) == 6 * 15 / PING_RATE  # 16 agents: 4.5 s, not 0.5 s
+    assert Pings(5, 10.0).spread_for(5, 15) == 10.0  # asked for longer: as asked
+    assert Pings(5, 1.0).spread_for(5, 2) == 1.0
+    assert Pings().spread_for(5, 5000) == MAX_PING_SPREAD_S  # never past the agents' bound
+    for count, peers in ((1, 3), (5, 15), (10, 63), (3, 200)):
+        spread = Pings().spread_for(count, peers)
+        rate = (count + 1) * peers / spread if spread else peers * 10.0
+        assert rate <= PING_RATE * 1.0001 or spread == MAX_PING_SPREAD_S
 
 
 def test_a_silent_agent_costs_one_deadline_and_is_not_probed_again() -> None:
@@ -234,16 +251,41 @@ def test_reports_only_for_asked_peers_and_physical_rates() -> None:
 
 
 def test_delays_the_two_ends_contradict_are_dropped() -> None:
-    async def main() -> LinkStore:
+    async def main() -> tuple[FakeAgents, LinkStore]:
         jitter_and_lie = {("a1", "a2"): 400.0, ("a0", "a1"): 30.0}  # the second is jitter
-        _, _, store = await _measure(3, probe_timeout_s=2, delay_of=jitter_and_lie)
-        return store
+        agents, _, store = await _measure(3, probe_timeout_s=2, delay_of=jitter_and_lie)
+        return agents, store
 
-    store = asyncio.run(main())
+    agents, store = asyncio.run(main())
     for pair in (("a1", "a2"), ("a2", "a1")):
         assert not store.entries[pair].reachable
         assert "one round trip" in store.entries[pair].error
     assert store.entries[("a0", "a1")].reachable and store.entries[("a1", "a0")].reachable
+    # the liar was given a second look, the pair alone, both ways, before it was dropped
+    latency = [(a, peers) for a, kind, peers in agents.commands if kind == LATENCY]
+    assert sorted(latency[3:]) == [("a1", ("a2",)), ("a2", ("a1",))]
+
+
+class OnceLoudAgents(FakeAgents):
+    """a1 reads its link to a2 100 ms long in the first latency pass only, as a burst of pings
+    on busy cores makes one end do."""
+
+    async def _answer(self, agent_id: str, cmd: coordinator_pb2.MeasureLinksCommand,
+                      peers: tuple[str, ...]) -> None:
+        passes = sum(1 for a, kind, _ in self.commands if a == "a1" and kind == LATENCY)
+        self.delay_of = {("a1", "a2"): 110.0} if passes == 1 else {}
+        await super()._answer(agent_id, cmd, peers)
+
+
+def test_a_pair_whose_ends_disagree_once_is_pinged_again_and_kept() -> None:
+    """Before a job, a 16-agent world lost 7 agents to pairs whose ends disagreed by 100 ms
+    in one burst of pings: a second, quiet look at those pairs alone keeps them."""
+    agents, matrix, store = asyncio.run(_measure(4, kind=OnceLoudAgents))
+    assert all(e.reachable for e in store.entries.values()), \
+        [e.error for e in store.entries.values() if not e.reachable]
+    assert store.entries[("a1", "a2")].delay_ms == 10.0  # the second look's figure
+    latency = [(a, peers) for a, kind, peers in agents.commands if kind == LATENCY]
+    assert len(latency) == 6 and sorted(latency[4:]) == [("a1", ("a2",)), ("a2", ("a1",))]
 
 
 def test_only_missing_probes_just_a_newcomers_links() -> None:
