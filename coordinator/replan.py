@@ -64,8 +64,9 @@ SWEEP_NOISE_MIN_LINKS = 8  # fewer readings cannot tell a sweep's noise from a c
 # bandwidth probes at once while the job trains: each takes a link's capacity from the training
 # traffic for its probe, so few at a time (bench/drift.py measures what they cost a step)
 BACKGROUND_PROBES = 2
-# pings per peer while the job trains, spread over one step: enough that one of them likely
-# falls between the job's bursts, few enough not to load the agents' event loops
+# pings per peer while the job trains, spread over one step or longer (measure.PING_RATE):
+# enough that one of them likely falls between the job's bursts, few enough not to load the
+# agents' event loops (10 within 2 s read 16 agents' links 51-76 ms long; 5, paced, 2-3 ms)
 BACKGROUND_PINGS = 5
 
 
