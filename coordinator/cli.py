@@ -139,9 +139,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--ping-spread", type=flags.number(float, 0, maximum=MAX_PING_SPREAD_S,
                                                        unit=" seconds"),
                    default=0.0, metavar="SECONDS",
-                   help="with --measure: spread each agent's pings to each peer over this long "
-                   "(default: a tenth of a second apart); for many agents on few cores, whose "
-                   "pings fired together queue in their own event loops")
+                   help="with --measure: spread each agent's pings to each peer over at least "
+                   "this long (default: a tenth of a second apart, or longer where an agent "
+                   "would send more than 20 pings a second); for many agents on few cores, "
+                   "whose pings fired together queue in their own event loops")
     flags.add_common_args(p, config_file=False)
 
     try:
