@@ -16,7 +16,7 @@ Pure functions over delay figures; the measurer drives them.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 CLUSTER_TOL_MS = 8.0  # one-way delays within this (or CLUSTER_TOL_REL) are "alike"
 CLUSTER_TOL_REL = 0.08
@@ -100,3 +100,21 @@ def sampled_links(clusters: Sequence[Sequence[str]]) -> dict[tuple[str, str], tu
 def to_measure(stands_for: dict[tuple[str, str], tuple[str, str]]) -> set[tuple[str, str]]:
     """The links whose bandwidth a sampled measurement probes."""
     return set(stands_for.values())
+
+
+def representatives(links: Iterable[tuple[str, str]], clusters: Sequence[Sequence[str]],
+                    delay: Delay) -> dict[tuple[str, str], tuple[str, str]]:
+    """Which of `links` stands for which, for a re-measurement of just these links: those
+    between the same ordered pair of latency clusters whose delays are alike share one probe
+    (the first of them in sorted order, which stands for itself). A city pair that degrades
+    moves every link between the two cities alike, so bench/drift.py's 8 degraded links need
+    2 probes, not 8: each probe of a degraded link slows the job that is using it."""
+    of = {a: i for i, c in enumerate(clusters) for a in c}
+    reps: list[tuple[str, str]] = []
+    out: dict[tuple[str, str], tuple[str, str]] = {}
+    for a, b in sorted(links):
+        out[a, b] = next((r for r in reps if (of.get(r[0]), of.get(r[1])) == (of.get(a), of.get(b))
+                          and _alike(delay(a, b), delay(*r))), (a, b))
+        if out[a, b] == (a, b):
+            reps.append((a, b))
+    return out

@@ -169,7 +169,9 @@ class LinkMeasurer:
                       probe_seconds: float | None = None,
                       sampled: bool = False,
                       max_probes: int = 0,
-                      pings: Pings = Pings(), latency: bool = True) -> common_pb2.LinkMatrix:
+                      pings: Pings = Pings(), latency: bool = True,
+                      infer: dict[tuple[str, str], tuple[str, str]] | None = None
+                      ) -> common_pb2.LinkMatrix:
         """Measure every directed link between `agents`; returns their matrix.
 
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
@@ -182,13 +184,15 @@ class LinkMeasurer:
         (`coordinator/linkinfer.py`). `max_probes`: at most this many bandwidth probes at
         once (0: as many as the devices allow), for a job's links while it trains.
         `pings`: how many pings per peer, over how long (`Pings`). `latency=False` skips the
-        latency pass (the bandwidth of `bandwidth_links` right after a latency-only pass)."""
+        latency pass (the bandwidth of `bandwidth_links` right after a latency-only pass).
+        `infer`: {link: the probed link whose bandwidth it takes}, recorded as inferred
+        (a re-measurement probing representatives, `linkinfer.representatives`)."""
         async with self._lock:
             self.running = True
             try:
                 return await self._measure(agents, only_missing, bandwidth_links,
                                            probe_seconds or self.probe_seconds, sampled,
-                                           max_probes, pings, latency)
+                                           max_probes, pings, latency, infer or {})
             finally:
                 self.running = False
 
@@ -201,7 +205,8 @@ class LinkMeasurer:
     async def _measure(self, agents: list[AgentRecord], only_missing: bool,
                        bandwidth_links: set[tuple[str, str]] | None,
                        probe_seconds: float, sampled: bool = False,
-                       max_probes: int = 0, pings: Pings = Pings(), latency: bool = True
+                       max_probes: int = 0, pings: Pings = Pings(), latency: bool = True,
+                       infer: dict[tuple[str, str], tuple[str, str]] | None = None
                        ) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
@@ -222,7 +227,7 @@ class LinkMeasurer:
             await self._check_reverse_delays(run, ids, by_id, silent, probe_seconds, pings)
         else:  # while a job trains, its traffic makes pings disagree: no pair is dropped
             wanted &= bandwidth_links
-        stands_for: dict[tuple[str, str], tuple[str, str]] = {}
+        stands_for = dict(infer or {})
         if sampled:
             clusters = latency_clusters(ids, self._delay)
             stands_for = sampled_links(clusters)

@@ -8,9 +8,11 @@ and every member passed a fresh checkpoint (`move_reason`).
 On a verdict it starts one background evaluation while the job trains on:
 
 1. re-measure only what can explain the gap: a latency sweep of every member pair (pings are
-   a few hundred bytes) and the bandwidth of the plan's links that touch the suspects, with
-   short probes (`--remeasure-probe-seconds`), through the job's `LinkMeasurer` into the
-   link store (with `--links FILE` the file is read again instead: whoever refreshes it);
+   a few hundred bytes, paced) and the bandwidth of the links whose delay moved (one probe
+   for each group that moved alike between the same two places, the rest inferred from it)
+   or, where none moved, of the plan's links that touch the suspects, with short probes
+   (`--remeasure-probe-seconds`), through the job's `LinkMeasurer` into the link store (with
+   `--links FILE` the file is read again instead: whoever refreshes it);
 2. search and polish again on the updated matrix (the job's own `_place`), with a slowed
    device's FLOP/s scaled by its measured compute and the uneven-split planner given a go;
 3. weigh the predicted step saved over the remaining steps against the cost of moving: the
@@ -39,6 +41,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from coordinator.drift import Drift, DriftWatch, Sample
+from coordinator.linkinfer import latency_clusters, representatives, to_measure
 from coordinator.linkstore import matrix_arrays
 from coordinator.measure import Pings
 from coordinator.scheduler import Network
@@ -176,6 +179,21 @@ def links_to_probe(grid: list[list[int]], ids: list[str], delay_moved: np.ndarra
     if not pairs:
         pairs = {(a, b) for a, b in plan_links(grid) if ids[a] in suspects or ids[b] in suspects}
     return {(ids[a], ids[b]) for a, b in pairs}
+
+
+def probe_representatives(links: set[tuple[str, str]], ids: list[str], net: Network
+                          ) -> dict[tuple[str, str], tuple[str, str]]:
+    """Which of the links whose delay moved stand for which (`linkinfer.representatives`,
+    over latency clusters of the sweep's settled delays): links that moved alike between the
+    same two places share one probe. Only where delays moved: a link that lost rate and kept
+    its delay looks like its neighbours, so the suspects' plan links are each probed."""
+    at = {a: i for i, a in enumerate(ids)}
+
+    def delay(a: str, b: str) -> float | None:
+        value = float(net.delay_ms[at[a], at[b]])
+        return value if np.isfinite(value) else None
+
+    return representatives(links, latency_clusters(ids, delay), delay)
 
 
 def copy_seconds(old_grid: list[list[int]], new_grid: list[list[int]], stage_bytes: list[int],
@@ -483,13 +501,18 @@ class Replanner:
             sweep = settle_remeasured(model.net, *matrix_arrays(swept), self.cfg.threshold)
             delay_moved = sweep.delay_moved
             links = links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids))
-            log.info("job %s: re-measuring the bandwidth of %d links (%s; the sweep's noise "
-                     "floor %.1f ms)", job.job_id, len(links), "their delays moved"
+            stands_for = probe_representatives(links, ids, sweep.net) if delay_moved.any() \
+                else {link: link for link in links}
+            probed = to_measure(stands_for)
+            log.info("job %s: re-measuring the bandwidth of %d links, %d of them probed (%s; "
+                     "the sweep's noise floor %.1f ms)", job.job_id, len(links), len(probed),
+                     "their delays moved, one probe for each alike group"
                      if delay_moved.any() else "no delay moved: the suspects' plan links",
                      sweep.noise_ms)
-            matrix = await job.measurer.measure(records, bandwidth_links=links, latency=False,
+            matrix = await job.measurer.measure(records, bandwidth_links=probed,
+                                                latency=False,
                                                 probe_seconds=self.cfg.probe_seconds,
-                                                max_probes=BACKGROUND_PROBES)
+                                                max_probes=BACKGROUND_PROBES, infer=stands_for)
             return settle_remeasured(model.net, *matrix_arrays(matrix), self.cfg.threshold).net
         else:
             return model.net

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
-from tests.coordinator.test_measure_rounds import BANDWIDTH, _measure
+from coordinator.linkinfer import latency_clusters, representatives, sampled_links, to_measure
+from coordinator.linkstore import LinkStore
+from coordinator.measure import LinkMeasurer
+from tests.coordinator.test_measure_rounds import BANDWIDTH, FakeAgents, _joined, _measure
 
 # three places: a0-a2 in one, a3-a5 in another, a6-a7 in a third (one-way ms between places)
 PLACE = {f"a{i}": p for i, p in enumerate([0, 0, 0, 1, 1, 1, 2, 2])}
@@ -75,3 +77,50 @@ def test_places_a_few_ms_apart_stay_apart() -> None:
         return one_way(a, b) + (15.0 if PLACE[a] == 1 or PLACE[b] == 1 else 0.0)
     clusters = latency_clusters(list(PLACE), delay)
     assert ["a0", "a1", "a2"] in clusters and ["a3", "a4", "a5"] in clusters
+
+
+def test_links_that_moved_alike_between_two_places_share_one_probe() -> None:
+    """A re-measurement probes one link for each group that moved alike between the same two
+    places; a link between them that moved otherwise, or between other places, gets its own."""
+    def delay(a: str, b: str) -> float:  # places 0 and 1 degraded: +100 ms, a2 -> a3 +300 ms
+        extra = 100.0 if {PLACE[a], PLACE[b]} == {0, 1} else 0.0
+        return one_way(a, b) + extra + (200.0 if (a, b) == ("a2", "a3") else 0.0)
+    clusters = latency_clusters(list(PLACE), one_way)  # the places, as before the change
+    moved = {(a, b) for a in PLACE for b in PLACE if {PLACE[a], PLACE[b]} == {0, 1}}
+    moved.add(("a6", "a0"))
+    stands_for = representatives(moved, clusters, delay)
+    assert set(stands_for) == moved
+    probed = to_measure(stands_for)
+    assert probed == {("a0", "a3"), ("a2", "a3"), ("a3", "a0"), ("a6", "a0")}
+    for (a, b), (c, d) in stands_for.items():
+        assert (PLACE[a], PLACE[b]) == (PLACE[c], PLACE[d])
+        assert abs(delay(a, b) - delay(c, d)) < 10.0
+        assert stands_for[c, d] == (c, d)  # a probed link stands for itself
+
+
+def test_a_re_measurement_probes_representatives_and_marks_the_rest_inferred() -> None:
+    async def body() -> tuple[FakeAgents, LinkStore]:
+        registry, ids = _joined(4)
+        store = LinkStore()
+        measurer = LinkMeasurer(registry, store, probe_timeout_s=0.5)
+        agents = FakeAgents(registry, ids)
+        agents.measurer = measurer
+        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+        stands_for = {("a0", "a2"): ("a0", "a2"), ("a1", "a2"): ("a0", "a2"),
+                      ("a1", "a3"): ("a0", "a2"), ("a3", "a0"): ("a3", "a0")}
+        try:
+            await asyncio.wait_for(measurer.measure(
+                registry.alive(), bandwidth_links=to_measure(stands_for), max_probes=2,
+                infer=stands_for), 30)
+        finally:
+            for task in servers:
+                task.cancel()
+        return agents, store
+
+    agents, store = asyncio.run(body())
+    probed = {(a, peers[0]) for a, kind, peers in agents.commands if kind == BANDWIDTH}
+    assert probed == {("a0", "a2"), ("a3", "a0")}
+    for link in (("a1", "a2"), ("a1", "a3")):
+        assert store.entries[link].estimate == "inferred from a0->a2 (same latency clusters)"
+        assert store.entries[link].bandwidth_gbps == 1.0
+    assert store.entries["a0", "a2"].estimate == ""
