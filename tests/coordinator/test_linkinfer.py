@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.linkinfer import latency_clusters, representatives, sampled_links, to_measure
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
-from tests.coordinator.test_measure_rounds import BANDWIDTH, FakeAgents, _joined, _measure
+from tests.coordinator.test_measure_rounds import BANDWIDTH, _measure
 
 # three places: a0-a2 in one, a3-a5 in another, a6-a7 in a third (one-way ms between places)
 PLACE = {f"a{i}": p for i, p in enumerate([0, 0, 0, 1, 1, 1, 2, 2])}
@@ -99,25 +97,10 @@ def test_links_that_moved_alike_between_two_places_share_one_probe() -> None:
 
 
 def test_a_re_measurement_probes_representatives_and_marks_the_rest_inferred() -> None:
-    async def body() -> tuple[FakeAgents, LinkStore]:
-        registry, ids = _joined(4)
-        store = LinkStore()
-        measurer = LinkMeasurer(registry, store, probe_timeout_s=0.5)
-        agents = FakeAgents(registry, ids)
-        agents.measurer = measurer
-        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
-        stands_for = {("a0", "a2"): ("a0", "a2"), ("a1", "a2"): ("a0", "a2"),
-                      ("a1", "a3"): ("a0", "a2"), ("a3", "a0"): ("a3", "a0")}
-        try:
-            await asyncio.wait_for(measurer.measure(
-                registry.alive(), bandwidth_links=to_measure(stands_for), max_probes=2,
-                infer=stands_for), 30)
-        finally:
-            for task in servers:
-                task.cancel()
-        return agents, store
-
-    agents, store = asyncio.run(body())
+    stands_for = {("a0", "a2"): ("a0", "a2"), ("a1", "a2"): ("a0", "a2"),
+                  ("a1", "a3"): ("a0", "a2"), ("a3", "a0"): ("a3", "a0")}
+    agents, _, store = asyncio.run(_measure(4, bandwidth_links=to_measure(stands_for),
+                                            max_probes=2, infer=stands_for))
     probed = {(a, peers[0]) for a, kind, peers in agents.commands if kind == BANDWIDTH}
     assert probed == {("a0", "a2"), ("a3", "a0")}
     for link in (("a1", "a2"), ("a1", "a3")):

@@ -86,7 +86,7 @@ def _joined(n: int) -> tuple[Registry, list[str]]:
 async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
                    kind: type[FakeAgents] = FakeAgents, probe_timeout_s: float = 0.5,
                    delay_of: dict[tuple[str, str], float] | None = None,
-                   sampled: bool = False,
+                   sampled: bool = False, **measure_args: Any,
                    ) -> tuple[FakeAgents, common_pb2.LinkMatrix, LinkStore]:
     registry, ids = _joined(n)
     store = LinkStore()
@@ -96,7 +96,8 @@ async def _measure(n: int, silent: frozenset[str] = frozenset(), seed: int = 0,
     agents.delay_of = delay_of or {}
     servers = [asyncio.create_task(agents.serve(i)) for i in ids]
     try:
-        matrix = await asyncio.wait_for(measurer.measure(registry.alive(), sampled=sampled), 30)
+        matrix = await asyncio.wait_for(measurer.measure(registry.alive(), sampled=sampled,
+                                                         **measure_args), 30)
     finally:
         for task in servers:
             task.cancel()
@@ -191,22 +192,8 @@ class SpreadingAgents(FakeAgents):
 def test_a_latency_pass_waits_out_its_pings_spread_before_its_deadline() -> None:
     """Pings spread over 1 s report after it: the 0.5 s deadline counts from then, so no
     agent that did its pings as asked is taken for silent."""
-    async def body() -> tuple[SpreadingAgents, LinkStore]:
-        registry, ids = _joined(4)
-        store = LinkStore()
-        measurer = LinkMeasurer(registry, store, probe_timeout_s=0.5)
-        agents = SpreadingAgents(registry, ids)
-        agents.measurer = measurer
-        servers = [asyncio.create_task(agents.serve(i)) for i in ids]
-        try:
-            await asyncio.wait_for(measurer.measure(registry.alive(), pings=Pings(spread_s=1.0)),
-                                   30)
-        finally:
-            for task in servers:
-                task.cancel()
-        return agents, store
-
-    agents, store = asyncio.run(body())
+    agents, _, store = asyncio.run(_measure(4, kind=SpreadingAgents,
+                                            pings=Pings(spread_s=1.0)))
     assert agents.pings == {(5, 1.0)}  # the measurer's count, spread as asked
     assert len(store.entries) == 12 and all(e.reachable for e in store.entries.values()), \
         [e.error for e in store.entries.values() if not e.reachable]
