@@ -57,10 +57,6 @@ RAMP_FACTOR = 4.0
 MIN_INFLIGHT = 256 * 1024
 INFLIGHT_FACTOR = 1.5  # in flight: this many times the rate over a round trip and a tick
 PING_TIMEOUT_S = 5.0
-# Pings to one peer start this far apart, each at a random point of its slot: every agent pings
-# every peer at once, and pings fired together queue in the agents' event loops (on 2 cores, 8
-# agents pinging 7 peers every 10 ms read 11 ms links 1.7 ms long).
-PING_SPACING_S = 0.1
 
 
 async def measure_peer(
@@ -81,7 +77,7 @@ async def measure_peer(
     HTTP/2 handshakes, which cost round trips on long links. A bandwidth-only probe given
     `rtt_hint_s` (the round trip from the latency pass) starts streaming at once instead of
     spending two round trips on pings. `ping_spread_s` > 0 spreads the pings over that long
-    (one per slot, at a random point of it) instead of PING_SPACING_S apart.
+    (one per slot, at a random point of it) instead of `limits.PING_SPACING_S` apart.
     """
     peer_id, address = peer.agent_id, peer.address
     sample = common_pb2.LinkSample(peer_id=peer_id, measured_unix_s=time.time())
@@ -94,7 +90,7 @@ async def measure_peer(
             count = max(1, ping_count) if latency else 1
             # capped: a spread of hours (or NaN) from a bad command must not hold the pass
             spread_s = min(ping_spread_s, limits.MAX_PING_SPREAD_S) if ping_spread_s > 0 else 0.0
-            slot_s = spread_s / count if spread_s > 0 else PING_SPACING_S
+            slot_s = spread_s / count if spread_s > 0 else limits.PING_SPACING_S
             rtts = await asyncio.gather(*(
                 _ping(stub, my_id, nonce, delay_s=slot_s * (nonce - 1 + random.random()))
                 for nonce in range(1, count + 1)))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
 from coordinator.linkstore import LinkStore, rotation_rounds
 from coordinator.registry import AgentRecord, Registry
-from dtfm.core.limits import MAX_PING_SPREAD_S
+from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ REVERSE_DELAY_SLACK = (3.0, 50.0)
 # (a tenth of a second apart, all peers at once) sent 150 a second and had the two ends of 7
 # pairs contradict each other by 100 ms before a 16-agent job, which then left 7 agents out.
 PING_RATE = 20.0
-DEFAULT_PING_SPACING_S = 0.1  # the agents' spacing where a command gives no spread
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class Pings:
         """The spread to command for `count` pings to each of `peers` (0: the agent's default
         spacing, where that keeps under PING_RATE); at most MAX_PING_SPREAD_S."""
         paced = (count + 1) * peers / PING_RATE
-        if self.spread_s <= 0 and paced <= count * DEFAULT_PING_SPACING_S:
+        if self.spread_s <= 0 and paced <= count * PING_SPACING_S:
             return 0.0
         return min(MAX_PING_SPREAD_S, max(self.spread_s, paced))
 
