@@ -191,7 +191,7 @@ class LinkMeasurer:
             try:
                 return await self._measure(agents, only_missing, bandwidth_links,
                                            probe_seconds or self.probe_seconds, sampled,
-                                           max_probes, pings, latency, infer or {})
+                                           max_probes, pings, latency, infer)
             finally:
                 self.running = False
 
