@@ -494,7 +494,8 @@ class Job:
             self._trained_splits = list(found["splits"])  # the first epoch: nothing re-cut
         resplit = self._trained_splits if self._trained_splits != self._epoch_splits else None
         by_rank = layout.devices_by_rank(found["grid"])
-        records = [members[int(d)] for d in by_rank]
+        ranked = [int(d) for d in by_rank]
+        records = [members[d] for d in ranked]
         self._model = _Prediction(net=net, grid=found["grid"], work=work,
                                   splits=found["splits"], agents=ids, flops=flops)
         predicted = self._model.predict({})
@@ -520,6 +521,7 @@ class Job:
             members=[(r.info.host, r.info.port) for r in records],
             checkpoint_splits=resplit, dp_shares=found["dp_shares"],
             init_hash=cfg.init_hash,
+            member_gbps=net.bandwidth_gbps[np.ix_(ranked, ranked)].tolist(),
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()

@@ -6,6 +6,7 @@ call this, so a worker cannot tell who launched it and both paths are tested by 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ def member_address(host: str, port: int) -> str:
 class CheckpointRoutes:
     """Where one rank's agent gets checkpoints it lacks, and which stages it mirrors."""
 
-    peers: tuple[str, ...]  # every other member: ask them for this rank's stage
+    peers: tuple[str, ...]  # every other member, the best link first: ask them for its stage
     mirrors: tuple[tuple[int, str], ...]  # (stage, member holding it) to keep a copy of
 
 
@@ -39,22 +40,37 @@ def mirror_stages(layout: Layout) -> dict[int, int]:
     return {stage: (stage + 1) % layout.stages for stage in range(layout.stages)}
 
 
-def checkpoint_routes(layout: Layout, members: Sequence[str]) -> list[CheckpointRoutes]:
+def checkpoint_routes(layout: Layout, members: Sequence[str],
+                      gbps: Sequence[Sequence[float]] | None = None) -> list[CheckpointRoutes]:
     """Per rank (rank order), where its checkpoints come from and which stages it mirrors.
 
     `members[rank]` is the HOST:PORT of the agent running `rank`. Without shared storage a
     stage's checkpoint lives on the agents that ran it; to survive the loss of one, every
     stage must be held by two (`mirror_stages`: who copies a one-replica stage). Every rank's
     peers are all other members, so an agent that takes over a stage it never held can find
-    whoever holds it.
+    whoever holds it. An agent fetches from the first peer on its list that holds the step,
+    so with `gbps[i][j]` (measured Gbit/s from rank i's agent to rank j's, NaN unknown) each
+    list starts with the best link into that rank: a re-plan that moves a stage away from a
+    degraded link would otherwise fetch its checkpoint over that very link, as the move's
+    priced cost (`coordinator.replan.copy_seconds`) assumes it does not.
     """
     if len(members) != layout.world_size:
         raise ValueError(f"{len(members)} member addresses for {layout.world_size} ranks")
+    if gbps is not None and (len(gbps) != layout.world_size
+                             or any(len(row) != layout.world_size for row in gbps)):
+        raise ValueError(f"link bandwidths must be {layout.world_size} x {layout.world_size}, "
+                         f"one row and column per rank")
     mirrors: dict[int, list[tuple[int, str]]] = {r: [] for r in range(layout.world_size)}
     for stage, by in mirror_stages(layout).items():
         mirrors[layout.rank(by, 0)].append((stage, members[layout.rank(stage, 0)]))
-    return [CheckpointRoutes(tuple(m for m in members if m != members[rank]),
-                             tuple(mirrors[rank]))
+
+    def peers(rank: int) -> tuple[str, ...]:
+        order = [i for i in range(layout.world_size) if members[i] != members[rank]]
+        if gbps is not None:  # unknown (NaN) last; equal links keep rank order
+            order.sort(key=lambda i: -g if (g := float(gbps[i][rank])) == g else math.inf)
+        return tuple(members[i] for i in order)
+
+    return [CheckpointRoutes(peers(rank), tuple(mirrors[rank]))
             for rank in range(layout.world_size)]
 
 
@@ -75,6 +91,7 @@ def build_assignments(
     checkpoint_splits: Sequence[int] | None = None,
     dp_shares: Sequence[Sequence[float]] | None = None,
     init_hash: str = "",
+    member_gbps: Sequence[Sequence[float]] | None = None,
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
@@ -84,7 +101,9 @@ def build_assignments(
     it every link uses the training config's setting, `auto` read as none.
     `members[rank]`: (host, port) of the agent running rank, for the checkpoint peers and
     mirrors of each rank (`checkpoint_routes`); none are set without it, with a shared
-    `checkpoint_dir` (every rank reads that) or with checkpoints off.
+    `checkpoint_dir` (every rank reads that) or with checkpoints off. `member_gbps[i][j]`:
+    the measured bandwidth from rank i's agent to rank j's (NaN unknown), so that each rank
+    asks its best-connected peers first.
     `checkpoint_splits`: layers per stage of the split the job's checkpoints hold, when the
     job re-planned on another stage count; set on every rank only when it differs from this
     layout's split (each worker then reads its layers from the old stages that held them).
@@ -114,7 +133,8 @@ def build_assignments(
         dp_shares = [check_shares(row, layout.replicas) for row in dp_shares]
     routes = None
     if members is not None and not train.checkpoint_dir and train.checkpoint_every:
-        routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members])
+        routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members],
+                                   member_gbps)
     out = []
     for rank in range(layout.world_size):
         stage, replica = layout.coords(rank)

@@ -139,6 +139,28 @@ def test_a_stage_is_listed_and_fetched_whole(tmp_path: Path) -> None:
                                    "step-00000004.manifest.json", "step-00000004.pt"]
 
 
+def test_the_newest_step_comes_first_and_both_from_the_first_holder_listed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The coordinator lists the best link into the agent first: both steps come from that
+    holder, the newest first (the one the worker resumes from, should the budget run out)."""
+    best, second, taker = tmp_path / "best", tmp_path / "second", tmp_path / "taker"
+    for root in (best, second):
+        for step in (2, 4):
+            write_step(root, 0, step, payload(step))
+
+    async def main() -> tuple[str, str]:
+        async with serving(best) as first, serving(second) as other:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([first, other]))
+            return first, other
+
+    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+        first, other = asyncio.run(main())
+    assert steps_held(taker, 0) == [2, 4]
+    newest = caplog.text.index(f"copied stage 0 step 4 of job {JOB} from {first}")
+    assert newest < caplog.text.index(f"copied stage 0 step 2 of job {JOB} from {first}")
+    assert other not in caplog.text
+
+
 def test_an_agent_that_holds_the_newest_step_fetches_nothing(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     holder, taker = tmp_path / "holder", tmp_path / "taker"

@@ -38,6 +38,26 @@ def test_replicated_stages_need_no_mirror_and_everyone_is_a_peer() -> None:
         assert set(r.peers) == set(_names(layout)) - {_names(layout)[rank]}
 
 
+def test_each_rank_asks_its_best_connected_peers_first() -> None:
+    """With measured links, a rank's peers start with the fastest link into it (unknown last,
+    ties in rank order): an agent fetches from the first holder on its list."""
+    layout = Layout(2, 2)
+    names = _names(layout)
+    nan = float("nan")
+    gbps = [[0.0, 0.1, 0.5, 0.5],   # from rank 0
+            [2.0, 0.0, nan, 0.5],   # from rank 1
+            [0.2, 0.3, 0.0, 0.9],   # from rank 2
+            [0.2, 0.3, 0.1, 0.0]]   # from rank 3
+    routes = checkpoint_routes(layout, names, gbps)
+    assert routes[0].peers == tuple(names[i] for i in (1, 2, 3))
+    assert routes[1].peers == tuple(names[i] for i in (2, 3, 0))
+    assert routes[2].peers == tuple(names[i] for i in (0, 3, 1))
+    assert routes[3].peers == tuple(names[i] for i in (2, 0, 1))
+    assert checkpoint_routes(layout, names, [[1.0] * 4] * 4) == checkpoint_routes(layout, names)
+    with pytest.raises(ValueError, match="must be 4 x 4"):
+        checkpoint_routes(layout, names, gbps[:3])
+
+
 def test_one_agent_alone_has_no_one_to_copy_to() -> None:
     (only,) = checkpoint_routes(Layout(1, 1), ["a:1"])
     assert only.peers == () and only.mirrors == ()
