@@ -120,6 +120,9 @@ class CoordinatorSession:
             self._spawn(self.supervisor.start(a))
         elif kind == "stop":
             self._spawn(self.supervisor.stop(command.stop.reason or "coordinator said stop"))
+        elif kind == "checkpoint":
+            c = command.checkpoint
+            self.supervisor.request_checkpoint(c.job_id, c.epoch, c.step, c.reason)
         else:
             log.warning("ignoring unknown command %r (newer coordinator?)", kind)
 
@@ -194,6 +197,7 @@ class CoordinatorSession:
             agent_secret=self.secret,
             mirrored_steps=copier.mirrored if (copier := self.supervisor.checkpoints) else {},
             resumed_step=p.resumed_step if p.resumed_step >= 0 else None,
+            checkpoint_step=p.checkpoint_step,
             sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
         )

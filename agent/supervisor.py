@@ -31,6 +31,7 @@ from pathlib import Path
 from agent.checkpoints import CheckpointCopier
 from agent.statedir import checkpoint_dir, private_dir
 from dtfm.core.events import ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
+from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
 from protos.dtfm.v1 import common_pb2
@@ -57,6 +58,7 @@ class WorkerProgress:
     dp_bytes_sent: int = 0
     startup_s: float = 0.0  # from the assignment to its first step event (0: none yet)
     resumed_step: int = -1  # the step the worker resumed after (-1: not known yet)
+    checkpoint_step: int = 0  # the newest step the worker has checkpointed (0: none yet)
     sync_every: int = 1  # local steps: H, the round of the last step, the last sync's drift
     sync_round: int = 0
     drift: float = 0.0
@@ -72,6 +74,7 @@ class WorkerProgress:
             self.tokens_per_s = event.tokens_per_s
             if event.resumed_step >= 0:
                 self.resumed_step = event.resumed_step
+            self.checkpoint_step = max(self.checkpoint_step, event.checkpoint_step)
             self.pp_bytes_sent += event.pp_bytes
             self.dp_bytes_sent += event.dp_bytes
             self.sync_every, self.sync_round = event.sync_every, event.sync_round
@@ -261,6 +264,25 @@ class Supervisor:
                          marks.rank, marks.job_id, self.progress.startup_s)
             log.info("%s", marks.line())
         self.restock()
+
+    def request_checkpoint(self, job_id: str, epoch: int, step: int, reason: str) -> bool:
+        """Pass the coordinator's ask for a checkpoint after `step` to the running worker of
+        that job's epoch (`dtfm.core.requests`); False, logged, when this agent runs no such
+        worker or it has already trained that step (then the regular checkpoint serves)."""
+        worker, p = self._worker, self.progress
+        if worker is None or worker.poll() is not None or (p.job_id, p.epoch) != (job_id,
+                                                                                  epoch):
+            log.info("not asking for a checkpoint after step %d of job %s epoch %d: no worker "
+                     "of it runs here", step, job_id, epoch)
+            return False
+        if p.step >= step:
+            log.info("not asking for a checkpoint after step %d of job %s: the worker has "
+                     "trained step %d already", step, job_id, p.step)
+            return False
+        ask_checkpoint(worker.files.requests, step)
+        log.info("asked the worker for a checkpoint after step %d of job %s: %s", step, job_id,
+                 reason)
+        return True
 
     async def stop(self, reason: str) -> None:
         if self.checkpoints is not None:

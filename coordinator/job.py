@@ -882,6 +882,8 @@ class Job:
             return False
         # a worker reports step s before it has written s's checkpoint; s + 1 proves it
         passed = newest_checkpoint(min(steps) - 1, every, self._sync_every or 1)
+        # and a requested one (the re-plan's, `dtfm.core.requests`) once every member wrote it
+        passed = max(passed, min(self._progress[a].checkpoint_step for a in self.members))
         done = all(WorkerState.from_wire(self._progress[a].worker_state) is WorkerState.DONE
                    for a in self.members)
         if done:

@@ -21,8 +21,11 @@ On a verdict it starts one background evaluation while the job trains on:
 4. move when the gain exceeds `--replan-margin` times the cost: at the next checkpoint the job
    stops its members through its planned-recovery path (as a grow-back does) and the next
    epoch takes the new grid, resuming from that checkpoint, so no step is lost beyond it and
-   the losses are those of an undisturbed run. Either way the watch accepts the drifted
-   figures as the new normal (hysteresis: a flapping link does not make flapping plans).
+   the losses are those of an undisturbed run. That checkpoint is asked for a few steps
+   ahead (`CheckpointCommand`, `dtfm.core.requests`) rather than waited for at the degraded
+   speed, up to `--checkpoint-every` steps; if some member did not write it, the regular one
+   serves. Either way the watch accepts the drifted figures as the new normal (hysteresis:
+   a flapping link does not make flapping plans).
 
 Every evaluation becomes a `Replan` record (status, history, `coordinator report`, metrics):
 the links and devices that changed (old and new figures), the predicted gain, the cost, the
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,6 +52,7 @@ from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, tasklet_seconds
 from coordinator.scheduler.memory import FP32, param_state_bytes
 from dtfm.core.layout import layer_ranges
+from dtfm.core.rounds import requested_checkpoint
 from protos.dtfm.v1 import coordinator_pb2
 
 if TYPE_CHECKING:
@@ -57,6 +62,9 @@ log = logging.getLogger(__name__)
 
 SPARES_TRIED = 2  # spares weighed in place of the member whose links degraded most
 RESTART_OVERHEAD_S = 5.0  # stopping the members and planning, on top of a start-up's stall
+# How far ahead (seconds) a requested checkpoint lies: the newest report may be a heartbeat
+# (1 s) old, and the command must reach every agent before its worker ends that step
+REQUEST_LEAD_S = 2.0
 LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) did not change
 # a sweep taken while the job trains reads many links high by a similar amount; a delay moved
 # only past that sweep's own noise: twice the shift that 3 in 4 of its links stay under ...
@@ -414,6 +422,28 @@ class Replanner:
             self._planned = ([[ids[d] for d in row] for row in grid], list(splits))
             rec.grid_after = grid_text(self._planned[0])
             self._pending = rec
+            self._ask_checkpoint(rec, drift.measured_s)
+
+    def _ask_checkpoint(self, rec: coordinator_pb2.Replan, step_s: float) -> None:
+        """Ask every member for a checkpoint a few steps ahead, so the move need not wait for
+        the next regular one (up to `--checkpoint-every` steps at the drifted speed). Far
+        enough ahead that the ask reaches every worker before it ends that step (a report up
+        to a heartbeat old, the command's way); a worker that hears too late writes nothing
+        extra, and the move waits for the regular checkpoint as before."""
+        job, train = self.job, self.job.config.train
+        lead = 1 + math.ceil(REQUEST_LEAD_S / max(step_s, 1e-3))
+        step = requested_checkpoint(job.checkpoint_step, job._last_step(), lead,
+                                    train.checkpoint_every, job._sync_every or 1, train.steps)
+        if not step:
+            return
+        why = f"re-planning: {rec.why}"
+        for agent_id in job.members:
+            job.registry.send(agent_id, coordinator_pb2.Command(
+                checkpoint=coordinator_pb2.CheckpointCommand(
+                    job_id=job.job_id, epoch=job.epoch, step=step, reason=why)))
+        rec.why += f"; asked the members for a checkpoint after step {step}"
+        log.info("job %s: asked every member for a checkpoint after step %d, to move there",
+                 job.job_id, step)
 
     async def _with_spares(self, rec: coordinator_pb2.Replan, model: _Prediction,
                            compute: dict[str, float], flops: list[float]

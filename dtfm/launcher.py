@@ -51,16 +51,18 @@ SPARE_LOG = "spare.log"  # a spare's output until it takes an assignment (then t
 
 @dataclass(frozen=True)
 class WorkerFiles:
-    """Where one worker's assignment, progress and log live: `<dir>/<stem>.<kind>`."""
+    """Where one worker's assignment, progress, log and the agent's requests to it
+    (`dtfm.core.requests`) live: `<dir>/<stem>.<kind>`."""
 
     assignment: Path
     progress: Path
     log: Path
+    requests: Path
 
     @classmethod
     def in_dir(cls, workdir: Path, stem: str) -> WorkerFiles:
         return cls(workdir / f"{stem}.assignment.pb", workdir / f"{stem}.progress.jsonl",
-                   workdir / f"{stem}.log")
+                   workdir / f"{stem}.log", workdir / f"{stem}.requests")
 
 
 def worker_env(*, threads: int = 0, timeout_s: float | None = None, bind_interface: str = "",
@@ -95,7 +97,8 @@ def worker_flags(files: WorkerFiles, *, assigned_at: float | None = None,
     worker's start-up timing; `log` asks the worker to move its own stdout and stderr to
     `files.log` (a spare's output was redirected elsewhere when it started).
     """
-    flags = ["--assignment", str(files.assignment), "--progress", str(files.progress)]
+    flags = ["--assignment", str(files.assignment), "--progress", str(files.progress),
+             "--requests", str(files.requests)]
     if log:
         flags += ["--log", str(files.log)]
     if assigned_at is not None:
@@ -111,10 +114,11 @@ def worker_argv(files: WorkerFiles, python: str = sys.executable, *,
 
 def _write_files(assignment: common_pb2.Assignment, files: WorkerFiles) -> None:
     """Write the assignment; remove an old progress file of the same name (the worker
-    appends, and a reader starts at offset 0). The log is appended to, so an earlier run's
-    log survives."""
+    appends, and a reader starts at offset 0) and old requests (meant for another run). The
+    log is appended to, so an earlier run's log survives."""
     write_private(files.assignment, assignment.SerializeToString())
     files.progress.unlink(missing_ok=True)
+    files.requests.unlink(missing_ok=True)
 
 
 def launch(assignment: common_pb2.Assignment, files: WorkerFiles, env: Mapping[str, str],

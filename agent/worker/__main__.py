@@ -167,6 +167,9 @@ def make_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--assignment", help="binary dtfm.v1.Assignment file")
     parser.add_argument("--progress", default=None, help="JSON-lines progress file (stdout)")
+    parser.add_argument("--requests", default=None,
+                        help="file the agent writes requests into while the worker trains "
+                             "(dtfm.core.requests: a step to checkpoint after)")
     parser.add_argument("--log", default=None,
                         help="append stdout and stderr to this file from now on")
     parser.add_argument("--assigned-at", type=float, default=None,
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     log_startup(args, warm_at, handed_at)
     try:
-        run_assignment(a, args.progress)
+        run_assignment(a, args.progress, args.requests)
     except Exception:
         log.exception("worker rank %d failed", a.rank)
         return 1

@@ -43,6 +43,7 @@ from dtfm.core.events import (
 )
 from dtfm.core.hfdir import model_tokenizer_hash
 from dtfm.core.layout import Layout, layer_ranges
+from dtfm.core.requests import CheckpointRequests
 from dtfm.core.rounds import round_of
 from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
@@ -150,8 +151,12 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 class Worker:
     """One rank of a training job."""
 
-    def __init__(self, a: common_pb2.Assignment, progress: Progress) -> None:
+    def __init__(self, a: common_pb2.Assignment, progress: Progress,
+                 requests: CheckpointRequests | None = None) -> None:
         self.a, self.progress = a, progress
+        # extra checkpoints the agent asks for while this worker trains (dtfm.core.requests)
+        self.requests = requests or CheckpointRequests(None)
+        self._checkpointed = 0  # the newest step this run checkpointed, for step events
         self.spec = ModelSpec.from_proto(a.model)
         self.cfg = TrainConfig.from_proto(a.train)
         self.cfg.validate(a.replicas)
@@ -251,7 +256,9 @@ class Worker:
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
-            wanted |= bool(self.ckpt and self.ckpt.due(step, cfg.steps))
+            # a requested step counts only if heard of by its end: every rank then agrees
+            asked = step == self.requests.step()
+            wanted |= bool(self.ckpt and (self.ckpt.due(step, cfg.steps) or asked))
             if self.ckpt and wanted and (self.outer is None or self.outer.due(step, cfg.steps)):
                 wanted = False
                 if self.outer is not None:  # one inner state for the checkpoint (outer.py)
@@ -264,6 +271,7 @@ class Worker:
                     self._save(step, opt, sampler)
                     saved_s = time.perf_counter() - t0
                 self.deadline.checkpoint(saved_s)
+                self._checkpointed = step
         if cfg.steps == 0 and self.ckpt and self.ckpt.writes(a.replica):
             self._save(0, opt, sampler)  # --steps 0: the initial (imported) weights, to export
         val = self._evaluate(pipe, val_tokens)
@@ -381,7 +389,8 @@ class Worker:
             recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
             stored_peak=times.peak_stored, pp_bytes=times.sent_bytes,
             dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s,
-            resumed_step=self._resumed, sync_every=cfg.sync_every, **outer,
+            resumed_step=self._resumed, sync_every=cfg.sync_every,
+            checkpoint_step=self._checkpointed, **outer,
         ))
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:
@@ -516,7 +525,8 @@ def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
                          f"architecture, or a model with more layers than its config.json says)")
 
 
-def run_assignment(a: common_pb2.Assignment, progress_path: str | None) -> None:
+def run_assignment(a: common_pb2.Assignment, progress_path: str | None,
+                   requests_path: str | None = None) -> None:
     """Run the worker for a parsed `dtfm.v1.Assignment`.
 
     A failure ends with an `error` event whose `kind` (config, rendezvous, peer, internal)
@@ -531,7 +541,7 @@ def run_assignment(a: common_pb2.Assignment, progress_path: str | None) -> None:
     progress = Progress(progress_path)
     worker: Worker | None = None
     try:
-        worker = Worker(a, progress)
+        worker = Worker(a, progress, CheckpointRequests(requests_path))
         worker.run()
     except BaseException as e:
         phase = worker.phase if worker is not None else errors.JOIN

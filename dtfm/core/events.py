@@ -83,6 +83,7 @@ class StepEvent:
     dp_bytes: int = 0  # bytes this rank sent to its data-parallel peers in the step
     codec_s: float = NAN  # compressing and decompressing messages (agent/worker/compress.py)
     resumed_step: int = -1  # the checkpoint step this run resumed after (0: none; -1: unknown)
+    checkpoint_step: int = 0  # the newest step this run has checkpointed (0: none yet)
     # Local steps (--sync-every H > 1, agent/worker/outer.py): `loss` and `grad_norm` are then
     # this replica's, dp_* count only the sync point that ends each round of H steps.
     sync_every: int = 1

@@ -33,3 +33,17 @@ def newest_checkpoint(step: int, checkpoint_every: int, sync_every: int = 1) -> 
             return written
         due -= checkpoint_every
     return 0
+
+
+def requested_checkpoint(known: int, last: int, lead: int, checkpoint_every: int,
+                         sync_every: int, total: int) -> int:
+    """The step to ask an extra checkpoint after (`dtfm.core.requests`), `lead` steps past
+    `last` (the newest step a worker reported) and at the end of its round; 0 when the next
+    regular checkpoint after `known` (the newest every member passed) comes no later, or the
+    job ends first."""
+    if checkpoint_every <= 0 or lead < 1:
+        return 0
+    step = round_of(last + lead, sync_every) * sync_every
+    regular = (known // checkpoint_every + 1) * checkpoint_every
+    regular = round_of(regular, sync_every) * sync_every
+    return step if step < min(regular, total) else 0

@@ -13,66 +13,16 @@ from step 0 instead (the cut is what makes the old checkpoints usable at all).
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
 from pathlib import Path
 
 import pytest
 
-from agent.local import add_arguments, train_config
-from dtfm.core.assignment import build_assignments
-from dtfm.core.events import DoneEvent, ErrorEvent, StepEvent
-from dtfm.core.layout import Layout
-from dtfm.core.presets import get_preset
-from dtfm.launcher import WorkerFiles, launch, stop_all, worker_env
-from dtfm.rpc import free_port
-from tests.agent.worker.testlib import LocalRun, assert_close, run_local
+from tests.agent.worker.testlib import assert_close, run_local, run_workers
 
 STEPS = 12
 FLAGS = ("--model", "gpt-tiny", "--batch", "4", "--micro-batches", "2", "--steps", str(STEPS),
          "--checkpoint-every", "4", "--seed", "5", "--eval-batches", "1", "--timeout", "30")
 REL = 1e-5
-
-
-def run_workers(stages: int, ckpt: Path, workdir: Path, old_split: list[int] | None,
-                fault: str = "", timeout: float = 120.0) -> LocalRun:
-    """Spawn a stages x 1 job's workers from the coordinator's assignment builder, with
-    `old_split` as the split the checkpoints hold; the last stage's steps, as `agent local`
-    reports them."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args([*FLAGS, "--checkpoint-dir", str(ckpt)])
-    layout = Layout(stages, 1)
-    assignments = build_assignments(
-        job_id="local", epoch=1, layout=layout, spec=get_preset("gpt-tiny"),
-        train=train_config(args), master_addr="127.0.0.1", master_port=free_port(),
-        checkpoint_splits=old_split)
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = worker_env(threads=1, timeout_s=30, base={
-        **os.environ, "DTFM_LOG_LEVEL": "INFO",
-        **({"DTFM_FAULT": fault} if fault else {})})
-    workers = [launch(a, WorkerFiles.in_dir(workdir, f"rank{a.rank}"), env)
-               for a in assignments]
-    run = LocalRun(rc=0)
-    try:
-        deadline = time.monotonic() + timeout
-        while any(w.poll() is None for w in workers):
-            assert time.monotonic() < deadline, "workers did not finish in time"
-            time.sleep(0.2)
-        last = workers[layout.rank(stages - 1, 0)]
-        for ev in last.read_events():
-            if isinstance(ev, StepEvent):
-                run.steps.append({"step": ev.step, "loss": ev.loss})
-            elif isinstance(ev, DoneEvent):
-                run.done = {"val_loss": ev.val_loss}
-            elif isinstance(ev, ErrorEvent):
-                run.stderr += ev.message
-        run.rc = max(abs(w.returncode or 0) for w in workers)
-        run.stderr += " | ".join(w.log_tail(20) for w in workers)
-    finally:
-        stop_all(workers, 5.0)
-    return run
 
 
 @pytest.mark.timeout(600)
@@ -88,14 +38,14 @@ def test_shrinking_to_one_stage_and_growing_back_continue_exactly(tmp_path: Path
     assert two.rc != 0 and [s["step"] for s in two.steps] == [1, 2, 3, 4, 5]
 
     # one stage from both old stages' step 4; it dies before step 10, after checkpoint 8
-    one = run_workers(1, ckpt, tmp_path / "one", [2, 2], fault="0:10")
+    one = run_workers(FLAGS, 1, ckpt, tmp_path / "one", [2, 2], fault="0:10")
     assert [s["step"] for s in one.steps] == [5, 6, 7, 8, 9], one.stderr
     assert_close([float(s["loss"]) for s in one.steps], full.losses[4:9], REL)
     log = (tmp_path / "one" / "rank0.log").read_text()
     assert "resumed at step 4 from stage 0 (layers 0-1), stage 1 (layers 2-3)" in log, log
 
     # two stages again, each cut out of the one stage's step 8
-    back = run_workers(2, ckpt, tmp_path / "back", [4])
+    back = run_workers(FLAGS, 2, ckpt, tmp_path / "back", [4])
     assert back.rc == 0, back.stderr
     assert [s["step"] for s in back.steps] == [9, 10, 11, 12]
     assert_close(back.losses, full.losses[8:], REL)
@@ -112,7 +62,7 @@ def test_without_the_old_split_the_old_stages_are_not_loaded(tmp_path: Path) -> 
     two = run_local(*FLAGS, "--stages", "2", "--replicas", "1", "--checkpoint-dir", str(ckpt),
                     env={"DTFM_FAULT": "1:6"})
     assert two.rc != 0
-    one = run_workers(1, ckpt, tmp_path / "one", None, fault="0:3")
+    one = run_workers(FLAGS, 1, ckpt, tmp_path / "one", None, fault="0:3")
     assert [s["step"] for s in one.steps] == [1, 2], one.stderr
     log = (tmp_path / "one" / "rank0.log").read_text()
     assert "holds layers [0, 2) but this stage now has [0, 4)" in log, log

@@ -35,6 +35,7 @@ class Cluster:
         store = LinkStore()
         self.job = Job(config, self.registry, LinkMeasurer(self.registry, store), store)
         self.ids = []
+        self.asked: dict[str, list[S.Command]] = {}  # the commands before each assignment
         for i, host in enumerate(HOSTS):
             device = devices[i] if devices else common_pb2.DeviceInfo(kind="cpu", flops=1e10)
             info = common_pb2.AgentInfo(agent_id=f"agent-{i}", host=host, port=7071,
@@ -47,7 +48,9 @@ class Cluster:
             rec = self.registry.get(agent_id)
             assert rec is not None
             cmd = await asyncio.wait_for(rec.commands.get(), 20)
-            while cmd.WhichOneof("kind") == "stop":  # the end of the previous epoch
+            # the end of the previous epoch, or a re-plan's ask for a checkpoint before it
+            while cmd.WhichOneof("kind") in ("stop", "checkpoint"):
+                self.asked.setdefault(agent_id, []).append(cmd)
                 cmd = await asyncio.wait_for(rec.commands.get(), 20)
             assert cmd.WhichOneof("kind") == "assign", cmd
             out[agent_id] = cmd.assign

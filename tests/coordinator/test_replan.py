@@ -98,7 +98,9 @@ def test_a_degraded_plan_link_re_plans_and_moves_at_the_next_checkpoint(tmp_path
         assert {frozenset((int(x.src[-1]), int(x.dst[-1]))) for x in rec.links} == used
         assert rec.predicted_new_s < rec.predicted_stay_s and rec.gain_s > 2 * rec.cost_s > 0
         assert c.job.epoch == 1  # nothing moves before the checkpoint
-        steps(c, 15, 21, 3.0, wait_s=2.8)  # every member passes the checkpoint of step 20
+        # no member reports the checkpoint asked for (its worker heard too late): the move
+        # waits for the regular one, which every member passes at step 20
+        steps(c, 15, 21, 3.0, wait_s=2.8)
         second = await c.assignments()
         assert c.job.epoch == 2
         assert c.job.plan is not None and c.job.plan.algorithm.startswith("re-planned")
@@ -116,6 +118,41 @@ def test_a_degraded_plan_link_re_plans_and_moves_at_the_next_checkpoint(tmp_path
         assert data["job"]["replans"][0]["at_step"] == rec.at_step
         text = status_to_text(coordinator_pb2.ClusterStatus(job=c.job.status()))
         assert "1 re-plan(s) weighed" in text and "moved" in text, text
+    run(body, replan_config(links, tmp_path))
+
+
+def test_a_move_asks_for_a_checkpoint_ahead_and_moves_there_once_every_member_wrote_it(
+        tmp_path: Path) -> None:
+    """The decision comes at step 15 of 3 s steps: rather than train at the degraded speed to
+    the checkpoint of step 20, every member is asked for one after step 17 (two steps ahead:
+    the ask must reach each worker before it ends that step), and the job moves once every
+    member reports it written; one member that had not is waited for."""
+    links = tmp_path / "links.json"
+    write_links(links, set())
+
+    async def body(c: Cluster) -> None:
+        rec, _ = await degrade_plan_links(c, links, "pending", "declined")
+        assert rec.decision == "move", rec.why
+        assert "asked the members for a checkpoint after step 17" in rec.why
+        await _until(lambda: all(not c.registry.get(a).commands.empty() for a in c.ids))
+        for a in c.ids:
+            cmd = c.registry.get(a).commands.get_nowait()
+            assert cmd.WhichOneof("kind") == "checkpoint", cmd
+            assert (cmd.checkpoint.job_id, cmd.checkpoint.epoch, cmd.checkpoint.step) == \
+                (c.job.job_id, 1, 17)
+        for step in (16, 17, 18):
+            for i, agent in enumerate(c.ids):
+                c.report(agent, worker_state=WorkerState.TRAINING, step=step, step_s=3.0,
+                         compute_s=0.2, pp_wait_s=2.8, loss=3.0,
+                         checkpoint_step=17 if step == 18 and i else 0)
+        await asyncio.sleep(0.2)
+        assert c.job.epoch == 1 and c.job.checkpoint_step == 10  # one member has not written
+        c.report(c.ids[0], worker_state=WorkerState.TRAINING, step=18, step_s=3.0,
+                 compute_s=0.2, pp_wait_s=2.8, loss=3.0, checkpoint_step=17)
+        await c.assignments()
+        assert c.job.epoch == 2 and c.job.checkpoint_step == 17
+        assert c.job.recoveries.items[-1].planned
+        assert "at the checkpoint of step 17" in c.job.recoveries.items[-1].reason
     run(body, replan_config(links, tmp_path))
 
 

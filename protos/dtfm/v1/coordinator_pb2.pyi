@@ -103,19 +103,33 @@ class StopCommand(_message.Message):
     reason: str
     def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class CheckpointCommand(_message.Message):
+    __slots__ = ("job_id", "epoch", "step", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    step: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Command(_message.Message):
-    __slots__ = ("seq", "welcome", "measure", "assign", "stop")
+    __slots__ = ("seq", "welcome", "measure", "assign", "stop", "checkpoint")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     welcome: Welcome
     measure: MeasureLinksCommand
     assign: _common_pb2.Assignment
     stop: StopCommand
-    def __init__(self, seq: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., measure: _Optional[_Union[MeasureLinksCommand, _Mapping]] = ..., assign: _Optional[_Union[_common_pb2.Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopCommand, _Mapping]] = ...) -> None: ...
+    checkpoint: CheckpointCommand
+    def __init__(self, seq: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., measure: _Optional[_Union[MeasureLinksCommand, _Mapping]] = ..., assign: _Optional[_Union[_common_pb2.Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopCommand, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
 
 class LinkReport(_message.Message):
     __slots__ = ("agent_id", "round_id", "samples", "agent_secret")
@@ -140,7 +154,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., keep_checkpoints_from: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "sync_every", "sync_round", "drift")
+    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "checkpoint_step", "sync_every", "sync_round", "drift")
     class MirroredStepsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +182,7 @@ class ProgressReport(_message.Message):
     MIRRORED_STEPS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
     TUNING_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     SYNC_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRIFT_FIELD_NUMBER: _ClassVar[int]
@@ -191,10 +206,11 @@ class ProgressReport(_message.Message):
     mirrored_steps: _containers.ScalarMap[int, int]
     resumed_step: int
     tuning: _containers.RepeatedCompositeFieldContainer[_common_pb2.TuningAdvice]
+    checkpoint_step: int
     sync_every: int
     sync_round: int
     drift: float
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ..., resumed_step: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[_common_pb2.TuningAdvice, _Mapping]]] = ..., sync_every: _Optional[int] = ..., sync_round: _Optional[int] = ..., drift: _Optional[float] = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ..., resumed_step: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[_common_pb2.TuningAdvice, _Mapping]]] = ..., checkpoint_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., sync_round: _Optional[int] = ..., drift: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("agent_id", "agent_secret", "reason")

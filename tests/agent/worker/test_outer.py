@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from agent.worker.outer import outer_step_
-from dtfm.core.rounds import newest_checkpoint, round_of, sync_due
+from dtfm.core.rounds import newest_checkpoint, requested_checkpoint, round_of, sync_due
 from tests.agent.worker.testlib import assert_resumed, run_local
 
 
@@ -62,6 +62,19 @@ def test_checkpoints_due_inside_a_round_are_written_at_its_end() -> None:
     # H larger than the interval: one checkpoint per round
     assert [newest_checkpoint(s, 2, 8) for s in (7, 8, 15, 16)] == [0, 8, 8, 16]
     assert newest_checkpoint(9, 0, 4) == 0
+
+
+def test_a_requested_checkpoint_lies_ahead_at_a_round_end_and_before_the_regular_one() -> None:
+    # (known, last, lead, checkpoint_every, sync_every, total)
+    assert requested_checkpoint(20, 23, 2, 10, 1, 100) == 25
+    assert requested_checkpoint(20, 27, 2, 10, 1, 100) == 29
+    assert requested_checkpoint(20, 28, 2, 10, 1, 100) == 0  # the regular 30 is as soon
+    assert requested_checkpoint(20, 30, 2, 10, 1, 100) == 0  # 30 is being written
+    assert requested_checkpoint(30, 31, 2, 10, 1, 100) == 33
+    assert requested_checkpoint(20, 23, 2, 10, 1, 25) == 0  # the job's last step comes first
+    assert requested_checkpoint(0, 9, 2, 24, 4, 100) == 12  # local steps: a round's end
+    assert requested_checkpoint(0, 21, 2, 24, 4, 100) == 0  # the regular 24 is as soon
+    assert requested_checkpoint(0, 5, 2, 0, 1, 100) == 0  # checkpoints off
 
 
 COMMON = ("--model", "gpt-tiny", "--batch", "8", "--micro-batches", "2", "--steps", "12",

@@ -1,12 +1,16 @@
-"""Helpers for the worker tests: run `python -m agent.local` for real and always reap it."""
+"""Helpers for the worker tests: run `python -m agent.local` for real and always reap it, or
+its workers as the coordinator assigns them."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,3 +71,59 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
     assert len(a) == len(b) and a, (a, b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert abs(x - y) <= rel * abs(y), f"step {i + 1}: {x} vs {y} (rel {rel})"
+
+
+def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
+                old_split: list[int] | None = None, fault: str = "", timeout: float = 120.0,
+                checkpoint_at: int = 0) -> LocalRun:
+    """Spawn a stages x 1 job's workers (`agent local` flags) from the coordinator's
+    assignment builder, with `old_split` as the split the checkpoints in `ckpt` hold, and,
+    with `checkpoint_at`, ask each for a checkpoint after that step as its agent would
+    (`dtfm.core.requests`) right after it starts; the last stage's steps, as `agent local`
+    reports them (with each step event's `checkpoint_step`)."""
+    from agent.local import add_arguments, train_config
+    from dtfm.core.assignment import build_assignments
+    from dtfm.core.events import DoneEvent, ErrorEvent, StepEvent
+    from dtfm.core.layout import Layout
+    from dtfm.core.presets import get_preset
+    from dtfm.core.requests import ask_checkpoint
+    from dtfm.launcher import WorkerFiles, launch, stop_all, worker_env
+    from dtfm.rpc import free_port
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*flags, "--checkpoint-dir", str(ckpt)])
+    layout = Layout(stages, 1)
+    assignments = build_assignments(
+        job_id="local", epoch=1, layout=layout, spec=get_preset(args.model),
+        train=train_config(args), master_addr="127.0.0.1", master_port=free_port(),
+        checkpoint_splits=old_split)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = worker_env(threads=1, timeout_s=30, base={
+        **os.environ, "DTFM_LOG_LEVEL": "INFO",
+        **({"DTFM_FAULT": fault} if fault else {})})
+    workers = [launch(a, WorkerFiles.in_dir(workdir, f"rank{a.rank}"), env)
+               for a in assignments]
+    run = LocalRun(rc=0)
+    try:
+        if checkpoint_at:  # seconds before the first step: the worker is importing torch
+            for w in workers:
+                ask_checkpoint(w.files.requests, checkpoint_at)
+        deadline = time.monotonic() + timeout
+        while any(w.poll() is None for w in workers):
+            assert time.monotonic() < deadline, "workers did not finish in time"
+            time.sleep(0.2)
+        last = workers[layout.rank(stages - 1, 0)]
+        for ev in last.read_events():
+            if isinstance(ev, StepEvent):
+                run.steps.append({"step": ev.step, "loss": ev.loss,
+                                  "checkpoint_step": ev.checkpoint_step})
+            elif isinstance(ev, DoneEvent):
+                run.done = {"val_loss": ev.val_loss}
+            elif isinstance(ev, ErrorEvent):
+                run.stderr += ev.message
+        run.rc = max(abs(w.returncode or 0) for w in workers)
+        run.stderr += " | ".join(w.log_tail(20) for w in workers)
+    finally:
+        stop_all(workers, 5.0)
+    return run
