@@ -74,7 +74,7 @@ class WorkerProgress:
             self.tokens_per_s = event.tokens_per_s
             if event.resumed_step >= 0:
                 self.resumed_step = event.resumed_step
-            self.checkpoint_step = max(self.checkpoint_step, event.checkpoint_step)
+            self.checkpoint_step = event.checkpoint_step
             self.pp_bytes_sent += event.pp_bytes
             self.dp_bytes_sent += event.dp_bytes
             self.sync_every, self.sync_round = event.sync_every, event.sync_round

@@ -257,8 +257,8 @@ class Worker:
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
             # a requested step counts only if heard of by its end: every rank then agrees
-            asked = step == self.requests.step()
-            wanted |= bool(self.ckpt and (self.ckpt.due(step, cfg.steps) or asked))
+            wanted |= bool(self.ckpt and (self.ckpt.due(step, cfg.steps)
+                                          or step == self.requests.step()))
             if self.ckpt and wanted and (self.outer is None or self.outer.due(step, cfg.steps)):
                 wanted = False
                 if self.outer is not None:  # one inner state for the checkpoint (outer.py)

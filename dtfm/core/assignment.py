@@ -67,7 +67,7 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     def peers(rank: int) -> tuple[str, ...]:
         order = [i for i in range(layout.world_size) if members[i] != members[rank]]
         if gbps is not None:  # unknown (NaN) last; equal links keep rank order
-            order.sort(key=lambda i: -g if (g := float(gbps[i][rank])) == g else math.inf)
+            order.sort(key=lambda i: math.inf if math.isnan(g := float(gbps[i][rank])) else -g)
         return tuple(members[i] for i in order)
 
     return [CheckpointRoutes(peers(rank), tuple(mirrors[rank]))

@@ -20,6 +20,12 @@ def round_of(step: int, every: int) -> int:
     return -(-step // every)
 
 
+def round_end(step: int, every: int) -> int:
+    """The step that ends step `step`'s round (short of the job's last step): where a
+    checkpoint that fell due at `step` is written."""
+    return round_of(step, every) * every
+
+
 def newest_checkpoint(step: int, checkpoint_every: int, sync_every: int = 1) -> int:
     """The newest step a checkpoint was written after, once step `step` is done (0: none),
     short of the job's last step: each multiple of `checkpoint_every` is written at the end of
@@ -28,7 +34,7 @@ def newest_checkpoint(step: int, checkpoint_every: int, sync_every: int = 1) -> 
         return 0
     due = step // checkpoint_every * checkpoint_every
     while due > 0:
-        written = round_of(due, sync_every) * sync_every
+        written = round_end(due, sync_every)
         if written <= step:
             return written
         due -= checkpoint_every
@@ -43,7 +49,6 @@ def requested_checkpoint(known: int, last: int, lead: int, checkpoint_every: int
     job ends first."""
     if checkpoint_every <= 0 or lead < 1:
         return 0
-    step = round_of(last + lead, sync_every) * sync_every
-    regular = (known // checkpoint_every + 1) * checkpoint_every
-    regular = round_of(regular, sync_every) * sync_every
+    step = round_end(last + lead, sync_every)
+    regular = round_end((known // checkpoint_every + 1) * checkpoint_every, sync_every)
     return step if step < min(regular, total) else 0
