@@ -13,6 +13,7 @@ import argparse
 import json
 from typing import Any
 
+from coordinator import plan_compress
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, Workload, plan_split
 from coordinator.scheduler.memory import check_fit, gib, stages_bytes
@@ -84,11 +85,13 @@ def devices(args: argparse.Namespace, n: int) -> Devices:
 
 
 def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -> Workload:
-    """One step of `--model` as the flags describe it (the split and the polish simulate it)."""
+    """One step of `--model` as the flags describe it (the split and the polish simulate it),
+    compressed as `--pp-compress`/`--dp-compress` ask, as `coordinator start` prices it."""
     return Workload(get_preset(args.model), stages, replicas, batch, args.micro_batches,
                     args.schedule, "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
                     moments_dtype=args.moments_dtype,
-                    sync_every=getattr(args, "sync_every", 1) or 1)  # auto: priced per H later
+                    sync_every=getattr(args, "sync_every", 1) or 1,  # auto: priced per H later
+                    compression=plan_compress.compression(args))
 
 
 def split(args: argparse.Namespace, net: Network, grid: list[list[int]], stages: int,

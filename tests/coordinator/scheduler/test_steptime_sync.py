@@ -85,3 +85,29 @@ def test_coordinator_plan_shows_the_amortised_step() -> None:
     with contextlib.redirect_stderr(io.StringIO()) as err:
         assert main(["--scenario", "world", "--sync-every", "8"]) == 2
     assert "--sync-every needs --model" in err.getvalue()
+
+
+def test_coordinator_plan_prices_the_step_with_the_codecs_it_asks_for() -> None:
+    """`--pp-compress`/`--dp-compress` shrink the messages the polish and the predicted step
+    replay, as `coordinator start` prices them: they once applied to the paper's cost alone,
+    so `plan` polished and predicted an int4 job as if it sent fp32."""
+    from coordinator.plan import main
+    from coordinator.scheduler.compression import Compression
+
+    args = ["--scenario", "world", "--per-city", "2", "--model", "gpt-mini", "--stages", "4",
+            "--replicas", "4", "--batch", "16", "--micro-batches", "4", "--seconds", "1",
+            "--random", "5", "--budget", "20", "--sync-every", "8", "--json"]
+    outs = {}
+    for codecs in ((), ("--pp-compress", "int4", "--dp-compress", "int3")):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main([*args, *codecs, "--codec-device", "cpu"]) == 0
+        outs[codecs] = json.loads(buf.getvalue())
+    plain, packed = outs.values()
+    net = scenarios.world(per_city=2)
+    comp = Compression("int4", "int3", codec_s_per_gb=3.0)
+    shape = replace(step_shape(get_preset("gpt-mini"), 4, 4, 16, 4, compression=comp),
+                    sync_every=8)
+    want = simulate_step(net, packed["grid"], shape)  # communication only: dp_s has no compute
+    assert packed["sync"]["predicted"]["dp_s"] == pytest.approx(want.dp_s)
+    assert packed["sync"]["predicted"]["pipeline_s"] < plain["sync"]["predicted"]["pipeline_s"]
