@@ -21,6 +21,12 @@ synchronous, uncompressed, against everything on: scheduled placement, per-link 
 part 1 with the most tokens/s whose validation loss is within the target, else 16); and, for
 the 16-agent target against the best synchronous variant, scheduled synchronous training with
 `--compressed` (int4/int3). `--no-variants` runs part 2 alone.
+`--headline-pp` sets everything on's pipeline codec (default `auto`, which picks per link by
+time alone and takes int4 on every WAN link; `int8` keeps the activations' precision). Then
+(`--ceiling`, on by default) the same everything-on job runs once more on loopback with
+nothing compressed, `agent local`: with the network free, its tokens/s is what this machine's
+cores allow, and rank order against it is the most part 2's ratio can show here (the emulated
+devices all share the machine's cores; real ones each have their own).
 
 The issue's targets: data-parallel bytes per step >= 100x below synchronous uncompressed with
 validation loss within 3 %; tokens/s >= 1.5x the best synchronous variant, the step model
@@ -41,7 +47,9 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +85,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--headline-per-city", type=int, default=2)
     p.add_argument("--headline-stages", type=int, default=4)
     p.add_argument("--headline-h", type=int, default=0, help="0: the best H of part 1")
+    p.add_argument("--headline-pp", default="auto",
+                   help="everything on's pipeline codec: auto (per link, by time alone) or "
+                   "one for every link, e.g. int8 (int4 activations cost gpt-mini 1.7 %% "
+                   "validation loss at H = 16, int8 none measurable: docs/benchmarks.md)")
+    p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="after part 2, run everything on's job once more on loopback, "
+                   "uncompressed (`agent local`): with the network free, what is left is "
+                   "this machine's compute, so rank order against it bounds part 2's ratio")
     p.add_argument("--timeout", type=float, default=7200.0, help="per job, seconds")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
@@ -193,26 +209,52 @@ def best_h(rows: list[dict[str, Any]]) -> int:
     return max(ok, key=lambda r: r["tokens_per_s"])["sync_every"] if ok else 16
 
 
+def loopback_ceiling(args: argparse.Namespace, agents: int, h: int) -> dict[str, Any]:
+    """Everything on's job (same model, layout, batch, steps, H) on this machine's loopback
+    with nothing compressed: the network free and no codec work, so its tokens/s is the most
+    any placement or codec can reach on these cores, where all the emulated devices share
+    them. Rank order's tokens/s against it is the ceiling of part 2's ratio here."""
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-ceiling-") as wd:
+        cmd = [sys.executable, "-m", "agent", "local", "--model", args.model,
+               "--stages", str(args.headline_stages),
+               "--replicas", str(agents // args.headline_stages), "--steps", str(args.steps),
+               "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
+               "--workdir", wd, *job_flags(args, h, "none", "none")]
+        print(f"  [ceiling] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=args.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"the loopback ceiling run failed: {done.stderr[-2000:]}")
+        tokens = args.batch * get_preset(args.model).seq_len
+        return figures(set(Path(wd).glob("**/*.progress.jsonl")), tokens)
+
+
 def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
-    """Rank order, synchronous, uncompressed against scheduled + auto/int3 + H, 16 agents;
-    and scheduled synchronous with `--compressed`, the best synchronous variant there."""
+    """Rank order, synchronous, uncompressed against scheduled + `--headline-pp`/int3 + H,
+    16 agents; scheduled synchronous with `--compressed`, the best synchronous variant there;
+    then the loopback ceiling (`--ceiling`)."""
     sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages})
+    pp_on = args.headline_pp
     with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
                                                                               _):
         blind = run_variants(cluster, links, sub, [("rank-order sync none", 1, "none",
                                                     "none")], placement="rank-order")[0]
-        on = run_variants(cluster, links, sub, [(f"scheduled H={h} auto/int3", h, "auto",
+        on = run_variants(cluster, links, sub, [(f"scheduled H={h} {pp_on}/int3", h, pp_on,
                                                  "int3")])[0]
         pp, _, dp = (args.compressed or "int4/int3").partition("/")
         best_sync = run_variants(cluster, links, sub, [(f"scheduled sync {pp}/{dp or pp}", 1,
                                                        pp, dp or pp)])[0]
+        agents = cluster.agents
+    ceiling = loopback_ceiling(args, agents, h) if args.ceiling else None
     speedup = on["tokens_per_s"] / blind["tokens_per_s"]
     over_sync = on["tokens_per_s"] / best_sync["tokens_per_s"]
     errors = {r["variant"]: r["prediction_err_pct"] for r in (blind, on, best_sync)}
     loss_pct = (100 * (on["val_loss"] - blind["val_loss"]) / blind["val_loss"]
                 if on["val_loss"] and blind["val_loss"] else None)
-    return {"agents": cluster.agents, "sync_every": h, "rank_order": blind, "everything_on": on,
+    return {"agents": agents, "sync_every": h, "rank_order": blind, "everything_on": on,
             "best_sync": best_sync, "speedup": speedup, "over_best_sync": over_sync,
+            "ceiling": ceiling, "ceiling_speedup": (
+                ceiling["tokens_per_s"] / blind["tokens_per_s"] if ceiling else None),
             "val_loss_pct": loss_pct, "prediction_err_pct": errors,
             # a steady network under the drift watch's defaults: no re-plan should be weighed
             "steady_replans": sum(len(r["replans"]) for r in (blind, on, best_sync)),
@@ -254,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.headline:
         h = args.headline_h or best_h(rows)
         out["headline"] = top = headline(args, h)
-        print(f"{top['agents']} agents, same tokens: everything on (scheduled, auto/int3, "
+        print(f"{top['agents']} agents, same tokens: everything on (scheduled, "
+              f"{args.headline_pp}/int3, "
               f"H = {h}) {top['everything_on']['tokens_per_s']:.0f} tok/s vs network-blind "
               f"rank order, synchronous, uncompressed {top['rank_order']['tokens_per_s']:.0f} "
               f"tok/s: {top['speedup']:.2f}x, validation loss {top['val_loss_pct'] or 0:+.2f} %")
@@ -262,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{top['best_sync']['variant']} {top['best_sync']['tokens_per_s']:.0f} tok/s: "
               f"{top['over_best_sync']:.2f}x; step model error per job: " + ", ".join(
                   f"{k} {v:+.1f} %" for k, v in top["prediction_err_pct"].items()))
+        if top["ceiling"]:
+            print(f"the same job on loopback, uncompressed (the network free, this machine's "
+                  f"cores the limit): {top['ceiling']['tokens_per_s']:.0f} tok/s, "
+                  f"{top['ceiling_speedup']:.2f}x rank order: the most part 2 can show here")
         print(f"re-plans weighed on the steady network: {top['steady_replans']} in "
               f"{top['steady_trained_s']:.0f} s of training")
         print("part 2 targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
