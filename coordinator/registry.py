@@ -92,10 +92,14 @@ class Registry:
         on_change: Callable[[], None] | None = None,
         evict_after_s: float = 600.0,
         on_lost: Callable[[list[AgentRecord]], None] | None = None,
+        heartbeat_interval_s: float = 1.0,
     ) -> None:
         """`on_change` fires on every change of the agent set or an agent's state; `on_lost`
-        with the agents newly lost, whether by silence (`sweep`) or by `mark_lost`."""
+        with the agents newly lost, whether by silence (`sweep`) or by `mark_lost`.
+        `heartbeat_interval_s`: how often agents report (the welcome tells them), so how old
+        the newest report of a live agent can be."""
         self.liveness_timeout_s = liveness_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
         self.evict_after_s = evict_after_s
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}

@@ -62,9 +62,10 @@ log = logging.getLogger(__name__)
 
 SPARES_TRIED = 2  # spares weighed in place of the member whose links degraded most
 RESTART_OVERHEAD_S = 5.0  # stopping the members and planning, on top of a start-up's stall
-# How far ahead (seconds) a requested checkpoint lies: the newest report may be a heartbeat
-# (1 s) old, and the command must reach every agent before its worker ends that step
-REQUEST_LEAD_S = 2.0
+# How far past the newest reported step (seconds, on top of a heartbeat interval: the newest
+# report may be that old) a requested checkpoint lies: the command must reach every agent
+# before its worker ends that step
+REQUEST_MARGIN_S = 1.0
 LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) did not change
 # a sweep taken while the job trains reads many links high by a similar amount; a delay moved
 # only past that sweep's own noise: twice the shift that 3 in 4 of its links stay under ...
@@ -109,6 +110,14 @@ def moved(old: Network, new: Network, threshold: float, floor_ms: float = LINK_C
     np.fill_diagonal(delay, False)
     np.fill_diagonal(rate, False)
     return delay, rate
+
+
+def request_lead(step_s: float, heartbeat_s: float) -> int:
+    """Steps past the newest reported one to ask a checkpoint for: the report may be a
+    heartbeat old, and the ask needs `REQUEST_MARGIN_S` more to reach every worker before it
+    ends that step (a sparse `--heartbeat-interval` asks further ahead, so workers still hear
+    in time rather than the move falling back to the regular checkpoint)."""
+    return 1 + math.ceil((heartbeat_s + REQUEST_MARGIN_S) / max(step_s, 1e-3))
 
 
 def changed_links(old: Network, new: Network, ids: list[str], threshold: float
@@ -431,7 +440,7 @@ class Replanner:
         to a heartbeat old, the command's way); a worker that hears too late writes nothing
         extra, and the move waits for the regular checkpoint as before."""
         job, train = self.job, self.job.config.train
-        lead = 1 + math.ceil(REQUEST_LEAD_S / max(step_s, 1e-3))
+        lead = request_lead(step_s, job.registry.heartbeat_interval_s)
         step = requested_checkpoint(job.checkpoint_step, job._last_step(), lead,
                                     train.checkpoint_every, job._sync_every or 1, train.steps)
         if not step:

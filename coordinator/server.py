@@ -50,7 +50,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.registry = Registry(config.liveness_timeout_s, on_change=self._changed,
-                                 evict_after_s=config.evict_after_s, on_lost=self._lost)
+                                 evict_after_s=config.evict_after_s, on_lost=self._lost,
+                                 heartbeat_interval_s=config.heartbeat_interval_s)
         self.links = LinkStore()
         self.measurer = LinkMeasurer(self.registry, self.links)
         self.store = JobStore(config.state_dir) if config.state_dir else None

@@ -19,12 +19,14 @@ import pytest
 
 from coordinator.replan import (
     LINK_CHANGE_MS,
+    REQUEST_MARGIN_S,
     SWEEP_NOISE_CAP_MS,
     changed_links,
     copy_seconds,
     links_to_probe,
     move_verdict,
     plan_links,
+    request_lead,
     settle_remeasured,
 )
 from coordinator.scheduler import Network
@@ -393,3 +395,22 @@ def test_the_bandwidth_probed_is_of_links_whose_delay_moved_else_the_suspects_pl
     none = np.zeros((4, 4), dtype=bool)
     assert links_to_probe(grid, ids, none, {"c"}) == {
         ("c", "a"), ("a", "c"), ("c", "d"), ("d", "c")}
+
+
+@pytest.mark.parametrize(("step_s", "heartbeat_s", "lead"),
+                         [(3.0, 1.0, 2), (0.5, 1.0, 5), (3.0, 5.0, 3), (0.5, 5.0, 13)])
+def test_a_requested_checkpoint_lies_a_heartbeat_and_a_margin_ahead(
+        step_s: float, heartbeat_s: float, lead: int) -> None:
+    """The newest report may be a heartbeat old: a sparse `--heartbeat-interval` asks further
+    ahead, or every worker would hear too late and the move fall back to the regular
+    checkpoint (the default 1 s heartbeat keeps the 2 s the drift benchmark ran with)."""
+    assert request_lead(step_s, heartbeat_s) == lead
+    assert (request_lead(step_s, heartbeat_s) - 1) * step_s >= heartbeat_s + REQUEST_MARGIN_S
+
+
+def test_the_coordinator_tells_its_registry_the_heartbeat_interval() -> None:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import CoordinatorService
+
+    svc = CoordinatorService(CoordinatorConfig(heartbeat_interval_s=4.0, liveness_timeout_s=9.0))
+    assert svc.registry.heartbeat_interval_s == 4.0
