@@ -88,7 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--headline-pp", default="auto",
                    help="everything on's pipeline codec: auto (per link, by time alone) or "
                    "one for every link, e.g. int8 (int4 activations cost gpt-mini 1.7 %% "
-                   "validation loss at H = 16, int8 none measurable: docs/benchmarks.md)")
+                   "validation loss at H = 16, int8 none measurable: docs/benchmarks.md); "
+                   "a comma-separated list runs everything on once per codec on the same "
+                   "links, the first being the headline's")
     p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                    help="after part 2, run everything on's job once more on loopback, "
                    "uncompressed (`agent local`): with the network free, what is left is "
@@ -234,13 +236,13 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
     16 agents; scheduled synchronous with `--compressed`, the best synchronous variant there;
     then the loopback ceiling (`--ceiling`)."""
     sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages})
-    pp_on = args.headline_pp
+    codecs = [c.strip() for c in args.headline_pp.split(",") if c.strip()] or ["auto"]
     with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
                                                                               _):
         blind = run_variants(cluster, links, sub, [("rank-order sync none", 1, "none",
                                                     "none")], placement="rank-order")[0]
-        on = run_variants(cluster, links, sub, [(f"scheduled H={h} {pp_on}/int3", h, pp_on,
-                                                 "int3")])[0]
+        on, *also = run_variants(cluster, links, sub, [(f"scheduled H={h} {pp}/int3", h, pp,
+                                                        "int3") for pp in codecs])
         pp, _, dp = (args.compressed or "int4/int3").partition("/")
         best_sync = run_variants(cluster, links, sub, [(f"scheduled sync {pp}/{dp or pp}", 1,
                                                        pp, dp or pp)])[0]
@@ -251,8 +253,14 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
     errors = {r["variant"]: r["prediction_err_pct"] for r in (blind, on, best_sync)}
     loss_pct = (100 * (on["val_loss"] - blind["val_loss"]) / blind["val_loss"]
                 if on["val_loss"] and blind["val_loss"] else None)
+    for r in also:  # the other pipeline codecs, against the same two baselines
+        r["speedup"] = r["tokens_per_s"] / blind["tokens_per_s"]
+        r["over_best_sync"] = r["tokens_per_s"] / best_sync["tokens_per_s"]
+        r["val_loss_pct"] = (100 * (r["val_loss"] - blind["val_loss"]) / blind["val_loss"]
+                             if r["val_loss"] and blind["val_loss"] else float("nan"))
     return {"agents": agents, "sync_every": h, "rank_order": blind, "everything_on": on,
-            "best_sync": best_sync, "speedup": speedup, "over_best_sync": over_sync,
+            "everything_on_also": also, "best_sync": best_sync, "speedup": speedup,
+            "over_best_sync": over_sync,
             "ceiling": ceiling, "ceiling_speedup": (
                 ceiling["tokens_per_s"] / blind["tokens_per_s"] if ceiling else None),
             "val_loss_pct": loss_pct, "prediction_err_pct": errors,
@@ -297,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         h = args.headline_h or best_h(rows)
         out["headline"] = top = headline(args, h)
         print(f"{top['agents']} agents, same tokens: everything on (scheduled, "
-              f"{args.headline_pp}/int3, "
+              f"{top['everything_on']['pp_compress']}/int3, "
               f"H = {h}) {top['everything_on']['tokens_per_s']:.0f} tok/s vs network-blind "
               f"rank order, synchronous, uncompressed {top['rank_order']['tokens_per_s']:.0f} "
               f"tok/s: {top['speedup']:.2f}x, validation loss {top['val_loss_pct'] or 0:+.2f} %")
@@ -305,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{top['best_sync']['variant']} {top['best_sync']['tokens_per_s']:.0f} tok/s: "
               f"{top['over_best_sync']:.2f}x; step model error per job: " + ", ".join(
                   f"{k} {v:+.1f} %" for k, v in top["prediction_err_pct"].items()))
+        for r in top["everything_on_also"]:
+            print(f"  {r['variant']}: {r['tokens_per_s']:.0f} tok/s, {r['speedup']:.2f}x rank "
+                  f"order, {r['over_best_sync']:.2f}x the best synchronous variant, validation "
+                  f"loss {r['val_loss_pct']:+.2f} %, step model {r['prediction_err_pct']:+.1f} %")
         if top["ceiling"]:
             print(f"the same job on loopback, uncompressed (the network free, this machine's "
                   f"cores the limit): {top['ceiling']['tokens_per_s']:.0f} tok/s, "
