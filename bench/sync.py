@@ -171,6 +171,13 @@ def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
     return rows
 
 
+def loss_pct(row: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """`row`'s validation loss against `base`'s, in per cent (None: either is missing)."""
+    if not (row["val_loss"] and base["val_loss"]):
+        return None
+    return 100 * (row["val_loss"] - base["val_loss"]) / base["val_loss"]
+
+
 def compare(rows: list[dict[str, Any]]) -> None:
     """Each row against the first (synchronous, uncompressed) and the best synchronous one."""
     base = rows[0]
@@ -179,8 +186,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
         r["dp_cut"] = base["dp_bytes_per_step"] / max(r["dp_bytes_per_step"], 1)
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["over_best_sync"] = r["tokens_per_s"] / best_sync["tokens_per_s"]
-        r["val_loss_pct"] = (100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"]
-                             if r["val_loss"] and base["val_loss"] else None)
+        r["val_loss_pct"] = loss_pct(r, base)
         within = r["val_loss_pct"] is not None and r["val_loss_pct"] <= TARGETS["val_loss_pct"]
         r["targets"] = {
             "dp_cut_at_equal_loss": r["dp_cut"] >= TARGETS["dp_cut"] and within,
@@ -251,19 +257,17 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
     speedup = on["tokens_per_s"] / blind["tokens_per_s"]
     over_sync = on["tokens_per_s"] / best_sync["tokens_per_s"]
     errors = {r["variant"]: r["prediction_err_pct"] for r in (blind, on, best_sync)}
-    loss_pct = (100 * (on["val_loss"] - blind["val_loss"]) / blind["val_loss"]
-                if on["val_loss"] and blind["val_loss"] else None)
+    on_loss_pct = loss_pct(on, blind)
     for r in also:  # the other pipeline codecs, against the same two baselines
         r["speedup"] = r["tokens_per_s"] / blind["tokens_per_s"]
         r["over_best_sync"] = r["tokens_per_s"] / best_sync["tokens_per_s"]
-        r["val_loss_pct"] = (100 * (r["val_loss"] - blind["val_loss"]) / blind["val_loss"]
-                             if r["val_loss"] and blind["val_loss"] else float("nan"))
+        r["val_loss_pct"] = loss_pct(r, blind)
     return {"agents": agents, "sync_every": h, "rank_order": blind, "everything_on": on,
             "everything_on_also": also, "best_sync": best_sync, "speedup": speedup,
             "over_best_sync": over_sync,
             "ceiling": ceiling, "ceiling_speedup": (
                 ceiling["tokens_per_s"] / blind["tokens_per_s"] if ceiling else None),
-            "val_loss_pct": loss_pct, "prediction_err_pct": errors,
+            "val_loss_pct": on_loss_pct, "prediction_err_pct": errors,
             # a steady network under the drift watch's defaults: no re-plan should be weighed
             "steady_replans": sum(len(r["replans"]) for r in (blind, on, best_sync)),
             "steady_trained_s": sum(r["trained_s"] or 0 for r in (blind, on, best_sync)),
@@ -271,8 +275,8 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
                         "over_best_sync": over_sync >= TARGETS["speedup_over_sync"],
                         "prediction": all(abs(e) <= TARGETS["prediction_err_pct"]
                                           for e in errors.values()),
-                        "val_loss": loss_pct is not None
-                        and loss_pct <= TARGETS["val_loss_pct"]}}
+                        "val_loss": on_loss_pct is not None
+                        and on_loss_pct <= TARGETS["val_loss_pct"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{top['over_best_sync']:.2f}x; step model error per job: " + ", ".join(
                   f"{k} {v:+.1f} %" for k, v in top["prediction_err_pct"].items()))
         for r in top["everything_on_also"]:
+            pct = r["val_loss_pct"]
             print(f"  {r['variant']}: {r['tokens_per_s']:.0f} tok/s, {r['speedup']:.2f}x rank "
                   f"order, {r['over_best_sync']:.2f}x the best synchronous variant, validation "
-                  f"loss {r['val_loss_pct']:+.2f} %, step model {r['prediction_err_pct']:+.1f} %")
+                  f"loss {'n/a' if pct is None else f'{pct:+.2f} %'}, step model "
+                  f"{r['prediction_err_pct']:+.1f} %")
         if top["ceiling"]:
             print(f"the same job on loopback, uncompressed (the network free, this machine's "
                   f"cores the limit): {top['ceiling']['tokens_per_s']:.0f} tok/s, "

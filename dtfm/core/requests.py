@@ -4,8 +4,9 @@ The assignment is fixed when a worker starts and its progress flows one way, wor
 (`dtfm.core.events`). A re-plan that decided to move wants one thing more from the running
 workers: a checkpoint at a step it names (`CheckpointCommand`), so that the move need not
 wait for the next `--checkpoint-every`. The agent writes the step into the worker's requests
-file (`WorkerFiles.requests`, replaced atomically, so a reader sees one whole line); the
-worker looks after every step, with one `stat`, and reads only when the file changed.
+file (`WorkerFiles.requests`, replaced atomically, so a reader sees one whole line); a
+worker that checkpoints at all looks after each step not already due for one, with one
+`stat`, and reads only when the file changed.
 
 Every rank of the epoch gets the same step, and a rank writes only when it learns of it by
 the end of that very step (never later, at another step than its peers): a late rank writes
