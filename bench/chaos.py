@@ -64,7 +64,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from coordinator.status import status_to_json  # noqa: E402
+from coordinator.commands.status import status_to_json  # noqa: E402
 from dtfm.core import checkpoints as ondisk  # noqa: E402
 from dtfm.procs import terminate_all, wait_for  # noqa: E402
 from dtfm.rpc import free_port, listening  # noqa: E402

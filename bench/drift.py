@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:  # run as `python bench/drift.py`
     sys.path.insert(0, str(REPO))
 
 from bench.wan import add_world_arguments, emulator_missing  # noqa: E402
-from coordinator.scenarios import world_links  # noqa: E402
+from coordinator.scheduler.scenarios import world_links  # noqa: E402
 from dtfm.procs import wait_for  # noqa: E402
 from dtfm.wan import WanEmulator  # noqa: E402
 from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402

@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # run as `python bench/links.py`
     sys.path.insert(0, str(REPO))
 
 from bench.wan import emulator_missing  # noqa: E402
-from coordinator.scenarios import world_links  # noqa: E402
+from coordinator.scheduler.scenarios import world_links  # noqa: E402
 from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "links.json"

@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import scenarios
-from coordinator.scheduler import search_plan
+from coordinator.scheduler import scenarios, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
 

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/startup.py`
     sys.path.insert(0, str(REPO))
 
-from coordinator.scenarios import world_links  # noqa: E402
+from coordinator.scheduler.scenarios import world_links  # noqa: E402
 from dtfm.wan import WanEmulator  # noqa: E402
 from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 

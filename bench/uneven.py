@@ -63,8 +63,8 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
+from coordinator.commands.status import status_to_json  # noqa: E402
 from coordinator.scheduler.compute import stage_flops  # noqa: E402
-from coordinator.status import status_to_json  # noqa: E402
 from dtfm.core.events import StepEvent, WorkerEnv, parse_event  # noqa: E402
 from dtfm.core.layout import layer_ranges  # noqa: E402
 from dtfm.core.presets import get_preset  # noqa: E402

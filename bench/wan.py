@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:  # run as `python bench/wan.py`
 from bench.startup import breakdown  # noqa: E402
 from bench.startup import summarize as startup_summary  # noqa: E402
 from bench.startup import table as startup_table  # noqa: E402
-from coordinator.scenarios import world_links  # noqa: E402
+from coordinator.scheduler.scenarios import world_links  # noqa: E402
 from dtfm.wan import WanEmulator  # noqa: E402
 from dtfm.wan.cluster import WanCluster, measurement_wan  # noqa: E402
 

@@ -20,7 +20,7 @@ from dtfm.core.limits import (
 )
 
 if TYPE_CHECKING:
-    from coordinator.config import DriftConfig
+    from coordinator.daemon.config import DriftConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
@@ -34,7 +34,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    from coordinator.config import JobConfig  # its defaults; `plan` below loads numpy anyway
+    from coordinator.daemon.config import JobConfig  # its defaults; `plan` below loads numpy anyway
 
     parser = flags.Parser(
         prog="coordinator",
@@ -146,7 +146,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     flags.add_common_args(p, config_file=False)
 
     try:
-        from coordinator import plan as plan_cmd
+        from coordinator.commands import plan as plan_cmd
     except ImportError:  # pragma: no cover - the scheduler is part of the package
         plan_cmd = None
     if plan_cmd is not None:
@@ -154,7 +154,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             "plan", help="run the scheduler offline on a scenario or a measured matrix")
         plan_cmd.add_arguments(p)
 
-    from coordinator import demo
+    from coordinator.commands import demo
 
     p = subs["demo"] = sub.add_parser(
         "demo", help="a local cluster on loopback (coordinator + agents) training a small GPT")
@@ -166,12 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, subs = build_parser()
 
     def plan(args: argparse.Namespace) -> int:
-        from coordinator import plan as plan_cmd
+        from coordinator.commands import plan as plan_cmd
 
         return plan_cmd.run(args)
 
     def demo(args: argparse.Namespace) -> int:
-        from coordinator import demo as demo_cmd
+        from coordinator.commands import demo as demo_cmd
 
         return demo_cmd.run(args)
 
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
 
     def report(args: argparse.Namespace) -> int:
-        from coordinator.report import run
+        from coordinator.commands.report import run
 
         return run(args)
 
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _add_drift_flags(p: argparse.ArgumentParser) -> None:
     """Watching the running job for drift and re-planning it (coordinator/drift.py,
     coordinator/replan.py); defaults from `DriftConfig`."""
-    from coordinator.config import DriftConfig
+    from coordinator.daemon.config import DriftConfig
 
     d = DriftConfig()
     p.add_argument("--no-replan", action="store_true",
@@ -217,7 +217,7 @@ def _add_drift_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _drift_config(args: argparse.Namespace) -> DriftConfig:
-    from coordinator.config import DriftConfig
+    from coordinator.daemon.config import DriftConfig
 
     return DriftConfig(replan=not args.no_replan, threshold=args.drift_threshold,
                        window=args.drift_window, margin=args.replan_margin,
@@ -225,8 +225,8 @@ def _drift_config(args: argparse.Namespace) -> DriftConfig:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from coordinator.config import CoordinatorConfig, JobConfig
-    from coordinator.server import serve
+    from coordinator.daemon.config import CoordinatorConfig, JobConfig
+    from coordinator.daemon.server import serve
 
     config = CoordinatorConfig(
         listen=args.listen,
@@ -253,7 +253,7 @@ def _start(args: argparse.Namespace) -> int:
 
 
 async def _export(args: argparse.Namespace) -> int:
-    from coordinator.export import export_job
+    from coordinator.job.export import export_job
     from dtfm.core.hfexport import ExportError
 
     def say(line: str) -> None:
@@ -271,8 +271,8 @@ async def _export(args: argparse.Namespace) -> int:
 
 
 async def _query(args: argparse.Namespace) -> int:
-    from coordinator.linkstore import matrix_to_json
-    from coordinator.status import status_to_json, status_to_text
+    from coordinator.commands.status import status_to_json, status_to_text
+    from coordinator.links.store import matrix_to_json
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     security = flags.security_from_args(args)
@@ -323,7 +323,7 @@ WATCH_FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 
 async def _watch(args: argparse.Namespace) -> int:
     """`status --watch`: redraw until Ctrl-C; keep retrying while the coordinator is away."""
-    from coordinator.status import status_to_json, status_to_text, watch_frame
+    from coordinator.commands.status import status_to_json, status_to_text, watch_frame
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     body = ""

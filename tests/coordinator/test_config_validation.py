@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import CoordinatorConfig, JobConfig
+from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from dtfm.core.spec import TrainConfig
 from dtfm.rpc import ConfigError, Security
 from tests.daemons import TOKEN, Daemons, free_port, wait_for

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.demo import summary, summary_text
+from coordinator.commands.demo import summary, summary_text
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from coordinator.drift import DriftWatch, Sample
+from coordinator.job.drift import DriftWatch, Sample
 
 MEMBERS = ["a", "b", "c", "d"]
 

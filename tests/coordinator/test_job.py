@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import JobConfig
-from coordinator.job import Job
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
-from coordinator.registry import Registry
-from coordinator.status import status_to_text
+from coordinator.commands.status import status_to_text
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.registry import Registry
+from coordinator.job.machine import Job
+from coordinator.links.measure import LinkMeasurer
+from coordinator.links.store import LinkStore
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import JobConfig
-from coordinator.job import job_fingerprint
-from coordinator.jobstore import JobStore
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.jobstore import JobStore
+from coordinator.job.machine import job_fingerprint
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_job_states import Harness, RecordingJob, run, until

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.config import JobConfig
-from coordinator.job import Job
-from coordinator.jobstore import JobStore
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.jobstore import JobStore
+from coordinator.job.machine import Job
 from dtfm.core.spec import TrainConfig, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -317,7 +317,7 @@ def test_a_coordinator_error_while_planning_is_retried_then_fails_the_job_loudly
     task silently, leaving it in "scheduling" for ever with no message."""
     from concurrent.futures.process import BrokenProcessPool
 
-    import coordinator.job as job_module
+    import coordinator.job.machine as job_module
 
     monkeypatch.setattr(job_module, "INTERNAL_RETRY_S", 0.05)
     original = job_module.Job._in_pool

@@ -10,10 +10,10 @@ import logging
 import pytest
 
 from coordinator.cli import _links_text
-from coordinator.linkstore import LinkStore, matrix_to_json
-from coordinator.measure import LinkMeasurer, _Pending
-from coordinator.registry import Registry
-from coordinator.status import status_to_json, status_to_text
+from coordinator.commands.status import status_to_json, status_to_text
+from coordinator.daemon.registry import Registry
+from coordinator.links.measure import LinkMeasurer, _Pending
+from coordinator.links.store import LinkStore, matrix_to_json
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 NOTE = "no steady rate: its 20 windows never agreed (3 of 20 moved no data); took the median"
@@ -60,7 +60,7 @@ def test_the_measurer_takes_an_estimated_sample_as_a_measured_link(
         return measurer.on_report(coordinator_pb2.LinkReport(agent_id="a", round_id="r1",
                                                              samples=[SLOW]))
 
-    with caplog.at_level(logging.WARNING, logger="coordinator.measure"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.links.measure"):
         assert asyncio.run(report()) is None
     assert store.entries[("a", "b")].reachable
     assert store.unreachable_agents(["a", "b"]) == []
@@ -103,7 +103,7 @@ def test_the_registry_logs_an_agents_tuning_when_it_changes(
     registry = Registry(5.0)
     registry.join(common_pb2.AgentInfo(agent_id="a", host="h", port=1))
     beat = coordinator_pb2.ProgressReport(agent_id="a", tuning=[SLOW_START])
-    with caplog.at_level(logging.WARNING, logger="coordinator.registry"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.daemon.registry"):
         registry.heartbeat(beat)
         registry.heartbeat(beat)
     assert caplog.text.count("not tuned for long links") == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.linkinfer import latency_clusters, representatives, sampled_links, to_measure
+from coordinator.links.infer import latency_clusters, representatives, sampled_links, to_measure
 from tests.coordinator.test_measure_rounds import BANDWIDTH, _measure
 
 # three places: a0-a2 in one, a3-a5 in another, a6-a7 in a third (one-way ms between places)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.config import JobConfig
-from coordinator.job import Job
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
-from coordinator.metrics import coordinator_registry
-from coordinator.registry import Registry
-from coordinator.status import status_to_json, status_to_text
+from coordinator.commands.status import status_to_json, status_to_text
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.metrics import coordinator_registry
+from coordinator.daemon.registry import Registry
+from coordinator.job.machine import Job
+from coordinator.links.measure import LinkMeasurer
+from coordinator.links.store import LinkStore
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 TRAINING = common_pb2.WORKER_STATE_TRAINING

@@ -10,9 +10,9 @@ import asyncio
 import random
 from typing import Any
 
-from coordinator.linkstore import LinkStore
-from coordinator.measure import PING_RATE, LinkMeasurer, Pings
-from coordinator.registry import Registry
+from coordinator.daemon.registry import Registry
+from coordinator.links.measure import PING_RATE, LinkMeasurer, Pings
+from coordinator.links.store import LinkStore
 from dtfm.core.limits import MAX_PING_SPREAD_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 

@@ -16,12 +16,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.config import JobConfig
-from coordinator.job import Job
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
-from coordinator.metrics import coordinator_registry
-from coordinator.registry import Registry
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.metrics import coordinator_registry
+from coordinator.daemon.registry import Registry
+from coordinator.job.machine import Job
+from coordinator.links.measure import LinkMeasurer
+from coordinator.links.store import LinkStore
 from dtfm.metrics import render
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.daemons import Daemons, free_port, wait_for

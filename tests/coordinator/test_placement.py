@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import JobConfig
-from coordinator.placement import Placement, address_key, fixed_grid, random_grid
+from coordinator.daemon.config import JobConfig
+from coordinator.scheduler.placement import Placement, address_key, fixed_grid, random_grid
 from dtfm.rpc import ConfigError
 
 
@@ -71,8 +71,8 @@ def test_a_pinned_plan_sets_the_shape_and_must_match_the_flags(tmp_path: Path) -
 
 
 def test_plan_json_output_is_a_valid_pinned_plan(tmp_path: Path) -> None:
-    from coordinator import plan as plan_cmd
     from coordinator.cli import build_parser
+    from coordinator.commands import plan as plan_cmd
 
     parser, _ = build_parser()
     args = parser.parse_args(["plan", "--scenario", "world", "--per-city", "1", "--stages", "4",

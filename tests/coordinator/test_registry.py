@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from coordinator.registry import ALIVE, LEFT, LOST, AgentRecord, Registry
+from coordinator.daemon.registry import ALIVE, LEFT, LOST, AgentRecord, Registry
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
@@ -45,7 +45,7 @@ def test_mark_lost_is_logged_and_fires_what_silence_fires(
         caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     registry, changes, lost = _registry(clock)
-    with caplog.at_level(logging.WARNING, "coordinator.registry"):
+    with caplog.at_level(logging.WARNING, "coordinator.daemon.registry"):
         rec = registry.mark_lost("b", "unreachable from its peers")
     assert rec is not None and rec.state == LOST
     assert "agent b lost: unreachable from its peers" in caplog.text
@@ -62,7 +62,7 @@ def test_a_heartbeat_after_mark_lost_brings_the_agent_back_and_says_why_it_was_o
     registry, changes, _ = _registry(Clock())
     registry.mark_lost("b", "unreachable from its peers")
     changes.clear()
-    with caplog.at_level(logging.WARNING, "coordinator.registry"):
+    with caplog.at_level(logging.WARNING, "coordinator.daemon.registry"):
         _beat(registry, "b")
     rec = registry.get("b")
     assert rec is not None and rec.state == ALIVE and changes == ["change"]
@@ -72,7 +72,7 @@ def test_a_heartbeat_after_mark_lost_brings_the_agent_back_and_says_why_it_was_o
 
 def test_leave_marks_left_without_calling_it_lost(caplog: pytest.LogCaptureFixture) -> None:
     registry, changes, lost = _registry(Clock())
-    with caplog.at_level(logging.INFO, "coordinator.registry"):
+    with caplog.at_level(logging.INFO, "coordinator.daemon.registry"):
         rec = registry.leave("a", "agent shutting down")
     assert rec is not None and rec.state == LEFT
     assert "agent a left: agent shutting down" in caplog.text

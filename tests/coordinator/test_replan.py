@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.replan import (
+from coordinator.commands.status import status_to_json, status_to_text
+from coordinator.job.replan import (
     LINK_CHANGE_MS,
     REQUEST_MARGIN_S,
     SWEEP_NOISE_CAP_MS,
@@ -30,7 +31,6 @@ from coordinator.replan import (
     settle_remeasured,
 )
 from coordinator.scheduler import Network
-from coordinator.status import status_to_json, status_to_text
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.test_job import Cluster, _until, config, run
@@ -337,11 +337,11 @@ def test_a_spare_replaces_a_member_whose_uplink_degraded(tmp_path: Path) -> None
 
 
 def test_re_plans_outlive_a_coordinator_restart(tmp_path: Path) -> None:
-    from coordinator.job import Job
-    from coordinator.jobstore import JobStore
-    from coordinator.linkstore import LinkStore
-    from coordinator.measure import LinkMeasurer
-    from coordinator.registry import Registry
+    from coordinator.daemon.jobstore import JobStore
+    from coordinator.daemon.registry import Registry
+    from coordinator.job.machine import Job
+    from coordinator.links.measure import LinkMeasurer
+    from coordinator.links.store import LinkStore
 
     def job() -> Job:
         registry, links = Registry(liveness_timeout_s=60), LinkStore()
@@ -409,8 +409,8 @@ def test_a_requested_checkpoint_lies_a_heartbeat_and_a_margin_ahead(
 
 
 def test_the_coordinator_tells_its_registry_the_heartbeat_interval() -> None:
-    from coordinator.config import CoordinatorConfig
-    from coordinator.server import CoordinatorService
+    from coordinator.daemon.config import CoordinatorConfig
+    from coordinator.daemon.server import CoordinatorService
 
     svc = CoordinatorService(CoordinatorConfig(heartbeat_interval_s=4.0, liveness_timeout_s=9.0))
     assert svc.registry.heartbeat_interval_s == 4.0

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.history import History, history_to_json, history_to_text
-from coordinator.status import CLEAR_SCREEN
+from coordinator.commands.status import CLEAR_SCREEN
+from coordinator.daemon.history import History, history_to_json, history_to_text
 from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.daemons import TOKEN, Daemons
@@ -66,7 +66,7 @@ def _history_data(points: int = 40) -> dict:
 
 
 def test_history_plot_is_a_png(tmp_path: Path) -> None:
-    from coordinator.plots import plot_history
+    from coordinator.commands.plots import plot_history
 
     path = tmp_path / "history.png"
     plot_history(_history_data(), str(path))

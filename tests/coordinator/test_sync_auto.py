@@ -11,16 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import scenarios, sync_auto
-from coordinator.job import Job
-from coordinator.jobstore import JobStore
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer
-from coordinator.registry import Registry
-from coordinator.scheduler import Network
+from coordinator.commands.status import status_to_text
+from coordinator.daemon.jobstore import JobStore
+from coordinator.daemon.registry import Registry
+from coordinator.job.machine import Job
+from coordinator.links.measure import LinkMeasurer
+from coordinator.links.store import LinkStore
+from coordinator.scheduler import Network, scenarios, sync_auto
 from coordinator.scheduler.compute import Workload, tasklet_seconds
 from coordinator.scheduler.steptime import simulate_step
-from coordinator.status import status_to_text
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import SYNC_AUTO
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -95,7 +94,7 @@ def test_h_is_capped_by_the_steps_and_by_max_auto_and_says_so() -> None:
 
 def test_coordinator_plan_shows_the_h_auto_would_choose(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from coordinator import plan
+    from coordinator.commands import plan
 
     argv = ["--scenario", "world", "--per-city", "2", "--stages", "4", "--replicas", "4",
             "--model", "gpt-mini", "--sync-every", "auto", "--sync-overhead", "0.01"]

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dtfm", "coordinator", "agent")
 OURS = (*PACKAGES, "protos")
 CLI_MODULES = frozenset({
-    "coordinator.cli", "agent.cli", "coordinator.plan", "coordinator.demo",
-    "coordinator.demo_wan", "coordinator.report", "agent.local", "agent.prepare",
+    "coordinator.cli", "agent.cli", "coordinator.commands.plan", "coordinator.commands.demo",
+    "coordinator.commands.demo_wan", "coordinator.commands.report", "agent.local", "agent.prepare",
 })
 FORBIDDEN_IN_CORE = ("torch", "grpc", "grpc_health", "grpc_reflection")
 

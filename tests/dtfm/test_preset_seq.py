@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import JobConfig
+from coordinator.daemon.config import JobConfig
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import ModelSpec, TrainConfig
 

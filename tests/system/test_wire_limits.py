@@ -14,8 +14,8 @@ import math
 import grpc
 import pytest
 
-from coordinator.registry import LOST, Registry
-from coordinator.validate import validate_agent_info
+from coordinator.daemon.registry import LOST, Registry
+from coordinator.daemon.validate import validate_agent_info
 from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS, OMITTED_METADATA, clip, is_host
 from dtfm.rpc import MAX_MESSAGE_BYTES
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import scenarios
-from coordinator.scheduler import Network, compression, plan_cost, search_plan
+from coordinator.scheduler import Network, compression, plan_cost, scenarios, search_plan
 from coordinator.scheduler.compression import (
     CODEC_S_PER_GB,
     MIN_GAIN,
@@ -205,7 +204,7 @@ def test_assignments_carry_each_ranks_codecs() -> None:
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coordinator.plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "coordinator.commands.plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -7,8 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from coordinator import scenarios
-from coordinator.scheduler import CostModel, Network, comm_gb, plan_cost
+from coordinator.scheduler import CostModel, Network, comm_gb, plan_cost, scenarios
 from coordinator.scheduler.costmodel import (
     _HallBottleneck,
     _HeldKarp,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import scenarios
+from coordinator.scheduler import scenarios
 from tests.coordinator.scheduler.reference import grid_cost, random_net
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.plan", *args],
+        [sys.executable, "-m", "coordinator.commands.plan", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
 

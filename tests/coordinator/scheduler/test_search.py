@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import scenarios
-from coordinator.scheduler import CostModel, Network, plan_cost, search_plan
+from coordinator.scheduler import CostModel, Network, plan_cost, scenarios, search_plan
 from coordinator.scheduler.baselines import random_best, rank_order
 from tests.coordinator.scheduler.reference import balanced_partitions, grid_cost, random_net
 

@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from coordinator import scenarios
-from coordinator.scheduler import Network
+from coordinator.scheduler import Network, scenarios
 from coordinator.scheduler.dpshares import group_shares
 from coordinator.scheduler.steptime import (
     StepShape,

@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import scenarios
-from coordinator.scheduler import Network
+from coordinator.scheduler import Network, scenarios
 from coordinator.scheduler.steptime import StepShape, polish, simulate_step, step_shape
 from dtfm.core.presets import get_preset
 
@@ -66,7 +65,7 @@ def test_sync_every_below_one_is_refused() -> None:
 
 
 def test_coordinator_plan_shows_the_amortised_step() -> None:
-    from coordinator.plan import main
+    from coordinator.commands.plan import main
 
     args = ["--scenario", "world", "--per-city", "2", "--model", "gpt-mini", "--stages", "4",
             "--replicas", "4", "--batch", "16", "--micro-batches", "4", "--seconds", "1",
@@ -93,7 +92,7 @@ def test_coordinator_plan_prices_the_step_with_the_codecs_it_asks_for(tmp_path: 
     replay, as `coordinator start` prices them: they once reached the paper's cost alone, so
     `plan` polished and predicted an int4 job as if it sent fp32 (on the benchmarks' world,
     Mbit/s links, 1.18 s a step against 0.57 s)."""
-    from coordinator.plan import main
+    from coordinator.commands.plan import main
     from coordinator.scheduler.compression import Compression
 
     delay, mbps, _ = scenarios.world_links(2, 25.0)  # bench/wan.py's 16-agent world

@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import scenarios
-from coordinator.scheduler import Network, search_plan
+from coordinator.scheduler import Network, scenarios, search_plan
 from coordinator.scheduler.compute import (
     Devices,
     Workload,
@@ -212,7 +211,7 @@ def test_the_split_avoids_a_device_too_small_for_the_even_split() -> None:
 # --- coordinator plan ---
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coordinator.plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "coordinator.commands.plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=180)
 
 

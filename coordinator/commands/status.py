@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from coordinator.linkstore import matrix_to_json
-from coordinator.registry import STATE_NAMES
-from coordinator.replanlog import replans_to_json, replans_to_text
+from coordinator.daemon.registry import STATE_NAMES
+from coordinator.job.replanlog import replans_to_json, replans_to_text
+from coordinator.links.store import matrix_to_json
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 

@@ -2,7 +2,7 @@
 
 Owns turning command-line flags into one `search_plan` call plus its baselines, and printing
 the answer (a table, or one JSON object with `--json`). Wired into `coordinator/cli.py` as the
-`plan` subcommand through `add_arguments` and `run`; `python -m coordinator.plan` runs it
+`plan` subcommand through `add_arguments` and `run`; `python -m coordinator.commands.plan` runs it
 standalone. Bad input is one line on stderr and exit code 2.
 """
 
@@ -16,11 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import plan_compress, plan_sync, plan_uneven, scenarios
-from coordinator.placement import polished_grid
-from coordinator.scheduler import Network, comm_gb, plan_cost, search_plan
+from coordinator.scheduler import (
+    Network,
+    comm_gb,
+    plan_compress,
+    plan_cost,
+    plan_sync,
+    plan_uneven,
+    scenarios,
+    search_plan,
+)
 from coordinator.scheduler.baselines import random_best, rank_order
 from coordinator.scheduler.costmodel import CostModel
+from coordinator.scheduler.placement import polished_grid
 from dtfm import flags
 from dtfm.core.presets import PRESETS, get_preset
 from dtfm.core.shape import pick_shape
@@ -100,7 +108,7 @@ def _note(msg: str) -> None:
 
 
 def _load_links(path: str) -> tuple[Network, list[Any] | None]:
-    from coordinator.linkstore import load_links_file
+    from coordinator.links.store import load_links_file
 
     try:
         obj = load_links_file(path, need_agents=False)
@@ -307,7 +315,7 @@ def _searched(out: dict[str, Any]) -> str:
 def write_plot(net: Network, out: dict[str, Any], path: str) -> str:
     """Draw the plan over its matrices into `path`; returns an error message, or ""."""
     try:
-        from coordinator.plots import plot_plan
+        from coordinator.commands.plots import plot_plan
     except ImportError as e:
         return f"--plot needs matplotlib ({e}): pip install 'dtfm[plot]'"
     title = (f"{out['source']}: {out['stages']} stages x {out['replicas']} pipelines, "

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from coordinator.job import Job
-from coordinator.linkstore import LinkStore
-from coordinator.registry import ALIVE, STATE_NAMES, Registry
-from coordinator.status import traffic_per_step
+from coordinator.commands.status import traffic_per_step
+from coordinator.daemon.registry import ALIVE, STATE_NAMES, Registry
+from coordinator.job.machine import Job
+from coordinator.links.store import LinkStore
 from protos.dtfm.v1 import coordinator_pb2
 
 JOB_STATES = [n.removeprefix("JOB_STATE_").lower() for n in coordinator_pb2.JobState.keys()

@@ -13,8 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from coordinator import plan_compress
-from coordinator.scheduler import Network
+from coordinator.scheduler import Network, plan_compress
 from coordinator.scheduler.compute import Devices, Workload, plan_split
 from coordinator.scheduler.memory import check_fit, gib, stages_bytes
 from dtfm import flags

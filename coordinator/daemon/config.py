@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from coordinator.placement import Placement
+from coordinator.scheduler.placement import Placement
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.rpc import ConfigError, Security, split_hostport
 
@@ -108,7 +108,7 @@ class JobConfig:
         if not self.model:
             return
         if self.links_file:
-            from coordinator.linkstore import load_links_file
+            from coordinator.links.store import load_links_file
 
             try:
                 load_links_file(self.links_file)

@@ -16,20 +16,20 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from coordinator.config import CoordinatorConfig
-from coordinator.history import History
-from coordinator.job import Job
-from coordinator.jobstore import JobStore
-from coordinator.linkstore import LinkStore
-from coordinator.measure import LinkMeasurer, Pings
-from coordinator.registry import AgentRecord, IdentityError, Registry
-from coordinator.validate import (
+from coordinator.daemon.config import CoordinatorConfig
+from coordinator.daemon.history import History
+from coordinator.daemon.jobstore import JobStore
+from coordinator.daemon.registry import AgentRecord, IdentityError, Registry
+from coordinator.daemon.validate import (
     secret_problem,
     validate_agent_info,
     validate_leave,
     validate_link_report,
     validate_progress,
 )
+from coordinator.job.machine import Job
+from coordinator.links.measure import LinkMeasurer, Pings
+from coordinator.links.store import LinkStore
 from dtfm import rpc
 from dtfm.core.limits import (
     MAX_AGENTS,
@@ -177,7 +177,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job = self.config.job
         if not (job.export_dir and self.job.state == coordinator_pb2.JOB_STATE_DONE):
             return
-        from coordinator.export import export_from_status
+        from coordinator.job.export import export_from_status
         from dtfm.core.hfexport import ExportError, find_tokenizer
 
         status = coordinator_pb2.ClusterStatus(
@@ -295,7 +295,7 @@ async def start_metrics(service: CoordinatorService) -> asyncio.Server | None:
     """The Prometheus endpoint of `--metrics-listen`, or None when it is off."""
     if not service.config.metrics_listen:
         return None
-    from coordinator.metrics import coordinator_registry
+    from coordinator.daemon.metrics import coordinator_registry
     from dtfm.metrics import serve_metrics
 
     registry = coordinator_registry(service.registry, service.job, service.links)

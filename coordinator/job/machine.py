@@ -25,16 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import sync_auto
-from coordinator.config import JobConfig
-from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
-from coordinator.linkstore import LinkStore, matrix_arrays
-from coordinator.measure import LinkMeasurer
-from coordinator.placement import Placement, address_key, fixed_grid, score
-from coordinator.recovery import Recoveries, layout_text
-from coordinator.registry import AgentRecord, Registry
-from coordinator.replan import Replanner
-from coordinator.scheduler import Network
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.jobstore import JobSnapshot, JobStore, fingerprint
+from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.job.recovery import Recoveries, layout_text
+from coordinator.job.replan import Replanner
+from coordinator.links.measure import LinkMeasurer
+from coordinator.links.store import LinkStore, matrix_arrays
+from coordinator.scheduler import Network, sync_auto
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import (
     Devices,
@@ -44,6 +42,7 @@ from coordinator.scheduler.compute import (
     tasklet_seconds,
 )
 from coordinator.scheduler.memory import DoesNotFit, check_fit, packs, stages_bytes
+from coordinator.scheduler.placement import Placement, address_key, fixed_grid, score
 from coordinator.scheduler.steptime import StepShape, StepTime, dp_shares, simulate_step
 from dtfm.core.assignment import build_assignments, mirror_stages
 from dtfm.core.layout import Layout, layer_splits
@@ -81,8 +80,8 @@ def _search(delay: np.ndarray, bandwidth: np.ndarray, stages: int, replicas: int
     """Runs in a worker process (the scheduler is pure numpy and CPU-bound): the paper's
     search, then its grid polished against the step model for half as long again
     (`placement.polished_grid`; `flops`: each agent's FLOP/s, 0 where unknown)."""
-    from coordinator.placement import polished_grid
     from coordinator.scheduler import Network, search_plan
+    from coordinator.scheduler.placement import polished_grid
 
     net = Network(delay_ms=delay, bandwidth_gbps=bandwidth)
     result = search_plan(net, stages=stages, replicas=replicas, dp_gb=dp_gb, pp_gb=pp_gb,
@@ -627,7 +626,7 @@ class Job:
 
     def _known_links(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The members' rows of the `--links` file (read again: it may have been refreshed)."""
-        from coordinator.linkstore import load_links_file
+        from coordinator.links.store import load_links_file
 
         obj = load_links_file(self.config.links_file)
         index = {a: i for i, a in enumerate(obj["agents"])}

@@ -18,8 +18,7 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from coordinator import sync_auto
-from coordinator.scheduler import Network
+from coordinator.scheduler import Network, sync_auto
 from coordinator.scheduler.compute import Workload, tasklet_seconds
 from coordinator.scheduler.steptime import StepTime, simulate_step
 from dtfm import flags

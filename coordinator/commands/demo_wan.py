@@ -55,7 +55,7 @@ def _say(args: argparse.Namespace, text: str, **data: Any) -> None:
 
 
 def _run(args: argparse.Namespace, workdir: Path) -> int:
-    from coordinator.scenarios import world_links
+    from coordinator.scheduler.scenarios import world_links
     from dtfm.wan.cluster import WanCluster, measurement_wan
 
     delay, bandwidth, cities = world_links(args.per_city, args.scale)

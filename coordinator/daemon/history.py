@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.replanlog import replans_to_json, replans_to_text
+from coordinator.job.replanlog import replans_to_json, replans_to_text
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from google.protobuf import json_format
 
-from coordinator.drift import Drift, DriftWatch, Sample
-from coordinator.linkinfer import latency_clusters, representatives, to_measure
-from coordinator.linkstore import matrix_arrays
-from coordinator.measure import Pings
+from coordinator.job.drift import Drift, DriftWatch, Sample
+from coordinator.links.infer import latency_clusters, representatives, to_measure
+from coordinator.links.measure import Pings
+from coordinator.links.store import matrix_arrays
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, tasklet_seconds
 from coordinator.scheduler.memory import FP32, param_state_bytes
@@ -56,7 +56,7 @@ from dtfm.core.rounds import requested_checkpoint
 from protos.dtfm.v1 import coordinator_pb2
 
 if TYPE_CHECKING:
-    from coordinator.job import Job, _Prediction
+    from coordinator.job.machine import Job, _Prediction
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ class Replanner:
             rec.decision, rec.outcome = "stay", "declined"
             rec.why = "a member left during the evaluation; its recovery re-plans anyway"
             return
-        from coordinator.job import _split, device_figures
+        from coordinator.job.machine import _split, device_figures
 
         figures = device_figures(records, job.config.train.dtype)
         dev = Devices.of(flops, figures.memory.tolist(), figures.pools or None)
@@ -475,7 +475,7 @@ class Replanner:
             return []
         at = model.agents.index(worst)
         out = []
-        from coordinator.job import agent_flops, device_figures
+        from coordinator.job.machine import agent_flops, device_figures
 
         for spare in job._spares()[:SPARES_TRIED]:
             ids = [spare.agent_id if a == worst else a for a in model.agents]
@@ -635,7 +635,7 @@ class Replanner:
 def _prediction_like(model: _Prediction, net: Network, grid: list[list[int]],
                      splits: list[int], flops: list[float],
                      agents: list[str] | None = None) -> _Prediction:
-    from coordinator.job import _Prediction
+    from coordinator.job.machine import _Prediction
 
     return _Prediction(net=net, grid=grid, work=model.work, splits=list(splits),
                        agents=list(agents or model.agents), flops=flops)

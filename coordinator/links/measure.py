@@ -25,9 +25,9 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from coordinator.linkinfer import latency_clusters, sampled_links, to_measure
-from coordinator.linkstore import LinkStore, rotation_rounds
-from coordinator.registry import AgentRecord, Registry
+from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.links.infer import latency_clusters, sampled_links, to_measure
+from coordinator.links.store import LinkStore, rotation_rounds
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 

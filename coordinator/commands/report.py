@@ -12,7 +12,7 @@ import sys
 
 import grpc
 
-from coordinator.history import history_to_json, history_to_text
+from coordinator.daemon.history import history_to_json, history_to_text
 from dtfm import flags, rpc
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -32,7 +32,7 @@ def write_plot(data: dict, path: str) -> str:
     if not data["points"]:
         return "no steps recorded yet, so nothing to plot: wait for the job to train"
     try:
-        from coordinator.plots import plot_history
+        from coordinator.commands.plots import plot_history
     except ImportError as exc:
         return f"--plot needs matplotlib ({exc}): pip install 'dtfm[plot]'"
     try:

@@ -68,7 +68,7 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _resolve_defaults(args)
     if args.wan is not None:
-        from coordinator.demo_wan import run_wan
+        from coordinator.commands.demo_wan import run_wan
 
         return run_wan(args)
     if args.stages * args.replicas != args.agents:
