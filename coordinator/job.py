@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import sync_auto
+from coordinator import linkfailure, sync_auto
 from coordinator.config import JobConfig
 from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
-from coordinator.linkstore import LinkStore, matrix_arrays
+from coordinator.linkstore import LinkStore, blame, matrix_arrays
 from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
 from coordinator.recovery import Recoveries, layout_text
@@ -205,6 +205,8 @@ class Job:
         self._unreachable: dict[str, float] = {}
         self._spare_task: asyncio.Task[None] | None = None  # measuring newcomers' links
         self._spare_retry_at = 0.0
+        # links a peer error blamed: the next epoch re-measures them (coordinator/linkfailure.py)
+        self._suspect_links: set[tuple[str, str]] = set()
         self.recoveries = Recoveries()
         self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
@@ -422,31 +424,43 @@ class Job:
         members = await self._gather(placement)
         wanted = len(members)
         ids = [m.agent_id for m in members]
+        failures = linkfailure.LinkFailures()
+        suspects = {link for link in self._suspect_links if set(link) <= set(ids)}
+        self._suspect_links = set()
         if cfg.links_file:
             try:
                 delay, bandwidth = self._known_links(ids)
             except ValueError as exc:
                 self._set(S.JOB_STATE_FAILED, str(exc))
                 return
-        elif cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids):
+        elif (cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids)
+              and not suspects):
             # a recovery among agents measured before: their links did not change because
             # someone else died, and measuring again would cost a minute of stall
             delay, bandwidth = matrix_arrays(self.links.matrix(ids))
         elif cfg.measure_links and wanted > 1:
             self._cancel_spare_measurement()
-            # a recovery measures only the links it has no figure for (newcomers'): the
-            # others did not change because an agent came or went
+            # a recovery measures only the links it has no figure for (newcomers', and those
+            # that failed): the others did not change because an agent came or went; after
+            # peer errors, also the links they blame (and every pair's latency: a dead link's
+            # pings time out)
             missing = len(self.measurer.missing_links(ids)) if self.epoch else \
                 wanted * (wanted - 1)
-            self._set(S.JOB_STATE_MEASURING, f"measuring {missing} links")
-            matrix = await self.measurer.measure(members, only_missing=bool(self.epoch))
-            bad = self.links.unreachable_agents(ids)
+            if suspects:
+                self._set(S.JOB_STATE_MEASURING, f"re-measuring {len(suspects)} links the "
+                          f"workers' peer errors blame, and every pair's latency")
+                matrix = await self.measurer.measure(members, bandwidth_links=suspects)
+            else:
+                self._set(S.JOB_STATE_MEASURING, f"measuring {missing} links")
+                matrix = await self.measurer.measure(members, only_missing=bool(self.epoch))
+            failures = linkfailure.partition(ids, linkfailure.failed_links(self.links, ids))
+            bad = failures.leave_out
             if bad:
                 self._set(S.JOB_STATE_WAITING,
                           f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
                 self._hold_out(bad)
                 return
-            delay, bandwidth = matrix_arrays(matrix)
+            delay, bandwidth = linkfailure.priced(*matrix_arrays(matrix), ids, failures.dead)
         else:
             delay = np.ones((wanted, wanted))
             bandwidth = np.ones((wanted, wanted))
@@ -468,6 +482,22 @@ class Job:
             found = await self._place(placement, net, layout, ids, work,
                                       device_figures(members, cfg.train.dtype), flops,
                                       warm=self._warm_grid(layout, ids, placement))
+            if crossed := linkfailure.crossing(found["grid"], failures.indices(ids)):
+                # a fixed placement, a kept grid, or a connection the cost model does not
+                # price (rank 0's store, a pipeline's far stages): swap off the dead links
+                grid = linkfailure.avoid(found["grid"], failures.indices(ids)) \
+                    if placement.kind == "scheduled" else None
+                if grid is None:
+                    bad = blame(ids, [(ids[a], ids[b]) for a, b in map(sorted, crossed)])
+                    self._set(S.JOB_STATE_WAITING, f"no {placement.label} placement avoids the "
+                              f"dead link(s) {linkfailure.describe(failures.dead)}: leaving "
+                              f"out {', '.join(bad)}; waiting for others")
+                    self._hold_out(bad)
+                    return
+                found = await self._place(placement, net, layout, ids, work,
+                                          device_figures(members, cfg.train.dtype), flops,
+                                          warm=(grid, f"{found['algorithm']}, swapped off "
+                                                      f"dead links"))
         except DoesNotFit as exc:
             self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
                       f"{layout.replicas} replicas does not fit: {exc}")
@@ -541,7 +571,9 @@ class Job:
                      f"{layout_text(self._wanted.stages, self._wanted.replicas)})"
                      if self._wanted and layout != self._wanted else "")
                   + (f", resuming from checkpoints cut as "
-                     f"{','.join(map(str, resplit))} layers per stage" if resplit else ""))
+                     f"{','.join(map(str, resplit))} layers per stage" if resplit else "")
+                  + (f", around dead link(s) {linkfailure.describe(failures.dead)}"
+                     if failures.dead else ""))
         self.replan.start_epoch(predicted.step_s)
         self._persist()
         await self._follow()
@@ -848,6 +880,9 @@ class Job:
     async def _recover(self, failure: str) -> None:
         self.replan.cancel()  # a re-plan in the making is moot: the recovery plans anew
         self.recoveries.begin(failure, self._layout_text(), self._last_step())
+        if self._failure_kind == "peer":  # the next epoch re-measures what the errors blame
+            self._suspect_links = linkfailure.blamed_links(
+                self._grid_ids, linkfailure.peer_failed(self._progress))
         self._settle_after = self.registry.now()
         await self._stop_members(f"recovering: {failure}")
         self.restarts += 1
