@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import linkfailure, sync_auto
+from coordinator import linkfailure, rootcause, sync_auto
 from coordinator.config import JobConfig
 from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
 from coordinator.linkstore import LinkStore, blame, matrix_arrays
@@ -174,6 +174,7 @@ class Job:
         self._progress: dict[str, coordinator_pb2.ProgressReport] = {}
         self._failure: str = ""
         self._failure_kind: str = ""
+        self._failure_at = 0.0  # when this epoch's first failure arrived (rootcause.hold_s)
         self._last_epoch_failure: tuple[str, int] = ("", 0)  # (kind, steps done) of the last
         self._steps: dict[str, deque[coordinator_pb2.ProgressReport]] = {}
         self._model: _Prediction | None = None
@@ -296,16 +297,21 @@ class Job:
                 steps.append(report)  # step 1 carries warm-up; later ones are steady
                 self.replan.observe(rec.agent_id, report)
             failed = WorkerState.from_wire(report.worker_state) is WorkerState.FAILED
-            if failed and not self._failure:
+            kind = report.error_kind or "internal"
+            if failed and (not self._failure or rootcause.outranks(kind, self._failure_kind)):
+                self._failure_at = self._failure_at if self._failure else time.monotonic()
                 self._failure = f"worker on {rec.agent_id} failed: {report.error or 'no reason'}"
-                self._failure_kind = report.error_kind or "internal"
+                self._failure_kind = kind
             self.poke()
 
     def on_lost(self, lost: list[AgentRecord]) -> None:
-        if self.state == S.JOB_STATE_RUNNING:
-            ids = [r.agent_id for r in lost if r.agent_id in self.members]
-            if ids and not self._failure:
-                self._failure = f"lost agent(s) {', '.join(ids)}"
+        ids = [r.agent_id for r in lost if r.agent_id in self.members]
+        if ids and self.state == S.JOB_STATE_RUNNING and (
+                not self._failure or rootcause.outranks(rootcause.LOST, self._failure_kind)):
+            self._failure = rootcause.lost_reason(ids, self._failure)
+            self._failure_kind = rootcause.LOST
+        elif ids and self.state == S.JOB_STATE_RECOVERING:  # the errors it caused came first
+            self.recoveries.explain(rootcause.lost_reason(ids, self._failure))
         self.poke()
 
     def checkpoint_floor(self) -> int:
@@ -812,6 +818,11 @@ class Job:
             fresh_checkpoint = self._note_checkpoint()
             self._check_adopted()
             if self._failure:
+                if hold := rootcause.hold_s(self._failure_kind, self._failure_at,
+                                            time.monotonic(),
+                                            self.registry.heartbeat_interval_s):
+                    await self._wait(hold)  # other members' reports may name the cause
+                    continue
                 await self._recover(self._failure)
                 return
             self._measure_spares()
