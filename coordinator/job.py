@@ -31,6 +31,7 @@ from coordinator.jobstore import JobSnapshot, JobStore, fingerprint
 from coordinator.linkstore import LinkStore, blame, matrix_arrays
 from coordinator.measure import LinkMeasurer
 from coordinator.placement import Placement, address_key, fixed_grid, score
+from coordinator.reconcile import persistence_fields, stale_snapshot
 from coordinator.recovery import Recoveries, layout_text
 from coordinator.registry import AgentRecord, Registry
 from coordinator.replan import Replanner
@@ -282,6 +283,12 @@ class Job:
     def on_progress(self, rec: AgentRecord, report: coordinator_pb2.ProgressReport) -> None:
         """Take a member's report for this epoch; `rec` is the agent its secret proved, so
         no one else's report can mark a member done or fail the job."""
+        if self._adopt_deadline and (stale := stale_snapshot(self.job_id, self.epoch, report)):
+            log.warning("job %s: %s", self.job_id, stale)
+            self.epoch, self._adopt_deadline = report.epoch, 0.0  # the next epoch is newer
+            self.members = list(dict.fromkeys([*self.members, rec.agent_id]))  # to stop
+            self._failure, self._failure_kind = stale, "stale"
+            self.poke()
         if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
                 and rec.agent_id in self.members):
             self._progress[rec.agent_id] = report
@@ -375,6 +382,7 @@ class Job:
             replicas=self._layout.replicas if self._layout else 0,
             checkpoint_step=self.checkpoint_step, restarts=self.restarts,
             recoveries=self.recoveries.items, replans=self.replan.records,
+            **persistence_fields(self.store),
         )
 
     # --- the machine ---
