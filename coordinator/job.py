@@ -599,7 +599,8 @@ class Job:
         (`sync_auto.choose`), checked to fit with the outer state H > 1 keeps per parameter.
         Raises `DoesNotFit`."""
         choice = sync_auto.choose(net, found["grid"], work, flops, found["splits"], steps,
-                                  self.config.sync_overhead)
+                                  self.config.sync_overhead, measured=bool(
+                                      self.config.measure_links or self.config.links_file))
         self._sync_every, self._sync_note = choice.every, choice.note
         log.info("job %s: --sync-every %s", self.job_id, choice.note)
         work = replace(work, sync_every=choice.every)

@@ -70,3 +70,19 @@ def test_a_member_found_lost_after_the_recovery_began_becomes_its_reason() -> No
             reason
         assert h.job.status().recoveries[-1].reason == reason  # what status shows
     run(config(max_restarts=3), body, agents=4)
+
+
+def test_a_non_finite_loss_fails_the_job_instead_of_being_retried() -> None:
+    """A worker reports a non-finite loss as a `config` failure: retrying the same weights and
+    data diverges the same way, so the job fails with restarts left, in a recovered epoch too."""
+    async def body(h: Harness) -> None:
+        await h.running_epoch(1)
+        h.report("agent-2", WorkerState.FAILED, error=PEER, error_kind="peer")
+        await h.running_epoch(2)
+        h.report("agent-0", WorkerState.FAILED, error_kind="config",
+                 error="ValueError: the loss at step 7 is nan: lower --lr or check the data")
+        await until(lambda: h.job.state == FAILED)
+        await asyncio.sleep(0.05)
+        assert h.job.epoch == 2 and "loss at step 7 is nan" in h.job.message
+        assert "rescheduling" not in h.job.message and "invalid" in h.job.message
+    run(config(max_restarts=5), body)
