@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from agent.checkpoints import BadCopy, Peer, download, list_peer
+from agent.checkpoints import BadCopy, DiskFull, Peer, download, list_peer
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import member_address
@@ -102,7 +102,7 @@ async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
     try:
         peers = [Peer(a, agent_pb2_grpc.AgentStub(c)) for a, c in
                  zip(addresses, channels, strict=True)]
-        held = await _listings(peers, job_id, spec.n_layers)
+        held = await _listings(peers, job_id, spec)
         picked = pick_step(held, spec.n_layers)
         if picked is None:
             raise ExportError(
@@ -121,16 +121,17 @@ async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
             await c.close()
 
 
-async def _listings(peers: Sequence[Peer], job_id: str, n_layers: int
+async def _listings(peers: Sequence[Peer], job_id: str, spec: ModelSpec
                     ) -> dict[tuple[int, int], list[Holding]]:
     """(stage, step) -> its holders, over every peer and every stage it may hold (a stage
-    count is at most the layer count: a split of any epoch, re-cuts included)."""
+    count is at most the layer count: a split of any epoch, re-cuts included). A step that
+    declares more bytes than its layers of `spec` take is left out (`list_peer`)."""
     held: dict[tuple[int, int], list[Holding]] = {}
 
     async def one(peer: Peer) -> None:
-        for stage in range(min(n_layers, MAX_STAGES)):
+        for stage in range(min(spec.n_layers, MAX_STAGES)):
             try:
-                found = await list_peer(peer, job_id, stage)
+                found = await list_peer(peer, job_id, stage, spec)
             except grpc.RpcError as e:
                 log.info("export: %s did not list stage %d: %s", peer.address, stage,
                          rpc.describe_rpc_error(e, peer.address))  # type: ignore[arg-type]
@@ -148,6 +149,9 @@ async def _copy_stage(candidates: Sequence[Holding], job_id: str, into: Path,
         f = next(f for f in h.manifest.files if f.name == ondisk.weights_name(h.manifest.step))
         try:
             await download(h.peer, job_id, into, h.manifest, f)
+        except DiskFull as e:
+            raise ExportError(f"disk full: {e.strerror}; free space there, or give --out on "
+                              f"a disk with room for the model's weights") from None
         except (BadCopy, OSError) as e:
             log.warning("export: stage %d step %d not copied from %s: %s", h.manifest.stage,
                         h.manifest.step, h.peer.address, e)
