@@ -25,7 +25,6 @@ from dtfm import flags
 from dtfm.core import hfexport
 from dtfm.core.assignment import build_assignments
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
-from dtfm.core.hfconfig import read_hf_config
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.presets import PRESETS
@@ -148,11 +147,10 @@ class LocalJob:
         assert self.export is not None
         root = Path(self.train.checkpoint_dir or workdir / "checkpoints")
         step, files = hfexport.local_stage_files(root, "local", self.layout.stages)
-        tokenizer = self.args.tokenizer or hfexport.find_tokenizer(self.train.data_path,
-                                                                   self.train.init_from)
-        source = read_hf_config(self.train.init_from) if self.train.init_from else None
-        hfexport.write_export(self.export, self.spec, files, tokenizer=tokenizer,
-                              force=self.args.force, source_config=source,
+        source = hfexport.export_source(self.train.data_path, self.train.init_from,
+                                        self.args.tokenizer)
+        hfexport.write_export(self.export, self.spec, files, source=source,
+                              force=self.args.force,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
         if not self.args.json:
             print(f"exported step {step} to {self.export}", file=self.out, flush=True)
