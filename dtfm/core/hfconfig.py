@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EMBEDDING_INDEX = -1  # the part indices of agent/worker/model.py (kept equal by a test)
 HEAD_INDEX = -2
+HEAD_TENSOR = "lm_head.weight"
+GPT2_PREFIX = "transformer."  # GPT-2 checkpoints saved from GPT2Model lack it
 
 
 class HfConfigError(ValueError):
@@ -436,3 +439,18 @@ def _llama_part(spec: ModelSpec, i: int) -> dict[str, HfTensor]:
 def embedding_tensor(spec: ModelSpec) -> str:
     """The input embedding's HF name (what a tied checkpoint's head is)."""
     return part_tensors(spec, EMBEDDING_INDEX)["wte.weight"].name
+
+
+def stored_name(name: str, names: Container[str]) -> str | None:
+    """The name HF tensor `name` has among a checkpoint's `names` (GPT-2 files saved from
+    `GPT2Model` lack `transformer.`), or None where it is not there."""
+    if name in names:
+        return name
+    short = name.removeprefix(GPT2_PREFIX)
+    return short if short != name and short in names else None
+
+
+def source_tensor(spec: ModelSpec, tensor: HfTensor, tied: bool) -> str:
+    """The HF tensor a parameter starts from: its own, or, for the head of a checkpoint whose
+    head is its input embedding (`tied`), the embedding (dtfm's untied head starts as it)."""
+    return embedding_tensor(spec) if tensor.name == HEAD_TENSOR and tied else tensor.name

@@ -8,6 +8,7 @@ Nothing is downloaded: every model and tokenizer is built here. fp32 throughout.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -395,3 +396,29 @@ def test_conflicting_rope_keys_are_refused_naming_both(saved: dict, tmp_path: Pa
         "rope_scaling"]})
     with pytest.raises(ValueError, match="rope_scaling rope_type 'yarn' is not supported"):
         _dtfm_logits(only_yarn, ids)
+
+
+def test_absurd_sizes_fail_agent_generate_in_one_line_before_allocating(
+        saved: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """16 TB of layers by config.json, a few KB on disk: refused from the headers (before
+    the fix the allocator's RuntimeError escaped as a traceback)."""
+    path = _copy(saved["llama"][0], tmp_path)
+    config = read_hf_config(path)
+    (path / "config.json").write_text(json.dumps(
+        {**config, "hidden_size": 1_000_000, "intermediate_size": 4_000_000, "head_dim": 8}))
+    assert cli.main(["generate", "--model-dir", str(path), "--prompt-ids", "1,2",
+                     "--greedy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --model-dir {path}: the embedding's tensors ") and \
+        err.endswith("config.json does not describe these weights") and "\n" not in err, err
+
+
+def test_an_integer_tensor_is_refused_not_cast(saved: dict, tmp_path: Path) -> None:
+    path = _copy(saved["qwen2"][0], tmp_path)
+    name = "model.layers.1.self_attn.q_proj.bias"
+    _edit_weights(path, lambda t: t.update({name: t[name].round().to(torch.int64)}))
+    spec = spec_from_hf_config(read_hf_config(path))
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} in .*model"
+                       r"\.safetensors holds torch\.int64 values, not a weight"):
+        load_parts_from_hf(Stage(spec, 1, 2, seed=0).parts(), spec, path)
+    load_parts_from_hf(Stage(spec, 0, 1, seed=0).parts(), spec, path)  # layer 0 does not read it
