@@ -133,7 +133,7 @@ def spec_from_hf_config(config: dict, *, name: str = "", seq_len: int = 0) -> Mo
 
 def _gpt2_spec(config: dict, name: str, seq_len: int) -> ModelSpec:
     act = config.get("activation_function", "gelu_new")
-    if act not in GPT2_ACTIVATIONS:
+    if not isinstance(act, str) or act not in GPT2_ACTIVATIONS:
         raise HfConfigError(f"config.json: activation_function={act!r} is not supported; dtfm's "
                             f"GPT block has {', '.join(GPT2_ACTIVATIONS)}")
     _refuse(config, "scale_attn_weights", True, "dtfm scales attention by 1/sqrt(head_dim)")

@@ -106,6 +106,7 @@ def test_transformers_5_rope_parameters_and_mistral_without_window() -> None:
     (dict(LLAMA32_1B, num_key_value_heads=5), "n_kv_heads=5"),
     (dict(LLAMA32_1B, hidden_size="big"), "hidden_size must be an integer"),
     (dict(GPT2, activation_function="relu"), "activation_function='relu'"),
+    (dict(GPT2, activation_function=[]), "activation_function=\\[\\]"),
     (dict(GPT2, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (dict(MISTRAL_5X, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
      r"rope_scaling \{.*\} and rope_parameters \{.*\} disagree"),
