@@ -7,7 +7,9 @@ its stage's tensors (`agent.worker.hfload`). So that a machine holding another c
 under the same path fails at once instead of training on it, the coordinator hashes
 `config.json` and the index of a sharded checkpoint and every worker compares its own copy's
 hash (`check_dir`) before it joins (a single file of other shapes fails its load, naming the
-tensor).
+tensor). Before anything allocates the model, the weights' safetensors headers must give each
+part the sizes config.json does (`check_weights`: on the coordinator where it holds them, and
+on every worker), so a config.json of absurd sizes is a one-line error, not the allocator's.
 
 Pure Python: no torch, no grpc (the coordinator and the agent daemon use it).
 """
