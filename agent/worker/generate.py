@@ -28,6 +28,7 @@ from dtfm.core.hfconfig import (
     read_hf_config,
     spec_from_hf_config,
 )
+from dtfm.core.hfdir import check_weights
 from dtfm.core.spec import ModelSpec
 
 
@@ -49,6 +50,7 @@ class LoadedModel:
         root = Path(model_dir)
         config = read_hf_config(root)
         spec = spec_from_hf_config(config)
+        check_weights(spec, root, "--model-dir")  # before allocating what config.json says
         gen_path = root / GENERATION_CONFIG_FILE
         gen = read_json(gen_path) if gen_path.is_file() else None
         t0 = time.perf_counter()

@@ -514,7 +514,7 @@ def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
     from agent.worker.hfload import unexpected_tensors
     from dtfm.core.hfdir import check_dir
 
-    check_dir(model_dir, expected_hash)
+    check_dir(model_dir, expected_hash, spec)  # spec: its sizes, before Stage allocates them
     if not extra:
         return
     extra_names = unexpected_tensors(spec, model_dir)
