@@ -11,7 +11,6 @@ fingerprint) and had not finished; otherwise it starts a new job and says why.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+# the one rule of job identity, shared with agent local (dtfm.core.fingerprint)
+from dtfm.core.fingerprint import fingerprint as fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +69,6 @@ class JobSnapshot:
         raw: dict[str, Any] = json.loads(text)
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in raw.items() if k in known})
-
-
-def fingerprint(job_flags: dict[str, Any]) -> str:
-    """Identifies 'the same job': a restarted coordinator with other job flags (another
-    model, batch or step count) must not adopt checkpoints trained under the old ones."""
-    text = json.dumps(job_flags, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class JobStore:
