@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
                   else tokenizer.encode(args.prompt).ids)
         model = LoadedModel.load(model_dir, log=_log)
         model.check_prompt(prompt, args.max_new_tokens)
-    except ValueError as e:  # the config, checkpoint, tokenizer or prompt: said what and where
+        pick = greedy if args.greedy else sampler(args.temperature, args.top_k, args.seed)
+        t0 = time.perf_counter()
+        new = model.continue_ids(prompt, args.max_new_tokens, pick)
+    except ValueError as e:  # the config, checkpoint, tokenizer, prompt or weights: said what
         return flags.fail(str(e))
-    pick = greedy if args.greedy else sampler(args.temperature, args.top_k, args.seed)
-    t0 = time.perf_counter()
-    new = model.continue_ids(prompt, args.max_new_tokens, pick)
     seconds = time.perf_counter() - t0
     _log(f"generated {len(new)} tokens in {seconds:.1f} s "
          f"({len(new) / max(seconds, 1e-9):.1f} tokens/s)")
