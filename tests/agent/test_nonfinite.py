@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from agent import cli  # noqa: E402
 from agent.worker import errors  # noqa: E402
 from tests.agent.worker.testlib import run_local  # noqa: E402
+from tests.daemons import Daemons, wait_for  # noqa: E402
 from tests.hflib import saved  # noqa: E402
 
 BAD = "transformer.h.0.mlp.c_fc.weight"
@@ -69,3 +70,21 @@ def test_generate_on_nan_weights_fails_in_one_line(nan_model: Path, how: list[st
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "are not finite numbers" in err and f"weights hold NaN or inf values: {BAD}" in err
+
+
+@pytest.mark.timeout(240)
+def test_a_cluster_job_on_nan_weights_fails_at_once_without_retrying(
+        nan_model: Path, daemons: Daemons) -> None:
+    """The real coordinator and agents: the workers' `config` error fails the job in its
+    first epoch, with the worker's reason, instead of a recovery that diverges again."""
+    _, address = daemons.coordinator(
+        "--init-from", str(nan_model), "--agents", "2", "--stages", "2", "--replicas", "1",
+        "--steps", "5", "--batch", "2", "--micro-batches", "1", "--eval-batches", "1",
+        "--no-measure", "--search-seconds", "1", "--max-restarts", "3")
+    for i in range(2):
+        daemons.agent(address, f"agent-{i}", "--no-prewarm")
+    job = wait_for(lambda: (s := daemons.status(address)["job"])["state"] in ("done", "failed")
+                   and s, 200, f"the job to end (logs in {daemons.tmp})", 1.0)
+    assert job["state"] == "failed", job
+    assert "NonFiniteLoss" in job["message"] and "invalid" in job["message"], job
+    assert job["epoch"] == 1, job  # never rescheduled onto a second epoch
