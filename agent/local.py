@@ -6,6 +6,12 @@ supervisor does, merging their progress into one stream, and tearing the job dow
 any worker fails: the rest are killed and the error names the rank, its exit code and its
 last stderr lines. This is the one worker-side module allowed to read `dtfm.core.presets`,
 to turn a preset name into a spec.
+
+A run's job id, and so its folder under --checkpoint-dir, is `local-<fingerprint>` of the
+flags that must match to resume (`dtfm.core.fingerprint`, the coordinator's rule): rerunning
+the same command resumes it, a run with other flags starts from step 0 beside it (a single id
+`local` let a run with another seed "resume" a finished one and report done untrained), and a
+rerun of a finished run says there is nothing to train instead of "done".
 """
 
 from __future__ import annotations
