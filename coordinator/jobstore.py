@@ -16,7 +16,6 @@ metrics show, since a restart would adopt the older state that was saved.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+# the one rule of job identity, shared with agent local (dtfm.core.fingerprint)
+from dtfm.core.fingerprint import fingerprint as fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +74,6 @@ class JobSnapshot:
         raw: dict[str, Any] = json.loads(text)
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in raw.items() if k in known})
-
-
-def fingerprint(job_flags: dict[str, Any]) -> str:
-    """Identifies 'the same job': a restarted coordinator with other job flags (another
-    model, batch or step count) must not adopt checkpoints trained under the old ones."""
-    text = json.dumps(job_flags, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class JobStore:

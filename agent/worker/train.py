@@ -356,6 +356,9 @@ class Worker:
         sq = float(local_sq_norm(self.stage))
         table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0], exchange)
         norm = math.sqrt(sum(row[0] for row in table))  # stage order: same bits everywhere
+        loss = table[-1][1]  # the last stage's: every rank of the pipeline stops alike
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise errors.NonFiniteLoss(step, loss, norm)
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
@@ -365,7 +368,7 @@ class Worker:
             synced = outer.sync(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._emit_step(step, table[-1][1], norm, lr, time.perf_counter() - t0, times,
+        self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
                         dp_s, sync_s, synced)
 
     def _emit_step(
