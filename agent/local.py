@@ -31,6 +31,7 @@ from dtfm import flags
 from dtfm.core import checkpoints as ondisk
 from dtfm.core import hfexport
 from dtfm.core.assignment import build_assignments
+from dtfm.core.causes import EXPLAINED_BY_OTHERS, most_telling
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
 from dtfm.core.fingerprint import is_local_job, local_job_id
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
@@ -44,6 +45,10 @@ from dtfm.rpc import free_port
 DEFAULT_MODEL = "gpt-tiny"
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
+# how long a failure that another's usually explains (a peer's, a rendezvous') waits for the
+# other workers' reports before it is named: the worker that refused its input exits first,
+# but its neighbour's "Connection closed by peer" may be the first exit this loop sees
+HOLD_S = 3.0
 
 
 def _splits(text: str) -> str:
@@ -105,6 +110,15 @@ class Proc:
     worker: WorkerProcess
     done: DoneEvent | None = None
     error: str = ""
+    kind: str = ""  # the error event's kind, "" until one arrives (dtfm/core/causes.py)
+
+
+def root_failure(failed: list[Proc]) -> Proc:
+    """The failed worker to name: the fault seam's victim (the others died of losing it),
+    else the most telling kind (a worker that refused its input over the neighbours whose
+    connections it closed), the lowest rank among equals."""
+    victims = [p for p in failed if p.worker.returncode == FAULT_EXIT_CODE]
+    return victims[0] if victims else most_telling(failed, lambda p: p.kind)
 
 
 class LocalJob:
@@ -267,24 +281,37 @@ class LocalJob:
         stage, replica = self.layout.coords(p.rank)
         return f"rank {p.rank} (stage {stage}, replica {replica})"
 
+    @staticmethod
+    def _should_hold(failed: list[Proc], codes: list[int | None]) -> bool:
+        """Whether to wait for more reports before naming the failure: every failure so far is
+        one that another's usually explains, and some worker is still running."""
+        return (any(c is None for c in codes)
+                and all(p.worker.returncode != FAULT_EXIT_CODE
+                        and (not p.kind or p.kind in EXPLAINED_BY_OTHERS) for p in failed))
+
     def monitor(self) -> int:
         """Merge progress until every worker exits; 0 on success, 1 on the first failure."""
         t_start, last_line, steps_seen = time.monotonic(), 0, 0
+        failed_at = 0.0  # when the first failure was seen (HOLD_S)
         while True:
             codes = [p.worker.poll() for p in self.procs]  # before reading: no line is missed
             for p in self.procs:
                 for ev in p.worker.read_events():
                     if isinstance(ev, ErrorEvent):
-                        p.error = ev.message
+                        p.error, p.kind = ev.message, ev.kind
                     elif isinstance(ev, DoneEvent):
                         p.done = ev
                     elif isinstance(ev, StepEvent) and p.rank == self.report_rank:
                         steps_seen += 1
                         last_line = self._print_step(ev, t_start, steps_seen, last_line)
             failed = [p for p, c in zip(self.procs, codes, strict=True) if c not in (None, 0)]
+            if failed and self._should_hold(failed, codes):
+                failed_at = failed_at or time.monotonic()
+                if time.monotonic() - failed_at < HOLD_S:
+                    time.sleep(POLL_S)
+                    continue
             if failed:
-                # the fault seam's victim first: the others died of losing it
-                first = min(failed, key=lambda p: p.worker.returncode != FAULT_EXIT_CODE)
+                first = root_failure(failed)
                 self.kill_all()
                 tail = first.worker.log_tail(15, sep="\n")
                 msg = (

@@ -6,9 +6,9 @@ report hid the real cause: a worker that failed on its own input (`config`: a mi
 refused checkpoint) showed as its neighbour's gloo error and started a needless recovery before
 the real error failed the job; a lost agent showed as a survivor's gloo error. So:
 
-- causes are ranked (`CAUSES`): a configuration error over a lost agent, over a worker's own
-  failure (`internal`), over failing to join (`rendezvous`), over a peer's failure (`peer`),
-  which others explain; a report replaces the job's failure only when it ranks higher;
+- causes are ranked (`dtfm.core.causes`, the order `agent local` uses too): a configuration
+  error over a lost agent, over a worker's own failure (`internal`), over failing to join
+  (`rendezvous`), over a peer's failure (`peer`), which others explain; a report replaces the job's failure only when it ranks higher;
 - a failure that others may explain (`peer`, `rendezvous`) is acted on only after a heartbeat
   interval and a margin (`hold_s`), so every member's report of the same fault has arrived;
 - an agent found lost after the recovery began, among the members that failed, becomes the
@@ -18,22 +18,11 @@ the real error failed the job; a lost agent showed as a survivor's gloo error. S
 
 from __future__ import annotations
 
-# most telling first; "" (a coordinator-side failure: members silent after a restart) and
-# unknown kinds rank with internal
-CAUSES = ("config", "lost", "internal", "rendezvous", "peer")
-EXPLAINED_BY_OTHERS = ("rendezvous", "peer")
+from dtfm.core.causes import CAUSES, EXPLAINED_BY_OTHERS, LOST, outranks, rank
+
+__all__ = ["CAUSES", "LOST", "hold_s", "lost_reason", "outranks", "rank"]
+
 HOLD_MARGIN_S = 1.0  # on top of a heartbeat interval: the report's way to the coordinator
-LOST = "lost"
-
-
-def rank(kind: str) -> int:
-    """Lower is more telling."""
-    return CAUSES.index(kind) if kind in CAUSES else CAUSES.index("internal")
-
-
-def outranks(kind: str, current: str) -> bool:
-    """Whether a failure of `kind` should replace the job's `current` one."""
-    return rank(kind) < rank(current)
 
 
 def hold_s(kind: str, since: float, now: float, heartbeat_interval_s: float) -> float:

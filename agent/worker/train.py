@@ -114,8 +114,8 @@ class Fault:
             return None
         parts = raw.split(":")
         mode = parts[2] if len(parts) > 2 else "exit"
-        if mode not in ("exit", "hang"):
-            raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit' or 'hang'")
+        if mode not in ("exit", "hang", "config"):
+            raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit', 'hang' or 'config'")
         return cls(int(parts[0]), int(parts[1]), mode,
                    int(parts[3]) if len(parts) > 3 else None)
 
@@ -126,6 +126,8 @@ class Fault:
         if self.mode == "hang":
             while True:
                 time.sleep(3600)
+        if self.mode == "config":  # fails as a worker that refuses its own input does
+            raise ValueError(f"fault injection: rank {rank} refuses its input before step {step}")
         os._exit(FAULT_EXIT_CODE)
 
 
