@@ -29,7 +29,12 @@ carrying the sha256 it must end with (so a broken transfer resumes from its leng
 from a peer offering the very same file), is checked for size and sha256 against the peer's
 manifest, then renamed into place; the manifest is written last. A file that fails its
 checksum is deleted and the peer that sent it is skipped with a log line naming it; no half
-file ever sits under a final name, so a worker never loads one.
+file ever sits under a final name, so a worker never loads one. What a peer may offer is
+bounded by the model before anything is fetched (`list_peer`, `dtfm.core.checkpoints.
+size_problem`): a step declaring more bytes than its layers' weights and optimizer state take
+is ignored, and the download stops at the declared size, so a lying peer cannot fill the
+disk. A disk that fills up anyway (`DiskFull`) ends the copy with an error saying so, its
+partial file deleted, instead of trying every other peer for the same failure.
 
 The daemon must not block on this (heartbeats run on the same loop), so disk reads, writes
 and hashing run in threads. No torch here: this is the daemon, not the worker.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -54,6 +60,7 @@ from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import KEEP, FileEntry, Manifest
 from dtfm.core.limits import MAX_NAME, clip, text_problem
+from dtfm.core.spec import ModelSpec
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -161,6 +168,18 @@ class BadCopy(Exception):
     """A peer's file could not be installed: it failed, was cut short, or failed its checks."""
 
 
+class DiskFull(OSError):
+    """The disk a copy was written to filled up (ENOSPC, EDQUOT). Another peer would fill it
+    just the same, so callers stop and say so instead of trying the next one; the partial
+    file is deleted, so the space it took is free again for the worker's own checkpoints."""
+
+    def __init__(self, where: Path, m: Manifest, f: FileEntry, cause: OSError) -> None:
+        super().__init__(cause.errno, f"the disk holding {where} is full ({cause.strerror}): "
+                         f"{f.name} of stage {m.stage} step {m.step} ({f.size / 2**20:.1f} MiB) "
+                         f"was not copied")
+        self.where = where
+
+
 @dataclass
 class Peer:
     """One peer agent, reached over an authenticated channel."""
@@ -169,8 +188,12 @@ class Peer:
     stub: agent_pb2_grpc.AgentStub
 
 
-async def list_peer(peer: Peer, job_id: str, stage: int) -> list[Manifest]:
-    """The complete steps `peer` holds of `stage` (malformed entries are skipped, logged)."""
+async def list_peer(peer: Peer, job_id: str, stage: int, spec: ModelSpec,
+                    layers: tuple[int, int] | None = None) -> list[Manifest]:
+    """The complete steps `peer` holds of `stage`. Malformed entries, and entries declaring
+    more bytes than `spec`'s layers allow (`dtfm.core.checkpoints.size_problem`; `layers`:
+    the range expected where an entry records none), are skipped and logged: nothing larger
+    than the model implies is ever downloaded."""
     reply = await peer.stub.ListCheckpoints(
         agent_pb2.ListCheckpointsRequest(job_id=job_id, stage=stage), timeout=LIST_TIMEOUT_S)
     found = []
@@ -181,8 +204,13 @@ async def list_peer(peer: Peer, job_id: str, stage: int) -> list[Manifest]:
             log.warning("checkpoint: peer %s listed a malformed entry for stage %d step %d "
                         "(%s); ignoring it", peer.address, entry.stage, entry.step, e)
             continue
-        if m.stage == stage:
-            found.append(m)
+        if m.stage != stage:
+            continue
+        if too_big := ondisk.size_problem(m, spec, layers):
+            log.warning("checkpoint: peer %s listed stage %d step %d, but %s; ignoring it",
+                        peer.address, m.stage, m.step, too_big)
+            continue
+        found.append(m)
     return found
 
 
@@ -225,8 +253,20 @@ class _Sink:
 
 async def download(peer: Peer, job_id: str, root: Path, m: Manifest, f: FileEntry) -> None:
     """Copy file `f` of step `m` from `peer` into job folder `root`, resuming a partial
-    download of the same file, verified before it takes its final name. BadCopy says why not."""
+    download of the same file, verified before it takes its final name. BadCopy says why not;
+    DiskFull when this disk filled up (the partial file is deleted then)."""
     part = ondisk.part_for(root, m.stage, f.name, f.sha256)
+    try:
+        await _download(peer, job_id, root, m, f, part)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(e, DiskFull):
+            raise
+        await asyncio.to_thread(part.unlink, True)
+        raise DiskFull(root, m, f, e) from e
+
+
+async def _download(peer: Peer, job_id: str, root: Path, m: Manifest, f: FileEntry,
+                    part: Path) -> None:
     await asyncio.to_thread(ondisk.private_dir, part.parent)
     sink = _Sink(part)
     await asyncio.to_thread(sink.open)
@@ -291,7 +331,9 @@ def _install(part: Path, final: Path) -> None:
 async def fetch_step(candidates: Sequence[tuple[Peer, Manifest]], job_id: str,
                      root: Path) -> bool:
     """Install one step from the first candidate (peer, its manifest) that delivers it whole;
-    each that fails is logged by address and skipped. True when the step is installed."""
+    each that fails is logged by address and skipped. True when the step is installed. A full
+    disk ends the tries (the next peer's copy would not fit either), logged as an error that
+    says what to do."""
     for peer, m in candidates:
         started = time.monotonic()
         try:
@@ -302,6 +344,11 @@ async def fetch_step(candidates: Sequence[tuple[Peer, Manifest]], job_id: str,
                 if await asyncio.to_thread(ondisk.check_file, final, f.size, f.sha256):
                     await download(peer, job_id, root, m, f)
             await asyncio.to_thread(ondisk.write_manifest, root, m)
+        except DiskFull as e:
+            log.error("checkpoint: disk full: %s from %s; free space on this agent's disk "
+                      "(its --state-dir, or the job's --checkpoint-dir) so that it can hold "
+                      "the stage's checkpoints", e.strerror, peer.address)
+            return False
         except (BadCopy, OSError) as e:
             log.warning("checkpoint: stage %d step %d of job %s not copied from %s: %s",
                         m.stage, m.step, job_id, peer.address, e)
@@ -390,6 +437,7 @@ class CheckpointCopier:
             return
         root = ondisk.job_dir(self.root, a.job_id)
         try:
+            spec = ModelSpec.from_proto(a.model)
             srcs = ondisk.sources(a.model.n_layers, a.stage, (a.layer_begin, a.layer_end),
                                   list(a.checkpoint_splits))
         except ValueError as e:  # the worker refuses the same assignment, saying why
@@ -400,7 +448,7 @@ class CheckpointCopier:
                 for src in srcs:
                     have = await asyncio.to_thread(newest_intact, root, src.stage, a.job_id,
                                                    src.layers)
-                    await self._prepare(a, root, src, have)
+                    await self._prepare(a, spec, root, src, have)
         except TimeoutError:
             log.warning("checkpoint: gave up fetching stage(s) %s of job %s after %.0f s; the "
                         "worker starts with what this agent holds (a partial download "
@@ -410,11 +458,12 @@ class CheckpointCopier:
                           "starts with what this agent holds", [s.stage for s in srcs],
                           a.job_id)
 
-    async def _prepare(self, a: common_pb2.Assignment, root: Path, src: ondisk.Source,
-                       have: int) -> None:
+    async def _prepare(self, a: common_pb2.Assignment, spec: ModelSpec, root: Path,
+                       src: ondisk.Source, have: int) -> None:
         stage, layers = src.stage, src.layers
         async with self._peers(a.checkpoint_peers) as peers:
-            listings = await asyncio.gather(*(list_peer(p, a.job_id, stage) for p in peers),
+            listings = await asyncio.gather(*(list_peer(p, a.job_id, stage, spec, layers)
+                                              for p in peers),
                                             return_exceptions=True)
             by_step: dict[int, list[tuple[Peer, Manifest]]] = {}
             for peer, found in zip(peers, listings, strict=True):
@@ -467,6 +516,11 @@ class CheckpointCopier:
         """Keep copies of the stages `a.mirrors` names while `a` runs (until stop_mirrors)."""
         if not self.applies(a):
             return
+        try:
+            spec = ModelSpec.from_proto(a.model)
+        except ValueError as e:  # the worker refuses the same assignment, saying why
+            log.warning("checkpoint: not mirroring for job %s: %s", a.job_id, e)
+            return
         for mirror in a.mirrors:
             if mirror.stage == a.stage:
                 log.warning("checkpoint: not mirroring stage %d of job %s: this agent runs "
@@ -475,7 +529,7 @@ class CheckpointCopier:
             log.info("checkpoint: mirroring stage %d of job %s from %s every %g s",
                      mirror.stage, a.job_id, mirror.peer, self.mirror_interval_s)
             self._mirrors.append(asyncio.create_task(
-                self._mirror(a.job_id, mirror.stage, mirror.peer)))
+                self._mirror(a.job_id, mirror.stage, mirror.peer, spec)))
 
     async def stop_mirrors(self) -> None:
         tasks, self._mirrors = self._mirrors, []
@@ -486,14 +540,14 @@ class CheckpointCopier:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _mirror(self, job_id: str, stage: int, address: str) -> None:
+    async def _mirror(self, job_id: str, stage: int, address: str, spec: ModelSpec) -> None:
         failing = False
         async with self._peers([address]) as peers:
             if not peers:
                 return
             while True:
                 try:
-                    await self.mirror_once(peers[0], job_id, stage)
+                    await self.mirror_once(peers[0], job_id, stage, spec)
                     if failing:
                         log.info("checkpoint: mirror of stage %d from %s works again", stage,
                                  address)
@@ -508,12 +562,13 @@ class CheckpointCopier:
                     failing = True
                 await asyncio.sleep(self.mirror_interval_s)
 
-    async def mirror_once(self, peer: Peer, job_id: str, stage: int) -> list[int]:
+    async def mirror_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec
+                          ) -> list[int]:
         """Make this agent's copy of `stage` follow `peer`'s: copy its newest KEEP steps
         that are missing here or differ (the job resumed from an older step and rewrote
         them), then prune as a worker would, so steps the peer abandoned go too, and note the
         newest step now held in `mirrored` for the heartbeats. Returns the steps copied."""
-        theirs = (await list_peer(peer, job_id, stage))[-KEEP:]
+        theirs = (await list_peer(peer, job_id, stage, spec))[-KEEP:]
         if not theirs:
             return []
         root = ondisk.job_dir(self.root, job_id)

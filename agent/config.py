@@ -9,6 +9,7 @@ from pathlib import Path
 
 from agent.checkpoints import MIRROR_INTERVAL_S
 from dtfm.core.limits import is_host
+from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 STATE_DIR_ENV = "DTFM_STATE_DIR"
@@ -58,6 +59,7 @@ class AgentConfig:
         if not (math.isfinite(self.mirror_interval_s) and self.mirror_interval_s > 0):
             raise ConfigError(f"--mirror-interval must be a number of seconds > 0, got "
                               f"{self.mirror_interval_s}")
+        check_directory(self.state_dir, "--state-dir")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.bind_interface:

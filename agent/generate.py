@@ -20,6 +20,8 @@ from typing import Any
 from dtfm import flags
 from dtfm.core.tokenfiles import TOKENIZER_NAME
 
+DEFAULT_TEMPERATURE = 1.0
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", required=True, metavar="DIR",
@@ -36,10 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true",
                    help="take the likeliest token each step (what transformers' greedy "
                    "generate does) instead of sampling")
-    p.add_argument("--temperature", type=flags.number(float, 0, above=True), default=1.0,
-                   help="sampling temperature (default %(default)s; not with --greedy)")
+    p.add_argument("--temperature", type=flags.number(float, 0, above=True), default=None,
+                   help=f"sampling temperature (default {DEFAULT_TEMPERATURE}; not with "
+                   "--greedy)")
     p.add_argument("--top-k", type=flags.number(int, 0), default=0, metavar="K",
-                   help="sample among the K likeliest tokens (0: all, the default)")
+                   help="sample among the K likeliest tokens (0: all, the default; not with "
+                   "--greedy)")
     p.add_argument("--seed", type=flags.number(int, 0, maximum=2**63 - 1), default=0,
                    help="seeds sampling (default %(default)s)")
     p.add_argument("--json", action="store_true",
@@ -47,14 +51,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 1,2,3, "
-                                         f"got {text!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected one or more token ids >= 0, got {text!r}")
-    return ids
+    """--prompt-ids: every comma separates two ids; an empty item ("1,,2", a trailing comma)
+    is a typo, refused rather than guessed at."""
+    items = text.replace(" ", "").split(",")
+    for n, item in enumerate(items, 1):
+        if not item:
+            raise argparse.ArgumentTypeError(
+                f"item {n} of {text!r} is empty (two commas in a row, or one at an end): give "
+                f"comma-separated token ids such as 1,2,3")
+        if not item.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"item {n} of {text!r}, {item!r}, is not a token id (an integer >= 0): give "
+                f"comma-separated token ids such as 1,2,3")
+    return [int(x) for x in items]
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """--greedy takes the arg-max token, so sampling flags beside it would be silently
+    ignored: refuse the contradiction instead."""
+    given = [f for f, on in (("--temperature", args.temperature is not None),
+                             ("--top-k", args.top_k > 0)) if on]
+    if args.greedy and given:
+        names = " and ".join(given)
+        raise ValueError(f"--greedy contradicts {names}: --greedy always takes the likeliest "
+                         f"token, {names} only shape{'s' if len(given) == 1 else ''} "
+                         f"sampling; drop --greedy to sample, or drop {names}")
 
 
 def load_tokenizer(model_dir: Path, needed: bool) -> Any:
@@ -73,21 +94,35 @@ def load_tokenizer(model_dir: Path, needed: bool) -> Any:
         raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
 
 
+def check_model_dir(model_dir: Path) -> None:
+    """Name a --model-dir that is not there before anything looks for a file inside it."""
+    if not model_dir.exists():
+        raise ValueError(f"--model-dir {model_dir}: no such directory; give a Hugging Face "
+                         f"model directory (config.json, model.safetensors), such as one "
+                         f"`agent local --export-dir` wrote")
+    if not model_dir.is_dir():
+        raise ValueError(f"--model-dir {model_dir} is a file, not a directory; give the "
+                         f"directory that holds config.json and model.safetensors")
+
+
 def run(args: argparse.Namespace) -> int:
     from agent.worker.generate import LoadedModel, greedy, sampler
 
     model_dir = Path(args.model_dir)
     try:
+        check_sampling(args)
+        check_model_dir(model_dir)
         tokenizer = load_tokenizer(model_dir, needed=args.prompt is not None)
         prompt = (args.prompt_ids if args.prompt is None
                   else tokenizer.encode(args.prompt).ids)
         model = LoadedModel.load(model_dir, log=_log)
         model.check_prompt(prompt, args.max_new_tokens)
-    except ValueError as e:  # the config, checkpoint, tokenizer or prompt: said what and where
+        temperature = DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+        pick = greedy if args.greedy else sampler(temperature, args.top_k, args.seed)
+        t0 = time.perf_counter()
+        new = model.continue_ids(prompt, args.max_new_tokens, pick)
+    except ValueError as e:  # the config, checkpoint, tokenizer, prompt or weights: said what
         return flags.fail(str(e))
-    pick = greedy if args.greedy else sampler(args.temperature, args.top_k, args.seed)
-    t0 = time.perf_counter()
-    new = model.continue_ids(prompt, args.max_new_tokens, pick)
     seconds = time.perf_counter() - t0
     _log(f"generated {len(new)} tokens in {seconds:.1f} s "
          f"({len(new) / max(seconds, 1e-9):.1f} tokens/s)")

@@ -6,6 +6,12 @@ supervisor does, merging their progress into one stream, and tearing the job dow
 any worker fails: the rest are killed and the error names the rank, its exit code and its
 last stderr lines. This is the one worker-side module allowed to read `dtfm.core.presets`,
 to turn a preset name into a spec.
+
+A run's job id, and so its folder under --checkpoint-dir, is `local-<fingerprint>` of the
+flags that must match to resume (`dtfm.core.fingerprint`, the coordinator's rule): rerunning
+the same command resumes it, a run with other flags starts from step 0 beside it (a single id
+`local` let a run with another seed "resume" a finished one and report done untrained), and a
+rerun of a finished run says there is nothing to train instead of "done".
 """
 
 from __future__ import annotations
@@ -17,26 +23,32 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from dtfm import flags
+from dtfm.core import checkpoints as ondisk
 from dtfm.core import hfexport
 from dtfm.core.assignment import build_assignments
+from dtfm.core.causes import EXPLAINED_BY_OTHERS, most_telling
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
-from dtfm.core.hfconfig import read_hf_config
+from dtfm.core.fingerprint import is_local_job, local_job_id
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
-from dtfm.core.layout import Layout, layer_splits
+from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.presets import PRESETS
 from dtfm.core.spec import SYNC_AUTO, TrainConfig
-from dtfm.core.tokenfiles import check_data_path
+from dtfm.core.tokenfiles import SPLITS, check_data_path
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.rpc import free_port
 
 DEFAULT_MODEL = "gpt-tiny"
 POLL_S = 0.05
 KILL_GRACE_S = 3.0
+# how long a failure that another's usually explains (a peer's, a rendezvous') waits for the
+# other workers' reports before it is named: the worker that refused its input exits first,
+# but its neighbour's "Connection closed by peer" may be the first exit this loop sees
+HOLD_S = 3.0
 
 
 def _splits(text: str) -> str:
@@ -98,6 +110,15 @@ class Proc:
     worker: WorkerProcess
     done: DoneEvent | None = None
     error: str = ""
+    kind: str = ""  # the error event's kind, "" until one arrives (dtfm/core/causes.py)
+
+
+def root_failure(failed: list[Proc]) -> Proc:
+    """The failed worker to name: the fault seam's victim (the others died of losing it),
+    else the most telling kind (a worker that refused its input over the neighbours whose
+    connections it closed), the lowest rank among equals."""
+    victims = [p for p in failed if p.worker.returncode == FAULT_EXIT_CODE]
+    return victims[0] if victims else most_telling(failed, lambda p: p.kind)
 
 
 class LocalJob:
@@ -118,16 +139,85 @@ class LocalJob:
             check_dir(self.train.init_from)
             self.init_hash = dir_hash(self.train.init_from)
         self.layout = Layout(args.stages, args.replicas)
-        self.export = self._plan_export(args)
+        check_local_data(self.train.data_path)
         check_data_path(self.train.data_path, self.spec.vocab_size,
                         model_tokenizer_hash(self.train.init_from))
+        self.export = self._plan_export(args)
         splits = [int(s) for s in args.layer_splits.split(",") if s.strip()] or None
         self.splits = layer_splits(self.spec.n_layers, args.stages, splits)
+        self.job_id = local_job_id(self.job_flags())
         self.backend = "nccl" if args.device == "cuda" else "gloo"
         self.gpus = self._check_gpus() if args.device == "cuda" else 0
         self.procs: list[Proc] = []
         self.report_rank = self.layout.rank(self.layout.stages - 1, 0)
         self._first_step: tuple[int, float] | None = None
+
+    def job_flags(self) -> dict[str, Any]:
+        """What must match for a run to resume this one's checkpoints: the coordinator's rule
+        (`coordinator.job.job_fingerprint`) for one machine: the model, the stages x replicas
+        layout and its layer split, every training flag (seed, --lr, --steps, which shape the
+        schedule, --data...) but where checkpoints go, and the --init-from weights' hash.
+        Its fingerprint names the job and so its checkpoint folder (`dtfm.core.fingerprint`)."""
+        train = {k: v for k, v in asdict(self.train).items() if k != "checkpoint_dir"}
+        return {"model": asdict(self.spec), "stages": self.layout.stages,
+                "replicas": self.layout.replicas, "layer_split": self.splits, "train": train,
+                **({"init_hash": self.init_hash} if self.init_hash else {})}
+
+    def job_dir(self) -> Path | None:
+        """This run's checkpoint folder (None: checkpoints off, or nowhere to keep them)."""
+        if not self.train.checkpoint_dir or self.train.checkpoint_every == 0:
+            return None
+        return ondisk.job_dir(self.train.checkpoint_dir, self.job_id)
+
+    def finished_step(self) -> int:
+        """The step this run's checkpoints already hold intact in every stage when that is
+        its last (an earlier run with the same flags finished it), else 0. Says on stderr what
+        the workers are about to do with the checkpoint directory: resume this run's own
+        steps, or start from step 0 beside other runs' folders, which they never load."""
+        jdir = self.job_dir()
+        if jdir is None:
+            return 0
+        common = self._common_steps(jdir)
+        newest = max(common, default=0)
+        last = self.train.steps
+        if last > 0 and newest >= last and self._intact(jdir, newest):
+            return newest
+        if newest > 0:
+            _note(f"resuming this run's checkpoints in {jdir} (every stage holds step {newest} "
+                  f"of {last})")
+            return 0
+        others = [j for j in ondisk.other_jobs(self.train.checkpoint_dir, self.job_id)
+                  if is_local_job(j)]
+        if others:
+            _note(f"{self.train.checkpoint_dir} holds checkpoints of {len(others)} other local "
+                  f"run(s) ({', '.join(others)}), started with other flags (model, layout, "
+                  f"training flags, data or --init-from): a run resumes only its own, so this "
+                  f"one starts at step 0 in {jdir}")
+        return 0
+
+    def _common_steps(self, jdir: Path) -> set[int]:
+        """Steps every stage holds complete (manifest and sizes: the cheap check)."""
+        held = [{m.step for m in ondisk.complete_steps(jdir, s, self.job_id)}
+                for s in range(self.layout.stages)]
+        return set(held[0]).intersection(*held[1:])
+
+    def _intact(self, jdir: Path, step: int) -> bool:
+        """Whether every stage's `step` passes its checksums with this run's layer ranges."""
+        ranges = layer_ranges(self.spec.n_layers, self.layout.stages, self.splits)
+        return all(ondisk.verify(jdir, s, step, job_id=self.job_id, layers=ranges[s]) is None
+                   for s in range(self.layout.stages))
+
+    def report_finished(self, step: int) -> None:
+        """Say that nothing was trained because the checkpoints already end the run: never a
+        "done" line, which would read as a run that trained."""
+        jdir = self.job_dir()
+        if self.args.json:
+            self._write({"nothing_to_train": True, "checkpoint_step": step,
+                         "checkpoints": str(jdir)})
+        print(f"agent local: nothing to train: {jdir} already holds step {step}, this run's "
+              f"last, from an earlier run with the same flags; to train again from step 0, "
+              f"delete that folder or give another --checkpoint-dir (a run with other flags, "
+              f"--steps included, starts a folder of its own)", file=sys.stderr, flush=True)
 
     def _plan_export(self, args: argparse.Namespace) -> Path | None:
         """--export-dir: checked before training (a non-empty directory is refused unless
@@ -147,12 +237,11 @@ class LocalJob:
         """Write --export-dir from the stages' checkpoints of the newest step all hold."""
         assert self.export is not None
         root = Path(self.train.checkpoint_dir or workdir / "checkpoints")
-        step, files = hfexport.local_stage_files(root, "local", self.layout.stages)
-        tokenizer = self.args.tokenizer or hfexport.find_tokenizer(self.train.data_path,
-                                                                   self.train.init_from)
-        source = read_hf_config(self.train.init_from) if self.train.init_from else None
-        hfexport.write_export(self.export, self.spec, files, tokenizer=tokenizer,
-                              force=self.args.force, source_config=source,
+        step, files = hfexport.local_stage_files(root, self.job_id, self.layout.stages)
+        source = hfexport.export_source(self.train.data_path, self.train.init_from,
+                                        self.args.tokenizer)
+        hfexport.write_export(self.export, self.spec, files, source=source,
+                              force=self.args.force,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
         if not self.args.json:
             print(f"exported step {step} to {self.export}", file=self.out, flush=True)
@@ -173,7 +262,7 @@ class LocalJob:
     def spawn(self, workdir: Path) -> None:
         a = self.args
         assignments = build_assignments(
-            job_id="local", epoch=0, layout=self.layout, spec=self.spec, train=self.train,
+            job_id=self.job_id, epoch=0, layout=self.layout, spec=self.spec, train=self.train,
             master_addr="127.0.0.1", master_port=free_port(), backend=self.backend,
             splits=self.splits, init_hash=self.init_hash,
         )
@@ -192,24 +281,37 @@ class LocalJob:
         stage, replica = self.layout.coords(p.rank)
         return f"rank {p.rank} (stage {stage}, replica {replica})"
 
+    @staticmethod
+    def _should_hold(failed: list[Proc], codes: list[int | None]) -> bool:
+        """Whether to wait for more reports before naming the failure: every failure so far is
+        one that another's usually explains, and some worker is still running."""
+        return (any(c is None for c in codes)
+                and all(p.worker.returncode != FAULT_EXIT_CODE
+                        and (not p.kind or p.kind in EXPLAINED_BY_OTHERS) for p in failed))
+
     def monitor(self) -> int:
         """Merge progress until every worker exits; 0 on success, 1 on the first failure."""
         t_start, last_line, steps_seen = time.monotonic(), 0, 0
+        failed_at = 0.0  # when the first failure was seen (HOLD_S)
         while True:
             codes = [p.worker.poll() for p in self.procs]  # before reading: no line is missed
             for p in self.procs:
                 for ev in p.worker.read_events():
                     if isinstance(ev, ErrorEvent):
-                        p.error = ev.message
+                        p.error, p.kind = ev.message, ev.kind
                     elif isinstance(ev, DoneEvent):
                         p.done = ev
                     elif isinstance(ev, StepEvent) and p.rank == self.report_rank:
                         steps_seen += 1
                         last_line = self._print_step(ev, t_start, steps_seen, last_line)
             failed = [p for p, c in zip(self.procs, codes, strict=True) if c not in (None, 0)]
+            if failed and self._should_hold(failed, codes):
+                failed_at = failed_at or time.monotonic()
+                if time.monotonic() - failed_at < HOLD_S:
+                    time.sleep(POLL_S)
+                    continue
             if failed:
-                # the fault seam's victim first: the others died of losing it
-                first = min(failed, key=lambda p: p.worker.returncode != FAULT_EXIT_CODE)
+                first = root_failure(failed)
                 self.kill_all()
                 tail = first.worker.log_tail(15, sep="\n")
                 msg = (
@@ -224,6 +326,9 @@ class LocalJob:
                 print(f"agent local: {msg}", file=sys.stderr, flush=True)
                 return 1
             if all(c == 0 for c in codes):
+                if steps_seen == 0 and self.train.steps > 0:  # resumed at the last step
+                    self.report_finished(self.train.steps)
+                    return 0
                 done = next((p.done for p in self.procs if p.rank == self.report_rank), None)
                 val = None if done is None else done.val_loss
                 if self.args.json:
@@ -259,6 +364,28 @@ class LocalJob:
         return step
 
 
+def check_local_data(data_path: str) -> None:
+    """`--data` must be on this machine, where every worker reads it: refused before any
+    worker starts (a coordinator cannot check this; its agents hold the data)."""
+    if not data_path:
+        return
+    p = Path(data_path)
+    if not p.exists():
+        raise ValueError(f"--data {data_path}: no such file or directory; give the directory "
+                         f"`agent prepare` wrote (train.bin, val.bin, meta.json) or a .bin "
+                         f"token file, or leave --data out to train on the bundled corpus")
+    if p.is_dir():
+        missing = [name for name in SPLITS.values() if not (p / name).is_file()]
+        if missing:
+            raise ValueError(f"--data {data_path}: the directory holds no "
+                             f"{' and no '.join(missing)}; give the directory `agent prepare` "
+                             f"wrote (train.bin, val.bin, meta.json) or a .bin token file")
+
+
+def _note(message: str) -> None:
+    print(f"agent local: {message}", file=sys.stderr, flush=True)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -285,8 +412,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             if job.export is not None and not job.train.checkpoint_dir:
                 job.train.checkpoint_dir = str(Path(workdir).resolve() / "checkpoints")
-            job.spawn(Path(workdir))
-            code = job.monitor()
+            finished = job.finished_step()
+            if finished:
+                job.report_finished(finished)
+                code = 0
+            else:
+                job.spawn(Path(workdir))
+                code = job.monitor()
             if code == 0 and job.export is not None:
                 job.write_export(Path(workdir))
             return code

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import enum
+import io
 import logging
 import math
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from dtfm.core.codecs import check_setting
@@ -278,6 +282,25 @@ def train_argv(config: TrainConfig) -> list[str]:
     return argv
 
 
+def check_directory(path: str, flag: str) -> None:
+    """Refuse (ConfigError naming `flag`) a directory flag whose directory cannot be used or
+    created: a file there or in place of a folder above it, or no write permission. Creates
+    nothing; the daemon makes the directory (private) when it starts. Without this check a
+    `--state-dir` naming a file ended in a traceback from the first write."""
+    target = Path(path)
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == target else f"cannot be made: {existing} is a file"
+        raise ConfigError(f"{flag} {path} {where}; give a directory (it is created if "
+                          f"missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == target else f" ({existing}, where it would be created)"
+        raise ConfigError(f"{flag} {path}{what} is not writable by this user; give a "
+                          f"directory it may write")
+
+
 def _flag(action: argparse.Action) -> str:
     return max(action.option_strings, key=len) if action.option_strings else action.dest
 
@@ -317,7 +340,8 @@ def _convert(action: argparse.Action, raw: Any, origin: str, toml: bool) -> Any:
     return value
 
 
-def _toml_defaults(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]:
+def _toml_defaults(path: str, actions: dict[str, argparse.Action],
+                   origins: dict[str, str]) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -331,12 +355,14 @@ def _toml_defaults(path: str, actions: dict[str, argparse.Action]) -> dict[str, 
         if dest not in actions:
             raise ConfigError(f"config file {path}: unknown key {key!r}; known: "
                               f"{', '.join(sorted(k.replace('_', '-') for k in actions))}")
-        defaults[dest] = _convert(actions[dest], value, f"config file {path}: {key}", True)
+        origins[dest] = f"config file {path}: {key}"
+        defaults[dest] = _convert(actions[dest], value, origins[dest], True)
     return defaults
 
 
-def layered_defaults(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """Install the TOML file's and the environment's values as `parser`'s defaults.
+def layered_defaults(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """Install the TOML file's and the environment's values as `parser`'s defaults, and
+    return where each came from (dest -> `$DTFM_X` or `config file F: key`).
 
     Every value goes through the flag's own type and choices, as a flag would.
     """
@@ -345,12 +371,45 @@ def layered_defaults(parser: argparse.ArgumentParser, argv: Sequence[str]) -> No
     known, _ = pre.parse_known_args(argv)
     actions = {a.dest: a for a in parser._actions  # a hidden old name shares its dest
                if a.dest not in _SKIP and a.help != argparse.SUPPRESS}
-    defaults = _toml_defaults(known.config, actions) if known.config else {}
+    origins: dict[str, str] = {}
+    defaults = _toml_defaults(known.config, actions, origins) if known.config else {}
     for dest, action in actions.items():
         raw = os.environ.get(ENV_PREFIX + dest.upper())
         if raw is not None and dest != "token":
-            defaults[dest] = _convert(action, raw, f"${ENV_PREFIX}{dest.upper()}", False)
+            origins[dest] = f"${ENV_PREFIX}{dest.upper()}"
+            defaults[dest] = _convert(action, raw, origins[dest], False)
     parser.set_defaults(**defaults)
+    return origins
+
+
+def name_origins(message: str, parser: argparse.ArgumentParser, argv: Sequence[str],
+                 origins: dict[str, str]) -> str:
+    """`message` (a ConfigError's, naming flags) with each flag whose value came from the
+    environment or the TOML file, not from `argv`, shown with where it came from, as
+    `$DTFM_LISTEN (--listen)`: the flag alone sends a person to a command line that does not
+    hold the bad value."""
+    given = _given_on_command_line(parser, argv)
+    for action in parser._actions:
+        origin = origins.get(action.dest)
+        if origin is None or action.dest in given or not action.option_strings:
+            continue
+        flag = _flag(action)
+        named = re.compile(rf"(?<![\w$-]){re.escape(flag)}(?![\w-])")
+        message = named.sub(lambda _, o=origin, f=flag: f"{o} ({f})", message, count=1)
+    return message
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The dests a flag in `argv` sets: argparse fills in a default only where the namespace
+    lacks the dest, so whatever no longer holds the marker was set by `argv`."""
+    marker = object()
+    namespace = argparse.Namespace(**{a.dest: marker for a in parser._actions})
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # an old name's note, said once already
+            parser.parse_known_args(list(argv), namespace)
+    except (ConfigError, SystemExit):
+        return set()
+    return {dest for dest, value in vars(namespace).items() if value is not marker}
 
 
 def setup_logging(level: str) -> None:
@@ -372,14 +431,17 @@ def dispatch(parser: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentP
              handlers: dict[str, Callable[[argparse.Namespace], int]]) -> int:
     """Parse (with layered defaults for the chosen subcommand) and run its handler."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    origins: dict[str, str] = {}
     try:
         if argv and argv[0] in subs:
-            layered_defaults(subs[argv[0]], argv[1:])
+            origins = layered_defaults(subs[argv[0]], argv[1:])
         args = parser.parse_args(argv)
         if hasattr(args, "log_level"):
             setup_logging(args.log_level)
         return handlers[args.command](args)
     except ConfigError as exc:
+        if origins:
+            return fail(name_origins(str(exc), subs[argv[0]], argv[1:], origins))
         return fail(str(exc))
 
 

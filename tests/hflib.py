@@ -31,11 +31,39 @@ def tiny_model(kind: str) -> torch.nn.Module:
         **common, tie_word_embeddings=True))
 
 
-def saved(tmp: Path, kind: str) -> tuple[Path, torch.nn.Module]:
+def saved(tmp: Path, kind: str, eos: int | None = None) -> tuple[Path, torch.nn.Module]:
+    """A tiny random model saved under `tmp/kind`; with `eos`, its config names that id as
+    bos and eos, and a tokenizer whose end-of-text token has it lies beside the weights."""
     model = tiny_model(kind).eval()
     out = tmp / kind
+    if eos is not None:
+        model.config.bos_token_id = model.config.eos_token_id = eos
+        model.generation_config.bos_token_id = model.generation_config.eos_token_id = eos
     model.save_pretrained(out, safe_serialization=True)
+    if eos is not None:
+        save_tokenizer(out, eos)
     return out, model
+
+
+EOT = "<|endoftext|>"
+# An end-of-text id no byte of the (UTF-8) text trained on has: greedy generation on a model
+# fine-tuned on that text runs its full length, so it compares token for token.
+EOT_ID = 0xFF
+
+
+def save_tokenizer(d: Path, eos: int) -> None:
+    """A word-level tokenizer of VOCAB entries (id `eos` the end-of-text token) that
+    `transformers` loads from `d` (tokenizer.json and tokenizer_config.json)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab = {(EOT if i == eos else w): i for w, i in vocab.items()}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w1" if eos != 1 else "w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([EOT])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT}))
 
 
 def exported_tensors(out: Path) -> dict[str, torch.Tensor]:

@@ -6,8 +6,10 @@ The worker's `error` progress event carries `kind` and `phase`:
   `ValueError`, a `--bind-interface` that names no interface, a data or checkpoint path that
   does not exist or cannot be read), or the checkpoint storage refused a write (a full disk
   or quota, a read-only file system: `StorageError`, or such an `OSError` anywhere in the
-  chain of causes). Retrying the same assignment fails the same way; the coordinator (or the
-  operator) must change something.
+  chain of causes), or a step's loss or gradient norm is not finite (`NonFiniteLoss`: the
+  starting weights hold NaN or inf, or training diverged; a retry resumes from the same
+  checkpoint and data and diverges the same way). Retrying the same assignment fails the
+  same way; the coordinator (or the operator) must change something.
 - `rendezvous`: the worker could not join the world (`init_process_group`, the store, gloo's
   connectFullMesh, group creation, or a timeout while joining). Usually transient or a
   reachability problem of the rendezvous address.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import socket
 import sys
@@ -74,6 +77,22 @@ class StorageError(RuntimeError):
         advice = _STORAGE_ADVICE.get(cause.errno or 0, "check the checkpoint directory")
         super().__init__(f"cannot write checkpoint {path}: {what}"
                          + (f" ({name})" if name else "") + f"; {advice}")
+
+
+class NonFiniteLoss(ValueError):
+    """A step's loss or global gradient norm is NaN or infinite. Raised before the optimizer
+    steps, so no checkpoint ever holds the non-finite update; a ValueError, hence kind
+    `config`: the coordinator fails the job instead of retrying it forever."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        what = (f"the loss of step {step} is {loss}" if not math.isfinite(loss) else
+                f"the gradient norm of step {step} is {grad_norm} (loss {loss:.4g})")
+        super().__init__(
+            f"{what}, not a finite number: stopped before the optimizer step. Either the "
+            f"starting weights hold NaN or inf values (check the --init-from model, e.g. "
+            f"with `agent generate`), or training diverged: lower --lr, raise "
+            f"--warmup-steps, keep --grad-clip on, or train in --dtype fp32")
 
 
 class CorruptCheckpoint(ValueError):

@@ -25,9 +25,11 @@ from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX, KVCache, make_part, 
 from dtfm.core.hfconfig import (
     GENERATION_CONFIG_FILE,
     eos_token_ids,
+    part_tensors,
     read_hf_config,
     spec_from_hf_config,
 )
+from dtfm.core.hfdir import check_weights
 from dtfm.core.spec import ModelSpec
 
 
@@ -49,6 +51,7 @@ class LoadedModel:
         root = Path(model_dir)
         config = read_hf_config(root)
         spec = spec_from_hf_config(config)
+        check_weights(spec, root, "--model-dir")  # before allocating what config.json says
         gen_path = root / GENERATION_CONFIG_FILE
         gen = read_json(gen_path) if gen_path.is_file() else None
         t0 = time.perf_counter()
@@ -95,13 +98,36 @@ class LoadedModel:
         caches = [KVCache() for _ in range(self.spec.n_layers)]
         ids, start, new = torch.tensor([list(prompt)]), 0, []
         for _ in range(max_new):
-            token = pick(self.logits(ids, caches, start, last_only=True)[0, -1].float())
+            logits = self.logits(ids, caches, start, last_only=True)[0, -1].float()
+            if not bool(torch.isfinite(logits).all()):
+                raise GenerateError(self._why_not_finite(len(new)))
+            token = pick(logits)
             new.append(token)
             if token in self.eos_ids:
                 break
             start += ids.shape[1]
             ids = torch.tensor([[token]])
         return new
+
+    def _why_not_finite(self, position: int) -> str:
+        """What to say when the next-token logits hold NaN or inf (sampling cannot draw from
+        them, and an arg-max of NaN is a meaningless token 0): which weights are to blame."""
+        bad = [_checkpoint_name(self.spec, i, name) for i, part in self.parts.items()
+               for name, t in part.named_parameters()
+               if not bool(torch.isfinite(t).all())]
+        where = (f"these weights hold NaN or inf values: {', '.join(bad[:4])}"
+                 + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+                 + " (a diverged or damaged checkpoint: export it again from a good step)"
+                 if bad else "the weights are finite, but the computation overflowed "
+                 "(values too large for fp32)")
+        return (f"the model's next-token scores after {position} new token(s) are not finite "
+                f"numbers, so no token can be chosen: {where}")
+
+
+def _checkpoint_name(spec: ModelSpec, index: int, name: str) -> str:
+    """A part's parameter by its tensor's name in the directory's checkpoint."""
+    tensor = part_tensors(spec, index).get(name)
+    return tensor.name if tensor is not None else f"part {index}'s {name}"
 
 
 def read_json(path: Path) -> dict:

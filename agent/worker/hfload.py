@@ -15,7 +15,9 @@ untied head starts as a copy of the input embedding, whether or not the file kep
 `lm_head.weight`; non-parameter buffers older
 savers kept (GPT-2's `attn.bias` / `attn.masked_bias` masks, rotary `inv_freq`) are ignored.
 Everything else is an error naming the tensor and the file: a missing or mis-shaped tensor, an
-index naming a file that is not there, a directory with no weights.
+integer (quantized) tensor where a weight belongs, an index naming a file that is not there, a
+directory with no weights. (`dtfm.core.hfdir.check_weights` checks the same from the headers
+alone, before a command allocates the model.)
 """
 
 from __future__ import annotations
@@ -33,18 +35,18 @@ from torch import nn
 from dtfm.core.hfconfig import (
     EMBEDDING_INDEX,
     HEAD_INDEX,
+    HEAD_TENSOR,
     HfTensor,
-    embedding_tensor,
     part_tensors,
     read_hf_config,
+    source_tensor,
+    stored_name,
     ties_embeddings,
 )
 from dtfm.core.spec import ModelSpec
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-GPT2_PREFIX = "transformer."
-HEAD_TENSOR = "lm_head.weight"
 # Buffers some savers wrote beside the parameters; no model computes anything from them.
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 
@@ -77,16 +79,11 @@ class Checkpoint:
 
     def locate(self, name: str) -> str | None:
         """The name `name` has in this checkpoint (GPT-2's may lack `transformer.`), or None."""
-        if name in self.files:
-            return name
-        short = name.removeprefix(GPT2_PREFIX)
-        return short if short != name and short in self.files else None
+        return stored_name(name, self.files)
 
     def source(self, spec: ModelSpec, tensor: HfTensor) -> str:
         """The checkpoint tensor a parameter loads from; CheckpointError if there is none."""
-        name = tensor.name
-        if name == HEAD_TENSOR and self.tied:
-            name = embedding_tensor(spec)  # dtfm's untied head starts as the tied embedding
+        name = source_tensor(spec, tensor, self.tied)
         found = self.locate(name)
         if found is None:
             where = INDEX_FILE if (self.model_dir / INDEX_FILE).is_file() else WEIGHTS_FILE
@@ -147,6 +144,11 @@ def load_parts_from_hf(parts: Mapping[int, nn.Module], spec: ModelSpec,
             targets.setdefault(source, []).append((tensor.name, params[key], tensor.transpose))
     with torch.no_grad():
         for source, file, value in ckpt.read(targets):
+            if not value.dtype.is_floating_point:  # copy_ would cast it without a word
+                raise CheckpointError(
+                    f"tensor {source} in {ckpt.model_dir / file} holds {value.dtype} values, "
+                    f"not a weight: dtfm loads floating-point tensors (float32, bfloat16, "
+                    f"float16); give the unquantized checkpoint")
             for name, param, transpose in targets[source]:
                 data = value.t() if transpose else value
                 if data.shape != param.shape:

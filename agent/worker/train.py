@@ -114,8 +114,8 @@ class Fault:
             return None
         parts = raw.split(":")
         mode = parts[2] if len(parts) > 2 else "exit"
-        if mode not in ("exit", "hang"):
-            raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit' or 'hang'")
+        if mode not in ("exit", "hang", "config"):
+            raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit', 'hang' or 'config'")
         return cls(int(parts[0]), int(parts[1]), mode,
                    int(parts[3]) if len(parts) > 3 else None)
 
@@ -126,6 +126,8 @@ class Fault:
         if self.mode == "hang":
             while True:
                 time.sleep(3600)
+        if self.mode == "config":  # fails as a worker that refuses its own input does
+            raise ValueError(f"fault injection: rank {rank} refuses its input before step {step}")
         os._exit(FAULT_EXIT_CODE)
 
 
@@ -356,6 +358,9 @@ class Worker:
         sq = float(local_sq_norm(self.stage))
         table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0], exchange)
         norm = math.sqrt(sum(row[0] for row in table))  # stage order: same bits everywhere
+        loss = table[-1][1]  # the last stage's: every rank of the pipeline stops alike
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise errors.NonFiniteLoss(step, loss, norm)
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
@@ -365,7 +370,7 @@ class Worker:
             synced = outer.sync(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._emit_step(step, table[-1][1], norm, lr, time.perf_counter() - t0, times,
+        self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
                         dp_s, sync_s, synced)
 
     def _emit_step(
@@ -514,7 +519,7 @@ def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
     from agent.worker.hfload import unexpected_tensors
     from dtfm.core.hfdir import check_dir
 
-    check_dir(model_dir, expected_hash)
+    check_dir(model_dir, expected_hash, spec)  # spec: its sizes, before Stage allocates them
     if not extra:
         return
     extra_names = unexpected_tensors(spec, model_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from coordinator.daemon.reconcile import save_line
 from coordinator.daemon.registry import STATE_NAMES
 from coordinator.job.replanlog import replans_to_json, replans_to_text
 from coordinator.links.store import matrix_to_json
@@ -73,7 +74,10 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "checkpoint_step": j.checkpoint_step, "restarts": j.restarts,
                 "recoveries": [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
                                for r in j.recoveries],
-                "replans": replans_to_json(j.replans)},
+                "replans": replans_to_json(j.replans),
+                # saving the job's state in --state-dir (coordinator/reconcile.py)
+                "state_saves": {"failures": j.state_save_failures, "error": j.state_save_error,
+                                "saved_unix_s": j.state_saved_unix_s}},
         "plan": plan,
         "local_steps": local_steps(status.job.job_id, agents),
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
@@ -142,6 +146,10 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                          f"{j['predicted_step_s']:.2f} s, measured {measured}")
         if j["message"]:
             lines.append(f"  {j['message']}")
+        saves = j["state_saves"]
+        if line := save_line(saves["failures"], saves["error"], saves["saved_unix_s"],
+                             data["time"]):
+            lines.append(f"  {line}")
         if j["stages"]:
             lines.append(f"  layout {j['stages']}x{j['replicas']}, checkpoint at step "
                          f"{j['checkpoint_step']}, {len(j['recoveries'])} recoveries")

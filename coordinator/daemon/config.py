@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from coordinator.scheduler.placement import Placement
 from dtfm.core.spec import ModelSpec, TrainConfig
+from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 
@@ -242,4 +243,6 @@ class CoordinatorConfig:
             )
         if not (math.isfinite(self.measure_every_s) and self.measure_every_s >= 0):
             raise ConfigError("--measure-every must be >= 0 seconds (0 turns it off)")
+        if self.state_dir:
+            check_directory(self.state_dir, "--state-dir")
         self.job.validate()

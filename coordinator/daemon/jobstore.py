@@ -7,11 +7,15 @@ With `coordinator start --state-dir DIR` the job's identity and progress live in
 instant leaves the previous snapshot or the new one, never half of each). On start the
 coordinator adopts the stored job when it was started with the same job flags (the same
 fingerprint) and had not finished; otherwise it starts a new job and says why.
+
+A save that fails (a full disk) must not stop training, but it must not go unseen either: the
+store counts failed saves in a row and keeps the newest error and the time of the last save
+that worked (`failures`, `last_error`, `saved_unix_s`), which `coordinator status` and the
+metrics show, since a restart would adopt the older state that was saved.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+# the one rule of job identity, shared with agent local (dtfm.core.fingerprint)
+from dtfm.core.fingerprint import fingerprint as fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +76,6 @@ class JobSnapshot:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
-def fingerprint(job_flags: dict[str, Any]) -> str:
-    """Identifies 'the same job': a restarted coordinator with other job flags (another
-    model, batch or step count) must not adopt checkpoints trained under the old ones."""
-    text = json.dumps(job_flags, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 class JobStore:
     """One sqlite database in the coordinator's state directory."""
 
@@ -91,8 +91,22 @@ class JobStore:
             raise OSError(f"--state-dir {state_dir}: cannot open {self.path}: {exc}; give a "
                           f"writable directory on local disk") from exc
         os.chmod(self.path, 0o600)
+        self.failures = 0  # saves failed in a row
+        self.last_error = ""  # the newest failure ("" once a save works again)
+        self.saved_unix_s = 0.0  # the last save that worked
 
     def save(self, snap: JobSnapshot, finished: bool = False) -> None:
+        """Write `snap` (`write`), counting the outcome; raises what the write raised."""
+        try:
+            self.write(snap, finished)
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+            raise
+        self.failures, self.last_error, self.saved_unix_s = 0, "", time.time()
+
+    def write(self, snap: JobSnapshot, finished: bool = False) -> None:
+        """The write itself (the seam a test overrides to fail saves)."""
         with self._db:  # one transaction: the old row or the new, never half
             self._db.execute(
                 "INSERT INTO job (job_id, fingerprint, finished, updated_unix_s, snapshot) "

@@ -120,6 +120,12 @@ class CoordinatorCollector(Collector):
              "plan", status.predicted_step_s),
             ("dtfm_job_measured_step_seconds", "Median step time over the members' recent "
              "steps", status.measured_step_s),
+            ("dtfm_job_state_save_failures", "Saves of the job's state in --state-dir that "
+             "failed in a row (0: the newest worked; a restart adopts the last saved state)",
+             status.state_save_failures),
+            ("dtfm_job_state_saved_timestamp_seconds", "When the job's state was last saved "
+             "in --state-dir (unix time; 0: never or no --state-dir)",
+             status.state_saved_unix_s),
         ):
             g = _gauge(name, doc, ["job_id", "model"])
             g.add_metric(labels, float(value))

@@ -58,6 +58,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store)
         self.history = History()
         self.stopping = asyncio.Event()
+        self._export_source: coordinator_pb2.ExportSource | None = None
 
     def _changed(self) -> None:
         job = getattr(self, "job", None)
@@ -178,16 +179,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not (job.export_dir and self.job.state == coordinator_pb2.JOB_STATE_DONE):
             return
         from coordinator.job.export import export_from_status
-        from dtfm.core.hfexport import ExportError, find_tokenizer
+        from dtfm.core.hfexport import ExportError
 
         status = coordinator_pb2.ClusterStatus(
             agents=[a.to_proto() for a in self.registry.status_rows(MAX_AGENTS)[0]],
-            job=self.job.status())
+            job=self._job_status())
         try:
-            step, out = await export_from_status(
-                status, self.config.security, job.export_dir,
-                tokenizer=find_tokenizer(job.train.data_path, job.train.init_from),
-                say=log.info)
+            step, out = await export_from_status(status, self.config.security,
+                                                 job.export_dir, say=log.info)
         except ExportError as exc:
             log.error("export to %s failed: %s (run `coordinator export` to try again)",
                       job.export_dir, exc)
@@ -203,11 +202,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         ids = [a.agent_id for a in rows]
         return coordinator_pb2.ClusterStatus(
             agents=[a.to_proto() for a in rows],
-            job=self.job.status(),
+            job=self._job_status(),
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
             now_unix_s=time.time(),
         )
+
+    def _job_status(self) -> coordinator_pb2.JobStatus:
+        """The job's status with what an export writes beside the weights (token ids,
+        tokenizer: `coordinator.export.job_export_source`, read once)."""
+        status = self.job.status()
+        if self.config.job.model:
+            if self._export_source is None:
+                from coordinator.export import job_export_source
+
+                self._export_source = job_export_source(self.config.job.train)
+            status.export_source.CopyFrom(self._export_source)
+        return status
 
     async def GetPlan(
         self, request: coordinator_pb2.PlanRequest, context: grpc.aio.ServicerContext

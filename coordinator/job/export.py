@@ -12,9 +12,15 @@ mirror), on their own disks. So an export needs no shared storage and no torch:
    with its weights file (after a re-cut, an older split's step can be the newest complete);
 3. copy each stage's weights file of that step from one holder (`agent.checkpoints.download`:
    resumable, checked against the holder's manifest sha256), trying the next holder on
-   failure;
+   failure; a listing that declares more bytes than the model's layers take is never
+   fetched (`agent.checkpoints.list_peer`), and a full disk ends the export saying so;
 4. assemble the directory (`dtfm.core.hfexport.write_export`: atomic, refuses a non-empty
-   destination unless forced).
+   destination unless forced), with the token ids and tokenizer the coordinator's status
+   names (`dtfm.core.hfexport.ExportSource`, the one `agent local --export-dir` writes too).
+
+Everything the caller gave is checked before anything is fetched: the destination (not empty,
+writable: not under /proc), the tokenizer. The download goes to a private temporary folder
+beside the destination; the folder holding the destination keeps its mode.
 
 It works while the job trains: a checkpoint step, once its manifest is listed, is immutable
 until pruned, and a holder that pruned it meanwhile makes the copy fall to the next holder
@@ -32,13 +38,22 @@ from pathlib import Path
 
 import grpc
 
-from agent.checkpoints import BadCopy, Peer, download, list_peer
+from agent.checkpoints import BadCopy, DiskFull, Peer, download, list_peer
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import member_address
 from dtfm.core.checkpoints import Manifest
-from dtfm.core.hfexport import ExportError, StageFile, check_destination, write_export
-from dtfm.core.spec import ModelSpec
+from dtfm.core.hfexport import (
+    ExportError,
+    ExportSource,
+    StageFile,
+    check_destination,
+    export_source,
+    make_parent,
+    tokenizer_sources,
+    write_export,
+)
+from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -102,7 +117,7 @@ async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
     try:
         peers = [Peer(a, agent_pb2_grpc.AgentStub(c)) for a, c in
                  zip(addresses, channels, strict=True)]
-        held = await _listings(peers, job_id, spec.n_layers)
+        held = await _listings(peers, job_id, spec)
         picked = pick_step(held, spec.n_layers)
         if picked is None:
             raise ExportError(
@@ -121,16 +136,17 @@ async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
             await c.close()
 
 
-async def _listings(peers: Sequence[Peer], job_id: str, n_layers: int
+async def _listings(peers: Sequence[Peer], job_id: str, spec: ModelSpec
                     ) -> dict[tuple[int, int], list[Holding]]:
     """(stage, step) -> its holders, over every peer and every stage it may hold (a stage
-    count is at most the layer count: a split of any epoch, re-cuts included)."""
+    count is at most the layer count: a split of any epoch, re-cuts included). A step that
+    declares more bytes than its layers of `spec` take is left out (`list_peer`)."""
     held: dict[tuple[int, int], list[Holding]] = {}
 
     async def one(peer: Peer) -> None:
-        for stage in range(min(n_layers, MAX_STAGES)):
+        for stage in range(min(spec.n_layers, MAX_STAGES)):
             try:
-                found = await list_peer(peer, job_id, stage)
+                found = await list_peer(peer, job_id, stage, spec)
             except grpc.RpcError as e:
                 log.info("export: %s did not list stage %d: %s", peer.address, stage,
                          rpc.describe_rpc_error(e, peer.address))  # type: ignore[arg-type]
@@ -148,6 +164,9 @@ async def _copy_stage(candidates: Sequence[Holding], job_id: str, into: Path,
         f = next(f for f in h.manifest.files if f.name == ondisk.weights_name(h.manifest.step))
         try:
             await download(h.peer, job_id, into, h.manifest, f)
+        except DiskFull as e:
+            raise ExportError(f"disk full: {e.strerror}; free space there, or give --out on "
+                              f"a disk with room for the model's weights") from None
         except (BadCopy, OSError) as e:
             log.warning("export: stage %d step %d not copied from %s: %s", h.manifest.stage,
                         h.manifest.step, h.peer.address, e)
@@ -165,7 +184,7 @@ async def export_job(coordinator: str, security: rpc.Security, out: str | Path, 
                      job_id: str = "", force: bool = False, tokenizer: str = "",
                      say: Callable[[str], None] = print) -> tuple[int, Path]:
     """The whole `coordinator export`: returns the step exported and the directory."""
-    check_destination(out, force)
+    check_inputs(out, force, tokenizer)
     try:
         status = await job_status(coordinator, security)
     except grpc.aio.AioRpcError as e:
@@ -174,13 +193,52 @@ async def export_job(coordinator: str, security: rpc.Security, out: str | Path, 
                                     tokenizer=tokenizer, say=say, where=coordinator)
 
 
+def check_inputs(out: str | Path, force: bool, tokenizer: str | Path = "") -> None:
+    """What the caller gave, before anything is asked or fetched: `out` empty (or `force`)
+    and writable, the tokenizer there. ExportError says what is wrong."""
+    check_destination(out, force)
+    make_parent(out)
+    if tokenizer:
+        tokenizer_sources(tokenizer)
+
+
+def job_export_source(train: TrainConfig) -> coordinator_pb2.ExportSource:
+    """What the coordinator's status says an export of its job writes beside the weights
+    (`export_source` from the job's --init-from and --data on the coordinator's disk). Never
+    raises: the job itself refuses unreadable inputs; an export then has no token ids."""
+    try:
+        return export_source(train.data_path, train.init_from).to_proto()
+    except (OSError, ValueError) as e:
+        log.warning("export: the job's token ids and tokenizer are unknown: %s", e)
+        return coordinator_pb2.ExportSource()
+
+
+def _source_for(job: coordinator_pb2.JobStatus, tokenizer: str | Path, where: str,
+                say: Callable[[str], None]) -> ExportSource:
+    """The status's export source, with `tokenizer` (given) in place of the job's, and the
+    job's dropped, saying so, where it is not on this machine."""
+    source = ExportSource.from_proto(job.export_source, f"the coordinator at {where}")
+    if tokenizer:
+        tokenizer_sources(tokenizer)
+        return ExportSource(source.config, source.generation, str(tokenizer))
+    if source.tokenizer:
+        try:
+            tokenizer_sources(source.tokenizer)
+        except ExportError:
+            say(f"export: the job's tokenizer {source.tokenizer} (on the coordinator's "
+                f"machine) is not here: the export has none; give --tokenizer PATH")
+            return ExportSource(source.config, source.generation)
+    return source
+
+
 async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rpc.Security,
                              out: str | Path, *, job_id: str = "", force: bool = False,
-                             tokenizer: str | Path | None = None,
+                             tokenizer: str | Path = "",
                              say: Callable[[str], None] = print,
                              where: str = "this coordinator") -> tuple[int, Path]:
     """Export the job `status` describes from the agents it lists (the coordinator's own
-    status, after the last step, for `coordinator start --export-dir`)."""
+    status, after the last step, for `coordinator start --export-dir`), with the token ids
+    and tokenizer its `export_source` names (`tokenizer`: another tokenizer)."""
     job = status.job
     if not job.job_id:
         raise ExportError(f"the coordinator at {where} runs no job")
@@ -190,11 +248,17 @@ async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rp
         raise ExportError(f"the coordinator at {where} does not say which model job "
                           f"{job.job_id} trains (an older coordinator): upgrade it")
     spec = ModelSpec.from_proto(job.model_spec)
+    check_inputs(out, force)
+    source = _source_for(job, tokenizer, where, say)
     parent = Path(out).absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".dtfm-export-", dir=parent) as tmp:
+    try:
+        tmp = tempfile.TemporaryDirectory(prefix=".dtfm-export-", dir=parent)
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") \
+            from None
+    with tmp:
         step, files = await gather(job.job_id, spec, agent_addresses(status), security,
-                                   Path(tmp), say)
-        path = await asyncio.to_thread(write_export, out, spec, files,
-                                       tokenizer=tokenizer or None, force=force, progress=say)
+                                   Path(tmp.name), say)
+        path = await asyncio.to_thread(write_export, out, spec, files, source=source,
+                                       force=force, progress=say)
     return step, path

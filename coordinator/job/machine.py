@@ -27,11 +27,14 @@ import numpy as np
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, JobStore, fingerprint
+from coordinator.daemon.reconcile import persistence_fields, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.job import rootcause
 from coordinator.job.recovery import Recoveries, layout_text
 from coordinator.job.replan import Replanner
+from coordinator.links import failure as linkfailure
 from coordinator.links.measure import LinkMeasurer
-from coordinator.links.store import LinkStore, matrix_arrays
+from coordinator.links.store import LinkStore, blame, matrix_arrays
 from coordinator.scheduler import Network, sync_auto
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import (
@@ -173,6 +176,7 @@ class Job:
         self._progress: dict[str, coordinator_pb2.ProgressReport] = {}
         self._failure: str = ""
         self._failure_kind: str = ""
+        self._failure_at = 0.0  # when this epoch's first failure arrived (rootcause.hold_s)
         self._last_epoch_failure: tuple[str, int] = ("", 0)  # (kind, steps done) of the last
         self._steps: dict[str, deque[coordinator_pb2.ProgressReport]] = {}
         self._model: _Prediction | None = None
@@ -204,6 +208,8 @@ class Job:
         self._unreachable: dict[str, float] = {}
         self._spare_task: asyncio.Task[None] | None = None  # measuring newcomers' links
         self._spare_retry_at = 0.0
+        # links a peer error blamed: the next epoch re-measures them (coordinator/linkfailure.py)
+        self._suspect_links: set[tuple[str, str]] = set()
         self.recoveries = Recoveries()
         self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
@@ -278,6 +284,12 @@ class Job:
     def on_progress(self, rec: AgentRecord, report: coordinator_pb2.ProgressReport) -> None:
         """Take a member's report for this epoch; `rec` is the agent its secret proved, so
         no one else's report can mark a member done or fail the job."""
+        if self._adopt_deadline and (stale := stale_snapshot(self.job_id, self.epoch, report)):
+            log.warning("job %s: %s", self.job_id, stale)
+            self.epoch, self._adopt_deadline = report.epoch, 0.0  # the next epoch is newer
+            self.members = list(dict.fromkeys([*self.members, rec.agent_id]))  # to stop
+            self._failure, self._failure_kind = stale, "stale"
+            self.poke()
         if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
                 and rec.agent_id in self.members):
             self._progress[rec.agent_id] = report
@@ -293,16 +305,21 @@ class Job:
                 steps.append(report)  # step 1 carries warm-up; later ones are steady
                 self.replan.observe(rec.agent_id, report)
             failed = WorkerState.from_wire(report.worker_state) is WorkerState.FAILED
-            if failed and not self._failure:
+            kind = report.error_kind or "internal"
+            if failed and (not self._failure or rootcause.outranks(kind, self._failure_kind)):
+                self._failure_at = self._failure_at if self._failure else time.monotonic()
                 self._failure = f"worker on {rec.agent_id} failed: {report.error or 'no reason'}"
-                self._failure_kind = report.error_kind or "internal"
+                self._failure_kind = kind
             self.poke()
 
     def on_lost(self, lost: list[AgentRecord]) -> None:
-        if self.state == S.JOB_STATE_RUNNING:
-            ids = [r.agent_id for r in lost if r.agent_id in self.members]
-            if ids and not self._failure:
-                self._failure = f"lost agent(s) {', '.join(ids)}"
+        ids = [r.agent_id for r in lost if r.agent_id in self.members]
+        if ids and self.state == S.JOB_STATE_RUNNING and (
+                not self._failure or rootcause.outranks(rootcause.LOST, self._failure_kind)):
+            self._failure = rootcause.lost_reason(ids, self._failure)
+            self._failure_kind = rootcause.LOST
+        elif ids and self.state == S.JOB_STATE_RECOVERING:  # the errors it caused came first
+            self.recoveries.explain(rootcause.lost_reason(ids, self._failure))
         self.poke()
 
     def checkpoint_floor(self) -> int:
@@ -366,6 +383,7 @@ class Job:
             replicas=self._layout.replicas if self._layout else 0,
             checkpoint_step=self.checkpoint_step, restarts=self.restarts,
             recoveries=self.recoveries.items, replans=self.replan.records,
+            **persistence_fields(self.store),
         )
 
     # --- the machine ---
@@ -421,31 +439,43 @@ class Job:
         members = await self._gather(placement)
         wanted = len(members)
         ids = [m.agent_id for m in members]
+        failures = linkfailure.LinkFailures()
+        suspects = {link for link in self._suspect_links if set(link) <= set(ids)}
+        self._suspect_links = set()
         if cfg.links_file:
             try:
                 delay, bandwidth = self._known_links(ids)
             except ValueError as exc:
                 self._set(S.JOB_STATE_FAILED, str(exc))
                 return
-        elif cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids):
+        elif (cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids)
+              and not suspects):
             # a recovery among agents measured before: their links did not change because
             # someone else died, and measuring again would cost a minute of stall
             delay, bandwidth = matrix_arrays(self.links.matrix(ids))
         elif cfg.measure_links and wanted > 1:
             self._cancel_spare_measurement()
-            # a recovery measures only the links it has no figure for (newcomers'): the
-            # others did not change because an agent came or went
+            # a recovery measures only the links it has no figure for (newcomers', and those
+            # that failed): the others did not change because an agent came or went; after
+            # peer errors, also the links they blame (and every pair's latency: a dead link's
+            # pings time out)
             missing = len(self.measurer.missing_links(ids)) if self.epoch else \
                 wanted * (wanted - 1)
-            self._set(S.JOB_STATE_MEASURING, f"measuring {missing} links")
-            matrix = await self.measurer.measure(members, only_missing=bool(self.epoch))
-            bad = self.links.unreachable_agents(ids)
+            if suspects:
+                self._set(S.JOB_STATE_MEASURING, f"re-measuring {len(suspects)} links the "
+                          f"workers' peer errors blame, and every pair's latency")
+                matrix = await self.measurer.measure(members, bandwidth_links=suspects)
+            else:
+                self._set(S.JOB_STATE_MEASURING, f"measuring {missing} links")
+                matrix = await self.measurer.measure(members, only_missing=bool(self.epoch))
+            failures = linkfailure.partition(ids, linkfailure.failed_links(self.links, ids))
+            bad = failures.leave_out
             if bad:
                 self._set(S.JOB_STATE_WAITING,
                           f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
                 self._hold_out(bad)
                 return
-            delay, bandwidth = matrix_arrays(matrix)
+            delay, bandwidth = linkfailure.priced(*matrix_arrays(matrix), ids, failures.dead)
         else:
             delay = np.ones((wanted, wanted))
             bandwidth = np.ones((wanted, wanted))
@@ -467,6 +497,22 @@ class Job:
             found = await self._place(placement, net, layout, ids, work,
                                       device_figures(members, cfg.train.dtype), flops,
                                       warm=self._warm_grid(layout, ids, placement))
+            if crossed := linkfailure.crossing(found["grid"], failures.indices(ids)):
+                # a fixed placement, a kept grid, or a connection the cost model does not
+                # price (rank 0's store, a pipeline's far stages): swap off the dead links
+                grid = linkfailure.avoid(found["grid"], failures.indices(ids)) \
+                    if placement.kind == "scheduled" else None
+                if grid is None:
+                    bad = blame(ids, [(ids[a], ids[b]) for a, b in map(sorted, crossed)])
+                    self._set(S.JOB_STATE_WAITING, f"no {placement.label} placement avoids the "
+                              f"dead link(s) {linkfailure.describe(failures.dead)}: leaving "
+                              f"out {', '.join(bad)}; waiting for others")
+                    self._hold_out(bad)
+                    return
+                found = await self._place(placement, net, layout, ids, work,
+                                          device_figures(members, cfg.train.dtype), flops,
+                                          warm=(grid, f"{found['algorithm']}, swapped off "
+                                                      f"dead links"))
         except DoesNotFit as exc:
             self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
                       f"{layout.replicas} replicas does not fit: {exc}")
@@ -540,7 +586,9 @@ class Job:
                      f"{layout_text(self._wanted.stages, self._wanted.replicas)})"
                      if self._wanted and layout != self._wanted else "")
                   + (f", resuming from checkpoints cut as "
-                     f"{','.join(map(str, resplit))} layers per stage" if resplit else ""))
+                     f"{','.join(map(str, resplit))} layers per stage" if resplit else "")
+                  + (f", around dead link(s) {linkfailure.describe(failures.dead)}"
+                     if failures.dead else ""))
         self.replan.start_epoch(predicted.step_s)
         self._persist()
         await self._follow()
@@ -552,7 +600,8 @@ class Job:
         (`sync_auto.choose`), checked to fit with the outer state H > 1 keeps per parameter.
         Raises `DoesNotFit`."""
         choice = sync_auto.choose(net, found["grid"], work, flops, found["splits"], steps,
-                                  self.config.sync_overhead)
+                                  self.config.sync_overhead, measured=bool(
+                                      self.config.measure_links or self.config.links_file))
         self._sync_every, self._sync_note = choice.every, choice.note
         log.info("job %s: --sync-every %s", self.job_id, choice.note)
         work = replace(work, sync_every=choice.every)
@@ -779,6 +828,11 @@ class Job:
             fresh_checkpoint = self._note_checkpoint()
             self._check_adopted()
             if self._failure:
+                if hold := rootcause.hold_s(self._failure_kind, self._failure_at,
+                                            time.monotonic(),
+                                            self.registry.heartbeat_interval_s):
+                    await self._wait(hold)  # other members' reports may name the cause
+                    continue
                 await self._recover(self._failure)
                 return
             self._measure_spares()
@@ -847,6 +901,9 @@ class Job:
     async def _recover(self, failure: str) -> None:
         self.replan.cancel()  # a re-plan in the making is moot: the recovery plans anew
         self.recoveries.begin(failure, self._layout_text(), self._last_step())
+        if self._failure_kind == "peer":  # the next epoch re-measures what the errors blame
+            self._suspect_links = linkfailure.blamed_links(
+                self._grid_ids, linkfailure.peer_failed(self._progress))
         self._settle_after = self.registry.now()
         await self._stop_members(f"recovering: {failure}")
         self.restarts += 1

@@ -40,6 +40,12 @@ class Recoveries:
         self.items.append(rec)
         self._open = rec
 
+    def explain(self, reason: str) -> None:
+        """The open recovery's cause, found after it began (an agent lost whose loss made the
+        errors it began on: `coordinator/rootcause.py`); a planned one keeps its reason."""
+        if self._open is not None and not self._open.planned:
+            self._open.reason = reason[:500]
+
     def placed(self, layout_after: str) -> None:
         if self._open is not None:
             self._open.layout_after = layout_after

@@ -11,6 +11,11 @@ step without any exchange. H is a power of two up to MAX_AUTO (64, the largest H
 benchmark measured), and at most the job's steps. A job where even 64 misses the overhead
 gets 64 and says by how much.
 
+Without measured links (`--no-measure` and no `--links` file) the step model sees every link
+alike at a made-up 1 ms and 1 Gbit/s, so any H it picked would answer links nobody measured
+(it picked 16): auto then takes H = 1, exact synchronous training, which trades no loss for a
+speed-up nobody can predict, and says why; give a number to train with local steps.
+
 The job decides once, on its first plan, and keeps H for its life (recoveries, re-plans and
 a restarted coordinator keep the rounds, and with them the checkpoints' sync points, where
 they were); `coordinator plan --sync-every auto` shows the choice for a links file.
@@ -39,11 +44,11 @@ class SyncChoice:
 
 
 def choose(net: Network, grid: list[list[int]], work: Workload, flops: list[float],
-           splits: list[int] | None, steps: int, overhead: float = DEFAULT_OVERHEAD
-           ) -> SyncChoice:
+           splits: list[int] | None, steps: int, overhead: float = DEFAULT_OVERHEAD,
+           measured: bool = True) -> SyncChoice:
     """The smallest H whose amortised exchange is at most `overhead` of the inner step.
     `flops`: each device's FLOP/s (0: unknown, priced as no compute, which errs toward a
-    larger H)."""
+    larger H). `measured`: whether `net` holds measured links (False: H = 1, see above)."""
     compute = tasklet_seconds(work, grid, [f if f > 0 else math.inf for f in flops], splits)
     local = simulate_step(net, grid, replace(work, sync_every=2).step_shape(splits), compute)
     inner, exchange = local.step_s - local.dp_s, local.dp_exchange_s
@@ -54,6 +59,9 @@ def choose(net: Network, grid: list[list[int]], work: Workload, flops: list[floa
     why = ""
     if len(grid[0]) < 2:
         why = "one replica per stage: nothing to sync"
+    elif not measured:
+        why = ("no measured links to choose from (--no-measure): give --sync-every N to "
+               "train with local steps")
     elif limit < 2:
         why = f"the job has {steps} step{'s' if steps != 1 else ''}"
     elif synchronous <= (1 + overhead) * inner:

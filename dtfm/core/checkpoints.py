@@ -38,6 +38,10 @@ file a manifest lists. Checkpoints written before that hold the weights in the `
   left a lost stage's mirror at step 10 while the survivors kept only 25 and 30, and the
   recovery restarted from step 0.
 
+- **Bounded by the model** (`size_problem`): a step a peer lists may declare no more bytes
+  than its layers' parameters take with their optimizer state (plus slack), so a lying or
+  broken peer cannot fill the disk of an agent or exporter that copies it.
+
 - **Read across a re-split** (`sources`): a job that changed its stage count (fewer stages
   after losing agents, more when growing back) resumes from checkpoints cut at the old
   stages. A new stage's layers then come from every old stage whose range overlaps its own;
@@ -61,6 +65,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dtfm.core.layout import layer_ranges
+from dtfm.core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -274,14 +279,23 @@ def fsync_dir(d: Path) -> None:
 
 
 def private_dir(d: Path) -> None:
-    """Create stage folder `d` and make it, its job folder and the checkpoint root 0700:
-    weights are private to the user."""
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for part in (d.parent.parent, d.parent, d):
+    """Create folder `d` and whichever of its parents are missing, each 0700: weights are
+    private to the user. Folders that already exist keep their mode: dtfm makes its own
+    folders private and never changes one it did not create (an export's temporary job
+    folder sits beside `--out`, whose parent may be a 1777 /tmp; a `--checkpoint-dir` may be
+    shared on purpose). A job folder dtfm created is enough: nothing under it can be reached
+    without passing it."""
+    missing = []
+    p = Path(d)
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for part in reversed(missing):
         try:
-            os.chmod(part, 0o700)
-        except PermissionError:  # a shared root owned by someone else: leave it, log why
-            log.warning("checkpoint: cannot make %s private (not its owner)", part)
+            part.mkdir(mode=0o700)
+        except FileExistsError:  # another writer made it meanwhile: theirs, left as it is
+            continue
+        os.chmod(part, 0o700)  # mkdir's mode passed through the umask
 
 
 def write_floor(root: str | Path, step: int) -> None:
@@ -291,7 +305,7 @@ def write_floor(root: str | Path, step: int) -> None:
     if step <= 0:
         path.unlink(missing_ok=True)
         return
-    Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(Path(root))
     tmp = path.with_name(f".{FLOOR_NAME}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
     tmp.write_text(f"{step}\n")
     os.replace(tmp, path)
@@ -347,6 +361,50 @@ def _held_allowance(held: Sequence[Manifest]) -> int:
             break
         fit += 1
     return max(MAX_HELD, fit)
+
+
+# ---- what a step may weigh ----
+
+# Bytes per parameter a stage's step may hold, at most: fp32 weights (the safetensors file, or
+# the `.pt` of checkpoints from before it), AdamW's two fp32 moments, and the outer momentum of
+# local steps (`agent/worker/outer.py`). A quarter more, and a fixed allowance per file for
+# headers, parameter names and the data position, is the slack; nothing else is that big.
+WEIGHT_BYTES = 4
+STEP_BYTES = WEIGHT_BYTES + 8 + 4
+SLACK = 1.25
+FILE_SLACK = 16 * 1024**2
+
+
+def max_weights_bytes(spec: ModelSpec, layers: tuple[int, int]) -> int:
+    """The most a stage's weights file (layers [begin, end) of `spec`) may declare."""
+    return int(spec.stage_params(*layers) * WEIGHT_BYTES * SLACK) + FILE_SLACK
+
+
+def max_step_bytes(spec: ModelSpec, layers: tuple[int, int]) -> int:
+    """The most all of a stage's files of one step may declare together."""
+    return int(spec.stage_params(*layers) * STEP_BYTES * SLACK) + 2 * FILE_SLACK
+
+
+def size_problem(m: Manifest, spec: ModelSpec, layers: tuple[int, int] | None = None
+                 ) -> str | None:
+    """Why step `m`, as a peer declares it, is larger than the model allows and must not be
+    downloaded, or None. Its own layer range bounds it (`layers`, the range expected, when it
+    records none; else the whole model): a peer that lists a 10^12-byte file for a
+    half-megabyte stage is refused before one byte of it is written. The download then checks
+    each file against the declared size and sha256, so what is fetched stays within this."""
+    span = m.layers or layers or (0, spec.n_layers)
+    if not 0 <= span[0] < span[1] <= spec.n_layers:
+        return (f"it claims layers [{span[0]}, {span[1]}), outside {spec.name}'s "
+                f"{spec.n_layers}")
+    where = f"layers [{span[0]}, {span[1]}) of {spec.name}"
+    weights = next((f for f in m.files if f.name == weights_name(m.step)), None)
+    if weights is not None and weights.size > (most := max_weights_bytes(spec, span)):
+        return (f"its weights file declares {weights.size:,} bytes for {where}, whose weights "
+                f"take at most {most:,}: refused before downloading")
+    if (total := sum(f.size for f in m.files)) > (most := max_step_bytes(spec, span)):
+        return (f"it declares {total:,} bytes for {where}, which hold at most {most:,} "
+                f"(weights, optimizer state and slack): refused before downloading")
+    return None
 
 
 # ---- reading ----

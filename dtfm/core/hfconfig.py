@@ -8,7 +8,9 @@ The coordinator plans from `spec_from_hf_config` alone (no torch, no tensors); a
 `part_tensors` which tensors its parts need and `agent/worker/hfload.py` reads just those.
 
 Both the configs `transformers` 4.x writes (`rope_theta` + `rope_scaling`) and 5.x's
-(`rope_parameters`) are read; exports write the 4.x keys, which both versions load.
+(`rope_parameters`) are read, combined as transformers 5 combines them (`rope_settings`), so
+that dtfm computes the model transformers computes; a RoPE dtfm does not compute, or both keys
+saying different things, is refused. Exports write the 4.x keys, which both versions load.
 
 dtfm trains the LM head as its own parameter: a checkpoint whose config ties it to the input
 embedding (`tie_word_embeddings`, `ties_embeddings`) is imported by copying the embedding into
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EMBEDDING_INDEX = -1  # the part indices of agent/worker/model.py (kept equal by a test)
 HEAD_INDEX = -2
+HEAD_TENSOR = "lm_head.weight"
+GPT2_PREFIX = "transformer."  # GPT-2 checkpoints saved from GPT2Model lack it
 
 
 class HfConfigError(ValueError):
@@ -128,7 +133,7 @@ def spec_from_hf_config(config: dict, *, name: str = "", seq_len: int = 0) -> Mo
 
 def _gpt2_spec(config: dict, name: str, seq_len: int) -> ModelSpec:
     act = config.get("activation_function", "gelu_new")
-    if act not in GPT2_ACTIVATIONS:
+    if not isinstance(act, str) or act not in GPT2_ACTIVATIONS:
         raise HfConfigError(f"config.json: activation_function={act!r} is not supported; dtfm's "
                             f"GPT block has {', '.join(GPT2_ACTIVATIONS)}")
     _refuse(config, "scale_attn_weights", True, "dtfm scales attention by 1/sqrt(head_dim)")
@@ -141,48 +146,114 @@ def _gpt2_spec(config: dict, name: str, seq_len: int) -> ModelSpec:
     if seq > positions:
         raise HfConfigError(f"sequence length {seq} is longer than config.json's n_positions="
                             f"{positions} (the learned position embedding's rows)")
+    return _spec(name, vocab_size=_int(config, "vocab_size", default=50257),
+                 n_layers=_int(config, "n_layer", default=12), d_model=d,
+                 n_heads=_int(config, "n_head", default=12), seq_len=seq,
+                 d_ff=_int(config, "n_inner", default=4 * d), arch="gpt",
+                 norm_eps=_float(config, "layer_norm_epsilon", 1e-5),
+                 activation=GPT2_ACTIVATIONS[act], max_positions=positions)
+
+
+def _spec(name: str, **fields: Any) -> ModelSpec:
+    """ModelSpec(name, **fields), its ValueError (shapes no block has) an HfConfigError.
+
+    The fields are computed by the caller, outside: a key's own HfConfigError already says
+    `config.json:`, and wrapping it again doubled the prefix."""
     try:
-        return ModelSpec(
-            name, vocab_size=_int(config, "vocab_size", default=50257),
-            n_layers=_int(config, "n_layer", default=12), d_model=d,
-            n_heads=_int(config, "n_head", default=12), seq_len=seq,
-            d_ff=_int(config, "n_inner", default=4 * d), arch="gpt",
-            norm_eps=_float(config, "layer_norm_epsilon", 1e-5),
-            activation=GPT2_ACTIVATIONS[act], max_positions=positions)
+        return ModelSpec(name, **fields)
     except ValueError as e:
-        raise HfConfigError(f"config.json: {e}") from None
+        raise HfConfigError(f"{CONFIG_FILE}: {e}") from None
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling")
+SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")  # transformers gives them a pretraining length
+
+
+def rope_settings(config: dict) -> tuple[dict[str, Any], str]:
+    """The RoPE settings `transformers` (5.x, the version tests check against) applies to
+    `config`, and the key they come from, resolved as its `convert_rope_params_to_dict` and
+    `standardize_rope_params` do: a non-empty `rope_scaling` (4.x's key) replaces
+    `rope_parameters` (5.x's) whole; `rope_theta` and `partial_rotary_factor` fall back to the
+    top-level keys (theta then to 10000); `rope_type` to the legacy `type`, then "default"; a
+    scaled type's `original_max_position_embeddings` is the top-level key, else its own, else
+    `max_position_embeddings` (4.x reads only `rope_scaling` and `rope_theta`, the same
+    whenever `rope_scaling` is set).
+
+    A config that has both keys saying different things is refused: transformers silently
+    drops `rope_parameters` then, and which of the two the checkpoint was trained with is
+    not for dtfm to guess."""
+    given = {key: _rope_object(config, key) for key in ROPE_KEYS}
+    both = all(given.values())
+    resolved = {key: _resolved_rope(config, value) for key, value in given.items()}
+    if both and resolved["rope_scaling"] != resolved["rope_parameters"]:
+        raise HfConfigError(
+            f"config.json: rope_scaling {_show(given['rope_scaling'])} and rope_parameters "
+            f"{_show(given['rope_parameters'])} disagree; transformers applies rope_scaling "
+            f"(theta {resolved['rope_scaling']['rope_theta']:g}) and ignores rope_parameters: "
+            f"delete the key the checkpoint was not trained with")
+    key = "rope_scaling" if given["rope_scaling"] else "rope_parameters"
+    return resolved[key], key
+
+
+def _rope_object(config: dict, key: str) -> dict:
+    value = config.get(key)
+    if value is None or value == {}:
+        return {}
+    if not isinstance(value, dict):
+        raise HfConfigError(f"config.json: {key} must be an object (or null), got {value!r}")
+    nested = [k for k, v in value.items() if isinstance(v, dict)]
+    if nested:
+        raise HfConfigError(f"config.json: {key} holds settings per layer type ({nested[0]!r}); "
+                            f"dtfm's rotary embedding is the same in every layer: give one "
+                            f"object of rope_type, rope_theta, ...")
+    return value
+
+
+def _resolved_rope(config: dict, given: dict) -> dict[str, Any]:
+    out = dict(given)
+    out.pop("type", None)
+    out["rope_type"] = given.get("rope_type", given.get("type", "default"))
+    out.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if config.get("partial_rotary_factor") is not None:
+        out.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if out["rope_type"] in SCALED_ROPE_TYPES:
+        original = config.get("original_max_position_embeddings")
+        if original is not None:
+            out["original_max_position_embeddings"] = original
+        out.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return out
+
+
+def _show(rope: dict) -> str:
+    return json.dumps(rope, sort_keys=True)
 
 
 def _rope(config: dict) -> dict[str, Any]:
-    """The ModelSpec rope fields from `rope_parameters` (transformers 5) or `rope_theta` and
-    `rope_scaling` (4.x)."""
-    params = config.get("rope_parameters")
-    key = "rope_parameters"
-    if not isinstance(params, dict):
-        params, key = dict(config.get("rope_scaling") or {}), "rope_scaling"
-        if "rope_theta" in config:
-            params.setdefault("rope_theta", config["rope_theta"])
-    kind = params.get("rope_type", params.get("type")) or "default"
-    for where in (params, config):
-        _refuse(where, "partial_rotary_factor", 1.0, "dtfm rotates every dimension of a head")
-    theta = _float(params, "rope_theta", 10000.0)
-    if kind == "default":
-        return {"rope_theta": theta}
-    if kind == "linear":
-        return {"rope_theta": theta, "rope_type": "linear",
-                "rope_factor": _float(params, "factor", 1.0)}
-    if kind == "llama3":
-        try:
+    """The ModelSpec rope fields of `rope_settings(config)`; HfConfigError naming the key for
+    a RoPE dtfm's rotary embedding does not compute."""
+    params, key = rope_settings(config)
+    kind = params["rope_type"]
+    _refuse(params, "partial_rotary_factor", 1.0, "dtfm rotates every dimension of a head")
+    try:
+        theta = _float(params, "rope_theta", 10000.0)
+        if kind == "default":
+            return {"rope_theta": theta}
+        if kind == "linear":
+            return {"rope_theta": theta, "rope_type": "linear",
+                    "rope_factor": _float(params, "factor", 1.0)}
+        if kind == "llama3":
             return {"rope_theta": theta, "rope_type": "llama3",
                     "rope_factor": _float(params, "factor", 1.0),
                     "rope_low_freq_factor": _float(params, "low_freq_factor", 1.0),
                     "rope_high_freq_factor": _float(params, "high_freq_factor", 4.0),
                     "rope_original_max_positions": _int(
                         params, "original_max_position_embeddings")}
-        except HfConfigError as e:
-            raise HfConfigError(str(e).replace("config.json: ", f"config.json: {key}.")) from None
-    raise HfConfigError(f"config.json: {key} rope_type {kind!r} is not supported; dtfm's rotary "
-                        f"embedding has default, linear and llama3")
+    except HfConfigError as e:
+        raise HfConfigError(str(e).replace(f"{CONFIG_FILE}: ", f"{CONFIG_FILE}: {key}.",
+                                           1)) from None
+    raise HfConfigError(f"config.json: {key} rope_type {kind!r} is not supported: dtfm's rotary "
+                        f"embedding computes default, linear and llama3; a checkpoint trained "
+                        f"with {kind!r} would not compute what it was trained to")
 
 
 def _llama_spec(config: dict, arch: str, name: str, seq_len: int) -> ModelSpec:
@@ -198,19 +269,14 @@ def _llama_spec(config: dict, arch: str, name: str, seq_len: int) -> ModelSpec:
     derived = d // heads if d % heads == 0 else None
     head_dim = _int(config, "head_dim", default=derived)
     kv_heads = _int(config, "num_key_value_heads", default=heads)
-    try:
-        return ModelSpec(  # sizes equal to their derived default stay 0, as presets write them
-            name, vocab_size=_int(config, "vocab_size"),
-            n_layers=_int(config, "num_hidden_layers"), d_model=d, n_heads=heads,
-            seq_len=seq, d_ff=_int(config, "intermediate_size"), arch="llama",
-            n_kv_heads=0 if kv_heads == heads else kv_heads,
-            head_dim=0 if head_dim == derived else head_dim,
-            norm_eps=_float(config, "rms_norm_eps", 1e-6), qkv_bias=arch == QWEN2,
-            max_positions=positions, **_rope(config))
-    except ValueError as e:
-        if isinstance(e, HfConfigError):
-            raise
-        raise HfConfigError(f"config.json: {e}") from None
+    return _spec(  # sizes equal to their derived default stay 0, as presets write them
+        name, vocab_size=_int(config, "vocab_size"),
+        n_layers=_int(config, "num_hidden_layers"), d_model=d, n_heads=heads,
+        seq_len=seq, d_ff=_int(config, "intermediate_size"), arch="llama",
+        n_kv_heads=0 if kv_heads == heads else kv_heads,
+        head_dim=0 if head_dim == derived else head_dim,
+        norm_eps=_float(config, "rms_norm_eps", 1e-6), qkv_bias=arch == QWEN2,
+        max_positions=positions, **_rope(config))
 
 
 def _check_window(config: dict, arch: str, positions: int) -> None:
@@ -373,3 +439,18 @@ def _llama_part(spec: ModelSpec, i: int) -> dict[str, HfTensor]:
 def embedding_tensor(spec: ModelSpec) -> str:
     """The input embedding's HF name (what a tied checkpoint's head is)."""
     return part_tensors(spec, EMBEDDING_INDEX)["wte.weight"].name
+
+
+def stored_name(name: str, names: Container[str]) -> str | None:
+    """The name HF tensor `name` has among a checkpoint's `names` (GPT-2 files saved from
+    `GPT2Model` lack `transformer.`), or None where it is not there."""
+    if name in names:
+        return name
+    short = name.removeprefix(GPT2_PREFIX)
+    return short if short != name and short in names else None
+
+
+def source_tensor(spec: ModelSpec, tensor: HfTensor, tied: bool) -> str:
+    """The HF tensor a parameter starts from: its own, or, for the head of a checkpoint whose
+    head is its input embedding (`tied`), the embedding (dtfm's untied head starts as it)."""
+    return embedding_tensor(spec) if tensor.name == HEAD_TENSOR and tied else tensor.name

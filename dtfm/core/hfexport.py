@@ -11,12 +11,23 @@ files, renamed, plus what describes them:
   headers (8-byte length, JSON);
 - the tokenizer files, when the job had a tokenizer (`tokenizer.json` and its companions).
 
+What config.json and generation_config.json carry over besides the spec (the special-token
+ids, an imported architecture, sampling settings) and where the tokenizer lies are one
+`ExportSource`, built by one function (`export_source`) from the job's `--init-from` and
+`--data`: `agent local --export-dir` calls it, and the coordinator calls it and sends the
+result in its status, so `coordinator start --export-dir` and `coordinator export` write the
+same ids and tokenizer a local run does. Ids come from the imported model's config.json and
+generation_config.json, else from the prepared data's end-of-text token (`meta.json`: the
+token between documents, so the one a trained model ends a document with); with neither, the
+ids are written as null, so that `transformers` does not fall back on GPT-2's 50256.
+
 Before anything is written the headers are checked: every tensor the model has appears in
 exactly one stage file, and nothing else does. The directory is built under a temporary name
 beside its destination and renamed into place, so an interrupted export (a full disk, a kill)
 leaves nothing that looks complete; an existing non-empty destination is refused unless
-`force`. The coordinator (`coordinator export`) and `agent local --export-dir` both call
-`write_export`.
+`force`, and a destination that cannot be written (under /proc, a read-only disk) is refused
+before anything is fetched (`make_parent`). The coordinator (`coordinator export`) and `agent
+local --export-dir` both call `write_export`.
 """
 
 from __future__ import annotations
@@ -27,14 +38,33 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dtfm.core import checkpoints as ondisk
+from dtfm.core.hfconfig import (
+    EMBEDDING_INDEX,
+    GENERATION_CONFIG_FILE,
+    HEAD_INDEX,
+    TOKEN_ID_KEYS,
+    generation_config_from_spec,
+    hf_config_from_spec,
+    part_tensors,
+    read_hf_config,
+)
 from dtfm.core.hfdir import read_header
 from dtfm.core.spec import ModelSpec
+from dtfm.core.tokenfiles import meta_for
 
 INDEX = "model.safetensors.index.json"
+# What config.json carries over from an imported model's, besides what the spec gives: its
+# architecture (a Mistral stays one) and its special-token ids. The ids that must be present:
+# absent, transformers takes its class's defaults (GPT-2's 50256, outside a small vocabulary).
+REQUIRED_IDS = ("bos_token_id", "eos_token_id")
+CARRIED_KEYS = ("architectures", "model_type", *TOKEN_ID_KEYS)
+GENERATION_KEYS = (*TOKEN_ID_KEYS, "do_sample", "temperature", "top_k", "top_p")
+MAX_SOURCE_JSON = 64 * 1024  # an ExportSource's JSON on the wire, at most
 # What a Hugging Face tokenizer directory may hold; whichever of these exist are copied.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
@@ -52,6 +82,80 @@ class StageFile:
     path: Path
 
 
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export writes besides the weights and the spec's shape: the keys config.json
+    (`config`) and generation_config.json (`generation`) carry over from the job's inputs,
+    and the tokenizer (a tokenizer.json or a directory holding one; "" for none). Built by
+    `export_source`; the coordinator sends it in its status (`to_proto`)."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    generation: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = ""
+
+    def to_proto(self) -> Any:
+        from protos.dtfm.v1 import coordinator_pb2
+
+        return coordinator_pb2.ExportSource(
+            config_json=json.dumps(self.config, sort_keys=True) if self.config else "",
+            generation_json=json.dumps(self.generation, sort_keys=True)
+            if self.generation else "", tokenizer=self.tokenizer)
+
+    @classmethod
+    def from_proto(cls, msg: Any, where: str = "the coordinator") -> ExportSource:
+        """The source a status carries; ExportError when it is malformed."""
+        def parse(text: str, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+            if not text:
+                return {}
+            try:
+                body = json.loads(text) if len(text) <= MAX_SOURCE_JSON else None
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                raise ExportError(f"{where} sent a malformed export {name} (not a JSON object "
+                                  f"of at most {MAX_SOURCE_JSON} bytes): upgrade it")
+            return {k: v for k, v in body.items() if k in keys}
+
+        return cls(parse(msg.config_json, "config", CARRIED_KEYS),
+                   parse(msg.generation_json, "generation config", GENERATION_KEYS),
+                   msg.tokenizer)
+
+
+def export_source(data_path: str, init_from: str, tokenizer: str | Path = "") -> ExportSource:
+    """What the job that trained on `--data data_path` from `--init-from init_from` exports
+    beside its weights (`ExportSource`), as far as this machine holds those paths:
+
+    - the ids and architecture of init_from's config.json, and what its
+      generation_config.json says (generation falls back on the config's ids);
+    - else, prepared data (`meta.json`): its end-of-text token as bos and eos (the token
+      between documents: a trained model ends a document with it);
+    - the tokenizer: `tokenizer` when given, else `find_tokenizer`'s.
+
+    ValueError (naming the file) for an unreadable config.json or meta.json."""
+    config: dict[str, Any] = {}
+    generation: dict[str, Any] = {}
+    if init_from:
+        model = read_hf_config(init_from)
+        config = {k: model[k] for k in CARRIED_KEYS if model.get(k) is not None}
+        saved = _json_object(Path(init_from) / GENERATION_CONFIG_FILE)
+        generation = {k: v for k, v in saved.items() if k in GENERATION_KEYS and v is not None}
+    if data_path and not any(k in config for k in REQUIRED_IDS):
+        meta, _ = meta_for(data_path)
+        if meta is not None:
+            config.update(bos_token_id=meta.eot_id, eos_token_id=meta.eot_id)
+    found = tokenizer or find_tokenizer(data_path, init_from)
+    return ExportSource(config, generation, str(found) if found else "")
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's content; {} when it is absent or holds no object."""
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def shard_name(k: int, total: int) -> str:
     return f"model-{k:05d}-of-{total:05d}.safetensors"
 
@@ -64,8 +168,6 @@ def tensor_bytes(header: dict) -> int:
 
 def expected_names(spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model has (`dtfm.core.hfconfig.part_tensors`)."""
-    from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
-
     names: set[str] = set()
     for index in (EMBEDDING_INDEX, *range(spec.n_layers), HEAD_INDEX):
         names.update(t.name for t in part_tensors(spec, index).values())
@@ -126,31 +228,50 @@ def tokenizer_sources(tokenizer: str | Path) -> list[Path]:
                       f"one of {', '.join(TOKENIZER_FILES)}")
 
 
+def make_parent(out: str | Path) -> Path:
+    """Create the directory that will hold `out` (its missing parents) and prove it takes a
+    new folder, before any work is done; ExportError naming `out` and what to do when not
+    (under /proc or /sys, a read-only disk, a file in the way). Returns it."""
+    parent = Path(out).absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".{Path(out).name}.probe-{os.getpid()}-{secrets.token_hex(4)}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise ExportError(f"--out {out}: cannot write a directory in {parent} "
+                          f"({exc.strerror or exc}): give a directory on a disk you can "
+                          f"write") from None
+    return parent
+
+
 def write_export(out: str | Path, spec: ModelSpec, files: Sequence[StageFile], *,
-                 tokenizer: str | Path | None = None, force: bool = False,
-                 source_config: dict | None = None,
+                 source: ExportSource | None = None, force: bool = False,
                  progress: Callable[[str], None] | None = None) -> Path:
-    """Write the Hugging Face directory `out` from the stages' weights (in stage order).
+    """Write the Hugging Face directory `out` from the stages' weights (in stage order), with
+    what `source` carries over (`export_source`: token ids, tokenizer).
 
     Atomic: built in a temporary sibling, then renamed; on any failure (ENOSPC included) the
     temporary directory is removed and `out` is as it was. Returns `out`."""
-    from dtfm.core.hfconfig import generation_config_from_spec, hf_config_from_spec
-
     out = Path(out).absolute()
+    source = source or ExportSource()
     say = progress or (lambda line: None)
     check_destination(out, force)
     files = sorted(files, key=lambda f: f.stage)
     if [f.stage for f in files] != list(range(len(files))) or not files:
         raise ExportError(f"stage files {[f.stage for f in files]} are not stages 0..S-1")
     where, total = weight_map(spec, files)
-    toks = tokenizer_sources(tokenizer) if tokenizer else []
-    out.parent.mkdir(parents=True, exist_ok=True)
+    toks = tokenizer_sources(source.tokenizer) if source.tokenizer else []
+    config = hf_config_from_spec(spec, source=source.config)
+    for key in REQUIRED_IDS:  # unknown is null: no class default (GPT-2's 50256) applies
+        config.setdefault(key, None)
+    generation = generation_config_from_spec(spec, {**source.config, **source.generation})
+    make_parent(out)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
-        _write_json(tmp / "config.json", hf_config_from_spec(spec, source=source_config))
-        _write_json(tmp / "generation_config.json",
-                    generation_config_from_spec(spec, source_config))
+        tmp.mkdir()
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / GENERATION_CONFIG_FILE, generation)
         for k, f in enumerate(files, start=1):
             name = shard_name(k, len(files)) if len(files) > 1 else "model.safetensors"
             say(f"export: stage {f.stage} -> {name} ({f.path.stat().st_size / 2**20:.1f} MiB)")

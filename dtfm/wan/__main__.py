@@ -134,14 +134,20 @@ def _parse_set(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, help="the links' new one-way delay")
     p.add_argument("--bandwidth-mbps",
                    help="the links' new rate in Mbit/s, or 'unlimited'")
+    cut = p.add_mutually_exclusive_group()
+    cut.add_argument("--cut", action="store_true",
+                     help="the links drop every packet (a route failure or firewall between "
+                     "two hosts that still reach everyone else)")
+    cut.add_argument("--heal", action="store_true", help="cut links carry packets again")
     p.add_argument("--compute", action="append", default=[], metavar="HOST:FACTOR",
                    help="host HOST's workers compute FACTOR times slower (1: full speed)")
     args = p.parse_args(argv)
     if not args.link and not args.compute:
-        p.error("give --link SRC:DST (with --delay-ms and/or --bandwidth-mbps) or "
+        p.error("give --link SRC:DST (with --delay-ms, --bandwidth-mbps, --cut or --heal) or "
                 "--compute HOST:FACTOR")
-    if args.link and args.delay_ms is None and args.bandwidth_mbps is None:
-        p.error("--link needs --delay-ms and/or --bandwidth-mbps")
+    if (args.link and args.delay_ms is None and args.bandwidth_mbps is None
+            and not (args.cut or args.heal)):
+        p.error("--link needs --delay-ms, --bandwidth-mbps, --cut or --heal")
     return args
 
 
@@ -166,6 +172,8 @@ def set_main(argv: list[str]) -> int:
         if args.bandwidth_mbps is not None:
             change["bandwidth_mbps"] = (None if args.bandwidth_mbps == "unlimited"
                                         else float(args.bandwidth_mbps))
+        if args.cut or args.heal:
+            change["cut"] = bool(args.cut)
         links.append(change)
         if args.both_ways:
             links.append({**change, "src": dst, "dst": src})

@@ -6,8 +6,10 @@ packets the hosts send into their TUNs, and writes each one into the destination
 after the pair's one-way delay plus its serialization time at the pair's rate. Every directed
 pair ``(src, dst)`` is its own link with a FIFO queue: a packet departs at
 ``max(now, link_free_at) + size * 8 / rate`` and arrives ``delay`` later. Nothing is lost,
-jittered or reordered; the queue is unbounded unless the spec caps it (``queue_ms``), in which
-case a packet that would wait longer than that is dropped (tail drop).
+jittered or reordered (a link cut on purpose drops everything: a route failure or a
+firewall between two hosts that both still reach everyone else); the queue is unbounded
+unless the spec caps it (``queue_ms``), in which case a packet that would wait longer than
+that is dropped (tail drop).
 
 It runs as its own process (``python -m dtfm.wan.emulator --spec FILE``) so that the event loop
 (one ``epoll`` over the TUN fds and a heap of timed deliveries) is not slowed by the caller's
@@ -28,6 +30,7 @@ Live changes: with ``control_socket`` set, the forwarder also reads JSON datagra
 answers each (to the sender's address) with ``{"ok": true, ...}`` or ``{"error": "..."}``::
 
     {"links": [{"src": 1, "dst": 2, "delay_ms": 140, "bandwidth_mbps": 2.5}, ...]}
+    {"links": [{"src": 1, "dst": 2, "cut": true}]}   # drop every packet 1 -> 2 (false: heal)
     {"compute": {"3": 2.0}}          # host 3's workers compute 2x slower (needs compute_dir)
     {"get": true}                    # the current matrices and compute factors
 
@@ -76,6 +79,7 @@ class Counters:
     forwarded_bytes: int = 0
     dropped_unroutable: int = 0
     dropped_queue: int = 0
+    dropped_cut: int = 0  # sent over a link cut by a live change
     dropped_write: int = 0
     late_s_total: float = 0.0  # sum over delivered packets of (write time - due time)
     late_s_max: float = 0.0
@@ -141,6 +145,7 @@ class Forwarder:
         ]
         self.queue_s = None if spec.queue_ms is None else spec.queue_ms / 1e3
         self.free_at = [[0.0] * n for _ in range(n)]
+        self.cut = [[False] * n for _ in range(n)]  # links that drop every packet
         self.last_due = [[0.0] * n for _ in range(n)]  # FIFO per link across delay changes
         self.compute: dict[int, float] = {}
         self.heap: list[tuple[float, int, int, bytes]] = []
@@ -164,6 +169,9 @@ class Forwarder:
             dst = self.index_of_addr.get(pkt[16:20])
             if dst is None or dst == src:
                 counters.dropped_unroutable += 1
+                continue
+            if self.cut[src][dst]:
+                counters.dropped_cut += 1
                 continue
             start = self.free_at[src][dst]
             if start < now:
@@ -217,7 +225,9 @@ class Forwarder:
             return {"error": str(exc)}
         if factors and not self.spec.compute_dir:
             return {"error": "this emulator has no compute_dir: compute cannot change"}
-        for src, dst, delay_ms, mbps in checked:
+        for src, dst, delay_ms, mbps, cut in checked:
+            if cut is not None:
+                self.cut[src][dst] = cut
             if delay_ms is not None:
                 self.delay_s[src][dst] = delay_ms / 1e3
             if mbps is not _KEEP:
@@ -240,6 +250,7 @@ class Forwarder:
             "bandwidth_mbps": [[None if x == 0.0 else 8.0 / x / 1e6 for x in row]
                                for row in self.sec_per_byte],
             "compute": {str(h): f for h, f in sorted(self.compute.items())},
+            "cut": [[i, j] for i, row in enumerate(self.cut) for j, c in enumerate(row) if c],
         }
 
     def _serve_control(self, sock: socket.socket) -> None:
@@ -320,8 +331,9 @@ def _factor(value: Any) -> float:
     return factor
 
 
-def _link_change(change: Any, n: int) -> tuple[int, int, float | None, Any]:
-    """(src, dst, delay ms or None to keep, Mbit/s or None for unlimited or _KEEP)."""
+def _link_change(change: Any, n: int) -> tuple[int, int, float | None, Any, bool | None]:
+    """(src, dst, delay ms or None to keep, Mbit/s or None for unlimited or _KEEP, cut: True
+    drops every packet, False carries them again, None keeps it as it is)."""
     if not isinstance(change, dict):
         raise ValueError(f"a link change is an object with src and dst, not {change!r}")
     src, dst = _host(change.get("src"), n), _host(change.get("dst"), n)
@@ -337,7 +349,10 @@ def _link_change(change: Any, n: int) -> tuple[int, int, float | None, Any]:
             raise ValueError(f"link {src}->{dst}: bandwidth_mbps must be > 0 or null "
                              f"(unlimited); got {mbps}")
         mbps = None if mbps is None else float(mbps)
-    return src, dst, None if delay is None else float(delay), mbps
+    cut = change.get("cut")
+    if cut is not None and not isinstance(cut, bool):
+        raise ValueError(f"link {src}->{dst}: cut must be true or false; got {cut!r}")
+    return src, dst, None if delay is None else float(delay), mbps, cut
 
 
 def request(control_socket: str, message: dict[str, Any], timeout: float = 5.0

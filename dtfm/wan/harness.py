@@ -135,6 +135,7 @@ class WanEmulator:
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
         self._log_path: Path | None = None
         self._compute: dict[int, float] = {}
+        self._cut: set[tuple[int, int]] = set()
         self._prev_sigterm: Any = None
         self._started = False
         self._closed = False
@@ -198,16 +199,25 @@ class WanEmulator:
         return str(Path(self._workdir.name) / "compute" / str(self._index(i)))
 
     @property
+    def cut(self) -> set[tuple[int, int]]:
+        """The directed links (src, dst) cut by :meth:`set_link`: they drop every packet."""
+        return set(self._cut)
+
+    @property
     def compute(self) -> dict[int, float]:
         """Hosts whose compute was slowed, and by what factor (1: as fast as it is)."""
         return dict(self._compute)
 
     def set_link(self, src: int, dst: int, *, delay_ms: float | None = None,
-                 bandwidth_mbps: float | None | str = "keep", both_ways: bool = False) -> None:
+                 bandwidth_mbps: float | None | str = "keep", both_ways: bool = False,
+                 cut: bool | None = None) -> None:
         """Change the link src -> dst (and dst -> src with ``both_ways``) while it runs:
         ``delay_ms`` None keeps the delay, ``bandwidth_mbps`` "keep" keeps the rate and None
-        lifts the limit. Applies to packets sent from now on."""
+        lifts the limit; ``cut`` True drops every packet on it (both hosts still reach every
+        other host), False carries them again. Applies to packets sent from now on."""
         change: dict[str, Any] = {"src": self._index(src), "dst": self._index(dst)}
+        if cut is not None:
+            change["cut"] = cut
         if delay_ms is not None:
             change["delay_ms"] = delay_ms
         if bandwidth_mbps != "keep":
@@ -218,7 +228,7 @@ class WanEmulator:
 
     def set_links(self, changes: Sequence[Mapping[str, Any]]) -> None:
         """Apply several link changes at once (``{"src", "dst", "delay_ms"?,
-        "bandwidth_mbps"?}`` each, as the control socket takes them)."""
+        "bandwidth_mbps"?, "cut"?}`` each, as the control socket takes them)."""
         self._apply(self._control({"links": [dict(c) for c in changes]}))
 
     def set_compute(self, i: int, factor: float) -> None:
@@ -239,6 +249,7 @@ class WanEmulator:
         self._bandwidth_mbps = [[None if x is None else float(x) for x in row]
                                 for row in answer["bandwidth_mbps"]]
         self._compute = {int(h): float(f) for h, f in answer["compute"].items()}
+        self._cut = {(int(i), int(j)) for i, j in answer.get("cut", [])}
 
     def address(self, i: int) -> str:
         """IPv4 address of host ``i`` (inside its namespace)."""

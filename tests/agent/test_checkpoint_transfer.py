@@ -26,15 +26,18 @@ from agent.supervisor import Supervisor
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import FileEntry, Manifest
+from dtfm.core.presets import get_preset
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tests.agent.servers import serving as serving_agent
 from tests.daemons import TOKEN
+from tests.smalldisk import small_disk
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "job-1a2b3c4d"
 SECURITY = rpc.Security(token=TOKEN)
 SIZE = 2 * CHUNK_BYTES + 12345  # three chunks: a cut after the first leaves a partial file
+SPEC = get_preset("gpt-tiny")  # four layers: stages 0 and 1 of two layers each
 
 
 def write_step(root: Path, stage: int, step: int, data: bytes, job: str = JOB,
@@ -58,7 +61,8 @@ def assignment(peers: list[str], stage: int = 0, mirrors: tuple[tuple[int, str],
                ) -> common_pb2.Assignment:
     return common_pb2.Assignment(
         job_id=JOB, stage=stage, layer_begin=2 * stage, layer_end=2 * stage + 2,
-        train=common_pb2.TrainConfig(checkpoint_every=2), checkpoint_peers=peers,
+        model=SPEC.to_proto(), train=common_pb2.TrainConfig(checkpoint_every=2),
+        checkpoint_peers=peers,
         mirrors=[common_pb2.CheckpointMirror(stage=s, peer=p) for s, p in mirrors])
 
 
@@ -344,6 +348,82 @@ def test_a_peer_that_does_not_answer_is_skipped(tmp_path: Path,
         caplog.text
 
 
+
+class Liar(AgentService):
+    """Lists its real steps, each file declared 10^12 bytes: what a hostile token holder could
+    send to fill a peer's disk; counts what is fetched from it."""
+
+    fetched: list[str] = []
+
+    async def ListCheckpoints(self, request: agent_pb2.ListCheckpointsRequest,
+                              context: grpc.aio.ServicerContext) -> agent_pb2.CheckpointList:
+        listed = await super().ListCheckpoints(request, context)
+        for entry in listed.entries:
+            for f in entry.files:
+                f.size = 10**12
+        return listed
+
+    async def FetchCheckpoint(self, request: agent_pb2.FetchCheckpointRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
+        Liar.fetched.append(request.name)
+        async for chunk in super().FetchCheckpoint(request, context):
+            yield chunk
+
+
+def test_a_peer_declaring_more_than_the_model_holds_is_never_fetched(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    liar, honest, taker = tmp_path / "liar", tmp_path / "honest", tmp_path / "taker"
+    for root in (liar, honest):
+        write_step(root, 0, 4, payload(4))
+    Liar.fetched = []
+
+    async def main() -> None:
+        async with serving(liar, Liar) as lying, serving(honest) as address:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([lying]))
+            assert steps_held(taker, 0) == [] and leftovers(taker, 0) == []
+            channel = rpc.open_channel(lying, SECURITY)
+            copied = await CheckpointCopier(taker, SECURITY).mirror_once(
+                Peer(lying, agent_pb2_grpc.AgentStub(channel)), JOB, 0, SPEC)
+            await channel.close()
+            assert copied == []
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([lying, address]))
+
+    with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+        run(main)
+    assert Liar.fetched == []
+    assert "declares 1,000,000,000,000 bytes for layers [0, 2) of gpt-tiny" in caplog.text
+    assert steps_held(taker, 0) == [4]
+
+
+def test_a_full_disk_ends_the_copy_saying_so_and_frees_its_partial_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    for root in (first, second):
+        write_step(root, 0, 4, payload(4))
+    asked: list[int] = []
+
+    class Records(AgentService):
+        async def FetchCheckpoint(self, request: agent_pb2.FetchCheckpointRequest,
+                                  context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
+            asked.append(request.offset)
+            async for chunk in super().FetchCheckpoint(request, context):
+                yield chunk
+
+    async def main(taker: Path) -> None:
+        async with serving(first, Records) as a, serving(second, Records) as b:
+            await CheckpointCopier(taker, SECURITY).prepare(assignment([a, b]))
+
+    with small_disk(tmp_path / "disk", "1m") as taker:  # SIZE is over 2 MiB
+        with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+            run(lambda: main(taker))
+        assert steps_held(taker, 0) == [] and leftovers(taker, 0) == []
+    assert len(asked) == 1  # the second peer's copy would not fit either: not asked
+    assert "disk full: the disk holding" in caplog.text
+    assert "free space on this agent's disk" in caplog.text
+
+
 # ---- mirrors ----
 
 
@@ -386,7 +466,7 @@ def test_a_mirror_drops_steps_its_peer_abandoned(tmp_path: Path) -> None:
             channel = rpc.open_channel(address, SECURITY)
             copier = CheckpointCopier(mirror, SECURITY)
             copied = await copier.mirror_once(
-                Peer(address, agent_pb2_grpc.AgentStub(channel)), JOB, 0)
+                Peer(address, agent_pb2_grpc.AgentStub(channel)), JOB, 0, SPEC)
             await channel.close()
             assert copied == [4, 6]
 

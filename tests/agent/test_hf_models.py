@@ -8,6 +8,7 @@ Nothing is downloaded: every model and tokenizer is built here. fp32 throughout.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -336,3 +337,88 @@ def test_bf16_checkpoint_loads_into_fp32_parts(saved: dict, tmp_path: Path) -> N
     with torch.no_grad():
         want = back.eval()(ids).logits
     torch.testing.assert_close(_dtfm_logits(tmp_path, ids), want, rtol=1e-5, atol=1e-5)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+# RoPE keys as configs in the wild combine them, each resolved the way transformers 5 does
+# (dtfm.core.hfconfig.rope_settings): a top-level rope_theta fills in for rope_parameters; a
+# llama3 block without original_max_position_embeddings takes max_position_embeddings, and a
+# top-level one overrides the block's; rope_scaling and rope_parameters that agree load.
+ROPE_VARIANTS = {
+    "parameters-theta-from-top": {"rope_parameters": {"rope_type": "default"},
+                                  "rope_theta": 1000.0},
+    "llama3-original-defaults": {"rope_parameters": dict(LLAMA3, rope_theta=5e5)},
+    "llama3-original-from-top": {"rope_scaling": dict(LLAMA3, original_max_position_embeddings=64),
+                                 "rope_theta": 5e5, "original_max_position_embeddings": 16},
+    "both-keys-agree": {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 300.0,
+                        "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 300.0}},
+}
+
+
+def _with_rope(path: Path, tmp_path: Path, rope: dict) -> Path:
+    out = _copy(path, tmp_path)
+    config = read_hf_config(out)
+    for key in ("rope_scaling", "rope_parameters", "rope_theta"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps({**config, **rope}))
+    return out
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_settings_compute_what_transformers_computes(saved: dict, tmp_path: Path,
+                                                          variant: str) -> None:
+    path = _with_rope(saved["llama"][0], tmp_path, ROPE_VARIANTS[variant])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.testing.assert_close(_dtfm_logits(path, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_conflicting_rope_keys_are_refused_naming_both(saved: dict, tmp_path: Path) -> None:
+    """The issue's config: rope_parameters says plain RoPE, rope_scaling yarn. transformers
+    applies the yarn (another model than the plain one); dtfm refuses, naming both keys."""
+    plain = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    both = {**plain, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for i, rope in enumerate((plain, both)):
+        path = _with_rope(saved["llama"][0], tmp_path / str(i), rope)
+        with torch.no_grad():
+            logits.append(transformers.AutoModelForCausalLM.from_pretrained(path)(ids).logits)
+    assert not torch.allclose(logits[0], logits[1], atol=1e-3)  # the yarn part matters
+    with pytest.raises(ValueError, match=r"config\.json: rope_scaling \{.*yarn.*\} and "
+                       r"rope_parameters \{.*default.*\} disagree; transformers applies "
+                       r"rope_scaling .*delete the key"):
+        _dtfm_logits(path, ids)
+    only_yarn = _with_rope(saved["llama"][0], tmp_path / "yarn", {"rope_scaling": both[
+        "rope_scaling"]})
+    with pytest.raises(ValueError, match="rope_scaling rope_type 'yarn' is not supported"):
+        _dtfm_logits(only_yarn, ids)
+
+
+def test_absurd_sizes_fail_agent_generate_in_one_line_before_allocating(
+        saved: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """16 TB of layers by config.json, a few KB on disk: refused from the headers (before
+    the fix the allocator's RuntimeError escaped as a traceback)."""
+    path = _copy(saved["llama"][0], tmp_path)
+    config = read_hf_config(path)
+    (path / "config.json").write_text(json.dumps(
+        {**config, "hidden_size": 1_000_000, "intermediate_size": 4_000_000, "head_dim": 8}))
+    assert cli.main(["generate", "--model-dir", str(path), "--prompt-ids", "1,2",
+                     "--greedy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --model-dir {path}: the embedding's tensors ") and \
+        err.endswith("config.json does not describe these weights") and "\n" not in err, err
+
+
+def test_an_integer_tensor_is_refused_not_cast(saved: dict, tmp_path: Path) -> None:
+    path = _copy(saved["qwen2"][0], tmp_path)
+    name = "model.layers.1.self_attn.q_proj.bias"
+    _edit_weights(path, lambda t: t.update({name: t[name].round().to(torch.int64)}))
+    spec = spec_from_hf_config(read_hf_config(path))
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} in .*model"
+                       r"\.safetensors holds torch\.int64 values, not a weight"):
+        load_parts_from_hf(Stage(spec, 1, 2, seed=0).parts(), spec, path)
+    load_parts_from_hf(Stage(spec, 0, 1, seed=0).parts(), spec, path)  # layer 0 does not read it

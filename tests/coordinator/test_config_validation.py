@@ -106,6 +106,31 @@ def test_other_commands_refuse_bad_values_too(daemons: Daemons) -> None:
     _refused(daemons.cli("agent", "start", env=daemons.env(DTFM_DEVICE="tpu")), "DTFM_DEVICE")
 
 
+def test_a_bad_value_from_the_environment_or_file_is_named_by_where_it_came_from(
+        daemons: Daemons) -> None:
+    """issue 31: DTFM_LISTEN=bad was reported as `--listen`, a flag nobody had typed."""
+    for command in (START[:2], ("agent", "start")):
+        _refused(daemons.cli(*command, env=daemons.env(DTFM_LISTEN="bad"), timeout=30),
+                 "$DTFM_LISTEN (--listen) 'bad' is not HOST:PORT")
+    path = daemons.tmp / "listen.toml"
+    path.write_text('listen = "bad"\n')
+    _refused(daemons.cli(*START[:2], "--config", str(path), timeout=30),
+             f"config file {path}: listen (--listen) 'bad'")
+
+
+def test_a_state_dir_that_is_a_file_is_one_line_naming_the_flag(daemons: Daemons) -> None:
+    """issue 31: `coordinator start --state-dir FILE` ended in a traceback."""
+    file = daemons.tmp / "not-a-dir"
+    file.write_text("x")
+    for command in (START, ("agent", "start")):
+        _refused(daemons.cli(*command, "--state-dir", str(file), timeout=30),
+                 f"--state-dir {file} is a file; give a directory")
+        _refused(daemons.cli(*command, "--state-dir", str(file / "sub"), timeout=30),
+                 f"--state-dir {file / 'sub'} cannot be made: {file} is a file")
+        _refused(daemons.cli(*command, env=daemons.env(DTFM_STATE_DIR=str(file)), timeout=30),
+                 f"$DTFM_STATE_DIR (--state-dir) {file} is a file")
+
+
 def test_a_port_in_use_is_a_clear_error(daemons: Daemons) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

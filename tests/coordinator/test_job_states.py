@@ -10,6 +10,7 @@ behind the registry's back would crash here instead of passing.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -65,6 +66,7 @@ class FakeRegistry:
         self.states: dict[str, int] = {}
         self.marked_lost: list[tuple[str, str]] = []
         self.job: Job | None = None
+        self.heartbeat_interval_s = 0.05
 
     def add(self, n: int) -> None:
         for _ in range(n):
@@ -102,20 +104,23 @@ class FakeMeasurer:
     def __init__(self, links: FakeLinks) -> None:
         self.links = links
         self.rounds: list[list[str]] = []
+        self.asked: list[dict[str, Any]] = []
         self.running = False
 
     def missing_links(self, ids: list[str]) -> set[tuple[str, str]]:
         return {(a, b) for a in ids for b in ids
                 if a != b and not self.links.complete_for([a, b])}
 
-    async def measure(self, agents: list[FakeAgent],
-                      only_missing: bool = False) -> common_pb2.LinkMatrix:
+    async def measure(self, agents: list[FakeAgent], only_missing: bool = False,
+                      **kw: Any) -> common_pb2.LinkMatrix:
+        """`kw`: what else the job asked for (`bandwidth_links` after peer errors), kept in
+        `asked`; the links in `links.dead_after_measure` fail from then on."""
         ids = [a.agent_id for a in agents]
         self.rounds.append(ids)
+        self.asked.append(kw)
+        self.links.dead |= self.links.dead_after_measure
         self.links.known.update(ids)
-        n = len(ids)
-        return common_pb2.LinkMatrix(agent_ids=ids, delay_ms=[10.0] * (n * n),
-                                     bandwidth_gbps=[1.0] * (n * n))
+        return self.links.matrix(ids)
 
 
 class FakeLinks:
@@ -126,16 +131,34 @@ class FakeLinks:
         self.remember = False
         self.known: set[str] = set()
 
+        self.dead: set[tuple[str, str]] = set()  # links that fail, between live agents
+        self.dead_after_measure: set[tuple[str, str]] = set()  # they fail from a measurement on
+
     def unreachable_agents(self, ids: list[str]) -> list[str]:
         return [a for a in self.unreachable if a in ids]
 
+    @property
+    def entries(self) -> dict[tuple[str, str], Any]:
+        """The failed links, as the real store keeps them: every link to and from an agent in
+        `unreachable`, and those in `dead`."""
+        failed = common_pb2.LinkSample(reachable=False)
+        out: dict[tuple[str, str], Any] = {link: failed for link in self.dead}
+        for a in self.unreachable:
+            for b in self.known - {a}:
+                out[(a, b)] = out[(b, a)] = failed
+        return out
+
     def complete_for(self, ids: list[str]) -> bool:
-        return self.remember and set(ids) <= self.known
+        return (self.remember and set(ids) <= self.known
+                and not any({a, b} <= set(ids) for a, b in self.dead))
 
     def matrix(self, ids: list[str]) -> common_pb2.LinkMatrix:
+        """10 ms and 1 Gbit/s everywhere, NaN (no figure) on a dead link."""
         n = len(ids)
-        return common_pb2.LinkMatrix(agent_ids=ids, delay_ms=[10.0] * (n * n),
-                                     bandwidth_gbps=[1.0] * (n * n))
+        cells = [math.nan if (a, b) in self.dead else v for a in ids for b in ids
+                 for v in (1.0,)]
+        return common_pb2.LinkMatrix(agent_ids=ids, delay_ms=[10.0 * c for c in cells],
+                                     bandwidth_gbps=cells[: n * n])
 
 
 class RecordingJob(Job):

@@ -174,3 +174,29 @@ def test_agent_local_refuses_auto_it_has_no_measured_links(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="--sync-every auto picks H from the links the "
                                          "coordinator measured"):
         LocalJob(args, open(tmp_path / "out", "w"))  # noqa: SIM115
+
+
+def test_without_measured_links_auto_keeps_synchronous_training_and_says_why() -> None:
+    """`--no-measure`: the step model sees made-up equal links, which picked H = 16 before."""
+    slow = _uniform(16, 200.0, 0.001)  # the links that would make auto pick a large H
+    assert sync_auto.choose(slow, GRID, _work(), FLOPS, None, 1000).every > 1
+    got = sync_auto.choose(slow, GRID, _work(), FLOPS, None, 1000, measured=False)
+    assert got.every == 1 and "no measured links" in got.note and "--sync-every N" in got.note
+
+    cfg = config(search_seconds=0.3)  # measure_links=False: `coordinator start --no-measure`
+    cfg.train.sync_every, cfg.train.steps = SYNC_AUTO, 400
+    cfg.validate()
+
+    async def body() -> tuple[int, str, set[int]]:
+        c = Cluster(cfg)
+        task = asyncio.get_running_loop().create_task(c.job.run())
+        try:
+            got = await c.assignments()
+        finally:
+            task.cancel()
+        return c.job.plan.sync_every, c.job.plan.sync_note, {
+            a.train.sync_every for a in got.values()}
+
+    h, note, sent = asyncio.run(body())
+    assert h == 1 and sent == {1}
+    assert "no measured links to choose from (--no-measure)" in note, note

@@ -123,3 +123,62 @@ def test_the_batch_rule_names_the_flags_and_a_fix(batch: int, micro: int, replic
         TrainConfig(global_batch=batch, micro_batches=micro).validate(replicas)
     suggestion = int(str(caught.value).rsplit(" ", 1)[-1])
     TrainConfig(global_batch=suggestion, micro_batches=micro).validate(replicas)
+
+
+def _listen_cli() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """A command like the daemons': `start --listen --agents`, its handler validating both."""
+
+    parser = flags.Parser(prog="demo")
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start")
+    flags.add_common_args(start)
+    start.add_argument("--listen", default="127.0.0.1:7070")
+    start.add_argument("--agents", type=flags.count, default=0)
+    return parser, {"start": start}
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    from dtfm.rpc import split_hostport
+
+    def handler(args: argparse.Namespace) -> int:
+        split_hostport(args.listen, "--listen")
+        if args.agents > 2:
+            raise ConfigError(f"--min-agents 3 exceeds --agents {args.agents}; pick another "
+                              f"--listen-port")
+        return 0
+
+    parser, subs = _listen_cli()
+    assert flags.dispatch(parser, subs, argv, {"start": handler}) == 2
+    return capsys.readouterr().err.strip()
+
+
+def test_an_error_names_the_variable_or_file_key_a_bad_value_came_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """issue 31: DTFM_LISTEN=bad was reported as `--listen 'bad'`, a flag nobody typed."""
+    monkeypatch.setenv("DTFM_LISTEN", "bad")
+    assert _error(["start"], capsys) == (
+        "error: $DTFM_LISTEN (--listen) 'bad' is not HOST:PORT (for example 127.0.0.1:7070)")
+    # given on the command line, the flag itself (abbreviated or not) is what to fix
+    for argv in (["start", "--listen", "worse"], ["start", "--lis=worse"]):
+        assert _error(argv, capsys).startswith("error: --listen 'worse' is not HOST:PORT")
+    monkeypatch.delenv("DTFM_LISTEN")
+    toml = tmp_path / "c.toml"
+    toml.write_text('listen = "bad"\n')
+    assert _error(["start", "--config", str(toml)], capsys).startswith(
+        f"error: config file {toml}: listen (--listen) 'bad' is not HOST:PORT")
+    # only the whole flag is renamed: --listen-port and --min-agents stay as they are
+    monkeypatch.setenv("DTFM_AGENTS", "3")
+    toml.write_text("")
+    assert _error(["start", "--config", str(toml)], capsys) == (
+        "error: --min-agents 3 exceeds $DTFM_AGENTS (--agents) 3; pick another --listen-port")
+
+
+def test_a_directory_flag_naming_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    flags.check_directory(str(tmp_path / "new" / "deeper"), "--state-dir")  # created later
+    flags.check_directory(str(tmp_path), "--state-dir")
+    with pytest.raises(ConfigError, match=r"^--state-dir .*/file is a file; give a directory"):
+        flags.check_directory(str(tmp_path / "file"), "--state-dir")
+    with pytest.raises(ConfigError, match=r"^--state-dir .*/file/sub cannot be made: .*/file "
+                       r"is a file"):
+        flags.check_directory(str(tmp_path / "file" / "sub"), "--state-dir")

@@ -106,13 +106,47 @@ def test_transformers_5_rope_parameters_and_mistral_without_window() -> None:
     (dict(LLAMA32_1B, num_key_value_heads=5), "n_kv_heads=5"),
     (dict(LLAMA32_1B, hidden_size="big"), "hidden_size must be an integer"),
     (dict(GPT2, activation_function="relu"), "activation_function='relu'"),
+    (dict(GPT2, activation_function=[]), "activation_function=\\[\\]"),
     (dict(GPT2, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (dict(MISTRAL_5X, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     r"rope_scaling \{.*\} and rope_parameters \{.*\} disagree"),
+    (dict(LLAMA32_1B, rope_scaling="llama3"), "rope_scaling must be an object"),
+    (dict(MISTRAL_5X, rope_parameters={"full_attention": {"rope_type": "default"}}),
+     "rope_parameters holds settings per layer type"),
+    (dict(MISTRAL_5X, partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
 ])
 def test_unsupported_configs_name_what_is_wrong(config: dict, needle: str) -> None:
     with pytest.raises(HfConfigError, match=needle) as err:
         spec_from_hf_config(config)
     if "not supported; dtfm builds" in str(err.value):
         assert all(a in str(err.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("config", [dict(GPT2, n_layer="x"), dict(LLAMA32_1B, vocab_size=0),
+                                    dict(LLAMA32_1B, rope_scaling=dict(
+                                        LLAMA32_1B["rope_scaling"], factor="x"))])
+def test_errors_say_config_json_once(config: dict) -> None:
+    with pytest.raises(HfConfigError) as err:
+        spec_from_hf_config(config)
+    assert str(err.value).count("config.json") == 1, str(err.value)
+
+
+def test_rope_keys_combine_as_transformers_5_combines_them() -> None:
+    """tests/agent/test_hf_models.py checks these against transformers' own logits."""
+    top_theta = dict(MISTRAL_5X, rope_parameters={"rope_type": "default"}, rope_theta=1e6)
+    assert spec_from_hf_config(top_theta).rope_theta == 1e6
+    own = dict(top_theta, rope_parameters={"rope_type": "default", "rope_theta": 1e3})
+    assert spec_from_hf_config(own).rope_theta == 1e3
+    llama3 = {k: v for k, v in LLAMA32_1B["rope_scaling"].items()
+              if k != "original_max_position_embeddings"}
+    assert spec_from_hf_config(dict(LLAMA32_1B, rope_scaling=llama3)
+                               ).rope_original_max_positions == 131072
+    top = dict(LLAMA32_1B, original_max_position_embeddings=4096)
+    assert spec_from_hf_config(top).rope_original_max_positions == 4096
+    agree = dict(LLAMA32_1B, rope_parameters=dict(LLAMA32_1B["rope_scaling"], rope_theta=5e5))
+    assert spec_from_hf_config(agree, name="llama-1b") == get_preset("llama-1b")
+    # an empty or null rope_scaling is no rope_scaling
+    assert spec_from_hf_config(dict(MISTRAL_5X, rope_scaling={})).rope_type == ""
 
 
 def test_read_hf_config_names_the_missing_or_broken_file(tmp_path: Path) -> None:

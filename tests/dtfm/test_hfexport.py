@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from dtfm.core import hfdir, hfexport
 from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
 from dtfm.core.hfexport import ExportError, StageFile
 from dtfm.core.spec import ModelSpec
+from tests.smalldisk import small_disk as mounted_small_disk
 
 SPEC = ModelSpec("t", vocab_size=32, n_layers=3, d_model=8, n_heads=2, seq_len=16, arch="llama",
                  n_kv_heads=1)
@@ -64,7 +64,8 @@ def test_one_stage_gives_model_safetensors_and_the_tokenizer(tmp_path: Path) -> 
     (tok / "tokenizer.json").write_text('{"model": {}}')
     (tok / "train.bin").write_bytes(b"\0\0")
     assert hfexport.find_tokenizer(str(tok / "train.bin"), "") == tok
-    out = hfexport.write_export(tmp_path / "out", SPEC, files, tokenizer=tok)
+    out = hfexport.write_export(tmp_path / "out", SPEC, files,
+                                source=hfexport.ExportSource(tokenizer=str(tok)))
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
 
@@ -92,16 +93,10 @@ def test_a_non_empty_destination_is_refused_unless_forced(tmp_path: Path) -> Non
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):
+def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB tmpfs: a real disk that fills up (root only)."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield d
-    subprocess.run(["umount", str(d)], check=False)
+    with mounted_small_disk(tmp_path / "disk") as d:
+        yield d
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path, small_disk: Path) -> None:
@@ -153,3 +148,73 @@ def test_a_model_that_disagrees_with_init_from_is_refused_naming_both(tmp_path: 
         hfdir.resolve_spec("gpt-mini", str(d))
     with pytest.raises(ValueError, match=r"--seq-len applies with --init-from"):
         hfdir.resolve_spec("gpt-tiny", "", seq_len=32)
+
+
+# ---- what an export carries over: one source for agent local and the coordinator ----
+
+
+def test_the_source_takes_the_imported_models_ids_and_tokenizer(tmp_path: Path) -> None:
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_size": 8, "rope_theta": 1e4}))
+    (src / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 7], "temperature": 0.6, "transformers_version": "x"}))
+    (src / "tokenizer.json").write_text('{"model": {}}')
+    source = hfexport.export_source("", str(src))
+    assert source.config == {"architectures": ["MistralForCausalLM"], "bos_token_id": 1,
+                             "eos_token_id": 2}
+    assert source.generation == {"eos_token_id": [2, 7], "temperature": 0.6}
+    assert source.tokenizer == str(src)
+    # what the coordinator's status carries is the same source
+    assert hfexport.ExportSource.from_proto(source.to_proto()) == source
+    out = hfexport.write_export(tmp_path / "out", SPEC, stage_files(tmp_path, [(0, 3)]),
+                                source=source)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"]
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": [2, 7], "temperature": 0.6}
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_prepared_data_gives_its_end_of_text_id_and_nothing_gives_null(tmp_path: Path) -> None:
+    from dtfm.core.tokenfiles import TokenMeta, write_meta
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokenizer.json").write_text('{"model": {}}')
+    (data / "train.bin").write_bytes(bytes(20))
+    write_meta(data, TokenMeta(dtype="uint16", vocab_size=30, tokenizer_hash="h", eot_id=5,
+                               eot_token="<|endoftext|>", max_token_id=29,
+                               documents={"train": 1, "val": 1},
+                               tokens={"train": 10, "val": 10}, val_fraction=0.1))
+    source = hfexport.export_source(str(data / "train.bin"), "")
+    assert source.config == {"bos_token_id": 5, "eos_token_id": 5}
+    assert source.tokenizer == str(data)
+    out = hfexport.write_export(tmp_path / "a", SPEC, stage_files(tmp_path, [(0, 3)]),
+                                source=source)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 5, "eos_token_id": 5}
+    # no model, no prepared data (the bundled corpus, bare .bin files): the ids are null, not
+    # left to a class default like GPT-2's 50256, outside the vocabulary
+    gpt = ModelSpec("g", vocab_size=32, n_layers=1, d_model=8, n_heads=2, seq_len=16)
+    none = hfexport.export_source(str(tmp_path / "missing"), "")
+    assert none == hfexport.ExportSource()
+    out = hfexport.write_export(tmp_path / "b", gpt, stage_files(tmp_path, [(0, 1)], gpt),
+                                source=none)
+    config = json.loads((out / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoConfig.from_pretrained(out).eos_token_id is None
+
+
+def test_a_malformed_source_from_a_coordinator_is_refused() -> None:
+    from protos.dtfm.v1 import coordinator_pb2
+
+    with pytest.raises(ExportError, match=r"malformed export config .*upgrade it"):
+        hfexport.ExportSource.from_proto(coordinator_pb2.ExportSource(config_json="[1]"))
+    big = json.dumps({"eos_token_id": 1, "x": "y" * hfexport.MAX_SOURCE_JSON})
+    with pytest.raises(ExportError, match=r"generation config"):
+        hfexport.ExportSource.from_proto(coordinator_pb2.ExportSource(generation_json=big))

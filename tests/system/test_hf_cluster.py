@@ -17,6 +17,7 @@ from tests.daemons import Daemons, wait_for
 transformers = pytest.importorskip("transformers")
 
 from tests.hflib import (  # noqa: E402
+    EOT_ID,
     agent_greedy,
     byte_data,
     hf_greedy,
@@ -25,10 +26,12 @@ from tests.hflib import (  # noqa: E402
     val_prompt,
 )
 
+EOS = EOT_ID
+
 
 @pytest.mark.timeout(300)
 def test_a_2x2_cluster_fine_tunes_an_import_and_exports_it(daemons: Daemons) -> None:
-    src, model = saved(daemons.tmp, "llama")
+    src, model = saved(daemons.tmp, "llama", eos=EOS)  # its config and tokenizer name EOS
     data = byte_data(daemons.tmp)
     before = hf_val_loss(model, data)
     out = daemons.tmp / "export"
@@ -48,6 +51,10 @@ def test_a_2x2_cluster_fine_tunes_an_import_and_exports_it(daemons: Daemons) -> 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     after = hf_val_loss(tuned, data)
     assert after < before - 0.3, (before, after)
+    # the imported model's special-token ids and tokenizer, as `agent local` exports them
+    assert (tuned.config.bos_token_id, tuned.config.eos_token_id) == (EOS, EOS)
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == EOS
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token_id == EOS
     prompt = val_prompt(data)
     want = hf_greedy(tuned, prompt, 8)
     assert len(want) == 8 and agent_greedy(out, prompt, 8) == want

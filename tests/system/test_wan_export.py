@@ -11,6 +11,7 @@ it) is lower than the imported model's, and `agent generate --greedy` on it give
 
 from __future__ import annotations
 
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {W
 transformers = pytest.importorskip("transformers")
 
 from tests.hflib import (  # noqa: E402
+    EOT_ID,
     agent_greedy,
     byte_data,
     hf_greedy,
@@ -55,10 +57,13 @@ def _status(cluster: WanCluster) -> dict[str, Any] | None:
 @pytest.mark.timeout(290)
 def test_an_import_fine_tuned_across_hosts_exports_while_training_after_churn(
         tmp_path: Path) -> None:
-    src, imported = saved(tmp_path, "qwen2")
+    src, imported = saved(tmp_path, "qwen2", eos=EOT_ID)
     data = byte_data(tmp_path)
     before = hf_val_loss(imported, data)
-    out = tmp_path / "export"
+    world = tmp_path / "world"
+    world.mkdir()
+    world.chmod(0o1777)
+    out = world / "export"
     with measurement_wan(DELAY, RATE) as wan:
         cluster = WanCluster(wan, tmp_path, agents=N, coordinator_args=[
             "--init-from", str(src), "--data", str(data), *JOB])
@@ -82,11 +87,17 @@ def test_an_import_fine_tuned_across_hosts_exports_while_training_after_churn(
     assert status["job"]["model"] == "hf:qwen2", status["job"]
     assert ids[victim] not in str(status["plan"]["grid"])
     assert result["step"] > first["job"]["checkpoint_step"] and Path(result["out"]) == out
+    assert stat.S_IMODE(world.stat().st_mode) == 0o1777
+    assert sorted(p.name for p in world.iterdir()) == ["export"]
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json"]
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert tuned.config.model_type == "qwen2"
+    assert (tuned.config.bos_token_id, tuned.config.eos_token_id) == (EOT_ID, EOT_ID)
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == EOT_ID
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token_id == EOT_ID
     after = hf_val_loss(tuned, data)
     assert after < before - 0.3, (before, after)
     prompt = val_prompt(data)

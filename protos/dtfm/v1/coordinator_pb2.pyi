@@ -241,7 +241,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "export_source")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,10 @@ class JobStatus(_message.Message):
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
     REPLANS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SAVE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATE_SAVED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model: str
@@ -284,7 +288,21 @@ class JobStatus(_message.Message):
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
     model_spec: _common_pb2.ModelSpec
     replans: _containers.RepeatedCompositeFieldContainer[Replan]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ...) -> None: ...
+    state_save_failures: int
+    state_save_error: str
+    state_saved_unix_s: float
+    export_source: ExportSource
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
+
+class ExportSource(_message.Message):
+    __slots__ = ("config_json", "generation_json", "tokenizer")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    generation_json: str
+    tokenizer: str
+    def __init__(self, config_json: _Optional[str] = ..., generation_json: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class Replan(_message.Message):
     __slots__ = ("at_unix_s", "at_step", "trigger", "suspects", "links", "devices", "step_before_s", "step_drifted_s", "predicted_stay_s", "predicted_new_s", "gain_s", "cost_s", "decision", "why", "measure_s", "outcome", "stalled_s", "step_after_s", "grid_before", "grid_after")

@@ -30,7 +30,7 @@ from dtfm.core.presets import get_preset
 from dtfm.core.spec import TrainConfig
 from dtfm.rpc import free_port
 from protos.dtfm.v1 import common_pb2
-from tests.agent.worker.testlib import REPO, assert_close, run_local
+from tests.agent.worker.testlib import REPO, assert_close, local_job_dir, run_local
 
 # ---- units: verification, agreement, pruning, keys ----
 
@@ -276,7 +276,7 @@ def test_a_truncated_newest_checkpoint_resumes_from_the_previous_good_step(
     assert full.rc == 0, full.stderr
     # the finished job left steps 4 and 8 in both stages; cut stage 1's step 8 in half, as a
     # disk that filled up during a copy would
-    newest = checkpoint.path_for(ckpt / "local", 1, 8)
+    newest = checkpoint.path_for(local_job_dir(ckpt), 1, 8)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
 
     work = tmp_path / "work"

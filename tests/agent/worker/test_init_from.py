@@ -62,3 +62,18 @@ def test_a_checkpoint_with_extra_tensors_is_refused_naming_one(tmp_path: Path) -
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     event = _fail(tmp_path, src, hfdir.dir_hash(src), src)
     assert "model.layers.7.mlp.up_proj.weight" in event["message"], event
+
+
+def test_absurd_sizes_fail_the_worker_before_it_allocates_its_stage(tmp_path: Path) -> None:
+    """A coordinator holding only config.json plans whatever it says; the worker holding the
+    weights refuses sizes they do not have with a config error, not the allocator's."""
+    src, _ = saved(tmp_path, "llama")
+    config = json.loads((src / "config.json").read_text())
+    absurd = json.dumps({**config, "hidden_size": 1_000_000, "intermediate_size": 4_000_000,
+                         "head_dim": 8})
+    (src / "config.json").write_text(absurd)
+    planner = tmp_path / "coordinator-copy"
+    planner.mkdir()
+    (planner / "config.json").write_text(absurd)
+    event = _fail(tmp_path, src, hfdir.dir_hash(src), planner)
+    assert "config.json does not describe these weights" in event["message"], event

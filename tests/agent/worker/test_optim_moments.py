@@ -136,12 +136,12 @@ def test_a_worker_checkpoints_bf16_moments_and_resumes_exactly(tmp_path: Path) -
     """Real workers (`agent local`, 2 stages, gloo): the checkpoint holds bf16 moments, and a
     run that crashed after it resumes to the uninterrupted run's losses."""
     from tests.agent.worker.test_resume import FLAGS
-    from tests.agent.worker.testlib import assert_close, run_local
+    from tests.agent.worker.testlib import assert_close, local_job_dir, run_local
 
     flags = (*FLAGS, "--moments-dtype", "bf16")
     full = run_local(*flags, "--checkpoint-dir", str(tmp_path / "full"))
     assert full.rc == 0, full.stderr
-    saved = torch.load(tmp_path / "full" / "local" / "stage-1" / "step-00000008.pt",
+    saved = torch.load(local_job_dir(tmp_path / "full") / "stage-1" / "step-00000008.pt",
                        weights_only=True)
     moments = [st[k] for st in saved["optimizer"]["state"].values() for k in optim.MOMENTS]
     assert moments and all(m.dtype == torch.bfloat16 for m in moments)

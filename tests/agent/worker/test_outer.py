@@ -17,7 +17,7 @@ import torch
 
 from agent.worker.outer import outer_step_
 from dtfm.core.rounds import newest_checkpoint, requested_checkpoint, round_of, sync_due
-from tests.agent.worker.testlib import assert_resumed, run_local
+from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local
 
 
 def test_outer_step_matches_a_hand_computed_nesterov_step() -> None:
@@ -135,11 +135,11 @@ def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path) -> None:
     assert crashed.rc != 0
     assert [s["step"] for s in crashed.steps] == list(range(1, 10))
     for stage in (0, 1):
-        names = sorted(p.name for p in (ckpt / "local" / f"stage-{stage}").iterdir())
+        names = sorted(p.name for p in (local_job_dir(ckpt) / f"stage-{stage}").iterdir())
         # step 8's files only (the manifest, the .pt, the weights): no step 6 or temp files
         assert names and all(n.startswith("step-00000008.") for n in names), names
         assert "step-00000008.manifest.json" in names and "step-00000008.pt" in names, names
-    state = torch.load(ckpt / "local" / "stage-0" / "step-00000008.pt", weights_only=True)
+    state = torch.load(local_job_dir(ckpt) / "stage-0" / "step-00000008.pt", weights_only=True)
     assert state["outer"]["every"] == 4 and state["outer"]["rounds"] == 2
     assert any(float(m.abs().sum()) > 0 for m in state["outer"]["momentum"].values())
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.worker.testlib import assert_resumed, run_local
+from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local
 
 FLAGS = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "1", "--batch", "4",
          "--micro-batches", "2", "--steps", "8", "--checkpoint-every", "4", "--seed", "5",
@@ -25,8 +25,8 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     crashed = run_local(*FLAGS, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:6"})
     assert crashed.rc != 0
     assert [s["step"] for s in crashed.steps] == [1, 2, 3, 4, 5]
-    for stage in (0, 1):  # checkpoints are kept per job id; agent local's is "local"
-        names = sorted(p.name for p in (ckpt / "local" / f"stage-{stage}").iterdir())
+    for stage in (0, 1):  # kept per job id; agent local's is local-<fingerprint of its flags>
+        names = sorted(p.name for p in (local_job_dir(ckpt) / f"stage-{stage}").iterdir())
         # complete files only, no temp leftovers
         assert names == ["step-00000004.manifest.json", "step-00000004.pt",
                          "step-00000004.safetensors"], names

@@ -25,6 +25,7 @@ class LocalRun:
     done: dict[str, Any] | None = None
     stderr: str = ""
     stdout: str = ""
+    nothing_to_train: dict[str, Any] | None = None  # the run found its last step checkpointed
 
     @property
     def losses(self) -> list[float]:
@@ -54,7 +55,17 @@ def run_local(
             run.steps.append(obj)
         elif obj.get("done"):
             run.done = obj
+        elif obj.get("nothing_to_train"):
+            run.nothing_to_train = obj
     return run
+
+
+def local_job_dir(ckpt: Path) -> Path:
+    """The one `agent local` run's folder under checkpoint directory `ckpt`
+    (`local-<fingerprint of its flags>`, `dtfm.core.fingerprint`)."""
+    found = sorted(p for p in ckpt.iterdir() if p.name.startswith("local-"))
+    assert len(found) == 1, f"expected one local run's folder in {ckpt}: {found}"
+    return found[0]
 
 
 def assert_resumed(resumed: LocalRun, full: LocalRun, after: int, rel: float = 1e-6) -> None:
@@ -75,9 +86,11 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
 
 def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
                 old_split: list[int] | None = None, fault: str = "", timeout: float = 120.0,
-                checkpoint_at: int = 0) -> LocalRun:
+                checkpoint_at: int = 0, job_id: str = "local") -> LocalRun:
     """Spawn a stages x 1 job's workers (`agent local` flags) from the coordinator's
-    assignment builder, with `old_split` as the split the checkpoints in `ckpt` hold, and,
+    assignment builder as job `job_id` (to go on from a local run: `local_job_dir(ckpt).name`,
+    as a coordinator's job keeps its id across layouts), with `old_split` as the split the
+    checkpoints in `ckpt` hold, and,
     with `checkpoint_at`, ask each for a checkpoint after that step as its agent would
     (`dtfm.core.requests`) right after it starts; the last stage's steps, as `agent local`
     reports them (with each step event's `checkpoint_step`)."""
@@ -95,7 +108,7 @@ def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
     args = parser.parse_args([*flags, "--checkpoint-dir", str(ckpt)])
     layout = Layout(stages, 1)
     assignments = build_assignments(
-        job_id="local", epoch=1, layout=layout, spec=get_preset(args.model),
+        job_id=job_id, epoch=1, layout=layout, spec=get_preset(args.model),
         train=train_config(args), master_addr="127.0.0.1", master_port=free_port(),
         checkpoint_splits=old_split)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -113,3 +113,29 @@ def test_set_command_says_what_is_wrong(tmp_path: Path) -> None:
                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=30)
     assert out.returncode == 1
     assert "no emulator listens" in out.stderr
+
+
+def test_a_cut_link_drops_its_direction_only_until_healed() -> None:
+    fwd = _forwarder()
+    answer = fwd.control({"links": [{"src": 0, "dst": 1, "cut": True}]})
+    assert answer["cut"] == [[0, 1]] and fwd.cut[0][1] and not fwd.cut[1][0]
+    assert answer["delay_ms"][0][1] == pytest.approx(10.0)  # delay and rate kept for a heal
+    assert "cut must be true or false" in fwd.control(
+        {"links": [{"src": 0, "dst": 1, "cut": "yes"}]})["error"]
+    assert fwd.control({"links": [{"src": 0, "dst": 1, "cut": False}]})["cut"] == []
+
+
+@needs_wan
+def test_a_cut_link_carries_nothing_while_both_hosts_reach_the_third() -> None:
+    """A route failure between two sites: 1 and 2 cannot talk, both still reach 0."""
+    with WanEmulator(delay_ms=[[0, 5, 5], [5, 0, 5], [5, 5, 0]]) as wan:
+        for host in (0, 2):
+            probe.start_server(wan, host)
+        wan.set_link(1, 2, cut=True, both_ways=True)
+        assert wan.cut == {(1, 2), (2, 1)}
+        with pytest.raises((RuntimeError, subprocess.TimeoutExpired)):
+            probe.echo_rtts_ms(wan, 1, 2, count=1, timeout=5)
+        assert _rtt(wan, 1, 0) == pytest.approx(10.0, abs=4.0)
+        assert _rtt(wan, 2, 0) == pytest.approx(10.0, abs=4.0)
+        wan.set_link(1, 2, cut=False, both_ways=True)
+        assert _rtt(wan, 1, 2) == pytest.approx(10.0, abs=4.0)
