@@ -194,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _add_drift_flags(p: argparse.ArgumentParser) -> None:
-    """Watching the running job for drift and re-planning it (coordinator/drift.py,
-    coordinator/replan.py); defaults from `DriftConfig`."""
+    """Watching the running job for drift and re-planning it (coordinator/job/drift.py,
+    coordinator/job/replan.py); defaults from `DriftConfig`."""
     from coordinator.daemon.config import DriftConfig
 
     d = DriftConfig()

@@ -129,7 +129,7 @@ def codec_setting(flag: str, *, topk: bool) -> Callable[[str], str]:
 
 def sync_every_setting(text: str) -> int:
     """`--sync-every`: H >= 1, or auto (SYNC_AUTO: the coordinator chooses H from the measured
-    links, `coordinator/sync_auto.py`)."""
+    links, `coordinator/scheduler/sync_auto.py`)."""
     if text.strip().lower() == "auto":
         return SYNC_AUTO
     try:

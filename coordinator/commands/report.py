@@ -1,7 +1,7 @@
 """`coordinator report`: a job's loss and throughput by step, from a running coordinator.
 
 Owns the command: one `GetHistory` call, then a table, `--json`, and with `--plot FILE.png`
-a picture drawn by `coordinator/plots.py` (matplotlib is imported only then).
+a picture drawn by `coordinator/commands/plots.py` (matplotlib is imported only then).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from coordinator.daemon.history import traffic_per_step
 from coordinator.daemon.reconcile import save_line
 from coordinator.daemon.registry import STATE_NAMES
 from coordinator.job.replanlog import replans_to_json, replans_to_text
@@ -83,15 +84,6 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
     }
-
-
-def traffic_per_step(p: coordinator_pb2.ProgressReport) -> dict[str, Any]:
-    """A worker's bytes per step by traffic kind over this epoch's steps so far, and its
-    local-steps round and drift (`--sync-every`)."""
-    done = p.step - (p.resumed_step if p.HasField("resumed_step") else 0)
-    return {"pp_bytes_per_step": p.pp_bytes_sent / done if done > 0 else 0.0,
-            "dp_bytes_per_step": p.dp_bytes_sent / done if done > 0 else 0.0,
-            "sync_every": max(p.sync_every, 1), "sync_round": p.sync_round, "drift": p.drift}
 
 
 def local_steps(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from dtfm.rpc import ConfigError, Security, split_hostport
 @dataclass
 class DriftConfig:
     """Watching a running job for network or device drift and re-planning when it pays
-    (coordinator/drift.py, coordinator/replan.py)."""
+    (coordinator/job/drift.py, coordinator/job/replan.py)."""
 
     replan: bool = True  # --no-replan: watch and report, never move
     threshold: float = 0.3  # --drift-threshold: a step this much slower than expected is drift
@@ -62,7 +62,7 @@ class JobConfig:
     init_hash: str = ""  # set by validate: dtfm.core.hfdir.dir_hash of train.init_from
     drift: DriftConfig = field(default_factory=DriftConfig)
     # --sync-overhead: with --sync-every auto, the share of a step the amortised exchange
-    # may cost (coordinator/sync_auto.py)
+    # may cost (coordinator/scheduler/sync_auto.py)
     sync_overhead: float = 0.10
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 

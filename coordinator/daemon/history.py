@@ -5,6 +5,9 @@ ReportProgress handler feeds every accepted heartbeat here; one point per (epoch
 the loss (from whichever member computes it: the last stage) and the median of the members'
 step times. Heartbeats are periodic, so steps faster than the heartbeat are sampled. The store
 is bounded: past `limit` points the oldest are dropped.
+
+`traffic_per_step` is a report's bytes per step by kind: `coordinator status` and the
+metrics both show it, so it lives here, in the library, not in the status command.
 """
 
 from __future__ import annotations
@@ -102,3 +105,12 @@ def history_to_text(data: dict[str, Any]) -> str:
     replans = data.get("replans", [])
     lines.extend(replans_to_text(replans, last=len(replans)))
     return "\n".join(lines)
+
+
+def traffic_per_step(p: coordinator_pb2.ProgressReport) -> dict[str, Any]:
+    """A worker's bytes per step by traffic kind over this epoch's steps so far, and its
+    local-steps round and drift (`--sync-every`)."""
+    done = p.step - (p.resumed_step if p.HasField("resumed_step") else 0)
+    return {"pp_bytes_per_step": p.pp_bytes_sent / done if done > 0 else 0.0,
+            "dp_bytes_per_step": p.dp_bytes_sent / done if done > 0 else 0.0,
+            "sync_every": max(p.sync_every, 1), "sync_round": p.sync_round, "drift": p.drift}

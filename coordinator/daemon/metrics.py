@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from coordinator.commands.status import traffic_per_step
+from coordinator.daemon.history import traffic_per_step
 from coordinator.daemon.registry import ALIVE, STATE_NAMES, Registry
 from coordinator.job.machine import Job
 from coordinator.links.store import LinkStore
@@ -137,7 +137,7 @@ class CoordinatorCollector(Collector):
         yield from self._replans(labels)
 
     def _replans(self, labels: list[str]) -> Iterator[Metric]:
-        """Every re-plan the job weighed (coordinator/replan.py), by outcome; the newest's
+        """Every re-plan the job weighed (coordinator/job/replan.py), by outcome; the newest's
         predicted gain and cost, and the step it measured before, during and after."""
         records = self.job.replan.records
         count = CounterMetricFamily("dtfm_job_replans", "Re-plans weighed while training, by "

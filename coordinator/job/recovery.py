@@ -1,6 +1,6 @@
 """The job's record of its recoveries, and the rules for when a recovery may shrink or grow it.
 
-Kept apart from the state machine (`coordinator/job.py`) because status, metrics and the
+Kept apart from the state machine (`coordinator/job/machine.py`) because status, metrics and the
 coordinator's state directory all read the same record: when, why, the layout before and
 after, the steps lost and the seconds stalled.
 """
@@ -67,3 +67,22 @@ class Recoveries:
     def to_json(self) -> list[dict[str, Any]]:
         return [json_format.MessageToDict(r, preserving_proto_field_name=True)
                 for r in self.items]
+
+
+def permanent_failure(failure: str, kind: str, steps: int, last: tuple[str, int]) -> str:
+    """Why `failure` will repeat the same way on every retry ('' when a retry may help).
+
+    A rejected assignment or configuration fails identically every time; workers that
+    cannot join their world in two epochs running, without training a step in either,
+    point at addresses or ports that a retry will not fix (a lost agent would have been
+    reported as lost instead). `kind`: the failure's kind (the worker's `error_kind`);
+    `steps`: the newest step the epoch trained; `last`: (kind, steps) of the epoch before."""
+    if kind == "config":
+        return (f"{failure} (the job's configuration is invalid and would fail the same "
+                f"way again: fix it and restart the coordinator)")
+    if kind == "rendezvous" and steps == 0 and last == ("rendezvous", 0):
+        return (f"{failure} (workers could not join their world twice in a row: check that "
+                f"every agent's --advertise address is reachable from the others, that TCP "
+                f"ports 29500-30499 are open between them, or set the "
+                f"agents' --bind-interface)")
+    return ""

@@ -1,9 +1,10 @@
 """Re-planning a running job when its network or devices drift, and only when it pays.
 
-Owns what happens after the drift watch (`coordinator/drift.py`) fires, kept out of the job's
-state machine (`coordinator/job.py`), which calls in at four points: a new epoch trains
-(`start_epoch`), a member reported a steady step (`observe`), the follow loop turns (`tick`),
-and every member passed a fresh checkpoint (`move_reason`).
+Owns what happens after the drift watch (`coordinator/job/drift.py`) fires, kept out of the
+job's state machine (`coordinator/job/machine.py`), which calls in at four points: a new epoch
+trains (`start_epoch`), a member reported a steady step (`observe`), the follow loop turns
+(`tick`), and every member passed a fresh checkpoint (`move_reason`). It reads the job through
+`ReplanHost` and the job's `EpochPlanner`, never the job's own state.
 
 On a verdict it starts one background evaluation while the job trains on:
 
@@ -13,7 +14,7 @@ On a verdict it starts one background evaluation while the job trains on:
    or, where none moved, of the plan's links that touch the suspects, with short probes
    (`--remeasure-probe-seconds`), through the job's `LinkMeasurer` into the link store (with
    `--links FILE` the file is read again instead: whoever refreshes it);
-2. search and polish again on the updated matrix (the job's own `_place`), with a slowed
+2. search and polish again on the updated matrix (the job's `EpochPlanner.place`), with a slowed
    device's FLOP/s scaled by its measured compute and the uneven-split planner given a go;
 3. weigh the predicted step saved over the remaining steps against the cost of moving: the
    stall this job saw in its earlier recoveries (or its own start-up, before it had any) plus
@@ -36,18 +37,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-import numpy as np
 from google.protobuf import json_format
 
+from coordinator.daemon.config import JobConfig
+from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job.drift import Drift, DriftWatch, Sample
-from coordinator.links.infer import latency_clusters, representatives, to_measure
-from coordinator.links.measure import Pings
-from coordinator.links.store import matrix_arrays
+from coordinator.job.epochplan import EpochPlanner, split
+from coordinator.job.prediction import Prediction, agent_flops, device_figures
+from coordinator.job.recovery import Recoveries
+from coordinator.job.weigh import (
+    changed_links,
+    copy_seconds,
+    grid_text,
+    links_to_probe,
+    move_verdict,
+    probe_representatives,
+    request_lead,
+    settle_remeasured,
+)
+from coordinator.links.infer import to_measure
+from coordinator.links.measure import LinkMeasurer, Pings
+from coordinator.links.store import LinkStore, matrix_arrays
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, tasklet_seconds
 from coordinator.scheduler.memory import FP32, param_state_bytes
@@ -55,24 +70,10 @@ from dtfm.core.layout import layer_ranges
 from dtfm.core.rounds import requested_checkpoint
 from protos.dtfm.v1 import coordinator_pb2
 
-if TYPE_CHECKING:
-    from coordinator.job.machine import Job, _Prediction
-
 log = logging.getLogger(__name__)
 
 SPARES_TRIED = 2  # spares weighed in place of the member whose links degraded most
 RESTART_OVERHEAD_S = 5.0  # stopping the members and planning, on top of a start-up's stall
-# How far past the newest reported step (seconds, on top of a heartbeat interval: the newest
-# report may be that old) a requested checkpoint lies: the command must reach every agent
-# before its worker ends that step
-REQUEST_MARGIN_S = 1.0
-LINK_CHANGE_MS = 5.0  # a delay that moved less than this (and the threshold) did not change
-# a sweep taken while the job trains reads many links high by a similar amount; a delay moved
-# only past that sweep's own noise: twice the shift that 3 in 4 of its links stay under ...
-SWEEP_NOISE_QUANTILE = 0.75
-SWEEP_NOISE_FACTOR = 2.0
-SWEEP_NOISE_CAP_MS = 50.0  # ... but a delay that moved by 50 ms always changed
-SWEEP_NOISE_MIN_LINKS = 8  # fewer readings cannot tell a sweep's noise from a change
 # bandwidth probes at once while the job trains: each takes a link's capacity from the training
 # traffic for its probe, so few at a time (bench/drift.py measures what they cost a step)
 BACKGROUND_PROBES = 2
@@ -82,173 +83,53 @@ BACKGROUND_PROBES = 2
 BACKGROUND_PINGS = 5
 
 
-def grid_text(grid: list[list[str]]) -> str:
-    return ";".join(",".join(row) for row in grid)
+class ReplanHost(Protocol):
+    """What the re-planner asks of the job it serves (`coordinator.job.machine.Job` is one).
 
+    Through this and the job's `EpochPlanner` (its layout, grid by agent id, step-time model
+    and H, and the search and split a move is planned with) the re-planner reads the running
+    epoch; the job's own state stays the job's. The job calls the re-planner back at the four
+    points the module docstring names."""
 
-def plan_links(grid: list[list[int]]) -> set[tuple[int, int]]:
-    """The directed links a grid's traffic uses: pipeline neighbours and data-parallel
-    groups, both ways."""
-    links: set[tuple[int, int]] = set()
-    for j in range(len(grid) - 1):
-        for a, b in zip(grid[j], grid[j + 1], strict=True):
-            links |= {(a, b), (b, a)}
-    for row in grid:
-        links |= {(a, b) for a in row for b in row if a != b}
-    return links
+    config: JobConfig
+    registry: Registry
+    measurer: LinkMeasurer
+    links: LinkStore
+    recoveries: Recoveries
+    planner: EpochPlanner
+    job_id: str
+    epoch: int
+    members: list[str]
 
+    @property
+    def checkpoint_step(self) -> int: ...
 
-def moved(old: Network, new: Network, threshold: float, floor_ms: float = LINK_CHANGE_MS
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """Per directed link: did its delay, did its bandwidth move by more than the threshold (a
-    fraction; delays also by more than `floor_ms`)? Less than that is measurement noise."""
-    d0, d1 = old.delay_ms, new.delay_ms
-    b0, b1 = old.bandwidth_gbps, new.bandwidth_gbps
-    with np.errstate(divide="ignore", invalid="ignore"):
-        delay = np.abs(d1 - d0) > np.maximum(floor_ms, threshold * d0)
-        rate = (b0 > 0) & (b1 > 0) & (np.maximum(b0 / b1, b1 / b0) > 1.0 + threshold)
-    np.fill_diagonal(delay, False)
-    np.fill_diagonal(rate, False)
-    return delay, rate
+    def last_step(self) -> int:
+        """The newest step a member reported (the checkpoint's before any)."""
+        ...
 
+    def spares(self) -> list[AgentRecord]:
+        """Live agents outside the job."""
+        ...
 
-def request_lead(step_s: float, heartbeat_s: float) -> int:
-    """Steps past the newest reported one to ask a checkpoint for: the report may be a
-    heartbeat old, and the ask needs `REQUEST_MARGIN_S` more to reach every worker before it
-    ends that step (a sparse `--heartbeat-interval` asks further ahead, so workers still hear
-    in time rather than the move falling back to the regular checkpoint)."""
-    return 1 + math.ceil((heartbeat_s + REQUEST_MARGIN_S) / max(step_s, 1e-3))
+    def recent_steps(self) -> Mapping[str, Sequence[coordinator_pb2.ProgressReport]]:
+        """Each member's last few steady steps' reports."""
+        ...
 
+    def persist(self) -> None:
+        """Save the job's state (with the re-planner's records) in the state directory."""
+        ...
 
-def changed_links(old: Network, new: Network, ids: list[str], threshold: float
-                  ) -> list[coordinator_pb2.LinkChange]:
-    """The links whose delay or bandwidth moved by more than the threshold (a fraction)."""
-    delay, rate = moved(old, new, threshold)
-    return [coordinator_pb2.LinkChange(
-        src=ids[i], dst=ids[j], delay_ms_before=float(old.delay_ms[i, j]),
-        delay_ms_after=float(new.delay_ms[i, j]), gbps_before=float(old.bandwidth_gbps[i, j]),
-        gbps_after=float(new.bandwidth_gbps[i, j]))
-        for i, j in zip(*np.nonzero(delay | rate), strict=True)]
+    def poke(self) -> None:
+        """Wake the job's follow loop."""
+        ...
 
-
-class Settled(NamedTuple):
-    """A settled re-measurement and which of its links moved past the threshold."""
-
-    net: Network
-    delay_moved: np.ndarray  # bool [i, j]
-    rate_moved: np.ndarray
-    noise_ms: float  # the sweep's noise floor: a delay moved by less did not change
-
-
-def sweep_noise_ms(old_delay_ms: np.ndarray, delay_ms: np.ndarray) -> float:
-    """How far a sweep moved the delays of links that did not change, from the sweep itself.
-
-    Pings taken beside training traffic on busy hosts read high, and by much the same for
-    many links at once: bench/drift.py's run 4 read 85 unchanged links 14-16 ms high, past
-    the fixed 5 ms floor, where the 8 degraded links had moved 125-157 ms, and probing the
-    bandwidth of every pair whose delay "moved" took 95 s. A change is the exception among a
-    sweep's links, so twice the shift that 3 in 4 links stay under bounds the noise as long
-    as fewer than a quarter of the links changed (one degraded city pair of 8 cities moves 3 %
-    of them); a mode of noise that only some links share (a third of them there) stays under
-    it too, where the median and its deviation would call it a change. Capped, so a move of
-    `SWEEP_NOISE_CAP_MS` always counts; never below `LINK_CHANGE_MS`."""
-    seen = np.isfinite(delay_ms) & np.isfinite(old_delay_ms) & ~np.eye(len(delay_ms), dtype=bool)
-    shift = np.abs(delay_ms - old_delay_ms)[seen]
-    if shift.size < SWEEP_NOISE_MIN_LINKS:
-        return LINK_CHANGE_MS
-    return float(np.clip(SWEEP_NOISE_FACTOR * np.quantile(shift, SWEEP_NOISE_QUANTILE),
-                         LINK_CHANGE_MS, SWEEP_NOISE_CAP_MS))
-
-
-def settle_remeasured(old: Network, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray,
-                      threshold: float) -> Settled:
-    """The figures a re-plan weighs, from a re-measurement taken while the job trains.
-
-    Pings then queue behind the training traffic and wait for busy cores, so they read high,
-    and more on one end of a pair than the other. Both ends time the same round trip, so the
-    lesser of the two readings is the better one for both directions. A link whose figure
-    stayed within the threshold of the plan's, or within the sweep's own noise
-    (`sweep_noise_ms`), keeps the plan's: noise must not re-route a plan (a link that failed
-    to measure keeps it too)."""
-    delay = np.fmin(delay_ms, delay_ms.T)
-    noise = sweep_noise_ms(old.delay_ms, delay)
-    delay = np.where(np.isnan(delay), old.delay_ms, delay)
-    bandwidth = np.where(np.isnan(bandwidth_gbps), old.bandwidth_gbps, bandwidth_gbps)
-    delay_moved, rate_moved = moved(old, Network.measured(delay, bandwidth), threshold, noise)
-    return Settled(Network.measured(np.where(delay_moved, delay, old.delay_ms),
-                                    np.where(rate_moved, bandwidth, old.bandwidth_gbps)),
-                   delay_moved, rate_moved, noise)
-
-
-def links_to_probe(grid: list[list[int]], ids: list[str], delay_moved: np.ndarray,
-                   suspects: set[str]) -> set[tuple[str, str]]:
-    """The links whose bandwidth a re-measurement probes, after its latency sweep.
-
-    Those whose delay moved (both directions of the pair, in the plan or not): a congested,
-    throttled or re-routed path shows in its round trip, and a link the plan does not use yet
-    keeping its old rate would draw the new plan onto it. Where no delay moved, the plan's
-    links that touch a suspect: a link can lose rate without its delay moving. Probing every
-    plan link instead took 48 s on the 16-agent world (72 links, two at a time) and slowed the
-    steps meanwhile (bench/drift.py)."""
-    n = len(ids)
-    pairs = {(a, b) for a in range(n) for b in range(n)
-             if a != b and (delay_moved[a, b] or delay_moved[b, a])}
-    if not pairs:
-        pairs = {(a, b) for a, b in plan_links(grid) if ids[a] in suspects or ids[b] in suspects}
-    return {(ids[a], ids[b]) for a, b in pairs}
-
-
-def probe_representatives(links: set[tuple[str, str]], ids: list[str], net: Network
-                          ) -> dict[tuple[str, str], tuple[str, str]]:
-    """Which of the links whose delay moved stand for which (`linkinfer.representatives`,
-    over latency clusters of the sweep's settled delays): links that moved alike between the
-    same two places share one probe. Only where delays moved: a link that lost rate and kept
-    its delay looks like its neighbours, so the suspects' plan links are each probed."""
-    at = {a: i for i, a in enumerate(ids)}
-
-    def delay(a: str, b: str) -> float | None:
-        value = float(net.delay_ms[at[a], at[b]])
-        return value if np.isfinite(value) else None
-
-    return representatives(links, latency_clusters(ids, delay), delay)
-
-
-def copy_seconds(old_grid: list[list[int]], new_grid: list[list[int]], stage_bytes: list[int],
-                 net: Network, newcomers: frozenset[int] = frozenset()) -> float:
-    """Seconds for the members that change stage to fetch their new stage's checkpoint from
-    the best-connected member that holds it (fetches run in parallel: the slowest counts).
-    `newcomers`: devices that hold nothing (a spare put in a member's place, at its index)."""
-    worst = 0.0
-    for j, row in enumerate(new_grid):
-        holders = [h for h in old_grid[j] if h not in newcomers] or old_grid[j]
-        for d in row:
-            if d in holders:
-                continue
-            gbps = max(float(net.bandwidth_gbps[h, d]) for h in holders)
-            delay_s = min(float(net.delay_ms[h, d]) for h in holders) / 1e3
-            worst = max(worst, 8.0 * stage_bytes[j] / (max(gbps, 1e-9) * 1e9) + delay_s)
-    return worst
-
-
-def move_verdict(stay_s: float, new_s: float, steps_left: int, cost_s: float,
-                 margin: float) -> tuple[bool, float, str]:
-    """(move?, predicted gain in seconds, why)."""
-    gain = (stay_s - new_s) * steps_left
-    if new_s >= stay_s:
-        return False, gain, (f"no better plan: the new one predicts {new_s:.2f} s/step, "
-                             f"staying {stay_s:.2f} s")
-    if gain <= margin * cost_s:
-        return False, gain, (f"the gain, {stay_s - new_s:.2f} s x {steps_left} steps = "
-                             f"{gain:.0f} s, is under {margin:g} x the {cost_s:.0f} s a move "
-                             f"costs")
-    return True, gain, (f"{stay_s - new_s:.2f} s/step x {steps_left} steps left = {gain:.0f} s "
-                        f"saved, over {margin:g} x the {cost_s:.0f} s a move costs")
 
 
 class Replanner:
     """The job's drift watch and re-planning, one epoch at a time."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: ReplanHost) -> None:
         self.job = job
         cfg = job.config.drift
         self.cfg = cfg
@@ -270,7 +151,7 @@ class Replanner:
         self.startup_s = 0.0
         if self._moving is not None:
             self._moving.outcome = "moved"
-            self._moving.grid_after = grid_text(self.job._grid_ids)
+            self._moving.grid_after = grid_text(self.job.planner.grid_ids)
             self._after, self._moving = self._moving, None
         self._planned = None
 
@@ -343,13 +224,13 @@ class Replanner:
     # --- the evaluation ---
     async def _evaluate(self, drift: Drift) -> None:
         job = self.job
-        model = job._model
-        if model is None or job._layout is None:
+        model = job.planner.model
+        if model is None or job.planner.layout is None:
             return
         rec = coordinator_pb2.Replan(
             at_unix_s=time.time(), at_step=drift.at_step, trigger=drift.describe(),
             suspects=drift.suspects, step_before_s=drift.settled_s,
-            step_drifted_s=drift.measured_s, grid_before=grid_text(job._grid_ids))
+            step_drifted_s=drift.measured_s, grid_before=grid_text(job.planner.grid_ids))
         rec.devices.extend(coordinator_pb2.DeviceChange(
             agent=a, compute_s_before=b, compute_s_after=n) for a, (b, n) in drift.devices.items())
         self.records.append(rec)
@@ -362,11 +243,11 @@ class Replanner:
             log.exception("job %s: the re-plan evaluation failed", job.job_id)
             rec.decision, rec.outcome = "stay", "declined"
             rec.why = f"the evaluation failed: {exc!r} (the coordinator log has the traceback)"
-        job._persist()
+        job.persist()
         job.poke()
 
     async def _weigh(self, rec: coordinator_pb2.Replan, drift: Drift,
-                     model: _Prediction) -> None:
+                     model: Prediction) -> None:
         job = self.job
         ids = list(model.agents)
         started = time.monotonic()
@@ -387,15 +268,14 @@ class Replanner:
             rec.decision, rec.outcome = "stay", "declined"
             rec.why = "a member left during the evaluation; its recovery re-plans anyway"
             return
-        from coordinator.job.machine import _split, device_figures
-
         figures = device_figures(records, job.config.train.dtype)
         dev = Devices.of(flops, figures.memory.tolist(), figures.pools or None)
-        found = await job._place(placement, net, job._layout, ids, model.work, dev, flops)
+        found = await job.planner.place(placement, net, job.planner.layout, ids, model.work,
+                                        dev, flops, epoch=job.epoch)
         grid, splits = found["grid"], found["splits"]
         if drift.devices:  # a slower device: let the uneven-split planner take layers off it
-            grid, splits, _ = await job._in_pool(
-                _split, net.delay_ms, net.bandwidth_gbps, grid, model.work, dev, True,
+            grid, splits, _ = await job.planner.in_pool(
+                split, net.delay_ms, net.bandwidth_gbps, grid, model.work, dev, True,
                 job.config.search_seconds)
         new = _prediction_like(model, net, grid, splits, flops).predict(
             self._compute_for(compute, model, grid, splits, flops))
@@ -441,8 +321,9 @@ class Replanner:
         extra, and the move waits for the regular checkpoint as before."""
         job, train = self.job, self.job.config.train
         lead = request_lead(step_s, job.registry.heartbeat_interval_s)
-        step = requested_checkpoint(job.checkpoint_step, job._last_step(), lead,
-                                    train.checkpoint_every, job._sync_every or 1, train.steps)
+        step = requested_checkpoint(job.checkpoint_step, job.last_step(), lead,
+                                    train.checkpoint_every, job.planner.sync_every or 1,
+                                    train.steps)
         if not step:
             return
         why = f"re-planning: {rec.why}"
@@ -454,7 +335,7 @@ class Replanner:
         log.info("job %s: asked every member for a checkpoint after step %d, to move there",
                  job.job_id, step)
 
-    async def _with_spares(self, rec: coordinator_pb2.Replan, model: _Prediction,
+    async def _with_spares(self, rec: coordinator_pb2.Replan, model: Prediction,
                            compute: dict[str, float], flops: list[float]
                            ) -> list[dict[str, Any]]:
         """Plans with a spare in place of the member most of the changed links touch (a
@@ -468,16 +349,14 @@ class Replanner:
         for c in worse:
             for a in (c.src, c.dst):
                 touched[a] = touched.get(a, 0) + 1
-        if not touched or job._layout is None:
+        if not touched or job.planner.layout is None:
             return []
         worst = max(touched, key=lambda a: touched[a])
         if touched[worst] < 2 or worst not in model.agents:
             return []
         at = model.agents.index(worst)
         out = []
-        from coordinator.job.machine import agent_flops, device_figures
-
-        for spare in job._spares()[:SPARES_TRIED]:
+        for spare in job.spares()[:SPARES_TRIED]:
             ids = [spare.agent_id if a == worst else a for a in model.agents]
             net = self._known(ids)
             if net is None:
@@ -490,8 +369,9 @@ class Replanner:
             spare_flops[at] = agent_flops([spare], job.config.train.dtype)[0]
             dev = Devices.of(spare_flops, figures.memory.tolist(), figures.pools or None)
             try:
-                found = await job._place(job.config.parsed_placement(), net, job._layout, ids,
-                                         model.work, dev, spare_flops)
+                found = await job.planner.place(job.config.parsed_placement(), net,
+                                                job.planner.layout, ids, model.work, dev,
+                                                spare_flops, epoch=job.epoch)
             except ValueError as exc:  # DoesNotFit included: this spare cannot hold it
                 log.info("job %s: spare %s cannot replace %s: %s", job.job_id,
                          spare.agent_id, worst, exc)
@@ -514,7 +394,7 @@ class Replanner:
         job = self.job
         if job.config.links_file:
             try:
-                delay, bandwidth = job._known_links(ids)
+                delay, bandwidth = job.planner.known_links(ids)
             except ValueError:
                 return None
         elif job.config.measure_links and job.links.complete_for(ids):
@@ -523,7 +403,7 @@ class Replanner:
             return None
         return Network.measured(delay, bandwidth)
 
-    async def _remeasured(self, ids: list[str], model: _Prediction, drift: Drift) -> Network:
+    async def _remeasured(self, ids: list[str], model: Prediction, drift: Drift) -> Network:
         """The members' links as they are now: the `--links` file read again, or a latency
         sweep and then the bandwidth of the links `links_to_probe` picks from it, measured in
         the background. Each
@@ -532,7 +412,7 @@ class Replanner:
         93 of 95 links read as changed were delays, where one city pair had changed)."""
         job = self.job
         if job.config.links_file:
-            delay, bandwidth = job._known_links(ids)
+            delay, bandwidth = job.planner.known_links(ids)
         elif job.config.measure_links and len(ids) > 1:
             records = [r for a in ids if (r := job.registry.get(a)) is not None]
             swept = await job.measurer.measure(records, bandwidth_links=set(),
@@ -560,13 +440,13 @@ class Replanner:
     def _compute_now(self, ids: list[str]) -> dict[str, float]:
         """Each member's compute per step over the recent steps."""
         out = {}
-        for agent, steps in self.job._steps.items():
+        for agent, steps in self.job.recent_steps().items():
             if agent in ids and steps:
                 out[agent] = statistics.median(r.compute_s for r in steps)
         return out
 
     @staticmethod
-    def _compute_for(compute: dict[str, float], model: _Prediction, grid: list[list[int]],
+    def _compute_for(compute: dict[str, float], model: Prediction, grid: list[list[int]],
                      splits: list[int], flops: list[float]) -> dict[str, float]:
         """Each member's measured compute per step carried over to its place in `grid`:
         scaled by the model's estimate of its new tasklet against its old one (another
@@ -592,7 +472,7 @@ class Replanner:
         return out
 
     @staticmethod
-    def _scaled_flops(model: _Prediction, drift: Drift) -> list[float]:
+    def _scaled_flops(model: Prediction, drift: Drift) -> list[float]:
         """The plan's FLOP/s per agent, a slowed device's scaled by how much slower it
         computes now than when the epoch settled."""
         flops = list(model.flops)
@@ -610,7 +490,7 @@ class Replanner:
         return base + RESTART_OVERHEAD_S
 
     @staticmethod
-    def _stage_checkpoint_bytes(model: _Prediction) -> list[int]:
+    def _stage_checkpoint_bytes(model: Prediction) -> list[int]:
         """Bytes of each stage's checkpoint: weights and the optimizer's moments."""
         spec = model.work.spec
         per_param = param_state_bytes(model.work.moments_dtype) - FP32  # no gradient
@@ -632,10 +512,8 @@ class Replanner:
                 rec.why += " (dropped: the coordinator restarted)"
 
 
-def _prediction_like(model: _Prediction, net: Network, grid: list[list[int]],
+def _prediction_like(model: Prediction, net: Network, grid: list[list[int]],
                      splits: list[int], flops: list[float],
-                     agents: list[str] | None = None) -> _Prediction:
-    from coordinator.job.machine import _Prediction
-
-    return _Prediction(net=net, grid=grid, work=model.work, splits=list(splits),
+                     agents: list[str] | None = None) -> Prediction:
+    return Prediction(net=net, grid=grid, work=model.work, splits=list(splits),
                        agents=list(agents or model.agents), flops=flops)

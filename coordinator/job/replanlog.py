@@ -1,4 +1,4 @@
-"""How re-plans read: the `Replan` records (coordinator/replan.py) as JSON and as text lines.
+"""How re-plans read: the `Replan` records (coordinator/job/replan.py) as JSON and as text lines.
 
 Kept apart from the re-planning itself so that `coordinator status` and `coordinator report`
 render them without loading the scheduler (numpy); status, history and report share it.

@@ -176,11 +176,11 @@ class LinkMeasurer:
         `only_missing` probes just the links the store has no figure for (a newcomer's, to
         and from everyone): links between agents measured before did not change because
         someone joined, and probing them again would cost the job minutes of probes.
-        `bandwidth_links` (a re-measurement while the job trains, coordinator/replan.py):
+        `bandwidth_links` (a re-measurement while the job trains, coordinator/job/replan.py):
         the latency of every pair, but the bandwidth of just these links, each probe lasting
         about `probe_seconds` (default: the measurer's). `sampled`: bandwidth only for
         representatives of latency clusters, the rest inferred and marked so
-        (`coordinator/linkinfer.py`). `max_probes`: at most this many bandwidth probes at
+        (`coordinator/links/infer.py`). `max_probes`: at most this many bandwidth probes at
         once (0: as many as the devices allow), for a job's links while it trains.
         `pings`: how many pings per peer, over how long (`Pings`). `latency=False` skips the
         latency pass (the bandwidth of `bandwidth_links` right after a latency-only pass).

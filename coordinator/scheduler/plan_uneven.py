@@ -4,7 +4,7 @@ Owns reading per-device speed and memory for offline planning (`--speeds`, `--fl
 `--memory`, `--devices FILE`), handing them with the searched grid to the scheduler's
 `compute.plan_split`, checking memory (a plan that cannot fit raises `DoesNotFit`, which
 `coordinator plan` reports as one line and exit code 2), and printing the split. The search
-itself is `coordinator/plan.py`'s; without these flags its output is unchanged.
+itself is `coordinator/commands/plan.py`'s; without these flags its output is unchanged.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ UINT32 = 2**32 - 1
 # most this many steps, and a few-step test run writes only its final checkpoint.
 DEFAULT_CHECKPOINT_EVERY = 50
 # TrainConfig.sync_every of `--sync-every auto`: the coordinator picks H from the measured links
-# (coordinator/sync_auto.py) before any worker sees it; 0 on the wire is a peer that predates
-# local steps, which `from_proto` reads as synchronous training
+# (coordinator/scheduler/sync_auto.py) before any worker sees it; 0 on the wire is a peer that
+# predates local steps, which `from_proto` reads as synchronous training
 SYNC_AUTO = 0
 # TrainConfig.outer_momentum of `--outer-momentum auto` (the default): 0.5 for rounds of up to
 # LONGEST_MEASURED_ROUND local steps, DiLoCo's 0.9 for longer ones, its regime of hundreds. A

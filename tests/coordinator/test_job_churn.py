@@ -336,7 +336,7 @@ def test_one_replica_stages_keep_checkpoints_from_the_oldest_step_a_mirror_holds
     mirror holds as its newest, since a recovery after losing a stage resumes there."""
     async def body(h: Harness) -> None:
         await h.running_epoch(1)
-        grid = h.job._grid_ids
+        grid = h.job.planner.grid_ids
         first, second = grid[0][0], grid[1][0]
         assert h.job.checkpoint_floor() == 1  # no mirror has copied yet: keep everything
         h.report(second, WorkerState.TRAINING, step=9, mirrored_steps={0: 8})

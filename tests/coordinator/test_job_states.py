@@ -330,7 +330,7 @@ def test_an_unreachable_agent_is_marked_lost_through_the_registry() -> None:
         await h.running_epoch(1)
         assert "agent-3" not in h.job.members
         h.job.on_join(h.registry.agents["agent-3"])  # re-joined: measured again next time
-        assert "agent-3" not in h.job._unreachable
+        assert "agent-3" not in h.job.membership.unreachable
     run(config(), body)
 
 
@@ -341,9 +341,10 @@ def test_a_coordinator_error_while_planning_is_retried_then_fails_the_job_loudly
     from concurrent.futures.process import BrokenProcessPool
 
     import coordinator.job.machine as job_module
+    from coordinator.job.epochplan import EpochPlanner
 
     monkeypatch.setattr(job_module, "INTERNAL_RETRY_S", 0.05)
-    original = job_module.Job._in_pool
+    original = EpochPlanner.in_pool
     calls = {"n": 0, "fail": 1}
 
     async def flaky(fn: Any, *args: Any) -> Any:
@@ -352,7 +353,7 @@ def test_a_coordinator_error_while_planning_is_retried_then_fails_the_job_loudly
             raise BrokenProcessPool("a child process terminated abruptly")
         return await original(fn, *args)
 
-    monkeypatch.setattr(job_module.Job, "_in_pool", staticmethod(flaky))
+    monkeypatch.setattr(EpochPlanner, "in_pool", staticmethod(flaky))
 
     async def once(h: Harness) -> None:
         await h.running_epoch(1)

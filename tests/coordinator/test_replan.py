@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from coordinator.commands.status import status_to_json, status_to_text
-from coordinator.job.replan import (
+from coordinator.job.weigh import (
     LINK_CHANGE_MS,
     REQUEST_MARGIN_S,
     SWEEP_NOISE_CAP_MS,
@@ -353,7 +353,7 @@ def test_re_plans_outlive_a_coordinator_restart(tmp_path: Path) -> None:
         at_step=40, decision="move", outcome="moved", gain_s=90.0, step_after_s=0.4))
     first.replan.records.append(coordinator_pb2.Replan(at_step=70, decision="move",
                                                        outcome="pending", why="faster"))
-    first._persist()
+    first.persist()
     second = job()
     assert second.job_id == first.job_id
     moved, pending = second.replan.records

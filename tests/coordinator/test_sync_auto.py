@@ -141,7 +141,7 @@ def test_a_job_chooses_h_once_sends_it_to_every_worker_and_keeps_it_on_restart(
     assert {a.train.sync_every for a in got.values()} == {h}
     registry, store_links = Registry(liveness_timeout_s=60), LinkStore()
     again = Job(cfg, registry, LinkMeasurer(registry, store_links), store_links, store)
-    assert again._sync_every == h and f"every {h} steps" in again._sync_note
+    assert again.planner.sync_every == h and f"every {h} steps" in again.planner.sync_note
 
 
 def test_the_flag_takes_auto_or_a_count_and_says_so_otherwise(

@@ -129,10 +129,11 @@ def test_the_elastic_layout_check_counts_shared_memory() -> None:
     two_machines = Devices.of([1e10] * 4, [room] * 4, ["x", "x", "y", "y"])
     one_machine = Devices.of([1e10] * 4, [room] * 4, ["x"] * 4)
     micro = c.job.config.train.micro_batches
-    assert c.job._fits(Layout(2, 2), micro, two_machines)
-    assert not c.job._fits(Layout(2, 2), micro, one_machine)
-    assert not c.job._fits(Layout(2, 1), micro, Devices.of([1e10] * 2, [room] * 2, ["x"] * 2))
-    assert c.job._fits(Layout(2, 1), micro, Devices.of([1e10] * 2, [room] * 2, ["x", "y"]))
+    assert c.job.planner.fits(Layout(2, 2), micro, two_machines)
+    assert not c.job.planner.fits(Layout(2, 2), micro, one_machine)
+    assert not c.job.planner.fits(Layout(2, 1), micro,
+                                  Devices.of([1e10] * 2, [room] * 2, ["x"] * 2))
+    assert c.job.planner.fits(Layout(2, 1), micro, Devices.of([1e10] * 2, [room] * 2, ["x", "y"]))
 
 
 def test_devices_carry_their_pools() -> None:

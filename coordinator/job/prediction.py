@@ -1,0 +1,69 @@
+"""The running plan's step-time model, and the device figures a plan is made for.
+
+`Prediction` is what the job shows as its predicted step and what the re-planner
+(`coordinator/job/replan.py`) weighs a move with; `agent_flops` and `device_figures` turn
+the agents' reports into the scheduler's `Devices`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from coordinator.daemon.registry import AgentRecord
+from coordinator.scheduler import Network
+from coordinator.scheduler.compute import Devices, Workload, tasklet_seconds
+from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
+
+
+def agent_flops(records: list[AgentRecord], dtype: str) -> list[float]:
+    """Each agent's FLOP/s in the training dtype (0: unknown)."""
+    return [r.info.device.flops_bf16 if dtype == "bf16" and r.info.device.flops_bf16 > 0
+            else r.info.device.flops for r in records]
+
+
+def device_figures(records: list[AgentRecord], dtype: str) -> Devices:
+    """Each agent's FLOP/s in the training dtype, its memory free for training, and the
+    memory pool it shares with agents on the same machine (`EpochPlanner.place` checks a
+    pool once)."""
+    memory = [min(r.info.device.free_memory_bytes or r.info.device.memory_bytes, 2**62)
+              for r in records]  # uint64 on the wire; 4 EiB is plenty
+    return Devices.of(agent_flops(records, dtype), memory,
+                      [r.info.device.memory_pool for r in records])
+
+
+@dataclass
+class Prediction:
+    """The running plan's step-time model, refined as workers report their compute.
+
+    Before the first steps, compute is estimated from each agent's measured FLOP/s and its
+    stage's layers (the plan's split); once a member has reported steps, its own median
+    compute time replaces the estimate."""
+
+    net: Network
+    grid: list[list[int]]  # stage x replica -> index into `agents`
+    work: Workload
+    splits: list[int]
+    agents: list[str]
+    flops: list[float]  # 0: unknown (no compute estimated)
+    _comm: StepTime | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> StepShape:
+        return self.work.step_shape(self.splits)
+
+    @property
+    def comm_s(self) -> float:
+        if self._comm is None:
+            self._comm = simulate_step(self.net, self.grid, self.shape)
+        return self._comm.step_s
+
+    def predict(self, compute_per_step: dict[str, float]) -> StepTime:
+        """`compute_per_step[agent]`: its measured compute seconds per step, where known."""
+        m = self.work.micro_batches
+        known = [f if f > 0 else math.inf for f in self.flops]  # unknown speed: no estimate
+        estimate = tasklet_seconds(self.work, self.grid, known, self.splits)
+        compute = [[compute_per_step[self.agents[d]] / m if self.agents[d] in compute_per_step
+                    else float(estimate[j, k]) for k, d in enumerate(row)]
+                   for j, row in enumerate(self.grid)]
+        return simulate_step(self.net, self.grid, self.shape, compute)
