@@ -11,6 +11,8 @@ state directory's snapshot; it delegates the rest, each to a collaborator beside
 
 - `membership.Membership`: which live agents it may use, spares, hold-outs, growing back;
 - `epochplan.EpochPlanner`: an epoch's layout, grid (the search), layer split and H;
+- `epochlinks.EpochLinkSource`: the links an epoch plans on (the file, the store, a
+  measurement), and dead links planned around;
 - `checkpoints.CheckpointTracker`: the newest checkpoint every member holds, and its split;
 - `replan.Replanner`: the drift watch and re-planning while the job trains (it asks the job
   for what it needs through `replan.ReplanHost`, which `Job` implements);
@@ -37,6 +39,7 @@ from coordinator.daemon.reconcile import persistence_fields, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job import rootcause
 from coordinator.job.checkpoints import CheckpointTracker
+from coordinator.job.epochlinks import EpochLinkSource, NoLinks, avoid_dead_links
 from coordinator.job.epochplan import EpochPlanner
 from coordinator.job.membership import Membership
 from coordinator.job.prediction import Prediction, agent_flops, device_figures
@@ -44,7 +47,7 @@ from coordinator.job.recovery import Recoveries, layout_text, permanent_failure
 from coordinator.job.replan import Replanner
 from coordinator.links import failure as linkfailure
 from coordinator.links.measure import LinkMeasurer
-from coordinator.links.store import LinkStore, blame, matrix_arrays
+from coordinator.links.store import LinkStore
 from coordinator.scheduler import Network
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import Workload
@@ -107,8 +110,8 @@ class Job:
         self.planner = EpochPlanner(config, self.checkpoints)  # layout, grid, split, H
         self.membership = Membership(config, registry, measurer, links)  # usable agents
         self._name_collaborators()
-        # links a peer error blamed: the next epoch re-measures them (coordinator/links/failure.py)
-        self._suspect_links: set[tuple[str, str]] = set()
+        self.link_source = EpochLinkSource(config, measurer, links, self.planner,
+                                           self.membership)  # the links an epoch plans on
         self.recoveries = Recoveries()
         self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
@@ -347,48 +350,14 @@ class Job:
         spec = cfg.model_spec()
         placement = cfg.parsed_placement()
         members = await self._gather(placement)
-        wanted = len(members)
         ids = [m.agent_id for m in members]
-        failures = linkfailure.LinkFailures()
-        suspects = {link for link in self._suspect_links if set(link) <= set(ids)}
-        self._suspect_links = set()
-        if cfg.links_file:
-            try:
-                delay, bandwidth = self.planner.known_links(ids)
-            except ValueError as exc:
-                self._set(S.JOB_STATE_FAILED, str(exc))
-                return
-        elif (cfg.measure_links and wanted > 1 and self.epoch and self.links.complete_for(ids)
-              and not suspects):
-            # a recovery among agents measured before: their links did not change because
-            # someone else died, and measuring again would cost a minute of stall
-            delay, bandwidth = matrix_arrays(self.links.matrix(ids))
-        elif cfg.measure_links and wanted > 1:
-            self.membership.cancel_spare_measurement()
-            # a recovery measures only the links it has no figure for (newcomers', and those
-            # that failed): the others did not change because an agent came or went; after
-            # peer errors, also the links they blame (and every pair's latency: a dead link's
-            # pings time out)
-            missing = len(self.measurer.missing_links(ids)) if self.epoch else \
-                wanted * (wanted - 1)
-            if suspects:
-                self._set(S.JOB_STATE_MEASURING, f"re-measuring {len(suspects)} links the "
-                          f"workers' peer errors blame, and every pair's latency")
-                matrix = await self.measurer.measure(members, bandwidth_links=suspects)
-            else:
-                self._set(S.JOB_STATE_MEASURING, f"measuring {missing} links")
-                matrix = await self.measurer.measure(members, only_missing=bool(self.epoch))
-            failures = linkfailure.partition(ids, linkfailure.failed_links(self.links, ids))
-            bad = failures.leave_out
-            if bad:
-                self._set(S.JOB_STATE_WAITING,
-                          f"leaving out unreachable agent(s) {', '.join(bad)}; waiting for others")
-                self.membership.hold_out(bad)
-                return
-            delay, bandwidth = linkfailure.priced(*matrix_arrays(matrix), ids, failures.dead)
-        else:
-            delay = np.ones((wanted, wanted))
-            bandwidth = np.ones((wanted, wanted))
+        links = await self.link_source.gather(members, self.epoch, self._set)
+        if isinstance(links, NoLinks):
+            if links.hold_out:
+                self.membership.hold_out(links.hold_out)
+            self._set(links.state, links.message)
+            return
+        delay, bandwidth, failures = links.delay, links.bandwidth, links.failures
         net = Network.measured(delay, bandwidth)
         layout, train = self.planner.epoch_layout(members, spec.n_layers)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
@@ -410,17 +379,10 @@ class Job:
                 placement, net, layout, ids, work, device_figures(members, cfg.train.dtype),
                 flops, warm=warm, planned_splits=self.replan.planned_splits(layout.stages),
                 epoch=self.epoch)
-            if crossed := linkfailure.crossing(found["grid"], failures.indices(ids)):
-                # a fixed placement, a kept grid, or a connection the cost model does not
-                # price (rank 0's store, a pipeline's far stages): swap off the dead links
-                grid = linkfailure.avoid(found["grid"], failures.indices(ids)) \
-                    if placement.kind == "scheduled" else None
-                if grid is None:
-                    bad = blame(ids, [(ids[a], ids[b]) for a, b in map(sorted, crossed)])
-                    self._set(S.JOB_STATE_WAITING, f"no {placement.label} placement avoids the "
-                              f"dead link(s) {linkfailure.describe(failures.dead)}: leaving "
-                              f"out {', '.join(bad)}; waiting for others")
-                    self.membership.hold_out(bad)
+            if (grid := avoid_dead_links(found, failures, ids, placement)) is not None:
+                if isinstance(grid, NoLinks):
+                    self.membership.hold_out(grid.hold_out)
+                    self._set(grid.state, grid.message)
                     return
                 found = await self.planner.place(
                     placement, net, layout, ids, work, device_figures(members, cfg.train.dtype),
@@ -559,8 +521,8 @@ class Job:
         self.replan.cancel()  # a re-plan in the making is moot: the recovery plans anew
         self.recoveries.begin(failure, self.planner.layout_text(), self.last_step())
         if self._failure_kind == "peer":  # the next epoch re-measures what the errors blame
-            self._suspect_links = linkfailure.blamed_links(
-                self.planner.grid_ids, linkfailure.peer_failed(self._progress))
+            self.link_source.blame_peer_errors(self.planner.grid_ids,
+                                               linkfailure.peer_failed(self._progress))
         self._settle_after = self.registry.now()
         await self._stop_members(f"recovering: {failure}")
         self.restarts += 1
