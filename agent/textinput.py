@@ -5,7 +5,9 @@ recursively in sorted order), what a document is in each (a `.txt` file; a `.jso
 a `.parquet` row's `--text-field`), cutting a long document into pieces (`cut`) and grouping
 pieces into the batches handed to the tokenizer. Reads as it goes, and hands the tokenizer no
 piece over PIECE_CHARS characters whatever the document's size: the tokenizer's working memory
-is some 170 bytes per character of one input, so a 20 MB document encoded whole took 3.5 GB.
+is 130-170 bytes per character of one input, so a 20 MB document encoded whole took 3.5 GB
+(bench/prepare_memory.py). A `.jsonl` line or a `.parquet` row is still read and parsed
+whole (about 5 bytes per character at the peak).
 Counts the bytes read for progress. Bad input is a `PrepareError` naming the file, the line or
 row, and the fix.
 
