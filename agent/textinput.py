@@ -47,6 +47,7 @@ PARQUET_ROWS = 1024
 # where `cut` cuts (see above), as found in the reversed window (the first match there is the
 # last in the window): a space before a non-whitespace character, else a newline between two
 # letters or digits
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\\ud800" escapes: no character
 _CUTS_REVERSED = (re.compile(r"(?<=\S) "), re.compile(r"(?<=[^\W_])\n(?=[^\W_])"))
 
 
@@ -155,6 +156,12 @@ class Reader:
                 except json.JSONDecodeError as exc:
                     raise PrepareError(f"{src.path} line {number}: not JSON ({exc})") from None
                 text = self._field(record, src, f"line {number}")
+                if not text.isascii() and (bad := _SURROGATE.search(text)):
+                    raise PrepareError(
+                        f"{src.path} line {number}: field {self.text_field!r} holds a lone "
+                        f"surrogate (\\u{ord(bad.group()):04x} at character {bad.start() + 1}), "
+                        f"half of a UTF-16 pair and no character, which no tokenizer encodes: "
+                        f"mend or drop that line")
                 del line, record  # a long document's line is not held while it is encoded
                 yield from self._document(text)
 

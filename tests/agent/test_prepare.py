@@ -505,6 +505,12 @@ def test_invalid_utf8_in_jsonl_names_the_file_and_line(tmp_path: Path) -> None:
     assert "iconv -f LATIN1 -t UTF-8" in str(exc.value)
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    # valid JSON, no text: a lone surrogate escape (a pair is one character, and fine)
+    half = tmp_path / "half.jsonl"
+    half.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "cut \\ud83d here"}\n')
+    with pytest.raises(PrepareError, match=r"half.jsonl line 2: field 'text' holds a lone "
+                                           r"surrogate \(\\ud83d at character 5\)"):
+        run(tmp_path, [half], tokenizer=str(tmp_path / "bpe"))
 
 
 HOLD_MID_RUN = """
