@@ -7,8 +7,11 @@ byte-level BPE trained on the same input (`--train-tokenizer VOCAB`).
 - Documents: a `.txt` file is one document; a `.jsonl` line or a `.parquet` row is one
   document, its text in `--text-field`. The tokenizer's end-of-text token follows every
   document. No BOS or other special token is added (`add_special_tokens=False`).
-- Streaming: `agent.textinput` reads the text in pieces (a long `.txt` is cut before a
-  word's leading space; no end-of-text between its pieces) and batches them; each batch is
+- Streaming: `agent.textinput` reads the text in pieces (a long document, `.txt`, `.jsonl`
+  line or `.parquet` row alike, is cut before a word's leading space, where the usual
+  pre-tokenizers split anyway, so the ids are those of the whole document; no end-of-text
+  between its pieces; a tokenizer that would encode the cut text differently is named on
+  stderr) and batches them; each batch is
   encoded with the `tokenizers` library's batch encoder (its own threads), `IN_FLIGHT`
   batches at once on background threads while the next is read, so memory stays bounded
   whatever the input's size and reading overlaps encoding. Ids are written, in order, as
@@ -19,7 +22,8 @@ byte-level BPE trained on the same input (`--train-tokenizer VOCAB`).
   every 1/F-th document. Fewer than 1/F documents: the last F of the train tokens instead
   (`val_split: tail` in `meta.json`).
 - Atomic: everything is written into a hidden sibling directory of `--out`, renamed onto it
-  at the end; a failed or interrupted run removes it, and a killed one leaves only that hidden
+  at the end; a failed or interrupted run (Ctrl-C, or SIGTERM, which `run` turns into the
+  same unwinding) removes it, and a killed one (SIGKILL) leaves only that hidden
   `.NAME.partial-*` directory, never an `--out` that looks complete.
 """
 
@@ -32,7 +36,9 @@ import math
 import os
 import secrets
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -44,7 +50,16 @@ from typing import IO, Any
 
 import numpy as np
 
-from agent.textinput import Piece, PrepareError, Reader, Source, batches, find_sources
+from agent.textinput import (
+    PIECE_CHARS,
+    Piece,
+    PrepareError,
+    Reader,
+    Source,
+    batches,
+    cut,
+    find_sources,
+)
 from dtfm import flags
 from dtfm.core.tokenfiles import (
     SPLITS,
@@ -62,6 +77,11 @@ IN_FLIGHT = 2  # batches being encoded at once
 DEFAULT_VAL_FRACTION = 0.005
 MIN_TRAINED_VOCAB = 257  # 256 byte symbols and the end-of-text token
 MAX_TRAINED_VOCAB = 1 << 22
+# encoded whole and cut as agent.textinput cuts (every cut before a word's leading space): a
+# tokenizer whose ids differ changes a token at each cut of a long document
+CUT_PROBE = ("It was the best of times, it was the worst of times;\n  the age of wisdom, "
+             "(1859) and \"folly\"... 42 epochs\tof belief.")
+CUT_PROBE_PIECE = 16
 
 
 @dataclass
@@ -120,17 +140,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_common_args(p, config_file=False)
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds like Ctrl-C's KeyboardInterrupt, so the partial directory
+    is removed (a BaseException, so that no `except Exception` swallows it)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def run(args: argparse.Namespace) -> int:
-    """`agent prepare`: 0 on success, 2 on bad input or a failed write, 130 interrupted."""
+    """`agent prepare`: 0 on success, 2 on bad input or a failed write, 130 interrupted
+    (Ctrl-C), 143 terminated (SIGTERM: a service manager's or `kill`'s stop)."""
     opts = Options(inputs=args.input, out=args.out, tokenizer=args.tokenizer,
                    train_vocab=args.train_vocab, text_field=args.text_field,
                    val_fraction=args.val_fraction, eot_token=args.eot_token, force=args.force)
+    main = threading.current_thread() is threading.main_thread()  # handlers go only there
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
         meta = prepare(opts, sys.stderr)
     except PrepareError as exc:
         return flags.fail(f"agent prepare: {exc}")
     except KeyboardInterrupt:
         return flags.fail(f"agent prepare: interrupted; nothing was written to {opts.out}", 130)
+    except Terminated:
+        return flags.fail(f"agent prepare: terminated (SIGTERM); nothing was written to "
+                          f"{opts.out}", 128 + signal.SIGTERM)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(meta.to_json(), end="")
     else:
@@ -355,6 +393,16 @@ class Splitter:
                 self.counts.tokens_seen += count
 
 
+def cuts_change_ids(tok: Any) -> bool:
+    """Whether `tok` encodes CUT_PROBE cut into pieces (as agent.textinput cuts long
+    documents) to other ids than the whole: it adds something to the start of every input
+    (a normalizer that prepends "\u2581" whatever the text, as older Llama 2 tokenizer.json
+    files have), or its pre-tokenizer keeps a word's leading space with what precedes it."""
+    whole = tok.encode(CUT_PROBE, add_special_tokens=False).ids
+    pieces = tok.encode_batch(list(cut(CUT_PROBE, CUT_PROBE_PIECE)), add_special_tokens=False)
+    return [i for enc in pieces for i in enc.ids] != whole
+
+
 def encode_all(reader: Reader, tok: Any, splitter: Splitter, progress: Progress) -> None:
     """Encode every piece: `IN_FLIGHT` batches on the tokenizer's threads at once (one
     batch's last, longest documents leave cores idle that the next batch fills) while the
@@ -396,6 +444,12 @@ def _prepare_into(tmp: Path, sources: list[Source], opts: Options, log: IO[str])
         for sink in sinks.values():
             sink.close()
     progress.finish()
+    if reader.cuts and cuts_change_ids(loaded.tokenizer):
+        log.write(f"note: {loaded.origin} encodes a text cut before a word's leading space to "
+                  f"other ids than the whole text (it adds a token at the start of every "
+                  f"input); the documents over {PIECE_CHARS:,} characters were encoded in "
+                  f"pieces, so the ids at its {reader.cuts:,} cuts differ from those of "
+                  f"each document encoded whole\n")
     counts = splitter.counts
     if counts.tokens_seen == 0:
         raise PrepareError(f"the input ({', '.join(opts.inputs)}) holds no text")

@@ -2,27 +2,53 @@
 
 Owns which files an `--input` names (`.txt`, `.jsonl`, `.parquet`; directories searched
 recursively in sorted order), what a document is in each (a `.txt` file; a `.jsonl` line's or
-a `.parquet` row's `--text-field`), cutting a long document into pieces that encode as the
-whole does (`piece_end`), and grouping pieces into the batches handed to the tokenizer. Reads
-as it goes, so memory stays bounded whatever the input's size; counts the bytes read for
-progress. Bad input is a `PrepareError` naming the file, the line or row, and the fix.
+a `.parquet` row's `--text-field`), cutting a long document into pieces (`cut`) and grouping
+pieces into the batches handed to the tokenizer. Reads as it goes, and hands the tokenizer no
+piece over PIECE_CHARS characters whatever the document's size: the tokenizer's working memory
+is 130-170 bytes per character of one input, so a 20 MB document encoded whole took 3.5 GB
+(bench/prepare_memory.py). A `.jsonl` line or a `.parquet` row is still read and parsed
+whole (about 5 bytes per character at the peak).
+Counts the bytes read for progress. Bad input is a `PrepareError` naming the file, the line or
+row, and the fix.
+
+Where a document is cut (`cut`), and why the tokens stay those of the whole document: before
+a space (U+0020) that a non-whitespace character follows, the space a word's leading space.
+The pre-tokenizers of the byte-level BPEs (GPT-2's regex, Llama 3's, Qwen's), Metaspace
+(SentencePiece-style) and whitespace splitting all start a pre-token there (the space is the
+optional prefix of the next word, number or punctuation run, and a run of whitespace before
+it leaves its last space to that), and none of them looks behind, so the pre-tokens, and the
+BPE merges inside them, are those of the whole text (tests/agent/test_prepare.py checks
+GPT-2's, Llama 3's and Metaspace's on source code and prose). Only a stretch of PIECE_CHARS
+characters without such a space (text written without spaces, such as Chinese, or base64)
+is cut elsewhere: at a newline between two letters or digits (a
+split for the byte-level BPEs; a Metaspace tokenizer puts a "▁" before the piece), else after
+PIECE_CHARS characters; only such a cut can change a token. A tokenizer that adds something
+to the start of every input (a normalizer that prepends "▁" unconditionally, as older Llama 2
+tokenizer.json files do) changes a token at every cut: `agent.prepare` tries the tokenizer on
+a cut text first and says so.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-PIECE_CHARS = 1 << 17  # a .txt is encoded in pieces of about this many characters
+PIECE_CHARS = 1 << 17  # no piece handed to the tokenizer is longer (characters)
 BATCH_CHARS = 1 << 21  # characters handed to the tokenizer at once
 BATCH_PIECES = 4096
 READ_BYTES = 1 << 20
 PARQUET_ROWS = 1024
+# where `cut` cuts (see above), as found in the reversed window (the first match there is the
+# last in the window): a space before a non-whitespace character, else a newline between two
+# letters or digits
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\\ud800" escapes: no character
+_CUTS_REVERSED = (re.compile(r"(?<=\S) "), re.compile(r"(?<=[^\W_])\n(?=[^\W_])"))
 
 
 class PrepareError(Exception):
@@ -83,6 +109,7 @@ class Reader:
         self.sources, self.text_field = sources, text_field
         self.total_bytes = sum(s.size for s in sources)
         self.bytes_done = 0
+        self.cuts = 0  # places a document was cut (see `cut`)
 
     def pieces(self) -> Iterator[Piece]:
         for src in self.sources:
@@ -105,10 +132,11 @@ class Reader:
             while block := f.read(READ_BYTES):
                 self.bytes_done += len(block)
                 carry += decoder.decode(block)
-                while len(carry) > PIECE_CHARS:
-                    cut = piece_end(carry, PIECE_CHARS)
-                    yield Piece(carry[:cut], False)
-                    carry = carry[cut:]
+                if len(carry) > PIECE_CHARS:
+                    *pieces, carry = cut(carry, PIECE_CHARS)
+                    self.cuts += len(pieces)
+                    for text in pieces:
+                        yield Piece(text, False)
         yield Piece(carry + decoder.decode(b"", final=True), True)
 
     def _jsonl(self, src: Source) -> Iterator[Piece]:
@@ -119,9 +147,33 @@ class Reader:
                     continue
                 try:
                     record = json.loads(line)
+                except UnicodeDecodeError as exc:
+                    raise PrepareError(
+                        f"{src.path} line {number}: not UTF-8 ({exc.reason} at byte "
+                        f"{exc.start + 1} of the line); a .jsonl must be UTF-8: convert the "
+                        f"file (e.g. iconv -f LATIN1 -t UTF-8 -o NEW.jsonl "
+                        f"{src.path}) or mend that line") from None
                 except json.JSONDecodeError as exc:
                     raise PrepareError(f"{src.path} line {number}: not JSON ({exc})") from None
-                yield Piece(self._field(record, src, f"line {number}"), True)
+                text = self._field(record, src, f"line {number}")
+                if not text.isascii() and (bad := _SURROGATE.search(text)):
+                    raise PrepareError(
+                        f"{src.path} line {number}: field {self.text_field!r} holds a lone "
+                        f"surrogate (\\u{ord(bad.group()):04x} at character {bad.start() + 1}), "
+                        f"half of a UTF-16 pair and no character, which no tokenizer encodes: "
+                        f"mend or drop that line")
+                del line, record  # a long document's line is not held while it is encoded
+                yield from self._document(text)
+
+    def _document(self, text: str) -> Iterator[Piece]:
+        """One document as pieces of at most PIECE_CHARS characters, the last one ending it."""
+        pieces = cut(text, PIECE_CHARS)
+        piece = next(pieces)
+        for following in pieces:
+            self.cuts += 1
+            yield Piece(piece, False)
+            piece = following
+        yield Piece(piece, True)
 
     def _field(self, record: Any, src: Source, where: str) -> str:
         if not isinstance(record, dict) or self.text_field not in record:
@@ -158,25 +210,33 @@ class Reader:
                     raise PrepareError(f"{src.path} row {done + i}: column "
                                        f"{self.text_field!r} holds a {type(text).__name__}, "
                                        f"not text")
-                yield Piece(text, True)
+                yield from self._document(text)
             done += batch.num_rows
             self.bytes_done = start + src.size * done // rows
 
 
-def piece_end(text: str, limit: int, tries: int = 64) -> int:
-    """Where to cut `text` (longer than `limit`) into a piece of at most `limit` characters:
-    before the last whitespace character a non-space follows, so that a word and the space
-    before it stay together, as the usual pre-tokenizers (GPT-2's, Llama's) split them; the
-    pieces then encode as the whole text does. No such place: at `limit`."""
-    end = limit
-    for _ in range(tries):
-        i = max(text.rfind(" ", 0, end), text.rfind("\n", 0, end), text.rfind("\t", 0, end))
-        if i <= 0:
-            break
-        if not text[i + 1].isspace():
-            return i
-        end = i
-    return limit
+def cut(text: str, limit: int) -> Iterator[str]:
+    """`text` in pieces of at most `limit` characters, the last one the rest (at most `limit`,
+    never empty unless `text` is): each cut before the last space in the piece's reach that a
+    non-whitespace character follows, else before the last newline between two letters or
+    digits, else at `limit` (the module's docstring says why the tokens stay those of the
+    whole text). Linear in `len(text)`: only the window of each cut is copied."""
+    start = 0
+    while len(text) - start > limit:
+        window = text[start:start + limit + 1]
+        end = start + _cut_at(window)
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _cut_at(window: str) -> int:
+    backwards = window[:0:-1]  # a cut at 0 would make an empty piece
+    for where in _CUTS_REVERSED:
+        found = where.search(backwards)
+        if found:
+            return len(window) - 1 - found.start()
+    return len(window) - 1
 
 
 def batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:

@@ -353,3 +353,209 @@ def test_a_vocabulary_with_gaps_is_sized_by_its_largest_id(tmp_path: Path) -> No
     meta = read_meta(out)
     assert meta is not None and (meta.vocab_size, meta.dtype) == (70_001, "uint32")
     assert meta.max_token_id == 70_000
+
+
+# ---- long documents: cut into pieces that encode as the whole (issue 31)
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def realistic_text(chars: int = 120_000) -> str:
+    """Prose and code: this repository's docs and agent sources (Markdown tables, indented
+    code, blank lines, punctuation before newlines), in sorted order."""
+    files = sorted(REPO.glob("docs/*.md")) + sorted(REPO.glob("agent/*.py"))
+    return "".join(p.read_text(encoding="utf-8") for p in files)[:chars]
+
+
+def trained(kind: str, text: str) -> Tokenizer:
+    """A BPE trained on `text` with the pre-tokenizer of GPT-2 (what --train-tokenizer
+    makes), of Llama 3 (its split regex, then bytes), of SentencePiece-style Metaspace, or
+    (llama2) with no pre-tokenizer and a normalizer that prepends U+2581 to every input."""
+    from tokenizers import Regex, normalizers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if kind in ("metaspace", "llama2") else None))
+    if kind == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif kind == "llama3":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    byte_level = kind in ("gpt2", "llama3")
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, show_progress=False, special_tokens=["<|endoftext|>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [])
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "metaspace"])
+def test_a_document_cut_into_pieces_encodes_as_the_whole(kind: str) -> None:
+    """Each cut lies before a word's leading space, where these pre-tokenizers split anyway:
+    the pieces' ids, concatenated, are the whole text's, on prose and code alike."""
+    from agent.prepare import cuts_change_ids
+    from agent.textinput import cut
+
+    text = realistic_text()
+    pieces = list(cut(text, 1500))
+    assert "".join(pieces) == text and len(pieces) > 80
+    assert all(0 < len(p) <= 1500 for p in pieces)
+    assert all(p[0] == " " and not p[1].isspace() for p in pieces[1:])  # the rule, every cut
+    tok = trained(kind, text)
+    whole = tok.encode(text, add_special_tokens=False).ids
+    parts = tok.encode_batch(pieces, add_special_tokens=False)
+    assert [i for enc in parts for i in enc.ids] == whole
+    assert not cuts_change_ids(tok)
+
+
+def test_text_without_spaces_is_cut_at_a_newline_else_at_the_limit() -> None:
+    from agent.textinput import cut
+
+    text = "\u4e2d\u6587" * 40 + "\n\u6587" + "\u3002\n" + "\u5b57" * 30
+    pieces = list(cut(text, 100))
+    assert pieces[0] == "\u4e2d\u6587" * 40 and pieces[1].startswith("\n\u6587")
+    assert "".join(pieces) == text and all(0 < len(p) <= 100 for p in pieces)
+    blob = "x" * 250
+    assert list(cut(blob, 100)) == ["x" * 100, "x" * 100, "x" * 50]
+    assert list(cut("", 100)) == [""] and list(cut(" " + "y" * 99 + " z", 100))[0][0] == " "
+
+
+def test_a_tokenizer_that_cuts_change_is_named(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A normalizer that prepends U+2581 to every input (older Llama 2 tokenizer.json files)
+    gives a cut document other ids: `agent prepare` says so, with how many cuts."""
+    import agent.textinput as textinput
+    from agent.prepare import CUT_PROBE, CUT_PROBE_PIECE, cuts_change_ids
+
+    probe = list(textinput.cut(CUT_PROBE, CUT_PROBE_PIECE))  # cut by the rule alone
+    assert len(probe) > 5 and all(p[0] == " " and not p[1].isspace() for p in probe[1:])
+    text = " ".join(corpus(60))
+    tok = trained("llama2", text)
+    assert cuts_change_ids(tok)
+    d = tmp_path / "l2"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text(text)
+    monkeypatch.setattr(textinput, "PIECE_CHARS", 1000)
+    log = io.StringIO()
+    prepare(Options(inputs=[str(tmp_path / "doc.txt")], out=str(tmp_path / "out"),
+                    tokenizer=str(d)), log)
+    cuts = len(list(textinput.cut(text, 1000))) - 1
+    assert f"so the ids at its {cuts:,} cuts differ" in log.getvalue()
+    monkeypatch.setattr(textinput, "PIECE_CHARS", 1 << 20)
+    log = io.StringIO()  # nothing to say where nothing was cut
+    prepare(Options(inputs=[str(tmp_path / "doc.txt")], out=str(tmp_path / "out2"),
+                    tokenizer=str(d)), log)
+    assert "note:" not in log.getvalue()
+
+
+def test_a_long_jsonl_document_or_parquet_row_is_encoded_in_pieces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One .jsonl line (and one .parquet row) holding a long document reaches the tokenizer
+    in pieces of at most PIECE_CHARS characters, as a .txt does, so memory does not grow with
+    the document; the ids are those of the whole document, the same as from the .txt."""
+    import agent.textinput as textinput
+
+    monkeypatch.setattr(textinput, "PIECE_CHARS", 2000)
+    monkeypatch.setattr(textinput, "BATCH_CHARS", 9000)
+    text = realistic_text()
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "one.jsonl").write_text(json.dumps({"id": 7, "text": text}) + "\n")
+    (tmp_path / "doc.txt").write_text(text)
+    sources = textinput.find_sources([str(tmp_path / "in")])
+    reader = textinput.Reader(sources, "text")
+    pieces = list(reader.pieces())
+    assert max(len(p.text) for p in pieces) <= 2000 and reader.cuts == len(pieces) - 1 > 50
+    assert "".join(p.text for p in pieces) == text and [p.ends for p in pieces][-1]
+
+    out = run(tmp_path, [tmp_path / "in"], "j", train_vocab=1000)  # the bundled tokenizer
+    meta = read_meta(out)
+    assert meta is not None and meta.documents == {"train": 1, "val": 0}
+    (want,) = expected(out, [text], meta.eot_id)
+    got = np.fromfile(out / "train.bin", "<u2").tolist() + np.fromfile(out / "val.bin",
+                                                                        "<u2").tolist()
+    assert got == want
+    txt = run(tmp_path, [tmp_path / "doc.txt"], "t", tokenizer=str(out))
+    for name in ("train.bin", "val.bin"):
+        assert (txt / name).read_bytes() == (out / name).read_bytes()
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [text]}), tmp_path / "row.parquet")
+    rows = list(textinput.Reader(textinput.find_sources([str(tmp_path / "row.parquet")]),
+                                 "text").pieces())
+    assert max(len(p.text) for p in rows) <= 2000 and "".join(p.text for p in rows) == text
+    par = run(tmp_path, [tmp_path / "row.parquet"], "p", tokenizer=str(out))
+    assert (par / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+
+
+def test_invalid_utf8_in_jsonl_names_the_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n\n{"text": "caf\xe9 au lait"}\n')
+    with pytest.raises(PrepareError) as exc:
+        run(tmp_path, [bad], tokenizer=str(bpe_dir(tmp_path)))
+    assert str(exc.value).startswith(f"{bad} line 3: not UTF-8 (invalid continuation byte "
+                                     f"at byte 14 of the line); a .jsonl must be UTF-8")
+    assert "iconv -f LATIN1 -t UTF-8" in str(exc.value)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    # valid JSON, no text: a lone surrogate escape (a pair is one character, and fine)
+    half = tmp_path / "half.jsonl"
+    half.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "cut \\ud83d here"}\n')
+    with pytest.raises(PrepareError, match=r"half.jsonl line 2: field 'text' holds a lone "
+                                           r"surrogate \(\\ud83d at character 5\)"):
+        run(tmp_path, [half], tokenizer=str(tmp_path / "bpe"))
+
+
+HOLD_MID_RUN = """
+import sys
+import agent.textinput as textinput
+from agent.cli import main
+
+reads = textinput.Reader.pieces
+
+def pieces(self):  # the real reader, held after its first piece until the test signals
+    for n, piece in enumerate(reads(self)):
+        yield piece
+        if n == 0:
+            print("reading", flush=True)
+            sys.stdin.readline()
+
+textinput.Reader.pieces = pieces
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_mid_run_removes_the_partial_directory(tmp_path: Path) -> None:
+    """SIGTERM (a service manager's or `kill`'s stop) unwinds as Ctrl-C does: the hidden
+    partial directory is removed, `--out` never appears, exit status 143."""
+    import signal
+
+    inp = write_inputs(tmp_path, corpus(50))
+    tok = bpe_dir(tmp_path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD_MID_RUN, "prepare", "--input", str(inp), "--out",
+         str(tmp_path / "out"), "--tokenizer", str(tok)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "reading\n"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
+        child.send_signal(signal.SIGTERM)  # stdin stays open: only the signal ends the hold
+        child.wait(timeout=30)
+        assert child.stderr is not None
+        err = child.stderr.read()
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 143, err
+    assert f"agent prepare: terminated (SIGTERM); nothing was written to {tmp_path / 'out'}" \
+        in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "in"]
