@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dtfm import flags
-from dtfm.core import hfexport
+from dtfm.core import hfexport, lora
 from dtfm.core.assignment import build_assignments
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
 from dtfm.core.hfconfig import read_hf_config
@@ -113,6 +113,7 @@ class LocalJob:
                              "(1: synchronous)")
         self.spec = resolve_spec(args.model or ("" if self.train.init_from else DEFAULT_MODEL),
                                  self.train.init_from, self.train.seq_len)
+        lora.check(self.train, self.spec)
         self.init_hash = ""
         if self.train.init_from:
             check_dir(self.train.init_from)
