@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: the one in --data's directory, else --init-from's)")
     p.add_argument("--force", action="store_true",
                    help="with --export-dir: replace a directory that is not empty")
+    p.add_argument("--export-merged", action="store_true",
+                   help="with --export-dir and --lora-rank: write the base with the adapters "
+                   "merged in, a plain Hugging Face directory (default: a peft adapter "
+                   "directory, adapter_config.json naming the base)")
     flags.add_train_args(p)
 
 
@@ -134,6 +138,9 @@ class LocalJob:
         """--export-dir: checked before training (a non-empty directory is refused unless
         --force); the stages' weights come from their checkpoints of the last step, in the
         workdir unless --checkpoint-dir names a place."""
+        if args.export_merged and not (args.export_dir and self.train.lora_rank):
+            raise ValueError("--export-merged writes a LoRA job's base with its adapters "
+                             "merged: give it with --export-dir and --lora-rank")
         if not args.export_dir:
             return None
         if self.train.checkpoint_every == 0:
@@ -152,9 +159,17 @@ class LocalJob:
         tokenizer = self.args.tokenizer or hfexport.find_tokenizer(self.train.data_path,
                                                                    self.train.init_from)
         source = read_hf_config(self.train.init_from) if self.train.init_from else None
-        hfexport.write_export(self.export, self.spec, files, tokenizer=tokenizer,
-                              force=self.args.force, source_config=source,
+        if self.train.lora_rank:  # a peft adapter directory, or the base with them merged
+            from agent.worker.loramerge import write_lora_export  # torch: only here
+
+            write_lora_export(self.export, self.spec, self.train, files, tokenizer=tokenizer,
+                              force=self.args.force, merged=self.args.export_merged,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+        else:
+            hfexport.write_export(self.export, self.spec, files, tokenizer=tokenizer,
+                                  force=self.args.force, source_config=source,
+                                  progress=lambda line: print(line, file=sys.stderr,
+                                                              flush=True))
         if not self.args.json:
             print(f"exported step {step} to {self.export}", file=self.out, flush=True)
         else:
