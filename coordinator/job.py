@@ -459,6 +459,7 @@ class Job:
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
                         sync_every=self._sync_every or 1,  # local steps: exchange every H
+                        lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets,
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
@@ -595,7 +596,8 @@ class Job:
         cfg = self.config
         work = Workload(cfg.model_spec(), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
-                        moments_dtype=cfg.train.moments_dtype, sync_every=self._sync_every or 1)
+                        moments_dtype=cfg.train.moments_dtype, sync_every=self._sync_every or 1,
+                        lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets)
         kept = self._trained_splits if self._trained_splits and len(
             self._trained_splits) == layout.stages else None
         needs = [n for n in stages_bytes(work.memory(), kept) for _ in range(layout.replicas)]
@@ -712,7 +714,8 @@ class Job:
         from coordinator.scheduler import comm_gb
 
         dp_gb, pp_gb = comm_gb(work.spec, layout.stages, layout.replicas,
-                               cfg.train.global_batch, dtype=cfg.train.dtype)
+                               cfg.train.global_batch, dtype=cfg.train.dtype,
+                               lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets)
         grid = warm[0] if warm else fixed_grid(placement, layout.stages, layout.replicas, ids)
         if warm is not None:
             found = {"grid": warm[0], "seconds": 0.0, "algorithm": warm[1]}

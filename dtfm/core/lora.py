@@ -105,12 +105,12 @@ def stage_adapter_params(spec: ModelSpec, layer_begin: int, layer_end: int, rank
     return (layer_end - layer_begin) * layer_adapter_params(spec, rank, targets)
 
 
-def trained_params(spec: ModelSpec, cfg: TrainConfig, layer_begin: int, layer_end: int) -> int:
-    """Parameters a stage trains (and exchanges between replicas): its adapters under LoRA,
-    else all of them."""
-    if cfg.lora_rank:
-        return stage_adapter_params(spec, layer_begin, layer_end, cfg.lora_rank,
-                                    cfg.lora_targets)
+def trained_params(spec: ModelSpec, layer_begin: int, layer_end: int, rank: int = 0,
+                   targets: str = "") -> int:
+    """Parameters a stage trains (and exchanges between replicas): its adapters under LoRA
+    (`rank` > 0), else all of them. The planner prices the data-parallel exchange with it."""
+    if rank:
+        return stage_adapter_params(spec, layer_begin, layer_end, rank, targets)
     return spec.stage_params(layer_begin, layer_end)
 
 
