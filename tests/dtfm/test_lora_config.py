@@ -82,3 +82,10 @@ def test_targets_match_as_peft_matches_them() -> None:
     per_layer = 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 176) + (176 + 64))
     assert lora.layer_adapter_params(LLAMA, 4) == per_layer
     assert lora.stage_adapter_params(LLAMA, 1, 3, 4) == 2 * per_layer
+
+
+def test_export_merged_needs_a_lora_job_with_an_export_dir() -> None:
+    from tests.agent.worker.testlib import run_local
+
+    run = run_local("--steps", "0", "--export-merged", timeout=60)
+    assert run.rc == 2 and "--export-merged" in run.stderr and "--lora-rank" in run.stderr
