@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from dtfm import flags
 from dtfm.core import checkpoints as ondisk
-from dtfm.core import hfexport
+from dtfm.core import hfexport, lora
 from dtfm.core.assignment import build_assignments
 from dtfm.core.causes import EXPLAINED_BY_OTHERS, most_telling
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: the one in --data's directory, else --init-from's)")
     p.add_argument("--force", action="store_true",
                    help="with --export-dir: replace a directory that is not empty")
+    p.add_argument("--export-merged", action="store_true",
+                   help="with --export-dir and --lora-rank: write the base with the adapters "
+                   "merged in, a plain Hugging Face directory (default: a peft adapter "
+                   "directory, adapter_config.json naming the base)")
     flags.add_train_args(p)
 
 
@@ -134,6 +138,7 @@ class LocalJob:
                              "(1: synchronous)")
         self.spec = resolve_spec(args.model or ("" if self.train.init_from else DEFAULT_MODEL),
                                  self.train.init_from, self.train.seq_len)
+        lora.check(self.train, self.spec)
         self.init_hash = ""
         if self.train.init_from:
             check_dir(self.train.init_from)
@@ -223,6 +228,9 @@ class LocalJob:
         """--export-dir: checked before training (a non-empty directory is refused unless
         --force); the stages' weights come from their checkpoints of the last step, in the
         workdir unless --checkpoint-dir names a place."""
+        if args.export_merged and not (args.export_dir and self.train.lora_rank):
+            raise ValueError("--export-merged writes a LoRA job's base with its adapters "
+                             "merged: give it with --export-dir and --lora-rank")
         if not args.export_dir:
             return None
         if self.train.checkpoint_every == 0:
@@ -240,9 +248,16 @@ class LocalJob:
         step, files = hfexport.local_stage_files(root, self.job_id, self.layout.stages)
         source = hfexport.export_source(self.train.data_path, self.train.init_from,
                                         self.args.tokenizer)
-        hfexport.write_export(self.export, self.spec, files, source=source,
-                              force=self.args.force,
-                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        if self.train.lora_rank:  # a peft adapter directory, or the base with them merged
+            from agent.worker.loramerge import write_lora_export  # torch: only here
+
+            write_lora_export(self.export, self.spec, self.train, files, source=source,
+                              force=self.args.force, merged=self.args.export_merged,
+                              progress=say)
+        else:
+            hfexport.write_export(self.export, self.spec, files, source=source,
+                                  force=self.args.force, progress=say)
         if not self.args.json:
             print(f"exported step {step} to {self.export}", file=self.out, flush=True)
         else:

@@ -188,11 +188,16 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "sync_every": sync_every_setting,
     "outer_lr": number(float, 0, above=True),
     "outer_momentum": outer_momentum_setting,
+    "lora_rank": count,
+    "lora_alpha": number(float, 0, above=True),
+    "lora_dropout": number(float, 0, maximum=0.999),
+    "lora_targets": str,
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
                    "outer_momentum": "MU|auto", "dp_compress": "CODEC",
-                   "init_from": "DIR", "sync_every": "H|auto"}  # and N for the integers
+                   "init_from": "DIR", "sync_every": "H|auto", "lora_alpha": "ALPHA",
+                   "lora_dropout": "P", "lora_targets": "NAMES"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 # (field, value) pairs that mean auto, shown as such in --help
 _TRAIN_AUTO = {("sync_every", SYNC_AUTO), ("outer_momentum", OUTER_MOMENTUM_AUTO)}

@@ -49,8 +49,9 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float,
     """AdamW; matrices decay, biases and LayerNorm parameters do not (nanoGPT's rule).
 
     `moments_dtype` "fp32" is torch's AdamW itself; "bf16" stores the moments in bf16."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen (LoRA) base: none
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

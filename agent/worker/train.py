@@ -22,7 +22,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from agent.worker import checkpoint, deadline, errors
+from agent.worker import checkpoint, deadline, errors, lora
 from agent.worker.compress import make_codec
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
@@ -241,7 +241,7 @@ class Worker:
         self.phase = errors.TRAIN
         pipe, averager = self._build_comm()
         start = self._resumed = self._resume(opt, sampler)
-        if start == 0 and cfg.init_from:
+        if cfg.init_from and (start == 0 or cfg.lora_rank):  # LoRA checkpoints hold no base
             self._import(cfg.init_from)
             if self.outer is not None:  # the first round starts from the imported weights
                 self.outer.load([])
@@ -287,6 +287,7 @@ class Worker:
         if cfg.init_from:  # before joining: a machine lacking the checkpoint fails at once
             check_init_dir(cfg.init_from, a.init_hash, spec, extra=a.rank == 0)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
+        lora.apply(stage, spec, cfg)  # --lora-rank: freeze the base, adapters only train
         opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
         train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size,
                                                model_tokenizer_hash(cfg.init_from))
@@ -414,7 +415,8 @@ class Worker:
                 **({"outer": self.outer.state_dict()} if self.outer else {}),
             },
             job_id=a.job_id, layers=(a.layer_begin, a.layer_end),
-            weights=checkpoint.stage_weights_hf(self.stage, self.spec),
+            weights=lora.adapter_tensors(self.stage, self.spec, self.cfg) if self.cfg.lora_rank
+            else checkpoint.stage_weights_hf(self.stage, self.spec),
         )
 
     def _import(self, model_dir: str) -> None:
@@ -464,12 +466,14 @@ class Worker:
                      "%d", self.rank, held, mine, step)
         states = checkpoint.load_span(loc.dir, srcs, step, job_id=a.job_id)
         for st in states:  # weights from the safetensors file, under this stage's names
-            st["model"] = checkpoint.model_state(st, self.spec)
+            st["model"] = {**st.get("buffers", {}), **lora.adapter_state(
+                st["weights_hf"], self.stage, self.spec, self.cfg)} if self.cfg.lora_rank \
+                else checkpoint.model_state(st, self.spec)
         if srcs == [checkpoint.Source(a.stage, (a.layer_begin, a.layer_end))]:
             state = states[0]
         else:
             state = checkpoint.merge_states(states, srcs, self.stage, opt, self._optimizer_names)
-        self.stage.load_state_dict(state["model"])
+        self.stage.load_state_dict(state["model"], strict=not self.cfg.lora_rank)
         opt.load_state_dict(state["optimizer"])
         sampler.position = Position.from_dict(state["data_position"])
         outer = ""

@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="micro-batches per replica (must divide its batch; the bytes sent do not change)",
     )
     flags.add_train_arg(parser, "dtype")  # what a job sends: its default and choices
+    flags.add_train_arg(parser, "lora_rank")  # LoRA: price the adapters' exchange and memory
+    flags.add_train_arg(parser, "lora_targets")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--budget", type=int,
@@ -153,10 +155,11 @@ def _sizes(args: argparse.Namespace, s: int, r: int) -> tuple[float, float, str]
         batch = args.batch if args.batch is not None else SEQUENCES_PER_REPLICA * r
         try:
             check_batch(batch, args.micro_batches, r)  # the worker's rule, from its one home
-            dp, pp = comm_gb(spec, s, r, batch, args.dtype)
+            dp, pp = comm_gb(spec, s, r, batch, args.dtype, args.lora_rank, args.lora_targets)
         except ValueError as e:
             raise PlanInputError(str(e)) from None
-        return dp, pp, f"{args.model}, batch {batch}, {args.dtype}"
+        lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
+        return dp, pp, f"{args.model}, batch {batch}, {args.dtype}{lora}"
     return scenarios.PAPER_DP_GB, scenarios.PAPER_PP_GB, "paper (GPT-3 XL)"
 
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from coordinator.scheduler.placement import Placement
+from dtfm.core import lora
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
@@ -145,6 +146,7 @@ class JobConfig:
                               f"stages layer counts summing to {spec.n_layers} ({self.model})")
         try:
             self.train.validate(layout.replicas)
+            lora.check(self.train, spec)
         except ValueError as exc:
             raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
                               f"{layout.replicas} replicas)") from None

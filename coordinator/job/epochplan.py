@@ -156,7 +156,8 @@ class EpochPlanner:
         cfg = self.config
         work = Workload(cfg.model_spec(), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
-                        moments_dtype=cfg.train.moments_dtype, sync_every=self.sync_every or 1)
+                        moments_dtype=cfg.train.moments_dtype, sync_every=self.sync_every or 1,
+                        lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets)
         trained = self.checkpoints.trained_splits
         kept = trained if trained and len(trained) == layout.stages else None
         needs = [n for n in stages_bytes(work.memory(), kept) for _ in range(layout.replicas)]
@@ -224,7 +225,8 @@ class EpochPlanner:
         from coordinator.scheduler import comm_gb
 
         dp_gb, pp_gb = comm_gb(work.spec, layout.stages, layout.replicas,
-                               cfg.train.global_batch, dtype=cfg.train.dtype)
+                               cfg.train.global_batch, dtype=cfg.train.dtype,
+                               lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets)
         grid = warm[0] if warm else fixed_grid(placement, layout.stages, layout.replicas, ids)
         if warm is not None:
             found = {"grid": warm[0], "seconds": 0.0, "algorithm": warm[1]}

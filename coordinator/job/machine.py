@@ -367,6 +367,7 @@ class Job:
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
                         sync_every=self.planner.sync_every or 1,  # local steps: exchange every H
+                        lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets,
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,

@@ -59,6 +59,8 @@ class Workload:
     compression: Compression | None = None  # compressed messages (None: as they are)
     moments_dtype: str = "fp32"  # what AdamW stores its moments in (memory only)
     sync_every: int = 1  # local steps: the data-parallel exchange every this many steps
+    lora_rank: int = 0  # LoRA: only the adapters are exchanged and hold optimizer state
+    lora_targets: str = ""
 
     @property
     def micro_size(self) -> int:
@@ -67,12 +69,13 @@ class Workload:
     def step_shape(self, splits: Sequence[int] | None) -> StepShape:
         return step_shape(self.spec, self.stages, self.replicas, self.global_batch,
                           self.micro_batches, self.schedule, self.act_dtype, splits,
-                          self.dp_mode, self.compression, self.sync_every)
+                          self.dp_mode, self.compression, self.sync_every,
+                          self.lora_rank, self.lora_targets)
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,
                            self.micro_batches, self.schedule, self.dtype, self.moments_dtype,
-                           self.sync_every)
+                           self.sync_every, self.lora_rank, self.lora_targets)
 
 
 def stage_flops(spec: ModelSpec, begin: int, end: int, tokens: float) -> float:

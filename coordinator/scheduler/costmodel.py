@@ -32,6 +32,7 @@ import numpy as np
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.network import Network
 from dtfm.core.layout import layer_ranges
+from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, TrainConfig
 
 EXACT_TSP_MAX = 12  # Held-Karp up to this many stages (2^12 x 12 x 12 numpy work per path)
@@ -41,7 +42,7 @@ _CACHE_LIMIT = 400_000
 
 def comm_gb(
     spec: ModelSpec, stages: int, replicas: int, global_batch: int,
-    dtype: str = TrainConfig.dtype,
+    dtype: str = TrainConfig.dtype, lora_rank: int = 0, lora_targets: str = "",
 ) -> tuple[float, float]:
     """(c_DP, c_PP) in GB (1e9 bytes) for `spec` split evenly into `stages` stages, its
     messages in `dtype` (default: a job's, fp32).
@@ -49,7 +50,8 @@ def comm_gb(
     c_DP: the largest stage's parameters in `dtype` (its gradient message). c_PP: the hidden
     states one stage sends the next for one replica's share of the batch,
     `(global_batch / replicas) * seq_len * d_model * bytes`. Micro-batching does not change
-    the bytes, only how they are chunked.
+    the bytes, only how they are chunked. With `lora_rank` (LoRA) only the adapters are
+    exchanged: c_DP is the largest stage's adapters (`dtfm.core.lora`).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {dtype!r}")
@@ -63,7 +65,8 @@ def comm_gb(
             f"stages: use --stages {spec.n_layers} or fewer"
         )
     nbytes = DTYPE_BYTES[dtype]
-    largest = max(spec.stage_params(b, e) for b, e in layer_ranges(spec.n_layers, stages))
+    largest = max(trained_params(spec, b, e, lora_rank, lora_targets)
+                  for b, e in layer_ranges(spec.n_layers, stages))
     dp_gb = largest * nbytes / 1e9
     pp_gb = (global_batch / replicas) * spec.seq_len * spec.d_model * nbytes / 1e9
     return dp_gb, pp_gb

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtfm.core.layout import layer_ranges
+from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
 PARAM_STATE_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
@@ -64,6 +65,8 @@ class MemoryShape:
     dtype: str = "fp32"  # the training (autocast) dtype
     moments_dtype: str = "fp32"  # what AdamW stores its two moments in
     sync_every: int = 1  # > 1: local steps, with an fp32 anchor and momentum per parameter
+    lora_rank: int = 0  # > 0: a frozen fp32 base (weights only) plus adapters that train
+    lora_targets: str = ""
 
 
 OUTER_STATE_BYTES = 2 * FP32  # local steps: the anchor and the outer momentum, fp32
@@ -133,7 +136,10 @@ def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
                  + (DP_BUCKET_BYTES if shape.replicas > 1 else 0)
                  + (OUTER_STATE_BYTES if shape.sync_every > 1 else 0))
     held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
-    return (WORKER_RUNTIME_BYTES + per_param * shape.spec.stage_params(begin, end)
+    params = shape.spec.stage_params(begin, end)
+    trained = trained_params(shape.spec, begin, end, shape.lora_rank, shape.lora_targets)
+    frozen = (params * FP32) if shape.lora_rank else 0  # LoRA: no gradient, no AdamW state
+    return (WORKER_RUNTIME_BYTES + frozen + per_param * trained
             + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype))
 
 

@@ -48,6 +48,7 @@ from coordinator.scheduler.network import Network
 from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.codecs import NONE, Codec, parse_codec
 from dtfm.core.layout import layer_ranges, pipeline_ops
+from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, check_batch
 
 FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward pass
@@ -294,12 +295,14 @@ def _codecs(net: Network, g: np.ndarray,
 def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
                splits: Sequence[int] | None = None, dp_mode: str = "sharded",
-               compression: Compression | None = None, sync_every: int = 1) -> StepShape:
-    """The messages of one step of `spec` as the runtime sends them (fp32 gradients), how
-    they are compressed (None: not at all), and how often replicas sync (`sync_every`)."""
+               compression: Compression | None = None, sync_every: int = 1,
+               lora_rank: int = 0, lora_targets: str = "") -> StepShape:
+    """The messages of one step of `spec` as the runtime sends them (fp32 gradients: of the
+    adapters only under LoRA, `lora_rank` > 0), how they are compressed (None: not at all),
+    and how often replicas sync (`sync_every`)."""
     check_batch(global_batch, micro_batches, replicas)
     micro_size = global_batch // (replicas * micro_batches)
-    grads = [spec.stage_params(b, e) * DTYPE_BYTES["fp32"]
+    grads = [trained_params(spec, b, e, lora_rank, lora_targets) * DTYPE_BYTES["fp32"]
              for b, e in layer_ranges(spec.n_layers, stages, splits)]
     return StepShape(micro_batches=micro_batches,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtfm.core import lora
 from dtfm.core.buckets import check_shares
 from dtfm.core.codecs import LinkCodecs
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
@@ -113,6 +114,7 @@ def build_assignments(
     worker checks its own copy against it.
     """
     train.validate(layout.replicas)
+    lora.check(train, spec)
     if bind_addrs is not None and len(bind_addrs) != layout.world_size:
         raise ValueError(f"{len(bind_addrs)} bind addresses for {layout.world_size} ranks")
     counts = layer_splits(spec.n_layers, layout.stages, splits)

@@ -331,6 +331,12 @@ def _install(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def install(tmp: Path, out: Path) -> None:
+    """Put the directory `tmp` in place as `out`, atomically (`_install`): for another
+    exporter (`dtfm.core.loraexport`) writing its own directory the same way."""
+    _install(tmp, out)
+
+
 def local_stage_files(root: str | Path, job_id: str, stages: int) -> tuple[int, list[StageFile]]:
     """The newest step every stage holds complete under checkpoint directory `root` (one
     machine's, or shared storage), and each stage's weights of it. ExportError when none."""

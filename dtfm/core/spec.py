@@ -354,6 +354,18 @@ class TrainConfig:
         OUTER_MOMENTUM_AUTO, "momentum of the outer Nesterov step (with --sync-every > 1); "
         f"auto: 0.5 for rounds of up to {LONGEST_MEASURED_ROUND} steps, where DiLoCo's 0.9 "
         "overshoots, 0.9 for longer ones")
+    lora_rank: int = _option(
+        0, "train LoRA adapters of this rank beside a frozen base instead of every weight "
+        "(0: off, full fine-tuning); only the adapters are optimized, exchanged between "
+        "replicas and checkpointed (the base comes from --init-from on every machine)")
+    lora_alpha: float = _option(
+        8.0, "LoRA scaling numerator, as peft's lora_alpha: adapters add alpha/rank x B A x")
+    lora_dropout: float = _option(
+        0.0, "dropout on the adapters' input, as peft's lora_dropout (0 keeps training exact)")
+    lora_targets: str = _option(
+        "", "comma-separated module names to adapt, as peft's target_modules (a module "
+        "matches when its name ends with one); empty: every attention and MLP projection "
+        "(llama: q_proj..down_proj; gpt: c_attn, c_proj, c_fc)")
 
     def outer_mu(self) -> float:
         """The outer momentum the worker applies: the flag's, or auto's by the round length."""
@@ -417,6 +429,15 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         self._check_outer()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """Ranges only (the rank is a count: `_COUNTS`); whether the targets name modules of
+        the model: `dtfm.core.lora.check`."""
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
 
     def _check_outer(self) -> None:
         if self.sync_every < 0:  # 0 is SYNC_AUTO: the coordinator resolves it before training
@@ -442,6 +463,8 @@ class TrainConfig:
         for name in _ADDED_LATER:  # a peer that predates the field leaves it unset ("")
             if values[name] == "":
                 values[name] = _FIELDS[name].default
+        if values["lora_alpha"] == 0:  # a peer that predates adapters
+            values["lora_alpha"] = _FIELDS["lora_alpha"].default
         if values["sync_every"] == 0:  # a peer that predates local steps: synchronous
             for name in _OUTER:
                 values[name] = _FIELDS[name].default
@@ -455,7 +478,7 @@ _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode
 _ADDED_LATER = ("moments_dtype",)
 _OUTER = ("sync_every", "outer_lr", "outer_momentum")  # unset on the wire: all their defaults
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches", "seq_len", "sync_every")
+           "eval_batches", "seq_len", "sync_every", "lora_rank")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:

@@ -1,0 +1,131 @@
+"""LoRA adapters on a stage: the frozen base's targeted Linears gain A and B, nothing else trains.
+
+`apply` turns every projection `dtfm.core.lora.targeted` names, in every layer of the stage,
+into a `LoraLinear`, which keeps the Linear's own `weight` and `bias` under the same names (so
+loading the base from `--init-from`, `hfload`, and every name-keyed path still see the base as
+they always did) and adds `lora_A` (R x in) and `lora_B` (out x R) as `peft` builds them:
+A kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))), B zeros, so training starts
+from exactly the base model. Each layer's A comes from its own generator (seed, layer), so
+every layout starts from the same adapters, which is what makes a 2 x 2 run equal a
+single-process one. Every base parameter gets `requires_grad = False`: the optimizer
+(`optim.make_optimizer`), the data-parallel exchange (`data_parallel.GradAverager`) and the
+outer step (`outer.OuterSync`) take only trainable parameters, so the base is in none of them.
+
+A checkpoint holds only the adapters (`adapter_tensors`, under `peft`'s names, so an export is
+those files joined) beside the optimizer state; `load_adapters` maps them back. The base is
+always re-read from `--init-from` (or rebuilt from the seed for a preset).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent.worker.model import part_generator
+from dtfm.core import lora as spec_lora
+from dtfm.core.spec import ModelSpec, TrainConfig
+
+# keeps the adapters' init stream apart from the base's (`model.build_part` uses the seed itself)
+SEED_OFFSET = 0x10AA
+
+
+class LoraLinear(nn.Linear):
+    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W and b frozen."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float,
+                 gen: torch.Generator) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        factory = {"device": base.weight.device, "dtype": torch.float32}
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **factory)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **factory)
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)), as peft
+        with torch.no_grad():
+            a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=gen)
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.zero_()
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+def _child(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    *parents, name = path.split(".")
+    for p in parents:
+        root = getattr(root, p)
+    return root, name
+
+
+def apply(stage: nn.Module, spec: ModelSpec, cfg: TrainConfig) -> int:
+    """Freeze the stage and put adapters on its targeted projections; returns the adapters'
+    parameter count. A no-op returning 0 when `cfg.lora_rank` is 0."""
+    if not cfg.lora_rank:
+        return 0
+    projs = spec_lora.targeted(spec, cfg.lora_targets)
+    for p in stage.parameters():
+        p.requires_grad_(False)
+    count = 0
+    for index, layer in stage.layers.items():
+        gen = part_generator(cfg.seed + SEED_OFFSET, int(index))
+        for proj in projs:
+            parent, name = _child(layer, proj.ours)
+            base = getattr(parent, name)
+            wrapped = LoraLinear(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, gen)
+            setattr(parent, name, wrapped)
+            count += wrapped.lora_A.weight.numel() + wrapped.lora_B.weight.numel()
+    return count
+
+
+def _adapters(stage: nn.Module, spec: ModelSpec,
+              cfg: TrainConfig) -> list[tuple[str, str, nn.Parameter]]:
+    """(peft name, stage parameter name, parameter) of every adapter matrix of the stage."""
+    out = []
+    for index, layer in stage.layers.items():
+        for proj in spec_lora.targeted(spec, cfg.lora_targets):
+            module = layer.get_submodule(proj.ours)
+            for which in ("A", "B"):
+                param = getattr(module, f"lora_{which}").weight
+                out.append((spec_lora.peft_name(spec, int(index), proj, which),
+                            f"layers.{index}.{proj.ours}.lora_{which}.weight", param))
+    return out
+
+
+def adapter_tensors(stage: nn.Module, spec: ModelSpec, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The stage's adapters under `peft`'s names, contiguous on the CPU (a checkpoint's
+    safetensors file, and so an export's)."""
+    return {peft: p.detach().to("cpu").contiguous() for peft, _, p in _adapters(stage, spec, cfg)}
+
+
+def adapter_state(tensors: Mapping[str, torch.Tensor], stage: nn.Module, spec: ModelSpec,
+                  cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapter tensors (peft names) under the stage's parameter names, for
+    `load_state_dict(strict=False)`. ValueError naming a missing tensor (a checkpoint of another
+    rank or targets)."""
+    out = {}
+    for peft, ours, _ in _adapters(stage, spec, cfg):
+        if peft not in tensors:
+            raise ValueError(f"the LoRA checkpoint lacks adapter {peft}: it was written with "
+                             f"other --lora-targets or layers than this job's")
+        out[ours] = tensors[peft]
+    return out
+
+
+def load_adapters(stage: nn.Module, tensors: Mapping[str, torch.Tensor], spec: ModelSpec,
+                  cfg: TrainConfig) -> None:
+    """Copy adapter values (peft names) into the stage; the base is left as it is."""
+    state = adapter_state(tensors, stage, spec, cfg)
+    missing_or_extra = stage.load_state_dict(state, strict=False)
+    if missing_or_extra.unexpected_keys:  # pragma: no cover - names come from the stage itself
+        raise ValueError(f"unexpected adapter keys {missing_or_extra.unexpected_keys}")

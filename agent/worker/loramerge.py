@@ -1,0 +1,83 @@
+"""`--export-merged`: a LoRA job's base with its adapters folded in, as a plain Hugging Face
+directory that `transformers` loads without `peft`.
+
+W' = W + (alpha / r) * B A for every adapted projection, computed once in fp32 on the whole
+model (the base from `--init-from`, or rebuilt from the seed for a preset, exactly as every
+worker built it), then written through the ordinary export (`dtfm.core.hfexport.write_export`)
+so the directory is the same kind a full fine-tune exports. Needs the whole model in one
+process's memory, unlike the adapter export, which only joins files.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from agent.worker import lora
+from agent.worker.hfload import load_parts_from_hf, stage_tensors_hf
+from agent.worker.stage import Stage
+from dtfm.core.hfexport import ExportSource, StageFile, write_export
+from dtfm.core.spec import ModelSpec, TrainConfig
+
+
+def merged_model(spec: ModelSpec, cfg: TrainConfig, adapters: dict[str, torch.Tensor]) -> Stage:
+    """The whole model as one stage: the job's base with `adapters` (peft names) merged in;
+    its projections are plain again (no adapters left)."""
+    model = Stage(spec, 0, spec.n_layers, cfg.seed)
+    if cfg.init_from:
+        load_parts_from_hf(model.parts(), spec, cfg.init_from)
+    lora.apply(model, spec, cfg)
+    lora.load_adapters(model, adapters, spec, cfg)
+    with torch.no_grad():
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, lora.LoraLinear):
+                    delta = child.lora_B.weight @ child.lora_A.weight * child.scaling
+                    plain = torch.nn.Linear(child.in_features, child.out_features,
+                                            bias=child.bias is not None, device="meta")
+                    plain.weight = torch.nn.Parameter(child.weight + delta.to(child.weight.dtype))
+                    if child.bias is not None:
+                        plain.bias = child.bias
+                    setattr(module, name, plain)
+    return model
+
+
+def write_merged_export(out: str | Path, spec: ModelSpec, cfg: TrainConfig,
+                        files: Sequence[StageFile], *, source: ExportSource | None = None,
+                        force: bool = False,
+                        progress: Callable[[str], None] | None = None) -> Path:
+    """Write `out` from the stages' adapter files: base + merged adapters, HF layout."""
+    adapters: dict[str, torch.Tensor] = {}
+    for f in files:
+        adapters.update(load_file(str(f.path)))
+    model = merged_model(spec, cfg, adapters)
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.merged-{os.getpid()}-{secrets.token_hex(4)}.safetensors"
+    try:
+        save_file(stage_tensors_hf(model.parts(), spec), str(tmp))
+        return write_export(out, spec, [StageFile(0, tmp)], source=source, force=force,
+                            progress=progress)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_lora_export(out: str | Path, spec: ModelSpec, cfg: TrainConfig,
+                      files: Sequence[StageFile], *, source: ExportSource | None = None,
+                      force: bool = False, merged: bool = False,
+                      progress: Callable[[str], None] | None = None) -> Path:
+    """A LoRA job's `--export-dir`: the peft adapter directory, or with `merged` the base with
+    the adapters merged in."""
+    if merged:
+        return write_merged_export(out, spec, cfg, files, source=source, force=force,
+                                   progress=progress)
+    from dtfm.core.loraexport import write_adapter_export
+
+    return write_adapter_export(out, spec, cfg, files,
+                                tokenizer=source.tokenizer if source else None, force=force,
+                                progress=progress)

@@ -1,0 +1,103 @@
+"""A LoRA job's export against `peft` and `transformers` themselves: tiny random Llama and
+Qwen2 models saved by `transformers`, a 2 x 2 (1F1B) LoRA fine-tune by `agent local`, then
+
+- the peft adapter directory `PeftModel.from_pretrained(base, DIR)` loads gives the
+  validation loss dtfm computed, on the same windows;
+- the merged export (`--export-merged`) gives the same loss under plain `transformers`;
+- the base model's files are untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agent.worker.data import Sampler, val_batches
+from dtfm.core.hfexport import StageFile
+from tests.agent.worker.testlib import run_local
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from tests.hflib import byte_data, saved  # noqa: E402
+
+SEQ, BATCH, EVAL = 32, 8, 2
+REL = 1e-4
+
+
+def _digests(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def _val_loss(model: torch.nn.Module, data: Path) -> float:
+    """The mean next-token loss over the windows dtfm's evaluation takes (`val_batches`)."""
+    tokens = np.fromfile(data / "val.bin", dtype=np.uint16)
+    sampler = Sampler(tokens, SEQ, 0)
+    losses = []
+    with torch.no_grad():
+        for ids in val_batches(tokens, SEQ, BATCH, EVAL):
+            x, y = sampler.windows(ids)
+            logits = model(input_ids=x).logits
+            losses.append(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                y.reshape(-1))))
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lora_2x2_exports_load_in_peft_and_transformers_with_dtfms_loss(
+        tmp_path: Path, kind: str) -> None:
+    src, base_model = saved(tmp_path, kind)
+    before = _digests(src)
+    data = byte_data(tmp_path)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    merged_flag = kind == "qwen2"  # one kind exports each way through the flag
+    run = run_local("--init-from", str(src), "--data", str(data), "--seq-len", str(SEQ),
+                    "--steps", "12", "--lr", "1e-2", "--warmup-steps", "2", "--stages", "2",
+                    "--replicas", "2", "--schedule", "1f1b", "--batch", str(BATCH),
+                    "--micro-batches", "2", "--eval-batches", str(EVAL), "--lora-rank", "4",
+                    "--lora-alpha", "8", "--checkpoint-dir", str(ckpt), "--export-dir", str(out),
+                    *(["--export-merged"] if merged_flag else []), timeout=360)
+    assert run.rc == 0, run.stderr[-3000:]
+    assert run.done is not None
+    dtfm_loss = run.done["val_loss"]
+    assert _digests(src) == before  # the frozen base's files are untouched
+    base_loss = _val_loss(base_model, data)
+    assert abs(dtfm_loss - base_loss) > 1e-3, (dtfm_loss, base_loss)  # the adapters did learn
+
+    # the other export, from the same checkpoints, through the same function agent local calls
+    import argparse
+
+    from agent.local import add_arguments, train_config
+    from agent.worker.loramerge import write_lora_export
+    from dtfm.core.hfdir import resolve_spec
+    from dtfm.core.hfexport import local_stage_files
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = train_config(parser.parse_args(["--init-from", str(src), "--seq-len", str(SEQ),
+                                          "--lora-rank", "4", "--lora-alpha", "8"]))
+    spec = resolve_spec("", str(src), SEQ)
+    _, files = local_stage_files(ckpt, "local", 2)
+    other = tmp_path / "other"
+    write_lora_export(other, spec, cfg, [StageFile(f.stage, f.path) for f in files],
+                      merged=not merged_flag)
+    adapter_dir, merged_dir = (other, out) if merged_flag else (out, other)
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(src.absolute())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with_adapters = peft.PeftModel.from_pretrained(fresh, adapter_dir).eval()
+    peft_loss = _val_loss(with_adapters, data)
+    assert abs(peft_loss - dtfm_loss) <= REL * dtfm_loss, (peft_loss, dtfm_loss)
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    merged_loss = _val_loss(merged, data)
+    assert abs(merged_loss - dtfm_loss) <= REL * dtfm_loss, (merged_loss, dtfm_loss)

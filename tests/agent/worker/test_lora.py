@@ -1,0 +1,79 @@
+"""LoRA on the worker: a frozen base, adapters as peft builds them, exact across layouts,
+checkpoints of adapters only that resume exactly (real gloo processes via `agent local`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from agent.worker import lora
+from agent.worker.optim import make_optimizer
+from agent.worker.stage import Stage
+from dtfm.core import lora as spec_lora
+from dtfm.core.presets import PRESETS
+from dtfm.core.spec import TrainConfig
+from tests.agent.worker.testlib import assert_close, assert_resumed, run_local
+
+LLAMA = PRESETS["llama-tiny"]
+LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2")
+COMMON = ("--model", "llama-tiny", "--batch", "8", "--steps", "20", "--seed", "1",
+          "--eval-batches", "1", "--timeout", "60", "--micro-batches", "2", *LORA)
+REL = 1e-4  # what tests/agent/worker/test_equality.py holds every layout to
+
+
+def test_adapters_start_as_the_base_and_only_they_train() -> None:
+    cfg = TrainConfig(lora_rank=4, lora_alpha=16.0, seed=3)
+    base = Stage(LLAMA, 0, 2, seed=3)
+    stage = Stage(LLAMA, 0, 2, seed=3)
+    x = torch.randint(0, LLAMA.vocab_size, (2, 16))
+    count = lora.apply(stage, LLAMA, cfg)
+    assert count == spec_lora.stage_adapter_params(LLAMA, 0, 2, 4)  # the planner's count
+    assert torch.equal(stage(x), base(x))  # B starts at zero: the base model exactly
+    trained = [n for n, p in stage.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert sum(p.numel() for p in stage.parameters() if p.requires_grad) == count
+    opt = make_optimizer(stage, 1e-3, 0.1)
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert in_opt == {id(p) for p in stage.parameters() if p.requires_grad}
+    # A as peft's kaiming_uniform_(a=sqrt(5)): within 1/sqrt(in), the same in every layout
+    a = stage.layers["1"].attn.q_proj.lora_A.weight
+    assert a.abs().max() <= 1 / LLAMA.d_model ** 0.5 and a.abs().max() > 0
+    again = Stage(LLAMA, 1, 3, seed=3)
+    lora.apply(again, LLAMA, cfg)
+    assert torch.equal(again.layers["1"].attn.q_proj.lora_A.weight, a)
+    names = set(lora.adapter_tensors(stage, LLAMA, cfg))
+    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in names
+
+
+@pytest.mark.timeout(300)
+def test_lora_2x2_1f1b_matches_single_process() -> None:
+    ref = run_local(*COMMON, "--stages", "1", "--replicas", "1")
+    run = run_local(*COMMON, "--stages", "2", "--replicas", "2", "--schedule", "1f1b",
+                    "--layer-splits", "3,1")
+    for r in (ref, run):
+        assert r.rc == 0, r.stderr
+        assert [s["step"] for s in r.steps] == list(range(1, 21))
+    assert_close(run.losses, ref.losses, REL)
+    assert run.done is not None and ref.done is not None
+    assert abs(run.done["val_loss"] - ref.done["val_loss"]) <= REL * ref.done["val_loss"]
+    assert run.losses[-1] < run.losses[0] - 0.2  # the adapters learn (a random base)
+
+
+@pytest.mark.timeout(200)
+def test_lora_checkpoints_hold_adapters_only_and_resume_exactly(tmp_path: Path) -> None:
+    flags = ("--model", "llama-tiny", "--stages", "2", "--replicas", "1", "--batch", "4",
+             "--micro-batches", "2", "--steps", "8", "--checkpoint-every", "4", "--seed", "5",
+             "--eval-batches", "1", "--timeout", "30", *LORA)
+    full = run_local(*flags, "--checkpoint-dir", str(tmp_path / "full"))
+    assert full.rc == 0, full.stderr
+    ckpt = tmp_path / "crashy"
+    crashed = run_local(*flags, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:6"})
+    assert crashed.rc != 0
+    with safe_open(str(ckpt / "local" / "stage-1" / "step-00000004.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
+    assert len(names) == 2 * 2 * 7  # layers 2 and 3: seven projections, A and B each
+    assert_resumed(run_local(*flags, "--checkpoint-dir", str(ckpt)), full, after=4)

@@ -1,0 +1,87 @@
+"""The planner prices a LoRA job as the worker runs it: the data-parallel exchange is the
+adapters' real size (not the stage's parameters), the memory a frozen fp32 base plus the
+adapters' weight, gradient and AdamW state, and `--sync-every auto` follows the smaller
+exchange (gpt-350m on the 16-device world: H = 8 for full fine-tuning, 1 under LoRA rank 8)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from agent.worker import lora  # noqa: E402
+from agent.worker.optim import make_optimizer  # noqa: E402
+from agent.worker.stage import Stage, lm_loss  # noqa: E402
+from coordinator.scheduler.costmodel import comm_gb  # noqa: E402
+from coordinator.scheduler.memory import (  # noqa: E402
+    WORKER_RUNTIME_BYTES,
+    MemoryShape,
+    stage_bytes,
+)
+from coordinator.scheduler.steptime import step_shape  # noqa: E402
+from dtfm.core.layout import layer_ranges  # noqa: E402
+from dtfm.core.presets import get_preset  # noqa: E402
+from dtfm.core.spec import TrainConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("targets", ["", "q_proj,v_proj"])
+def test_priced_exchange_is_the_adapters_real_size(name: str, targets: str) -> None:
+    spec = get_preset(name)
+    if spec.arch == "gpt" and targets:
+        targets = "c_attn"
+    cfg = TrainConfig(lora_rank=8, lora_targets=targets)
+    shape = step_shape(spec, 2, 2, 8, 2, lora_rank=8, lora_targets=targets)
+    real = []
+    for begin, end in layer_ranges(spec.n_layers, 2):
+        stage = Stage(spec, begin, end, seed=0)
+        lora.apply(stage, spec, cfg)
+        real.append(4 * sum(p.numel() for p in stage.parameters() if p.requires_grad))
+    assert shape.grad_bytes == real  # fp32 gradients of the adapters, nothing else
+    full = step_shape(spec, 2, 2, 8, 2)
+    assert all(lo < hi / 5 for lo, hi in zip(shape.grad_bytes, full.grad_bytes, strict=True))
+    dp_gb, _ = comm_gb(spec, 2, 2, 8, "fp32", 8, targets)
+    assert dp_gb == max(real) / 1e9
+
+
+def test_priced_memory_is_a_frozen_base_plus_the_adapters_state() -> None:
+    spec = get_preset("llama-tiny")
+    cfg = TrainConfig(lora_rank=8)
+    stage = Stage(spec, 0, 2, seed=0)
+    lora.apply(stage, spec, cfg)
+    opt = make_optimizer(stage, 1e-3, 0.1)
+    x = torch.randint(0, spec.vocab_size, (1, spec.seq_len))
+    stage2 = Stage(spec, 2, 4, seed=0)
+    lora.apply(stage2, spec, cfg)
+    lm_loss(stage2(stage(x)), x).backward()
+    opt.step()
+    tensors = list(stage.parameters()) + [p.grad for p in stage.parameters()
+                                          if p.grad is not None]
+    for state in opt.state.values():
+        tensors += [v for k, v in state.items() if k != "step"]
+    real = sum(t.numel() * t.element_size() for t in tensors)
+    no_acts = MemoryShape(spec, 2, 1, micro_size=1, micro_batches=0, lora_rank=8)
+    assert stage_bytes(no_acts, 0, 0, 2) - WORKER_RUNTIME_BYTES == real
+    full = MemoryShape(spec, 2, 1, micro_size=1, micro_batches=0)
+    assert stage_bytes(full, 0, 0, 2) - WORKER_RUNTIME_BYTES > 2 * real  # rank 8 of d = 64
+
+
+def test_sync_auto_and_plan_follow_the_smaller_exchange(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator import plan
+
+    argv = ["--scenario", "world", "--per-city", "2", "--stages", "4", "--replicas", "4",
+            "--model", "gpt-350m", "--sync-every", "auto", "--sync-overhead", "0.05",
+            "--search-seconds", "1", "--json"]
+    assert plan.main(argv) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert plan.main([*argv, "--lora-rank", "8"]) == 0
+    adapters = json.loads(capsys.readouterr().out)
+    assert "LoRA rank 8" in adapters["sizes_from"]
+    assert adapters["dp_gb"] < full["dp_gb"] / 100
+    assert full["sync"]["every"] > 1 and adapters["sync"]["every"] == 1, (full["sync"],
+                                                                          adapters["sync"])
+    assert plan.main([*argv, "--lora-rank", "8", "--lora-targets", "c_fc,q_proj"]) == 2
+    assert "'q_proj' names no module of a gpt layer" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""`--lora-*`: one flag per setting on both commands, carried to the worker in the assignment,
+validated at the edge with messages naming the flag (`dtfm.core.lora`, `TrainConfig`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.cli import build_parser as agent_parser
+from coordinator.cli import build_parser as coordinator_parser
+from dtfm import flags
+from dtfm.core import lora
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout
+from dtfm.core.presets import PRESETS
+from dtfm.core.spec import TrainConfig
+from dtfm.rpc import ConfigError
+
+LLAMA, GPT = PRESETS["llama-tiny"], PRESETS["gpt-tiny"]
+
+
+def test_lora_flags_reach_train_config_on_both_commands() -> None:
+    argv = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.05",
+            "--lora-targets", "q_proj,v_proj"]
+    for parser in (coordinator_parser()[1]["start"], agent_parser()[1]["local"]):
+        cfg = flags.train_config_from_args(parser.parse_args(argv))
+        assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) == (
+            8, 16.0, 0.05, "q_proj,v_proj")
+        assert flags.train_config_from_args(parser.parse_args(flags.train_argv(cfg))) == cfg
+    defaults = TrainConfig()
+    assert (defaults.lora_rank, defaults.lora_alpha, defaults.lora_dropout) == (0, 8.0, 0.0)
+    with pytest.raises(ConfigError, match="--lora-rank"):
+        agent_parser()[1]["local"].parse_args(["--lora-rank", "-1"])
+    with pytest.raises(ConfigError, match="--lora-dropout"):
+        agent_parser()[1]["local"].parse_args(["--lora-dropout", "1"])
+
+
+def test_lora_settings_travel_in_the_assignment() -> None:
+    cfg = TrainConfig(global_batch=4, lora_rank=4, lora_alpha=32.0, lora_dropout=0.1,
+                      lora_targets="q_proj")
+    (a,) = build_assignments(job_id="j", epoch=0, layout=Layout(1, 1), spec=LLAMA, train=cfg,
+                             master_addr="127.0.0.1", master_port=1)
+    back = TrainConfig.from_proto(a.train)
+    assert back == cfg
+    old = type(a.train)(global_batch=4)  # a peer that predates adapters: full fine-tuning
+    assert TrainConfig.from_proto(old).lora_rank == 0
+    assert TrainConfig.from_proto(old).lora_alpha == 8.0
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"lora_rank": -1}, r"--lora-rank must be in 0\.\.4294967295, got -1"),
+    ({"lora_rank": 4, "lora_alpha": 0.0}, "--lora-alpha must be a finite number > 0"),
+    ({"lora_rank": 4, "lora_dropout": 1.0}, r"--lora-dropout must be in \[0, 1\)"),
+])
+def test_bad_ranges_name_the_flag(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**change).validate()
+
+
+def test_targets_must_name_a_module_of_the_family() -> None:
+    with pytest.raises(ValueError, match=r"--lora-targets 'c_attn' names no module of a llama "
+                                         r"layer.*q_proj, k_proj, v_proj, o_proj, gate_proj"):
+        lora.check(TrainConfig(lora_rank=4, lora_targets="q_proj,c_attn"), LLAMA)
+    with pytest.raises(ValueError, match="'q_proj' names no module of a gpt layer"):
+        lora.check(TrainConfig(lora_rank=4, lora_targets="q_proj"), GPT)
+    with pytest.raises(ValueError, match="--lora-targets applies with --lora-rank"):
+        lora.check(TrainConfig(lora_targets="q_proj"), LLAMA)
+    with pytest.raises(ValueError, match="'lm_head' names no module"):  # the head stays frozen
+        build_assignments(job_id="j", epoch=0, layout=Layout(1, 1), spec=LLAMA,
+                          train=TrainConfig(lora_rank=2, lora_targets="lm_head"),
+                          master_addr="127.0.0.1", master_port=1)
+
+
+def test_targets_match_as_peft_matches_them() -> None:
+    ours = [p.ours for p in lora.targeted(LLAMA, "")]
+    assert ours == ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert [p.ours for p in lora.targeted(LLAMA, "self_attn.q_proj, v_proj")] == [
+        "attn.q_proj", "attn.v_proj"]
+    # GPT-2's c_proj is both the attention's and the MLP's output projection, as in peft
+    assert [p.ours for p in lora.targeted(GPT, "c_proj")] == ["attn.proj", "mlp.proj"]
+    # llama-tiny: d=64, ff=176, 4 heads of 16, 2 KV heads -> q 64, kv 32
+    per_layer = 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 176) + (176 + 64))
+    assert lora.layer_adapter_params(LLAMA, 4) == per_layer
+    assert lora.stage_adapter_params(LLAMA, 1, 3, 4) == 2 * per_layer
+
+
+def test_export_merged_needs_a_lora_job_with_an_export_dir() -> None:
+    from tests.agent.worker.testlib import run_local
+
+    run = run_local("--steps", "0", "--export-merged", timeout=60)
+    assert run.rc == 2 and "--export-merged" in run.stderr and "--lora-rank" in run.stderr
