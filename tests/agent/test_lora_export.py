@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from agent.worker.data import Sampler, val_batches
 from dtfm.core.hfexport import StageFile
-from tests.agent.worker.testlib import run_local
+from tests.agent.worker.testlib import local_job_dir, run_local
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -83,7 +83,7 @@ def test_lora_2x2_exports_load_in_peft_and_transformers_with_dtfms_loss(
     cfg = train_config(parser.parse_args(["--init-from", str(src), "--seq-len", str(SEQ),
                                           "--lora-rank", "4", "--lora-alpha", "8"]))
     spec = resolve_spec("", str(src), SEQ)
-    _, files = local_stage_files(ckpt, "local", 2)
+    _, files = local_stage_files(ckpt, local_job_dir(ckpt).name, 2)
     other = tmp_path / "other"
     write_lora_export(other, spec, cfg, [StageFile(f.stage, f.path) for f in files],
                       merged=not merged_flag)

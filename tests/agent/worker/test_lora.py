@@ -15,7 +15,7 @@ from agent.worker.stage import Stage
 from dtfm.core import lora as spec_lora
 from dtfm.core.presets import PRESETS
 from dtfm.core.spec import TrainConfig
-from tests.agent.worker.testlib import assert_close, assert_resumed, run_local
+from tests.agent.worker.testlib import assert_close, assert_resumed, local_job_dir, run_local
 
 LLAMA = PRESETS["llama-tiny"]
 LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2")
@@ -72,7 +72,8 @@ def test_lora_checkpoints_hold_adapters_only_and_resume_exactly(tmp_path: Path) 
     ckpt = tmp_path / "crashy"
     crashed = run_local(*flags, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:6"})
     assert crashed.rc != 0
-    with safe_open(str(ckpt / "local" / "stage-1" / "step-00000004.safetensors"), "pt") as f:
+    with safe_open(str(local_job_dir(ckpt) / "stage-1" / "step-00000004.safetensors"),
+                   "pt") as f:
         names = list(f.keys())
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
     assert len(names) == 2 * 2 * 7  # layers 2 and 3: seven projections, A and B each
