@@ -204,3 +204,22 @@ def test_cli_reports_reachability_and_skips_undialable_pairs() -> None:
     for r in report["pairs"]:
         if r["dialable"]:
             assert abs(r["rtt_ms"] - 10.0) <= 3.0, r
+
+
+@pytest.mark.timeout(90)
+def test_agents_behind_nats_at_one_private_address_join_by_id(tmp_path: Path) -> None:
+    """The issue's starting point: agents behind two NATs advertise the same private address;
+    they still join (they dial out) and the cluster tells them apart by id."""
+    from dtfm.wan.cluster import WanCluster, measurement_wan
+
+    with measurement_wan([[0, 5], [5, 0]], [[0, 100], [100, 0]], nat=[0, 1]) as emu:
+        assert emu.address(1) == emu.address(2)
+        cluster = WanCluster(emu, tmp_path, agents=2)
+        try:
+            ids = cluster.start(timeout=60, prewarm=False)
+            status = cluster.cli("status", "--json")
+        finally:
+            cluster.stop()
+    assert len(set(ids)) == 2
+    advertised = {a["id"]: a["address"] for a in status["agents"]}
+    assert advertised[ids[0]] == advertised[ids[1]] == f"{emu.address(1)}:7071"
