@@ -168,7 +168,7 @@ class Router:
         self._flows_created = dict.fromkeys(self.firewalled, 0)
         self.counters = dict.fromkeys(
             (DROP_FIREWALL, DROP_NAT_INBOUND, DROP_NAT_PROTOCOL, DROP_NAT_FULL), 0)
-        self.counters["nat_mappings"] = 0
+        self.counters["nat_mappings_created"] = 0
 
     def _drop(self, why: str) -> None:
         self.counters[why] = self.counters.get(why, 0) + 1
@@ -277,7 +277,7 @@ class Router:
                          public_port=port)
             site.by_private[key] = site.by_public[(key[0], port)] = m
             site.created += 1
-            self.counters["nat_mappings"] += 1
+            self.counters["nat_mappings_created"] += 1
             if site.created % _SWEEP_EVERY == 0:
                 self._sweep(site, now)
             return m

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from dtfm.wan import WanEmulator, probe
+from dtfm.wan.emulator import request
 
 AVAILABLE, REASON = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=REASON or "WAN emulation available")
@@ -97,6 +98,11 @@ def test_same_private_address_behind_two_nats_told_apart(wan: WanEmulator) -> No
     assert a["peer"][0] == wan.public_address(NAT_A)
     assert b["peer"][0] == wan.public_address(NAT_B)
     assert a["peer"][0] != b["peer"][0]
+    # the forwarder lists its live mappings (host, private and public endpoint)
+    live = request(wan.control_socket, {"get": True})["nat_mappings"]
+    for host, reply in ((NAT_A, a), (NAT_B, b)):
+        assert {"host": host, "proto": "tcp", "private": "{}:{}".format(*reply["local"]),
+                "public": "{}:{}".format(*reply["peer"])} in live
 
 
 @pytest.mark.timeout(60)
