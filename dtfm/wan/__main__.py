@@ -6,6 +6,11 @@ with a ready-to-paste ``ip netns exec`` line, and holds until Ctrl-C or SIGTERM,
 everything down. With ``--measure`` it instead runs the TCP probes over every ordered pair and
 prints measured RTT and goodput next to what the matrices promise.
 
+``--nat 1,2 --shared-nat 4,5 --firewall 3`` put hosts behind NATs of their own, one NAT
+together, or a stateful firewall (:mod:`dtfm.wan.nat`); the listing shows each host's own
+address and the address its peers see, and ``--measure`` skips the pairs whose destination
+cannot be dialled from the source.
+
 ``python -m dtfm.wan set --control SOCKET ...`` changes a running emulator (the holding command
 prints its control socket): a link's delay or rate, a host's compute speed, e.g.
 ``set --control S --link 1:2 --both-ways --delay-ms 140 --bandwidth-mbps 2``.
@@ -56,6 +61,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hosts", type=int, help="number of hosts when the matrices are numbers")
     p.add_argument("--queue-ms", type=float, help="drop packets that would queue longer")
     p.add_argument("--mtu", type=int, default=DEFAULT_MTU)
+    p.add_argument("--nat", metavar="H,H,..", help="hosts each behind a NAT of its own")
+    p.add_argument("--shared-nat", action="append", default=[], metavar="H,H,..",
+                   help="hosts behind one NAT together (a site's LAN); repeatable")
+    p.add_argument("--firewall", metavar="H,H,..",
+                   help="hosts behind a stateful firewall (public address, not dialable)")
     p.add_argument("--measure", action="store_true",
                    help="measure RTT and goodput of every ordered pair, print them, exit")
     p.add_argument("--bulk-seconds", type=float, default=2.0,
@@ -64,6 +74,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help='--measure: print {"hosts": [..], "pairs": [..]} as JSON, not a table')
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
+
+
+def _hosts(text: str | None, flag: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: give host numbers separated by commas, "
+                         "e.g. 1,2") from None
 
 
 def _build(args: argparse.Namespace) -> WanEmulator:
@@ -81,28 +101,38 @@ def _build(args: argparse.Namespace) -> WanEmulator:
     queue_ms = args.queue_ms if args.queue_ms is not None else spec.get("queue_ms")
     delay_m = _matrix(delay, args.hosts, "--delay-ms")
     bw_m = None if bandwidth is None else _matrix(bandwidth, len(delay_m), "--bandwidth-mbps")
+    nat = _hosts(args.nat, "--nat") if args.nat is not None else spec.get("nat", [])
+    firewall = (_hosts(args.firewall, "--firewall") if args.firewall is not None
+                else spec.get("firewall", []))
+    shared = ([_hosts(t, "--shared-nat") for t in args.shared_nat] if args.shared_nat
+              else spec.get("shared_nat", []))
     try:
         return WanEmulator(delay_ms=delay_m, bandwidth_mbps=bw_m, mtu=args.mtu,
-                           queue_ms=queue_ms, log_level=args.log_level.upper())
+                           queue_ms=queue_ms, log_level=args.log_level.upper(),
+                           nat=nat, firewall=firewall, shared_nat=shared)
     except ValueError as exc:
         raise SystemExit(f"invalid network: {exc}") from exc
 
 
 def measure(wan: WanEmulator, bulk_seconds: float) -> list[dict[str, Any]]:
-    """RTT (median of 10 TCP echoes) and goodput for every ordered pair (src, dst)."""
+    """RTT (median of 10 TCP echoes) and goodput for every ordered pair (src, dst) where src can
+    dial dst; the others are listed with ``"dialable": false`` and no measurement."""
     for host in range(wan.size):
         probe.start_server(wan, host)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for src in range(wan.size):
         for dst in range(wan.size):
             if src == dst:
+                continue
+            if not wan.dialable(src, dst):
+                rows.append({"src": src, "dst": dst, "dialable": False})
                 continue
             expect_rtt = wan.delay_ms[src][dst] + wan.delay_ms[dst][src]
             rate = wan.bandwidth_mbps[src][dst]
             nbytes = int(max(2e6, (rate or 200.0) * 1e6 / 8 * bulk_seconds))
             rtts = probe.echo_rtts_ms(wan, src, dst, count=10)
             rows.append({
-                "src": src, "dst": dst,
+                "src": src, "dst": dst, "dialable": True,
                 "rtt_ms_expected": expect_rtt, "rtt_ms": statistics.median(rtts),
                 "mbps_expected": rate, "mbps": probe.bulk_mbps(wan, src, dst, nbytes),
                 "bulk_bytes": nbytes,
@@ -113,6 +143,10 @@ def measure(wan: WanEmulator, bulk_seconds: float) -> list[dict[str, Any]]:
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'pair':>8} {'RTT want':>9} {'RTT got':>8} {'Mbit/s want':>11} {'Mbit/s got':>10}")
     for r in rows:
+        if not r["dialable"]:
+            print(f"{r['src']:>3} -> {r['dst']:<2}  not dialable ({r['dst']} is behind a NAT "
+                  "or firewall)")
+            continue
         want = "unlim" if r["mbps_expected"] is None else f"{r['mbps_expected']:.1f}"
         print(f"{r['src']:>3} -> {r['dst']:<2} {r['rtt_ms_expected']:>9.1f} {r['rtt_ms']:>8.1f} "
               f"{want:>11} {r['mbps']:>10.1f}")
@@ -203,15 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure:
             rows = measure(wan, args.bulk_seconds)
             if args.json:
-                hosts = [{"namespace": wan.namespace(i), "address": wan.address(i)}
-                         for i in range(wan.size)]
-                print(json.dumps({"hosts": hosts, "pairs": rows}, indent=1))
+                print(json.dumps({"hosts": wan.hosts(), "pairs": rows}, indent=1))
             else:
                 _print_table(rows)
         else:
-            for i in range(wan.size):
-                print(f"host {i}: {wan.address(i):<15} netns {wan.namespace(i)}   "
-                      f"run: ip netns exec {wan.namespace(i)} CMD")
+            for h in wan.hosts():
+                seen = ("" if h["reachability"] == "public" else
+                        f" ({h['reachability']}, peers see {h['public_address']})")
+                print(f"host {h['host']}: {h['address']:<15}{seen} netns {h['namespace']}   "
+                      f"run: ip netns exec {h['namespace']} CMD")
             print(f"change it live: python -m dtfm.wan set --control {wan.control_socket} "
                   "--link SRC:DST --delay-ms MS --bandwidth-mbps MBPS | --compute HOST:FACTOR")
             print("holding; Ctrl-C or SIGTERM tears it down", flush=True)

@@ -4,6 +4,11 @@ Host 0 holds the coordinator (zero delay and no rate limit to everyone, so contr
 not distort what is measured); hosts 1..N hold one agent each, with the link matrix the caller
 gives. Processes are started through the real command lines, so this rehearses exactly what a
 deployment runs. Used by the link-measurement tests and `bench/links.py`.
+
+Agents may sit behind NATs or firewalls (`measurement_wan(..., nat=, shared_nat=, firewall=)`,
+in agent numbers): such an agent listens and advertises at its own address as a real one would
+(behind a NAT: a private 192.168.1.x that agents behind other NATs share), so agents are told
+apart by id, never by address.
 """
 
 from __future__ import annotations
@@ -41,16 +46,28 @@ MEASURED_MTU = 9000
 
 
 def measurement_wan(delay_ms: Sequence[Sequence[float]],
-                    bandwidth_mbps: Sequence[Sequence[float]]) -> WanEmulator:
+                    bandwidth_mbps: Sequence[Sequence[float]], *, nat: Sequence[int] = (),
+                    shared_nat: Sequence[Sequence[int]] = (),
+                    firewall: Sequence[int] = ()) -> WanEmulator:
     """An emulator for a cluster whose links get measured: agents on hosts 1..N with the given
     links, the coordinator on host 0 with free links to everyone, tuned hosts (BUFFER_SYSCTLS)
-    and jumbo frames (MEASURED_MTU)."""
+    and jumbo frames (MEASURED_MTU). `nat` (each behind a NAT of its own), `shared_nat` (groups
+    behind one NAT) and `firewall` name agents by number (agent i is host i + 1); the
+    coordinator stays public."""
     n = len(delay_ms)
     delay = [[0.0] * (n + 1)] + [[0.0, *map(float, row)] for row in delay_ms]
     bandwidth: list[list[float | None]] = [[None] * (n + 1)] + [
         [None, *map(float, row)] for row in bandwidth_mbps]
     return WanEmulator(delay_ms=delay, bandwidth_mbps=bandwidth, sysctls=BUFFER_SYSCTLS,
-                       mtu=MEASURED_MTU)
+                       mtu=MEASURED_MTU, nat=[_agent_host(a, n) for a in nat],
+                       shared_nat=[[_agent_host(a, n) for a in g] for g in shared_nat],
+                       firewall=[_agent_host(a, n) for a in firewall])
+
+
+def _agent_host(agent: int, agents: int) -> int:
+    if not 0 <= agent < agents:
+        raise ValueError(f"agent {agent} is not one of the agents 0..{agents - 1}")
+    return agent + 1
 
 
 class WanCluster:
@@ -123,13 +140,22 @@ class WanCluster:
             except (RuntimeError, subprocess.TimeoutExpired):
                 time.sleep(0.5)
                 continue
-            by_host = {a["address"].rsplit(":", 1)[0]: a["id"] for a in status["agents"]
-                       if a["state"] == "alive"}
-            ids = [by_host.get(self.wan.address(i + 1)) for i in range(self.agents)]
-            if all(ids):
+            alive = {a["id"] for a in status["agents"] if a["state"] == "alive"}
+            ids = [self.agent_id(i) for i in range(self.agents)]
+            if all(i in alive for i in ids):
                 return [str(i) for i in ids]
             time.sleep(0.5)
         raise RuntimeError(f"agents did not all join within {timeout} s; logs in {self.workdir}")
+
+    def agent_id(self, i: int) -> str | None:
+        """Agent i's id, from its state directory once it has started (by id, not address:
+        agents behind different NATs may advertise the same private address)."""
+        # the agent's id file (agent.identity.ID_FILE); dtfm.wan imports no agent code
+        path = self.workdir / f"agent-{i}" / "agent-id"
+        try:
+            return path.read_text().strip() or None
+        except OSError:
+            return None
 
     def stop(self) -> None:
         """Stop the coordinator and agents (their workers die with them); the WAN stays up,

@@ -17,9 +17,15 @@ threads or GIL. It prints ``ready`` on stdout once every TUN is open, stops on S
 its stdin reaches end-of-file without a SIGTERM (the owner died), it ends the processes in its
 namespaces and deletes them, so that a killed test run leaves nothing behind.
 
+Hosts behind a NAT or a stateful firewall (:mod:`dtfm.wan.nat`, which says why translation
+happens here rather than in a kernel NAT): a host's ``reachability`` is ``public`` (default),
+``firewall`` or ``nat``; a NATed host's ``address`` is private and ``public_address`` is its
+NAT's, and hosts with the same ``site`` share one NAT (and reach each other on its LAN).
+
 Spec (JSON)::
 
-    {"hosts": [{"namespace": "dtfm-ab12cd-0", "ifname": "wan0", "address": "10.213.0.1"}, ...],
+    {"hosts": [{"namespace": "dtfm-ab12cd-0", "ifname": "wan0", "address": "10.213.0.1",
+                "reachability": "public", "public_address": null, "site": null}, ...],
      "delay_ms": [[...]], "bandwidth_mbps": [[...]] or null (null entries: unlimited),
      "queue_ms": null, "watch_stdin": true, "cleanup_on_orphan": true,
      "stats_path": null,   # where to write the counters (JSON) on exit
@@ -61,7 +67,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dtfm.wan import netns
+from dtfm.wan import nat, netns
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,9 @@ class Spec:
     stats_path: str | None = None
     control_socket: str | None = None
     compute_dir: str | None = None
+    reachability: tuple[str, ...] = ()  # per host; empty: every host public
+    public_addresses: tuple[str | None, ...] = ()  # per host: its NAT's address, if NATed
+    sites: tuple[int | None, ...] = ()  # per host: its NAT (hosts with one site share it)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -125,7 +134,33 @@ class Spec:
             stats_path=data.get("stats_path"),
             control_socket=data.get("control_socket"),
             compute_dir=data.get("compute_dir"),
+            reachability=tuple(h.get("reachability", nat.PUBLIC) for h in hosts),
+            public_addresses=tuple(h.get("public_address") for h in hosts),
+            sites=tuple(h.get("site") for h in hosts),
         )
+
+    def router(self) -> nat.Router | None:
+        """The NAT and firewall state, or None where every host is public (the fast path)."""
+        modes = self.reachability or (nat.PUBLIC,) * len(self.addresses)
+        if all(m == nat.PUBLIC for m in modes):
+            return None
+        unknown = sorted(set(modes) - set(nat.MODES))
+        if unknown:
+            raise ValueError(f"unknown reachability {unknown}: give one of {nat.MODES}")
+        public: list[bytes | None] = []
+        sites: dict[int, tuple[bytes, dict[bytes, int]]] = {}
+        for i, mode in enumerate(modes):
+            addr = socket.inet_aton(self.addresses[i])
+            if mode != nat.NAT:
+                public.append(addr)
+                continue
+            public.append(None)
+            site, pub = self.sites[i], self.public_addresses[i]
+            if site is None or pub is None:
+                raise ValueError(f"host {i} is behind a NAT: give its site and public_address")
+            sites.setdefault(site, (socket.inet_aton(pub), {}))[1][addr] = i
+        firewalled = {i for i, m in enumerate(modes) if m == nat.FIREWALL}
+        return nat.Router(public, firewalled, list(sites.values()))
 
 
 class Forwarder:
@@ -148,9 +183,10 @@ class Forwarder:
         self.cut = [[False] * n for _ in range(n)]  # links that drop every packet
         self.last_due = [[0.0] * n for _ in range(n)]  # FIFO per link across delay changes
         self.compute: dict[int, float] = {}
-        self.heap: list[tuple[float, int, int, bytes]] = []
+        self.heap: list[tuple[float, int, int, bytes | bytearray]] = []
         self.seq = 0
         self.counters = Counters()
+        self.router = spec.router()
 
     def _receive(self, src: int, now: float) -> None:
         fd = self.fds[src]
@@ -166,10 +202,17 @@ class Forwarder:
             if len(pkt) < 20 or (pkt[0] >> 4) != 4:
                 counters.dropped_unroutable += 1
                 continue
-            dst = self.index_of_addr.get(pkt[16:20])
-            if dst is None or dst == src:
-                counters.dropped_unroutable += 1
-                continue
+            if self.router is not None:  # NAT and firewalls: it counts its own drops
+                data = bytearray(pkt)
+                dst = self.router.route(src, data, now)
+                if dst is None:
+                    continue
+                pkt = data  # type: ignore[assignment]
+            else:
+                dst = self.index_of_addr.get(pkt[16:20])
+                if dst is None or dst == src:
+                    counters.dropped_unroutable += 1
+                    continue
             if self.cut[src][dst]:
                 counters.dropped_cut += 1
                 continue
@@ -251,7 +294,16 @@ class Forwarder:
                                for row in self.sec_per_byte],
             "compute": {str(h): f for h, f in sorted(self.compute.items())},
             "cut": [[i, j] for i, row in enumerate(self.cut) for j, c in enumerate(row) if c],
+            "nat_mappings": [] if self.router is None else self.router.mappings(),
         }
+
+    def stats(self) -> dict[str, float]:
+        """The counters, with the NAT's and firewalls' drops added."""
+        out = self.counters.as_dict()
+        if self.router is not None:
+            for key, value in self.router.counters.items():
+                out[key] = out.get(key, 0) + value
+        return out
 
     def _serve_control(self, sock: socket.socket) -> None:
         while True:
@@ -441,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        stats = forwarder.counters.as_dict()
+        stats = forwarder.stats()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         stats["cpu_s"] = usage.ru_utime + usage.ru_stime
         log.info("%s; %s", outcome, stats)

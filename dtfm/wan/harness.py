@@ -12,8 +12,16 @@ While it runs, any link's delay or rate and any host's compute speed can change
 against :attr:`WanEmulator.control_socket`), so tests and benchmarks can script "this link
 degrades at step 40".
 
+Hosts may sit behind a NAT (``nat=``, ``shared_nat=``: a private address, peers see the NAT's
+public address and a mapped port, nothing comes in that the host did not open) or a stateful
+firewall (``firewall=``: a public address that cannot be dialled); :mod:`dtfm.wan.nat` says how
+they behave. :meth:`WanEmulator.address` is where a host binds, :meth:`WanEmulator.public_address`
+what its peers see, :meth:`WanEmulator.dialable` whether one host can open a connection to
+another.
+
 Traffic stays inside the namespaces: the only route each host has besides ``lo`` is the /24
-on its TUN, and the emulator forwards only between the addresses it assigned.
+on its TUN (a NATed host: its LAN /24 and a route to the public /24), and the emulator forwards
+only between the addresses it assigned.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from dtfm.procs import terminate_all
+from dtfm.wan import nat as reach
 from dtfm.wan import netns
 
 log = logging.getLogger(__name__)
@@ -72,7 +81,10 @@ class WanEmulator:
     (a packet that would wait longer is dropped; default unbounded, so no loss). ``sysctls``
     are ``net.*`` settings applied in every host (e.g. larger ``net.ipv4.tcp_rmem`` for
     links whose bandwidth-delay product exceeds the default TCP buffers). ``subnet`` picks X
-    in 10.X.0.0/24 (default random). Use it as a context manager::
+    in 10.X.0.0/24 (default random). ``nat`` (hosts each behind a NAT of its own),
+    ``shared_nat`` (groups of hosts behind one NAT together) and ``firewall`` (hosts behind a
+    stateful firewall) make hosts unreachable from outside, as :mod:`dtfm.wan.nat` describes.
+    Use it as a context manager::
 
         with WanEmulator(delay_ms=[[0, 40], [40, 0]], bandwidth_mbps=[[0, 20], [20, 0]]) as wan:
             server = wan.popen(1, ["python", "-m", "http.server", "--bind", wan.address(1)])
@@ -89,6 +101,9 @@ class WanEmulator:
         subnet: int | None = None,
         sysctls: Mapping[str, str] | None = None,
         log_level: str = "INFO",
+        nat: Sequence[int] = (),
+        firewall: Sequence[int] = (),
+        shared_nat: Sequence[Sequence[int]] = (),
     ) -> None:
         n = _check_matrix("delay_ms", delay_ms, None)
         if n > 253:
@@ -127,7 +142,9 @@ class WanEmulator:
         if not 0 <= self._subnet <= 255:
             raise ValueError(f"subnet must be in [0, 255]; got {subnet}")
         self._names = [f"{NAME_PREFIX}{self._token}-{i}" for i in range(n)]
-        self._addresses = [f"10.{self._subnet}.0.{i + 1}" for i in range(n)]
+        self._places = reach.layout([f"10.{self._subnet}.0.{i + 1}" for i in range(n)],
+                                    list(nat), list(firewall), [list(g) for g in shared_nat])
+        self._addresses = [p.address for p in self._places]
         self._created: list[str] = []
         self._inodes: list[int] = []
         self._procs: list[subprocess.Popen[Any]] = []
@@ -252,8 +269,39 @@ class WanEmulator:
         self._cut = {(int(i), int(j)) for i, j in answer.get("cut", [])}
 
     def address(self, i: int) -> str:
-        """IPv4 address of host ``i`` (inside its namespace)."""
+        """IPv4 address of host ``i`` (inside its namespace): where it binds. Behind a NAT it is
+        private (192.168.1.x, the same for hosts behind different NATs) and only hosts behind
+        the same NAT reach it."""
         return self._addresses[self._index(i)]
+
+    def public_address(self, i: int) -> str:
+        """The address host ``i``'s peers see: its NAT's public address if it is behind a NAT
+        (with a mapped port per connection), else its own."""
+        return self._places[self._index(i)].public_address
+
+    def reachability(self, i: int) -> str:
+        """``"public"``, ``"firewall"`` or ``"nat"``."""
+        return self._places[self._index(i)].reachability
+
+    def nat_site(self, i: int) -> int | None:
+        """Which NAT host ``i`` sits behind (hosts with the same one share a LAN); None if it
+        is not behind a NAT."""
+        return self._places[self._index(i)].site
+
+    def dialable(self, src: int, dst: int) -> bool:
+        """Whether host ``src`` can open a connection to host ``dst`` at ``address(dst)``: a
+        public host from anywhere, a NATed host only from behind the same NAT, a firewalled
+        host from nowhere."""
+        mode = self.reachability(dst)
+        if mode == reach.NAT:
+            return self.nat_site(src) == self.nat_site(dst) and self._index(src) != dst
+        return mode == reach.PUBLIC and self._index(src) != dst
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Every host: index, namespace, own address, public address, reachability, NAT."""
+        return [{"host": i, "namespace": self._names[i], "address": p.address,
+                 "public_address": p.public_address, "reachability": p.reachability,
+                 "nat": p.site} for i, p in enumerate(self._places)]
 
     def namespace(self, i: int) -> str:
         """Name of host ``i``'s network namespace."""
@@ -309,17 +357,21 @@ class WanEmulator:
             raise
         log.info(
             "WAN up: %d hosts %s in namespaces %s (emulator pid %d)",
-            self.size, self._addresses, self._names, self.emulator_pid,
+            self.size, [f"{p.address} ({p.reachability} {p.public_address})"
+                        if p.reachability != reach.PUBLIC else p.address
+                        for p in self._places], self._names, self.emulator_pid,
         )
 
     def _create_hosts(self) -> None:
-        for name, addr in zip(self._names, self._addresses, strict=True):
+        for name, addr, place in zip(self._names, self._addresses, self._places, strict=True):
             if netns.namespace_exists(name):
                 raise RuntimeError(f"namespace {name} already exists; refusing to reuse it")
             inode = netns.create_namespace(name)
             self._created.append(name)
             self._inodes.append(inode)
             netns.add_tun(name, DEFAULT_IFNAME, addr, 24, self._mtu)
+            if place.reachability == reach.NAT:  # its LAN is connected; the Internet via the NAT
+                netns.add_route(name, f"10.{self._subnet}.0.0/24", DEFAULT_IFNAME)
             if self._sysctls:
                 netns.set_sysctls(name, self._sysctls)
 
@@ -329,8 +381,10 @@ class WanEmulator:
         (work / "compute").mkdir()
         spec = {
             "hosts": [
-                {"namespace": name, "ifname": DEFAULT_IFNAME, "address": addr}
-                for name, addr in zip(self._names, self._addresses, strict=True)
+                {"namespace": name, "ifname": DEFAULT_IFNAME, "address": place.address,
+                 "reachability": place.reachability, "public_address": place.public_address,
+                 "site": place.site}
+                for name, place in zip(self._names, self._places, strict=True)
             ],
             "delay_ms": self._delay_ms,
             "bandwidth_mbps": self._bandwidth_mbps,

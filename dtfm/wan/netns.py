@@ -135,6 +135,11 @@ def add_tun(name: str, ifname: str, address: str, prefix_len: int, mtu: int) -> 
     ip("-n", name, "link", "set", "dev", ifname, "up")
 
 
+def add_route(name: str, prefix: str, ifname: str) -> None:
+    """Route ``prefix`` (e.g. ``10.213.0.0/24``) into ``ifname`` inside namespace ``name``."""
+    ip("-n", name, "route", "add", prefix, "dev", ifname)
+
+
 def set_sysctls(name: str, values: Mapping[str, str]) -> None:
     """Set ``net.*`` sysctls (per-namespace ones only) inside namespace ``name``."""
     for key in values:

@@ -6,6 +6,10 @@ Owns a tiny, dependency-free TCP echo / bulk tool that runs inside the emulated 
 ``python -m dtfm.wan --measure`` command use it; it is a sanity check of the emulator, not the
 agents' link measurement (that lives with the agent daemon).
 
+``send`` sends bytes and gets back what the server saw: the sender's address and port as they
+arrived (behind a NAT: the NAT's public address and mapped port) and the SHA-256 of the bytes,
+so a transfer through a NAT is checked intact.
+
 ``bulk`` measures at the receiver, after the first 256 KiB, so that TCP's start-up is not
 counted: payload bytes over the time from then to the sender's FIN.
 """
@@ -13,8 +17,10 @@ counted: payload bytes over the time from then to the sender's FIN.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -51,6 +57,15 @@ def _handle(conn: socket.socket) -> None:
         if mode == b"E":
             while data := conn.recv(65536):
                 conn.sendall(data)
+            return
+        if mode == b"H":
+            peer = conn.getpeername()
+            digest, total = hashlib.sha256(), 0
+            while data := conn.recv(1 << 20):
+                digest.update(data)
+                total += len(data)
+            conn.sendall(json.dumps({"peer": [peer[0], peer[1]], "bytes": total,
+                                     "sha256": digest.hexdigest()}).encode())
             return
         total, at_warm, t_warm = 0, 0, 0.0
         while data := conn.recv(1 << 20):
@@ -104,18 +119,39 @@ def bulk(addr: str, port: int, nbytes: int) -> dict[str, float]:
     return out
 
 
+def send(addr: str, port: int, nbytes: int, seed: int = 0) -> dict[str, Any]:
+    """Send ``nbytes`` of pseudo-random data; return what the server saw ({"peer": [address,
+    port], "bytes", "sha256"}) with the sender's own view ("local": [address, port],
+    "sent_sha256")."""
+
+    data = random.Random(seed).randbytes(nbytes)
+    with socket.create_connection((addr, port), timeout=30) as sock:
+        local = sock.getsockname()
+        sock.sendall(b"H" + data)
+        sock.shutdown(socket.SHUT_WR)
+        reply = bytearray()
+        while chunk := sock.recv(4096):
+            reply += chunk
+    out: dict[str, Any] = json.loads(reply)
+    out["local"] = [local[0], local[1]]
+    out["sent_sha256"] = hashlib.sha256(data).hexdigest()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtfm.wan.probe")
-    parser.add_argument("cmd", choices=["serve", "ping", "bulk"])
+    parser.add_argument("cmd", choices=["serve", "ping", "bulk", "send"])
     parser.add_argument("addr")
     parser.add_argument("port", type=int)
     parser.add_argument("amount", type=int, nargs="?", default=10,
-                        help="ping: number of echoes; bulk: bytes to send")
+                        help="ping: number of echoes; bulk, send: bytes to send")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         serve(args.addr, args.port)
     elif args.cmd == "ping":
         print(json.dumps(ping(args.addr, args.port, args.amount)))
+    elif args.cmd == "send":
+        print(json.dumps(send(args.addr, args.port, args.amount)))
     else:
         print(json.dumps(bulk(args.addr, args.port, args.amount)))
     return 0
@@ -177,6 +213,16 @@ def bulk_mbps(
     """Goodput (Mbit/s) of sending ``nbytes`` from ``src`` to the probe server in ``dst``."""
     reply = _run(wan, src, ["bulk", wan.address(dst), str(port), str(nbytes)], timeout)
     return float(reply["mbps"])
+
+
+def send_to(wan: WanEmulator, src: int, dst: int, nbytes: int, port: int = DEFAULT_PORT,
+            timeout: float = 60.0) -> dict[str, Any]:
+    """Send ``nbytes`` from ``src`` to the probe server in ``dst`` (at ``address(dst)``); what
+    the server saw: {"peer": [address, port], "bytes", "sha256"}, plus the sender's own
+    "local" [address, port] and "sent_sha256"."""
+    reply: dict[str, Any] = _run(wan, src, ["send", wan.address(dst), str(port), str(nbytes)],
+                                 timeout)
+    return reply
 
 
 if __name__ == "__main__":
