@@ -70,7 +70,7 @@ def test_priced_memory_is_a_frozen_base_plus_the_adapters_state() -> None:
 
 def test_sync_auto_and_plan_follow_the_smaller_exchange(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from coordinator import plan
+    from coordinator.commands import plan
 
     argv = ["--scenario", "world", "--per-city", "2", "--stages", "4", "--replicas", "4",
             "--model", "gpt-350m", "--sync-every", "auto", "--sync-overhead", "0.05",
