@@ -47,6 +47,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--memory", type=flags.number(int, 0, maximum=2**63 - 1), default=0,
                    metavar="BYTES", help="report this many bytes of device memory free for "
                    "training instead of detecting it (0: detect, the default)")
+    p.add_argument("--reachable", default="auto", choices=["auto", "yes", "no"],
+                   help="whether peers can dial this agent at --advertise (env "
+                   "DTFM_REACHABLE): auto, the default, has the coordinator and a few peers "
+                   "dial it back when it joins and logs what they found; yes or no overrides "
+                   "that, for the operator who knows better")
     flags.add_security_args(p)
     flags.add_common_args(p)
 
@@ -118,7 +123,7 @@ def _start(args: argparse.Namespace) -> int:
         security=flags.security_from_args(args), device=args.device,
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
         flops=args.flops, memory=args.memory, prewarm=args.prewarm,
-        mirror_interval_s=args.mirror_interval,
+        mirror_interval_s=args.mirror_interval, reachable=args.reachable,
     )
     config.validate()
     return flags.run_async(serve(config))
@@ -146,4 +151,6 @@ async def _status(args: argparse.Namespace) -> int:
               f"({reply.info.device.kind}); coordinator {reply.coordinator} "
               f"{'connected' if reply.connected else 'NOT connected'}; worker "
               f"{state}" + (f" job {reply.job_id} step {reply.step}" if reply.job_id else ""))
+        if reply.HasField("reach"):
+            print(f"  {reply.reach.summary}")
     return 0

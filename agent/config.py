@@ -10,6 +10,7 @@ from pathlib import Path
 from agent.checkpoints import MIRROR_INTERVAL_S
 from dtfm.core.limits import is_host
 from dtfm.flags import check_directory
+from dtfm.reach import OVERRIDES
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 STATE_DIR_ENV = "DTFM_STATE_DIR"
@@ -34,6 +35,8 @@ class AgentConfig:
     memory: int = 0  # report this many bytes of device memory instead of detecting (0: detect)
     prewarm: bool = True  # keep a spare worker with torch imported (agent.supervisor)
     mirror_interval_s: float = MIRROR_INTERVAL_S  # how often a mirror asks for new checkpoints
+    # can peers dial --advertise? auto: the coordinator finds out; yes/no: the operator says
+    reachable: str = "auto"
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
@@ -60,6 +63,9 @@ class AgentConfig:
             raise ConfigError(f"--mirror-interval must be a number of seconds > 0, got "
                               f"{self.mirror_interval_s}")
         check_directory(self.state_dir, "--state-dir")
+        if self.reachable not in OVERRIDES:
+            raise ConfigError(f"--reachable must be {', '.join(OVERRIDES)}, got "
+                              f"{self.reachable!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.bind_interface:

@@ -85,8 +85,13 @@ async def measure_peer(
         stub = agent_pb2_grpc.AgentStub(channel)
         rtt_s = rtt_hint_s
         if latency or rtt_s <= 0:
-            await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
-                            timeout=PING_TIMEOUT_S, wait_for_ready=False)
+            first = await stub.Ping(agent_pb2.PingRequest(nonce=0, from_agent_id=my_id),
+                                    timeout=PING_TIMEOUT_S, wait_for_ready=False)
+            if first.agent_id and first.agent_id != peer_id:
+                # one private address, two agents behind different NATs: ids tell them apart
+                raise ValueError(f"{address} answered as agent {first.agent_id}, not "
+                                 f"{peer_id}: another agent sits at the address {peer_id} "
+                                 "advertises")
             count = max(1, ping_count) if latency else 1
             # capped: a spread of hours (or NaN) from a bad command must not hold the pass
             spread_s = min(ping_spread_s, limits.MAX_PING_SPREAD_S) if ping_spread_s > 0 else 0.0

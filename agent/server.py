@@ -24,7 +24,7 @@ from agent.session import CoordinatorSession, FatalSessionError
 from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
 from agent.tuning import TuningCheck
-from dtfm import rpc
+from dtfm import reach, rpc
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -98,6 +98,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             worker_state=state.to_wire(),  # type: ignore[arg-type]
             job_id=progress.job_id if progress else "",
             step=progress.step if progress else 0, loss=progress.loss if progress else 0.0,
+            reach=s.reach if s else None,
         )
 
     async def ListCheckpoints(self, request: agent_pb2.ListCheckpointsRequest,
@@ -145,7 +146,8 @@ async def serve(config: AgentConfig) -> int:
     agent_id = load_or_create_id(config.state_dir)
     info = common_pb2.AgentInfo(agent_id=agent_id, host=config.advertise_host,
                                 device=detect(config.device, config.flops, config.memory),
-                                version=VERSION)
+                                version=VERSION,
+                                reachable=reach.OVERRIDES[config.reachable])  # type: ignore[arg-type]
     checkpoints = checkpoint_dir(config.state_dir)
     service = AgentService(info, CheckpointStore(checkpoints))
     metrics = await start_metrics(config, service)

@@ -18,7 +18,7 @@ from agent.identity import SecretFile
 from agent.linkprobe import measure_peer
 from agent.supervisor import Supervisor
 from agent.tuning import TuningCheck
-from dtfm import rpc
+from dtfm import reach, rpc
 from dtfm.core.limits import MAX_KIND, clip
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -52,8 +52,11 @@ class CoordinatorSession:
         self._leaving = False  # set by say_goodbye: no heartbeat may follow the goodbye
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._peer_channels: dict[str, grpc.aio.Channel] = {}
-        self._rtt_s: dict[str, float] = {}  # by peer address, from the last latency pass
+        # by (peer id, address): two peers behind different NATs may advertise one address
+        self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._rtt_s: dict[tuple[str, str], float] = {}  # from the last latency pass
+        # whether peers can dial us, as the coordinator last said (agent status shows it)
+        self.reach = common_pb2.ReachStatus()
 
     async def run(self) -> None:
         """Join and serve commands until cancelled; raises FatalSessionError on refusal."""
@@ -120,11 +123,44 @@ class CoordinatorSession:
             self._spawn(self.supervisor.start(a))
         elif kind == "stop":
             self._spawn(self.supervisor.stop(command.stop.reason or "coordinator said stop"))
+        elif kind == "reach":
+            self._reached(command.reach)
+        elif kind == "dial":
+            self._spawn(self._dial(command.dial))
         elif kind == "checkpoint":
             c = command.checkpoint
             self.supervisor.request_checkpoint(c.job_id, c.epoch, c.step, c.reason)
         else:
             log.warning("ignoring unknown command %r (newer coordinator?)", kind)
+
+    def _reached(self, status: common_pb2.ReachStatus) -> None:
+        """Log the coordinator's verdict on dialling us back, once per change of verdict (more
+        peers dialling later refine the figures, not the verdict)."""
+        before = self.reach
+        self.reach = status
+        if status.verdict == reach.UNKNOWN or (status.verdict, status.address) == (
+                before.verdict, before.address):
+            return
+        line = reach.agent_line(status)
+        if status.verdict == reach.NOWHERE:
+            log.warning("%s", line)
+        else:
+            log.info("%s", line)
+
+    async def _dial(self, cmd: coordinator_pb2.DialCommand) -> None:
+        """Dial a newcomer back, as the coordinator asked, and say whether it answered."""
+        timeout_s = min(max(cmd.timeout_s, 0.1), 30.0) if cmd.timeout_s > 0 else \
+            reach.DIAL_TIMEOUT_S
+        error = await reach.dial(cmd.peer.address, cmd.peer.agent_id, self.security, timeout_s)
+        if self._stub is None:
+            return
+        try:
+            await self._stub.ReportDial(coordinator_pb2.DialReport(
+                agent_id=self.info.agent_id, agent_secret=self.secret, round_id=cmd.round_id,
+                peer_id=cmd.peer.agent_id, ok=not error, error=error), timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not report a dial-back of %s: %s", cmd.peer.agent_id,
+                        rpc.describe_rpc_error(exc, self.target))
 
     async def _measure(self, cmd: coordinator_pb2.MeasureLinksCommand) -> None:
         """Measure the named peers and report: pings to all at once, transfers one by one.
@@ -153,10 +189,11 @@ class CoordinatorSession:
 
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:
-        channel = self._peer_channels.get(peer.address)
+        key = (peer.agent_id, peer.address)
+        channel = self._peer_channels.get(key)
         if channel is None:
             channel = rpc.open_channel(peer.address, self.security)
-            self._peer_channels[peer.address] = channel
+            self._peer_channels[key] = channel
         sample = await measure_peer(
             self.info.agent_id, peer, channel,
             ping_count=cmd.ping_count or 5,
@@ -164,16 +201,16 @@ class CoordinatorSession:
             probe_max_bytes=cmd.probe_max_bytes or 256 * 1024 * 1024,
             latency=cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
             bandwidth=cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY,
-            rtt_hint_s=self._rtt_s.get(peer.address, 0.0),
+            rtt_hint_s=self._rtt_s.get(key, 0.0),
             ping_spread_s=cmd.ping_spread_s)
         if sample.reachable and sample.delay_ms > 0:
-            self._rtt_s[peer.address] = 2 * sample.delay_ms / 1000
+            self._rtt_s[key] = 2 * sample.delay_ms / 1000
         if self.tuning is not None and sample.bandwidth_gbps > 0:
-            self.tuning.observe(sample, self._rtt_s.get(peer.address, 0.0))
+            self.tuning.observe(sample, self._rtt_s.get(key, 0.0))
         if not sample.reachable:  # start afresh next time
-            self._rtt_s.pop(peer.address, None)
-            if self._peer_channels.get(peer.address) is channel:
-                del self._peer_channels[peer.address]
+            self._rtt_s.pop(key, None)
+            if self._peer_channels.get(key) is channel:
+                del self._peer_channels[key]
                 await channel.close()
         return sample
 

@@ -13,8 +13,9 @@ from coordinator.daemon.reconcile import save_line
 from coordinator.daemon.registry import STATE_NAMES
 from coordinator.job.replanlog import replans_to_json, replans_to_text
 from coordinator.links.store import matrix_to_json
+from dtfm import reach
 from dtfm.core.spec import WorkerState
-from protos.dtfm.v1 import coordinator_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
 def job_state_name(state: int) -> str:
@@ -44,6 +45,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "error_kind": p.error_kind, "step_s": p.step_s,
                        "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s,
                        **traffic_per_step(p)},
+            # whether peers can dial it back (dtfm/reach.py): everywhere, some-peers, nowhere
+            "reach": reach_to_json(a.reach),
             # kernel settings of its host that slow long links (agent/tuning.py); [] = tuned
             "tuning": [{"setting": t.setting, "current": t.current, "wanted": t.wanted,
                         "why": t.why, "line": f"{t.setting} = {t.wanted}"} for t in p.tuning],
@@ -84,6 +87,22 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
     }
+
+
+def reach_to_json(r: common_pb2.ReachStatus) -> dict[str, Any]:
+    return {"verdict": reach.NAMES.get(r.verdict, "unknown"), "address": r.address,
+            "overridden": r.overridden, "summary": r.summary,
+            "dials": [{"dialer": d.dialer, "ok": d.ok, "error": d.error} for d in r.dials]}
+
+
+def _reach_cell(r: dict[str, Any]) -> str:
+    """The REACH column: the verdict, how many dialers got through, or the operator's word."""
+    if r["overridden"]:
+        return f"{r['verdict']} (--reachable)"
+    ok = sum(d["ok"] for d in r["dials"])
+    if r["verdict"] == "unknown":
+        return "checking" if r["summary"] else "-"
+    return f"{r['verdict']} ({ok}/{len(r['dials'])})"
 
 
 def local_steps(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -162,16 +181,21 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
     alive = sum(a["state"] == "alive" for a in data["agents"])
     lines.append(f"agents: {alive} alive of {len(data['agents'])}")
     if data["agents"]:
-        rows = [("ID", "ADDRESS", "STATE", "LAST SEEN", "DEVICE", "WORKER", "STEP SPLIT")]
+        rows = [("ID", "ADDRESS", "STATE", "REACH", "LAST SEEN", "DEVICE", "WORKER",
+                 "STEP SPLIT")]
         for a in data["agents"]:
             w = a["worker"]
             worker = w["state"] + (f" step {w['step']} loss {w['loss']:.3f}"
                                    if w["state"] == "training" else "")
-            rows.append((a["id"], a["address"], a["state"], _ago(a["last_seen_ago_s"]),
+            rows.append((a["id"], a["address"], a["state"], _reach_cell(a["reach"]),
+                         _ago(a["last_seen_ago_s"]),
                          _device(a["device"]), worker, _split(w)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        lines.extend(f"  {a['id']}: {a['reach']['summary']}" for a in data["agents"]
+                     if a["reach"]["verdict"] in ("nowhere", "some-peers")
+                     and a["state"] != "left")
     lines.extend(_tuning_lines(data["agents"]))
     if data["links"] and data["links"]["estimated"]:
         estimated = data["links"]["estimated"]

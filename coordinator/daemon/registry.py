@@ -47,6 +47,8 @@ class AgentRecord:
     stream_generation: int = 0
     secret: str = field(default_factory=lambda: secrets.token_hex(32))
     why: str = ""  # why it is lost or left (for the log line when it comes back)
+    # whether peers can dial it back (coordinator/links/reachability.py keeps it current)
+    reach: common_pb2.ReachStatus = field(default_factory=common_pb2.ReachStatus)
 
     def proves(self, secret: str) -> bool:
         """Whether `secret` is this agent's (constant time, so it cannot be guessed bytewise)."""
@@ -68,6 +70,7 @@ class AgentRecord:
             last_seen_unix_s=self.last_seen,
             joined_unix_s=self.joined,
             progress=self.progress,
+            reach=self.reach,
         )
 
 

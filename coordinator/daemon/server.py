@@ -19,16 +19,18 @@ import grpc
 from coordinator.daemon.config import CoordinatorConfig
 from coordinator.daemon.history import History
 from coordinator.daemon.jobstore import JobStore
-from coordinator.daemon.registry import AgentRecord, IdentityError, Registry
+from coordinator.daemon.registry import LEFT, AgentRecord, IdentityError, Registry
 from coordinator.daemon.validate import (
     secret_problem,
     validate_agent_info,
+    validate_dial_report,
     validate_leave,
     validate_link_report,
     validate_progress,
 )
 from coordinator.job.machine import Job
 from coordinator.links.measure import LinkMeasurer, Pings
+from coordinator.links.reachability import ReachChecker, unreachable
 from coordinator.links.store import LinkStore
 from dtfm import rpc
 from dtfm.core.limits import (
@@ -40,6 +42,10 @@ from dtfm.core.limits import (
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# job states in which it waits for usable agents: where an undialable one is worth a word
+WAITING_STATES = (coordinator_pb2.JOB_STATE_WAITING, coordinator_pb2.JOB_STATE_MEASURING,
+                  coordinator_pb2.JOB_STATE_SCHEDULING, coordinator_pb2.JOB_STATE_RECOVERING)
 
 
 def _finite(value: float) -> bool:
@@ -54,6 +60,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                  heartbeat_interval_s=config.heartbeat_interval_s)
         self.links = LinkStore()
         self.measurer = LinkMeasurer(self.registry, self.links)
+        self.reach = ReachChecker(self.registry, config.security)
         self.store = JobStore(config.state_dir) if config.state_dir else None
         self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store)
         self.history = History()
@@ -103,6 +110,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         )
         self.job.on_join(rec)
+        self.reach.on_join(rec)  # dials it back; the verdict follows on this stream
         while not self.stopping.is_set():
             command = await queue.get()
             if command is None or rec.stream_generation != generation:
@@ -160,6 +168,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         return coordinator_pb2.Ack(ok=True)
 
+    async def ReportDial(
+        self, request: coordinator_pb2.DialReport, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.Ack:
+        problem = validate_dial_report(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"agent {request.agent_id!r} has not joined: call Join first",
+            )
+        problem = self.reach.on_report(request)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        return coordinator_pb2.Ack(ok=True)
+
     async def _authenticate(
         self, agent_id: str, secret: str, context: grpc.aio.ServicerContext
     ) -> AgentRecord | None:
@@ -210,15 +234,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _job_status(self) -> coordinator_pb2.JobStatus:
         """The job's status with what an export writes beside the weights (token ids,
-        tokenizer: `coordinator.export.job_export_source`, read once)."""
+        tokenizer: `coordinator.job.export.job_export_source`, read once)."""
         status = self.job.status()
+        if line := self.unreachable_line(status.state):
+            status.message = f"{status.message}; {line}" if status.message else line
         if self.config.job.model:
             if self._export_source is None:
-                from coordinator.export import job_export_source
+                from coordinator.job.export import job_export_source
 
                 self._export_source = job_export_source(self.config.job.train)
             status.export_source.CopyFrom(self._export_source)
         return status
+
+    def unreachable_line(self, state: int) -> str:
+        """While the job gathers agents, name those nobody can dial: until relays exist (issue
+        32) the job cannot use them, and without this line it would just wait for "7 of 8"."""
+        if state not in WAITING_STATES:
+            return ""
+        nowhere = [a for a in unreachable(self.registry) if a.state != LEFT]
+        if not nowhere:
+            return ""
+        shown = ", ".join(f"{a.agent_id} ({a.address})" for a in nowhere[:5])
+        more = f" and {len(nowhere) - 5} more" if len(nowhere) > 5 else ""
+        return (f"{len(nowhere)} agent(s) cannot be dialled by their peers: {shown}{more}; "
+                "relaying is not available yet, so the job cannot use them: open their "
+                "ports or fix --advertise (docs/operations.md, Ports), or start them with "
+                "--reachable yes if peers can reach them after all")
 
     async def GetPlan(
         self, request: coordinator_pb2.PlanRequest, context: grpc.aio.ServicerContext
@@ -341,6 +382,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     log.info("coordinator shutting down")
     await health.enter_graceful_shutdown()
     await service.job.shutdown()
+    await service.reach.close()
     service.close_streams()
     for task in tasks:
         task.cancel()

@@ -22,6 +22,7 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 WORKER_STATES = frozenset(common_pb2.WorkerState.values())  # the wire enum's numbers
 DEVICE_KINDS = ("cpu", "cuda")
+REACH_OVERRIDES = frozenset(common_pb2.ReachOverride.values())
 
 
 def _first(*problems: str | None) -> str | None:
@@ -58,6 +59,9 @@ def validate_agent_info(info: common_pb2.AgentInfo) -> str | None:
         return f"{who}: port {info.port} is outside 1..65535"
     if info.device.kind not in DEVICE_KINDS:
         return f"{who}: device kind {info.device.kind[:40]!r} is not 'cpu' or 'cuda'"
+    if info.reachable not in REACH_OVERRIDES:
+        return (f"{who}: reachable {info.reachable} is not a dtfm.v1.ReachOverride (auto, yes "
+                "or no); is the agent newer than this coordinator?")
     return _first(
         text_problem(f"{who}: device name", info.device.name, MAX_NAME),
         text_problem(f"{who}: version", info.version, MAX_NAME),
@@ -128,3 +132,11 @@ def validate_link_report(report: coordinator_pb2.LinkReport) -> str | None:
         if problem:
             return problem
     return None
+
+
+def validate_dial_report(report: coordinator_pb2.DialReport) -> str | None:
+    """Why a dial-back report is unacceptable, or None."""
+    return _first(agent_id_problem(report.agent_id), secret_problem(report.agent_secret),
+                  text_problem("round_id", report.round_id, MAX_NAME),
+                  agent_id_problem(report.peer_id, "peer_id"),
+                  text_problem("error", report.error, MAX_ERROR, free_text=True))

@@ -179,3 +179,24 @@ def test_a_commands_ping_spread_is_capped(monkeypatch: pytest.MonkeyPatch) -> No
         return asyncio.get_running_loop().time() - start
 
     assert asyncio.run(timed()) < 3.0
+
+
+async def _probe_as(peer_id: str) -> common_pb2.LinkSample:
+    """Probe the agent "someone-else" while believing it is `peer_id`."""
+    async with serving(AgentService(common_pb2.AgentInfo(agent_id="someone-else")),
+                       SECURITY) as address:
+        channel = rpc.open_channel(address, SECURITY)
+        try:
+            return await linkprobe.measure_peer(
+                "me", coordinator_pb2.PeerTarget(agent_id=peer_id, address=address), channel,
+                ping_count=2, bandwidth=False)
+        finally:
+            await channel.close()
+
+
+def test_an_answer_from_another_agent_at_the_peers_address_is_no_link_to_the_peer() -> None:
+    """Agents behind different NATs may advertise one private address: a probe that reaches
+    some other agent there must not record that agent's link as the peer's (issue 32)."""
+    sample = asyncio.run(_probe_as("peer"))
+    assert not sample.reachable and "answered as agent someone-else" in sample.error, sample
+    assert asyncio.run(_probe_as("someone-else")).reachable

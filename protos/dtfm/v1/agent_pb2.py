@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.dtfm.v1 import common_pb2 as protos_dot_dtfm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/dtfm/v1/agent.proto\x12\x07\x64tfm.v1\x1a\x1bprotos/dtfm/v1/common.proto\"3\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x15\n\rfrom_agent_id\x18\x02 \x01(\t\",\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"/\n\nProbeChunk\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"B\n\x0bProbeWindow\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"\x14\n\x12\x41gentStatusRequest\"\xba\x01\n\x10\x41gentStatusReply\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12*\n\x0cworker_state\x18\x08 \x01(\x0e\x32\x14.dtfm.v1.WorkerStateJ\x04\x08\x04\x10\x05\"7\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\"<\n\x0e\x43heckpointFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"f\n\x0f\x43heckpointEntry\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06layers\x18\x03 \x03(\r\x12&\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x17.dtfm.v1.CheckpointFile\";\n\x0e\x43heckpointList\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.dtfm.v1.CheckpointEntry\"c\n\x16\x46\x65tchCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"\x1f\n\x0f\x43heckpointChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xd3\x02\n\x05\x41gent\x12\x30\n\x04Ping\x12\x14.dtfm.v1.PingRequest\x1a\x12.dtfm.v1.PingReply\x12\x36\n\x05Probe\x12\x13.dtfm.v1.ProbeChunk\x1a\x14.dtfm.v1.ProbeWindow(\x01\x30\x01\x12\x43\n\tGetStatus\x12\x1b.dtfm.v1.AgentStatusRequest\x1a\x19.dtfm.v1.AgentStatusReply\x12K\n\x0fListCheckpoints\x12\x1f.dtfm.v1.ListCheckpointsRequest\x1a\x17.dtfm.v1.CheckpointList\x12N\n\x0f\x46\x65tchCheckpoint\x12\x1f.dtfm.v1.FetchCheckpointRequest\x1a\x18.dtfm.v1.CheckpointChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/dtfm/v1/agent.proto\x12\x07\x64tfm.v1\x1a\x1bprotos/dtfm/v1/common.proto\"3\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x15\n\rfrom_agent_id\x18\x02 \x01(\t\",\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"/\n\nProbeChunk\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"B\n\x0bProbeWindow\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"\x14\n\x12\x41gentStatusRequest\"\xdf\x01\n\x10\x41gentStatusReply\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.dtfm.v1.AgentInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12*\n\x0cworker_state\x18\x08 \x01(\x0e\x32\x14.dtfm.v1.WorkerState\x12#\n\x05reach\x18\x46 \x01(\x0b\x32\x14.dtfm.v1.ReachStatusJ\x04\x08\x04\x10\x05\"7\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\"<\n\x0e\x43heckpointFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"f\n\x0f\x43heckpointEntry\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06layers\x18\x03 \x03(\r\x12&\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x17.dtfm.v1.CheckpointFile\";\n\x0e\x43heckpointList\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.dtfm.v1.CheckpointEntry\"c\n\x16\x46\x65tchCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"\x1f\n\x0f\x43heckpointChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xd3\x02\n\x05\x41gent\x12\x30\n\x04Ping\x12\x14.dtfm.v1.PingRequest\x1a\x12.dtfm.v1.PingReply\x12\x36\n\x05Probe\x12\x13.dtfm.v1.ProbeChunk\x1a\x14.dtfm.v1.ProbeWindow(\x01\x30\x01\x12\x43\n\tGetStatus\x12\x1b.dtfm.v1.AgentStatusRequest\x1a\x19.dtfm.v1.AgentStatusReply\x12K\n\x0fListCheckpoints\x12\x1f.dtfm.v1.ListCheckpointsRequest\x1a\x17.dtfm.v1.CheckpointList\x12N\n\x0f\x46\x65tchCheckpoint\x12\x1f.dtfm.v1.FetchCheckpointRequest\x1a\x18.dtfm.v1.CheckpointChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,19 +43,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENTSTATUSREQUEST']._serialized_start=284
   _globals['_AGENTSTATUSREQUEST']._serialized_end=304
   _globals['_AGENTSTATUSREPLY']._serialized_start=307
-  _globals['_AGENTSTATUSREPLY']._serialized_end=493
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=495
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=550
-  _globals['_CHECKPOINTFILE']._serialized_start=552
-  _globals['_CHECKPOINTFILE']._serialized_end=612
-  _globals['_CHECKPOINTENTRY']._serialized_start=614
-  _globals['_CHECKPOINTENTRY']._serialized_end=716
-  _globals['_CHECKPOINTLIST']._serialized_start=718
-  _globals['_CHECKPOINTLIST']._serialized_end=777
-  _globals['_FETCHCHECKPOINTREQUEST']._serialized_start=779
-  _globals['_FETCHCHECKPOINTREQUEST']._serialized_end=878
-  _globals['_CHECKPOINTCHUNK']._serialized_start=880
-  _globals['_CHECKPOINTCHUNK']._serialized_end=911
-  _globals['_AGENT']._serialized_start=914
-  _globals['_AGENT']._serialized_end=1253
+  _globals['_AGENTSTATUSREPLY']._serialized_end=530
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=532
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=587
+  _globals['_CHECKPOINTFILE']._serialized_start=589
+  _globals['_CHECKPOINTFILE']._serialized_end=649
+  _globals['_CHECKPOINTENTRY']._serialized_start=651
+  _globals['_CHECKPOINTENTRY']._serialized_end=753
+  _globals['_CHECKPOINTLIST']._serialized_start=755
+  _globals['_CHECKPOINTLIST']._serialized_end=814
+  _globals['_FETCHCHECKPOINTREQUEST']._serialized_start=816
+  _globals['_FETCHCHECKPOINTREQUEST']._serialized_end=915
+  _globals['_CHECKPOINTCHUNK']._serialized_start=917
+  _globals['_CHECKPOINTCHUNK']._serialized_end=948
+  _globals['_AGENT']._serialized_start=951
+  _globals['_AGENT']._serialized_end=1290
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,7 @@ class AgentStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatusReply(_message.Message):
-    __slots__ = ("info", "coordinator", "connected", "job_id", "step", "loss", "worker_state")
+    __slots__ = ("info", "coordinator", "connected", "job_id", "step", "loss", "worker_state", "reach")
     INFO_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class AgentStatusReply(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
+    REACH_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.AgentInfo
     coordinator: str
     connected: bool
@@ -61,7 +62,8 @@ class AgentStatusReply(_message.Message):
     step: int
     loss: float
     worker_state: _common_pb2.WorkerState
-    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., connected: _Optional[bool] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ...) -> None: ...
+    reach: _common_pb2.ReachStatus
+    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., coordinator: _Optional[str] = ..., connected: _Optional[bool] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("job_id", "stage")

@@ -7,6 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReachOverride(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REACH_OVERRIDE_AUTO: _ClassVar[ReachOverride]
+    REACH_OVERRIDE_YES: _ClassVar[ReachOverride]
+    REACH_OVERRIDE_NO: _ClassVar[ReachOverride]
+
+class Reachability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REACHABILITY_UNKNOWN: _ClassVar[Reachability]
+    REACHABILITY_EVERYWHERE: _ClassVar[Reachability]
+    REACHABILITY_SOME_PEERS: _ClassVar[Reachability]
+    REACHABILITY_NOWHERE: _ClassVar[Reachability]
+
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
@@ -17,6 +30,13 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_DONE: _ClassVar[WorkerState]
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
     WORKER_STATE_STOPPED: _ClassVar[WorkerState]
+REACH_OVERRIDE_AUTO: ReachOverride
+REACH_OVERRIDE_YES: ReachOverride
+REACH_OVERRIDE_NO: ReachOverride
+REACHABILITY_UNKNOWN: Reachability
+REACHABILITY_EVERYWHERE: Reachability
+REACHABILITY_SOME_PEERS: Reachability
+REACHABILITY_NOWHERE: Reachability
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_MEASURING: WorkerState
@@ -47,18 +67,46 @@ class DeviceInfo(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., flops_bf16: _Optional[float] = ..., memory_pool: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "host", "port", "device", "version")
+    __slots__ = ("agent_id", "host", "port", "device", "version", "reachable")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     port: int
     device: DeviceInfo
     version: str
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+    reachable: ReachOverride
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., reachable: _Optional[_Union[ReachOverride, str]] = ...) -> None: ...
+
+class DialResult(_message.Message):
+    __slots__ = ("dialer", "ok", "error", "unix_s")
+    DIALER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    dialer: str
+    ok: bool
+    error: str
+    unix_s: float
+    def __init__(self, dialer: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., unix_s: _Optional[float] = ...) -> None: ...
+
+class ReachStatus(_message.Message):
+    __slots__ = ("verdict", "address", "dials", "overridden", "summary")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DIALS_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDDEN_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    verdict: Reachability
+    address: str
+    dials: _containers.RepeatedCompositeFieldContainer[DialResult]
+    overridden: bool
+    summary: str
+    def __init__(self, verdict: _Optional[_Union[Reachability, str]] = ..., address: _Optional[str] = ..., dials: _Optional[_Iterable[_Union[DialResult, _Mapping]]] = ..., overridden: _Optional[bool] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("name", "vocab_size", "n_layers", "d_model", "n_heads", "seq_len", "d_ff", "arch", "n_kv_heads", "head_dim", "norm_eps", "activation", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions", "qkv_bias", "max_positions")

@@ -116,20 +116,50 @@ class CheckpointCommand(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("seq", "welcome", "measure", "assign", "stop", "checkpoint")
+    __slots__ = ("seq", "welcome", "measure", "assign", "stop", "checkpoint", "reach", "dial")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    REACH_FIELD_NUMBER: _ClassVar[int]
+    DIAL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     welcome: Welcome
     measure: MeasureLinksCommand
     assign: _common_pb2.Assignment
     stop: StopCommand
     checkpoint: CheckpointCommand
-    def __init__(self, seq: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., measure: _Optional[_Union[MeasureLinksCommand, _Mapping]] = ..., assign: _Optional[_Union[_common_pb2.Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopCommand, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
+    reach: _common_pb2.ReachStatus
+    dial: DialCommand
+    def __init__(self, seq: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., measure: _Optional[_Union[MeasureLinksCommand, _Mapping]] = ..., assign: _Optional[_Union[_common_pb2.Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopCommand, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ..., dial: _Optional[_Union[DialCommand, _Mapping]] = ...) -> None: ...
+
+class DialCommand(_message.Message):
+    __slots__ = ("round_id", "peer", "timeout_s")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    peer: PeerTarget
+    timeout_s: float
+    def __init__(self, round_id: _Optional[str] = ..., peer: _Optional[_Union[PeerTarget, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DialReport(_message.Message):
+    __slots__ = ("agent_id", "agent_secret", "round_id", "peer_id", "ok", "error")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    agent_secret: str
+    round_id: str
+    peer_id: str
+    ok: bool
+    error: str
+    def __init__(self, agent_id: _Optional[str] = ..., agent_secret: _Optional[str] = ..., round_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class LinkReport(_message.Message):
     __slots__ = ("agent_id", "round_id", "samples", "agent_secret")
@@ -227,18 +257,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress")
+    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach")
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     JOINED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    REACH_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.AgentInfo
     state: AgentState
     last_seen_unix_s: float
     joined_unix_s: float
     progress: ProgressReport
-    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ...) -> None: ...
+    reach: _common_pb2.ReachStatus
+    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "export_source")

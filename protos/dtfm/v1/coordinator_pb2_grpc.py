@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobHistory.FromString,
                 _registered_method=True)
+        self.ReportDial = channel.unary_unary(
+                '/dtfm.v1.Coordinator/ReportDial',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.DialReport.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -139,6 +144,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportDial(self, request, context):
+        """The answer to a DialCommand: whether this agent could dial the peer it was asked to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +193,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetHistory,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.HistoryRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobHistory.SerializeToString,
+            ),
+            'ReportDial': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDial,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.DialReport.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +416,33 @@ class Coordinator:
             '/dtfm.v1.Coordinator/GetHistory',
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.HistoryRequest.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobHistory.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDial(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/ReportDial',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.DialReport.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

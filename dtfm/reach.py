@@ -1,0 +1,122 @@
+"""Reachability: whether an agent accepts inbound connections at the address it advertises.
+
+Both programs need the same two things, so they live here once: the dial-back itself (one
+`Agent.Ping` at the advertised HOST:PORT, whose answer must come from the agent we meant: two
+agents behind different NATs often believe they are 192.168.1.2, so an answer from another
+id at that address is a failure, never a success), and the verdict over several dialers with
+the words people read for it (`coordinator status`, `agent start`'s log line).
+
+The verdict is found, not configured: the coordinator dials each newcomer and asks a few live
+peers to dial it too (coordinator/links/reachability.py). `--reachable yes|no` on the agent
+overrides it for the operator who knows better.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from dtfm import rpc
+from dtfm.core.limits import clip
+from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+UNKNOWN = common_pb2.REACHABILITY_UNKNOWN
+EVERYWHERE = common_pb2.REACHABILITY_EVERYWHERE
+SOME_PEERS = common_pb2.REACHABILITY_SOME_PEERS
+NOWHERE = common_pb2.REACHABILITY_NOWHERE
+NAMES = {UNKNOWN: "unknown", EVERYWHERE: "everywhere", SOME_PEERS: "some-peers",
+         NOWHERE: "nowhere"}
+
+# The operator's --reachable, as the flag spells it and as the wire carries it.
+OVERRIDES = {"auto": common_pb2.REACH_OVERRIDE_AUTO, "yes": common_pb2.REACH_OVERRIDE_YES,
+             "no": common_pb2.REACH_OVERRIDE_NO}
+COORDINATOR = "coordinator"  # the dialer name of the coordinator's own dial-back
+DIAL_TIMEOUT_S = 3.0  # one round trip across the world and a TCP/HTTP2 handshake, with room
+
+
+async def dial(address: str, agent_id: str, security: rpc.Security,
+               timeout_s: float = DIAL_TIMEOUT_S) -> str:
+    """Dial `agent_id` at `address` once on a fresh channel; "" if it answered as itself, else
+    why not, in words. A fresh channel, so a connection some earlier call left open (in the
+    other direction, through a NAT's mapping) cannot stand in for an inbound one."""
+    try:
+        async with rpc.open_channel(address, security) as channel:
+            nonce = secrets.randbits(63)
+            reply = await agent_pb2_grpc.AgentStub(channel).Ping(
+                agent_pb2.PingRequest(nonce=nonce), timeout=timeout_s, wait_for_ready=False)
+    except grpc.aio.AioRpcError as exc:
+        return clip(rpc.describe_rpc_error(exc, f"agent {agent_id} at {address}"))
+    except (ValueError, OSError) as exc:
+        return clip(f"agent {agent_id} at {address}: {exc}")
+    if reply.agent_id != agent_id:
+        return clip(f"{address} answered as agent {reply.agent_id or '(no id)'}, not "
+                    f"{agent_id}: another agent sits at the address {agent_id} advertises")
+    if reply.nonce != nonce:
+        return clip(f"agent {agent_id} at {address} echoed the wrong nonce")
+    return ""
+
+
+def result(dialer: str, error: str) -> common_pb2.DialResult:
+    return common_pb2.DialResult(dialer=dialer, ok=not error, error=error, unix_s=time.time())
+
+
+def verdict(dials: Sequence[common_pb2.DialResult]) -> int:
+    """Everywhere when every dialer got through, nowhere when none did, some peers between;
+    unknown without a single dial."""
+    ok = sum(d.ok for d in dials)
+    if not dials:
+        return UNKNOWN
+    return EVERYWHERE if ok == len(dials) else NOWHERE if ok == 0 else SOME_PEERS
+
+
+def judged(address: str, dials: Sequence[common_pb2.DialResult]) -> common_pb2.ReachStatus:
+    """The status the dials say, with its one line."""
+    status = common_pb2.ReachStatus(verdict=verdict(dials), address=address,  # type: ignore[arg-type]
+                                    dials=dials)
+    status.summary = summary(status)
+    return status
+
+
+def overridden(address: str, override: int) -> common_pb2.ReachStatus:
+    """The operator's verdict (--reachable yes|no): nothing is dialled."""
+    yes = override == common_pb2.REACH_OVERRIDE_YES
+    status = common_pb2.ReachStatus(verdict=EVERYWHERE if yes else NOWHERE,  # type: ignore[arg-type]
+                                    address=address, overridden=True)
+    status.summary = summary(status)
+    return status
+
+
+def summary(status: common_pb2.ReachStatus) -> str:
+    """The verdict in one line: who could dial which address, and who could not (and why)."""
+    if status.overridden:
+        word = "yes" if status.verdict == EVERYWHERE else "no"
+        return (f"{'reachable' if word == 'yes' else 'not reachable'} at {status.address} "
+                f"(set by the operator: --reachable {word}; not checked)")
+    dials = list(status.dials)
+    if status.verdict == UNKNOWN:
+        return f"reachability of {status.address or 'this agent'} not checked yet"
+    ok = [d.dialer for d in dials if d.ok]
+    failed = [d for d in dials if not d.ok]
+    if status.verdict == EVERYWHERE:
+        return f"reachable from everywhere: {', '.join(ok)} dialled {status.address}"
+    why = f"{failed[0].dialer}: {failed[0].error}"
+    if status.verdict == NOWHERE:
+        return (f"not reachable: {len(failed)} of {len(dials)} dialer(s) cannot dial "
+                f"{status.address} ({why})")
+    return (f"reachable from {len(ok)} of {len(dials)} dialers ({', '.join(ok)}); "
+            f"not from {', '.join(d.dialer for d in failed)} ({why})")
+
+
+def agent_line(status: common_pb2.ReachStatus) -> str:
+    """What `agent start` logs when the coordinator's verdict arrives."""
+    if status.verdict == NOWHERE and not status.overridden:
+        first = next((d for d in status.dials if not d.ok), None)
+        why = f" ({first.dialer}: {first.error})" if first is not None else ""
+        return (f"not reachable: peers cannot dial {status.address}{why}; this agent will "
+                "need a relay, which dtfm does not have yet, so jobs cannot use it: open "
+                "the port, fix --advertise, or see docs/operations.md (Ports); if peers can "
+                "reach it after all, start it with --reachable yes")
+    return status.summary

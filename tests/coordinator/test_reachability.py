@@ -1,0 +1,68 @@
+"""The reachability checker's bookkeeping: verdicts over dialers, and reports taken only for
+what was asked (coordinator/links/reachability.py, dtfm/reach.py). The dials themselves run
+against real daemons in tests/system/test_reach.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.daemon.registry import Registry
+from coordinator.links.reachability import ReachChecker
+from dtfm import reach, rpc
+from dtfm.rpc import free_port
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_verdict_over_dialers() -> None:
+    ok, bad = reach.result("a", ""), reach.result("b", "refused")
+    assert reach.verdict([]) == reach.UNKNOWN
+    assert reach.verdict([ok, ok]) == reach.EVERYWHERE
+    assert reach.verdict([ok, bad]) == reach.SOME_PEERS
+    assert reach.verdict([bad, bad]) == reach.NOWHERE
+    assert reach.judged("h:1", [ok, bad]).summary.startswith("reachable from 1 of 2 dialers")
+    no = reach.overridden("h:1", common_pb2.REACH_OVERRIDE_NO)
+    assert no.verdict == reach.NOWHERE and no.overridden and "--reachable no" in no.summary
+
+
+async def _check_with_one_peer() -> tuple[list[str | None], common_pb2.ReachStatus]:
+    registry = Registry(liveness_timeout_s=10)
+    closed = free_port()  # nothing listens there: the coordinator's own dial fails
+    target = registry.join(common_pb2.AgentInfo(agent_id="target", host="127.0.0.1",
+                                                port=closed))
+    peer = registry.join(common_pb2.AgentInfo(agent_id="peer", host="127.0.0.1", port=1))
+    checker = ReachChecker(registry, rpc.Security(token=""), dial_timeout_s=1.0)
+    task = asyncio.create_task(checker.check(target, target.stream_generation))
+    command = await asyncio.wait_for(peer.commands.get(), 5)
+    dial = command.dial
+    assert dial.peer.agent_id == "target" and dial.peer.address == f"127.0.0.1:{closed}"
+    answers = [
+        checker.on_report(coordinator_pb2.DialReport(agent_id="peer", round_id="r999",
+                                                     peer_id="target", ok=True)),
+        checker.on_report(coordinator_pb2.DialReport(agent_id="target", round_id=dial.round_id,
+                                                     peer_id="target", ok=True)),
+        checker.on_report(coordinator_pb2.DialReport(agent_id="peer", round_id=dial.round_id,
+                                                     peer_id="someone", ok=True)),
+        checker.on_report(coordinator_pb2.DialReport(agent_id="peer", round_id=dial.round_id,
+                                                     peer_id="target", ok=True)),
+    ]
+    await task
+    pushed = await asyncio.wait_for(target.commands.get(), 5)
+    assert pushed.reach == target.reach
+    return answers, target.reach
+
+
+def test_reports_count_only_from_the_peer_asked_for_the_agent_asked() -> None:
+    """A report for a round nobody asked, from the wrong agent, or about another agent is
+    refused; the asked peer's counts: it got through while the coordinator did not, so the
+    target is reachable from some peers (one site's LAN)."""
+    answers, status = asyncio.run(_check_with_one_peer())
+    assert "no dial 'r999'" in answers[0]
+    assert "is waiting for target" in answers[1]
+    assert "not someone" in answers[2]
+    assert answers[3] is None
+    assert status.verdict == reach.SOME_PEERS, status
+    assert {(d.dialer, d.ok) for d in status.dials} == {("coordinator", False), ("peer", True)}
