@@ -186,7 +186,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             job=self._job_status())
         try:
             step, out = await export_from_status(status, self.config.security,
-                                                 job.export_dir, say=log.info)
+                                                 job.export_dir, merged=job.export_merged,
+                                                 say=log.info)
         except ExportError as exc:
             log.error("export to %s failed: %s (run `coordinator export` to try again)",
                       job.export_dir, exc)
@@ -210,11 +211,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _job_status(self) -> coordinator_pb2.JobStatus:
         """The job's status with what an export writes beside the weights (token ids,
-        tokenizer: `coordinator.export.job_export_source`, read once)."""
+        tokenizer, a LoRA job's settings: `coordinator.job.export.job_export_source`, read once)."""
         status = self.job.status()
         if self.config.job.model:
             if self._export_source is None:
-                from coordinator.export import job_export_source
+                from coordinator.job.export import job_export_source
 
                 self._export_source = job_export_source(self.config.job.train)
             status.export_source.CopyFrom(self._export_source)
