@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from agent.worker.model import part_generator
@@ -129,3 +131,15 @@ def load_adapters(stage: nn.Module, tensors: Mapping[str, torch.Tensor], spec: M
     missing_or_extra = stage.load_state_dict(state, strict=False)
     if missing_or_extra.unexpected_keys:  # pragma: no cover - names come from the stage itself
         raise ValueError(f"unexpected adapter keys {missing_or_extra.unexpected_keys}")
+
+
+def read_adapter_dir(path: str, check_only: bool = False) -> dict[str, torch.Tensor]:
+    """`--lora-init`'s adapters (peft names), read from this machine's copy of the peft
+    adapter directory; with `check_only`, only whether it is here (before the worker joins:
+    a machine lacking it fails at once). ValueError naming the directory otherwise."""
+    weights = Path(path) / spec_lora.ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise ValueError(f"--lora-init {path}: no {spec_lora.ADAPTER_WEIGHTS} there on this "
+                         f"machine (every agent needs its own copy of the adapter directory, "
+                         f"like --init-from)")
+    return {} if check_only else load_file(str(weights))
