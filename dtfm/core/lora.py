@@ -173,8 +173,8 @@ _PLAIN = {"bias": "none", "use_dora": False, "use_rslora": False, "modules_to_sa
           "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
 
 
-def _read_adapter_config(d: Path) -> dict[str, Any]:
-    where = f"--init-from {d}"
+def _read_adapter_config(d: Path, flag: str) -> dict[str, Any]:
+    where = f"{flag} {d}"
     try:
         config = json.loads((d / ADAPTER_CONFIG).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -199,22 +199,23 @@ def _read_adapter_config(d: Path) -> dict[str, Any]:
     return config
 
 
-def from_adapter_dir(cfg: TrainConfig) -> TrainConfig:
+def from_adapter_dir(cfg: TrainConfig, flag: str = "--init-from") -> TrainConfig:
     """`cfg` with `--init-from ADAPTER_DIR` resolved: init_from = its base (absolute),
     lora_init = the directory (absolute), and the LoRA settings it was trained with where the
     flags leave them at their defaults (dropout: the flag's when given). ValueError naming
     both values when a flag contradicts the directory, or the base is not here. `cfg`
-    itself when `--init-from` is not an adapter directory."""
+    itself when `--init-from` is not an adapter directory. `flag`: what the messages call
+    the directory (`agent generate` reads one as `--model-dir`)."""
     if not cfg.init_from or not is_adapter_dir(cfg.init_from):
         return cfg
     d = Path(cfg.init_from).absolute()
     if cfg.lora_init:
         raise ValueError(f"--init-from {d} is an adapter directory and --lora-init "
                          f"{cfg.lora_init} another: give one")
-    config = _read_adapter_config(d)
+    config = _read_adapter_config(d, flag)
     base = str(config.get("base_model_name_or_path") or "")
     if not base or not (Path(base) / "config.json").is_file():
-        raise ValueError(f"--init-from {d} is a peft adapter directory whose base {base!r} "
+        raise ValueError(f"{flag} {d} is a peft adapter directory whose base {base!r} "
                          f"(adapter_config.json's base_model_name_or_path) is not a model "
                          f"directory on this machine: put the base there, or give --init-from "
                          f"BASE --lora-init {d}")

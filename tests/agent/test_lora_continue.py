@@ -23,7 +23,7 @@ from tests.agent.worker.testlib import run_local
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from tests.hflib import byte_data, saved  # noqa: E402
+from tests.hflib import agent_greedy, byte_data, hf_greedy, saved, val_prompt  # noqa: E402
 
 SEQ, BATCH = 32, 4
 COMMON = ("--seq-len", str(SEQ), "--stages", "2", "--replicas", "1", "--batch", str(BATCH),
@@ -39,17 +39,26 @@ def _first_batch_loss(model: torch.nn.Module, data: Path, seed: int = 0) -> floa
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
 
 
-@pytest.mark.timeout(300)
-def test_an_exported_adapter_continues_from_exactly_its_weights(tmp_path: Path) -> None:
-    src, _ = saved(tmp_path, "llama")
-    data = byte_data(tmp_path)
-    adapter = tmp_path / "adapter"
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A tiny Llama (its directory), byte data, and the peft adapter directory a 3-step
+    2-stage LoRA run exported from it."""
+    tmp = tmp_path_factory.mktemp("lora")
+    src, _ = saved(tmp, "llama")
+    data = byte_data(tmp)
+    adapter = tmp / "adapter"
     first = run_local("--init-from", str(src), "--data", str(data), *COMMON, "--steps", "3",
                       "--lora-rank", "4", "--lora-alpha", "16", "--lora-targets",
-                      "q_proj,v_proj,down_proj", "--checkpoint-dir", str(tmp_path / "c1"),
+                      "q_proj,v_proj,down_proj", "--checkpoint-dir", str(tmp / "c1"),
                       "--export-dir", str(adapter), timeout=200)
     assert first.rc == 0, first.stderr[-3000:]
+    return src, data, adapter
 
+
+@pytest.mark.timeout(300)
+def test_an_exported_adapter_continues_from_exactly_its_weights(
+        exported: tuple[Path, Path, Path]) -> None:
+    src, data, adapter = exported
     fresh = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     want = _first_batch_loss(peft.PeftModel.from_pretrained(fresh, adapter).eval(), data)
     untrained = _first_batch_loss(transformers.AutoModelForCausalLM.from_pretrained(src).eval(),
@@ -61,6 +70,29 @@ def test_an_exported_adapter_continues_from_exactly_its_weights(tmp_path: Path) 
                      timeout=200)
     assert cont.rc == 0, cont.stderr[-3000:]
     assert abs(cont.losses[0] - want) <= 1e-4 * want, (cont.losses[0], want)
+
+
+@pytest.mark.timeout(300)
+def test_generate_on_base_plus_adapter_equals_generate_on_the_merged_export(
+        exported: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """`agent generate --model-dir ADAPTER_DIR` (the base its adapter_config.json names, the
+    adapters merged in) gives the greedy ids of the merged export, and peft's own."""
+    from agent.worker.loramerge import write_merged_export
+    from dtfm.core.hfdir import resolve_spec
+    from dtfm.core.hfexport import StageFile
+    from dtfm.core.lora import from_adapter_dir
+    from dtfm.core.spec import TrainConfig
+
+    src, data, adapter = exported
+    cfg = from_adapter_dir(TrainConfig(init_from=str(adapter)))
+    merged = write_merged_export(tmp_path / "merged", resolve_spec("", str(src), SEQ), cfg,
+                                 [StageFile(0, adapter / "adapter_model.safetensors")])
+    prompt = val_prompt(data)
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    want = hf_greedy(peft.PeftModel.from_pretrained(fresh, adapter).eval(), prompt, 8)
+    assert agent_greedy(merged, prompt, 8) == want
+    assert agent_greedy(adapter, prompt, 8) == want
+    assert agent_greedy(src, prompt, 8) != want  # the adapters change what is generated
 
 
 def test_a_flag_contradicting_the_adapter_directory_is_refused(tmp_path: Path) -> None:
