@@ -4,8 +4,9 @@ The user's quick look at what they trained (an export) or imported (what `--init
 and the proof that dtfm's forward pass is the checkpoint's: the tokens come from
 `agent.worker.generate` (dtfm's parts, loaded with `agent.worker.hfload`), never from
 `transformers`. Text goes through the directory's `tokenizer.json` (the `tokenizers` library);
-a directory without one takes `--prompt-ids`. This module owns the flags, the tokenizer and
-what is printed; torch is imported only when the command runs.
+a directory without one takes `--prompt-ids`. A `peft` adapter directory (`agent local
+--export-dir` of a LoRA job) runs on its base with the adapters merged in. This module owns
+the flags, the tokenizer and what is printed; torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ DEFAULT_TEMPERATURE = 1.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", required=True, metavar="DIR",
                    help="Hugging Face model directory: config.json and model.safetensors (or "
-                   "shards with model.safetensors.index.json), tokenizer.json for text")
+                   "shards with model.safetensors.index.json), tokenizer.json for text; or a "
+                   "peft LoRA adapter directory, run on the base its adapter_config.json names")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="text to continue (needs "
                         f"{TOKENIZER_NAME} in --model-dir)")
@@ -94,6 +96,18 @@ def load_tokenizer(model_dir: Path, needed: bool) -> Any:
         raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
 
 
+def tokenizer_dir(model_dir: Path) -> Path:
+    """Where the tokenizer is: the directory, or, for a peft adapter directory without one,
+    its base (adapter_config.json's base_model_name_or_path)."""
+    from dtfm.core import lora
+
+    if (model_dir / TOKENIZER_NAME).is_file() or not lora.is_adapter_dir(model_dir):
+        return model_dir
+    config = json.loads((model_dir / lora.ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return Path(base) if isinstance(base, str) and base else model_dir
+
+
 def check_model_dir(model_dir: Path) -> None:
     """Name a --model-dir that is not there before anything looks for a file inside it."""
     if not model_dir.exists():
@@ -112,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_sampling(args)
         check_model_dir(model_dir)
-        tokenizer = load_tokenizer(model_dir, needed=args.prompt is not None)
+        tokenizer = load_tokenizer(tokenizer_dir(model_dir), needed=args.prompt is not None)
         prompt = (args.prompt_ids if args.prompt is None
                   else tokenizer.encode(args.prompt).ids)
         model = LoadedModel.load(model_dir, log=_log)

@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The job's `TrainConfig`, paths made absolute: they must not depend on a worker's cwd."""
     train = flags.train_config_from_args(args)
-    for name in ("data_path", "checkpoint_dir", "init_from"):
+    for name in ("data_path", "checkpoint_dir", "init_from", "lora_init"):
         if getattr(train, name):
             setattr(train, name, str(Path(getattr(train, name)).resolve()))
     return train

@@ -91,7 +91,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.add_argument("--export-dir", default="", metavar="DIR",
                    help="after the last step, write the trained model there as a Hugging Face "
-                   "directory, gathered from the agents (as `coordinator export` does)")
+                   "directory, gathered from the agents (as `coordinator export` does); a "
+                   "LoRA job's is a peft adapter directory")
+    p.add_argument("--export-merged", action="store_true",
+                   help="with --export-dir and --lora-rank: write the base with the adapters "
+                   "merged in (needs torch on the coordinator's machine) instead")
     p.add_argument("--sync-overhead", type=flags.number(float, 0, above=True, maximum=1.0),
                    default=JobConfig.sync_overhead, metavar="FRACTION",
                    help="with --sync-every auto: the share of a step the data-parallel "
@@ -125,6 +129,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--force", action="store_true", help="replace --out if it is not empty")
     p.add_argument("--tokenizer", default="", metavar="PATH",
                    help="tokenizer.json (or a directory holding one) to write beside the model")
+    p.add_argument("--merged", action="store_true",
+                   help="a LoRA job: write its base with the adapters merged in (needs torch "
+                   "and the base here) instead of the peft adapter directory")
     flags.add_common_args(p, config_file=False)
 
     p = subs["links"] = sub.add_parser(
@@ -245,6 +252,7 @@ def _start(args: argparse.Namespace) -> int:
                       min_agents=args.min_agents,
                       placement=args.placement, links_file=args.links,
                       layer_split=args.layer_split, export_dir=args.export_dir,
+                      export_merged=args.export_merged,
                       drift=_drift_config(args), sync_overhead=args.sync_overhead),
     )
     config.validate()
@@ -262,7 +270,7 @@ async def _export(args: argparse.Namespace) -> int:
     try:
         step, out = await export_job(args.coordinator, flags.security_from_args(args), args.out,
                                      job_id=args.job, force=args.force,
-                                     tokenizer=args.tokenizer, say=say)
+                                     tokenizer=args.tokenizer, merged=args.merged, say=say)
     except ExportError as exc:
         return flags.fail(str(exc), 1)
     print(json.dumps({"out": str(out), "step": step}) if args.json

@@ -25,6 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from dtfm.core import lora
 from dtfm.core.codecs import check_setting
 from dtfm.core.spec import (
     OUTER_MOMENTUM_AUTO,
@@ -192,12 +193,14 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "lora_alpha": number(float, 0, above=True),
     "lora_dropout": number(float, 0, maximum=0.999),
     "lora_targets": str,
+    "lora_init": str,
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",
                    "outer_momentum": "MU|auto", "dp_compress": "CODEC",
                    "init_from": "DIR", "sync_every": "H|auto", "lora_alpha": "ALPHA",
-                   "lora_dropout": "P", "lora_targets": "NAMES"}  # and N for the integers
+                   "lora_dropout": "P", "lora_targets": "NAMES",
+                   "lora_init": "DIR"}  # and N for the integers
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 # (field, value) pairs that mean auto, shown as such in --help
 _TRAIN_AUTO = {("sync_every", SYNC_AUTO), ("outer_momentum", OUTER_MOMENTUM_AUTO)}
@@ -271,9 +274,15 @@ def add_search_seconds(parser: argparse.ArgumentParser, default: float | None,
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` the training flags (after the DTFM_* and TOML layers) describe.
 
-    Not validated: the caller knows the replica count `validate` needs.
+    Not validated: the caller knows the replica count `validate` needs. `--init-from` naming
+    a peft adapter directory is resolved here (`dtfm.core.lora.from_adapter_dir`), so both
+    commands take it alike; ConfigError when the directory or a flag contradicting it is bad.
     """
-    return TrainConfig(**{f.name: getattr(args, train_dest(f.name)) for f in fields(TrainConfig)})
+    cfg = TrainConfig(**{f.name: getattr(args, train_dest(f.name)) for f in fields(TrainConfig)})
+    try:  # --init-from a peft adapter directory: its base, and its adapters to continue
+        return lora.from_adapter_dir(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def train_argv(config: TrainConfig) -> list[str]:

@@ -7,6 +7,8 @@ order on one process with a key/value cache per layer (the prompt in one pass, t
 per step). Greedy decoding is what `transformers`' `generate(do_sample=False)` does with no
 logits processors: the arg-max token each step, stopping after an end-of-sequence token (kept
 in the output) or after `max_new` tokens. Sampling (temperature, top-k) is seeded and local.
+A `peft` adapter directory runs on its base with the adapters merged in, as the merged export
+merges them (`lora.merge_adapters`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from agent.worker import lora
 from agent.worker.hfload import load_parts_from_hf
 from agent.worker.model import EMBEDDING_INDEX, HEAD_INDEX, KVCache, make_part, param_count
+from dtfm.core import lora as spec_lora
 from dtfm.core.hfconfig import (
     GENERATION_CONFIG_FILE,
     eos_token_ids,
@@ -30,7 +34,7 @@ from dtfm.core.hfconfig import (
     spec_from_hf_config,
 )
 from dtfm.core.hfdir import check_weights
-from dtfm.core.spec import ModelSpec
+from dtfm.core.spec import ModelSpec, TrainConfig
 
 
 class GenerateError(ValueError):
@@ -48,7 +52,12 @@ class LoadedModel:
     @classmethod
     def load(cls, model_dir: str | Path, log: Callable[[str], None] = lambda _: None
              ) -> LoadedModel:
-        root = Path(model_dir)
+        root, adapters = Path(model_dir), None
+        if spec_lora.is_adapter_dir(root):  # a peft adapter directory: its base, merged
+            cfg = spec_lora.from_adapter_dir(TrainConfig(init_from=str(root)), "--model-dir")
+            adapters = cfg, lora.read_adapter_dir(cfg.lora_init)
+            log(f"{root} is a LoRA adapter (rank {cfg.lora_rank}) of {cfg.init_from}")
+            root = Path(cfg.init_from)
         config = read_hf_config(root)
         spec = spec_from_hf_config(config)
         check_weights(spec, root, "--model-dir")  # before allocating what config.json says
@@ -62,6 +71,9 @@ class LoadedModel:
         log(f"loading {sum(param_count(p) for p in parts.values()):,} parameters "
             f"({spec.arch}, {spec.n_layers} layers) from {root}")
         load_parts_from_hf(parts, spec, root)
+        if adapters is not None:
+            lora.merge_adapters({i: parts[i] for i in range(spec.n_layers)}, adapters[1],
+                                spec, adapters[0])
         log(f"loaded in {time.perf_counter() - t0:.1f} s")
         return cls(spec, parts, eos_token_ids(gen, config))
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from agent.worker.model import part_generator
@@ -129,3 +131,34 @@ def load_adapters(stage: nn.Module, tensors: Mapping[str, torch.Tensor], spec: M
     missing_or_extra = stage.load_state_dict(state, strict=False)
     if missing_or_extra.unexpected_keys:  # pragma: no cover - names come from the stage itself
         raise ValueError(f"unexpected adapter keys {missing_or_extra.unexpected_keys}")
+
+
+def read_adapter_dir(path: str, check_only: bool = False) -> dict[str, torch.Tensor]:
+    """`--lora-init`'s adapters (peft names), read from this machine's copy of the peft
+    adapter directory; with `check_only`, only whether it is here (before the worker joins:
+    a machine lacking it fails at once). ValueError naming the directory otherwise."""
+    weights = Path(path) / spec_lora.ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise ValueError(f"--lora-init {path}: no {spec_lora.ADAPTER_WEIGHTS} there on this "
+                         f"machine (every agent needs its own copy of the adapter directory, "
+                         f"like --init-from)")
+    return {} if check_only else load_file(str(weights))
+
+
+@torch.no_grad()
+def merge_adapters(layers: Mapping[int, nn.Module], tensors: Mapping[str, torch.Tensor],
+                   spec: ModelSpec, cfg: TrainConfig) -> None:
+    """Fold adapters (peft names) into plain layers, in place: W += (alpha / r) B A for each
+    targeted projection of each layer in `layers` (keyed by layer index). The one merge: the
+    merged export (`loramerge`) and `agent generate` on an adapter directory both call it, so
+    they compute the same weights. ValueError naming a missing adapter."""
+    scaling = cfg.lora_alpha / cfg.lora_rank
+    for index, layer in layers.items():
+        for proj in spec_lora.targeted(spec, cfg.lora_targets):
+            a, b = (spec_lora.peft_name(spec, int(index), proj, w) for w in ("A", "B"))
+            if a not in tensors or b not in tensors:
+                raise ValueError(f"the adapters lack {a if a not in tensors else b}: they were "
+                                 f"trained with other targets or layers")
+            module = layer.get_submodule(proj.ours)
+            delta = tensors[b].float() @ tensors[a].float() * scaling
+            module.weight.copy_(module.weight + delta.to(module.weight.dtype))

@@ -26,24 +26,13 @@ from dtfm.core.spec import ModelSpec, TrainConfig
 
 
 def merged_model(spec: ModelSpec, cfg: TrainConfig, adapters: dict[str, torch.Tensor]) -> Stage:
-    """The whole model as one stage: the job's base with `adapters` (peft names) merged in;
-    its projections are plain again (no adapters left)."""
+    """The whole model as one stage: the job's base with `adapters` (peft names) merged in
+    (`lora.merge_adapters`); its projections stay plain."""
     model = Stage(spec, 0, spec.n_layers, cfg.seed)
     if cfg.init_from:
         load_parts_from_hf(model.parts(), spec, cfg.init_from)
-    lora.apply(model, spec, cfg)
-    lora.load_adapters(model, adapters, spec, cfg)
-    with torch.no_grad():
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, lora.LoraLinear):
-                    delta = child.lora_B.weight @ child.lora_A.weight * child.scaling
-                    plain = torch.nn.Linear(child.in_features, child.out_features,
-                                            bias=child.bias is not None, device="meta")
-                    plain.weight = torch.nn.Parameter(child.weight + delta.to(child.weight.dtype))
-                    if child.bias is not None:
-                        plain.bias = child.bias
-                    setattr(module, name, plain)
+    lora.merge_adapters({int(i): layer for i, layer in model.layers.items()}, adapters, spec,
+                        cfg)
     return model
 
 

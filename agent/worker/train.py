@@ -243,6 +243,9 @@ class Worker:
         start = self._resumed = self._resume(opt, sampler)
         if cfg.init_from and (start == 0 or cfg.lora_rank):  # LoRA checkpoints hold no base
             self._import(cfg.init_from)
+            if cfg.lora_init and start == 0:  # continue a peft adapter's training
+                lora.load_adapters(self.stage, lora.read_adapter_dir(cfg.lora_init),
+                                   self.spec, cfg)
             if self.outer is not None:  # the first round starts from the imported weights
                 self.outer.load([])
         log.info(
@@ -286,6 +289,8 @@ class Worker:
         torch.manual_seed(cfg.seed)
         if cfg.init_from:  # before joining: a machine lacking the checkpoint fails at once
             check_init_dir(cfg.init_from, a.init_hash, spec, extra=a.rank == 0)
+        if cfg.lora_init:
+            lora.read_adapter_dir(cfg.lora_init, check_only=True)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
         lora.apply(stage, spec, cfg)  # --lora-rank: freeze the base, adapters only train
         opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)

@@ -60,6 +60,7 @@ class JobConfig:
     links_file: str = ""  # plan on this measured matrix instead of measuring
     layer_split: str = "auto"  # auto (by device speed and memory), even, or counts "4,2"
     export_dir: str = ""  # write the trained model there as a Hugging Face directory
+    export_merged: bool = False  # a LoRA job's export_dir: the base with the adapters merged
     init_hash: str = ""  # set by validate: dtfm.core.hfdir.dir_hash of train.init_from
     drift: DriftConfig = field(default_factory=DriftConfig)
     # --sync-overhead: with --sync-every auto, the share of a step the amortised exchange
@@ -99,6 +100,9 @@ class JobConfig:
         self._check_ranges()
         if self.train.init_from:
             self._check_init_from()
+        if self.export_merged and not (self.export_dir and self.train.lora_rank):
+            raise ConfigError("--export-merged writes a LoRA job's base with its adapters "
+                              "merged: give it with --export-dir and --lora-rank")
         if self.export_dir:
             from dtfm.core.hfexport import ExportError, check_destination
 

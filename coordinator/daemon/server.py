@@ -210,7 +210,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             job=self._job_status())
         try:
             step, out = await export_from_status(status, self.config.security,
-                                                 job.export_dir, say=log.info)
+                                                 job.export_dir, merged=job.export_merged,
+                                                 say=log.info)
         except ExportError as exc:
             log.error("export to %s failed: %s (run `coordinator export` to try again)",
                       job.export_dir, exc)
@@ -234,7 +235,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _job_status(self) -> coordinator_pb2.JobStatus:
         """The job's status with what an export writes beside the weights (token ids,
-        tokenizer: `coordinator.job.export.job_export_source`, read once)."""
+        tokenizer, a LoRA job's settings: `coordinator.job.export.job_export_source`, read
+        once)."""
         status = self.job.status()
         if line := self.unreachable_line(status.state):
             status.message = f"{status.message}; {line}" if status.message else line

@@ -17,6 +17,11 @@ mirror), on their own disks. So an export needs no shared storage and no torch:
 4. assemble the directory (`dtfm.core.hfexport.write_export`: atomic, refuses a non-empty
    destination unless forced), with the token ids and tokenizer the coordinator's status
    names (`dtfm.core.hfexport.ExportSource`, the one `agent local --export-dir` writes too).
+   A LoRA job's stage files hold its adapters, so its status carries its LoRA settings and
+   base (`ExportSource.lora`) and the export is a `peft` adapter directory
+   (`dtfm.core.loraexport`, no torch) or, with `merged`, the base with the adapters folded
+   in (`agent.worker.loramerge`: torch, and the base on this machine's disk), exactly what
+   `agent local --export-dir` writes.
 
 Everything the caller gave is checked before anything is fetched: the destination (not empty,
 writable: not under /proc), the tokenizer. The download goes to a private temporary folder
@@ -41,6 +46,7 @@ import grpc
 from agent.checkpoints import BadCopy, DiskFull, Peer, download, list_peer
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
+from dtfm.core import loraexport
 from dtfm.core.assignment import member_address
 from dtfm.core.checkpoints import Manifest
 from dtfm.core.hfexport import (
@@ -182,6 +188,7 @@ async def _copy_stage(candidates: Sequence[Holding], job_id: str, into: Path,
 
 async def export_job(coordinator: str, security: rpc.Security, out: str | Path, *,
                      job_id: str = "", force: bool = False, tokenizer: str = "",
+                     merged: bool = False,
                      say: Callable[[str], None] = print) -> tuple[int, Path]:
     """The whole `coordinator export`: returns the step exported and the directory."""
     check_inputs(out, force, tokenizer)
@@ -190,7 +197,8 @@ async def export_job(coordinator: str, security: rpc.Security, out: str | Path, 
     except grpc.aio.AioRpcError as e:
         raise ExportError(rpc.describe_rpc_error(e, coordinator)) from None
     return await export_from_status(status, security, out, job_id=job_id, force=force,
-                                    tokenizer=tokenizer, say=say, where=coordinator)
+                                    tokenizer=tokenizer, merged=merged, say=say,
+                                    where=coordinator)
 
 
 def check_inputs(out: str | Path, force: bool, tokenizer: str | Path = "") -> None:
@@ -204,13 +212,17 @@ def check_inputs(out: str | Path, force: bool, tokenizer: str | Path = "") -> No
 
 def job_export_source(train: TrainConfig) -> coordinator_pb2.ExportSource:
     """What the coordinator's status says an export of its job writes beside the weights
-    (`export_source` from the job's --init-from and --data on the coordinator's disk). Never
-    raises: the job itself refuses unreadable inputs; an export then has no token ids."""
+    (`export_source` from the job's --init-from and --data on the coordinator's disk), and a
+    LoRA job's settings and base (`loraexport.lora_source`). Never raises: the job itself
+    refuses unreadable inputs; an export then has no token ids."""
     try:
-        return export_source(train.data_path, train.init_from).to_proto()
+        msg = export_source(train.data_path, train.init_from).to_proto()
     except (OSError, ValueError) as e:
         log.warning("export: the job's token ids and tokenizer are unknown: %s", e)
-        return coordinator_pb2.ExportSource()
+        msg = coordinator_pb2.ExportSource()
+    if train.lora_rank:
+        msg.lora.CopyFrom(loraexport.lora_source(train))
+    return msg
 
 
 def _source_for(job: coordinator_pb2.JobStatus, tokenizer: str | Path, where: str,
@@ -233,12 +245,13 @@ def _source_for(job: coordinator_pb2.JobStatus, tokenizer: str | Path, where: st
 
 async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rpc.Security,
                              out: str | Path, *, job_id: str = "", force: bool = False,
-                             tokenizer: str | Path = "",
+                             tokenizer: str | Path = "", merged: bool = False,
                              say: Callable[[str], None] = print,
                              where: str = "this coordinator") -> tuple[int, Path]:
     """Export the job `status` describes from the agents it lists (the coordinator's own
     status, after the last step, for `coordinator start --export-dir`), with the token ids
-    and tokenizer its `export_source` names (`tokenizer`: another tokenizer)."""
+    and tokenizer its `export_source` names (`tokenizer`: another tokenizer). A LoRA job
+    exports a peft adapter directory, or with `merged` its base with the adapters merged."""
     job = status.job
     if not job.job_id:
         raise ExportError(f"the coordinator at {where} runs no job")
@@ -249,6 +262,7 @@ async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rp
                           f"{job.job_id} trains (an older coordinator): upgrade it")
     spec = ModelSpec.from_proto(job.model_spec)
     check_inputs(out, force)
+    lora = _lora_config(job, spec, merged, where)
     source = _source_for(job, tokenizer, where, say)
     parent = Path(out).absolute().parent
     try:
@@ -259,6 +273,31 @@ async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rp
     with tmp:
         step, files = await gather(job.job_id, spec, agent_addresses(status), security,
                                    Path(tmp.name), say)
-        path = await asyncio.to_thread(write_export, out, spec, files, source=source,
-                                       force=force, progress=say)
+        if lora is not None:
+            from agent.worker.loramerge import write_lora_export  # torch: only here
+
+            path = await asyncio.to_thread(write_lora_export, out, spec, lora, files,
+                                           source=source, force=force, merged=merged,
+                                           progress=say)
+        else:
+            path = await asyncio.to_thread(write_export, out, spec, files, source=source,
+                                           force=force, progress=say)
     return step, path
+
+
+def _lora_config(job: coordinator_pb2.JobStatus, spec: ModelSpec, merged: bool,
+                 where: str) -> TrainConfig | None:
+    """A LoRA job's settings from its status (None for full fine-tuning), checked before
+    anything is fetched: `merged` needs a LoRA job and, from `--init-from`, its base here."""
+    if not job.export_source.HasField("lora"):
+        if merged:
+            raise ExportError(f"job {job.job_id} is not a LoRA job (no --lora-rank): its "
+                              f"export is the whole model already; drop the merged option")
+        return None
+    cfg = loraexport.config_from_source(job.export_source.lora, spec, f"the coordinator at "
+                                        f"{where}")
+    if merged and cfg.init_from and not Path(cfg.init_from).is_dir():
+        raise ExportError(f"the merged export needs job {job.job_id}'s base {cfg.init_from} "
+                          f"(its --init-from on the coordinator's machine), which is not on "
+                          f"this machine: export there, or export the adapters alone")
+    return cfg

@@ -14,11 +14,19 @@ with no torch: `targeted` (the projections of one layer), `layer_adapter_params`
 `stage_adapter_params` (what a stage trains and exchanges), `peft_name` (an adapter tensor's
 name in `adapter_model.safetensors`) and `adapter_config` (`adapter_config.json`).
 Embeddings, norms and the head are never adapted.
+
+`--init-from` may name a `peft` adapter directory instead of a model: `from_adapter_dir`
+turns that, at the edge, into `--init-from BASE` (adapter_config.json's
+`base_model_name_or_path`) and `--lora-init DIR` (the adapters training starts from), with
+the rank, alpha, dropout and targets the directory was trained with, so nothing past the
+flags needs to know.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from dtfm.core.spec import ModelSpec, TrainConfig
@@ -152,3 +160,86 @@ def adapter_config(spec: ModelSpec, cfg: TrainConfig, base: str) -> dict[str, An
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether `path` is a `peft` adapter directory (adapter_config.json, no config.json)."""
+    d = Path(path)
+    return (d / ADAPTER_CONFIG).is_file() and not (d / "config.json").is_file()
+
+
+# adapter_config.json settings dtfm's adapters do not have: their value must be peft's default
+_PLAIN = {"bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
+          "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def _read_adapter_config(d: Path, flag: str) -> dict[str, Any]:
+    where = f"{flag} {d}"
+    try:
+        config = json.loads((d / ADAPTER_CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{where}: {ADAPTER_CONFIG} is not readable JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise ValueError(f"{where}: {ADAPTER_CONFIG} is not a LoRA adapter's (peft_type "
+                         f"{config.get('peft_type') if isinstance(config, dict) else None!r}); "
+                         f"dtfm continues LoRA adapters only")
+    for key, plain in _PLAIN.items():
+        if config.get(key, plain) not in (plain, [] if plain is None else plain):
+            raise ValueError(f"{where}: {ADAPTER_CONFIG} sets {key} = {config[key]!r}, which "
+                             f"dtfm's adapters do not have (it needs {plain!r})")
+    r, targets = config.get("r"), config.get("target_modules")
+    if not (isinstance(r, int) and r >= 1):
+        raise ValueError(f"{where}: {ADAPTER_CONFIG}'s r must be a count >= 1, got {r!r}")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{where}: {ADAPTER_CONFIG}'s target_modules must be a list of module "
+                         f"names (dtfm does not take a regular expression), got {targets!r}")
+    if not (d / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{where}: it has no {ADAPTER_WEIGHTS} (save the adapter with "
+                         f"peft's save_pretrained(..., safe_serialization=True))")
+    return config
+
+
+def from_adapter_dir(cfg: TrainConfig, flag: str = "--init-from") -> TrainConfig:
+    """`cfg` with `--init-from ADAPTER_DIR` resolved: init_from = its base (absolute),
+    lora_init = the directory (absolute), and the LoRA settings it was trained with where the
+    flags leave them at their defaults (dropout: the flag's when given). ValueError naming
+    both values when a flag contradicts the directory, or the base is not here. `cfg`
+    itself when `--init-from` is not an adapter directory. `flag`: what the messages call
+    the directory (`agent generate` reads one as `--model-dir`)."""
+    if not cfg.init_from or not is_adapter_dir(cfg.init_from):
+        return cfg
+    d = Path(cfg.init_from).absolute()
+    if cfg.lora_init:
+        raise ValueError(f"--init-from {d} is an adapter directory and --lora-init "
+                         f"{cfg.lora_init} another: give one")
+    config = _read_adapter_config(d, flag)
+    base = str(config.get("base_model_name_or_path") or "")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ValueError(f"{flag} {d} is a peft adapter directory whose base {base!r} "
+                         f"(adapter_config.json's base_model_name_or_path) is not a model "
+                         f"directory on this machine: put the base there, or give --init-from "
+                         f"BASE --lora-init {d}")
+    alpha = float(config.get("lora_alpha", 8))
+    targets = ",".join(config["target_modules"])
+    defaults = TrainConfig()
+    for flag, given, default, theirs in (
+            ("--lora-rank", cfg.lora_rank, defaults.lora_rank, config["r"]),
+            ("--lora-alpha", cfg.lora_alpha, defaults.lora_alpha, alpha)):
+        if given != default and given != theirs:
+            raise ValueError(f"{flag} {given} contradicts the adapters of --init-from {d} "
+                             f"(trained with {theirs}): drop {flag} to continue them")
+    if cfg.lora_targets and set(target_names_of(cfg.lora_targets)) != set(
+            config["target_modules"]):
+        raise ValueError(f"--lora-targets {cfg.lora_targets} contradicts the adapters of "
+                         f"--init-from {d} (targets {targets}): drop --lora-targets to "
+                         f"continue them")
+    dropout = cfg.lora_dropout if cfg.lora_dropout != defaults.lora_dropout else float(
+        config.get("lora_dropout", 0.0))
+    return replace(cfg, init_from=str(Path(base).absolute()), lora_init=str(d),
+                   lora_rank=config["r"], lora_alpha=alpha, lora_dropout=dropout,
+                   lora_targets=targets)
+
+
+def target_names_of(targets: str) -> list[str]:
+    """The names a `--lora-targets` value lists (no family default filled in)."""
+    return [t.strip() for t in targets.split(",") if t.strip()]

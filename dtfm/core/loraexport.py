@@ -9,6 +9,10 @@ tensors are copied exactly. Before anything is written the headers are checked: 
 the job has appears in exactly one stage file, and nothing else does. The directory is written
 like a full export (`hfexport`): in a temporary sibling, then renamed; a non-empty destination
 only with `force`.
+
+A cluster's export (`coordinator export`, `coordinator start --export-dir`) learns that its job
+trains adapters, and with what settings, from the coordinator's status: `lora_source` puts the
+job's LoRA settings and base in `ExportSource.lora`, `config_from_source` reads them back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,35 @@ from dtfm.core import lora as spec_lora
 from dtfm.core.hfdir import read_header
 from dtfm.core.hfexport import ExportError, StageFile
 from dtfm.core.spec import ModelSpec, TrainConfig
+from protos.dtfm.v1 import coordinator_pb2
+
+
+def lora_source(cfg: TrainConfig) -> coordinator_pb2.LoraSource:
+    """What the coordinator's status carries of a LoRA job (`ExportSource.lora`) for an export
+    made elsewhere: peft's settings, the base (the job's `--init-from`, absolute) and the seed
+    a preset's base is rebuilt from."""
+    return coordinator_pb2.LoraSource(
+        rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+        targets=cfg.lora_targets, seed=cfg.seed,
+        base=str(Path(cfg.init_from).absolute()) if cfg.init_from else "")
+
+
+def config_from_source(msg: coordinator_pb2.LoraSource, spec: ModelSpec,
+                       where: str = "the coordinator") -> TrainConfig:
+    """The training config an export of the job needs (the LoRA fields, `init_from` = the
+    base, the seed), from a status's `ExportSource.lora`; ExportError when it is not a LoRA
+    setting `spec` can have (a malformed or foreign status)."""
+    cfg = TrainConfig(lora_rank=msg.rank, lora_alpha=msg.alpha, lora_dropout=msg.dropout,
+                      lora_targets=msg.targets, init_from=msg.base, seed=msg.seed)
+    try:
+        if msg.rank < 1:
+            raise ValueError(f"rank {msg.rank} < 1")
+        cfg.validate()
+        spec_lora.check(cfg, spec)
+    except ValueError as exc:
+        raise ExportError(f"{where} sent LoRA settings this model cannot have ({exc}): "
+                          f"upgrade it") from None
+    return cfg
 
 
 def expected_adapters(spec: ModelSpec, cfg: TrainConfig) -> set[str]:

@@ -366,6 +366,10 @@ class TrainConfig:
         "", "comma-separated module names to adapt, as peft's target_modules (a module "
         "matches when its name ends with one); empty: every attention and MLP projection "
         "(llama: q_proj..down_proj; gpt: c_attn, c_proj, c_fc)")
+    lora_init: str = _option(
+        "", "a peft adapter directory whose adapters training starts from (on every "
+        "worker's machine; its base is --init-from); set for you when --init-from names an "
+        "adapter directory (adapter_config.json), with its rank, alpha and targets")
 
     def outer_mu(self) -> float:
         """The outer momentum the worker applies: the flag's, or auto's by the round length."""
@@ -438,6 +442,9 @@ class TrainConfig:
             raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.lora_alpha}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_init and not self.lora_rank:
+            raise ValueError("--lora-init continues LoRA adapters: give it with --lora-rank "
+                             "(or give the adapter directory as --init-from, which sets both)")
 
     def _check_outer(self) -> None:
         if self.sync_every < 0:  # 0 is SYNC_AUTO: the coordinator resolves it before training

@@ -3,6 +3,8 @@ validated at the edge with messages naming the flag (`dtfm.core.lora`, `TrainCon
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent.cli import build_parser as agent_parser
@@ -89,3 +91,45 @@ def test_export_merged_needs_a_lora_job_with_an_export_dir() -> None:
 
     run = run_local("--steps", "0", "--export-merged", timeout=60)
     assert run.rc == 2 and "--export-merged" in run.stderr and "--lora-rank" in run.stderr
+
+
+def test_a_lora_jobs_export_settings_cross_the_status_and_bad_ones_are_refused() -> None:
+    """`coordinator export` learns a LoRA job's settings from the status
+    (`ExportSource.lora`): they come back as given, and ones the model cannot have are an
+    ExportError, not a traceback in the exporter."""
+    from coordinator.job.export import job_export_source
+    from dtfm.core.hfexport import ExportError
+    from dtfm.core.loraexport import config_from_source
+
+    cfg = TrainConfig(lora_rank=4, lora_alpha=16.0, lora_dropout=0.1, lora_targets="q_proj",
+                      seed=7)
+    msg = job_export_source(cfg)
+    assert msg.HasField("lora") and not job_export_source(TrainConfig()).HasField("lora")
+    back = config_from_source(msg.lora, LLAMA)
+    assert (back.lora_rank, back.lora_alpha, back.lora_dropout, back.lora_targets,
+            back.seed, back.init_from) == (4, 16.0, 0.1, "q_proj", 7, "")
+    with pytest.raises(ExportError, match="c_attn"):
+        config_from_source(job_export_source(TrainConfig(lora_rank=4, lora_targets="c_attn"))
+                           .lora, LLAMA)
+    msg.lora.alpha = float("nan")
+    with pytest.raises(ExportError, match="--lora-alpha"):
+        config_from_source(msg.lora, LLAMA)
+
+
+def test_coordinator_start_export_merged_needs_a_lora_job_and_export_dir(
+        tmp_path: Path) -> None:
+    from coordinator.daemon.config import JobConfig
+
+    start = coordinator_parser()[1]["start"]
+    for argv in (["--export-merged"], ["--export-merged", "--export-dir", str(tmp_path / "x")],
+                 ["--export-merged", "--lora-rank", "4"]):
+        args = start.parse_args(["--model", "llama-tiny", "--agents", "1", *argv])
+        job = JobConfig(model=args.model, agents=args.agents,
+                        train=flags.train_config_from_args(args), export_dir=args.export_dir,
+                        export_merged=args.export_merged)
+        with pytest.raises(ConfigError, match="--export-merged .* --export-dir and --lora-rank"):
+            job.validate()
+    args = start.parse_args(["--model", "llama-tiny", "--agents", "1", "--export-merged",
+                             "--lora-rank", "4", "--export-dir", str(tmp_path / "x")])
+    JobConfig(model=args.model, agents=args.agents, train=flags.train_config_from_args(args),
+              export_dir=args.export_dir, export_merged=args.export_merged).validate()

@@ -8,6 +8,7 @@ pass) gives exactly the ids `transformers`' greedy generation gives.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,42 @@ def test_a_2x2_cluster_fine_tunes_an_import_and_exports_it(daemons: Daemons) -> 
     prompt = val_prompt(data)
     want = hf_greedy(tuned, prompt, 8)
     assert len(want) == 8 and agent_greedy(out, prompt, 8) == want
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_cluster_exports_a_peft_adapter_and_a_merged_model(daemons: Daemons) -> None:
+    """A LoRA job on a loopback cluster (2 stages x 1 replica): `coordinator start --export-dir`
+    writes the peft adapter directory from the agents' adapter files, and `coordinator export
+    --merged` (the client, against the same coordinator) the base with them merged; under
+    `peft` and `transformers` the two give the same loss, not the base's."""
+    peft = pytest.importorskip("peft")
+    src, base = saved(daemons.tmp, "llama", eos=EOS)
+    data = byte_data(daemons.tmp)
+    out, merged = daemons.tmp / "adapter", daemons.tmp / "merged"
+    _, address = daemons.coordinator(
+        "--init-from", str(src), "--data", str(data), "--seq-len", "32", "--agents", "2",
+        "--stages", "2", "--replicas", "1", "--steps", "6", "--lr", "1e-2",
+        "--warmup-steps", "1", "--batch", "4", "--micro-batches", "2", "--eval-batches", "1",
+        "--checkpoint-every", "6", "--no-measure", "--search-seconds", "1",
+        "--lora-rank", "4", "--lora-alpha", "8", "--export-dir", str(out))
+    for i in range(2):
+        daemons.agent(address, f"agent-{i}", "--no-prewarm")
+    done = wait_for(lambda: (s := daemons.status(address)["job"])["state"] in ("done", "failed")
+                    and s, 250, f"the job to finish (logs in {daemons.tmp})", 1.0)
+    assert done["state"] == "done", done
+    wait_for(lambda: (out / "adapter_config.json").is_file(), 60, "the adapter export")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(src.absolute()) and config["r"] == 4
+    assert not (out / "model.safetensors").exists()
+    run = daemons.cli("coordinator", "export", "--coordinator", address, "--out", str(merged),
+                      "--merged", timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before = hf_val_loss(base, data)
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    adapted = hf_val_loss(peft.PeftModel.from_pretrained(fresh, out).eval(), data)
+    folded = hf_val_loss(transformers.AutoModelForCausalLM.from_pretrained(merged).eval(), data)
+    assert abs(adapted - before) > 1e-3, (adapted, before)  # the adapters learned
+    assert abs(adapted - folded) <= 1e-4 * adapted, (adapted, folded)
 
 
 def test_init_from_with_a_disagreeing_model_is_refused_naming_both(daemons: Daemons,

@@ -327,14 +327,32 @@ class JobStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
 
 class ExportSource(_message.Message):
-    __slots__ = ("config_json", "generation_json", "tokenizer")
+    __slots__ = ("config_json", "generation_json", "tokenizer", "lora")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     generation_json: str
     tokenizer: str
-    def __init__(self, config_json: _Optional[str] = ..., generation_json: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+    lora: LoraSource
+    def __init__(self, config_json: _Optional[str] = ..., generation_json: _Optional[str] = ..., tokenizer: _Optional[str] = ..., lora: _Optional[_Union[LoraSource, _Mapping]] = ...) -> None: ...
+
+class LoraSource(_message.Message):
+    __slots__ = ("rank", "alpha", "dropout", "targets", "base", "seed")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    dropout: float
+    targets: str
+    base: str
+    seed: int
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., targets: _Optional[str] = ..., base: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Replan(_message.Message):
     __slots__ = ("at_unix_s", "at_step", "trigger", "suspects", "links", "devices", "step_before_s", "step_drifted_s", "predicted_stay_s", "predicted_new_s", "gain_s", "cost_s", "decision", "why", "measure_s", "outcome", "stalled_s", "step_after_s", "grid_before", "grid_after")
