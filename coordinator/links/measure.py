@@ -1,7 +1,7 @@
 """Drives link measurement: tells agents whom to probe and collects their reports.
 
 The coordinator never measures anything itself. It has every agent ping every peer at once,
-then hands out bandwidth probes in the rotation order of `coordinator.linkstore`, starting each as
+then hands out bandwidth probes in the rotation order of `coordinator.links.store`, starting each as
 soon as its sender can send and its receiver can receive, so no device sends (or receives) two
 transfers at once and no slow link holds up a whole round. A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an

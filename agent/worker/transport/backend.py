@@ -1,0 +1,153 @@
+"""The dtfm transport as a `torch.distributed` backend ("dtfm"), so the worker keeps one path.
+
+`register()` adds the backend (`Backend.register_backend`, extended API: torch hands each
+group's name and global ranks to `_create`). A Python backend must subclass
+`ProcessGroup` in torch 2.13 (`Backend` has no Python constructor); torch then uses the
+returned object as the group itself. All groups of a process share one `Mesh` (one
+connection per peer); a group's messages travel on its own stream id, derived from the group
+name torch gives every member alike, so two groups never match each other's messages.
+
+Implemented: what the worker uses (`isend`/`irecv` with tags, `all_reduce` with SUM, MIN,
+MAX or PRODUCT, async or not, `barrier`, `new_group` with or without
+`use_local_synchronization`, `destroy_process_group`). `all_reduce` sends the tensor to
+every other member and each member reduces all of them in group-rank order: one hop of
+latency (what counts over a WAN), every member holds bitwise the same result, and for two
+members it is bitwise gloo's result. It moves (n-1) x the tensor per member, fine for the
+2-8 member groups a stage's data-parallel group has; a ring is the step after.
+
+The store torch requires is not used: a `dist.HashStore()` will do (no rank 0 to dial).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _DistributedBackendOptions
+
+from agent.worker.transport.config import TransportConfig
+from agent.worker.transport.mesh import Mesh
+from agent.worker.transport.work import TransportWork
+from dtfm.core.dataplane import stream_id
+
+NAME = "dtfm"
+_mesh: Mesh | None = None
+_lock = threading.Lock()
+
+_OPS = {
+    dist.ReduceOp.SUM: torch.Tensor.add_,
+    dist.ReduceOp.PRODUCT: torch.Tensor.mul_,
+    dist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+    dist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+}
+
+
+def register() -> None:
+    """Make `init_process_group("dtfm", ...)` available (idempotent)."""
+    if NAME.upper() not in dist.Backend._plugins:  # noqa: SLF001 - torch's plugin table
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def mesh() -> Mesh | None:
+    """This process's mesh (None before init_process_group): its stats for tests/benchmarks."""
+    return _mesh
+
+
+def _create(opts: _DistributedBackendOptions, options: Any) -> DtfmProcessGroup:
+    global _mesh
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    with _lock:
+        if not opts.global_ranks_in_group:  # the world: a new mesh
+            cfg = options if isinstance(options, TransportConfig) else TransportConfig.from_env()
+            if _mesh is not None:
+                _mesh.close()
+            cfg.timeout = opts.timeout
+            _mesh = Mesh(cfg, ranks[opts.group_rank])
+        elif _mesh is None:
+            raise RuntimeError("a dtfm subgroup needs the dtfm world: init_process_group first")
+        world = not opts.global_ranks_in_group
+        return DtfmProcessGroup(_mesh, opts.group_rank, ranks, str(opts.group_id), world)
+
+
+class DtfmProcessGroup(dist.ProcessGroup):
+    """One group over the shared mesh: ranks are group ranks, mapped to global ones."""
+
+    def __init__(self, mesh: Mesh, rank: int, ranks: list[int], name: str,
+                 world: bool = False) -> None:
+        super().__init__(rank, len(ranks))
+        self._world = world  # the world group owns the mesh: its shutdown closes it
+        self._mesh, self._ranks, self._name = mesh, ranks, name
+        self._p2p = stream_id(name, collective=False)
+        self._coll = stream_id(name, collective=True)
+        self._seq = itertools.count()
+        self._runner = ThreadPoolExecutor(1, thread_name_prefix=f"dtfm-coll-{name[:8]}")
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return NAME
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TransportWork:
+        return self._mesh.send(self._ranks[dst], self._p2p, tag, _one(tensors))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TransportWork:
+        return self._mesh.recv(self._ranks[src], self._p2p, tag, _one(tensors))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TransportWork:
+        t = _one(tensors)
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        fn = next((f for o, f in _OPS.items() if op == o), None)
+        if fn is None:
+            raise ValueError(f"the dtfm backend reduces with SUM, PRODUCT, MIN or MAX: got {op}")
+        return self._collective(t, fn)
+
+    def barrier(self, opts: Any = None) -> TransportWork:
+        return self._collective(torch.zeros(1), torch.Tensor.add_)
+
+    def _collective(self, t: torch.Tensor, fn: Any) -> TransportWork:
+        """Every member's `t` to every member, reduced in group-rank order, on one thread
+        per group (collectives finish in the order they were called, as members expect)."""
+        seq = next(self._seq)
+        work = TransportWork(self._mesh.cfg.timeout, f"all_reduce #{seq} over ranks "
+                             f"{self._ranks}", [t])
+        me = self.rank()
+        mine = t.detach().clone()
+        parts = [mine if i == me else torch.empty_like(mine) for i in range(self.size())]
+        works = [self._mesh.recv(r, self._coll, seq, parts[i])
+                 for i, r in enumerate(self._ranks) if i != me]
+        works += [self._mesh.send(r, self._coll, seq, mine)
+                  for i, r in enumerate(self._ranks) if i != me]
+
+        def finish() -> None:
+            try:
+                for w in works:
+                    w.wait()
+                acc = parts[0].clone()
+                for p in parts[1:]:
+                    fn(acc, p)
+                t.copy_(acc)
+            except BaseException as exc:  # noqa: BLE001 - the waiter hears why
+                work.finish(exc)
+                return
+            work.finish()
+
+        self._runner.submit(finish)
+        return work
+
+    def shutdown(self) -> None:
+        global _mesh
+        self._runner.shutdown(wait=False)
+        if not self._world:
+            return
+        with _lock:
+            self._mesh.close()
+            if _mesh is self._mesh:
+                _mesh = None
+
+
+def _one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"the dtfm backend takes one tensor per call: got {len(tensors)}")
+    return tensors[0]

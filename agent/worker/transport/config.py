@@ -1,0 +1,81 @@
+"""What the data-plane transport needs to know, from the assignment, not from a store.
+
+The peer table says which rank listens where (None: it cannot accept, it only dials) and
+which relay two non-listening ranks meet at; with it no rank ever needs an inbound
+connection it cannot take, and rendezvous needs no TCPStore on rank 0 (rank 0 may be behind
+a NAT too). It comes as `pg_options` of `init_process_group`, or from the environment
+(`DTFM_TRANSPORT`: JSON, the secret read from `secret_file`, never put in the JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from dtfm.core.dataplane import parse_addr
+
+ENV = "DTFM_TRANSPORT"
+
+
+@dataclass
+class TransportConfig:
+    """One rank's view of the job's data plane."""
+
+    job: str
+    epoch: int
+    secret: bytes = field(repr=False)
+    peers: dict[int, str | None]  # rank -> "host:port" it listens on, None: dials only
+    relay: str | None = None  # "host:port" of the relay for pairs where neither listens
+    bind: str | None = None  # listen here instead of this rank's advertised address
+    mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
+    timeout: timedelta = timedelta(seconds=300)
+
+    def __post_init__(self) -> None:
+        for rank, addr in self.peers.items():
+            if addr is not None:
+                parse_addr(addr)  # a bad address fails here, naming it
+            if rank < 0:
+                raise ValueError(f"peer table names rank {rank}: ranks are >= 0")
+        if self.relay is not None:
+            parse_addr(self.relay)
+
+    def mode(self, me: int, peer: int) -> str:
+        """'dial', 'accept' or 'relay': how `me` reaches `peer` (both ends agree)."""
+        mine, theirs = self.peers.get(me), self.peers.get(peer)
+        if theirs is not None and (mine is None or me > peer):
+            return "dial"
+        if mine is not None:
+            return "accept"
+        if self.relay is None:
+            raise ValueError(f"ranks {me} and {peer} both only dial out and the peer table "
+                             f"names no relay: give one (TransportConfig.relay)")
+        return "relay"
+
+    @staticmethod
+    def from_env(environ: dict[str, str] | None = None) -> TransportConfig:
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV)
+        if not raw:
+            raise ValueError(f"the dtfm backend needs its peer table: pass pg_options="
+                             f"TransportConfig(...) to init_process_group or set {ENV}")
+        try:
+            d = json.loads(raw)
+            with open(d["secret_file"], "rb") as f:
+                secret = f.read().strip()
+            return TransportConfig(
+                job=str(d["job"]), epoch=int(d["epoch"]), secret=secret,
+                peers={int(k): v for k, v in d["peers"].items()}, relay=d.get("relay"),
+                bind=d.get("bind"), timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
+            )
+        except (KeyError, ValueError, OSError) as exc:
+            raise ValueError(f"{ENV} is not a usable peer table ({exc!r}): it needs job, "
+                             f"epoch, peers {{rank: 'host:port' or null}}, secret_file") from exc
+
+    def to_env(self, secret_file: str) -> str:
+        """The JSON for `ENV` (the secret stays in `secret_file`)."""
+        return json.dumps({"job": self.job, "epoch": self.epoch, "secret_file": secret_file,
+                           "peers": {str(k): v for k, v in self.peers.items()},
+                           "relay": self.relay, "bind": self.bind,
+                           "timeout_s": self.timeout.total_seconds()})

@@ -1,0 +1,303 @@
+"""One process's authenticated connections to its peers, and tagged messages over them.
+
+A connection per peer, opened on first use by the end that can: a rank that cannot listen
+dials one that can; where neither listens both dial the relay, which pairs them
+(`dtfm/relay.py`). Every connection starts with the job-key handshake
+(`dtfm.core.dataplane.handshake`); a peer that fails it is closed before any frame is read.
+
+Messages are matched like gloo's: by (source rank, stream, tag), in order. A frame whose
+receive is posted is read straight into the receiver's tensor; one that arrives first waits
+in a mailbox bounded by `mailbox_bytes` per peer. When the mailbox is full the reader stops
+reading that peer until a matching receive is posted, so a fast sender is slowed by TCP's
+own flow control rather than growing memory (the worker posts its receives ahead, so this
+only bites a peer that runs far ahead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from agent.worker.transport.config import TransportConfig
+from agent.worker.transport.work import TransportWork
+from dtfm.core import dataplane as dp
+
+log = logging.getLogger(__name__)
+_RETRY_S = 0.05
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (any dtype, bfloat16 included)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"the dtfm transport sends contiguous CPU tensors: got {t.device} "
+                         f"{'contiguous' if t.is_contiguous() else 'non-contiguous'}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class _Recv:
+    def __init__(self, tensor: torch.Tensor, work: TransportWork) -> None:
+        self.tensor, self.work = tensor, work
+
+
+class _Peer:
+    """The connection to one peer: a sender thread (connects, then sends in order) and a
+    reader thread (started once connected)."""
+
+    def __init__(self, mesh: Mesh, rank: int) -> None:
+        self.mesh, self.rank = mesh, rank
+        self.sock: socket.socket | None = None
+        self.error: BaseException | None = None
+        self.connected = threading.Event()
+        self.outbox: queue.Queue[tuple[bytes, torch.Tensor, TransportWork] | None] = queue.Queue()
+        self.posted: dict[tuple[int, int], deque[_Recv]] = {}
+        self.arrived: dict[tuple[int, int], deque[bytearray]] = {}
+        self.unclaimed = 0
+        threading.Thread(target=self._send_loop, name=f"dtfm-send-{rank}", daemon=True).start()
+
+    def attach(self, sock: socket.socket) -> None:
+        if self.sock is not None:
+            log.warning("rank %d connected again: the new connection is dropped", self.rank)
+            sock.close()
+            return
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.connected.set()
+        threading.Thread(target=self._read_loop, name=f"dtfm-recv-{self.rank}",
+                         daemon=True).start()
+
+    def fail(self, exc: BaseException) -> None:
+        with self.mesh.cond:
+            if self.error is None:
+                self.error = exc
+            for q in self.posted.values():
+                for r in q:
+                    r.work.finish(exc)
+            self.posted.clear()
+            self.mesh.cond.notify_all()
+        self.connected.set()
+        if self.sock is not None:
+            self.sock.close()
+
+    def _send_loop(self) -> None:
+        try:
+            self.mesh.connect(self)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
+            self.fail(exc)
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            header, tensor, work = item
+            if self.error is not None:
+                work.finish(self.error)
+                continue
+            try:
+                assert self.sock is not None
+                self.sock.sendall(header)
+                self.sock.sendall(byte_view(tensor))
+                work.finish()
+            except OSError as exc:
+                err = ConnectionError(f"sending to rank {self.rank} failed: {exc}")
+                work.finish(err)
+                self.fail(err)
+
+    def _read_loop(self) -> None:
+        m, sock = self.mesh, self.sock
+        assert sock is not None
+        try:
+            while True:
+                h = dp.Header.unpack(dp.recv_exact(sock, dp.HEADER_BYTES))
+                h.check(m.job, m.cfg.epoch, self.rank, m.rank)
+                key = (h.stream, h.tag)
+                with m.cond:
+                    while not self.posted.get(key) and \
+                            self.unclaimed + h.length > m.cfg.mailbox_bytes and self.unclaimed > 0 \
+                            and self.error is None:
+                        m.cond.wait()  # backpressure: read on when a receive claims a message
+                    req = self.posted[key].popleft() if self.posted.get(key) else None
+                if req is None:
+                    buf = bytearray(h.length)
+                    dp.recv_into_exact(sock, memoryview(buf))
+                    with m.cond:
+                        self._deliver(key, buf)
+                    continue
+                view = byte_view(req.tensor)
+                if len(view) != h.length:
+                    dp.recv_into_exact(sock, memoryview(bytearray(h.length)))
+                    req.work.finish(RuntimeError(
+                        f"rank {self.rank} sent {h.length} bytes (tag {h.tag}) for a receive "
+                        f"of {len(view)} bytes: the two ends disagree on the tensor's shape "
+                        f"or dtype"))
+                    continue
+                dp.recv_into_exact(sock, view)
+                req.work.finish()
+        except (OSError, dp.FrameError) as exc:
+            self.fail(ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
+
+    def _deliver(self, key: tuple[int, int], buf: bytearray) -> None:
+        """Called under the mesh's lock: a message for which no receive was posted."""
+        q = self.posted.get(key)
+        if q:  # posted while the payload was being read
+            r = q.popleft()
+            _copy_in(r, buf, self.rank)
+            return
+        self.arrived.setdefault(key, deque()).append(buf)
+        self.unclaimed += len(buf)
+
+
+def _copy_in(r: _Recv, buf: bytearray, src: int) -> None:
+    view = byte_view(r.tensor)
+    if len(view) != len(buf):
+        r.work.finish(RuntimeError(f"rank {src} sent {len(buf)} bytes for a receive of "
+                                   f"{len(view)} bytes: the ends disagree on shape or dtype"))
+        return
+    view[:] = buf
+    r.work.finish()
+
+
+class Mesh:
+    """This rank's data plane: `send` and `recv` of tensors, by peer, stream and tag."""
+
+    def __init__(self, cfg: TransportConfig, rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.job = dp.job_digest(cfg.job)
+        self.key = dp.derive_key(cfg.secret, cfg.job, cfg.epoch)
+        self.cond = threading.Condition()
+        self.peers: dict[int, _Peer] = {}
+        self.rejected = 0  # connections that failed the handshake
+        self._closed = False
+        self._listener: socket.socket | None = None
+        addr = cfg.bind or cfg.peers.get(rank)
+        if addr is not None:
+            host, port = dp.parse_addr(addr)
+            self._listener = socket.create_server((host, port), reuse_port=False)
+            threading.Thread(target=self._accept_loop, name="dtfm-accept", daemon=True).start()
+            log.info("rank %d: data plane listens on %s", rank, addr)
+
+    # ---- public ----
+    def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
+        byte_view(tensor)  # a tensor it cannot send fails here, in the caller
+        work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor])
+        header = dp.Header(self.job, self.cfg.epoch, self.rank, dst, stream, tag,
+                           tensor.numel() * tensor.element_size()).pack()
+        self.peer(dst).outbox.put((header, tensor, work))
+        return work
+
+    def recv(self, src: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
+        byte_view(tensor)
+        work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor])
+        p = self.peer(src)
+        r = _Recv(tensor, work)
+        with self.cond:
+            got = p.arrived.get((stream, tag))
+            if p.error is not None:
+                work.finish(p.error)
+            elif got:
+                buf = got.popleft()
+                p.unclaimed -= len(buf)
+                _copy_in(r, buf, src)
+                self.cond.notify_all()
+            else:
+                p.posted.setdefault((stream, tag), deque()).append(r)
+                self.cond.notify_all()
+        return work
+
+    def peer(self, rank: int) -> _Peer:
+        if rank == self.rank or rank not in self.cfg.peers:
+            raise ValueError(f"rank {self.rank} has no peer {rank} in its peer table")
+        with self.cond:
+            p = self.peers.get(rank)
+            if p is None:
+                p = self.peers[rank] = _Peer(self, rank)
+            return p
+
+    def close(self) -> None:
+        self._closed = True
+        if self._listener is not None:
+            self._listener.close()
+        for p in list(self.peers.values()):
+            p.outbox.put(None)
+            if p.sock is not None:
+                p.sock.close()
+
+    # ---- connecting ----
+    def connect(self, p: _Peer) -> None:
+        """Open `p`'s connection (dial or relay) or wait for it to be accepted."""
+        mode = self.cfg.mode(self.rank, p.rank)
+        if mode == "accept":
+            if not p.connected.wait(self.cfg.timeout.total_seconds()):
+                raise TimeoutError(f"rank {p.rank} did not connect to rank {self.rank} "
+                                   f"within {self.cfg.timeout}")
+            return
+        if mode == "dial":
+            addr, role_target = self.cfg.peers[p.rank], dp.NO_RANK
+        else:
+            addr, role_target = self.cfg.relay, p.rank
+        assert addr is not None
+        sock = self._dial(addr, p.rank, role_target)
+        p.attach(sock)
+
+    def _dial(self, addr: str, peer: int, target: int) -> socket.socket:
+        end = time.monotonic() + self.cfg.timeout.total_seconds()
+        host, port = dp.parse_addr(addr)
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=10)
+                break
+            except OSError as exc:  # not listening yet: it may still be starting
+                if time.monotonic() > end or self._closed:
+                    raise ConnectionError(f"rank {self.rank} cannot reach "
+                                          f"{'the relay' if target != dp.NO_RANK else 'rank'} "
+                                          f"{addr} for rank {peer}: {exc}") from exc
+                time.sleep(_RETRY_S)
+        try:
+            theirs = dp.handshake(sock, self.key, self.cfg.job, self.cfg.epoch, dp.ROLE_DIAL,
+                                  self.rank, target)
+        except BaseException:
+            sock.close()
+            raise
+        if target == dp.NO_RANK and theirs.rank != peer:
+            sock.close()
+            raise ConnectionError(f"{addr} answered as rank {theirs.rank}, not rank {peer}: "
+                                  f"the peer table is stale")
+        return sock
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.settimeout(10)
+        try:
+            theirs = dp.handshake(sock, self.key, self.cfg.job, self.cfg.epoch,
+                                  dp.ROLE_ACCEPT, self.rank)
+            if theirs.role != dp.ROLE_DIAL or theirs.rank not in self.cfg.peers or \
+                    self.cfg.mode(self.rank, theirs.rank) != "accept":
+                raise dp.AuthError(f"rank {theirs.rank} may not dial rank {self.rank}")
+        except (OSError, dp.AuthError, ValueError) as exc:
+            self.rejected += 1
+            log.warning("rank %d: dropped a connection before reading any frame: %s",
+                        self.rank, exc)
+            sock.close()
+            return
+        self.peer(theirs.rank).attach(sock)
+
+    def stats(self) -> dict[str, Any]:
+        return {"rejected": self.rejected, "peers": sorted(self.peers)}

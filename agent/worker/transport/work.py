@@ -1,0 +1,68 @@
+"""A `torch.distributed.Work` the dtfm backend returns: finished by the transport's threads.
+
+`wait(timeout)` behaves as gloo's does for the worker (`agent/worker/errors.wait_all`): it
+raises RuntimeError when the operation failed (the message says which peer and why) or when
+the timeout passed; a zero timeout means the group's own timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+from torch._C._distributed_c10d import Work
+from torch.futures import Future
+
+
+class TransportWork(Work):
+    """One send, receive or collective in flight."""
+
+    def __init__(self, default_timeout: timedelta, what: str,
+                 tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._timeout = default_timeout
+        self._what = what
+        self._tensors = tensors  # kept alive until finished: the transport reads or writes them
+        self._callbacks: list[Future] = []
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self._error = error
+        self._done.set()
+        for fut in self._callbacks:
+            if error is None:
+                fut.set_result(self._tensors)
+            else:
+                fut.set_exception(error)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        limit = (timeout if timeout.total_seconds() > 0 else self._timeout).total_seconds()
+        if not self._done.wait(limit):
+            raise RuntimeError(f"dtfm transport: {self._what} timed out after {limit:.3g} s")
+        if self._error is not None:
+            raise RuntimeError(f"dtfm transport: {self._what} failed: {self._error}")
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        if self._done.is_set():
+            if self._error is None:
+                fut.set_result(self._tensors)
+            else:
+                fut.set_exception(self._error)
+        else:
+            self._callbacks.append(fut)
+        return fut

@@ -1,0 +1,131 @@
+"""The dtfm transport against gloo on loopback: send/recv latency and throughput, all_reduce.
+
+Two ranks in real processes. Cases: gloo; dtfm direct (rank 0 listens, rank 1 dials);
+dtfm relayed (neither listens: both dial a `dtfm.relay.Relay` in its own process). Prints a
+table and writes bench/results/transport.json. Loopback only: it measures the transport's
+own cost (Python framing and threads), not a WAN; a couple of minutes at most.
+
+    .venv/bin/python bench/transport.py [--mib 16] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent.worker.transport import TransportConfig, register  # noqa: E402
+from dtfm.relay import Relay  # noqa: E402
+from dtfm.rpc import free_port  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "transport.json"
+SECRET = b"bench-secret"
+
+
+def _rank(rank: int, case: str, port: int, cfg: TransportConfig | None, mib: int, reps: int,
+          q: mp.Queue) -> None:
+    t = timedelta(seconds=120)
+    if cfg is None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=t)
+    else:
+        register()
+        dist.init_process_group("dtfm", store=dist.HashStore(), rank=rank, world_size=2,
+                                timeout=t, pg_options=cfg)
+    peer = 1 - rank
+    small = torch.zeros(2)
+    big = torch.ones(mib << 18)  # mib MiB of float32
+    dist.all_reduce(small)  # connect
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):  # ping-pong
+        if rank == 0:
+            dist.send(small, peer, tag=1)
+            dist.recv(small, peer, tag=2)
+        else:
+            dist.recv(small, peer, tag=1)
+            dist.send(small, peer, tag=2)
+    rtt = (time.perf_counter() - t0) / n
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        if rank == 0:
+            dist.send(big, peer, tag=3)
+        else:
+            dist.recv(big, peer, tag=3)
+    dist.all_reduce(small)  # the receiver has everything
+    p2p_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(big)
+    ar_s = time.perf_counter() - t0
+    if rank == 0:
+        q.put({"case": case, "rtt_us": rtt * 1e6, "p2p_mb_s": mib * reps * 1.048576 / p2p_s,
+               "allreduce_ms": ar_s / reps * 1e3, "mib": mib})
+    dist.destroy_process_group()
+
+
+def _run(case: str, cfg: TransportConfig | None, mib: int, reps: int) -> dict:
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, case, port, cfg, mib, reps, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        row = q.get(timeout=180)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=16, help="message size for throughput, MiB")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    relay_addr = f"127.0.0.1:{free_port()}"
+    relay_proc = mp.get_context("spawn").Process(target=_serve_relay, args=(relay_addr,),
+                                                 daemon=True)
+    relay_proc.start()
+    direct = TransportConfig("bench", 1, SECRET, {0: f"127.0.0.1:{free_port()}", 1: None})
+    relayed = TransportConfig("bench", 1, SECRET, {0: None, 1: None}, relay=relay_addr)
+    rows = []
+    try:
+        for case, cfg in (("gloo", None), ("dtfm direct", direct), ("dtfm relayed", relayed)):
+            rows.append(_run(case, cfg, args.mib, args.reps))
+    finally:
+        relay_proc.kill()
+    print(f"{'case':<14}{'rtt us':>10}{'p2p MB/s':>12}{f'all_reduce {args.mib} MiB ms':>26}")
+    for r in rows:
+        print(f"{r['case']:<14}{r['rtt_us']:>10.0f}{r['p2p_mb_s']:>12.0f}"
+              f"{r['allreduce_ms']:>26.1f}")
+    Path(args.out).write_text(json.dumps({"loopback": True, "rows": rows}, indent=1))
+
+
+def _serve_relay(addr: str) -> None:
+    import asyncio
+
+    host, port = addr.rsplit(":", 1)
+
+    async def run() -> None:
+        await Relay(SECRET, host, int(port)).serve()
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The data plane's wire: frames, the job key and the handshake (no torch, no grpc).
+
+Shared by the worker's transport (`agent/worker/transport/`) and the relay (`dtfm/relay.py`),
+so both speak exactly one format. Everything here is pure or works on a blocking socket; the
+relay reuses the pure parts from asyncio.
+
+Authentication: every connection starts with a handshake in which each side proves it holds
+the job's key by an HMAC over a fresh nonce chosen by the *other* side (so a recorded proof
+cannot be replayed) and over its own claimed rank and role (so a proof cannot be reflected
+back). The key is derived from the job's secret (the join token, or a per-job secret the
+coordinator hands out) and the job and epoch ids: it never crosses the wire, and a key of one
+job or epoch proves nothing in another. Nothing after the handshake is read from a peer that
+failed it: the caller closes the socket.
+
+Frames: a fixed header (job digest, epoch, source and destination rank, stream, tag, payload
+length) then the payload. The receiver checks the header against what the handshake
+established (its job, epoch, the peer's rank, its own rank) before it reads the payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"DTFP"
+VERSION = 1
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+NO_RANK = 0xFFFFFFFF  # "no target": a direct connection names no relay target
+
+# magic, version, role, job digest, epoch, rank, target rank, nonce
+_HELLO = struct.Struct(f"!4sBB16sII I{NONCE_BYTES}s")
+# job digest, epoch, src, dst, stream, tag, payload length
+_HEADER = struct.Struct("!16sIIIQqQ")
+HELLO_BYTES = _HELLO.size
+HEADER_BYTES = _HEADER.size
+
+ROLE_DIAL = 1
+ROLE_ACCEPT = 2
+ROLE_RELAY = 3
+
+
+class AuthError(ConnectionError):
+    """The peer did not prove it holds the job's key, or spoke something else."""
+
+
+class FrameError(ConnectionError):
+    """A frame that does not belong on this connection (wrong job, epoch or ranks)."""
+
+
+def job_digest(job: str) -> bytes:
+    """16 bytes naming a job on the wire (job ids are free-form strings)."""
+    return hashlib.sha256(job.encode()).digest()[:16]
+
+
+def derive_key(secret: bytes, job: str | bytes, epoch: int) -> bytes:
+    """The key of one job's epoch: HMAC(secret, label | job digest | epoch); never sent.
+
+    `job` is the job id or its digest (a relay knows only the digest its peers send)."""
+    if not secret:
+        raise ValueError("the data plane needs the job's secret (the join token): got none")
+    digest = job if isinstance(job, bytes) else job_digest(job)
+    return hmac.new(secret, b"dtfm-dataplane-v1\0" + digest + struct.pack("!I", epoch),
+                    hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message each side sends: who it claims to be and a fresh nonce."""
+
+    role: int
+    job: bytes  # job_digest
+    epoch: int
+    rank: int
+    target: int  # the rank a relay should connect this circuit to; NO_RANK otherwise
+    nonce: bytes
+
+    def pack(self) -> bytes:
+        return _HELLO.pack(MAGIC, VERSION, self.role, self.job, self.epoch, self.rank,
+                           self.target, self.nonce)
+
+    @staticmethod
+    def unpack(data: bytes) -> Hello:
+        magic, version, role, job, epoch, rank, target, nonce = _HELLO.unpack(data)
+        if magic != MAGIC or version != VERSION:
+            raise AuthError(f"not a dtfm data-plane peer (magic {magic!r}, version {version})")
+        return Hello(role, job, epoch, rank, target, nonce)
+
+
+def new_hello(role: int, job: str, epoch: int, rank: int, target: int = NO_RANK) -> Hello:
+    return Hello(role, job_digest(job), epoch, rank, target, os.urandom(NONCE_BYTES))
+
+
+def proof(key: bytes, mine: Hello, theirs: Hello) -> bytes:
+    """What `mine`'s sender sends to prove it holds `key`: bound to both hellos, so to the
+    other side's fresh nonce, and to the sender's role, rank and target."""
+    return hmac.new(key, b"dtfm-proof\0" + mine.pack() + theirs.pack(), hashlib.sha256).digest()
+
+
+def check_proof(key: bytes, theirs: Hello, mine: Hello, got: bytes) -> None:
+    if not hmac.compare_digest(proof(key, theirs, mine), got):
+        raise AuthError(f"peer claiming rank {theirs.rank} failed the handshake: it does not "
+                        f"hold this job's key (wrong token, job or epoch)")
+
+
+def check_hello(theirs: Hello, job: str, epoch: int) -> None:
+    if theirs.job != job_digest(job) or theirs.epoch != epoch:
+        raise AuthError(f"peer claiming rank {theirs.rank} is in another job or epoch "
+                        f"(epoch {theirs.epoch}; this is {job!r} epoch {epoch})")
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the connection mid-message")
+        got += k
+
+
+def handshake(sock: socket.socket, key: bytes, job: str, epoch: int, role: int, rank: int,
+              target: int = NO_RANK) -> Hello:
+    """Run the handshake on a connected blocking socket; the peer's verified hello.
+
+    Both sides send a hello, then a proof over both hellos. The caller sets a timeout on
+    `sock` first; AuthError (close the socket, read nothing more) when the peer fails.
+    """
+    mine = new_hello(role, job, epoch, rank, target)
+    sock.sendall(mine.pack())
+    theirs = Hello.unpack(recv_exact(sock, HELLO_BYTES))
+    check_hello(theirs, job, epoch)
+    sock.sendall(proof(key, mine, theirs))
+    check_proof(key, theirs, mine, recv_exact(sock, PROOF_BYTES))
+    return theirs
+
+
+@dataclass(frozen=True)
+class Header:
+    """One frame's header: `length` payload bytes follow it."""
+
+    job: bytes
+    epoch: int
+    src: int
+    dst: int
+    stream: int  # which group (and whether a collective) the message belongs to
+    tag: int
+    length: int
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(self.job, self.epoch, self.src, self.dst, self.stream, self.tag,
+                            self.length)
+
+    @staticmethod
+    def unpack(data: bytes) -> Header:
+        return Header(*_HEADER.unpack(data))
+
+    def check(self, job: bytes, epoch: int, src: int, dst: int) -> None:
+        """Raise FrameError unless this frame travels from `src` to `dst` in job/epoch."""
+        if (self.job, self.epoch, self.src, self.dst) != (job, epoch, src, dst):
+            raise FrameError(f"frame from rank {self.src} to rank {self.dst} (epoch "
+                             f"{self.epoch}) on the connection from rank {src} to rank {dst} "
+                             f"(epoch {epoch}) or of another job: dropped, connection closed")
+
+
+def stream_id(group: str, collective: bool) -> int:
+    """A 64-bit stream id for a group's point-to-point or collective messages."""
+    h = int.from_bytes(hashlib.sha256(group.encode()).digest()[:8], "big") & ~1
+    return h | int(collective)
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port), with an error that says what was wrong."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {addr!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,201 @@
+"""A circuit relay for the data plane: forwards frames between two ranks that cannot dial
+each other (both behind NAT), only between authenticated members of the same job and epoch.
+
+Each end dials the relay, proves it holds the job's key (`dtfm.core.dataplane.handshake`,
+the relay proves it too) and names the rank it wants to reach. The relay pairs the circuit
+(job, epoch, a -> b) with (job, epoch, b -> a) and pumps frames both ways; a circuit whose
+partner does not arrive within `pair_timeout_s` is closed. Each frame's header is checked
+against the circuit before its payload is read: a frame naming another job, epoch or rank
+closes the circuit and nothing of it is forwarded.
+
+Bounded buffers and backpressure: a direction of a circuit holds at most one chunk
+(`chunk_bytes`) read from the sender plus the receiver's socket write buffer, which is
+capped at `chunk_bytes` too (`set_write_buffer_limits`): when the receiver reads slowly the
+relay stops reading from the sender, the sender's socket buffer fills and its sends block.
+The reader's buffer pauses at 2 chunks (plus one socket read, 256 KiB in asyncio), so the
+relay's memory is bounded by circuits x (~4 chunks + 256 KiB), whatever the senders do
+(`Relay.peak_flow_bytes` records the most any direction held; the tests pin it).
+
+Run one with `python -m dtfm.relay --port P --secret-file F` (an agent or the coordinator
+that every member can reach; the next step wires that in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from dtfm.core import dataplane as dp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Circuit:
+    job: bytes
+    epoch: int
+    src: int
+    dst: int
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    partner: asyncio.Future[_Circuit] = field(default_factory=asyncio.Future)
+
+
+class Relay:
+    """The relay server: `await serve()` in a loop, or `start_in_thread()` for tests."""
+
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
+                 chunk_bytes: int = 1 << 20, pair_timeout_s: float = 60.0,
+                 handshake_timeout_s: float = 10.0) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive: got {chunk_bytes}")
+        dp.derive_key(secret, "check", 0)  # an empty secret fails here, with its message
+        self.secret, self.host, self.port = secret, host, port
+        self.chunk_bytes = chunk_bytes
+        self.pair_timeout_s, self.handshake_timeout_s = pair_timeout_s, handshake_timeout_s
+        self._waiting: dict[tuple[bytes, int, int, int], _Circuit] = {}
+        self.rejected = 0  # connections dropped for failing the handshake
+        self.forwarded_bytes = 0
+        self.peak_flow_bytes = 0  # the most one direction of one circuit held at once
+        self._server: asyncio.base_events.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self) -> None:
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port,
+                                                  limit=self.chunk_bytes)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("relay listens on %s:%d", self.host, self.port)
+
+    def start_in_thread(self) -> str:
+        """Serve on a daemon thread's own loop; the 'host:port' it listens on."""
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(self.serve())
+            ready.set()
+            self._loop.run_forever()
+
+        threading.Thread(target=run, name="dtfm-relay", daemon=True).start()
+        if not ready.wait(10):
+            raise RuntimeError("the relay did not start listening within 10 s")
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        if self._loop is not None and self._server is not None:
+            self._loop.call_soon_threadsafe(self._server.close)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _on_connect(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            circuit = await asyncio.wait_for(self._handshake(reader, writer),
+                                             self.handshake_timeout_s)
+        except (dp.AuthError, ConnectionError, asyncio.IncompleteReadError,
+                TimeoutError) as exc:
+            self.rejected += 1
+            log.warning("relay: dropped %s before reading any frame: %s", peer, exc)
+            writer.close()
+            return
+        try:
+            await self._pair_and_pump(circuit)
+        finally:
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> _Circuit:
+        theirs = dp.Hello.unpack(await reader.readexactly(dp.HELLO_BYTES))
+        if theirs.role != dp.ROLE_DIAL or theirs.target == dp.NO_RANK:
+            raise dp.AuthError("a relay circuit must name the rank it wants to reach")
+        key = dp.derive_key(self.secret, theirs.job, theirs.epoch)
+        mine = dp.Hello(dp.ROLE_RELAY, theirs.job, theirs.epoch, dp.NO_RANK, theirs.target,
+                        dp.new_hello(dp.ROLE_RELAY, "", 0, 0).nonce)
+        writer.write(mine.pack())
+        writer.write(dp.proof(key, mine, theirs))
+        dp.check_proof(key, theirs, mine, await reader.readexactly(dp.PROOF_BYTES))
+        writer.transport.set_write_buffer_limits(high=self.chunk_bytes)
+        return _Circuit(theirs.job, theirs.epoch, theirs.rank, theirs.target, reader, writer)
+
+    async def _pair_and_pump(self, c: _Circuit) -> None:
+        me, other = (c.job, c.epoch, c.src, c.dst), (c.job, c.epoch, c.dst, c.src)
+        if other in self._waiting:
+            partner = self._waiting.pop(other)
+            partner.partner.set_result(c)
+        else:
+            if me in self._waiting:
+                log.warning("relay: rank %d of epoch %d dialled again for rank %d: the "
+                            "older circuit is replaced", c.src, c.epoch, c.dst)
+                self._waiting.pop(me).partner.cancel()
+            self._waiting[me] = c
+            try:
+                partner = await asyncio.wait_for(asyncio.shield(c.partner),
+                                                 self.pair_timeout_s)
+            except (TimeoutError, asyncio.CancelledError):
+                if self._waiting.get(me) is c:
+                    del self._waiting[me]
+                log.warning("relay: rank %d's circuit to rank %d (epoch %d) found no "
+                            "partner within %.0f s", c.src, c.dst, c.epoch, self.pair_timeout_s)
+                return
+        # each side's task pumps its own direction; the pair ends when either does
+        try:
+            await self._pump(c, partner)
+        finally:
+            partner.writer.close()
+
+    async def _pump(self, src: _Circuit, dst: _Circuit) -> None:
+        """Forward frames src -> dst: header checked, payload in bounded chunks."""
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                raw = await src.reader.readexactly(dp.HEADER_BYTES)
+                header = dp.Header.unpack(raw)
+                try:
+                    header.check(src.job, src.epoch, src.src, src.dst)
+                except dp.FrameError as exc:
+                    log.warning("relay: %s", exc)
+                    return
+                dst.writer.write(raw)
+                left = header.length
+                while left:
+                    chunk = await src.reader.readexactly(min(left, self.chunk_bytes))
+                    left -= len(chunk)
+                    self.forwarded_bytes += len(chunk)  # before the write: a reader may
+                    dst.writer.write(chunk)  # see the bytes before this thread runs on
+                    held = dst.writer.transport.get_write_buffer_size() + len(
+                        src.reader._buffer)  # noqa: SLF001 - asyncio's own bounded buffer
+                    self.peak_flow_bytes = max(self.peak_flow_bytes, held)
+                    await dst.writer.drain()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dtfm.relay", description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    ap.add_argument("--port", type=int, required=True, help="port to listen on")
+    ap.add_argument("--secret-file", required=True,
+                    help="file holding the job's secret (the join token)")
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                    help="bytes a circuit direction holds at most per chunk")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.secret_file, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"cannot read --secret-file {args.secret_file}: {exc.strerror}") from exc
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    relay = Relay(secret, args.host, args.port, chunk_bytes=args.chunk_bytes)
+
+    async def run() -> None:
+        await relay.serve()
+        print(f"relay listening on {relay.host}:{relay.port}", flush=True)
+        await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
