@@ -10,6 +10,14 @@ every layout starts from the same adapters, which is what makes a 2 x 2 run equa
 single-process one. Every base parameter gets `requires_grad = False`: the optimizer
 (`optim.make_optimizer`), the data-parallel exchange (`data_parallel.GradAverager`) and the
 outer step (`outer.OuterSync`) take only trainable parameters, so the base is in none of them.
+Under `--dtype bf16` every frozen tensor (the adapted Linears' weights and biases, embeddings,
+norms, head) is held in bf16, half the bytes of full fine-tuning's fp32 masters, while the
+adapters stay fp32 masters as every trained weight is: autocast computes the matmuls in bf16
+either way, `hfload` copies the base's values into the bf16 tensors (rounding them once), and
+the first stage widens its embedding back to fp32, so the residual stream stays fp32 as in full
+fine-tuning; LayerNorms widen their bf16 parameters per call (`WideLayerNorm`). A bf16 base runs
+under autocast only, which `--dtype bf16` always turns on. The merged export never sees this
+copy: `loramerge` rebuilds the base from `--init-from` in its own precision.
 
 A checkpoint holds only the adapters (`adapter_tensors`, under `peft`'s names, so an export is
 those files joined) beside the optimizer state; `load_adapters` maps them back. The base is
@@ -30,6 +38,9 @@ from torch import nn
 from agent.worker.model import part_generator
 from dtfm.core import lora as spec_lora
 from dtfm.core.spec import ModelSpec, TrainConfig
+
+# what the frozen base is held in, by the job's --dtype (the planner's `memory` prices the same)
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # keeps the adapters' init stream apart from the base's (`model.build_part` uses the seed itself)
 SEED_OFFSET = 0x10AA
@@ -59,7 +70,7 @@ class LoraLinear(nn.Linear):
         self.scaling = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)  # a bf16 base: autocast casts x to match
         return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
@@ -87,7 +98,54 @@ def apply(stage: nn.Module, spec: ModelSpec, cfg: TrainConfig) -> int:
             wrapped = LoraLinear(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, gen)
             setattr(parent, name, wrapped)
             count += wrapped.lora_A.weight.numel() + wrapped.lora_B.weight.numel()
+    _hold_base_in(stage, BASE_DTYPES[str(cfg.dtype)])
     return count
+
+
+def _hold_base_in(stage: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every frozen floating-point parameter to `dtype` in place (the adapters, trained,
+    stay fp32); below fp32 the embedding's output is widened back to fp32."""
+    if dtype == torch.float32:
+        return
+    for p in stage.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for path, module in list(stage.named_modules()):
+        if type(module) is nn.LayerNorm:
+            parent, name = _child(stage, path)
+            setattr(parent, name, WideLayerNorm(module))
+    embed = getattr(stage, "embed", None)
+    if embed is not None:
+        embed.register_forward_hook(lambda _m, _i, out: out.float())
+
+
+class WideLayerNorm(nn.LayerNorm):
+    """A LayerNorm whose (bf16) weight and bias are widened to its input's dtype for the
+    call, as CUDA's autocast does for layer_norm; the CPU's rejects fp32 input with bf16
+    parameters. Keeps the LayerNorm's own parameters under the same names."""
+
+    def __init__(self, base: nn.LayerNorm) -> None:
+        nn.Module.__init__(self)
+        self.normalized_shape, self.eps = base.normalized_shape, base.eps
+        self.elementwise_affine = base.elementwise_affine
+        self.weight, self.bias = base.weight, base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def wide(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, wide(self.weight), wide(self.bias),
+                            self.eps)
+
+
+def held(stage: nn.Module) -> dict[str, tuple[int, str]]:
+    """{"trained": ..., "frozen": ...}: each kind's bytes and dtypes among the stage's real
+    parameters, for the worker's log."""
+    out: dict[str, tuple[int, set[str]]] = {"trained": (0, set()), "frozen": (0, set())}
+    for p in stage.parameters():
+        kind = "trained" if p.requires_grad else "frozen"
+        n, dtypes = out[kind]
+        out[kind] = (n + p.numel() * p.element_size(), dtypes | {str(p.dtype).split(".")[-1]})
+    return {k: (n, ",".join(sorted(d))) for k, (n, d) in out.items()}
 
 
 def _adapters(stage: nn.Module, spec: ModelSpec,

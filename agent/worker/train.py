@@ -292,7 +292,10 @@ class Worker:
         if cfg.lora_init:
             lora.read_adapter_dir(cfg.lora_init, check_only=True)
         stage = Stage(spec, a.layer_begin, a.layer_end, cfg.seed).to(self.device)
-        lora.apply(stage, spec, cfg)  # --lora-rank: freeze the base, adapters only train
+        if lora.apply(stage, spec, cfg):  # --lora-rank: freeze the base, adapters only train
+            (t_bytes, t_dtypes), (f_bytes, f_dtypes) = lora.held(stage).values()
+            log.info("rank %d: LoRA adapters %d bytes in %s, frozen base %d bytes in %s",
+                     self.rank, t_bytes, t_dtypes, f_bytes, f_dtypes)
         opt = make_optimizer(stage, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
         train_tokens, val_tokens = load_splits(cfg.data_path, spec.vocab_size,
                                                model_tokenizer_hash(cfg.init_from))

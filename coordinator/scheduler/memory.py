@@ -17,7 +17,8 @@ Counted the way the worker really trains (pinned against torch by
   4 of gradient, 8 of AdamW state = 16 bytes per parameter (4 of AdamW state, 12 in all, with
   `--moments-dtype bf16`), plus 4 more for the gradient buckets when the stage has
   data-parallel peers, and 8 more for the outer optimizer's anchor and momentum with local
-  steps (`--sync-every` > 1, agent/worker/outer.py);
+  steps (`--sync-every` > 1, agent/worker/outer.py); under LoRA that is the adapters only,
+  and the frozen base costs its weights alone, in the training dtype (2 bytes under bf16);
 - per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
   the first stage keeps the token ids, the last the head's inputs and the fp32 log-softmax;
@@ -65,7 +66,7 @@ class MemoryShape:
     dtype: str = "fp32"  # the training (autocast) dtype
     moments_dtype: str = "fp32"  # what AdamW stores its two moments in
     sync_every: int = 1  # > 1: local steps, with an fp32 anchor and momentum per parameter
-    lora_rank: int = 0  # > 0: a frozen fp32 base (weights only) plus adapters that train
+    lora_rank: int = 0  # > 0: a frozen base (weights only, in `dtype`) plus adapters that train
     lora_targets: str = ""
 
 
@@ -138,7 +139,9 @@ def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
     held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
     params = shape.spec.stage_params(begin, end)
     trained = trained_params(shape.spec, begin, end, shape.lora_rank, shape.lora_targets)
-    frozen = (params * FP32) if shape.lora_rank else 0  # LoRA: no gradient, no AdamW state
+    # LoRA: the base has no gradient and no AdamW state, and is held in the training dtype
+    # (bf16 under --dtype bf16: agent/worker/lora.py); the adapters stay fp32 masters
+    frozen = params * DTYPE_BYTES[shape.dtype] if shape.lora_rank else 0
     return (WORKER_RUNTIME_BYTES + frozen + per_param * trained
             + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype))
 

@@ -101,3 +101,34 @@ def test_lora_2x2_exports_load_in_peft_and_transformers_with_dtfms_loss(
     assert not any("lora" in n for n, _ in merged.named_parameters())
     merged_loss = _val_loss(merged, data)
     assert abs(merged_loss - dtfm_loss) <= REL * dtfm_loss, (merged_loss, dtfm_loss)
+
+
+@pytest.mark.timeout(300)
+def test_qwen2_bf16_lora_merges_into_the_full_precision_base(tmp_path: Path) -> None:
+    """A --dtype bf16 job holds its frozen base in bf16, yet the merged export is built on
+    --init-from's fp32 base: every untargeted tensor is the base's bit for bit (no bf16
+    rounding), every targeted one the base's plus a learned delta."""
+    from safetensors.torch import load_file
+
+    src, _ = saved(tmp_path, "qwen2")
+    data, out = byte_data(tmp_path), tmp_path / "out"
+    run = run_local("--init-from", str(src), "--data", str(data), "--seq-len", str(SEQ),
+                    "--steps", "4", "--lr", "1e-2", "--stages", "1", "--replicas", "1",
+                    "--batch", "4", "--eval-batches", "1", "--lora-rank", "4", "--dtype", "bf16",
+                    "--checkpoint-dir", str(tmp_path / "ckpt"), "--export-dir", str(out),
+                    "--export-merged", timeout=240)
+    assert run.rc == 0, run.stderr[-3000:]
+    base = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    merged = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    base.setdefault("lm_head.weight", base["model.embed_tokens.weight"])  # tied in the base
+    assert set(merged) == set(base)
+    targeted = [k for k in base if k.endswith("proj.weight")]
+    assert targeted
+    for name, value in base.items():
+        assert merged[name].dtype == value.dtype == torch.float32, name
+        if name in targeted:
+            assert not torch.equal(merged[name], value), name
+        else:
+            assert torch.equal(merged[name], value), name
+    rounded = base["model.embed_tokens.weight"]
+    assert not torch.equal(rounded.bfloat16().float(), rounded)  # the check could fail

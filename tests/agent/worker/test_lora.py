@@ -3,6 +3,8 @@ checkpoints of adapters only that resume exactly (real gloo processes via `agent
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,27 @@ def test_lora_checkpoints_hold_adapters_only_and_resume_exactly(tmp_path: Path) 
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
     assert len(names) == 2 * 2 * 7  # layers 2 and 3: seven projections, A and B each
     assert_resumed(run_local(*flags, "--checkpoint-dir", str(ckpt)), full, after=4)
+
+
+@pytest.mark.timeout(200)
+def test_lora_bf16_holds_the_frozen_base_in_bf16_and_trains_fp32_adapters(
+        tmp_path: Path) -> None:
+    """--dtype bf16: each worker's frozen base (projections, embedding, norms, head) is bf16,
+    the adapters fp32 (the worker logs its real tensors' dtypes), and the 2 x 1 run learns."""
+    flags = ("--model", "llama-tiny", "--stages", "2", "--replicas", "1", "--batch", "4",
+             "--micro-batches", "2", "--steps", "12", "--seed", "2", "--eval-batches", "1",
+             "--timeout", "60", "--dtype", "bf16", "--workdir", str(tmp_path), *LORA)
+    run = run_local(*flags, env={"DTFM_LOG_LEVEL": "INFO"})
+    assert run.rc == 0, run.stderr[-3000:]
+    logs = "".join(p.read_text() for p in sorted(tmp_path.rglob("*.log")))
+    held = re.findall(r"rank (\d): LoRA adapters (\d+) bytes in (\S+), frozen base (\d+) "
+                      r"bytes in (\S+)", logs)
+    held = sorted({h[0]: h[1:] for h in held}.items())
+    assert len(held) == 2, logs[-3000:]  # one line per stage
+    held = [h for _, h in held]
+    assert {(a, f) for _, a, _, f in held} == {("float32", "bfloat16")}
+    for (begin, end), (_, _, frozen, _) in zip(((0, 2), (2, 4)), held, strict=True):
+        assert int(frozen) == 2 * LLAMA.stage_params(begin, end)  # the planner's count, 2 B
+    assert all(math.isfinite(x) for x in run.losses)
+    assert run.losses[-1] < run.losses[0] - 0.2  # the adapters learn (a random base)
+    assert run.done is not None and math.isfinite(run.done["val_loss"])

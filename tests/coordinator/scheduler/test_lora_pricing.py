@@ -1,7 +1,8 @@
 """The planner prices a LoRA job as the worker runs it: the data-parallel exchange is the
-adapters' real size (not the stage's parameters), the memory a frozen fp32 base plus the
-adapters' weight, gradient and AdamW state, and `--sync-every auto` follows the smaller
-exchange (gpt-350m on the 16-device world: H = 8 for full fine-tuning, 1 under LoRA rank 8)."""
+adapters' real size (not the stage's parameters), the memory a frozen base (bf16 under
+`--dtype bf16`, fp32 otherwise) plus the adapters' weight, gradient and AdamW state, and
+`--sync-every auto` follows the smaller exchange (gpt-350m on the 16-device world: H = 8 for
+full fine-tuning, 1 under LoRA rank 8)."""
 
 from __future__ import annotations
 
@@ -46,26 +47,38 @@ def test_priced_exchange_is_the_adapters_real_size(name: str, targets: str) -> N
     assert dp_gb == max(real) / 1e9
 
 
-def test_priced_memory_is_a_frozen_base_plus_the_adapters_state() -> None:
-    spec = get_preset("llama-tiny")
-    cfg = TrainConfig(lora_rank=8)
-    stage = Stage(spec, 0, 2, seed=0)
-    lora.apply(stage, spec, cfg)
-    opt = make_optimizer(stage, 1e-3, 0.1)
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_priced_memory_is_a_frozen_base_plus_the_adapters_state(name: str, dtype: str) -> None:
+    """Both stages' real tensors after one step: under bf16 the frozen base is bf16 (2 bytes
+    per parameter), the adapters, their gradients and AdamW's moments fp32."""
+    spec = get_preset(name)
+    cfg = TrainConfig(lora_rank=8, dtype=dtype)
+    stages = [Stage(spec, b, e, seed=0) for b, e in layer_ranges(spec.n_layers, 2)]
+    opts = []
+    for stage in stages:
+        lora.apply(stage, spec, cfg)
+        opts.append(make_optimizer(stage, 1e-3, 0.1))
     x = torch.randint(0, spec.vocab_size, (1, spec.seq_len))
-    stage2 = Stage(spec, 2, 4, seed=0)
-    lora.apply(stage2, spec, cfg)
-    lm_loss(stage2(stage(x)), x).backward()
-    opt.step()
-    tensors = list(stage.parameters()) + [p.grad for p in stage.parameters()
-                                          if p.grad is not None]
-    for state in opt.state.values():
-        tensors += [v for k, v in state.items() if k != "step"]
-    real = sum(t.numel() * t.element_size() for t in tensors)
-    no_acts = MemoryShape(spec, 2, 1, micro_size=1, micro_batches=0, lora_rank=8)
-    assert stage_bytes(no_acts, 0, 0, 2) - WORKER_RUNTIME_BYTES == real
-    full = MemoryShape(spec, 2, 1, micro_size=1, micro_batches=0)
-    assert stage_bytes(full, 0, 0, 2) - WORKER_RUNTIME_BYTES > 2 * real  # rank 8 of d = 64
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        out = stages[1](stages[0](x))
+    lm_loss(out, x).backward()
+    shape = MemoryShape(spec, 2, 1, micro_size=1, micro_batches=0, dtype=dtype, lora_rank=8)
+    for j, ((begin, end), stage, opt) in enumerate(
+            zip(layer_ranges(spec.n_layers, 2), stages, opts, strict=True)):
+        opt.step()
+        tensors = list(stage.parameters()) + [p.grad for p in stage.parameters()
+                                              if p.grad is not None]
+        for state in opt.state.values():
+            tensors += [v for k, v in state.items() if k != "step"]
+        frozen = {p.dtype for p in stage.parameters() if not p.requires_grad}
+        assert frozen == {torch.bfloat16 if dtype == "bf16" else torch.float32}
+        assert {t.dtype for t in tensors} - frozen == ({torch.float32} if dtype == "bf16"
+                                                       else set())
+        real = sum(t.numel() * t.element_size() for t in tensors)
+        assert stage_bytes(shape, j, begin, end) - WORKER_RUNTIME_BYTES == real, j
+        full = MemoryShape(spec, 2, 1, micro_size=1, micro_batches=0, dtype=dtype)
+        assert stage_bytes(full, j, begin, end) - WORKER_RUNTIME_BYTES > 2 * real  # r 8, d 64
 
 
 def test_sync_auto_and_plan_follow_the_smaller_exchange(
