@@ -214,3 +214,26 @@ def test_relay_backpressure_bounds_its_memory() -> None:
         slow.close()
         sender.close()
         relay.stop()
+
+
+@pytest.mark.timeout(60)
+def test_relay_stop_closes_its_circuits() -> None:
+    """stop() ends every circuit's task before the loop stops: the members hear the
+    connection close at once, not at their timeout, and no task is left pending."""
+    relay = Relay(SECRET)
+    addr = relay.start_in_thread()
+    peers: dict[int, str | None] = {0: None, 1: None}
+    a = _mesh(0, peers, relay=addr, timeout_s=30)
+    b = _mesh(1, peers, relay=addr, timeout_s=30)
+    try:
+        got = torch.zeros(4)
+        b.recv(0, 0, 1, got)
+        a.send(1, 0, 1, torch.ones(4)).wait(timedelta(seconds=20))
+        pending = a.recv(1, 0, 2, torch.zeros(4))  # never sent: only a closed circuit ends it
+        relay.stop()
+        with pytest.raises(RuntimeError, match="lost"):
+            pending.wait(timedelta(seconds=10))
+    finally:
+        a.close()
+        b.close()
+        relay.stop()
