@@ -63,6 +63,7 @@ class Relay:
         self.peak_flow_bytes = 0  # the most one direction of one circuit held at once
         self._server: asyncio.base_events.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     async def serve(self) -> None:
         self._server = await asyncio.start_server(self._on_connect, self.host, self.port,
@@ -78,31 +79,49 @@ class Relay:
             self._loop = asyncio.new_event_loop()
             self._loop.run_until_complete(self.serve())
             ready.set()
-            self._loop.run_forever()
+            try:
+                self._loop.run_forever()
+            finally:
+                self._loop.close()
 
-        threading.Thread(target=run, name="dtfm-relay", daemon=True).start()
+        self._thread = threading.Thread(target=run, name="dtfm-relay", daemon=True)
+        self._thread.start()
         if not ready.wait(10):
             raise RuntimeError("the relay did not start listening within 10 s")
         return f"{self.host}:{self.port}"
 
-    def stop(self) -> None:
-        if self._loop is not None and self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop a `start_in_thread()` relay: close the listener and every circuit, let each
+        connection's task finish on the loop, then stop and close the loop (a loop stopped
+        with tasks still pending leaves them to be destroyed later, with warnings)."""
+        if self._loop is None or self._thread is None or not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the listener and every circuit; returns when their tasks have finished."""
+        if self._server is not None:
+            self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # the closed transports' connection_lost callbacks run
 
     async def _on_connect(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        try:
-            circuit = await asyncio.wait_for(self._handshake(reader, writer),
-                                             self.handshake_timeout_s)
-        except (dp.AuthError, ConnectionError, asyncio.IncompleteReadError,
-                TimeoutError) as exc:
-            self.rejected += 1
-            log.warning("relay: dropped %s before reading any frame: %s", peer, exc)
-            writer.close()
-            return
-        try:
+        try:  # closed however this ends, a cancellation by aclose() included
+            try:
+                circuit = await asyncio.wait_for(self._handshake(reader, writer),
+                                                 self.handshake_timeout_s)
+            except (dp.AuthError, ConnectionError, asyncio.IncompleteReadError,
+                    TimeoutError) as exc:
+                self.rejected += 1
+                log.warning("relay: dropped %s before reading any frame: %s", peer, exc)
+                return
             await self._pair_and_pump(circuit)
         finally:
             writer.close()

@@ -11,7 +11,7 @@ Modules: `config` (the peer table), `mesh` (connections and tagged messages), `w
 `Work` objects), `backend` (the process groups). Imports torch; never grpc or the coordinator.
 """
 
-from agent.worker.transport.backend import NAME, register
+from agent.worker.transport.backend import NAME, mesh, register
 from agent.worker.transport.config import TransportConfig
 
-__all__ = ["NAME", "TransportConfig", "register"]
+__all__ = ["NAME", "TransportConfig", "mesh", "register"]

@@ -9,11 +9,12 @@ name torch gives every member alike, so two groups never match each other's mess
 
 Implemented: what the worker uses (`isend`/`irecv` with tags, `all_reduce` with SUM, MIN,
 MAX or PRODUCT, async or not, `barrier`, `new_group` with or without
-`use_local_synchronization`, `destroy_process_group`). `all_reduce` sends the tensor to
-every other member and each member reduces all of them in group-rank order: one hop of
-latency (what counts over a WAN), every member holds bitwise the same result, and for two
-members it is bitwise gloo's result. It moves (n-1) x the tensor per member, fine for the
-2-8 member groups a stage's data-parallel group has; a ring is the step after.
+`use_local_synchronization`, `destroy_process_group`). `all_reduce` of two members, or of
+a tensor under `SPLIT_MIN_BYTES`, sends the tensor to every other member and each reduces
+all of them in group-rank order: one hop of latency (what counts over a WAN); for two
+members it is bitwise gloo's result. A larger one of n > 2 members reduce-scatters (member
+i reduces slice i, in group-rank order) then all-gathers: two hops, 2(n-1)/n of the tensor
+sent per member instead of n-1. Either way every member holds bitwise the same result.
 
 The store torch requires is not used: a `dist.HashStore()` will do (no rank 0 to dial).
 """
@@ -37,6 +38,7 @@ from dtfm.core.dataplane import stream_id
 NAME = "dtfm"
 _mesh: Mesh | None = None
 _lock = threading.Lock()
+SPLIT_MIN_BYTES = 64 << 10  # smaller all_reduces take the one-hop exchange (latency counts)
 
 _OPS = {
     dist.ReduceOp.SUM: torch.Tensor.add_,
@@ -107,27 +109,27 @@ class DtfmProcessGroup(dist.ProcessGroup):
         return self._collective(torch.zeros(1), torch.Tensor.add_)
 
     def _collective(self, t: torch.Tensor, fn: Any) -> TransportWork:
-        """Every member's `t` to every member, reduced in group-rank order, on one thread
-        per group (collectives finish in the order they were called, as members expect)."""
+        """Reduce `t` over the group on one thread per group (collectives finish in the order
+        they were called, as members expect). Every element is reduced in group-rank order by
+        exactly one computation whose result every member receives, so all members hold
+        bitwise the same tensor.
+
+        Receives are posted before anything else and `t` itself is sent (no copy): a member
+        that posts late finds the message in the mailbox and pays an extra copy, and every
+        fresh 16 MiB buffer costs page faults; those copies, not the network, were what made
+        this 12x slower than gloo (docs/benchmarks.md, the transport section)."""
         seq = next(self._seq)
         work = TransportWork(self._mesh.cfg.timeout, f"all_reduce #{seq} over ranks "
                              f"{self._ranks}", [t])
-        me = self.rank()
-        mine = t.detach().clone()
-        parts = [mine if i == me else torch.empty_like(mine) for i in range(self.size())]
-        works = [self._mesh.recv(r, self._coll, seq, parts[i])
-                 for i, r in enumerate(self._ranks) if i != me]
-        works += [self._mesh.send(r, self._coll, seq, mine)
-                  for i, r in enumerate(self._ranks) if i != me]
+        n = self.size()
+        if n > 2 and t.numel() * t.element_size() >= SPLIT_MIN_BYTES:
+            step = self._scatter_gather(t.reshape(-1), fn, seq)
+        else:
+            step = self._exchange(t, fn, seq)
 
         def finish() -> None:
             try:
-                for w in works:
-                    w.wait()
-                acc = parts[0].clone()
-                for p in parts[1:]:
-                    fn(acc, p)
-                t.copy_(acc)
+                step()
             except BaseException as exc:  # noqa: BLE001 - the waiter hears why
                 work.finish(exc)
                 return
@@ -135,6 +137,46 @@ class DtfmProcessGroup(dist.ProcessGroup):
 
         self._runner.submit(finish)
         return work
+
+    def _exchange(self, t: torch.Tensor, fn: Any, seq: int) -> Any:
+        """One hop: `t` to every member, each reduces all of them (n-1 tensors sent)."""
+        me, tag = self.rank(), 2 * seq
+        parts = [t if i == me else torch.empty_like(t) for i in range(self.size())]
+        works = [self._mesh.recv(r, self._coll, tag, parts[i])
+                 for i, r in enumerate(self._ranks) if i != me]
+        works += [self._mesh.send(r, self._coll, tag, t)
+                  for i, r in enumerate(self._ranks) if i != me]
+
+        def step() -> None:
+            for w in works:
+                w.wait()
+            _reduce_into(t, parts, fn)
+        return step
+
+    def _scatter_gather(self, flat: torch.Tensor, fn: Any, seq: int) -> Any:
+        """Reduce-scatter then all-gather: member i reduces the i-th of n slices and sends
+        the result to every other member, 2(n-1)/n tensors sent instead of n-1, two hops.
+
+        The all-gather's receives are posted now, straight into `flat`'s slices: member j
+        sends its reduced slice j only after it received all of this member's slice j, so
+        this member's send of that slice no longer reads it when the result lands there."""
+        me, n = self.rank(), self.size()
+        slices = list(torch.tensor_split(flat, n))
+        own = slices[me]
+        parts = [own if i == me else torch.empty_like(own) for i in range(n)]
+        peers = [(i, r) for i, r in enumerate(self._ranks) if i != me]
+        works = [self._mesh.recv(r, self._coll, 2 * seq, parts[i]) for i, r in peers]
+        gathered = [self._mesh.recv(r, self._coll, 2 * seq + 1, slices[i]) for i, r in peers]
+        works += [self._mesh.send(r, self._coll, 2 * seq, slices[i]) for i, r in peers]
+
+        def step() -> None:
+            for w in works:
+                w.wait()
+            _reduce_into(own, parts, fn)
+            sent = [self._mesh.send(r, self._coll, 2 * seq + 1, own) for _, r in peers]
+            for w in gathered + sent:
+                w.wait()
+        return step
 
     def shutdown(self) -> None:
         global _mesh
@@ -145,6 +187,19 @@ class DtfmProcessGroup(dist.ProcessGroup):
             self._mesh.close()
             if _mesh is self._mesh:
                 _mesh = None
+
+
+def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], fn: Any) -> None:
+    """`out` = parts[0] op parts[1] op ..., in this order; `out` is one of `parts` (this
+    member's own), the others are receive buffers, free to be overwritten."""
+    if parts[0] is out:
+        for p in parts[1:]:
+            fn(out, p)
+        return
+    acc = parts[0]
+    for p in parts[1:]:
+        fn(acc, p)
+    out.copy_(acc)
 
 
 def _one(tensors: list[torch.Tensor]) -> torch.Tensor:

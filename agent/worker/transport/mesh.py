@@ -63,6 +63,7 @@ class _Peer:
         self.posted: dict[tuple[int, int], deque[_Recv]] = {}
         self.arrived: dict[tuple[int, int], deque[bytearray]] = {}
         self.unclaimed = 0
+        self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
         threading.Thread(target=self._send_loop, name=f"dtfm-send-{rank}", daemon=True).start()
 
     def attach(self, sock: socket.socket) -> None:
@@ -106,7 +107,9 @@ class _Peer:
             try:
                 assert self.sock is not None
                 self.sock.sendall(header)
-                self.sock.sendall(byte_view(tensor))
+                view = byte_view(tensor)
+                self.sock.sendall(view)
+                self.sent_bytes += len(view)
                 work.finish()
             except OSError as exc:
                 err = ConnectionError(f"sending to rank {self.rank} failed: {exc}")
@@ -131,7 +134,9 @@ class _Peer:
                     buf = bytearray(h.length)
                     dp.recv_into_exact(sock, memoryview(buf))
                     with m.cond:
-                        self._deliver(key, buf)
+                        late = self._deliver(key, buf)
+                    if late is not None:
+                        _copy_in(late, buf, self.rank)
                     continue
                 view = byte_view(req.tensor)
                 if len(view) != h.length:
@@ -146,24 +151,30 @@ class _Peer:
         except (OSError, dp.FrameError) as exc:
             self.fail(ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
 
-    def _deliver(self, key: tuple[int, int], buf: bytearray) -> None:
-        """Called under the mesh's lock: a message for which no receive was posted."""
+    def _deliver(self, key: tuple[int, int], buf: bytearray) -> _Recv | None:
+        """Called under the mesh's lock: a message for which no receive was posted. Files it
+        in the mailbox, or returns the receive posted while its payload was being read (the
+        caller copies it in after releasing the lock)."""
         q = self.posted.get(key)
-        if q:  # posted while the payload was being read
-            r = q.popleft()
-            _copy_in(r, buf, self.rank)
-            return
+        if q:
+            return q.popleft()
         self.arrived.setdefault(key, deque()).append(buf)
         self.unclaimed += len(buf)
+        return None
 
 
 def _copy_in(r: _Recv, buf: bytearray, src: int) -> None:
-    view = byte_view(r.tensor)
-    if len(view) != len(buf):
+    """A mailbox message into its receive's tensor, outside the mesh's lock and with torch's
+    copy, which releases the GIL: a plain memoryview copy of a large message holds the GIL
+    (and the lock) for its whole length and stalls every other transport thread meanwhile."""
+    n = r.tensor.numel() * r.tensor.element_size()
+    if n != len(buf):
         r.work.finish(RuntimeError(f"rank {src} sent {len(buf)} bytes for a receive of "
-                                   f"{len(view)} bytes: the ends disagree on shape or dtype"))
+                                   f"{n} bytes: the ends disagree on shape or dtype"))
         return
-    view[:] = buf
+    if n:
+        dst = torch.frombuffer(byte_view(r.tensor), dtype=torch.uint8)
+        dst.copy_(torch.frombuffer(buf, dtype=torch.uint8))
     r.work.finish()
 
 
@@ -200,6 +211,7 @@ class Mesh:
         work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor])
         p = self.peer(src)
         r = _Recv(tensor, work)
+        buf = None
         with self.cond:
             got = p.arrived.get((stream, tag))
             if p.error is not None:
@@ -207,11 +219,12 @@ class Mesh:
             elif got:
                 buf = got.popleft()
                 p.unclaimed -= len(buf)
-                _copy_in(r, buf, src)
                 self.cond.notify_all()
             else:
                 p.posted.setdefault((stream, tag), deque()).append(r)
                 self.cond.notify_all()
+        if buf is not None:
+            _copy_in(r, buf, src)
         return work
 
     def peer(self, rank: int) -> _Peer:
@@ -300,4 +313,5 @@ class Mesh:
         self.peer(theirs.rank).attach(sock)
 
     def stats(self) -> dict[str, Any]:
-        return {"rejected": self.rejected, "peers": sorted(self.peers)}
+        return {"rejected": self.rejected, "peers": sorted(self.peers),
+                "sent_bytes": sum(p.sent_bytes for p in list(self.peers.values()))}

@@ -22,6 +22,7 @@ class TransportWork(Work):
                  tensors: list[torch.Tensor]) -> None:
         super().__init__()
         self._done = threading.Event()
+        self._lock = threading.Lock()  # finish() against get_future(): no callback is lost
         self._error: BaseException | None = None
         self._timeout = default_timeout
         self._what = what
@@ -29,11 +30,13 @@ class TransportWork(Work):
         self._callbacks: list[Future] = []
 
     def finish(self, error: BaseException | None = None) -> None:
-        if self._done.is_set():
-            return
-        self._error = error
-        self._done.set()
-        for fut in self._callbacks:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fut in callbacks:  # outside the lock: a callback may call back into this work
             if error is None:
                 fut.set_result(self._tensors)
             else:
@@ -58,11 +61,12 @@ class TransportWork(Work):
 
     def get_future(self) -> Future:
         fut: Future = Future()
-        if self._done.is_set():
-            if self._error is None:
-                fut.set_result(self._tensors)
-            else:
-                fut.set_exception(self._error)
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fut)
+                return fut
+        if self._error is None:
+            fut.set_result(self._tensors)
         else:
-            self._callbacks.append(fut)
+            fut.set_exception(self._error)
         return fut

@@ -5,7 +5,8 @@
   worker's exact ops give bitwise gloo's results (p2p of any dtype, 2-member all_reduce,
   MIN/MAX, exactly representable 4-member sums); a 4-member sum of random floats equals
   gloo's up to rounding (gloo's ring adds in another order) and is bitwise the same on
-  every rank.
+  every rank; a large one (reduce-scatter + all-gather) is bitwise the sum in group-rank
+  order and each member sends 1.5 tensors of it, not 3.
 - A peer without the job's key, or of another job, is dropped by a listener and by the
   relay before any of its bytes reach a receive.
 - The relay never pairs ranks of different jobs, and a slow receiver slows the sender while
@@ -84,11 +85,21 @@ def test_worker_ops_match_gloo_with_dialers_and_a_relay(tmp_path: Path) -> None:
         relay.kill()
         relay.wait(10)
     gloo = _spawn_ranks("gloo", [None] * 4, tmp_path)
+    # the big world SUM: every member reduced in group-rank order, bitwise, and each member
+    # sent 2(n-1)/n of the tensor (reduce-scatter + all-gather), not n-1 whole tensors
+    ref = ours[0]["world_big_in"].clone()
+    for o in ours[1:]:
+        ref += o["world_big_in"]
+    nbytes = ref.numel() * ref.element_size()
+    for rank, o in enumerate(ours):
+        assert torch.equal(o["world_big"], ref), f"rank {rank}: world_big not in rank order"
+        sent = int(o.pop("dtfm_world_big_sent"))
+        assert 0 < sent <= 2 * 3 * nbytes // 4 + 16, (rank, sent, nbytes)
     for rank, (a, b) in enumerate(zip(ours, gloo, strict=True)):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].dtype == b[k].dtype, (rank, k)
-            if k == "world_rand":  # 4 members: gloo's ring sums in another order
+            if k in ("world_rand", "world_big"):  # 4 members: gloo's ring sums in another order
                 torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
                 assert torch.equal(a[k], ours[0][k]), "ranks disagree on the world's sum"
                 continue
@@ -202,4 +213,27 @@ def test_relay_backpressure_bounds_its_memory() -> None:
     finally:
         slow.close()
         sender.close()
+        relay.stop()
+
+
+@pytest.mark.timeout(60)
+def test_relay_stop_closes_its_circuits() -> None:
+    """stop() ends every circuit's task before the loop stops: the members hear the
+    connection close at once, not at their timeout, and no task is left pending."""
+    relay = Relay(SECRET)
+    addr = relay.start_in_thread()
+    peers: dict[int, str | None] = {0: None, 1: None}
+    a = _mesh(0, peers, relay=addr, timeout_s=30)
+    b = _mesh(1, peers, relay=addr, timeout_s=30)
+    try:
+        got = torch.zeros(4)
+        b.recv(0, 0, 1, got)
+        a.send(1, 0, 1, torch.ones(4)).wait(timedelta(seconds=20))
+        pending = a.recv(1, 0, 2, torch.zeros(4))  # never sent: only a closed circuit ends it
+        relay.stop()
+        with pytest.raises(RuntimeError, match="lost"):
+            pending.wait(timedelta(seconds=10))
+    finally:
+        a.close()
+        b.close()
         relay.stop()

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from agent.worker.transport import TransportConfig, register
+from agent.worker.transport import TransportConfig, mesh, register
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -26,6 +26,11 @@ def init(backend: str, rank: int, world: int, port: int, cfg: TransportConfig | 
         register()
         dist.init_process_group("dtfm", store=dist.HashStore(), rank=rank, world_size=world,
                                 timeout=TIMEOUT, pg_options=cfg)
+
+
+def _sent_bytes(backend: str) -> int:
+    m = mesh() if backend == "dtfm" else None
+    return 0 if m is None else int(m.stats()["sent_bytes"])
 
 
 def run(rank: int, backend: str, port: int, cfg: TransportConfig | None, out: str) -> None:
@@ -83,6 +88,15 @@ def run(rank: int, backend: str, port: int, cfg: TransportConfig | None, out: st
         assert w is not None
         w.wait(timedelta(seconds=30))
     res.update(world_exact=exact, world_rand=rand, world_max=hi)
+    # a gradient-bucket-sized world SUM (4 members, uneven slices): the dtfm backend
+    # reduce-scatters and all-gathers it; its input is kept for the test's own reduction
+    big_in = torch.randn(300_001, generator=gen)
+    big = big_in.clone()
+    sent = _sent_bytes(backend)
+    dist.all_reduce(big)
+    res.update(world_big_in=big_in, world_big=big)
+    if backend == "dtfm":
+        res["dtfm_world_big_sent"] = torch.tensor(_sent_bytes(backend) - sent)
     dist.barrier()
     torch.save(res, out)
     dist.destroy_process_group()
