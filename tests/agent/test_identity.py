@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -54,6 +55,14 @@ def test_a_copied_agent_id_is_refused_and_the_live_agent_kept(daemons: Daemons) 
     assert copy.poll() is None and _alive_ids(daemons, address) == agent_id
 
 
+async def until_eof(call: Any) -> list[Any]:
+    """What a server stream still sends before it ends."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
 def test_reports_need_the_agents_secret(daemons: Daemons) -> None:
     _, address = daemons.coordinator()
     metadata = (("authorization", f"Bearer {daemons.token}"),)
@@ -85,7 +94,9 @@ def test_reports_need_the_agents_secret(daemons: Daemons) -> None:
                                                            agent_secret=s1), metadata=metadata)
             s2 = (await second.read()).welcome.agent_secret
             assert s2 and s2 != s1
-            assert await asyncio.wait_for(first.read(), 10) is grpc.aio.EOF
+            # the old stream ends; before that it may carry the dial-back's verdict (reach)
+            leftover = await asyncio.wait_for(until_eof(first), 10)
+            assert all(m.WhichOneof("kind") == "reach" for m in leftover), leftover
             stale = stub.Join(coordinator_pb2.JoinRequest(agent=_info("raw-1"),
                                                           agent_secret=s1), metadata=metadata)
             with pytest.raises(grpc.aio.AioRpcError) as err:
