@@ -14,7 +14,9 @@ capped at `chunk_bytes` too (`set_write_buffer_limits`): when the receiver reads
 relay stops reading from the sender, the sender's socket buffer fills and its sends block.
 The reader's buffer pauses at 2 chunks (plus one socket read, 256 KiB in asyncio), so the
 relay's memory is bounded by circuits x (~4 chunks + 256 KiB), whatever the senders do
-(`Relay.peak_flow_bytes` records the most any direction held; the tests pin it).
+(`Relay.peak_flow_bytes` records the most any direction held in its write buffer and the chunk
+in hand, the part the relay itself controls; the tests pin it. The reader's buffer is
+asyncio's, bounded by its `limit`, and not counted there).
 
 Run one with `python -m dtfm.relay --port P --secret-file F` (an agent or the coordinator
 that every member can reach; the next step wires that in).
@@ -184,8 +186,9 @@ class Relay:
                     left -= len(chunk)
                     self.forwarded_bytes += len(chunk)  # before the write: a reader may
                     dst.writer.write(chunk)  # see the bytes before this thread runs on
-                    held = dst.writer.transport.get_write_buffer_size() + len(
-                        src.reader._buffer)  # noqa: SLF001 - asyncio's own bounded buffer
+                    # what this relay holds for the direction beyond asyncio's reader
+                    # buffer (bounded by the reader's limit, 2 chunks + one socket read)
+                    held = dst.writer.transport.get_write_buffer_size() + len(chunk)
                     self.peak_flow_bytes = max(self.peak_flow_bytes, held)
                     await dst.writer.drain()
 

@@ -13,6 +13,7 @@ import math
 import signal
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -141,28 +142,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.Ack:
-        problem = validate_leave(request)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"agent {request.agent_id!r} has not joined: there is nothing to leave",
-            )
+        await self._member_report(request, validate_leave(request), context,
+                                  "there is nothing to leave")
         self.registry.leave(request.agent_id, request.reason)
         return coordinator_pb2.Ack(ok=True)
 
     async def ReportLinks(
         self, request: coordinator_pb2.LinkReport, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.Ack:
-        problem = validate_link_report(request)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"agent {request.agent_id!r} has not joined: call Join first",
-            )
+        await self._member_report(request, validate_link_report(request), context)
         problem = self.measurer.on_report(request)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -171,18 +159,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportDial(
         self, request: coordinator_pb2.DialReport, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.Ack:
-        problem = validate_dial_report(request)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"agent {request.agent_id!r} has not joined: call Join first",
-            )
+        await self._member_report(request, validate_dial_report(request), context)
         problem = self.reach.on_report(request)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         return coordinator_pb2.Ack(ok=True)
+
+    async def _member_report(self, request: Any, problem: str | None,
+                             context: grpc.aio.ServicerContext,
+                             not_joined: str = "call Join first") -> None:
+        """Abort unless `request` (carrying agent_id and agent_secret) is well formed
+        (`problem` is None) and comes from a joined agent holding its secret."""
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"agent {request.agent_id!r} has not joined: {not_joined}")
 
     async def _authenticate(
         self, agent_id: str, secret: str, context: grpc.aio.ServicerContext

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("coordinator", "agent", "dtfm")
+from tests.dtfm.sourcetree import PACKAGES, sources
+
 OURS = (*PACKAGES, "protos")
 MAX_LINES = 600
 MAX_METHODS = 30
@@ -43,18 +42,9 @@ PRIVATE_READS = {
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
 
 
-def _sources() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
-
-
-SOURCES = _sources()
+SOURCES = sources()
 TREES = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in SOURCES.items()}
 
 

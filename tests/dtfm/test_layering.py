@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("dtfm", "coordinator", "agent")
+from tests.dtfm.sourcetree import PACKAGES, ROOT, module_name, sources
+
 OURS = (*PACKAGES, "protos")
 CLI_MODULES = frozenset({"coordinator.cli", "agent.cli", "agent.local", "agent.prepare"})
 COMMAND_PACKAGES = ("coordinator.commands",)  # every module in these is a command
@@ -50,20 +49,11 @@ class Import:
         return f"{self.importer} (line {self.line}) imports {self.target}{where}"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _sources() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def _known_modules() -> set[str]:
-    modules = set(_sources())
-    modules |= {_module_name(p) for p in (ROOT / "protos").rglob("*.py")}
+    modules = set(sources())
+    modules |= {module_name(p) for p in (ROOT / "protos").rglob("*.py")}
     return modules
 
 
@@ -120,7 +110,7 @@ class _Collector(ast.NodeVisitor):
 def _all_imports() -> list[Import]:
     known = _known_modules()
     found: list[Import] = []
-    for module, path in _sources().items():
+    for module, path in sources().items():
         collector = _Collector(module, path.name == "__init__.py", known)
         collector.visit(ast.parse(path.read_text(), filename=str(path)))
         found += collector.imports

@@ -50,7 +50,7 @@ _OPS = {
 
 def register() -> None:
     """Make `init_process_group("dtfm", ...)` available (idempotent)."""
-    if NAME.upper() not in dist.Backend._plugins:  # noqa: SLF001 - torch's plugin table
+    if NAME.lower() not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
 
 
