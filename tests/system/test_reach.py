@@ -17,6 +17,16 @@ from tests.daemons import Daemons, free_port, wait_for
 pytestmark = pytest.mark.timeout(120)
 
 
+def _dialled(daemons: Daemons, address: str, name: str) -> bool:
+    """Whether agent `name` has been dialled back with success at least once."""
+    path = daemons.tmp / name / "agent-id"
+    if not path.exists():
+        return False
+    agent_id = path.read_text().strip()
+    return any(a["id"] == agent_id and any(not d.get("error") for d in a["reach"]["dials"])
+               for a in daemons.status(address)["agents"])
+
+
 def _by_id(daemons: Daemons, address: str, names: list[str]) -> dict[str, dict[str, Any]]:
     """name -> the agent's status row, once every named agent is in and has a verdict."""
     ids = {name: (daemons.tmp / name / "agent-id").read_text().strip()
@@ -40,6 +50,9 @@ def test_dial_back_finds_who_is_reachable_by_id_not_address(daemons: Daemons) ->
                                          "--stages", "1", "--replicas", "5", "--batch", "10")
     port = free_port()
     daemons.agent(address, "open", "--listen", f"127.0.0.1:{port}")
+    # open must be listening before twin joins, or twin's dial-back finds nobody there
+    # (refused) instead of open answering by its own id
+    wait_for(lambda: _dialled(daemons, address, "open"), 60, "open's first dial-back")
     daemons.agent(address, "twin", "--listen", f"127.0.0.5:{port}", "--advertise", "127.0.0.1")
     daemons.agent(address, "natted", "--listen", "127.0.0.1:0", "--advertise", "127.0.0.2")
     daemons.agent(address, "peer", "--listen", "127.0.0.1:0")
