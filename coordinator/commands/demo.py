@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the paper's delays; needs root) and compare the scheduled placement with "
                    "network-blind rank order")
     p.add_argument("--per-city", type=int, default=1, help="agents per city with --wan world")
+    p.add_argument("--nat", type=int, default=0, metavar="N",
+                   help="with --wan world: put N agents behind NAT routers (they accept no "
+                   "inbound connection; two of them share one site when N >= 2)")
     p.add_argument("--scale", type=float, default=25.0,
                    help="emulated Mbit/s per Gbit/s of the paper's bandwidths (--wan)")
     p.add_argument("--workdir", default="", help="keep logs and state here (default: a temp dir)")
@@ -67,6 +70,8 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _resolve_defaults(args)
+    if args.nat and args.wan is None:
+        return flags.fail("--nat puts emulated agents behind NAT routers: it needs --wan world")
     if args.wan is not None:
         from coordinator.commands.demo_wan import run_wan
 

@@ -5,6 +5,10 @@ with the paper's one-way delays and scaled bandwidths. The agents measure their 
 then the same job trains twice on that matrix, first with the scheduler's placement, then
 with the network-blind rank order a launcher would use, and the demo prints the plan as a
 stage x replica table of cities and the measured speed-up. Needs root (namespaces).
+
+`--nat N` puts N agents behind emulated NAT routers (`nat_agents` says which): they accept no
+inbound connection, so their peers reach them through the data plane's dial-out and relay
+paths, and the table marks them "(nat)".
 """
 
 from __future__ import annotations
@@ -29,6 +33,27 @@ def city_table(grid: list[list[str]], city_of: dict[str, str]) -> str:
                                for j, row in enumerate(cells)])
 
 
+def nat_agents(cities: list[str], count: int) -> tuple[list[int], list[list[int]]]:
+    """Which agents sit behind NAT routers for `--nat count`: (alone behind a NAT of its own,
+    groups behind one shared NAT). Spread over the cities, so no one region holds them all;
+    where a city has two agents, two of the chosen share one site (one NAT, one LAN), as a lab
+    with two boxes would: they reach each other directly, nobody else reaches either."""
+    n = len(cities)
+    if not 0 <= count <= n:
+        raise ValueError(f"--nat {count}: there are {n} agents; give 0 to {n}")
+    if count == 0:
+        return [], []
+    per_city = n // len(dict.fromkeys(cities))
+    if count >= 2 and per_city >= 2:
+        pair = [0, 1]  # the first city's two agents: one site
+        rest = list(range(2, n))
+        step = len(rest) / (count - 2) if count > 2 else 0.0
+        alone = [rest[int(k * step)] for k in range(count - 2)]
+        return alone, [pair]
+    step = n / count
+    return [int(k * step) for k in range(count)], []
+
+
 def run_wan(args: argparse.Namespace) -> int:
     from dtfm.wan import WanEmulator
 
@@ -39,6 +64,9 @@ def run_wan(args: argparse.Namespace) -> int:
     if args.agents % args.stages:
         return flags.fail(f"--stages {args.stages} does not divide the {args.agents} agents "
                             f"(8 cities x {args.per_city})")
+    if not 0 <= args.nat <= args.agents:
+        return flags.fail(f"--nat {args.nat}: the demo has {args.agents} agents "
+                          f"(8 cities x {args.per_city}); give 0 to {args.agents}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dtfm-demo-wan-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -60,12 +88,17 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
 
     delay, bandwidth, cities = world_links(args.per_city, args.scale)
     n = len(delay)
-    with measurement_wan(delay, bandwidth) as wan:
+    alone, shared = nat_agents(cities, args.nat)
+    behind = set(alone).union(*shared)
+    with measurement_wan(delay, bandwidth, nat=alone, shared_nat=shared) as wan:
         cluster = WanCluster(wan, workdir, agents=n)
         ids = cluster.start(prewarm=False)  # measuring only
-        city_of = {agent: cities[i] for i, agent in enumerate(ids)}
-        _say(args, f"demo: {n} agents in {len(set(cities))} emulated cities; measuring "
-                   f"{n * (n - 1)} links ...")
+        city_of = {agent: cities[i] + ("(nat)" if i in behind else "")
+                   for i, agent in enumerate(ids)}
+        nat_line = (f", {len(behind)} behind NAT routers "
+                    f"({', '.join(city_of[ids[i]] for i in sorted(behind))})" if behind else "")
+        _say(args, f"demo: {n} agents in {len(set(cities))} emulated cities{nat_line}; "
+                   f"measuring {n * (n - 1)} links ...")
         t0 = time.monotonic()
         links = cluster.measure()
         cluster.stop()
