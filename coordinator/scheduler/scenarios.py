@@ -131,3 +131,24 @@ def world_links(per_city: int, mbps_per_gbps: float) -> tuple[
                  for i, row in enumerate(net.bandwidth_gbps)]
     cities = [c for c in WORLD_CITIES for _ in range(per_city)]
     return delay, bandwidth, cities
+
+
+def nat_agents(cities: list[str], count: int) -> tuple[list[int], list[list[int]]]:
+    """Which agents sit behind NAT routers for `--nat count`: (alone behind a NAT of its own,
+    groups behind one shared NAT). Spread over the cities, so no one region holds them all;
+    where a city has two agents, two of the chosen share one site (one NAT, one LAN), as a lab
+    with two boxes would: they reach each other directly, nobody else reaches either."""
+    n = len(cities)
+    if not 0 <= count <= n:
+        raise ValueError(f"--nat {count}: there are {n} agents; give 0 to {n}")
+    if count == 0:
+        return [], []
+    per_city = n // len(dict.fromkeys(cities))
+    if count >= 2 and per_city >= 2:
+        pair = [0, 1]  # the first city's two agents: one site
+        rest = list(range(2, n))
+        step = len(rest) / (count - 2) if count > 2 else 0.0
+        alone = [rest[int(k * step)] for k in range(count - 2)]
+        return alone, [pair]
+    step = n / count
+    return [int(k * step) for k in range(count)], []

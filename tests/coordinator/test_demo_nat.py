@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from coordinator.commands.demo_wan import nat_agents
-from coordinator.scheduler.scenarios import world_links
+from coordinator.scheduler.scenarios import nat_agents, world_links
 
 
 def test_nat_agents_are_spread_over_cities_and_two_share_a_site_where_a_city_has_two() -> None:

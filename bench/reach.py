@@ -1,0 +1,146 @@
+"""Benchmark: agents behind NAT routers take part, and the scheduler places them knowing it
+(issue 32).
+
+The 16-agent world of `bench/wan.py` (2 agents in each of the paper's 8 cities, emulated
+hosts, links measured by the agents) with 0, 25 and 50 % of the agents behind NAT routers
+(`coordinator.scheduler.scenarios.nat_agents`: spread over the cities, two of them sharing
+one site). Per case, the same job trains twice on the same agents: with the scheduler's
+placement and with network-blind rank order; the table shows tokens/s, the step model's
+prediction against the measured step, and the bytes the relay forwarded per step. In the
+all-reachable world the scheduled job also runs over the dtfm transport (`--transport
+dtfm`) beside gloo, so the transport's own cost is a ratio measured in one run.
+
+Targets (issue 32): all reachable, dtfm >= 0.9x gloo's tokens/s; 25 % behind NAT, scheduled
+>= 0.8x the all-reachable scheduled job and >= 1.5x rank order on the same agents; the step
+model within 15 %.
+
+Needs root (network namespaces). Writes bench/results/reach.json.
+Run: `python bench/reach.py` (three worlds, seven jobs: about 30 minutes on 2 cores);
+a quick check: `python bench/reach.py --fractions 0,25 --steps 4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/reach.py`
+    sys.path.insert(0, str(REPO))
+
+from bench.wan import add_world_arguments, emulator_missing, measured_world, run_job  # noqa: E402
+from coordinator.scheduler.scenarios import nat_agents, world_links  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "reach.json"
+TARGETS = {"dtfm_over_gloo": 0.9, "nat25_over_all_reachable": 0.8,
+           "nat25_over_rank_order": 1.5, "step_model_error": 0.15}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_world_arguments(p, per_city=2, steps=8, batch=16)
+    p.add_argument("--fractions", default="0,25,50",
+                   help="percent of agents behind NAT, one world each")
+    p.add_argument("--timeout", type=float, default=900.0, help="per job, seconds")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--workdir", default="", help="keep the daemons' logs here")
+    return p.parse_args(argv)
+
+
+def relayed_bytes_per_step(row: dict[str, Any]) -> float | None:
+    """What the relay forwarded per step of the job, as the coordinator reported it."""
+    total, steps = row.get("relayed_bytes"), row.get("steps_trained")
+    if total is None or not steps:
+        return None
+    return float(total) / float(steps)
+
+
+def case_rows(args: argparse.Namespace, percent: int) -> list[dict[str, Any]]:
+    """One world with `percent` % of its agents behind NAT: its jobs' rows."""
+    cities = world_links(args.per_city, args.scale)[2]
+    count = round(len(cities) * percent / 100)
+    alone, shared = nat_agents(cities, count)
+    behind = sorted(set(alone).union(*shared))
+    jobs = [("scheduled", "scheduled", ()), ("rank-order", "rank-order", ())]
+    if count == 0:
+        jobs.append(("scheduled/dtfm", "scheduled", ("--transport", "dtfm")))
+    rows = []
+    workdir = f"{args.workdir}/nat{percent}" if args.workdir else ""
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
+    with measured_world(args.per_city, args.scale, workdir, nat=alone,
+                        shared_nat=shared) as (cluster, links, city_of):
+        ids = list(city_of)
+        for label, placement, extra in jobs:
+            row = run_job(cluster, args, placement, links, extra, label=f"{percent}% {label}")
+            row.update(case=f"{percent}%", job=label, behind_nat=[ids[i] for i in behind],
+                       relayed_bytes_per_step=relayed_bytes_per_step(row))
+            rows.append(row)
+    return rows
+
+
+def step_error(row: dict[str, Any]) -> float:
+    return (row["predicted_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ratios the targets name, from the rows that exist."""
+    by = {(r["case"], r["job"]): r for r in rows}
+    out: dict[str, Any] = {}
+
+    def ratio(name: str, a: tuple[str, str], b: tuple[str, str]) -> None:
+        if a in by and b in by:
+            out[name] = by[a]["tokens_per_s"] / by[b]["tokens_per_s"]
+
+    ratio("dtfm_over_gloo", ("0%", "scheduled/dtfm"), ("0%", "scheduled"))
+    ratio("nat25_over_all_reachable", ("25%", "scheduled"), ("0%", "scheduled"))
+    ratio("nat25_over_rank_order", ("25%", "scheduled"), ("25%", "rank-order"))
+    ratio("nat50_over_rank_order", ("50%", "scheduled"), ("50%", "rank-order"))
+    if rows:
+        out["step_model_error"] = max(abs(step_error(r)) for r in rows)
+    out["targets_met"] = {
+        k: (out[k] <= v if k == "step_model_error" else out[k] >= v)
+        for k, v in TARGETS.items() if k in out}
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'case':<6}{'job':<16}{'tok/s':>8}{'pred s':>8}{'meas s':>8}{'err %':>7}"
+            f"{'relayed MB/step':>17}")
+    lines = [head]
+    for r in rows:
+        relayed = r["relayed_bytes_per_step"]
+        lines.append(f"{r['case']:<6}{r['job']:<16}{r['tokens_per_s']:>8.0f}"
+                     f"{r['predicted_step_s']:>8.2f}{r['measured_step_s']:>8.2f}"
+                     f"{100 * step_error(r):>7.1f}"
+                     f"{'-' if relayed is None else f'{relayed / 1e6:.2f}':>17}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if emulator_missing():
+        return 2
+    rows: list[dict[str, Any]] = []
+    for percent in (int(f) for f in args.fractions.split(",") if f):
+        rows += case_rows(args, percent)
+    print(table(rows))
+    summary = summarize(rows)
+    for name, value in summary.items():
+        if name != "targets_met":
+            target = TARGETS.get(name)
+            print(f"{name}: {value:.2f}" + (f" (target {target})" if target else ""))
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+           "load_avg": os.getloadavg(), "rows": rows, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
