@@ -1,0 +1,63 @@
+"""A LoRA job resumes exactly on another stage count: its checkpoints hold only adapters (under
+`peft`'s names, which carry the global layer index) and their AdamW state, and a stage cut
+differently must gather its layers' adapters and moments from the old stages that held them.
+
+Real worker processes over gloo, as `test_resplit_worker` does for full training: a 2-stage
+LoRA run (`agent local`, shared checkpoint directory) dies after its step-4 checkpoint; one
+stage resumes from both old stages' step 4 (`checkpoint_splits` = [2, 2]) and dies after step
+8; three stages then resume from the one stage's step 8 (`checkpoint_splits` = [4]). Every loss
+and the final validation loss equal the uninterrupted 2-stage run's, to the re-split tests'
+tolerance (the base is re-read from the seed on every layout; only the adapters move).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.agent.worker.testlib import assert_close, local_job_dir, run_local, run_workers
+
+STEPS = 12
+FLAGS = ("--model", "llama-tiny", "--batch", "4", "--micro-batches", "2", "--steps", str(STEPS),
+         "--checkpoint-every", "4", "--seed", "5", "--eval-batches", "1", "--timeout", "30",
+         "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2")
+REL = 1e-5  # what tests/agent/test_resplit_worker.py holds a re-split to
+
+
+def adapter_names(path: Path) -> list[str]:
+    with safe_open(str(path), "pt") as f:
+        return sorted(f.keys())
+
+
+@pytest.mark.timeout(600)
+def test_lora_job_shrinks_to_one_stage_and_grows_to_three_exactly(tmp_path: Path) -> None:
+    full = run_local(*FLAGS, "--stages", "2", "--replicas", "1",
+                     "--checkpoint-dir", str(tmp_path / "full"))
+    assert full.rc == 0, full.stderr
+    assert len(full.losses) == STEPS
+
+    ckpt = tmp_path / "ckpt"
+    two = run_local(*FLAGS, "--stages", "2", "--replicas", "1", "--checkpoint-dir", str(ckpt),
+                    env={"DTFM_FAULT": "1:6"})  # the last stage dies before step 6
+    assert two.rc != 0 and [s["step"] for s in two.steps] == [1, 2, 3, 4, 5]
+
+    job_dir = local_job_dir(ckpt)
+    one = run_workers(FLAGS, 1, ckpt, tmp_path / "one", [2, 2], fault="0:10",
+                      job_id=job_dir.name)
+    assert [s["step"] for s in one.steps] == [5, 6, 7, 8, 9], one.stderr
+    assert_close([float(s["loss"]) for s in one.steps], full.losses[4:9], REL)
+    log = (tmp_path / "one" / "rank0.log").read_text()
+    assert "resumed at step 4 from stage 0 (layers 0-1), stage 1 (layers 2-3)" in log, log
+    # the one stage's checkpoint holds every layer's adapters, under their own layer index
+    names = adapter_names(job_dir / "stage-0" / "step-00000008.safetensors")
+    assert len(names) == 4 * 7 * 2  # four layers, seven projections, A and B
+    assert {n.split(".layers.")[1].split(".")[0] for n in names} == {"0", "1", "2", "3"}
+
+    back = run_workers(FLAGS, 3, ckpt, tmp_path / "back", [4], job_id=job_dir.name)
+    assert back.rc == 0, back.stderr
+    assert [s["step"] for s in back.steps] == [9, 10, 11, 12]
+    assert_close(back.losses, full.losses[8:], REL)
+    assert back.done is not None and full.done is not None
+    assert abs(back.done["val_loss"] - full.done["val_loss"]) <= REL * full.done["val_loss"]
