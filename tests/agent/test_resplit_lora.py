@@ -37,7 +37,7 @@ from dtfm.core.presets import PRESETS
 from dtfm.core.spec import TrainConfig
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.agent.servers import serving
-from tests.agent.worker.testlib import assert_close, local_job_dir, run_local, run_workers
+from tests.agent.worker.testlib import assert_close, local_job_dir, run_workers, shrink_to_one_stage
 from tests.daemons import TOKEN
 
 STEPS = 12
@@ -82,23 +82,9 @@ def adapter_names(path: Path) -> list[str]:
 
 @pytest.mark.timeout(600)
 def test_lora_job_shrinks_to_one_stage_and_grows_to_three_exactly(tmp_path: Path) -> None:
-    full = run_local(*FLAGS, "--stages", "2", "--replicas", "1",
-                     "--checkpoint-dir", str(tmp_path / "full"))
-    assert full.rc == 0, full.stderr
+    shrunk = shrink_to_one_stage(FLAGS, tmp_path, REL)  # 2 stages, then 1 from their step 4
+    full, ckpt, job_dir = shrunk.full, shrunk.ckpt, shrunk.job_dir
     assert len(full.losses) == STEPS
-
-    ckpt = tmp_path / "ckpt"
-    two = run_local(*FLAGS, "--stages", "2", "--replicas", "1", "--checkpoint-dir", str(ckpt),
-                    env={"DTFM_FAULT": "1:6"})  # the last stage dies before step 6
-    assert two.rc != 0 and [s["step"] for s in two.steps] == [1, 2, 3, 4, 5]
-
-    job_dir = local_job_dir(ckpt)
-    one = run_workers(FLAGS, 1, ckpt, tmp_path / "one", [2, 2], fault="0:10",
-                      job_id=job_dir.name)
-    assert [s["step"] for s in one.steps] == [5, 6, 7, 8, 9], one.stderr
-    assert_close([float(s["loss"]) for s in one.steps], full.losses[4:9], REL)
-    log = (tmp_path / "one" / "rank0.log").read_text()
-    assert "resumed at step 4 from stage 0 (layers 0-1), stage 1 (layers 2-3)" in log, log
     # the one stage's checkpoint holds every layer's adapters, under their own layer index
     names = adapter_names(job_dir / "stage-0" / "step-00000008.safetensors")
     assert len(names) == 4 * 7 * 2  # four layers, seven projections, A and B
