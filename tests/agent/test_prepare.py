@@ -97,6 +97,7 @@ def expected(tok_dir: Path, docs: list[str], eot: int) -> list[list[int]]:
 def test_txt_and_jsonl_become_each_document_then_end_of_text(tmp_path: Path) -> None:
     docs = corpus(6)
     tok_dir = bpe_dir(tmp_path)
+    (tok_dir / "added_tokens.json").write_text("{}")  # any of a tokenizer's files travels
     out = run(tmp_path, [write_inputs(tmp_path, docs)], tokenizer=str(tok_dir),
               val_fraction=0.5)
     meta = read_meta(out)
@@ -116,7 +117,7 @@ def test_txt_and_jsonl_become_each_document_then_end_of_text(tmp_path: Path) -> 
     assert meta.val_split == "documents"
     assert [Path(s["path"]).name for s in meta.sources] == ["a.txt", "b.jsonl"]
     # the tokenizer files travel with the data, and the hash is that of their bytes
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
         assert (out / name).read_bytes() == (tok_dir / name).read_bytes()
     assert meta.tokenizer_hash == hashlib.sha256(
         (tok_dir / "tokenizer.json").read_bytes()).hexdigest() == tokenizer_hash(tok_dir)
