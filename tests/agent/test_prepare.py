@@ -25,6 +25,7 @@ from agent.prepare import Options, prepare
 from agent.textinput import PrepareError
 from agent.worker.data import load_splits
 from dtfm.core.tokenfiles import read_meta, tokenizer_hash
+from tests.smalldisk import small_disk
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -281,14 +282,7 @@ def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path: Path,
 
 
 def test_a_full_disk_is_named_and_leaves_nothing(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_disk(tmp_path / "disk", "64k") as disk:
         (tmp_path / "in").mkdir()
         (tmp_path / "in" / "big.txt").write_text(" ".join(corpus(3000)))  # ~150k tokens
         tok = str(wordlevel_dir(tmp_path, 64))
@@ -298,8 +292,6 @@ def test_a_full_disk_is_named_and_leaves_nothing(tmp_path: Path) -> None:
         assert "train.bin" in message and f"({errno.errorcode[errno.ENOSPC]})" in message
         assert "free space there or choose --out on a larger disk" in message
         assert list(disk.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_the_command_line_refuses_clearly_and_trains_end_to_end(tmp_path: Path) -> None:
