@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from dtfm.core.presets import PRESETS
 from dtfm.core.spec import SYNC_AUTO, TrainConfig
 from dtfm.core.tokenfiles import SPLITS, check_data_path
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
+from dtfm.procs import TERMINATED_STATUS, Terminated, sigterm_unwinds
 from dtfm.rpc import free_port
 
 DEFAULT_MODEL = "gpt-tiny"
@@ -401,10 +401,6 @@ def _note(message: str) -> None:
     print(f"agent local: {message}", file=sys.stderr, flush=True)
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run a local job; returns the process exit status."""
     try:
@@ -422,8 +418,7 @@ def run(args: argparse.Namespace) -> int:
         )
     ctx = (tempfile.TemporaryDirectory(prefix="dtfm-local-") if not args.workdir
            else _KeepDir(args.workdir))
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    with ctx as workdir:
+    with ctx as workdir, sigterm_unwinds():
         try:
             if job.export is not None and not job.train.checkpoint_dir:
                 job.train.checkpoint_dir = str(Path(workdir).resolve() / "checkpoints")
@@ -443,9 +438,11 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("agent local: interrupted; stopping workers", file=sys.stderr)
             return 130
+        except Terminated:
+            print("agent local: terminated (SIGTERM); stopping workers", file=sys.stderr)
+            return TERMINATED_STATUS
         finally:
             job.kill_all()
-            signal.signal(signal.SIGTERM, previous)
 
 
 class _KeepDir:

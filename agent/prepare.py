@@ -36,9 +36,7 @@ import math
 import os
 import secrets
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -70,6 +68,7 @@ from dtfm.core.tokenfiles import (
     tokenizer_hash,
     write_meta,
 )
+from dtfm.procs import TERMINATED_STATUS, Terminated, sigterm_unwinds
 
 KNOWN_EOT = ("<|endoftext|>", "<|end_of_text|>", "</s>")  # tried before the configured eos
 TRAINED_EOT = "<|endoftext|>"
@@ -140,35 +139,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_common_args(p, config_file=False)
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like Ctrl-C's KeyboardInterrupt, so the partial directory
-    is removed (a BaseException, so that no `except Exception` swallows it)."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
-
-
 def run(args: argparse.Namespace) -> int:
     """`agent prepare`: 0 on success, 2 on bad input or a failed write, 130 interrupted
     (Ctrl-C), 143 terminated (SIGTERM: a service manager's or `kill`'s stop)."""
     opts = Options(inputs=args.input, out=args.out, tokenizer=args.tokenizer,
                    train_vocab=args.train_vocab, text_field=args.text_field,
                    val_fraction=args.val_fraction, eot_token=args.eot_token, force=args.force)
-    main = threading.current_thread() is threading.main_thread()  # handlers go only there
-    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
-        meta = prepare(opts, sys.stderr)
+        with sigterm_unwinds():  # SIGTERM unwinds as Ctrl-C does: the partial directory goes
+            meta = prepare(opts, sys.stderr)
     except PrepareError as exc:
         return flags.fail(f"agent prepare: {exc}")
     except KeyboardInterrupt:
         return flags.fail(f"agent prepare: interrupted; nothing was written to {opts.out}", 130)
     except Terminated:
         return flags.fail(f"agent prepare: terminated (SIGTERM); nothing was written to "
-                          f"{opts.out}", 128 + signal.SIGTERM)
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+                          f"{opts.out}", TERMINATED_STATUS)
     if args.json:
         print(meta.to_json(), end="")
     else:

@@ -6,6 +6,11 @@ checkpoints), SIGKILL for whatever is still alive when the grace period ends. Wi
 `start_new_session=True`), so grandchildren go too. Every terminate-then-kill in the programs
 and in `dtfm` goes through here (the worker launcher, the demo, the WAN harness), so the order
 of signals, the shared grace period and the reaping are written once.
+
+The other side of SIGTERM, for a command that must clean up when stopped (`sigterm_unwinds`):
+the signal raises `Terminated` in the main thread, so the command unwinds through its `finally`
+blocks as it does on Ctrl-C (`agent local` stops its workers, `agent prepare` removes its
+partial directory) and says so, instead of dying where it stood.
 """
 
 from __future__ import annotations
@@ -15,9 +20,37 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+# the exit status of a command that stopped on SIGTERM (128 + the signal, as a shell reports it)
+TERMINATED_STATUS = 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived inside `sigterm_unwinds`: unwinds like Ctrl-C's KeyboardInterrupt (a
+    BaseException, so that no `except Exception` swallows it)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM raises `Terminated`; the previous handler comes back
+    after. Python installs handlers only in the main thread, so elsewhere (a test calling a
+    command's `run` from a thread) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _send(proc: subprocess.Popen, sig: int, group: bool) -> None:  # type: ignore[type-arg]

@@ -407,9 +407,12 @@ def merge_states(states: Sequence[Mapping[str, Any]], srcs: Sequence[Source], mo
     """One state for `model` and `opt` from the checkpoints of the stages that held its layers.
 
     `names_of(src)` gives a source's parameter names in its optimizer's order when its
-    checkpoint does not list them (`param_names`, written since re-splitting exists). Raises
-    ValueError naming what is missing or inconsistent; nothing is loaded half."""
-    want = model.state_dict()
+    checkpoint does not list them (`param_names`, written since re-splitting exists). A frozen
+    parameter (a LoRA job's base) is in no checkpoint and not asked for: the worker reads it
+    from `--init-from` or the seed. Raises ValueError naming what is missing or inconsistent;
+    nothing is loaded half."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    want = [k for k in model.state_dict() if k not in frozen]
     weights = {k: v for st in states for k, v in st["model"].items() if k in want}
     missing = [k for k in want if k not in weights]
     if missing:

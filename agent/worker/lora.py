@@ -169,13 +169,18 @@ def adapter_tensors(stage: nn.Module, spec: ModelSpec, cfg: TrainConfig) -> dict
 
 
 def adapter_state(tensors: Mapping[str, torch.Tensor], stage: nn.Module, spec: ModelSpec,
-                  cfg: TrainConfig) -> dict[str, torch.Tensor]:
+                  cfg: TrainConfig, *, piece: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint's adapter tensors (peft names) under the stage's parameter names, for
     `load_state_dict(strict=False)`. ValueError naming a missing tensor (a checkpoint of another
-    rank or targets)."""
+    rank or targets). With `piece` (one old stage's checkpoint after a re-split, holding only
+    some of this stage's layers) only the adapters it holds: peft names carry the global layer
+    index, so each lands on its layer whatever the cut, and `checkpoint.merge_states` refuses
+    the whole when a layer's adapters are in none of the pieces."""
     out = {}
     for peft, ours, _ in _adapters(stage, spec, cfg):
         if peft not in tensors:
+            if piece:
+                continue
             raise ValueError(f"the LoRA checkpoint lacks adapter {peft}: it was written with "
                              f"other --lora-targets or layers than this job's")
         out[ours] = tensors[peft]

@@ -473,11 +473,12 @@ class Worker:
             log.info("rank %d: %s hold step %d, but not every rank does: resuming from step "
                      "%d", self.rank, held, mine, step)
         states = checkpoint.load_span(loc.dir, srcs, step, job_id=a.job_id)
+        own = srcs == [checkpoint.Source(a.stage, (a.layer_begin, a.layer_end))]
         for st in states:  # weights from the safetensors file, under this stage's names
             st["model"] = {**st.get("buffers", {}), **lora.adapter_state(
-                st["weights_hf"], self.stage, self.spec, self.cfg)} if self.cfg.lora_rank \
-                else checkpoint.model_state(st, self.spec)
-        if srcs == [checkpoint.Source(a.stage, (a.layer_begin, a.layer_end))]:
+                st["weights_hf"], self.stage, self.spec, self.cfg, piece=not own)} \
+                if self.cfg.lora_rank else checkpoint.model_state(st, self.spec)
+        if own:
             state = states[0]
         else:
             state = checkpoint.merge_states(states, srcs, self.stage, opt, self._optimizer_names)

@@ -55,7 +55,7 @@ from dtfm.core.hfconfig import (
 )
 from dtfm.core.hfdir import read_header
 from dtfm.core.spec import ModelSpec
-from dtfm.core.tokenfiles import meta_for
+from dtfm.core.tokenfiles import TOKENIZER_FILES, meta_for
 
 INDEX = "model.safetensors.index.json"
 # What config.json carries over from an imported model's, besides what the spec gives: its
@@ -65,9 +65,6 @@ REQUIRED_IDS = ("bos_token_id", "eos_token_id")
 CARRIED_KEYS = ("architectures", "model_type", *TOKEN_ID_KEYS)
 GENERATION_KEYS = (*TOKEN_ID_KEYS, "do_sample", "temperature", "top_k", "top_p")
 MAX_SOURCE_JSON = 64 * 1024  # an ExportSource's JSON on the wire, at most
-# What a Hugging Face tokenizer directory may hold; whichever of these exist are copied.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 
 
 class ExportError(Exception):

@@ -22,8 +22,10 @@ META_NAME = "meta.json"
 TRAIN_NAME, VAL_NAME = "train.bin", "val.bin"
 SPLITS = {"train": TRAIN_NAME, "val": VAL_NAME}
 TOKENIZER_NAME = "tokenizer.json"
-# the Hugging Face tokenizer files a prepared directory (and a later export) carries
-TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json")
+# What a Hugging Face tokenizer directory may hold (tokenizer.json first): whichever exist
+# travel with prepared data (`agent prepare`) and are copied into an export (`hfexport`).
+TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 BARE_DTYPE = "uint16"  # a .bin without meta.json: nanoGPT's format
 DTYPE_BYTES = {"uint16": 2, "uint32": 4}
 UINT16_VOCAB = 1 << 16

@@ -25,6 +25,7 @@ from agent.prepare import Options, prepare
 from agent.textinput import PrepareError
 from agent.worker.data import load_splits
 from dtfm.core.tokenfiles import read_meta, tokenizer_hash
+from tests.smalldisk import small_disk
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +98,7 @@ def expected(tok_dir: Path, docs: list[str], eot: int) -> list[list[int]]:
 def test_txt_and_jsonl_become_each_document_then_end_of_text(tmp_path: Path) -> None:
     docs = corpus(6)
     tok_dir = bpe_dir(tmp_path)
+    (tok_dir / "added_tokens.json").write_text("{}")  # any of a tokenizer's files travels
     out = run(tmp_path, [write_inputs(tmp_path, docs)], tokenizer=str(tok_dir),
               val_fraction=0.5)
     meta = read_meta(out)
@@ -116,7 +118,7 @@ def test_txt_and_jsonl_become_each_document_then_end_of_text(tmp_path: Path) -> 
     assert meta.val_split == "documents"
     assert [Path(s["path"]).name for s in meta.sources] == ["a.txt", "b.jsonl"]
     # the tokenizer files travel with the data, and the hash is that of their bytes
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
         assert (out / name).read_bytes() == (tok_dir / name).read_bytes()
     assert meta.tokenizer_hash == hashlib.sha256(
         (tok_dir / "tokenizer.json").read_bytes()).hexdigest() == tokenizer_hash(tok_dir)
@@ -280,14 +282,7 @@ def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path: Path,
 
 
 def test_a_full_disk_is_named_and_leaves_nothing(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_disk(tmp_path / "disk", "64k") as disk:
         (tmp_path / "in").mkdir()
         (tmp_path / "in" / "big.txt").write_text(" ".join(corpus(3000)))  # ~150k tokens
         tok = str(wordlevel_dir(tmp_path, 64))
@@ -297,8 +292,6 @@ def test_a_full_disk_is_named_and_leaves_nothing(tmp_path: Path) -> None:
         assert "train.bin" in message and f"({errno.errorcode[errno.ENOSPC]})" in message
         assert "free space there or choose --out on a larger disk" in message
         assert list(disk.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_the_command_line_refuses_clearly_and_trains_end_to_end(tmp_path: Path) -> None:

@@ -13,17 +13,23 @@ from typing import Any
 import pytest
 import torch
 
+from agent.worker import lora
 from agent.worker.checkpoint import Source, merge_states, optimizer_names
 from agent.worker.optim import make_optimizer
 from agent.worker.stage import Stage
 from dtfm.core.presets import get_preset
+from dtfm.core.spec import TrainConfig
 
 SPEC = get_preset("gpt-tiny")
 
 
-def trained(begin: int, end: int) -> tuple[Stage, torch.optim.Optimizer]:
-    """A stage of layers [begin, end) after one AdamW step on a made-up loss."""
+def trained(begin: int, end: int, cfg: TrainConfig | None = None
+            ) -> tuple[Stage, torch.optim.Optimizer]:
+    """A stage of layers [begin, end) after one AdamW step on a made-up loss; with a LoRA
+    `cfg`, adapters on a frozen base (only they step)."""
     stage = Stage(SPEC, begin, end, seed=3)
+    if cfg is not None:
+        lora.apply(stage, SPEC, cfg)
     opt = make_optimizer(stage, 1e-3, 0.1)
     x = (torch.randint(0, SPEC.vocab_size, (2, SPEC.seq_len)) if begin == 0
          else torch.randn(2, SPEC.seq_len, SPEC.d_model))
@@ -101,3 +107,38 @@ def test_pieces_of_different_steps_or_missing_layers_are_refused() -> None:
         merge_states([saved(a, a_opt), later], srcs, target, opt, unused)
     with pytest.raises(ValueError, match="lack .* parameter"):
         merge_states([saved(a, a_opt)], srcs[:1], target, opt, unused)
+
+
+def test_lora_pieces_join_by_their_layer_index_and_a_missing_layer_is_refused() -> None:
+    """A LoRA checkpoint holds adapters under peft names (global layer index) and no base: each
+    old stage's piece maps only the adapters it holds onto the new stage (`piece=True`), the
+    frozen base is not asked for, every adapter and AdamW moment lands on its own layer, and
+    a layer no piece holds is refused rather than left at its initial adapters."""
+    cfg = TrainConfig(lora_rank=4, lora_alpha=8.0, seed=3)
+    parts = [trained(0, 2, cfg), trained(2, 4, cfg)]
+    srcs = [Source(0, (0, 2)), Source(1, (2, 4))]
+    target = Stage(SPEC, 0, 4, seed=3)
+    lora.apply(target, SPEC, cfg)
+    opt = make_optimizer(target, 1e-3, 0.1)
+
+    def piece(stage: Stage, old_opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """What the worker's `_save` writes and `_resume` reads back, for one old stage."""
+        state = saved(stage, old_opt)
+        state["model"] = lora.adapter_state(lora.adapter_tensors(stage, SPEC, cfg), target,
+                                            SPEC, cfg, piece=True)
+        return state
+
+    merged = merge_states([piece(s, o) for s, o in parts], srcs, target, opt, unused)
+    assert target.load_state_dict(merged["model"], strict=False).unexpected_keys == []
+    opt.load_state_dict(merged["optimizer"])
+    got = per_name(opt, target)
+    for stage, old_opt in parts:
+        for name, p in stage.named_parameters():
+            if not p.requires_grad:
+                continue
+            assert torch.equal(target.get_parameter(name), p), name
+            assert torch.equal(got[name]["exp_avg"], old_opt.state[p]["exp_avg"]), name
+    stepped = {name for name, state in got.items() if state}  # the frozen base has no state
+    assert stepped == {n for n, p in target.named_parameters() if p.requires_grad}
+    with pytest.raises(ValueError, match="lack .* parameter"):
+        merge_states([piece(*parts[0])], srcs[:1], target, opt, unused)

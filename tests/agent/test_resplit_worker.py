@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.worker.testlib import assert_close, local_job_dir, run_local, run_workers
+from tests.agent.worker.testlib import (
+    assert_close,
+    local_job_dir,
+    run_local,
+    run_workers,
+    shrink_to_one_stage,
+)
 
 STEPS = 12
 FLAGS = ("--model", "gpt-tiny", "--batch", "4", "--micro-batches", "2", "--steps", str(STEPS),
@@ -27,26 +33,12 @@ REL = 1e-5
 
 @pytest.mark.timeout(600)
 def test_shrinking_to_one_stage_and_growing_back_continue_exactly(tmp_path: Path) -> None:
-    full = run_local(*FLAGS, "--stages", "2", "--replicas", "1",
-                     "--checkpoint-dir", str(tmp_path / "full"))
-    assert full.rc == 0, full.stderr
+    shrunk = shrink_to_one_stage(FLAGS, tmp_path, REL)  # 2 stages, then 1 from their step 4
+    full, ckpt = shrunk.full, shrunk.ckpt
     assert len(full.losses) == STEPS
 
-    ckpt = tmp_path / "ckpt"
-    two = run_local(*FLAGS, "--stages", "2", "--replicas", "1", "--checkpoint-dir", str(ckpt),
-                    env={"DTFM_FAULT": "1:6"})  # the last stage dies before step 6
-    assert two.rc != 0 and [s["step"] for s in two.steps] == [1, 2, 3, 4, 5]
-
-    # one stage from both old stages' step 4; it dies before step 10, after checkpoint 8
-    job = local_job_dir(ckpt).name  # the workers go on as that job, as a coordinator's do
-    one = run_workers(FLAGS, 1, ckpt, tmp_path / "one", [2, 2], fault="0:10", job_id=job)
-    assert [s["step"] for s in one.steps] == [5, 6, 7, 8, 9], one.stderr
-    assert_close([float(s["loss"]) for s in one.steps], full.losses[4:9], REL)
-    log = (tmp_path / "one" / "rank0.log").read_text()
-    assert "resumed at step 4 from stage 0 (layers 0-1), stage 1 (layers 2-3)" in log, log
-
     # two stages again, each cut out of the one stage's step 8
-    back = run_workers(FLAGS, 2, ckpt, tmp_path / "back", [4], job_id=job)
+    back = run_workers(FLAGS, 2, ckpt, tmp_path / "back", [4], job_id=shrunk.job_dir.name)
     assert back.rc == 0, back.stderr
     assert [s["step"] for s in back.steps] == [9, 10, 11, 12]
     assert_close(back.losses, full.losses[8:], REL)

@@ -62,8 +62,10 @@ def _children(pid: int) -> list[int]:
 def test_killing_the_launcher_kills_its_workers(tmp_path: Path, sig: int) -> None:
     cmd = [sys.executable, "-m", "agent.local", "--json", "--threads", "1", *FLAGS,
            "--steps", "100000", "--workdir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    err = tmp_path / "launcher.err"
+    with err.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f,
+                                start_new_session=True)
     kids: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -80,6 +82,9 @@ def test_killing_the_launcher_kills_its_workers(tmp_path: Path, sig: int) -> Non
         while time.monotonic() < deadline and any(_alive(k) for k in kids):
             time.sleep(0.2)
         assert not any(_alive(k) for k in kids)
+        if sig == signal.SIGTERM:  # unwound as on Ctrl-C, saying so, with 128 + SIGTERM
+            assert proc.returncode == 143, err.read_text()
+            assert "agent local: terminated (SIGTERM); stopping workers" in err.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

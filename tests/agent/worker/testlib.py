@@ -140,3 +140,36 @@ def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
     finally:
         stop_all(workers, 5.0)
     return run
+
+
+@dataclass
+class Shrunk:
+    """What `shrink_to_one_stage` leaves: the uninterrupted run, and the checkpoint directory
+    and job folder the shrunk run went on in (its step 8 on one stage, its old cut's step 4)."""
+
+    full: LocalRun
+    ckpt: Path
+    job_dir: Path
+
+
+def shrink_to_one_stage(flags: Sequence[str], tmp_path: Path, rel: float) -> Shrunk:
+    """The re-split tests' first half, for a 2-stage job of `flags` (checkpoints every 4 steps,
+    at least 10 steps): its uninterrupted run; the same run whose last stage dies before step 6;
+    one stage resuming from both old stages' step 4 (`checkpoint_splits` [2, 2], as a coordinator
+    assigns it after a shrink) that dies before step 10, after checkpoint 8. Asserts the one
+    stage's losses equal the uninterrupted run's to `rel` and that it read both old stages."""
+    full = run_local(*flags, "--stages", "2", "--replicas", "1",
+                     "--checkpoint-dir", str(tmp_path / "full"))
+    assert full.rc == 0, full.stderr
+    ckpt = tmp_path / "ckpt"
+    two = run_local(*flags, "--stages", "2", "--replicas", "1", "--checkpoint-dir", str(ckpt),
+                    env={"DTFM_FAULT": "1:6"})  # the last stage dies before step 6
+    assert two.rc != 0 and [s["step"] for s in two.steps] == [1, 2, 3, 4, 5], two.stderr
+    job_dir = local_job_dir(ckpt)  # the workers go on as that job, as a coordinator's do
+    one = run_workers(flags, 1, ckpt, tmp_path / "one", [2, 2], fault="0:10",
+                      job_id=job_dir.name)
+    assert [s["step"] for s in one.steps] == [5, 6, 7, 8, 9], one.stderr
+    assert_close([float(s["loss"]) for s in one.steps], full.losses[4:9], rel)
+    log = (tmp_path / "one" / "rank0.log").read_text()
+    assert "resumed at step 4 from stage 0 (layers 0-1), stage 1 (layers 2-3)" in log, log
+    return Shrunk(full, ckpt, job_dir)
