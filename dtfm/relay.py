@@ -202,6 +202,8 @@ class Relay:
         if other in self._waiting:
             partner = self._waiting.pop(other)
             partner.partner.set_result(c)
+            log.info("relay: circuit between ranks %d and %d of epoch %d open", c.dst, c.src,
+                     c.epoch)
         else:
             if me in self._waiting:
                 log.warning("relay: rank %d of epoch %d dialled again for rank %d: the "
