@@ -9,8 +9,9 @@ the agent's `--reachable`):
 - every member reachable (EVERYWHERE, or not checked: UNKNOWN): gloo on CPU, NCCL when
   every member has a GPU, exactly as before (fastest where every pair can dial);
 - any member NOWHERE or SOME_PEERS: the "dtfm" backend (agent/worker/transport). Such a
-  member listens nowhere and dials out; a reachable one listens on its advertised host at its
-  `data_port`. SOME_PEERS is treated as NOWHERE (a peer table has no per-pair reachability
+  member listens nowhere and dials out; one found reachable (EVERYWHERE) listens on its
+  advertised host at its `data_port`; one not checked yet (UNKNOWN) dials out too, which
+  always works. SOME_PEERS is treated as NOWHERE (a peer table has no per-pair reachability
   yet): it costs relayed traffic between peers that could have dialled, never a failure.
   Two members that both only dial meet at the coordinator's relay;
 - `coordinator start --transport gloo|dtfm` overrides the choice.
@@ -48,12 +49,17 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "gloo", "dtfm")
 DTFM = "dtfm"
 SECRET_BYTES = 32
-LISTENS = (reach.EVERYWHERE, reach.UNKNOWN)  # verdicts whose advertised address peers dial
 
 
 def accepts(rec: AgentRecord) -> bool:
-    """Whether peers may dial this agent's data port (it advertised one and is reachable)."""
-    return rec.reach.verdict in LISTENS and rec.info.data_port > 0
+    """Whether peers may dial this agent's data port (it advertised one and was found
+    reachable from everywhere)."""
+    return rec.reach.verdict == reach.EVERYWHERE and rec.info.data_port > 0
+
+
+def needs_dtfm(rec: AgentRecord) -> bool:
+    """Whether gloo/NCCL cannot reach this agent: found unreachable by some or all."""
+    return rec.reach.verdict in (reach.NOWHERE, reach.SOME_PEERS)
 
 
 @dataclass
@@ -89,7 +95,7 @@ class DataPlanes:
         """The epoch's backend (see the module's rule)."""
         native = "nccl" if all(r.info.device.kind == "cuda" for r in records) else "gloo"
         if self.transport == DTFM or (self.transport == "auto"
-                                      and not all(accepts(r) for r in records)):
+                                      and any(needs_dtfm(r) for r in records)):
             return DTFM
         return native
 
