@@ -52,6 +52,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "DTFM_REACHABLE): auto, the default, has the coordinator and a few peers "
                    "dial it back when it joins and logs what they found; yes or no overrides "
                    "that, for the operator who knows better")
+    p.add_argument("--data-port", type=flags.number(int, 0, maximum=65535), default=0,
+                   metavar="PORT", help="TCP port the training worker accepts the dtfm data "
+                   "plane on, at --advertise, when peers can dial this agent (default: the "
+                   "--listen port + 1)")
     flags.add_security_args(p)
     flags.add_common_args(p)
 
@@ -124,6 +128,7 @@ def _start(args: argparse.Namespace) -> int:
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
         flops=args.flops, memory=args.memory, prewarm=args.prewarm,
         mirror_interval_s=args.mirror_interval, reachable=args.reachable,
+        data_port=args.data_port,
     )
     config.validate()
     return flags.run_async(serve(config))

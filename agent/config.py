@@ -37,6 +37,9 @@ class AgentConfig:
     mirror_interval_s: float = MIRROR_INTERVAL_S  # how often a mirror asks for new checkpoints
     # can peers dial --advertise? auto: the coordinator finds out; yes/no: the operator says
     reachable: str = "auto"
+    # the worker's dtfm data plane listens here when peers can dial it (0: the gRPC port + 1,
+    # or a free port when --listen's port is 0)
+    data_port: int = 0
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
@@ -63,6 +66,9 @@ class AgentConfig:
             raise ConfigError(f"--mirror-interval must be a number of seconds > 0, got "
                               f"{self.mirror_interval_s}")
         check_directory(self.state_dir, "--state-dir")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"--data-port must be a TCP port (1-65535; 0: the gRPC port + "
+                              f"1), got {self.data_port}")
         if self.reachable not in OVERRIDES:
             raise ConfigError(f"--reachable must be {', '.join(OVERRIDES)}, got "
                               f"{self.reachable!r}")
@@ -76,6 +82,16 @@ class AgentConfig:
                 raise ConfigError(f"--bind-interface {self.bind_interface!r} is not an "
                                   f"interface of this machine (it has {', '.join(names)})")
         self.security.validate()
+
+    def data_port_for(self, grpc_port: int) -> int:
+        """The data port to advertise, once the gRPC server has its port."""
+        if self.data_port:
+            return self.data_port
+        if split_hostport(self.listen)[1] and grpc_port < 65535:
+            return grpc_port + 1
+        from dtfm.rpc import free_port
+
+        return free_port(split_hostport(self.listen)[0] or "0.0.0.0")
 
     @property
     def advertise_host(self) -> str:

@@ -155,8 +155,9 @@ async def serve(config: AgentConfig) -> int:
     server, port, health = await rpc.start_server(config.listen, config.security,
                                                   registrar(service), f"agent {agent_id}")
     info.port = port
-    log.info("agent %s serving on %s:%d (%s), coordinator %s", agent_id, info.host, port,
-             info.device.kind, config.coordinator)
+    info.data_port = config.data_port_for(port)
+    log.info("agent %s serving on %s:%d (%s, data port %d), coordinator %s", agent_id,
+             info.host, port, info.device.kind, info.data_port, config.coordinator)
     supervisor = Supervisor(Path(config.state_dir) / "work",
                             bind_interface=config.bind_interface,
                             checkpoints=CheckpointCopier(

@@ -19,6 +19,7 @@ from agent.linkprobe import measure_peer
 from agent.supervisor import Supervisor
 from agent.tuning import TuningCheck
 from dtfm import reach, rpc
+from dtfm.core.assignment import resolve_relay
 from dtfm.core.limits import MAX_KIND, clip
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -118,6 +119,7 @@ class CoordinatorSession:
             self._spawn(self._measure(command.measure))
         elif kind == "assign":
             a = command.assign
+            resolve_relay(a, self.target)
             log.info("assignment: job %s epoch %d rank %d stage %d replica %d",
                      a.job_id, a.epoch, a.rank, a.stage, a.replica)
             self._spawn(self.supervisor.start(a))

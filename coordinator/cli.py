@@ -66,6 +66,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _add_drift_flags(p)
     p.add_argument("--no-measure", action="store_true",
                    help="skip link measurement (plan as if all links were equal)")
+    p.add_argument("--transport", default="auto", choices=["auto", "gloo", "dtfm"],
+                   help="the workers' data plane: auto = gloo (CPU) / NCCL (GPU) when every "
+                   "member accepts connections, else dtfm (dials out, relays; CPU only)")
+    p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
+                   metavar="PORT", help="port of the data-plane relay for agents that cannot "
+                   "accept connections, on the --listen host (default: the gRPC port + 1; "
+                   "0: off)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
                    help="reschedules in a row without progress (a new checkpoint) before the "
                    "job fails; progress refills the budget")
@@ -245,6 +252,7 @@ def _start(args: argparse.Namespace) -> int:
         measure_every_s=args.measure_every,
         metrics_listen=args.metrics_listen,
         state_dir=args.state_dir,
+        relay_port=args.relay_port,
         job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
                       replicas=args.replicas, train=flags.train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,
@@ -253,7 +261,8 @@ def _start(args: argparse.Namespace) -> int:
                       placement=args.placement, links_file=args.links,
                       layer_split=args.layer_split, export_dir=args.export_dir,
                       export_merged=args.export_merged,
-                      drift=_drift_config(args), sync_overhead=args.sync_overhead),
+                      drift=_drift_config(args), sync_overhead=args.sync_overhead,
+                      transport=args.transport),
     )
     config.validate()
     flags.run_async(serve(config))

@@ -115,8 +115,8 @@ def agent_line(status: common_pb2.ReachStatus) -> str:
     if status.verdict == NOWHERE and not status.overridden:
         first = next((d for d in status.dials if not d.ok), None)
         why = f" ({first.dialer}: {first.error})" if first is not None else ""
-        return (f"not reachable: peers cannot dial {status.address}{why}; this agent will "
-                "need a relay, which dtfm does not have yet, so jobs cannot use it: open "
-                "the port, fix --advertise, or see docs/operations.md (Ports); if peers can "
+        return (f"not reachable: peers cannot dial {status.address}{why}; this agent's "
+                "workers will dial out and meet unreachable peers at the coordinator's relay "
+                "(the dtfm transport, CPU only; docs/operations.md, Ports); if peers can "
                 "reach it after all, start it with --reachable yes")
     return status.summary

@@ -18,8 +18,12 @@ relay's memory is bounded by circuits x (~4 chunks + 256 KiB), whatever the send
 in hand, the part the relay itself controls; the tests pin it. The reader's buffer is
 asyncio's, bounded by its `limit`, and not counted there).
 
-Run one with `python -m dtfm.relay --port P --secret-file F` (an agent or the coordinator
-that every member can reach; the next step wires that in).
+Keys: the coordinator's relay (`coordinator start --relay-port`) holds one key per running
+epoch (`admit`, with the epoch's world size; `retire` drops a job's older epochs), derived
+from the fresh per-epoch secret the assignment carries, so a holder of the cluster's join
+token who is not a member cannot open a circuit; at most `max_keys` are held (the oldest is
+dropped). A relay made with one `secret` (`python -m dtfm.relay --port P --secret-file F`)
+derives every job's key from it instead, as before.
 """
 
 from __future__ import annotations
@@ -50,13 +54,20 @@ class _Circuit:
 class Relay:
     """The relay server: `await serve()` in a loop, or `start_in_thread()` for tests."""
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, secret: bytes | None = None, host: str = "127.0.0.1", port: int = 0, *,
                  chunk_bytes: int = 1 << 20, pair_timeout_s: float = 60.0,
-                 handshake_timeout_s: float = 10.0) -> None:
+                 handshake_timeout_s: float = 10.0, max_keys: int = 64) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive: got {chunk_bytes}")
-        dp.derive_key(secret, "check", 0)  # an empty secret fails here, with its message
+        if secret is not None:
+            dp.derive_key(secret, "check", 0)  # an empty secret fails here, with its message
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be positive: got {max_keys}")
         self.secret, self.host, self.port = secret, host, port
+        # (job digest, epoch) -> (key, world size): the epochs admitted, oldest first
+        self._keys: dict[tuple[bytes, int], tuple[bytes, int]] = {}
+        self.max_keys = max_keys
+        self._tasks: set[asyncio.Task[None]] = set()
         self.chunk_bytes = chunk_bytes
         self.pair_timeout_s, self.handshake_timeout_s = pair_timeout_s, handshake_timeout_s
         self._waiting: dict[tuple[bytes, int, int, int], _Circuit] = {}
@@ -66,6 +77,46 @@ class Relay:
         self._server: asyncio.base_events.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+
+    def admit(self, job: str, epoch: int, secret: bytes, world_size: int) -> None:
+        """Forward for ranks 0..world_size-1 of `job`'s `epoch` that prove `secret`'s key.
+
+        Called on the relay's loop (or before it serves): the dict is not locked."""
+        if world_size < 1:
+            raise ValueError(f"an epoch needs at least one rank: got world_size {world_size}")
+        self._keys[(dp.job_digest(job), epoch)] = (dp.derive_key(secret, job, epoch),
+                                                   world_size)
+        while len(self._keys) > self.max_keys:
+            oldest = next(iter(self._keys))
+            del self._keys[oldest]
+            log.warning("relay: holds at most %d epochs' keys; dropped the oldest (epoch %d)",
+                        self.max_keys, oldest[1])
+
+    def retire(self, job: str, before_epoch: int | None = None) -> None:
+        """Forget `job`'s keys (of epochs before `before_epoch` only, when given): new
+        circuits of those epochs are refused; open ones end with their members."""
+        digest = dp.job_digest(job)
+        for k in [k for k in self._keys if k[0] == digest
+                  and (before_epoch is None or k[1] < before_epoch)]:
+            del self._keys[k]
+
+    def epochs(self) -> list[tuple[bytes, int]]:
+        """(job digest, epoch) of every admitted epoch, oldest first."""
+        return list(self._keys)
+
+    def _key(self, hello: dp.Hello) -> bytes:
+        """The key of the epoch a dialler claims (AuthError: not one relayed here)."""
+        known = self._keys.get((hello.job, hello.epoch))
+        if known is not None:
+            key, world = known
+            if hello.rank >= world or hello.target >= world or hello.rank == hello.target:
+                raise dp.AuthError(f"rank {hello.rank} -> {hello.target} is not a pair of "
+                                   f"the epoch's {world} ranks")
+            return key
+        if self.secret is None:
+            raise dp.AuthError(f"no job's epoch {hello.epoch} is relayed here (not admitted, "
+                               f"or retired)")
+        return dp.derive_key(self.secret, hello.job, hello.epoch)
 
     async def serve(self) -> None:
         self._server = await asyncio.start_server(self._on_connect, self.host, self.port,
@@ -106,7 +157,7 @@ class Relay:
         """Close the listener and every circuit; returns when their tasks have finished."""
         if self._server is not None:
             self._server.close()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        tasks = list(self._tasks)  # its own connections' only: it may share the loop
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -115,6 +166,10 @@ class Relay:
     async def _on_connect(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         try:  # closed however this ends, a cancellation by aclose() included
             try:
                 circuit = await asyncio.wait_for(self._handshake(reader, writer),
@@ -133,7 +188,7 @@ class Relay:
         theirs = dp.Hello.unpack(await reader.readexactly(dp.HELLO_BYTES))
         if theirs.role != dp.ROLE_DIAL or theirs.target == dp.NO_RANK:
             raise dp.AuthError("a relay circuit must name the rank it wants to reach")
-        key = dp.derive_key(self.secret, theirs.job, theirs.epoch)
+        key = self._key(theirs)
         mine = dp.Hello(dp.ROLE_RELAY, theirs.job, theirs.epoch, dp.NO_RANK, theirs.target,
                         dp.new_hello(dp.ROLE_RELAY, "", 0, 0).nonce)
         writer.write(mine.pack())
@@ -147,6 +202,8 @@ class Relay:
         if other in self._waiting:
             partner = self._waiting.pop(other)
             partner.partner.set_result(c)
+            log.info("relay: circuit between ranks %d and %d of epoch %d open", c.dst, c.src,
+                     c.epoch)
         else:
             if me in self._waiting:
                 log.warning("relay: rank %d of epoch %d dialled again for rank %d: the "

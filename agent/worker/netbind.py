@@ -174,6 +174,18 @@ def choose(
     return BindChoice(None, "no interface holds bind_addr or routes to the master")
 
 
+def listen_host(bind_addr: str, choice: BindChoice) -> str:
+    """The local address the dtfm data plane listens on: `bind_addr` where this host holds
+    it; else (a forwarded or NATed address) the chosen interface's IPv4; else every
+    interface. The listener authenticates every peer before reading a frame."""
+    for addr in resolve(bind_addr) if bind_addr else []:
+        if interface_holding(addr):
+            return addr
+    if choice.interface and (ip := ipv4_of(choice.interface.split(",")[0])):
+        return ip
+    return "0.0.0.0"
+
+
 def apply(
     choice: BindChoice, backend: str, env: MutableMapping[str, str] | None = None
 ) -> None:

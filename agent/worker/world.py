@@ -27,6 +27,13 @@ the per-link groups. So:
   and one multi-get. Measured on the emulator (8 ranks, 4 x 2): groups 6.2 s -> 2.8 s.
 - per step, the squared gradient norm and the loss go straight to every pipeline peer
   (isend/irecv: one hop) instead of a ring all-reduce over the world (2(N-1) hops).
+
+When the assignment's backend is "dtfm" (some member cannot accept connections:
+coordinator/job/dataplane.py), the world is the dtfm transport's (agent/worker/transport):
+no store on rank 0 (a `HashStore` stands in; rank 0 may be behind a NAT too), the peer
+table, relay and epoch secret come from the assignment's `data_plane` and stay in memory
+(the assignment file is the agent's private 0600 file). Everything after `init_process_group`
+(groups, links, isend/irecv, all_reduce) is the same path as gloo's.
 """
 
 from __future__ import annotations
@@ -48,10 +55,13 @@ from agent.worker.deadline import Deadline
 from agent.worker.errors import wait_all
 from agent.worker.pipeline import Links, make_links
 from agent.worker.store import GroupAddressStore, rendezvous_store
+from agent.worker.transport import TransportConfig, register
+from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
 
 log = logging.getLogger(__name__)
 
+DTFM = "dtfm"  # the backend of agent/worker/transport
 TAG_EXCHANGE = 3  # per-step scalars between the ranks of one pipeline
 ENV_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
@@ -131,22 +141,25 @@ def join(a: Any, layout: Layout, deadline: Deadline, device: torch.device) -> Wo
     """
     timeout = deadline.ceiling
     backend = a.backend or "gloo"
-    netbind.apply(netbind.choose(a.bind_addr, a.master_addr), backend)
+    choice = netbind.choose(a.bind_addr, a.master_addr)
+    netbind.apply(choice, backend)
     t0 = time.perf_counter()
-    with _lazy_gloo():
-        store: dist.Store = rendezvous_store(a.master_addr, a.master_port, a.rank,
-                                             a.world_size, timeout)
-        # gloo's address keys only; NCCL's store traffic is left exactly as torch does it
-        batch: GroupAddressStore | None = None
-        if backend == "gloo":
-            store = batch = GroupAddressStore(store)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=a.rank,
-            world_size=a.world_size,
-            timeout=timeout,
-        )
+    batch: GroupAddressStore | None = None
+    if backend == DTFM:
+        register()
+        store: dist.Store = dist.HashStore()  # unused by dtfm: nobody dials rank 0's store
+        dist.init_process_group(DTFM, store=store, rank=a.rank, world_size=a.world_size,
+                                timeout=timeout,
+                                pg_options=transport_config(a, choice, timeout))
+    else:
+        with _lazy_gloo():
+            store = rendezvous_store(a.master_addr, a.master_port, a.rank, a.world_size,
+                                     timeout)
+            # gloo's address keys only; NCCL's store traffic is left exactly as torch does it
+            if backend == "gloo":
+                store = batch = GroupAddressStore(store)
+            dist.init_process_group(backend, store=store, rank=a.rank,
+                                    world_size=a.world_size, timeout=timeout)
     t1 = time.perf_counter()
     # Member-only groups first, in this order on every rank: their names count the groups
     # each process created before them, which must agree among members (see make_links).
@@ -164,9 +177,35 @@ def join(a: Any, layout: Layout, deadline: Deadline, device: torch.device) -> Wo
         "data-parallel and links %.2f s; %s via %s)",
         a.world_size, world.join_s, t1 - t0, world.join_s - (t1 - t0), t2 - t1,
         world.join_s - (t2 - t0), backend,
-        os.environ.get(netbind.GLOO_ENV, "the default interface"),
+        os.environ.get(netbind.GLOO_ENV, "the default interface") if backend != DTFM
+        else "the assignment's peer table",
     )
     return world
+
+
+def transport_config(a: Any, choice: netbind.BindChoice,
+                     timeout: timedelta) -> TransportConfig:
+    """The dtfm transport's view of the assignment: every rank's listen address ("" in the
+    table: it only dials), the relay, the epoch's secret (in memory only); this rank listens
+    on its advertised data port at a local address (`netbind.listen_host`)."""
+    plane = a.data_plane
+    if len(plane.listen) != a.world_size or not plane.secret:
+        raise ValueError(f"the assignment's backend is dtfm but its data plane lists "
+                         f"{len(plane.listen)} addresses for {a.world_size} ranks"
+                         f"{'' if plane.secret else ' and no secret'}: the coordinator "
+                         f"and agent disagree on the wire format (upgrade both)")
+    if plane.relay.startswith(":"):
+        raise ValueError(f"the data plane's relay {plane.relay!r} names no host: the agent "
+                         f"puts in the coordinator's (agent/session.py); an older agent?")
+    mine = plane.listen[a.rank]
+    bind = None
+    if mine:
+        bind = member_address(netbind.listen_host(a.bind_addr, choice),
+                              int(mine.rpartition(":")[2]))
+    return TransportConfig(
+        job=a.job_id, epoch=a.epoch, secret=plane.secret,
+        peers={r: addr or None for r, addr in enumerate(plane.listen)},
+        relay=plane.relay or None, bind=bind, timeout=timeout)
 
 
 def _member_group(ranks: list[int], timeout: timedelta,

@@ -66,6 +66,9 @@ class JobConfig:
     # --sync-overhead: with --sync-every auto, the share of a step the amortised exchange
     # may cost (coordinator/scheduler/sync_auto.py)
     sync_overhead: float = 0.10
+    # --transport: the workers' backend; auto: gloo/NCCL when every member accepts
+    # connections, else dtfm (coordinator/job/dataplane.py)
+    transport: str = "auto"
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
     def model_spec(self) -> ModelSpec:
@@ -98,6 +101,8 @@ class JobConfig:
 
     def validate(self) -> None:
         self._check_ranges()
+        if self.transport not in ("auto", "gloo", "dtfm"):
+            raise ConfigError(f"--transport must be auto, gloo or dtfm, got {self.transport!r}")
         if self.train.init_from:
             self._check_init_from()
         if self.export_merged and not (self.export_dir and self.train.lora_rank):
@@ -229,6 +234,9 @@ class CoordinatorConfig:
     evict_after_s: float = 600.0  # drop agents lost or left this long from the registry
     state_dir: str = ""
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
+    # --relay-port: the data-plane relay for agents that cannot accept connections, on the
+    # --listen host; None: the gRPC port + 1 (a free port when --listen's is 0); 0: off
+    relay_port: int | None = None
     job: JobConfig = field(default_factory=JobConfig)
 
     def validate(self) -> None:
@@ -251,4 +259,17 @@ class CoordinatorConfig:
             raise ConfigError("--measure-every must be >= 0 seconds (0 turns it off)")
         if self.state_dir:
             check_directory(self.state_dir, "--state-dir")
+        if self.relay_port is not None and not 0 <= self.relay_port <= 65535:
+            raise ConfigError(f"--relay-port must be a TCP port (1-65535) or 0 (off), got "
+                              f"{self.relay_port}")
         self.job.validate()
+
+    def relay_address(self, grpc_port: int) -> tuple[str, int] | None:
+        """(host, port) the relay listens on (port 0: any free one), None when it is off;
+        `grpc_port` is the port the coordinator's gRPC server got."""
+        if self.relay_port == 0:
+            return None
+        host, port = split_hostport(self.listen, "--listen")
+        if self.relay_port is not None:
+            return host, self.relay_port
+        return host, (grpc_port + 1 if port and grpc_port < 65535 else 0)

@@ -241,19 +241,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return status
 
     def unreachable_line(self, state: int) -> str:
-        """While the job gathers agents, name those nobody can dial: until relays exist (issue
-        32) the job cannot use them, and without this line it would just wait for "7 of 8"."""
-        if state not in WAITING_STATES:
+        """While the job gathers agents or trains, name those nobody can dial: their data
+        plane dials out and meets peers at the relay (coordinator/job/dataplane.py)."""
+        if state not in WAITING_STATES + (coordinator_pb2.JOB_STATE_RUNNING,):
             return ""
         nowhere = [a for a in unreachable(self.registry) if a.state != LEFT]
         if not nowhere:
             return ""
         shown = ", ".join(f"{a.agent_id} ({a.address})" for a in nowhere[:5])
         more = f" and {len(nowhere) - 5} more" if len(nowhere) > 5 else ""
+        relay = self.job.dataplane.relay
+        via = (f"the coordinator's relay (port {relay.port})" if relay is not None
+               else "no relay (--relay-port 0): two of them cannot meet")
         return (f"{len(nowhere)} agent(s) cannot be dialled by their peers: {shown}{more}; "
-                "relaying is not available yet, so the job cannot use them: open their "
-                "ports or fix --advertise (docs/operations.md, Ports), or start them with "
-                "--reachable yes if peers can reach them after all")
+                f"their workers dial out (dtfm transport) and are relayed through {via}")
 
     async def GetPlan(
         self, request: coordinator_pb2.PlanRequest, context: grpc.aio.ServicerContext
@@ -363,6 +364,19 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     )
     log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
              "TLS" if config.security.tls else "plaintext")
+    if (relay_at := config.relay_address(port)) is not None:
+        try:
+            relay_port = await service.job.dataplane.start_relay(*relay_at)
+            log.info("data-plane relay listening on %s:%d", relay_at[0], relay_port)
+        except OSError as exc:
+            if config.relay_port is not None:  # the operator's port: say so and stop
+                await server.stop(grace=0)
+                raise rpc.ConfigError(f"--relay-port {config.relay_port}: cannot listen on "
+                                  f"{relay_at[0]}:{relay_at[1]}: {exc.strerror}; pick a free "
+                                  f"port, or 0 to run no relay") from exc
+            log.warning("no data-plane relay: the default port %d (gRPC + 1) is taken (%s); "
+                        "agents that cannot accept connections will not meet each other: "
+                        "give --relay-port", relay_at[1], exc.strerror)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -376,6 +390,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     log.info("coordinator shutting down")
     await health.enter_graceful_shutdown()
     await service.job.shutdown()
+    await service.job.dataplane.close()
     await service.reach.close()
     service.close_streams()
     for task in tasks:

@@ -95,6 +95,24 @@ class EpochPlanner:
         self.model: Prediction | None = None  # this epoch's step-time model
         self._port_epoch, self._port = -1, 0
 
+    def plan_message(self, found: dict[str, Any], ids: list[str], placement: Placement,
+                     epoch: int, predicted: Any) -> common_pb2.Plan:
+        """The Plan status shows for an epoch placed as `found` (`predicted`: its step)."""
+        assert self.layout is not None and self.model is not None
+        return common_pb2.Plan(
+            stages=self.layout.stages, replicas=self.layout.replicas,
+            grid=[common_pb2.PlanStage(agent_ids=[ids[d] for d in row],
+                                       dp_shares=found["dp_shares"][j] if found["dp_shares"]
+                                       else [])
+                  for j, row in enumerate(found["grid"])],
+            cost=found["cost"], dp_cost=found["dp_cost"], pp_cost=found["pp_cost"],
+            seconds=found["seconds"], algorithm=found["algorithm"], epoch=epoch,
+            placement=placement.label, predicted_step_s=predicted.step_s,
+            predicted_comm_s=self.model.comm_s, predicted_compute_s=predicted.compute_s,
+            layer_splits=found["splits"], sync_every=self.sync_every,
+            sync_note=self.sync_note,
+        )
+
     def rendezvous_port(self, epoch: int) -> int:
         """Rank 0's store port for this epoch: drawn per epoch from 29500-30498 (even ports;
         the store's neighbour is left free), so a stranger cannot know it in advance; the

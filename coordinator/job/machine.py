@@ -16,7 +16,8 @@ state directory's snapshot; it delegates the rest, each to a collaborator beside
 - `checkpoints.CheckpointTracker`: the newest checkpoint every member holds, and its split;
 - `replan.Replanner`: the drift watch and re-planning while the job trains (it asks the job
   for what it needs through `replan.ReplanHost`, which `Job` implements);
-- `recovery.Recoveries`: the record of each recovery, shown by status.
+- `recovery.Recoveries`: the record of each recovery, shown by status;
+- `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from coordinator.daemon.reconcile import persistence_fields, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job import rootcause
 from coordinator.job.checkpoints import CheckpointTracker
+from coordinator.job.dataplane import DataPlanes
 from coordinator.job.epochlinks import EpochLinkSource, NoLinks, avoid_dead_links
 from coordinator.job.epochplan import EpochPlanner
 from coordinator.job.membership import Membership
@@ -114,6 +116,7 @@ class Job:
                                            self.membership)  # the links an epoch plans on
         self.recoveries = Recoveries()
         self.replan = Replanner(self)  # drift watch and re-planning while training
+        self.dataplane = DataPlanes(config.transport)  # gloo/NCCL or dtfm, and the relay
         self.store = store
         if store is not None and config.model:
             self._adopt(store.unfinished(job_fingerprint(config)))
@@ -422,24 +425,15 @@ class Job:
         self.planner.model = Prediction(net=net, grid=found["grid"], work=work,
                                         splits=found["splits"], agents=ids, flops=flops)
         predicted = self.planner.model.predict({})
-        self.plan = common_pb2.Plan(
-            stages=layout.stages, replicas=layout.replicas,
-            grid=[common_pb2.PlanStage(agent_ids=[ids[d] for d in row],
-                                       dp_shares=found["dp_shares"][j] if found["dp_shares"]
-                                       else [])
-                  for j, row in enumerate(found["grid"])],
-            cost=found["cost"], dp_cost=found["dp_cost"], pp_cost=found["pp_cost"],
-            seconds=found["seconds"], algorithm=found["algorithm"], epoch=self.epoch,
-            placement=placement.label, predicted_step_s=predicted.step_s,
-            predicted_comm_s=self.planner.model.comm_s, predicted_compute_s=predicted.compute_s,
-            layer_splits=found["splits"], sync_every=self.planner.sync_every,
-            sync_note=self.planner.sync_note,
-        )
+        self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
+        if (plane := self.dataplane.plan(self.job_id, self.epoch, records)).unsupported:
+            self._set(S.JOB_STATE_FAILED, plane.unsupported)
+            return
         assignments = build_assignments(
             job_id=self.job_id, epoch=self.epoch, layout=layout, spec=spec, train=train,
             master_addr=records[0].info.host,
             master_port=self.planner.rendezvous_port(self.epoch),
-            backend="nccl" if all(r.info.device.kind == "cuda" for r in records) else "gloo",
+            backend=plane.backend, data_plane=plane.plane,
             bind_addrs=[r.info.host for r in records], splits=found["splits"],
             codecs=found["codecs"],
             members=[(r.info.host, r.info.port) for r in records],

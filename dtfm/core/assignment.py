@@ -23,6 +23,16 @@ def member_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def resolve_relay(assignment: common_pb2.Assignment, coordinator: str) -> None:
+    """Give the data plane's relay a host: ":PORT" is the coordinator's own relay, at the
+    host this agent dials the coordinator at (`coordinator`, HOST:PORT as the agent was
+    told it), the one address every agent is known to reach."""
+    relay = assignment.data_plane.relay
+    if relay.startswith(":"):
+        host = coordinator.rpartition(":")[0]
+        assignment.data_plane.relay = f"{host}{relay}"
+
+
 @dataclass(frozen=True)
 class CheckpointRoutes:
     """Where one rank's agent gets checkpoints it lacks, and which stages it mirrors."""
@@ -93,6 +103,7 @@ def build_assignments(
     dp_shares: Sequence[Sequence[float]] | None = None,
     init_hash: str = "",
     member_gbps: Sequence[Sequence[float]] | None = None,
+    data_plane: common_pb2.DataPlane | None = None,
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
@@ -112,7 +123,15 @@ def build_assignments(
     (`dtfm.core.buckets`); without it every replica owns an equal share.
     `init_hash`: `dtfm.core.hfdir.dir_hash` of `train.init_from` where it was planned; every
     worker checks its own copy against it.
+    `data_plane`: with `backend` "dtfm", the peer table (one listen address per rank), relay
+    and epoch secret every rank gets (coordinator/job/dataplane.py).
     """
+    if (backend == "dtfm") != (data_plane is not None):
+        raise ValueError("the dtfm backend needs a data plane (peer table, relay, secret), "
+                         "and only it takes one")
+    if data_plane is not None and len(data_plane.listen) != layout.world_size:
+        raise ValueError(f"the data plane lists {len(data_plane.listen)} ranks' addresses "
+                         f"for {layout.world_size} ranks")
     train.validate(layout.replicas)
     lora.check(train, spec)
     if bind_addrs is not None and len(bind_addrs) != layout.world_size:
@@ -156,7 +175,7 @@ def build_assignments(
             pp_compress_prev=pp_prev, pp_compress_next=pp_next, dp_compress=dp,
             checkpoint_splits=resplit,
             dp_shares=dp_shares[stage] if dp_shares is not None else [],
-            init_hash=init_hash,
+            init_hash=init_hash, data_plane=data_plane,
         ))
         if routes is not None:
             out[-1].checkpoint_peers.extend(routes[rank].peers)

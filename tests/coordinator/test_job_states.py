@@ -38,6 +38,7 @@ class FakeAgent:
             device=common_pb2.DeviceInfo(kind="cpu", flops=1e10, memory_bytes=2**34))
         self.inbox: list[coordinator_pb2.Command] = []
         self.silent_since: float | None = None  # a dead agent the registry has not swept
+        self.reach = common_pb2.ReachStatus()  # not checked: the job keeps gloo
 
     @property
     def agent_id(self) -> str:

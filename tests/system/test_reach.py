@@ -70,12 +70,12 @@ def test_dial_back_finds_who_is_reachable_by_id_not_address(daemons: Daemons) ->
     assert any(d["dialer"] not in ("coordinator",) for r in rows.values()
                for d in r["reach"]["dials"]), rows
     # the text status has the column and says who cannot be dialled, and the waiting job names
-    # them with the reason it cannot use them
+    # them and says they are relayed
     text = daemons.cli("coordinator", "status", "--coordinator", address).stdout
     assert "REACH" in text and "nowhere (0/" in text and "everywhere (" in text, text
     assert f"{rows['natted']['id']}: not reachable" in text, text
     message = daemons.status(address)["job"]["message"]
-    assert "relaying is not available yet" in message and rows["natted"]["id"] in message \
+    assert "relayed through the coordinator" in message and rows["natted"]["id"] in message \
         and rows["twin"]["id"] in message and rows["open"]["id"] not in message, message
     # each agent logged the verdict in one line
     logs = {p.stem: p.read_text(errors="replace") for p in daemons.tmp.glob("*.log")}

@@ -1,0 +1,63 @@
+"""The coordinator's data-plane choice per epoch (coordinator/job/dataplane.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.daemon.registry import AgentRecord
+from coordinator.job.dataplane import DataPlanes
+from dtfm import reach
+from dtfm.core import dataplane as dp
+from protos.dtfm.v1 import common_pb2
+
+
+def _rec(i: int, verdict: int, kind: str = "cpu") -> AgentRecord:
+    info = common_pb2.AgentInfo(agent_id=f"a{i}", host=f"10.0.0.{i}", port=7071,
+                                data_port=7072, device=common_pb2.DeviceInfo(kind=kind))
+    return AgentRecord(info, 0.0, 0.0, reach=common_pb2.ReachStatus(verdict=verdict))
+
+
+def test_every_member_reachable_keeps_gloo_or_nccl() -> None:
+    planes = DataPlanes()
+    cpu = [_rec(i, reach.EVERYWHERE) for i in range(3)] + [_rec(4, reach.UNKNOWN)]
+    assert planes.plan("j", 1, cpu).backend == "gloo" and planes.plan("j", 1, cpu).plane is None
+    gpu = [_rec(i, reach.EVERYWHERE, "cuda") for i in range(2)]
+    assert planes.plan("j", 1, gpu).backend == "nccl"
+    assert DataPlanes("dtfm").backend(cpu) == "dtfm"
+    assert DataPlanes("gloo").backend([_rec(1, reach.NOWHERE)]) == "gloo"
+
+
+def test_unreachable_members_get_dtfm_a_peer_table_and_a_fresh_secret_per_epoch() -> None:
+    async def run() -> None:
+        planes = DataPlanes()
+        await planes.start_relay("127.0.0.1", 0)
+        try:
+            recs = [_rec(1, reach.EVERYWHERE), _rec(2, reach.NOWHERE),
+                    _rec(3, reach.SOME_PEERS), _rec(4, reach.UNKNOWN)]
+            e1 = planes.plan("job-x", 1, recs)
+            e2 = planes.plan("job-x", 2, recs)
+            assert e1.backend == e2.backend == "dtfm" and e1.plane and e2.plane
+            assert list(e1.plane.listen) == ["10.0.0.1:7072", "", "", ""]
+            assert e1.relayed == ["a2", "a3", "a4"]
+            assert planes.relay is not None
+            assert e1.plane.relay == f":{planes.relay.port}"
+            assert len(e1.plane.secret) == 32 and e1.plane.secret != e2.plane.secret
+            # the relay knows epoch 2 only: epoch 1 was retired when 2 was planned
+            assert planes.relay.epochs() == [(dp.job_digest("job-x"), 2)]
+        finally:
+            await planes.close()
+    asyncio.run(run())
+
+
+def test_gpu_jobs_and_missing_relays_are_refused_with_a_reason() -> None:
+    gpu = [_rec(1, reach.EVERYWHERE, "cuda"), _rec(2, reach.NOWHERE, "cuda")]
+    why = DataPlanes().plan("j", 1, gpu).unsupported
+    assert "CPU tensors only" in why and "a2 (nowhere)" in why
+    no_relay = [_rec(1, reach.NOWHERE), _rec(2, reach.NOWHERE)]
+    assert "--relay-port 0" in DataPlanes().plan("j", 1, no_relay).unsupported
+    one = DataPlanes().plan("j", 1, [_rec(1, reach.EVERYWHERE), _rec(2, reach.NOWHERE)])
+    assert not one.unsupported and one.plane is not None and one.plane.relay == ""
+    with pytest.raises(ValueError, match="--transport"):
+        DataPlanes("udp")

@@ -1,0 +1,74 @@
+"""A job with agents that accept no connections trains over the dtfm transport (issue 32),
+with real processes on loopback: three of four agents start `--reachable no`, so the
+coordinator picks the "dtfm" backend; they dial out to the listening one and, between
+themselves, meet at the coordinator's relay (in a 2 x 2 job any three ranks hold a pair that
+talks: a pipeline or a data-parallel pair). The same job with every agent reachable runs on
+gloo, and both give the same losses, step for step, bit for bit (same seed; dtfm's
+two-member all_reduce and its point-to-point messages are exactly gloo's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.daemons import Daemons, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS = 6
+JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
+       "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "3",
+       "--search-seconds", "1", "--no-measure", "--eval-batches", "0",
+       "--layer-split", "even"]
+
+
+def _losses(workdir: Path, job_id: str) -> dict[int, dict[int, float]]:
+    """rank -> step -> loss, from every agent's progress files of epoch 1."""
+    out: dict[int, dict[int, float]] = {}
+    for path in workdir.glob(f"*/work/{job_id}-e1-r*.progress.jsonl"):
+        rank = int(path.name.rsplit("-r", 1)[1].split(".")[0])
+        for line in path.read_text().splitlines():
+            ev = json.loads(line)
+            if ev.get("event") == "step":
+                out.setdefault(rank, {})[ev["step"]] = ev["loss"]
+    return out
+
+
+def _train(daemons: Daemons, tag: str, unreachable: int
+           ) -> tuple[dict[str, Any], str, str]:
+    coordinator, address = daemons.coordinator(*JOB)
+    for i in range(4):
+        daemons.agent(address, f"{tag}-{i}", *(["--reachable", "no"] if i < unreachable
+                                                else []))
+    seen: list[str] = []
+
+    def done() -> dict[str, Any] | None:
+        job = daemons.status(address)["job"]
+        seen.append(job["message"])
+        assert job["state"] != "failed", job
+        return job if job["state"] == "done" else None
+
+    job = wait_for(done, 400, f"the {tag} job to finish", interval=0.5)
+    return job, " | ".join(dict.fromkeys(seen)), daemons.log(coordinator)
+
+
+def test_unreachable_agents_train_over_dtfm_to_gloos_losses(daemons: Daemons) -> None:
+    gloo, _, _ = _train(daemons, "open", 0)
+    relayed, messages, log = _train(daemons, "nat", 3)
+    # the job took the unreachable agents in and said they are relayed
+    assert "relayed through the coordinator's relay" in messages, messages
+    assert "dtfm data plane, 3 of 4 members dial out only" in log, log[-3000:]
+    assert "relay: circuit between ranks" in log, log[-3000:]
+    worker_logs = {p: p.read_text(errors="replace")
+                   for p in daemons.tmp.glob("*/work/*.log")}
+    open_logs = [t for p, t in worker_logs.items() if p.parts[-3].startswith("open-")]
+    nat_logs = [t for p, t in worker_logs.items() if p.parts[-3].startswith("nat-")]
+    assert any("via gloo" in t or "gloo via" in t for t in open_logs), open_logs[:1]
+    assert sum("dtfm via the assignment's peer table" in t for t in nat_logs) == 4, nat_logs
+    ref, got = _losses(daemons.tmp, gloo["id"]), _losses(daemons.tmp, relayed["id"])
+    assert sorted(ref) == sorted(got) == [0, 1, 2, 3]
+    assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in got.values())
+    assert got == ref  # bit for bit: the same floats from the same seed
