@@ -324,6 +324,10 @@ class LinkMeasurer:
                          for x in hops], by_id, silent, probe_seconds)
         priced = relayed.price(self.store, pairs)
         log.info("%d links priced as relayed through the coordinator", len(priced))
+        if unpriced := [(x, y) for a, b in pairs for x, y in ((a, b), (b, a))
+                        if (x, y) not in priced]:
+            log.warning("%d links neither end can dial stay failed: %s", len(unpriced),
+                        self.store.entries[unpriced[0]].error)
 
     def _delay(self, a: str, b: str) -> float | None:
         entry = self.store.entries.get((a, b))
