@@ -76,3 +76,21 @@ def test_a_bad_mask_or_relay_is_refused_with_what_to_give() -> None:
         behind_nat(direct, (9,), RELAY_AT)
     assert relay.mask(["a", "b", "c"], ["a->c", "c->a", "x->a"]).tolist() == [
         [False, False, True], [False, False, False], [True, False, False]]
+
+
+def test_the_job_s_planner_prices_its_grid_s_relayed_flows_by_agent_id() -> None:
+    """The epoch's relayed links come by agent id (LinkMatrix.relayed); the planner re-prices
+    the grid it found with the flows that grid sends through the relay."""
+    from coordinator.daemon.config import JobConfig
+    from coordinator.job.checkpoints import CheckpointTracker
+    from coordinator.job.epochplan import EpochPlanner
+
+    _, net, relayed = _scenario()
+    ids = [f"agent-{i}" for i in range(net.size)]
+    planner = EpochPlanner(JobConfig(), CheckpointTracker(JobConfig()))
+    blind = rank_order_grid(4, 2)
+    assert planner.relay_priced(net, ids, blind) is net  # no relayed links known: as is
+    planner.relayed = [f"{ids[a]}->{ids[b]}" for a, b in np.argwhere(relayed)]
+    priced = planner.relay_priced(net, ids, blind)
+    assert priced.bandwidth_gbps[2, 4] == pytest.approx(net.bandwidth_gbps[2, 4] / 4)
+    assert priced.bandwidth_gbps[0, 2] == net.bandwidth_gbps[0, 2]
