@@ -466,17 +466,26 @@ class CheckpointCopier:
                                               for p in peers),
                                             return_exceptions=True)
             by_step: dict[int, list[tuple[Peer, Manifest]]] = {}
+            unasked = []
             for peer, found in zip(peers, listings, strict=True):
                 if isinstance(found, BaseException):
                     why = (rpc.describe_rpc_error(found, peer.address)
                            if isinstance(found, grpc.RpcError) else repr(found))
                     log.info("checkpoint: peer %s did not list stage %d: %s", peer.address,
                              stage, why)
+                    unasked.append(why)
                     continue
                 for m in found:
                     if m.layers in (None, layers):  # other layers: another split's step
                         by_step.setdefault(m.step, []).append((peer, m))
             newer = sorted(s for s in by_step if s > have)[-KEEP:]
+            if peers and len(unasked) == len(peers):
+                log.warning("checkpoint: stage %d of job %s: none of the %d peers could be "
+                            "asked for its checkpoints (%s): a copy needs a dial, agents behind "
+                            "a NAT or firewall accept none, and copies are not relayed; the "
+                            "worker starts from step %d", stage, a.job_id, len(peers),
+                            unasked[0], have)
+                return
             if not newer:
                 log.info("checkpoint: stage %d (layers %d-%d) of job %s: this agent holds "
                          "step %d, no peer holds a newer one", stage, layers[0], layers[1] - 1,

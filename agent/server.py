@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -24,15 +23,12 @@ from agent.session import CoordinatorSession, FatalSessionError
 from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
 from agent.tuning import TuningCheck
-from dtfm import reach, rpc
+from dtfm import probe, reach, rpc
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-DEFAULT_WINDOW_S = 0.25
-MIN_WINDOW_S = 0.01
-MAX_WINDOW_S = 10.0
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
@@ -48,44 +44,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     async def Probe(self, request_iterator: AsyncIterator[agent_pb2.ProbeChunk],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ProbeWindow]:
-        """Report arrivals per window of time, on a timer, until the caller half-closes.
-
-        Windows run on a clock, not on arrivals, so a caller that paces itself by these
-        reports (and so may pause) always hears back.
-        """
-        window_s = DEFAULT_WINDOW_S
-        totals = {"bytes": 0}
-        first = asyncio.Event()
-        done = asyncio.Event()
-
-        async def read() -> None:
-            nonlocal window_s
-            try:
-                async for chunk in request_iterator:
-                    totals["bytes"] += len(chunk.payload)
-                    if not first.is_set():
-                        if chunk.window_s > 0:
-                            window_s = min(max(chunk.window_s, MIN_WINDOW_S), MAX_WINDOW_S)
-                        first.set()
-            finally:
-                first.set()
-                done.set()
-
-        reader = asyncio.create_task(read())
-        try:
-            await first.wait()
-            start, seen = time.perf_counter(), totals["bytes"]
-            while not done.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), window_s)
-                now, total = time.perf_counter(), totals["bytes"]
-                yield agent_pb2.ProbeWindow(bytes=total - seen, seconds=now - start,
-                                            total_bytes=total)
-                start, seen = now, total
-        finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+        """Report arrivals per window of time until the caller half-closes (`dtfm.probe`)."""
+        async for window in probe.windows(request_iterator):
+            yield window
 
     async def GetStatus(self, request: agent_pb2.AgentStatusRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.AgentStatusReply:

@@ -191,6 +191,10 @@ class CoordinatorSession:
 
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:
+        if peer.agent_id == reach.COORDINATOR and not peer.address:
+            # the relay: the coordinator, at the address this agent joined it by (it may sit
+            # behind a NAT, so only the agent knows how it reaches the coordinator)
+            peer = coordinator_pb2.PeerTarget(agent_id=peer.agent_id, address=self.target)
         key = (peer.agent_id, peer.address)
         channel = self._peer_channels.get(key)
         if channel is None:

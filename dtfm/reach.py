@@ -44,13 +44,22 @@ async def dial(address: str, agent_id: str, security: rpc.Security,
     other direction, through a NAT's mapping) cannot stand in for an inbound one."""
     try:
         async with rpc.open_channel(address, security) as channel:
-            nonce = secrets.randbits(63)
-            reply = await agent_pb2_grpc.AgentStub(channel).Ping(
-                agent_pb2.PingRequest(nonce=nonce), timeout=timeout_s, wait_for_ready=False)
-    except grpc.aio.AioRpcError as exc:
-        return clip(rpc.describe_rpc_error(exc, f"agent {agent_id} at {address}"))
+            return await identified(agent_pb2_grpc.AgentStub(channel), agent_id, address,
+                                    timeout_s)
     except (ValueError, OSError) as exc:
         return clip(f"agent {agent_id} at {address}: {exc}")
+
+
+async def identified(stub: agent_pb2_grpc.AgentStub, agent_id: str, address: str,
+                     timeout_s: float = DIAL_TIMEOUT_S) -> str:
+    """One `Agent.Ping` on `stub` (a channel to `address`): "" when `agent_id` itself answered,
+    else why not, in words (it did not answer, or another agent sits at that address)."""
+    try:
+        nonce = secrets.randbits(63)
+        reply = await stub.Ping(agent_pb2.PingRequest(nonce=nonce), timeout=timeout_s,
+                                wait_for_ready=False)
+    except grpc.aio.AioRpcError as exc:
+        return clip(rpc.describe_rpc_error(exc, f"agent {agent_id} at {address}"))
     if reply.agent_id != agent_id:
         return clip(f"{address} answered as agent {reply.agent_id or '(no id)'}, not "
                     f"{agent_id}: another agent sits at the address {agent_id} advertises")

@@ -30,6 +30,7 @@ from coordinator.daemon.validate import (
     validate_progress,
 )
 from coordinator.job.machine import Job
+from coordinator.links import relayprobe
 from coordinator.links.measure import LinkMeasurer, Pings
 from coordinator.links.reachability import ReachChecker, unreachable
 from coordinator.links.store import LinkStore
@@ -357,7 +358,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
 
     def register(server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
-        return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+        return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+                *relayprobe.register(server)]
 
     server, port, health = await rpc.start_server(
         config.listen, config.security, register, "coordinator"

@@ -73,6 +73,7 @@ class EpochLinkSource:
         ids = [m.agent_id for m in members]
         suspects = {link for link in self.suspects if set(link) <= set(ids)}
         self.suspects = set()
+        self.planner.relayed = []
         if cfg.links_file:
             try:
                 return EpochLinks(*self.planner.known_links(ids))
@@ -83,7 +84,9 @@ class EpochLinkSource:
         if epoch and self.links.complete_for(ids) and not suspects:
             # a recovery among agents measured before: their links did not change because
             # someone else died, and measuring again would cost a minute of stall
-            return EpochLinks(*matrix_arrays(self.links.matrix(ids)))
+            matrix = self.links.matrix(ids)
+            self.planner.relayed = list(matrix.relayed)
+            return EpochLinks(*matrix_arrays(matrix))
         self.membership.cancel_spare_measurement()
         # a recovery measures only the links it has no figure for (newcomers', and those
         # that failed): the others did not change because an agent came or went; after
@@ -97,6 +100,7 @@ class EpochLinkSource:
             missing = len(self.measurer.missing_links(ids)) if epoch else wanted * (wanted - 1)
             announce(S.JOB_STATE_MEASURING, f"measuring {missing} links")
             matrix = await self.measurer.measure(members, only_missing=bool(epoch))
+        self.planner.relayed = list(matrix.relayed)  # priced per grid by the planner
         failures = linkfailure.partition(ids, linkfailure.failed_links(self.links, ids))
         if bad := failures.leave_out:
             return NoLinks(S.JOB_STATE_WAITING, f"leaving out unreachable agent(s) "

@@ -31,7 +31,7 @@ from coordinator.daemon.registry import AgentRecord
 from coordinator.job.checkpoints import CheckpointTracker
 from coordinator.job.prediction import Prediction, device_figures
 from coordinator.job.recovery import layout_text
-from coordinator.scheduler import Network, sync_auto
+from coordinator.scheduler import Network, relay, sync_auto
 from coordinator.scheduler.compute import (
     Devices,
     Workload,
@@ -94,6 +94,10 @@ class EpochPlanner:
         self.grid_ids: list[list[str]] = []  # this epoch's grid, stage x replica -> agent id
         self.model: Prediction | None = None  # this epoch's step-time model
         self._port_epoch, self._port = -1, 0
+        # "from->to" links of the members that go through the relay (LinkMatrix.relayed), as
+        # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices the
+        # relay's uplink shared among the grid's relayed flows (coordinator/scheduler/relay.py)
+        self.relayed: list[str] = []
 
     def plan_message(self, found: dict[str, Any], ids: list[str], placement: Placement,
                      epoch: int, predicted: Any) -> common_pb2.Plan:
@@ -258,6 +262,8 @@ class EpochPlanner:
                      found["polished_step_s"])
         else:
             found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
+        net = self.relay_priced(net, ids, found["grid"])
+        found["net"] = net  # the links as this grid sees them: its prediction's
         found["grid"], found["splits"], why = await self.choose_split(
             net, found["grid"], work, dev, move=grid is None, planned=planned_splits,
             epoch=epoch)
@@ -272,6 +278,18 @@ class EpochPlanner:
             log.info("job %s: data-parallel shares per stage (replica order): %s", self.job_id,
                      "; ".join(",".join(f"{x:.2f}" for x in row) for row in found["dp_shares"]))
         return {**found, **score(net, found["grid"], dp_gb, pp_gb, work.compression)}
+
+    def relay_priced(self, net: Network, ids: list[str], grid: list[list[int]]) -> Network:
+        """`net` with the relay's uplink shared among `grid`'s relayed flows: the search
+        priced each relayed link as if it ran alone (two hops, the narrower one's rate)."""
+        mask = relay.mask(ids, self.relayed)
+        if not mask.any():
+            return net
+        flows = relay.relayed_flows(grid, mask)
+        log.info("job %s: %d of the grid's flows go through the relay (%d relayed links "
+                 "among the members); each gets 1/%d of a relayed link's rate", self.job_id,
+                 flows, int(mask.sum()), max(flows, 1))
+        return relay.shared(net, mask, flows)
 
     async def choose_split(self, net: Network, grid: list[list[int]], work: Workload,
                            dev: Devices, move: bool, planned: list[int] | None = None,

@@ -44,7 +44,7 @@ from pathlib import Path
 import grpc
 
 from agent.checkpoints import BadCopy, DiskFull, Peer, download, list_peer
-from dtfm import rpc
+from dtfm import reach, rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core import loraexport
 from dtfm.core.assignment import member_address
@@ -109,27 +109,39 @@ async def job_status(address: str, security: rpc.Security) -> coordinator_pb2.Cl
         return await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=STATUS_TIMEOUT_S)
 
 
-def agent_addresses(status: coordinator_pb2.ClusterStatus) -> list[str]:
-    """HOST:PORT of every agent the coordinator lists (lost ones too: one may be back)."""
-    return list(dict.fromkeys(member_address(a.info.host, a.info.port)
-                              for a in status.agents if a.info.port))
+def agent_targets(status: coordinator_pb2.ClusterStatus) -> list[tuple[str, str]]:
+    """(agent id, HOST:PORT) of every agent the coordinator lists (lost ones too: one may be
+    back), one per id: agents behind different NATs may advertise one private address, so
+    the address tells no agent apart. Agents peers can dial come first; those nobody can
+    dial (behind a NAT, `reach` "nowhere") last, as the copies least likely to be fetched."""
+    rows = {a.info.agent_id: (a.reach.verdict == reach.NOWHERE,
+                              member_address(a.info.host, a.info.port))
+            for a in status.agents if a.info.port and a.info.agent_id}
+    return [(agent_id, address) for agent_id, (_, address)
+            in sorted(rows.items(), key=lambda row: row[1][0])]
 
 
-async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
+async def gather(job_id: str, spec: ModelSpec, targets: Sequence[tuple[str, str]],
                  security: rpc.Security, into: Path,
                  say: Callable[[str], None]) -> tuple[int, list[StageFile]]:
-    """Copy each stage's weights of the newest complete step into job folder `into`."""
-    channels = [rpc.open_channel(a, security) for a in addresses]
+    """Copy each stage's weights of the newest complete step into job folder `into`, from the
+    agents `targets` names ((agent id, address): each listing counts only when the agent
+    that answers is the one meant)."""
+    channels = [rpc.open_channel(a, security) for _, a in targets]
     try:
-        peers = [Peer(a, agent_pb2_grpc.AgentStub(c)) for a, c in
-                 zip(addresses, channels, strict=True)]
-        held = await _listings(peers, job_id, spec)
+        peers = [(agent_id, Peer(a, agent_pb2_grpc.AgentStub(c))) for (agent_id, a), c in
+                 zip(targets, channels, strict=True)]
+        held, missed = await _listings(peers, job_id, spec)
         picked = pick_step(held, spec.n_layers)
         if picked is None:
+            why = (f"; {len(missed)} of them could not be asked from here ({missed[0]}): an "
+                   f"agent behind a NAT serves its checkpoints to no one who dials it, and "
+                   f"copies are not relayed yet: run the export where it can dial them, or "
+                   f"from the coordinator's network" if missed else "")
             raise ExportError(
                 f"no step of job {job_id} is held complete, with its weights, by the "
                 f"{len(peers)} agents the coordinator lists: wait for the job's first "
-                f"checkpoint (--checkpoint-every), or check the agents are reachable")
+                f"checkpoint (--checkpoint-every), or check the agents are reachable{why}")
         step, holders = picked
         say(f"export: job {job_id} step {step}, {len(holders)} stages, from "
             f"{len({h.peer.address for hs in holders for h in hs})} agents")
@@ -142,14 +154,21 @@ async def gather(job_id: str, spec: ModelSpec, addresses: Sequence[str],
             await c.close()
 
 
-async def _listings(peers: Sequence[Peer], job_id: str, spec: ModelSpec
-                    ) -> dict[tuple[int, int], list[Holding]]:
+async def _listings(peers: Sequence[tuple[str, Peer]], job_id: str, spec: ModelSpec
+                    ) -> tuple[dict[tuple[int, int], list[Holding]], list[str]]:
     """(stage, step) -> its holders, over every peer and every stage it may hold (a stage
-    count is at most the layer count: a split of any epoch, re-cuts included). A step that
-    declares more bytes than its layers of `spec` take is left out (`list_peer`)."""
+    count is at most the layer count: a split of any epoch, re-cuts included), and why the
+    peers not asked were not. A step that declares more bytes than its layers of `spec` take
+    is left out (`list_peer`). A peer is asked only once it answered a Ping as the agent
+    meant (`dtfm.reach.identified`): another agent at the same private address is not it."""
     held: dict[tuple[int, int], list[Holding]] = {}
+    missed: list[str] = []
 
-    async def one(peer: Peer) -> None:
+    async def one(agent_id: str, peer: Peer) -> None:
+        if problem := await reach.identified(peer.stub, agent_id, peer.address):
+            log.warning("export: not asking %s: %s", agent_id, problem)
+            missed.append(problem)
+            return
         for stage in range(min(spec.n_layers, MAX_STAGES)):
             try:
                 found = await list_peer(peer, job_id, stage, spec)
@@ -160,8 +179,8 @@ async def _listings(peers: Sequence[Peer], job_id: str, spec: ModelSpec
             for m in found:
                 held.setdefault((m.stage, m.step), []).append(Holding(peer, m))
 
-    await asyncio.gather(*(one(p) for p in peers))
-    return held
+    await asyncio.gather(*(one(i, p) for i, p in peers))
+    return held, missed
 
 
 async def _copy_stage(candidates: Sequence[Holding], job_id: str, into: Path,
@@ -271,7 +290,7 @@ async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rp
         raise ExportError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") \
             from None
     with tmp:
-        step, files = await gather(job.job_id, spec, agent_addresses(status), security,
+        step, files = await gather(job.job_id, spec, agent_targets(status), security,
                                    Path(tmp.name), say)
         if lora is not None:
             from agent.worker.loramerge import write_lora_export  # torch: only here

@@ -399,6 +399,7 @@ class Job:
         except ValueError as exc:
             self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
             return
+        net = found.get("net", net)  # relayed links priced with the flows this grid shares
         if self.planner.sync_every == SYNC_AUTO:
             try:
                 work = self.planner.choose_sync(net, found, work, flops, members, ids,
@@ -440,6 +441,8 @@ class Job:
             checkpoint_splits=resplit, dp_shares=found["dp_shares"],
             init_hash=cfg.init_hash,
             member_gbps=net.bandwidth_gbps[np.ix_(ranked, ranked)].tolist(),
+            member_ids=[r.agent_id for r in records],
+            member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
         self.members = [r.agent_id for r in records]
         self._progress.clear()

@@ -3,7 +3,10 @@
 The coordinator never measures anything itself. It has every agent ping every peer at once,
 then hands out bandwidth probes in the rotation order of `coordinator.links.store`, starting each as
 soon as its sender can send and its receiver can receive, so no device sends (or receives) two
-transfers at once and no slow link holds up a whole round. A peer that does
+transfers at once and no slow link holds up a whole round. A link whose receiver
+cannot be dialled (behind a NAT or firewall) is taken from its other direction's probe, and a
+pair that can dial neither way is priced as relayed through the coordinator
+(`coordinator.links.relayed`). A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
 agent that stays silent past it is recorded as a failed link and not asked again. A sample
 marked `estimated` (its probe moved data but never settled on a rate, as a 2 Mbit/s link
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass, replace
 
 from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.links import relayed
 from coordinator.links.infer import latency_clusters, sampled_links, to_measure
 from coordinator.links.store import LinkStore, rotation_rounds
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
@@ -244,6 +248,7 @@ class LinkMeasurer:
                         probe_seconds, max_probes)
         if stands_for:
             self._infer(stands_for)
+        await self._unreachable_ends(run, ids, by_id, silent, probe_seconds)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
                  self.last_seconds)
@@ -296,6 +301,34 @@ class LinkMeasurer:
             for task in running:
                 task.cancel()
 
+    async def _unreachable_ends(self, run: int, ids: list[str], by_id: dict[str, AgentRecord],
+                                silent: set[str], probe_seconds: float) -> None:
+        """Links a probe could not dial (coordinator/links/relayed.py): those whose reverse
+        was probed take its figures; for pairs failed both ways, each end measures its link
+        to the relay (the coordinator, as a peer it dials), and the pair is priced relayed."""
+        if filled := relayed.fill_other_way(self.store, ids):
+            log.info("%d links taken from the probe of their other direction (their receiver "
+                     "cannot be dialled): %s", len(filled),
+                     " ".join(f"{a}->{b}" for a, b in filled[:6]))
+        if not (pairs := relayed.stranded_pairs(self.store, ids)):
+            return
+        hops = relayed.hop_agents(pairs)
+        log.info("%d pairs can dial neither way (%s): measuring %d agents' links to the relay",
+                 len(pairs), " ".join(f"{a}-{b}" for a, b in pairs[:6]), len(hops))
+        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
+                        [_Probe(x, (relayed.RELAY,)) for x in hops], by_id, silent,
+                        probe_seconds)
+        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH,
+                        [_Probe(x, (relayed.RELAY,), frozenset((f"send {x}",
+                                                                f"receive {relayed.RELAY}")))
+                         for x in hops], by_id, silent, probe_seconds)
+        priced = relayed.price(self.store, pairs)
+        log.info("%d links priced as relayed through the coordinator", len(priced))
+        if unpriced := [(x, y) for a, b in pairs for x, y in ((a, b), (b, a))
+                        if (x, y) not in priced]:
+            log.warning("%d links neither end can dial stay failed: %s", len(unpriced),
+                        self.store.entries[unpriced[0]].error)
+
     def _delay(self, a: str, b: str) -> float | None:
         entry = self.store.entries.get((a, b))
         return entry.delay_ms if entry is not None and entry.reachable else None
@@ -328,7 +361,10 @@ class LinkMeasurer:
                     if kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH else 0.0)
         command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
             round_id=round_id,
-            peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address)
+            # the relay (the coordinator) has no address here: the agent dials the one it
+            # joined at
+            peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address
+                                              if p in by_id else "")
                    for p in peers],
             ping_count=count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]

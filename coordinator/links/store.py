@@ -43,6 +43,17 @@ class LinkEntry:
     # Non-empty: bandwidth_gbps is the probe's estimate, not a settled rate, and how it was
     # made (LinkSample.estimated and estimate_note).
     estimate: str = ""
+    # How the figure was had: "" probed from `from` to `to`; REVERSE: copied from the probe
+    # of the other direction (`to` cannot be dialled); RELAYED: priced as relayed through the
+    # coordinator (neither end can be dialled). coordinator/links/relayed.py sets both.
+    path: str = ""
+    # The coordinator failed this link itself (an implausible or contradicting report, a
+    # silent measurer, one that left): it stays failed, never taken from its reverse.
+    judged: bool = False
+
+
+REVERSE = "reverse"
+RELAYED = "relayed"
 
 
 @dataclass
@@ -73,7 +84,8 @@ class LinkStore:
                             if k[0] not in gone and k[1] not in gone}
 
     def mark_unreachable(self, from_id: str, to_id: str, error: str) -> None:
-        self.entries[(from_id, to_id)] = LinkEntry(math.nan, math.nan, False, error, time.time())
+        self.entries[(from_id, to_id)] = LinkEntry(math.nan, math.nan, False, error, time.time(),
+                                                   judged=True)
 
     def unreachable_agents(self, ids: Iterable[str]) -> list[str]:
         """Agents to leave out of a plan because links to or from them failed."""
@@ -87,7 +99,7 @@ class LinkStore:
         delay = [math.nan] * (n * n)
         bw = [math.nan] * (n * n)
         unreachable = []
-        estimated, notes = [], []
+        estimated, notes, relayed = [], [], []
         for i, a in enumerate(ids):
             delay[i * n + i] = 0.0
             for j, b in enumerate(ids):
@@ -100,11 +112,13 @@ class LinkStore:
                     if entry.estimate:
                         estimated.append(f"{a}->{b}")
                         notes.append(entry.estimate)
+                    if entry.path == RELAYED:
+                        relayed.append(f"{a}->{b}")
                 else:
                     unreachable.append(f"{a}->{b}")
         return common_pb2.LinkMatrix(
             agent_ids=list(ids), delay_ms=delay, bandwidth_gbps=bw, unreachable=unreachable,
-            estimated=estimated, estimate_notes=notes)
+            estimated=estimated, estimate_notes=notes, relayed=relayed)
 
     def complete_for(self, ids: Sequence[str]) -> bool:
         return all(
@@ -199,5 +213,7 @@ def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
         "unreachable": list(m.unreachable),
         # "from->to": how its bandwidth was estimated (the probe never settled on a rate)
         "estimated": dict(zip(m.estimated, m.estimate_notes, strict=False)),
+        # "from->to" links neither end can dial: priced through the coordinator's relay
+        "relayed": list(m.relayed),
         "excluded": blame(m.agent_ids, [tuple(p.split("->", 1)) for p in m.unreachable]),
     }

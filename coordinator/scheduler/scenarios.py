@@ -7,6 +7,9 @@ network-blind placement uses). Pure data plus numpy: no torch, no grpc.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 
 from coordinator.scheduler.network import Network
@@ -100,6 +103,32 @@ def world(per_city: int = 8) -> Network:
     if per_city < 1:
         raise ValueError(f"per_city must be >= 1, got {per_city}")
     return _sites(WORLD_CITIES, per_city, _WORLD_LINKS, _IN_REGION)
+
+
+def behind_nat(net: Network, hidden: Sequence[int], relay: int,
+               relay_gbps: float = math.inf) -> tuple[Network, np.ndarray]:
+    """`net` with the devices in `hidden` behind NATs (nobody can dial them), and the relay
+    (the coordinator) sitting beside device `relay`, its uplink carrying at most
+    `relay_gbps`. A link with one hidden end is direct (the hidden end dials out); a link
+    between two hidden devices goes through the relay: the delay of both hops, the narrower
+    hop's rate, as `coordinator/links/relayed.py` prices a measured one. Returns the network
+    (relayed links priced for one flow alone) and the mask of relayed links
+    (`coordinator/scheduler/relay.py` shares the uplink among a placement's flows)."""
+    n = net.size
+    if not (0 <= relay < n) or any(not 0 <= h < n for h in hidden):
+        raise ValueError(f"devices must be in 0..{n - 1}: relay {relay}, hidden {list(hidden)}")
+    if relay_gbps <= 0:
+        raise ValueError(f"relay_gbps must be > 0, got {relay_gbps}")
+    h = np.zeros(n, dtype=bool)
+    h[list(hidden)] = True
+    relayed = h[:, None] & h[None, :] & ~np.eye(n, dtype=bool)
+    hop_ms = net.delay_ms[:, relay].copy()  # device -> relay; relay -> device taken alike
+    hop_gbps = np.minimum(net.bandwidth_gbps[:, relay], relay_gbps)
+    hop_gbps[relay] = relay_gbps
+    delay = np.where(relayed, hop_ms[:, None] + hop_ms[None, :], net.delay_ms)
+    bandwidth = np.where(relayed, np.minimum(hop_gbps[:, None], hop_gbps[None, :]),
+                         net.bandwidth_gbps)
+    return Network(delay, bandwidth), relayed
 
 
 def get_scenario(name: str, per_city: int | None = None) -> Network:

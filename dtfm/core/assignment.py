@@ -6,6 +6,7 @@ call this, so a worker cannot tell who launched it and both paths are tested by 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dtfm.core.codecs import LinkCodecs
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.spec import ModelSpec, TrainConfig
 from protos.dtfm.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 
 def member_address(host: str, port: int) -> str:
@@ -52,37 +55,54 @@ def mirror_stages(layout: Layout) -> dict[int, int]:
 
 
 def checkpoint_routes(layout: Layout, members: Sequence[str],
-                      gbps: Sequence[Sequence[float]] | None = None) -> list[CheckpointRoutes]:
+                      gbps: Sequence[Sequence[float]] | None = None, *,
+                      ids: Sequence[str] | None = None,
+                      dialable: Sequence[bool] | None = None) -> list[CheckpointRoutes]:
     """Per rank (rank order), where its checkpoints come from and which stages it mirrors.
 
-    `members[rank]` is the HOST:PORT of the agent running `rank`. Without shared storage a
-    stage's checkpoint lives on the agents that ran it; to survive the loss of one, every
-    stage must be held by two (`mirror_stages`: who copies a one-replica stage). Every rank's
-    peers are all other members, so an agent that takes over a stage it never held can find
-    whoever holds it. An agent fetches from the first peer on its list that holds the step,
-    so with `gbps[i][j]` (measured Gbit/s from rank i's agent to rank j's, NaN unknown) each
-    list starts with the best link into that rank: a re-plan that moves a stage away from a
-    degraded link would otherwise fetch its checkpoint over that very link, as the move's
-    priced cost (`coordinator.replan.copy_seconds`) assumes it does not.
+    `members[rank]` is the HOST:PORT of the agent running `rank`, `ids[rank]` its id (default:
+    every rank its own agent). Agents are told apart by id, never by address: agents behind
+    different NATs often advertise one private address, and each must still list the other.
+    Without shared storage a stage's checkpoint lives on the agents that ran it; to survive
+    the loss of one, every stage must be held by two (`mirror_stages`: who copies a
+    one-replica stage). Every rank's peers are all other members, so an agent that takes
+    over a stage it never held can find whoever holds it. An agent fetches from the first
+    peer on its list that holds the step, so `dialable[i]` (False: nobody can dial rank i's
+    agent, it sits behind a NAT) puts those that can be dialled first, and with `gbps[i][j]`
+    (measured Gbit/s from rank i's agent to rank j's, NaN unknown) each list then starts with
+    the best link into that rank: a re-plan that moves a stage away from a degraded link
+    would otherwise fetch its checkpoint over that very link, as the move's priced cost
+    (`coordinator.replan.copy_seconds`) assumes it does not. A stage held only by agents
+    nobody can dial is logged: a copy needs a dial, and copies are not relayed.
     """
-    if len(members) != layout.world_size:
-        raise ValueError(f"{len(members)} member addresses for {layout.world_size} ranks")
-    if gbps is not None and (len(gbps) != layout.world_size
-                             or any(len(row) != layout.world_size for row in gbps)):
-        raise ValueError(f"link bandwidths must be {layout.world_size} x {layout.world_size}, "
-                         f"one row and column per rank")
-    mirrors: dict[int, list[tuple[int, str]]] = {r: [] for r in range(layout.world_size)}
+    n = layout.world_size
+    if len(members) != n:
+        raise ValueError(f"{len(members)} member addresses for {n} ranks")
+    if gbps is not None and (len(gbps) != n or any(len(row) != n for row in gbps)):
+        raise ValueError(f"link bandwidths must be {n} x {n}, one row and column per rank")
+    for name, given in (("member ids", ids), ("dialable flags", dialable)):
+        if given is not None and len(given) != n:
+            raise ValueError(f"{len(given)} {name} for {n} ranks")
+    who = list(ids) if ids is not None else [str(r) for r in range(n)]
+    can_dial = list(dialable) if dialable is not None else [True] * n
+    mirrors: dict[int, list[tuple[int, str]]] = {r: [] for r in range(n)}
     for stage, by in mirror_stages(layout).items():
         mirrors[layout.rank(by, 0)].append((stage, members[layout.rank(stage, 0)]))
+    for stage in range(layout.stages):
+        if not any(can_dial[r] for r in layout.dp_ranks(stage)):
+            log.warning("stage %d's checkpoints are written only by agents nobody can dial "
+                        "(%s): an agent that takes the stage over cannot copy them, since "
+                        "checkpoint copies are not relayed; it resumes from what it holds",
+                        stage, ", ".join(who[r] for r in layout.dp_ranks(stage)))
 
     def peers(rank: int) -> tuple[str, ...]:
-        order = [i for i in range(layout.world_size) if members[i] != members[rank]]
+        order = [i for i in range(n) if who[i] != who[rank]]
         if gbps is not None:  # unknown (NaN) last; equal links keep rank order
             order.sort(key=lambda i: math.inf if math.isnan(g := float(gbps[i][rank])) else -g)
+        order.sort(key=lambda i: not can_dial[i])  # stable: dialable first, each by its link
         return tuple(members[i] for i in order)
 
-    return [CheckpointRoutes(peers(rank), tuple(mirrors[rank]))
-            for rank in range(layout.world_size)]
+    return [CheckpointRoutes(peers(rank), tuple(mirrors[rank])) for rank in range(n)]
 
 
 def build_assignments(
@@ -104,6 +124,8 @@ def build_assignments(
     init_hash: str = "",
     member_gbps: Sequence[Sequence[float]] | None = None,
     data_plane: common_pb2.DataPlane | None = None,
+    member_ids: Sequence[str] | None = None,
+    member_dialable: Sequence[bool] | None = None,
 ) -> list[common_pb2.Assignment]:
     """One assignment per rank, in rank order.
 
@@ -115,7 +137,9 @@ def build_assignments(
     mirrors of each rank (`checkpoint_routes`); none are set without it, with a shared
     `checkpoint_dir` (every rank reads that) or with checkpoints off. `member_gbps[i][j]`:
     the measured bandwidth from rank i's agent to rank j's (NaN unknown), so that each rank
-    asks its best-connected peers first.
+    asks its best-connected peers first; `member_ids[rank]`: its agent's id (peers are told
+    apart by id: two behind different NATs may share an address); `member_dialable[rank]`:
+    False where nobody can dial its agent (asked last: a copy needs a dial).
     `checkpoint_splits`: layers per stage of the split the job's checkpoints hold, when the
     job re-planned on another stage count; set on every rank only when it differs from this
     layout's split (each worker then reads its layers from the old stages that held them).
@@ -155,7 +179,7 @@ def build_assignments(
     routes = None
     if members is not None and not train.checkpoint_dir and train.checkpoint_every:
         routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members],
-                                   member_gbps)
+                                   member_gbps, ids=member_ids, dialable=member_dialable)
     out = []
     for rank in range(layout.world_size):
         stage, replica = layout.coords(rank)

@@ -346,6 +346,24 @@ def test_a_peer_that_does_not_answer_is_skipped(tmp_path: Path,
     assert steps_held(taker, 0) == [4]
     assert "did not list stage 0" in caplog.text and "skipping peer 'not an address'" in \
         caplog.text
+    assert "none of the" not in caplog.text  # one holder answered
+
+
+def test_when_no_peer_can_be_dialled_the_log_says_copies_are_not_relayed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every holder behind a NAT (nothing answers where they advertise): the worker starts
+    from what this agent holds, and the warning says why no copy came."""
+    taker = tmp_path / "taker"
+
+    async def main() -> None:
+        await CheckpointCopier(taker, SECURITY).prepare(
+            assignment([f"127.0.0.1:{rpc.free_port()}", f"127.0.0.1:{rpc.free_port()}"]))
+
+    with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+        run(main)
+    assert steps_held(taker, 0) == []
+    assert "none of the 2 peers could be asked for its checkpoints" in caplog.text
+    assert "copies are not relayed; the worker starts from step 0" in caplog.text
 
 
 

@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 from agent.checkpoints import CheckpointStore
 from agent.server import AgentService
-from coordinator.job.export import export_from_status, export_job
+from coordinator.job.export import agent_targets, export_from_status, export_job
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import FileEntry, Manifest
@@ -230,3 +230,44 @@ def test_the_command_says_one_line_for_an_unwritable_out(out: str) -> None:
         capture_output=True, text=True, timeout=60, env={**os.environ, "DTFM_TOKEN": TOKEN})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert f"--out {out}: cannot write" in proc.stderr
+
+
+def test_agents_behind_nats_are_told_apart_by_id_not_by_the_address_they_share() -> None:
+    """Two agents behind different NATs both advertise 192.168.1.2:7000: the export asks
+    each by id (the old address dedupe dropped the second); nowhere-reachable ones last."""
+    shared = common_pb2.AgentInfo(host="192.168.1.2", port=7000)
+    rows = [coordinator_pb2.AgentStatus(info=common_pb2.AgentInfo(agent_id=i, host=shared.host,
+                                                                   port=shared.port),
+                                        reach=common_pb2.ReachStatus(verdict=v))
+            for i, v in (("hidden", common_pb2.REACHABILITY_NOWHERE),
+                         ("open", common_pb2.REACHABILITY_EVERYWHERE))]
+    assert agent_targets(coordinator_pb2.ClusterStatus(agents=rows)) == [
+        ("open", "192.168.1.2:7000"), ("hidden", "192.168.1.2:7000")]
+
+
+def test_an_agent_answering_at_another_s_address_is_not_taken_for_it(
+        tmp_path: Path, model: tuple[Path, ModelSpec],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Agent a1 is listed at the address where a0 answers (one private address, two NATs):
+    only a0's listing counts, and when no complete step is held the error says which agent
+    could not be asked and that copies are not relayed."""
+    src, spec = model
+    holder = tmp_path / "holder"
+    write_stages(holder, spec, src, [(0, 2)])  # stage 0 only: no complete step
+
+    async def main() -> str:
+        async with agents((holder, Counting)) as services:
+            listed = status(spec, services)
+            twin = coordinator_pb2.AgentStatus(info=common_pb2.AgentInfo(
+                agent_id="a1", host="127.0.0.1", port=services[0].info.port))
+            listed.agents.append(twin)
+            with pytest.raises(ExportError) as err:
+                await export_from_status(listed, SECURITY, tmp_path / "out",
+                                         say=lambda line: None)
+            return str(err.value)
+
+    with caplog.at_level(logging.WARNING, logger="coordinator.job.export"):
+        message = asyncio.run(main())
+    assert "answered as agent a0, not a1" in caplog.text
+    assert "1 of them could not be asked from here" in message, message
+    assert "copies are not relayed yet" in message

@@ -86,3 +86,32 @@ def test_build_assignments_sets_routes_only_for_agents_own_directories() -> None
                               train=TrainConfig(global_batch=2, micro_batches=1),
                               master_addr="127.0.0.1", master_port=1)
     assert all(not a.checkpoint_peers and not a.mirrors for a in plain)
+
+
+def test_agents_sharing_a_private_address_are_told_apart_by_id() -> None:
+    """Behind two NATs, ranks 0 and 1 both advertise 192.168.1.2:7000: each still lists the
+    other (by address alone each took the other for itself and listed nobody)."""
+    layout = Layout(2, 1)
+    same = ["192.168.1.2:7000", "192.168.1.2:7000"]
+    routes = checkpoint_routes(layout, same, ids=["nat-a", "nat-b"])
+    assert [r.peers for r in routes] == [("192.168.1.2:7000",), ("192.168.1.2:7000",)]
+    assert routes[0].mirrors == ((1, "192.168.1.2:7000"),)
+    with pytest.raises(ValueError, match="1 member ids for 2 ranks"):
+        checkpoint_routes(layout, same, ids=["nat-a"])
+
+
+def test_holders_nobody_can_dial_are_asked_last_and_a_stage_only_they_hold_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A copy needs a dial: peers that can be dialled come first whatever their link, and a
+    stage written only by agents behind NATs is named in the log."""
+    layout = Layout(2, 2)
+    names = _names(layout)  # rank = replica * stages + stage: s0r0, s1r0, s0r1, s1r1
+    gbps = [[0.0, 1.0, 1.0, 1.0], [9.0, 0.0, 9.0, 9.0], [1.0, 1.0, 0.0, 1.0],
+            [9.0, 9.0, 9.0, 0.0]]  # ranks 1 and 3 (stage 1) have the best links out
+    with caplog.at_level("WARNING", logger="dtfm.core.assignment"):
+        routes = checkpoint_routes(layout, names, gbps, dialable=[True, False, True, False])
+    assert routes[0].peers == (names[2], names[1], names[3])
+    assert routes[2].peers == (names[0], names[1], names[3])
+    assert "stage 1's checkpoints are written only by agents nobody can dial (1, 3)" \
+        in caplog.text
+    assert "stage 0's" not in caplog.text

@@ -1,0 +1,113 @@
+"""Links to and between agents nobody can dial: measured the other way, or priced as relayed.
+
+A probe is a dial: agent A measures A->B by calling B's gRPC port. An agent behind a NAT or a
+firewall (reachability verdict "nowhere", coordinator/links/reachability.py) cannot be
+dialled, so every probe to it fails, and without this module it would be left out of every
+plan as unreachable. Two cases, after the measurer's passes (`coordinator/links/measure.py`):
+
+- A can be dialled, B cannot: B's probe of A (B dials out) measured the link the other way.
+  WAN paths are near enough symmetric (one round trip gives both delays; the emulator's and
+  most real links carry alike rates each way) that A->B takes B->A's figures, marked as an
+  estimate whose note says so. The data plane uses that direction too: the rank that cannot
+  accept dials the one that can.
+- Neither can be dialled: their traffic goes through the relay the coordinator hosts. Each
+  such agent measures its own link to the coordinator as a peer (`RELAY`: the agent dials out,
+  and the coordinator answers the same Ping and Probe RPCs agents do), and A->B is priced
+  A->relay + relay->B: the sum of both hops' delays, the narrower hop's bandwidth (relay->B
+  taken as B->relay's figures, as above). That is the rate of one flow alone; the relay's
+  uplink is shared by every relayed flow a placement has, which the scheduler divides by
+  (`coordinator/scheduler/relay.py`), since only a placement says how many there are.
+
+Pure bookkeeping on the `LinkStore`; the measurer runs the probes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from coordinator.links.store import RELAYED, REVERSE, LinkEntry, LinkStore
+from dtfm import reach
+from dtfm.core.limits import clip
+
+RELAY = reach.COORDINATOR  # the relay's peer id in a MeasureLinksCommand and in the store
+
+
+def _ok(store: LinkStore, a: str, b: str) -> LinkEntry | None:
+    entry = store.entries.get((a, b))
+    return entry if entry is not None and entry.reachable else None
+
+
+def _failed(store: LinkStore, a: str, b: str) -> bool:
+    """Whether a's probe of b failed to get through (or never ran); not a link the
+    coordinator failed itself (`LinkEntry.judged`: a lie or a broken agent stays failed)."""
+    entry = store.entries.get((a, b))
+    return entry is None or not (entry.reachable or entry.judged)
+
+
+def _probed(store: LinkStore, a: str, b: str) -> LinkEntry | None:
+    """The link's figure where a probe of that very direction gave it."""
+    entry = _ok(store, a, b)
+    return entry if entry is not None and entry.path == "" else None
+
+
+def fill_other_way(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
+    """Give every failed link a->b whose reverse b->a was probed the reverse's figures,
+    marked as measured the other way; returns the links filled."""
+    filled = []
+    for a, b in itertools.permutations(ids, 2):
+        if not _failed(store, a, b) or (back := _probed(store, b, a)) is None:
+            continue
+        why = store.entries[a, b].error if (a, b) in store.entries else "not probed"
+        note = f"measured the other way ({b}->{a}): {a} cannot dial {b} ({why})"
+        if back.estimate:
+            note += f"; that probe's own estimate: {back.estimate}"
+        store.entries[a, b] = LinkEntry(back.delay_ms, back.bandwidth_gbps, True, "",
+                                        back.measured_unix_s, clip(note), REVERSE)
+        filled.append((a, b))
+    return filled
+
+
+def stranded_pairs(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
+    """Unordered pairs whose links failed both ways although each end got through to (or
+    was reached by) someone: neither can dial the other, so only a relay joins them. An
+    agent whose every link failed is dead or cut off, not relayed: failure handling leaves
+    it out."""
+    alive = {a for a in ids if any(_ok(store, a, b) or _ok(store, b, a) for b in ids if b != a)}
+    return [(a, b) for a, b in itertools.combinations(ids, 2)
+            if a in alive and b in alive and _failed(store, a, b) and _failed(store, b, a)]
+
+
+def hop_agents(pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """The agents whose link to the relay the relayed pairs need, in first-seen order."""
+    return list(dict.fromkeys(x for pair in pairs for x in pair))
+
+
+def price(store: LinkStore, pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Price both directions of each pair as relayed, from its ends' measured hops to the
+    relay (`(x, RELAY)` in the store); a pair with a hop not measured stays failed, its error
+    saying which hop and why. Returns the links priced."""
+    priced = []
+    now = time.time()
+    for a, b in pairs:
+        for x, y in ((a, b), (b, a)):
+            hx, hy = _ok(store, x, RELAY), _ok(store, y, RELAY)
+            if hx is None or hy is None:
+                lost = x if hx is None else y
+                hop = store.entries.get((lost, RELAY))
+                store.mark_unreachable(x, y, clip(
+                    f"neither {x} nor {y} can dial the other, and {lost}'s link to the "
+                    f"relay (the coordinator) was not measured: "
+                    f"{hop.error if hop is not None else 'not probed'}"))
+                continue
+            note = (f"relayed via the coordinator: {x}->relay {hx.delay_ms:.1f} ms "
+                    f"{hx.bandwidth_gbps * 1e3:.1f} Mbit/s + relay->{y} {hy.delay_ms:.1f} ms "
+                    f"{hy.bandwidth_gbps * 1e3:.1f} Mbit/s (taken from {y}->relay); the "
+                    f"rate of one flow alone: the relay's uplink is shared by every relayed "
+                    f"flow")
+            store.entries[x, y] = LinkEntry(hx.delay_ms + hy.delay_ms,
+                                            min(hx.bandwidth_gbps, hy.bandwidth_gbps), True,
+                                            "", now, clip(note), RELAYED)
+            priced.append((x, y))
+    return priced

@@ -1,0 +1,129 @@
+"""Links to and between agents nobody can dial (issue 32): taken the other way, or relayed.
+
+Agents here are coroutines answering the real `LinkMeasurer` through the real `Registry`'s
+command queues, on a made-up network where each agent sits at a site with a one-way delay to
+the "core" and an access bandwidth: a probe to an undialable agent fails (as a dial to a NAT'd
+host does), every other probe reports the site figures. The coordinator (the relay) answers
+probes too, as the agents see it through `RELAY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.daemon.registry import Registry
+from coordinator.links import relayed
+from coordinator.links.measure import LinkMeasurer
+from coordinator.links.store import RELAYED, REVERSE, LinkStore, matrix_to_json
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+BANDWIDTH = coordinator_pb2.MEASURE_KIND_BANDWIDTH
+# one-way ms to the core, access Gbit/s; the relay sits at the core
+SITE = {"a0": (10.0, 1.0), "a1": (20.0, 0.5), "n2": (30.0, 0.2), "n3": (40.0, 0.1),
+        relayed.RELAY: (0.0, 10.0)}
+
+
+def _figures(a: str, b: str) -> tuple[float, float]:
+    return SITE[a][0] + SITE[b][0], min(SITE[a][1], SITE[b][1])
+
+
+class Agents:
+    """Answers measure commands; `hidden` agents cannot be dialled (probes to them fail)."""
+
+    def __init__(self, registry: Registry, hidden: set[str], relay_answers: bool = True
+                 ) -> None:
+        self.registry, self.hidden, self.relay_answers = registry, hidden, relay_answers
+        self.measurer: LinkMeasurer | None = None
+        self.asked: list[tuple[str, int, str, str]] = []  # (agent, kind, peer, address)
+
+    async def serve(self, agent_id: str) -> None:
+        record = self.registry.get(agent_id)
+        assert record is not None
+        while True:
+            cmd = (await record.commands.get()).measure
+            for p in cmd.peers:
+                self.asked.append((agent_id, cmd.kind, p.agent_id, p.address))
+            samples = []
+            for p in cmd.peers:
+                fails = p.agent_id in self.hidden or (
+                    p.agent_id == relayed.RELAY and not self.relay_answers)
+                delay, gbps = _figures(agent_id, p.agent_id)
+                samples.append(common_pb2.LinkSample(
+                    peer_id=p.agent_id, reachable=not fails, delay_ms=0.0 if fails else delay,
+                    bandwidth_gbps=0.0 if fails or cmd.kind != BANDWIDTH else gbps,
+                    error=f"peer {p.agent_id}: deadline exceeded" if fails else ""))
+            assert self.measurer is not None
+            error = self.measurer.on_report(coordinator_pb2.LinkReport(
+                agent_id=agent_id, round_id=cmd.round_id, samples=samples))
+            assert error is None, error
+
+
+async def _measure(hidden: set[str], relay_answers: bool = True
+                   ) -> tuple[Agents, common_pb2.LinkMatrix, LinkStore]:
+    registry = Registry(liveness_timeout_s=60)
+    ids = ["a0", "a1", "n2", "n3"]
+    for i, agent_id in enumerate(ids):
+        registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="192.168.1.2",
+                                           port=7000 + i))
+    store = LinkStore()
+    measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
+    agents = Agents(registry, hidden, relay_answers)
+    agents.measurer = measurer
+    servers = [asyncio.create_task(agents.serve(i)) for i in ids]
+    try:
+        matrix = await asyncio.wait_for(measurer.measure(registry.alive()), 30)
+    finally:
+        for s in servers:
+            s.cancel()
+        await asyncio.gather(*servers, return_exceptions=True)
+    return agents, matrix, store
+
+
+@pytest.mark.timeout(60)
+def test_a_link_into_an_undialable_agent_is_measured_the_other_way() -> None:
+    agents, matrix, store = asyncio.run(_measure({"n2"}))
+    assert not matrix.unreachable, matrix.unreachable
+    for peer in ("a0", "a1", "n3"):
+        entry = store.entries[peer, "n2"]
+        assert entry.reachable and entry.path == REVERSE
+        back = store.entries["n2", peer]
+        assert (entry.delay_ms, entry.bandwidth_gbps) == (back.delay_ms, back.bandwidth_gbps)
+        assert back.path == ""
+        assert entry.estimate.startswith(f"measured the other way (n2->{peer})"), entry.estimate
+    table = matrix_to_json(matrix)
+    assert "measured the other way" in table["estimated"]["a0->n2"]
+    assert not table["relayed"] and not table["excluded"]
+    assert not any(peer == relayed.RELAY for _, _, peer, _ in agents.asked), \
+        "nobody needs the relay when one end of every pair can be dialled"
+
+
+@pytest.mark.timeout(60)
+def test_a_pair_neither_end_can_dial_is_priced_through_the_relay() -> None:
+    agents, matrix, store = asyncio.run(_measure({"n2", "n3"}))
+    assert not matrix.unreachable, matrix.unreachable
+    assert sorted(matrix.relayed) == ["n2->n3", "n3->n2"]
+    entry = store.entries["n2", "n3"]
+    assert entry.path == RELAYED
+    # both hops' delays; the narrower hop's bandwidth (one flow alone)
+    assert entry.delay_ms == pytest.approx(SITE["n2"][0] + SITE["n3"][0])
+    assert entry.bandwidth_gbps == pytest.approx(min(SITE["n2"][1], SITE["n3"][1]))
+    assert "relayed via the coordinator" in entry.estimate
+    # the unreachable ends measured their own link to the relay, dialling the coordinator at
+    # the address they joined it by (an empty address in the command)
+    hops = {(a, kind) for a, kind, peer, address in agents.asked
+            if peer == relayed.RELAY and address == ""}
+    assert {a for a, _ in hops} == {"n2", "n3"}
+    assert {kind for _, kind in hops} == {coordinator_pb2.MEASURE_KIND_LATENCY, BANDWIDTH}
+    assert store.entries["a0", "n3"].path == REVERSE
+    assert matrix_to_json(matrix)["relayed"] == list(matrix.relayed)
+
+
+@pytest.mark.timeout(60)
+def test_a_relayed_pair_whose_hop_to_the_relay_fails_stays_unreachable_and_says_why() -> None:
+    _, matrix, store = asyncio.run(_measure({"n2", "n3"}, relay_answers=False))
+    assert sorted(matrix.unreachable) == ["n2->n3", "n3->n2"]
+    error = store.entries["n2", "n3"].error
+    assert "neither n2 nor n3 can dial the other" in error
+    assert "link to the relay (the coordinator) was not measured" in error
