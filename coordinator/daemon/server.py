@@ -64,7 +64,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.measurer = LinkMeasurer(self.registry, self.links)
         self.reach = ReachChecker(self.registry, config.security)
         self.store = JobStore(config.state_dir) if config.state_dir else None
-        self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store)
+        self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store,
+                       reach=self.reach)  # plans only once members' reach verdicts are in
         self.history = History()
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None

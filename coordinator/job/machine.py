@@ -49,6 +49,7 @@ from coordinator.job.recovery import Recoveries, layout_text, permanent_failure
 from coordinator.job.replan import Replanner
 from coordinator.links import failure as linkfailure
 from coordinator.links.measure import LinkMeasurer
+from coordinator.links.reachability import ReachChecker
 from coordinator.links.store import LinkStore
 from coordinator.scheduler import Network
 from coordinator.scheduler.compression import Compression
@@ -83,7 +84,8 @@ def job_fingerprint(cfg: JobConfig) -> str:
 
 class Job:
     def __init__(self, config: JobConfig, registry: Registry, measurer: LinkMeasurer,
-                 links: LinkStore, store: JobStore | None = None) -> None:
+                 links: LinkStore, store: JobStore | None = None,
+                 reach: ReachChecker | None = None) -> None:
         self.config = config
         self.registry = registry
         self.measurer = measurer
@@ -110,7 +112,7 @@ class Job:
         self._first_steps: dict[str, int] = {}  # each member's first step this epoch
         self.checkpoints = CheckpointTracker(config)  # what the checkpoints hold
         self.planner = EpochPlanner(config, self.checkpoints)  # layout, grid, split, H
-        self.membership = Membership(config, registry, measurer, links)  # usable agents
+        self.membership = Membership(config, registry, measurer, links, reach)  # usable agents
         self._name_collaborators()
         self.link_source = EpochLinkSource(config, measurer, links, self.planner,
                                            self.membership)  # the links an epoch plans on
@@ -352,7 +354,7 @@ class Job:
         cfg = self.config
         spec = cfg.model_spec()
         placement = cfg.parsed_placement()
-        members = await self._gather(placement)
+        members = await self.membership.with_verdicts(await self._gather(placement))
         ids = [m.agent_id for m in members]
         links = await self.link_source.gather(members, self.epoch, self._set)
         if isinstance(links, NoLinks):

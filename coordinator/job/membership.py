@@ -4,10 +4,13 @@ The job's state machine (`coordinator/job/machine.py`) asks it for the agents it
 (`reachable`, leaving out those the others could not reach: `hold_out`), which of them to
 prefer (`prefer_previous`: the last epoch's, who hold their stages' checkpoints), which live
 agents are spares (`spares`), and at a fresh checkpoint whether enough have come back to
-grow (`grow_reason`). While the job trains it measures newcomers' links in the background
-(`measure_spares`), so that a recovery or a grow-back does not stall for a measurement.
-A lost agent itself is the registry's news (`coordinator/daemon/registry.py`); the job turns
-it into a recovery (`Job.on_lost`, `Job._recover`).
+grow (`grow_reason`). Before an epoch is planned on them it waits for their reachability
+verdicts (`with_verdicts`): the data plane (gloo or dtfm), which members serve checkpoint
+copies and how links are priced all follow from them. While the job trains it measures
+newcomers' links in the background (`measure_spares`), so that a recovery or a grow-back
+does not stall for a measurement. A lost agent itself is the registry's news
+(`coordinator/daemon/registry.py`); the job turns it into a recovery
+(`Job.on_lost`, `Job._recover`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from coordinator.daemon.config import JobConfig
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job.epochplan import EpochPlanner
 from coordinator.links.measure import LinkMeasurer
+from coordinator.links.reachability import ReachChecker
 from coordinator.links.store import LinkStore
 from coordinator.scheduler.placement import Placement, address_key
 
@@ -29,14 +33,16 @@ log = logging.getLogger(__name__)
 UNREACHABLE_HOLD_S = 600.0  # how long an agent its peers could not reach is left out
 # a spare whose links failed in a background measurement is not probed again before this
 SPARE_REMEASURE_S = 60.0
+VERDICT_SLACK_S = 1.0  # waited for reachability verdicts beyond the checker's own bound
 
 
 class Membership:
     """The live agents as the job sees them: usable, held out, spare."""
 
     def __init__(self, config: JobConfig, registry: Registry, measurer: LinkMeasurer,
-                 links: LinkStore) -> None:
+                 links: LinkStore, reach: ReachChecker | None = None) -> None:
         self.config = config
+        self.reach = reach  # the dial-back checks (None: nobody checks, as in unit tests)
         self.registry = registry
         self.measurer = measurer
         self.links = links
@@ -90,6 +96,28 @@ class Membership:
             if alive and not fewer and len(alive) >= (self.config.min_agents or wanted):
                 what += "; no smaller layout fits their memory"
         return None, what, alive
+
+    async def with_verdicts(self, records: list[AgentRecord],
+                            bound_s: float | None = None) -> list[AgentRecord]:
+        """`records`, once every one's reachability check has settled.
+
+        A newcomer's dial-back ends only at its timeout when nobody can dial it (behind a
+        NAT: ~3 s), and a job that starts as soon as enough agents joined would otherwise
+        plan on "not checked yet": gloo, which cannot reach that agent, and the epoch fails.
+        Bounded by the checker's longest check and `VERDICT_SLACK_S` (or `bound_s`); one
+        still unsettled then is planned on as it stands (not checked: it dials out on dtfm,
+        is taken as reachable by gloo), with a note in the log."""
+        if self.reach is None or not (pending := self.reach.checking(
+                [r.agent_id for r in records])):
+            return records
+        bound = self.reach.longest_check_s + VERDICT_SLACK_S if bound_s is None else bound_s
+        log.info("job %s: waiting up to %.1f s for the reachability verdict of %s before "
+                 "planning", self.job_id, bound, ", ".join(pending))
+        if late := await self.reach.settled(pending, bound):
+            log.warning("job %s: no reachability verdict for %s after %.1f s; planning on "
+                        "them as not checked (gloo takes them as reachable)", self.job_id,
+                        ", ".join(late), bound)
+        return records
 
     def hold_out(self, bad: list[str]) -> None:
         """Leave out agents the others cannot reach until they re-join or the time passes."""

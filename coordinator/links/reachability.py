@@ -55,23 +55,44 @@ class ReachChecker:
         self._pending: dict[tuple[str, str], _Pending] = {}  # (round, dialer) -> what it dials
         self._rounds = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._checking: dict[str, asyncio.Task[None]] = {}  # agent id -> its Join's check
 
     def on_join(self, rec: AgentRecord) -> None:
         """A (re-)join: forget the old verdict (the address may be new) and check afresh."""
         override = rec.info.reachable
         if override != common_pb2.REACH_OVERRIDE_AUTO:
+            self._checking.pop(rec.agent_id, None)  # the operator's word: nothing to wait for
             self._settle(rec, rec.stream_generation, reach.overridden(rec.address, override))
             return
         rec.reach = common_pb2.ReachStatus(address=rec.address,
                                            summary=f"checking whether peers can dial "
                                                    f"{rec.address}")
-        self._spawn(self.check(rec, rec.stream_generation))
+        self._checking[rec.agent_id] = self._spawn(self.check(rec, rec.stream_generation))
         newcomer = rec.agent_id
         behind = [a for a in self.registry.alive()
                   if a.agent_id != newcomer and a.info.reachable == common_pb2.REACH_OVERRIDE_AUTO
                   and sum(d.dialer != reach.COORDINATOR for d in a.reach.dials) < self.peers]
         for earlier in behind[:BACKFILL]:
             self._spawn(self._backfill(earlier, earlier.stream_generation, newcomer))
+
+    @property
+    def longest_check_s(self) -> float:
+        """How long one check can take: its dials end at their timeout, a peer's report may
+        come `REPORT_SLACK_S` after its own (`_ask`)."""
+        return self.dial_timeout_s + REPORT_SLACK_S
+
+    def checking(self, agent_ids: list[str]) -> list[str]:
+        """Those of `agent_ids` whose dial-back has not settled a verdict yet."""
+        return [a for a in agent_ids if (t := self._checking.get(a)) is not None
+                and not t.done()]
+
+    async def settled(self, agent_ids: list[str], timeout_s: float) -> list[str]:
+        """Wait up to `timeout_s` for the checks of `agent_ids` to settle; those still
+        pending then (none unless a check overran its own bound)."""
+        tasks = [self._checking[a] for a in self.checking(agent_ids)]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return self.checking(agent_ids)
 
     async def check(self, rec: AgentRecord, generation: int) -> None:
         """Dial `rec` from here and from up to `self.peers` peers; settle the verdict."""
@@ -150,10 +171,11 @@ class ReachChecker:
         except KeyError:
             pass
 
-    def _spawn(self, coro: object) -> None:
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         for task in list(self._tasks):
