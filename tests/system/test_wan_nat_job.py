@@ -3,13 +3,13 @@
 Agents 1 and 2 sit behind NATs of their own (private 192.168.1.2 each, no inbound
 connection gets through). They join by dialling out; the coordinator's dial-back finds them
 reachable from nowhere; the 2 x 2 job runs on the dtfm transport: they dial the listening
-agents, and between themselves meet at the coordinator's relay on host 0. `--no-measure`:
-link measurement to NATed agents is another change's (the prober dials them).
+agents, and between themselves meet at the coordinator's relay on host 0.
 
-`--transport dtfm` rather than auto: the job starts as soon as four agents have joined, and
-the dial-back of a NATed agent ends only at its timeout, so auto might plan the first epoch
-on gloo before the verdicts arrive (see the report/architecture notes); forced dtfm dials out
-from every agent not yet found reachable, whatever the timing.
+With the defaults a user gets: `--transport auto` and link measurement on. The job has its
+four agents as soon as they joined, while the dial-back of a NATed agent ends only at its
+timeout; the job waits for the verdicts before planning (`Membership.with_verdicts`), so
+auto picks dtfm. Links into the NATed agents are measured the other way, and the pair of
+them (no direct path either way) is priced as relayed through the coordinator.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ RATE = [[0, 100, 100, 100], [100, 0, 100, 100], [100, 100, 0, 100], [100, 100, 1
 STEPS = 8
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "5",
-       "--search-seconds", "1", "--no-measure", "--eval-batches", "0",
-       "--heartbeat-interval", "0.5", "--layer-split", "even", "--transport", "dtfm"]
+       "--search-seconds", "1", "--eval-batches", "0",
+       "--heartbeat-interval", "0.5", "--layer-split", "even"]
 
 
 @pytest.mark.timeout(600)
@@ -50,5 +50,8 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
     assert verdicts[ids[1]] == verdicts[ids[2]] == "nowhere", verdicts
     log = (tmp_path / "coordinator.log").read_text(errors="replace")
     assert "dtfm data plane" in log, log[-3000:]
+    # every epoch on dtfm: none planned on gloo before the NATed agents' verdicts came in
+    assert log.count("dtfm data plane") == job["epoch"], log[-3000:]
+    assert "no reachability verdict" not in log, log[-3000:]
     workers = [p.read_text(errors="replace") for p in tmp_path.glob("agent-*/work/*.log")]
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
