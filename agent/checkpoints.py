@@ -214,7 +214,7 @@ async def list_peer(peer: Peer, job_id: str, stage: int, spec: ModelSpec,
     return found
 
 
-class _Sink:
+class Sink:
     """A partial download: appends and hashes in a thread, so the event loop never waits on
     the disk or on sha256."""
 
@@ -268,13 +268,13 @@ async def download(peer: Peer, job_id: str, root: Path, m: Manifest, f: FileEntr
 async def _download(peer: Peer, job_id: str, root: Path, m: Manifest, f: FileEntry,
                     part: Path) -> None:
     await asyncio.to_thread(ondisk.private_dir, part.parent)
-    sink = _Sink(part)
+    sink = Sink(part)
     await asyncio.to_thread(sink.open)
     try:
         if sink.size > f.size:  # not a prefix of this file after all
             sink.close()
             part.unlink(missing_ok=True)
-            sink = _Sink(part)
+            sink = Sink(part)
             await asyncio.to_thread(sink.open)
         if sink.size:
             log.info("checkpoint: resuming stage %d step %d (%s) from %s at byte %d of %d",
@@ -291,10 +291,10 @@ async def _download(peer: Peer, job_id: str, root: Path, m: Manifest, f: FileEnt
                       f"{sink.sha.hexdigest()[:16]}..., its manifest says {f.sha256[:16]}...); "
                       f"deleted")
     final = ondisk.stage_dir(root, m.stage) / f.name
-    await asyncio.to_thread(_install, part, final)
+    await asyncio.to_thread(install, part, final)
 
 
-async def _receive(peer: Peer, job_id: str, m: Manifest, f: FileEntry, sink: _Sink) -> None:
+async def _receive(peer: Peer, job_id: str, m: Manifest, f: FileEntry, sink: Sink) -> None:
     call = peer.stub.FetchCheckpoint(agent_pb2.FetchCheckpointRequest(
         job_id=job_id, stage=m.stage, step=m.step, name=f.name, offset=sink.size))
     chunks = call.__aiter__()
@@ -323,7 +323,7 @@ async def _receive(peer: Peer, job_id: str, m: Manifest, f: FileEntry, sink: _Si
         call.cancel()
 
 
-def _install(part: Path, final: Path) -> None:
+def install(part: Path, final: Path) -> None:
     os.replace(part, final)
     ondisk.fsync_dir(final.parent)
 
@@ -531,6 +531,8 @@ class CheckpointCopier:
             log.warning("checkpoint: not mirroring for job %s: %s", a.job_id, e)
             return
         for mirror in a.mirrors:
+            if mirror.pushed:  # its holder cannot be dialled and pushes it here instead
+                continue  # (agent/checkpointpush.py)
             if mirror.stage == a.stage:
                 log.warning("checkpoint: not mirroring stage %d of job %s: this agent runs "
                             "it", mirror.stage, a.job_id)

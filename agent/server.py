@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from agent.checkpointpush import CheckpointPushes
 from agent.checkpoints import CheckpointCopier, CheckpointStore
 from agent.config import AgentConfig
 from agent.device import detect
@@ -33,10 +34,12 @@ VERSION = "0.1.0"
 
 class AgentService(agent_pb2_grpc.AgentServicer):
     def __init__(self, info: common_pb2.AgentInfo,
-                 checkpoints: CheckpointStore | None = None) -> None:
+                 checkpoints: CheckpointStore | None = None,
+                 pushes: CheckpointPushes | None = None) -> None:
         self.info = info
         self.session: CoordinatorSession | None = None
         self.checkpoints = checkpoints  # this agent's own checkpoint directory, for peers
+        self.pushes = pushes  # copies pushed here by holders nobody can dial
 
     async def Ping(self, request: agent_pb2.PingRequest,
                    context: grpc.aio.ServicerContext) -> agent_pb2.PingReply:
@@ -79,6 +82,16 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         async for chunk in self.checkpoints.fetch(request, context):
             yield chunk
 
+    async def PushCheckpoint(self, request_iterator: AsyncIterator[agent_pb2.CheckpointPush],
+                             context: grpc.aio.ServicerContext
+                             ) -> agent_pb2.CheckpointPushReply:
+        """A step uploaded by a holder nobody can dial (agent/checkpointpush.py validates)."""
+        if self.pushes is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this agent keeps no pushed checkpoint copies")
+        assert self.pushes is not None
+        return await self.pushes.receive(request_iterator, context)
+
 
 def registrar(service: AgentService) -> Callable[[grpc.aio.Server], list[str]]:
     """What `rpc.start_server` calls to add `service` and name it (for health, reflection)."""
@@ -110,7 +123,10 @@ async def serve(config: AgentConfig) -> int:
                                 version=VERSION,
                                 reachable=reach.OVERRIDES[config.reachable])  # type: ignore[arg-type]
     checkpoints = checkpoint_dir(config.state_dir)
-    service = AgentService(info, CheckpointStore(checkpoints))
+    copier = CheckpointCopier(checkpoints, config.security,
+                              mirror_interval_s=config.mirror_interval_s)
+    pushes = CheckpointPushes(checkpoints, config.security, copier, config.mirror_interval_s)
+    service = AgentService(info, CheckpointStore(checkpoints), pushes)
     metrics = await start_metrics(config, service)
 
     server, port, health = await rpc.start_server(config.listen, config.security,
@@ -121,10 +137,7 @@ async def serve(config: AgentConfig) -> int:
              info.host, port, info.device.kind, info.data_port, config.coordinator)
     supervisor = Supervisor(Path(config.state_dir) / "work",
                             bind_interface=config.bind_interface,
-                            checkpoints=CheckpointCopier(
-                                checkpoints, config.security,
-                                mirror_interval_s=config.mirror_interval_s),
-                            prewarm=config.prewarm)
+                            checkpoints=copier, prewarm=config.prewarm, pushes=pushes)
     tuning = TuningCheck()
     tuning.run()  # what a measurement cannot change; the buffers wait for measured links
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.checkpointpush import CheckpointPushes
 from agent.checkpoints import CheckpointCopier
 from agent.statedir import checkpoint_dir, private_dir
 from dtfm.core.events import ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
@@ -112,11 +113,13 @@ class StartupMarks:
 class Supervisor:
     def __init__(self, workdir: Path, on_change: Callable[[], None] = lambda: None,
                  python: str = sys.executable, bind_interface: str = "",
-                 checkpoints: CheckpointCopier | None = None, prewarm: bool = False) -> None:
+                 checkpoints: CheckpointCopier | None = None, prewarm: bool = False,
+                 pushes: CheckpointPushes | None = None) -> None:
         self.workdir = workdir
         self.bind_interface = bind_interface
         # copies stage checkpoints from peers: before a worker starts, and mirrors while it runs
         self.checkpoints = checkpoints
+        self.pushes = pushes  # copies pushed to or from agents nobody can dial
         self._preparing: asyncio.Task[None] | None = None
         self.on_change = on_change
         self.python = python
@@ -210,6 +213,8 @@ class Supervisor:
         self._task = asyncio.create_task(self._follow(worker))
         if self.checkpoints is not None:
             self.checkpoints.start_mirrors(assignment)
+        if self.pushes is not None:
+            self.pushes.start(assignment)
 
     async def _prepare(self, assignment: common_pb2.Assignment) -> bool:
         """Fetch the stage's checkpoint from a peer when this agent lacks it (see
@@ -287,6 +292,8 @@ class Supervisor:
     async def stop(self, reason: str) -> None:
         if self.checkpoints is not None:
             await self.checkpoints.stop_mirrors()
+        if self.pushes is not None:
+            await self.pushes.stop()
         preparing, self._preparing = self._preparing, None
         if preparing is not None:
             log.info("cancelling the checkpoint fetch before the worker started: %s", reason)

@@ -42,6 +42,10 @@ class CheckpointRoutes:
 
     peers: tuple[str, ...]  # every other member, the best link first: ask them for its stage
     mirrors: tuple[tuple[int, str], ...]  # (stage, member holding it) to keep a copy of
+    # (stage, member holding it) whose copy its holder pushes here: nobody can dial it
+    received: tuple[tuple[int, str], ...] = ()
+    # (own stage, member to push its checkpoints to): nobody can dial this rank to pull them
+    pushes: tuple[tuple[int, str], ...] = ()
 
 
 def mirror_stages(layout: Layout) -> dict[int, int]:
@@ -72,8 +76,10 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     (measured Gbit/s from rank i's agent to rank j's, NaN unknown) each list then starts with
     the best link into that rank: a re-plan that moves a stage away from a degraded link
     would otherwise fetch its checkpoint over that very link, as the move's priced cost
-    (`coordinator.replan.copy_seconds`) assumes it does not. A stage held only by agents
-    nobody can dial is logged: a copy needs a dial, and copies are not relayed.
+    (`coordinator.replan.copy_seconds`) assumes it does not. A mirrored stage whose holder
+    nobody can dial is pushed instead (`received` on the mirror, `pushes` on the holder:
+    agent/checkpointpush.py) when its mirror can be dialled. A stage that still no dialable
+    agent holds is logged: copies are not relayed.
     """
     n = layout.world_size
     if len(members) != n:
@@ -86,14 +92,32 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     who = list(ids) if ids is not None else [str(r) for r in range(n)]
     can_dial = list(dialable) if dialable is not None else [True] * n
     mirrors: dict[int, list[tuple[int, str]]] = {r: [] for r in range(n)}
+    received: dict[int, list[tuple[int, str]]] = {r: [] for r in range(n)}
+    pushes: dict[int, list[tuple[int, str]]] = {r: [] for r in range(n)}
+    pushed: set[int] = set()  # stages whose holder pushes to a dialable mirror
     for stage, by in mirror_stages(layout).items():
-        mirrors[layout.rank(by, 0)].append((stage, members[layout.rank(stage, 0)]))
+        holder, mirror = layout.rank(stage, 0), layout.rank(by, 0)
+        if can_dial[holder] or not can_dial[mirror]:  # both undialable: logged below
+            mirrors[mirror].append((stage, members[holder]))
+            continue
+        received[mirror].append((stage, members[holder]))
+        pushes[holder].append((stage, members[mirror]))
+        pushed.add(stage)
     for stage in range(layout.stages):
-        if not any(can_dial[r] for r in layout.dp_ranks(stage)):
+        if stage in pushed or any(can_dial[r] for r in layout.dp_ranks(stage)):
+            continue
+        holders = ", ".join(who[r] for r in layout.dp_ranks(stage))
+        if stage in mirror_stages(layout):
+            by = layout.rank(mirror_stages(layout)[stage], 0)
+            log.warning("stage %d has no second copy: its holder %s and its mirror %s both "
+                        "cannot be dialled (behind NATs or firewalls), so neither can pull "
+                        "nor push it; checkpoint copies are not relayed. Losing %s loses "
+                        "the stage's progress", stage, holders, who[by], holders)
+        else:
             log.warning("stage %d's checkpoints are written only by agents nobody can dial "
                         "(%s): an agent that takes the stage over cannot copy them, since "
                         "checkpoint copies are not relayed; it resumes from what it holds",
-                        stage, ", ".join(who[r] for r in layout.dp_ranks(stage)))
+                        stage, holders)
 
     def peers(rank: int) -> tuple[str, ...]:
         order = [i for i in range(n) if who[i] != who[rank]]
@@ -102,7 +126,8 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
         order.sort(key=lambda i: not can_dial[i])  # stable: dialable first, each by its link
         return tuple(members[i] for i in order)
 
-    return [CheckpointRoutes(peers(rank), tuple(mirrors[rank])) for rank in range(n)]
+    return [CheckpointRoutes(peers(rank), tuple(mirrors[rank]), tuple(received[rank]),
+                             tuple(pushes[rank])) for rank in range(n)]
 
 
 def build_assignments(
@@ -205,4 +230,8 @@ def build_assignments(
             out[-1].checkpoint_peers.extend(routes[rank].peers)
             out[-1].mirrors.extend(common_pb2.CheckpointMirror(stage=s, peer=p)
                                    for s, p in routes[rank].mirrors)
+            out[-1].mirrors.extend(common_pb2.CheckpointMirror(stage=s, peer=p, pushed=True)
+                                   for s, p in routes[rank].received)
+            out[-1].checkpoint_pushes.extend(common_pb2.CheckpointMirror(stage=s, peer=p)
+                                             for s, p in routes[rank].pushes)
     return out

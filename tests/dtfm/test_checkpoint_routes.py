@@ -115,3 +115,24 @@ def test_holders_nobody_can_dial_are_asked_last_and_a_stage_only_they_hold_is_lo
     assert "stage 1's checkpoints are written only by agents nobody can dial (1, 3)" \
         in caplog.text
     assert "stage 0's" not in caplog.text
+
+
+def test_a_mirrored_stage_whose_holder_nobody_can_dial_is_pushed_to_its_mirror(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """3 stages, 1 replica, each mirrored by the next stage's agent. Rank 1 is behind a NAT:
+    its stage is pushed to rank 2 (which can be dialled) instead of pulled; rank 0's stage,
+    mirrored by rank 1, is still pulled (rank 1 dials out to rank 0). Ranks 1 and 2 both
+    undialable: nothing can carry stage 1's copy, and the log says so."""
+    layout = Layout(3, 1)
+    names = _names(layout)
+    routes = checkpoint_routes(layout, names, dialable=[True, False, True])
+    assert routes[1].pushes == ((1, names[2]),) and routes[2].received == ((1, names[1]),)
+    assert routes[2].mirrors == () and routes[1].mirrors == ((0, names[0]),)
+    assert routes[0].pushes == routes[0].received == ()
+    with caplog.at_level("WARNING", logger="dtfm.core.assignment"):
+        routes = checkpoint_routes(layout, names, ids=["a", "b", "c"],
+                                   dialable=[True, False, False])
+    assert routes[1].pushes == () and routes[2].mirrors == ((1, names[1]),)
+    assert ("stage 1 has no second copy: its holder b and its mirror c both cannot be "
+            "dialled") in caplog.text
+    assert "copies are not relayed" in caplog.text and "stage 2" not in caplog.text

@@ -120,3 +120,21 @@ class CheckpointChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class CheckpointPush(_message.Message):
+    __slots__ = ("job_id", "entry", "data", "newest")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    entry: CheckpointEntry
+    data: bytes
+    newest: int
+    def __init__(self, job_id: _Optional[str] = ..., entry: _Optional[_Union[CheckpointEntry, _Mapping]] = ..., data: _Optional[bytes] = ..., newest: _Optional[int] = ...) -> None: ...
+
+class CheckpointPushReply(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...

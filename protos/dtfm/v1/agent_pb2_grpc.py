@@ -59,6 +59,11 @@ class AgentStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.FromString,
                 _registered_method=True)
+        self.PushCheckpoint = channel.stream_unary(
+                '/dtfm.v1.Agent/PushCheckpoint',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -101,6 +106,16 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushCheckpoint(self, request_iterator, context):
+        """One complete step uploaded by the agent that wrote it, when nobody can dial that agent
+        to pull it (behind a NAT): the first message names the step, the rest carry its files'
+        bytes in the entry's order. Accepted only for a stage this agent's assignment mirrors
+        as `pushed`, within the size the model allows; installed like a pulled copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +143,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.FetchCheckpoint,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'PushCheckpoint': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushCheckpoint,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +285,33 @@ class Agent:
             '/dtfm.v1.Agent/FetchCheckpoint',
             protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushCheckpoint(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dtfm.v1.Agent/PushCheckpoint',
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.FromString,
             options,
             channel_credentials,
             insecure,
