@@ -164,7 +164,8 @@ def build_assignments(
     the measured bandwidth from rank i's agent to rank j's (NaN unknown), so that each rank
     asks its best-connected peers first; `member_ids[rank]`: its agent's id (peers are told
     apart by id: two behind different NATs may share an address); `member_dialable[rank]`:
-    False where nobody can dial its agent (asked last: a copy needs a dial).
+    False where nobody can dial its agent (asked last: a copy needs a dial; it pushes its
+    mirrored stage to a dialable mirror instead, `checkpoint_routes`).
     `checkpoint_splits`: layers per stage of the split the job's checkpoints hold, when the
     job re-planned on another stage count; set on every rank only when it differs from this
     layout's split (each worker then reads its layers from the old stages that held them).
