@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -128,8 +129,16 @@ def test_status_watch_redraws_until_ctrl_c(daemons: Daemons) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--coordinator",
                              address, "--watch", "0.2"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=daemons.env())
+    seen = b""
     try:
-        time.sleep(2.0)  # startup, then several 0.2 s redraws
+        # Ctrl-C only once it has drawn twice: a fixed sleep sent it mid-import on a loaded
+        # machine, where Python's own KeyboardInterrupt traceback is the right answer
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 40
+        while seen.count(CLEAR_SCREEN.encode()) < 2 and time.monotonic() < deadline:
+            if not (chunk := os.read(proc.stdout.fileno(), 65536)):
+                break
+            seen += chunk
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=10)
@@ -137,6 +146,7 @@ def test_status_watch_redraws_until_ctrl_c(daemons: Daemons) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr
+    stdout = seen + stdout
     frames = stdout.decode().split(CLEAR_SCREEN)
     assert len(frames) >= 3, stdout  # at least two redraws
     assert f"coordinator {address}, every 0.2 s" in frames[-1]
