@@ -4,7 +4,8 @@ Owns turning per-device speeds (FLOP/s) and memory into a plan's layer split, an
 placement found by the paper's communication-only search (`evolutionary`) so that devices of
 one speed share a stage. Every candidate is scored by the one step model
 (`steptime.simulate_step`: the runtime's schedule, per micro-batch, with each tasklet's own
-compute = its stage's FLOPs over its device's FLOP/s) and the memory model (`memory`); a split
+compute = its stage's FLOPs (`flops.stage_flops`, a frozen base's cheaper backward counted
+under LoRA) over its device's FLOP/s) and the memory model (`memory`); a split
 that leaves a device short of memory loses to any that fits.
 
 - `best_split`: contiguous layer ranges for a fixed grid. Small instances are enumerated;
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.scheduler.compression import Compression
+from coordinator.scheduler.flops import stage_flops
 from coordinator.scheduler.memory import MemoryShape, shortfalls, stage_bytes, stages_bytes
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step, step_shape
@@ -40,7 +42,6 @@ from dtfm.core.spec import ModelSpec
 
 SPEED_TOLERANCE = 0.2  # devices within 20 % of each other's FLOP/s count as alike
 EXHAUSTIVE_SPLITS = 400  # enumerate every split when there are at most this many
-FLOPS_PER_PARAM_TOKEN = 6.0  # forward + backward of a dense matmul per weight and token
 
 
 @dataclass(frozen=True)
@@ -78,24 +79,11 @@ class Workload:
                            self.sync_every, self.lora_rank, self.lora_targets)
 
 
-def stage_flops(spec: ModelSpec, begin: int, end: int, tokens: float) -> float:
-    """Forward + backward FLOPs of layers [begin, end) (and the head, if last) for `tokens`.
-
-    Matmuls: 6 per weight and token (the Llama block's three MLP matrices and grouped k/v
-    projections counted as they are); attention scores and their use: 12 x seq x heads x
-    head_dim per layer and token (the embedding lookup has no matmul)."""
-    weights = (end - begin) * spec.layer_matmul_params()
-    if end == spec.n_layers:
-        weights += spec.d_model * spec.vocab_size
-    attention = (end - begin) * 12 * spec.seq_len * spec.n_heads * spec.head_size
-    return tokens * (FLOPS_PER_PARAM_TOKEN * weights + attention)
-
-
 def tasklet_seconds(work: Workload, grid: Sequence[Sequence[int]], flops: Sequence[float],
                     splits: Sequence[int] | None) -> np.ndarray:
     """compute_s[stage][replica]: one micro-batch's forward + backward on that device."""
     tokens = work.micro_size * work.spec.seq_len
-    per_stage = [stage_flops(work.spec, b, e, tokens)
+    per_stage = [stage_flops(work.spec, b, e, tokens, work.lora_rank, work.lora_targets)
                  for b, e in layer_ranges(work.spec.n_layers, work.stages, splits)]
     speed = np.asarray(flops, dtype=float)[np.asarray(grid, dtype=np.int64)]
     return np.asarray(per_stage)[:, None] / speed
@@ -182,7 +170,7 @@ def _minmax(work: Workload, speeds: Sequence[float], fits: np.ndarray) -> list[i
                 prev = best.get((j, b))
                 if prev is None or not fits[j, b, e]:
                     continue
-                c = stage_flops(spec, b, e, 1.0) / speeds[j]
+                c = stage_flops(spec, b, e, 1.0, work.lora_rank, work.lora_targets) / speeds[j]
                 options.append((max(prev[0], c), prev[1] + c, [*prev[2], e - b]))
             if options:
                 best[(j + 1, e)] = min(options)

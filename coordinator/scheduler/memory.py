@@ -22,7 +22,8 @@ Counted the way the worker really trains (pinned against torch by
 - per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
   the first stage keeps the token ids, the last the head's inputs and the fp32 log-softmax;
-  under bf16 every micro-batch's graph also holds its own bf16 copies of the matmul weights;
+  under bf16 every micro-batch's graph also holds its own bf16 copies of the matmul weights
+  (under LoRA of the adapters only: the frozen base is bf16 already, nothing to cast);
 - the Llama block (`_llama_saved`) keeps per token its RMSNorms' fp32 inputs and outputs, the
   rotated q and k, v, the attention output and 4 ff of SwiGLU, plus each layer's rotary
   tables;
@@ -43,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtfm.core.layout import layer_ranges
-from dtfm.core.lora import trained_params
+from dtfm.core.lora import stage_adapter_params, trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
 PARAM_STATE_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
@@ -85,8 +86,13 @@ def matmul_params(spec: ModelSpec, begin: int, end: int) -> int:
 
 
 def activation_bytes(spec: ModelSpec, begin: int, end: int, sequences: int,
-                     dtype: str = "fp32") -> int:
-    """Bytes autograd keeps for one micro-batch of `sequences` in layers [begin, end)."""
+                     dtype: str = "fp32", lora_rank: int = 0, lora_targets: str = "") -> int:
+    """Bytes autograd keeps for one micro-batch of `sequences` in layers [begin, end).
+
+    Under LoRA (`lora_rank` > 0) the activations are counted as for full fine-tuning, which
+    errs high (a frozen projection keeps no input of its own for a weight gradient; measured
+    up to 15 % high for the Llama block, a few per cent for GPT's); the bf16 weight copies are
+    the adapters' alone."""
     act = DTYPE_BYTES[dtype]
     per_layer, per_layer_fixed, head = (_llama_saved(spec, dtype) if spec.arch == "llama"
                                         else _gpt_saved(spec, dtype))
@@ -95,7 +101,9 @@ def activation_bytes(spec: ModelSpec, begin: int, end: int, sequences: int,
         per_token += 8  # int64 token ids
     if end == spec.n_layers:
         per_token += head + spec.vocab_size * FP32 + 8  # fp32 log-softmax, int64 targets
-    weights = 2 * matmul_params(spec, begin, end) if dtype != "fp32" else 0
+    cast = (stage_adapter_params(spec, begin, end, lora_rank, lora_targets) if lora_rank
+            else matmul_params(spec, begin, end))
+    weights = 2 * cast if dtype != "fp32" else 0
     fixed = (end - begin) * per_layer_fixed * act
     return sequences * spec.seq_len * per_token + weights + fixed
 
@@ -143,7 +151,8 @@ def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
     # (bf16 under --dtype bf16: agent/worker/lora.py); the adapters stay fp32 masters
     frozen = params * DTYPE_BYTES[shape.dtype] if shape.lora_rank else 0
     return (WORKER_RUNTIME_BYTES + frozen + per_param * trained
-            + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype))
+            + held * activation_bytes(shape.spec, begin, end, shape.micro_size, shape.dtype,
+                                      shape.lora_rank, shape.lora_targets))
 
 
 def stages_bytes(shape: MemoryShape, splits: Sequence[int] | None = None) -> list[int]:

@@ -14,7 +14,9 @@ the two against each other:
   serialized on that directed link at its bandwidth, then the link's one-way delay (the
   worker posts every receive of a step when the step starts, so no message waits a further
   delay for gloo's ready notice);
-- forward takes a third and backward two thirds of a device's per-micro-batch compute;
+- forward takes a third and backward two thirds of a device's per-micro-batch compute
+  (full fine-tuning); under LoRA the frozen base needs no weight gradients and forward takes
+  about half (`StepShape.forward_share`, from `flops.stage_flops_by_pass`);
 - after its last backward pass, a stage's data-parallel group averages gradients as the
   worker does: `sharded` as direct messages (each shard to its owner, the average straight
   back: two hops), `allreduce` as gloo's ring (2(R-1) steps at the ring's slowest link);
@@ -44,14 +46,13 @@ import numpy as np
 
 from coordinator.scheduler.compression import TOPK_COST, Compression
 from coordinator.scheduler.dpshares import group_links, group_shares
+from coordinator.scheduler.flops import FULL_FORWARD_SHARE, stage_flops_by_pass
 from coordinator.scheduler.network import Network
 from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.codecs import NONE, Codec, parse_codec
 from dtfm.core.layout import layer_ranges, pipeline_ops
 from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, check_batch
-
-FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward pass
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class StepShape:
     compression: Compression | None = None  # None: every message as it is
     act_raw_bytes: int = 4  # bytes of one uncompressed activation (2 under bf16)
     sync_every: int = 1  # local steps: replicas exchange once every this many steps
+    # per stage: forward's part of its compute (empty: 1/3 everywhere, full fine-tuning)
+    forward_share: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
@@ -91,6 +94,12 @@ class StepShape:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         if not (self.act_bytes >= 0 and all(b >= 0 for b in self.grad_bytes)):
             raise ValueError("message sizes must be >= 0 bytes")
+        if not all(0 < f < 1 for f in self.forward_share):
+            raise ValueError(f"forward shares must be in (0, 1), got {self.forward_share}")
+
+    def forward_of(self, stage: int) -> float:
+        """Forward's part of `stage`'s compute."""
+        return self.forward_share[stage] if self.forward_share else FULL_FORWARD_SHARE
 
 
 def _send_s(net: Network, src: int, dst: int, nbytes: float) -> float:
@@ -120,6 +129,7 @@ def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
     s, m = len(devices), shape.micro_batches
     msgs = [_act_message(shape, c) for c in (codecs or [NONE] * (s - 1))]
     ops = [pipeline_ops(shape.schedule, j, s, m) for j in range(s)]
+    forward = [shape.forward_of(j) for j in range(s)]
     arrive_f: list[dict[int, float]] = [{} for _ in range(s)]
     arrive_b: list[dict[int, float]] = [{} for _ in range(s)]
     link_f, link_b = [0.0] * s, [0.0] * s  # when link j->j+1 (fwd) / j+1->j (bwd) is free
@@ -134,7 +144,7 @@ def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
                     0.0 if last else arrive_b[j].get(i))
                 if dep is None:
                     break
-                share = FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE
+                share = forward[j] if kind == "F" else 1.0 - forward[j]
                 end = max(free[j], dep) + compute[j] * share
                 free[j] = end
                 ptr[j] += 1
@@ -298,17 +308,21 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                compression: Compression | None = None, sync_every: int = 1,
                lora_rank: int = 0, lora_targets: str = "") -> StepShape:
     """The messages of one step of `spec` as the runtime sends them (fp32 gradients: of the
-    adapters only under LoRA, `lora_rank` > 0), how they are compressed (None: not at all),
-    and how often replicas sync (`sync_every`)."""
+    adapters only under LoRA, `lora_rank` > 0, whose stages also spend a larger part of their
+    compute forward: a frozen base's backward costs about one forward, not two), how they are
+    compressed (None: not at all), and how often replicas sync (`sync_every`)."""
     check_batch(global_batch, micro_batches, replicas)
     micro_size = global_batch // (replicas * micro_batches)
+    ranges = layer_ranges(spec.n_layers, stages, splits)
     grads = [trained_params(spec, b, e, lora_rank, lora_targets) * DTYPE_BYTES["fp32"]
-             for b, e in layer_ranges(spec.n_layers, stages, splits)]
+             for b, e in ranges]
+    forward = tuple(stage_flops_by_pass(spec, b, e, 1.0, lora_rank, lora_targets).forward_share
+                    for b, e in ranges) if lora_rank else ()
     return StepShape(micro_batches=micro_batches,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
                      grad_bytes=grads, schedule=schedule, dp_mode=dp_mode,
                      compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype],
-                     sync_every=sync_every)
+                     sync_every=sync_every, forward_share=forward)
 
 
 def placed_step_s(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,

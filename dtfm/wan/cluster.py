@@ -221,6 +221,10 @@ class WanCluster:
         workers = [a["worker"] for a in status["agents"] if a["worker"]["step_s"]]
         split = {k: statistics.median(w[k] for w in workers)
                  for k in ("step_s", "compute_s", "pp_wait_s", "dp_s")} if workers else {}
+        # bytes per step by traffic kind, summed over the job's workers: their own counters
+        # (ProgressReport.dp_bytes_sent / pp_bytes_sent over the steps they ran)
+        traffic = {k: sum(w[k] for w in workers if w["job_id"] == job["id"])
+                   for k in ("dp_bytes_per_step", "pp_bytes_per_step")}
         return {
             "placement": placement, "grid": plan.get("grid"),
             "dp_shares": plan.get("dp_shares"), "cost": plan.get("cost"),
@@ -228,7 +232,7 @@ class WanCluster:
             "predicted_step_s": job["predicted_step_s"],
             "predicted_comm_s": plan.get("predicted_comm_s"),
             "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
-            "loss": job["loss"], "worker_split_median": split,
+            "loss": job["loss"], "worker_split_median": split, **traffic,
             # a job on a steady network should weigh no re-plan: benchmarks count them
             "replans": [{k: r[k] for k in ("at_step", "decision", "outcome", "trigger")}
                         for r in job.get("replans", [])],

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dtfm.core.layout import layer_ranges
+from dtfm.core.presets import get_preset
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster, measurement_wan
 
@@ -47,6 +49,12 @@ def test_a_job_trains_across_emulated_hosts_with_each_dp_group_in_one_city(
     assert got["measured_step_s"] > 0 and got["predicted_step_s"] > 0
     assert got["loss"] > 0
     assert got["assignment_to_first_step_s"] is not None
+    # the workers' own counters, as the coordinator reports them: in a group of two, each rank
+    # sends the shards it does not own and the averages of the one it owns, its whole fp32
+    # gradient: 2 x 4 bytes per parameter, summed over the stages
+    params = sum(get_preset("gpt-tiny").stage_params(b, e) for b, e in layer_ranges(4, 2))
+    assert got["dp_bytes_per_step"] == pytest.approx(2 * 4 * params, rel=1e-3)
+    assert got["pp_bytes_per_step"] > 0
 
 
 # three agents, one data-parallel group: 0 and 1 are 60 ms apart, 2 is 8 ms from both. A shard

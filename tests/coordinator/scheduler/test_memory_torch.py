@@ -50,7 +50,7 @@ def test_parameter_state_is_16_or_12_bytes_per_parameter(begin: int, end: int,
     assert param_state_bytes() == PARAM_STATE_BYTES
 
 
-def _saved_bytes(stage: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor | None,
+def saved_bytes(stage: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor | None,
                  dtype: torch.dtype | None) -> int:
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     seen: dict[tuple[int, torch.dtype], int] = {}
@@ -91,7 +91,7 @@ def test_activation_bytes_match_what_autograd_saves(name: str, dtype: str, where
     x = ids if begin == 0 else torch.randn(sequences, spec.seq_len, spec.d_model,
                                            requires_grad=True)
     targets = ids if end == spec.n_layers else None
-    measured = _saved_bytes(Stage(spec, begin, end, seed=0), x, targets,
+    measured = saved_bytes(Stage(spec, begin, end, seed=0), x, targets,
                             torch.bfloat16 if dtype == "bf16" else None)
     assert activation_bytes(spec, begin, end, sequences, dtype) == pytest.approx(measured,
                                                                                   rel=0.01)
