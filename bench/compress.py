@@ -60,11 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _files(root: Path, suffix: str) -> set[Path]:
+def files_under(root: Path, suffix: str) -> set[Path]:
     return set(root.glob(f"agent-*/work/*{suffix}"))
 
 
-def _events(paths: set[Path]) -> list[dict[str, Any]]:
+def progress_events(paths: set[Path]) -> list[dict[str, Any]]:
     return [json.loads(line) for p in sorted(paths)
             for line in p.read_text().splitlines() if line.strip().startswith("{")]
 
@@ -72,7 +72,7 @@ def _events(paths: set[Path]) -> list[dict[str, Any]]:
 def worker_figures(progress: set[Path], assignments: set[Path]) -> dict[str, Any]:
     """Bytes per step (over all ranks, steady steps >= 2), the validation loss and the codec
     of every link, from the files the job's workers left in the agents' work directories."""
-    events = _events(progress)
+    events = progress_events(progress)
     steps = [e for e in events if e.get("event") == "step" and e["step"] >= 2]
     per_step: dict[int, list[int]] = {}
     for e in steps:
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links, city_of):
         for variant in variants:
             pp, _, dp = variant.partition("/")
-            before = (_files(cluster.workdir, ".progress.jsonl"),
-                      _files(cluster.workdir, ".assignment.pb"))
+            before = (files_under(cluster.workdir, ".progress.jsonl"),
+                      files_under(cluster.workdir, ".assignment.pb"))
             extra = ["--pp-compress", pp, "--dp-compress", dp or pp, "--seed", str(args.seed)]
             load_before = os.getloadavg()[0]
             row = run_job(cluster, args, "scheduled", links, extra, label=variant)
@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             row.update(variant=variant, pp_compress=pp, dp_compress=dp or pp,
                        load_before=load_before, load_after=os.getloadavg()[0],
                        grid_cities=[[city_of[a] for a in r] for r in row["grid"] or []])
-            row.update(worker_figures(_files(cluster.workdir, ".progress.jsonl") - before[0],
-                                      _files(cluster.workdir, ".assignment.pb") - before[1]))
+            progress = files_under(cluster.workdir, ".progress.jsonl") - before[0]
+            row.update(worker_figures(progress,
+                                      files_under(cluster.workdir, ".assignment.pb") - before[1]))
             rows.append(row)
     compare(rows)
     print(table(rows))

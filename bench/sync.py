@@ -53,7 +53,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from compress import _events, _files  # bench/ is not a package: run as bench/sync.py
+from compress import files_under, progress_events  # bench/ is not a package: run as bench/sync.py
 from wan import add_world_arguments, emulator_missing, measured_world, run_job
 
 from dtfm.core.presets import get_preset
@@ -126,7 +126,7 @@ def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
     """Bytes per step (summed over ranks, averaged over every step), the mean step time and
     tokens/s (steps >= 2: the first holds the start-up), the validation loss and the drift
     at the last sync point, from the workers' own progress files."""
-    events = _events(progress)
+    events = progress_events(progress)
     steps = [e for e in events if e.get("event") == "step"]
     count = len({e["step"] for e in steps}) or 1
     steady = [e["step_s"] for e in steps if e["step"] >= 2 and e.get("step_s")]
@@ -151,7 +151,7 @@ def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
     tokens = args.batch * get_preset(args.model).seq_len
     rows = []
     for label, h, pp, dp in todo:
-        before = _files(cluster.workdir, ".progress.jsonl")
+        before = files_under(cluster.workdir, ".progress.jsonl")
         load_before = os.getloadavg()[0]
         try:
             row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp),
@@ -164,7 +164,7 @@ def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
             continue
         row.update(variant=label, sync_every=h, pp_compress=pp, dp_compress=dp,
                    load_before=load_before, load_after=os.getloadavg()[0])
-        row.update(figures(_files(cluster.workdir, ".progress.jsonl") - before, tokens))
+        row.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
         row["prediction_err_pct"] = 100 * (row["predicted_step_s"] - row["mean_step_s"]) \
             / row["mean_step_s"]
         rows.append(row)
