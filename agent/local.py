@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -113,8 +114,15 @@ class Proc:
     rank: int
     worker: WorkerProcess
     done: DoneEvent | None = None
+    dp_bytes: list[int] = field(default_factory=list)  # each step's data-parallel bytes sent
     error: str = ""
     kind: str = ""  # the error event's kind, "" until one arrives (dtfm/core/causes.py)
+
+
+def dp_bytes_per_step(procs: list[Proc]) -> int:
+    """The data-parallel bytes one step sends, summed over every rank: each rank's median
+    step (a first step or a resumed one may differ), measured by the workers' own counters."""
+    return sum(int(statistics.median(p.dp_bytes)) for p in procs if p.dp_bytes)
 
 
 def root_failure(failed: list[Proc]) -> Proc:
@@ -316,7 +324,10 @@ class LocalJob:
                         p.error, p.kind = ev.message, ev.kind
                     elif isinstance(ev, DoneEvent):
                         p.done = ev
-                    elif isinstance(ev, StepEvent) and p.rank == self.report_rank:
+                    elif isinstance(ev, StepEvent):
+                        p.dp_bytes.append(ev.dp_bytes)
+                        if p.rank != self.report_rank:
+                            continue
                         steps_seen += 1
                         last_line = self._print_step(ev, t_start, steps_seen, last_line)
             failed = [p for p, c in zip(self.procs, codes, strict=True) if c not in (None, 0)]
@@ -347,7 +358,8 @@ class LocalJob:
                 done = next((p.done for p in self.procs if p.rank == self.report_rank), None)
                 val = None if done is None else done.val_loss
                 if self.args.json:
-                    self._write({"done": True, "val_loss": val})
+                    self._write({"done": True, "val_loss": val,
+                                 "dp_bytes_per_step": dp_bytes_per_step(self.procs)})
                 else:
                     print(f"done in {time.monotonic() - t_start:.1f}s | val loss {val:.4f}"
                           if isinstance(val, float) else "done", file=self.out, flush=True)

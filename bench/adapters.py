@@ -22,9 +22,10 @@ split into forward and backward by `coordinator/scheduler/flops.py`, where a fro
 backward costs one forward, not two). Peak memory: each worker process's VmHWM (/proc).
 
 `--mode loopback`: `agent local` on this machine (gloo, `--stages` x `--replicas` workers), where
-the network is free, so tokens/s shows compute only; data-parallel bytes are priced there (a
-ring all-reduce of each stage's fp32 trained parameters; `agent local --json` does not carry the
-workers' counters).
+the network is free, so tokens/s shows compute only; data-parallel bytes are measured there
+too (`agent local --json`'s done line sums the workers' counters), beside the priced ones. It
+runs wider models than the emulated world can: the byte ratio at `gpt-350m` (d = 1024) is a
+measured point for the 100x target.
 
 The model: `gpt-small` by default, larger than the headline bench's `gpt-mini`. It is the
 largest preset 16 emulated agents train here in minutes: this machine has 2 cores and 24 GiB
@@ -176,10 +177,12 @@ def run_loopback(args: argparse.Namespace, rank: int) -> dict[str, Any]:
            if line.startswith("maxrss_kib")]
     trained = trained_per_stage(args.model, args.stages, rank)
     return {"variant": label(rank), "rank": rank,
+            # the workers' own counters, summed over every rank (agent local's done line)
+            "dp_bytes_per_step": final["dp_bytes_per_step"],
+            "dp_bytes_source": "measured",
             # a ring all-reduce of each stage's fp32 trained parameters: 2 (R-1)/R x bytes per
-            # rank, summed over every rank (agent local's --json carries no dp_bytes)
-            "dp_bytes_per_step": sum(4 * t * 2 * (args.replicas - 1) for t in trained),
-            "dp_bytes_source": "priced",
+            # rank, summed over every rank
+            "dp_bytes_priced": sum(4 * t * 2 * (args.replicas - 1) for t in trained),
             "tokens_per_s": statistics.median(e["tokens_per_s"] for e in steps[1:] or steps),
             "peak_rss_mib": rss[-1] / 1024 if rss else None,
             **memory_figures(args.model, args.stages, rank),
