@@ -284,6 +284,7 @@ class Job:
         measured = self.measured_step_s()
         tokens = self.config.train.global_batch * self.config.model_spec().seq_len \
             if self.config.model else 0
+        relay = self.dataplane.relay  # the coordinator's, for dtfm epochs (None: off)
         return coordinator_pb2.JobStatus(
             job_id=self.job_id, state=self.state, model=self.config.model,
             model_spec=self.config.model_spec().to_proto() if self.config.model else None,
@@ -300,7 +301,8 @@ class Job:
             checkpoint_step=self.checkpoint_step, restarts=self.restarts,
             recoveries=self.recoveries.items, replans=self.replan.records,
             **persistence_fields(self.store),
-        )
+            relayed_bytes=relay.forwarded(self.job_id) if relay else 0,
+            relay_refused_bytes=relay.refused_bytes if relay else 0)
 
     # --- the machine ---
     def _set(self, state: int, message: str) -> None:
