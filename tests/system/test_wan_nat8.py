@@ -67,6 +67,11 @@ def _losses(workdir: Path, job_id: str) -> dict[tuple[int, int], float]:
     return {k: loss for k, (_, loss) in out.items()}
 
 
+def _newest_step(workdir: Path, job_id: str) -> int:
+    """The newest step any rank has written to its progress file (0: none yet)."""
+    return max((step for step, _ in _losses(workdir, job_id)), default=0)
+
+
 def _status(cluster: WanCluster) -> dict[str, Any] | None:
     try:
         return cluster.cli("status", "--json", timeout=15)
@@ -99,14 +104,19 @@ def test_8_agents_3_behind_nat_train_to_the_reachable_losses_and_survive_the_rel
         cluster = WanCluster(wan, nat_dir, agents=AGENTS, coordinator_args=job_args)
         try:
             ids = cluster.start(timeout=120)
-            before = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= KILL_AT
-                              and s, 400, f"the NAT'd job to pass step {KILL_AT}", interval=0.5)
+            before = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= 1
+                              and s, 400, "the NAT'd job's first step", interval=0.5)
             # the relay carries the NAT'd ranks' pipeline and data-parallel traffic
             assert before["job"]["relay"]["forwarded_bytes"] > 0, before["job"]
             assert before["job"]["relay"]["refused_bytes"] == 0, before["job"]
             grid = before["plan"]["grid"]
             behind = {ids[a] for a in NAT_ALONE + NAT_SITE[0]}
             assert {grid[2][1], grid[3][0], grid[3][1]} == behind, (grid, behind)
+            # the progress files, not `status` (slow under load): kill soon after KILL_AT
+            jid = before["job"]["id"]
+            killed_at = wait_for(lambda: (n := _newest_step(nat_dir, jid)) >= KILL_AT and n,
+                                 400, f"the NAT'd job to pass step {KILL_AT}", interval=0.2)
+            assert killed_at < STEPS, killed_at
             cluster.kill_coordinator(restart_log="coordinator-restarted")
             status = cluster.wait_job(600)
         finally:
@@ -125,4 +135,5 @@ def test_8_agents_3_behind_nat_train_to_the_reachable_losses_and_survive_the_rel
     assert got == ref  # bit for bit, before the kill and after the recovery
     print(f"\nreachable job {ref_job['id']} and NAT'd job {job['id']}: {len(ref)} (step, rank) "
           f"losses equal; relay forwarded {job['relay']['forwarded_bytes']} bytes after the "
-          f"restart; epochs {job['epoch']}; {time.monotonic() - started:.0f} s in all")
+          f"restart; killed at step {killed_at}, epochs {job['epoch']}; "
+          f"{time.monotonic() - started:.0f} s in all")
