@@ -24,6 +24,12 @@ from the fresh per-epoch secret the assignment carries, so a holder of the clust
 token who is not a member cannot open a circuit; at most `max_keys` are held (the oldest is
 dropped). A relay made with one `secret` (`python -m dtfm.relay --port P --secret-file F`)
 derives every job's key from it instead, as before.
+
+Counters (what `coordinator status` and the coordinator's metrics show): `forwarded(job)`,
+the payload bytes forwarded for a job (its frames' payloads, not their headers), and
+`refused_bytes`, the bytes read from connections the relay then dropped: a handshake that
+failed (no key, a non-member's rank, a bad proof) or a frame header that named another job,
+epoch or rank. Nothing past such a handshake or header is read, so nothing of it is forwarded.
 """
 
 from __future__ import annotations
@@ -72,7 +78,9 @@ class Relay:
         self.pair_timeout_s, self.handshake_timeout_s = pair_timeout_s, handshake_timeout_s
         self._waiting: dict[tuple[bytes, int, int, int], _Circuit] = {}
         self.rejected = 0  # connections dropped for failing the handshake
-        self.forwarded_bytes = 0
+        self.forwarded_bytes = 0  # payload bytes forwarded, every job together
+        self._forwarded: dict[bytes, int] = {}  # job digest -> payload bytes forwarded
+        self.refused_bytes = 0  # bytes read from connections then dropped (module doc)
         self.peak_flow_bytes = 0  # the most one direction of one circuit held at once
         self._server: asyncio.base_events.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,6 +111,10 @@ class Relay:
     def epochs(self) -> list[tuple[bytes, int]]:
         """(job digest, epoch) of every admitted epoch, oldest first."""
         return list(self._keys)
+
+    def forwarded(self, job: str) -> int:
+        """Payload bytes forwarded for `job`, every epoch together, since the relay started."""
+        return self._forwarded.get(dp.job_digest(job), 0)
 
     def _key(self, hello: dp.Hello) -> bytes:
         """The key of the epoch a dialler claims (AuthError: not one relayed here)."""
@@ -170,22 +182,25 @@ class Relay:
         if task is not None:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        read = [0]  # bytes the handshake read, refused if it fails
         try:  # closed however this ends, a cancellation by aclose() included
             try:
-                circuit = await asyncio.wait_for(self._handshake(reader, writer),
+                circuit = await asyncio.wait_for(self._handshake(reader, writer, read),
                                                  self.handshake_timeout_s)
             except (dp.AuthError, ConnectionError, asyncio.IncompleteReadError,
                     TimeoutError) as exc:
                 self.rejected += 1
+                self.refused_bytes += read[0]
                 log.warning("relay: dropped %s before reading any frame: %s", peer, exc)
                 return
             await self._pair_and_pump(circuit)
         finally:
             writer.close()
 
-    async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> _Circuit:
-        theirs = dp.Hello.unpack(await reader.readexactly(dp.HELLO_BYTES))
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         read: list[int]) -> _Circuit:
+        """The circuit a dialler proves; `read[0]` counts the bytes read from it."""
+        theirs = dp.Hello.unpack(await _read(reader, dp.HELLO_BYTES, read))
         if theirs.role != dp.ROLE_DIAL or theirs.target == dp.NO_RANK:
             raise dp.AuthError("a relay circuit must name the rank it wants to reach")
         key = self._key(theirs)
@@ -193,7 +208,7 @@ class Relay:
                         dp.new_hello(dp.ROLE_RELAY, "", 0, 0).nonce)
         writer.write(mine.pack())
         writer.write(dp.proof(key, mine, theirs))
-        dp.check_proof(key, theirs, mine, await reader.readexactly(dp.PROOF_BYTES))
+        dp.check_proof(key, theirs, mine, await _read(reader, dp.PROOF_BYTES, read))
         writer.transport.set_write_buffer_limits(high=self.chunk_bytes)
         return _Circuit(theirs.job, theirs.epoch, theirs.rank, theirs.target, reader, writer)
 
@@ -234,6 +249,7 @@ class Relay:
                 try:
                     header.check(src.job, src.epoch, src.src, src.dst)
                 except dp.FrameError as exc:
+                    self.refused_bytes += len(raw)
                     log.warning("relay: %s", exc)
                     return
                 dst.writer.write(raw)
@@ -241,6 +257,7 @@ class Relay:
                 while left:
                     chunk = await src.reader.readexactly(min(left, self.chunk_bytes))
                     left -= len(chunk)
+                    self._forwarded[src.job] = self._forwarded.get(src.job, 0) + len(chunk)
                     self.forwarded_bytes += len(chunk)  # before the write: a reader may
                     dst.writer.write(chunk)  # see the bytes before this thread runs on
                     # what this relay holds for the direction beyond asyncio's reader
@@ -248,6 +265,17 @@ class Relay:
                     held = dst.writer.transport.get_write_buffer_size() + len(chunk)
                     self.peak_flow_bytes = max(self.peak_flow_bytes, held)
                     await dst.writer.drain()
+
+
+async def _read(reader: asyncio.StreamReader, n: int, read: list[int]) -> bytes:
+    """`n` bytes, counted in `read[0]` (a short read too, before it raises)."""
+    try:
+        data = await reader.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        read[0] += len(exc.partial)
+        raise
+    read[0] += n
+    return data
 
 
 def main(argv: list[str] | None = None) -> None:

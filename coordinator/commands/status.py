@@ -81,7 +81,11 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "replans": replans_to_json(j.replans),
                 # saving the job's state in --state-dir (coordinator/reconcile.py)
                 "state_saves": {"failures": j.state_save_failures, "error": j.state_save_error,
-                                "saved_unix_s": j.state_saved_unix_s}},
+                                "saved_unix_s": j.state_saved_unix_s},
+                # the coordinator's relay since it started (dtfm/relay.py): forwarded for
+                # this job, and read from connections it dropped (never forwarded)
+                "relay": {"forwarded_bytes": j.relayed_bytes,
+                          "refused_bytes": j.relay_refused_bytes}},
         "plan": plan,
         "local_steps": local_steps(status.job.job_id, agents),
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,

@@ -134,6 +134,15 @@ class CoordinatorCollector(Collector):
                                        "stopped and rescheduled", labels=["job_id", "model"])
         restarts.add_metric(labels, len(self.job.recoveries.items))
         yield restarts
+        relayed = CounterMetricFamily("dtfm_relay_forwarded_bytes", "Payload bytes the "
+                                      "coordinator's data-plane relay forwarded for the job "
+                                      "since the coordinator started", labels=["job_id", "model"])
+        relayed.add_metric(labels, float(status.relayed_bytes))
+        refused = CounterMetricFamily("dtfm_relay_refused_bytes", "Bytes the relay read from "
+                                      "connections it dropped (no key, not a member, a frame "
+                                      "naming another job or rank): none is forwarded")
+        refused.add_metric([], float(status.relay_refused_bytes))
+        yield from (relayed, refused)
         yield from self._replans(labels)
 
     def _replans(self, labels: list[str]) -> Iterator[Metric]:

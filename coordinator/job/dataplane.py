@@ -87,6 +87,13 @@ class DataPlanes:
         await self.relay.serve()
         return self.relay.port
 
+    def status_fields(self, job_id: str) -> dict[str, int]:
+        """What the relay forwarded for `job_id` and refused from non-members since this
+        coordinator started (JobStatus fields; 0 without a relay)."""
+        relay = self.relay
+        return {"relayed_bytes": relay.forwarded(job_id) if relay else 0,
+                "relay_refused_bytes": relay.refused_bytes if relay else 0}
+
     async def close(self) -> None:
         if self.relay is not None:
             await self.relay.aclose()

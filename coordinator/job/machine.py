@@ -301,8 +301,7 @@ class Job:
             replicas=self.planner.layout.replicas if self.planner.layout else 0,
             checkpoint_step=self.checkpoint_step, restarts=self.restarts,
             recoveries=self.recoveries.items, replans=self.replan.records,
-            **persistence_fields(self.store),
-        )
+            **persistence_fields(self.store), **self.dataplane.status_fields(self.job_id))
 
     # --- the machine ---
     def _set(self, state: int, message: str) -> None:

@@ -81,6 +81,7 @@ class WanCluster:
         self.agent_args = list(agent_args)  # extra `agent start` flags, for every agent
         self.procs: list[subprocess.Popen[bytes]] = []
         self.agent_procs: list[subprocess.Popen[bytes]] = []
+        self.coordinator_proc: subprocess.Popen[bytes] | None = None
 
     @property
     def coordinator_address(self) -> str:
@@ -118,9 +119,22 @@ class WanCluster:
         self._start_agents(prewarm)
         return self._wait_agents(timeout)
 
-    def _start_coordinator(self) -> None:
-        self._spawn(0, ["coordinator", "start", "--listen", self.coordinator_address,
-                        "--liveness-timeout", "10", *self.coordinator_args], "coordinator")
+    def _start_coordinator(self, log_name: str = "coordinator") -> None:
+        self.coordinator_proc = self._spawn(0, [
+            "coordinator", "start", "--listen", self.coordinator_address,
+            "--liveness-timeout", "10", *self.coordinator_args], log_name)
+
+    def kill_coordinator(self, restart_log: str = "") -> None:
+        """SIGKILL the coordinator (and with it the relay it hosts), as a crash would; with
+        `restart_log`, start it again at once with the same flags (a `--state-dir` among
+        them lets it adopt the job), logging to `restart_log`.log."""
+        proc = self.coordinator_proc
+        if proc is None:
+            raise RuntimeError("no coordinator was started: call start() first")
+        proc.kill()
+        proc.wait(10)
+        if restart_log:
+            self._start_coordinator(restart_log)
 
     def _start_agents(self, prewarm: bool) -> None:
         for i in range(self.agents):
@@ -233,6 +247,9 @@ class WanCluster:
             "predicted_comm_s": plan.get("predicted_comm_s"),
             "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
             "loss": job["loss"], "worker_split_median": split, **traffic,
+            # what the coordinator's relay forwarded for the job, and the steps it ran
+            # (bench/reach.py reports relayed bytes per step from these)
+            "relayed_bytes": job["relay"]["forwarded_bytes"], "steps_trained": job["step"],
             # a job on a steady network should weigh no re-plan: benchmarks count them
             "replans": [{k: r[k] for k in ("at_step", "decision", "outcome", "trigger")}
                         for r in job.get("replans", [])],

@@ -273,7 +273,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "export_source")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "export_source")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,8 @@ class JobStatus(_message.Message):
     STATE_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     STATE_SAVE_ERROR_FIELD_NUMBER: _ClassVar[int]
     STATE_SAVED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAY_REFUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
@@ -323,8 +325,10 @@ class JobStatus(_message.Message):
     state_save_failures: int
     state_save_error: str
     state_saved_unix_s: float
+    relayed_bytes: int
+    relay_refused_bytes: int
     export_source: ExportSource
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
 
 class ExportSource(_message.Message):
     __slots__ = ("config_json", "generation_json", "tokenizer", "lora")
