@@ -109,10 +109,4 @@ def test_lora_bf16_holds_the_frozen_base_in_bf16_and_trains_fp32_adapters(
         assert int(frozen) == 2 * LLAMA.stage_params(begin, end)  # the planner's count, 2 B
     assert all(math.isfinite(x) for x in run.losses)
     assert run.losses[-1] < run.losses[0] - 0.2  # the adapters learn (a random base)
-    # the exchange the workers counted: every rank sends its stage's adapters once (fp32, a
-    # two-member ring), so 2 x 4 bytes per adapter number of each stage, plus at most one
-    # float64 scalar per rank (the replicas' shared figures), and no base weight
-    adapters = 8 * sum(spec_lora.trained_params(LLAMA, a, b, 4) for a, b in ((0, 3), (3, 4)))
-    assert 0 <= run.done["dp_bytes_per_step"] - adapters <= 4 * 8, (run.done, adapters)
-    assert ref.done["dp_bytes_per_step"] == 0  # one replica exchanges nothing
     assert run.done is not None and math.isfinite(run.done["val_loss"])
