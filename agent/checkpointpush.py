@@ -36,6 +36,7 @@ from pathlib import Path
 
 import grpc
 
+from agent import retryloop
 from agent.checkpoints import (
     CHUNK_BYTES,
     CHUNK_TIMEOUT_S,
@@ -121,7 +122,6 @@ class CheckpointPushes:
     # ---- pushing ----
 
     async def _push_loop(self, job_id: str, stage: int, address: str, spec: ModelSpec) -> None:
-        failing = False
         try:
             channel = rpc.open_channel(address, self.security)
         except rpc.ConfigError as e:
@@ -130,22 +130,10 @@ class CheckpointPushes:
             return
         async with channel:
             peer = Peer(address, agent_pb2_grpc.AgentStub(channel))
-            while True:
-                try:
-                    await self.push_once(peer, job_id, stage, spec)
-                    if failing:
-                        log.info("checkpoint: pushing stage %d to %s works again", stage,
-                                 address)
-                    failing = False
-                except Exception as e:  # noqa: BLE001 - a push retries, whatever failed
-                    if not failing:
-                        why = (rpc.describe_rpc_error(e, address)
-                               if isinstance(e, grpc.RpcError) else repr(e))
-                        log.warning("checkpoint: cannot push stage %d of job %s to %s: %s; "
-                                    "retrying every %g s", stage, job_id, address, why,
-                                    self.interval_s)
-                    failing = True
-                await asyncio.sleep(self.interval_s)
+            await retryloop.every(self.interval_s,
+                                  lambda: self.push_once(peer, job_id, stage, spec),
+                                  f"push stage {stage} of job {job_id} to {address}", address,
+                                  log)
 
     async def push_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec
                         ) -> list[int]:

@@ -56,6 +56,7 @@ from typing import IO, NoReturn
 
 import grpc
 
+from agent import retryloop
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import KEEP, FileEntry, Manifest
@@ -552,26 +553,13 @@ class CheckpointCopier:
                 await task
 
     async def _mirror(self, job_id: str, stage: int, address: str, spec: ModelSpec) -> None:
-        failing = False
         async with self._peers([address]) as peers:
             if not peers:
                 return
-            while True:
-                try:
-                    await self.mirror_once(peers[0], job_id, stage, spec)
-                    if failing:
-                        log.info("checkpoint: mirror of stage %d from %s works again", stage,
-                                 address)
-                    failing = False
-                except Exception as e:  # noqa: BLE001 - a mirror retries, whatever failed
-                    if not failing:
-                        why = (rpc.describe_rpc_error(e, address)
-                               if isinstance(e, grpc.RpcError) else repr(e))
-                        log.warning("checkpoint: cannot mirror stage %d of job %s from %s: "
-                                    "%s; retrying every %g s", stage, job_id, address, why,
-                                    self.mirror_interval_s)
-                    failing = True
-                await asyncio.sleep(self.mirror_interval_s)
+            await retryloop.every(self.mirror_interval_s,
+                                  lambda: self.mirror_once(peers[0], job_id, stage, spec),
+                                  f"mirror stage {stage} of job {job_id} from {address}",
+                                  address, log)
 
     async def mirror_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec
                           ) -> list[int]:

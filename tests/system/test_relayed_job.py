@@ -8,13 +8,12 @@ two-member all_reduce and its point-to-point messages are exactly gloo's)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.daemons import Daemons, wait_for
+from tests.progress import step_losses
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,18 +22,6 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "3",
        "--search-seconds", "1", "--no-measure", "--eval-batches", "0",
        "--layer-split", "even"]
-
-
-def _losses(workdir: Path, job_id: str) -> dict[int, dict[int, float]]:
-    """rank -> step -> loss, from every agent's progress files of epoch 1."""
-    out: dict[int, dict[int, float]] = {}
-    for path in workdir.glob(f"*/work/{job_id}-e1-r*.progress.jsonl"):
-        rank = int(path.name.rsplit("-r", 1)[1].split(".")[0])
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("event") == "step":
-                out.setdefault(rank, {})[ev["step"]] = ev["loss"]
-    return out
 
 
 def _train(daemons: Daemons, tag: str, unreachable: int
@@ -68,7 +55,8 @@ def test_unreachable_agents_train_over_dtfm_to_gloos_losses(daemons: Daemons) ->
     nat_logs = [t for p, t in worker_logs.items() if p.parts[-3].startswith("nat-")]
     assert any("via gloo" in t or "gloo via" in t for t in open_logs), open_logs[:1]
     assert sum("dtfm via the assignment's peer table" in t for t in nat_logs) == 4, nat_logs
-    ref, got = _losses(daemons.tmp, gloo["id"]), _losses(daemons.tmp, relayed["id"])
+    ref = step_losses(daemons.tmp, gloo["id"], 1)
+    got = step_losses(daemons.tmp, relayed["id"], 1)
     assert sorted(ref) == sorted(got) == [0, 1, 2, 3]
     assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in got.values())
     assert got == ref  # bit for bit: the same floats from the same seed

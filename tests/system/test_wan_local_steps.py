@@ -12,7 +12,6 @@ would travel). The fault (`DTFM_FAULT`, epoch 1 only) kills stage 1 of replica 1
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import AGENT_PORT, WanCluster, measurement_wan
+from tests.progress import step_losses
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -57,18 +57,6 @@ def _run(wan: WanEmulator, workdir: Path, fault: str) -> tuple[dict[str, Any], P
     return status, workdir
 
 
-def _losses(workdir: Path, job_id: str, epoch: int) -> dict[int, dict[int, float]]:
-    """rank -> step -> loss, from every agent's progress files of one epoch."""
-    out: dict[int, dict[int, float]] = {}
-    for path in workdir.glob(f"agent-*/work/{job_id}-e{epoch}-r*.progress.jsonl"):
-        rank = int(path.name.rsplit("-r", 1)[1].split(".")[0])
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("event") == "step":
-                out.setdefault(rank, {})[ev["step"]] = ev["loss"]
-    return out
-
-
 @pytest.mark.timeout(600)
 def test_local_steps_resume_across_emulated_hosts_to_the_uninterrupted_losses(
         tmp_path: Path) -> None:
@@ -82,9 +70,9 @@ def test_local_steps_resume_across_emulated_hosts_to_the_uninterrupted_losses(
     assert recovery["resumed_step"] == 8, recovery  # the last sync point before the fault
     assert crashed["plan"]["epoch"] == 2 and len(crashed["plan"]["grid"]) == 2
 
-    ref = _losses(tmp_path / "full", full["job"]["id"], 1)
-    first = _losses(tmp_path / "crashy", crashed["job"]["id"], 1)
-    again = _losses(tmp_path / "crashy", crashed["job"]["id"], 2)
+    ref = step_losses(tmp_path / "full", full["job"]["id"], 1)
+    first = step_losses(tmp_path / "crashy", crashed["job"]["id"], 1)
+    again = step_losses(tmp_path / "crashy", crashed["job"]["id"], 2)
     assert sorted(ref) == sorted(again) == [0, 1, 2, 3]
     assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in ref.values())
     assert ref[1][STEPS] < ref[1][1] - 0.3  # it learns

@@ -25,7 +25,6 @@ secret the new relay is told) from the newest checkpoint, and trains to the end.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import pytest
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster, measurement_wan
+from tests.progress import step_losses
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -54,17 +54,10 @@ KILL_AT = 5  # past the checkpoint of step 3: the new epoch resumes from there o
 
 
 def _losses(workdir: Path, job_id: str) -> dict[tuple[int, int], float]:
-    """(step, rank) -> loss from every agent's progress files, the newest epoch's where a
-    step ran twice (before and after a recovery)."""
-    out: dict[tuple[int, int], tuple[int, float]] = {}
-    for path in workdir.glob(f"agent-*/work/{job_id}-e*-r*.progress.jsonl"):
-        epoch = int(path.name.split(f"{job_id}-e", 1)[1].split("-r", 1)[0])
-        rank = int(path.name.rsplit("-r", 1)[1].split(".")[0])
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("event") == "step" and out.get((ev["step"], rank), (0, 0.0))[0] <= epoch:
-                out[(ev["step"], rank)] = (epoch, ev["loss"])
-    return {k: loss for k, (_, loss) in out.items()}
+    """(step, rank) -> loss, the newest epoch's where a step ran twice (before and after a
+    recovery)."""
+    return {(step, rank): loss for rank, steps in step_losses(workdir, job_id).items()
+            for step, loss in steps.items()}
 
 
 def _newest_step(workdir: Path, job_id: str) -> int:
