@@ -55,7 +55,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--data-port", type=flags.number(int, 0, maximum=65535), default=0,
                    metavar="PORT", help="TCP port the training worker accepts the dtfm data "
                    "plane on, at --advertise, when peers can dial this agent (default: the "
-                   "--listen port + 1)")
+                   "--listen port + 100)")
     flags.add_security_args(p)
     flags.add_common_args(p)
 

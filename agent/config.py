@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.checkpoints import MIRROR_INTERVAL_S
+from dtfm.core.dataplane import PORT_OFFSET
 from dtfm.core.limits import is_host
 from dtfm.flags import check_directory
 from dtfm.reach import OVERRIDES
@@ -37,8 +38,8 @@ class AgentConfig:
     mirror_interval_s: float = MIRROR_INTERVAL_S  # how often a mirror asks for new checkpoints
     # can peers dial --advertise? auto: the coordinator finds out; yes/no: the operator says
     reachable: str = "auto"
-    # the worker's dtfm data plane listens here when peers can dial it (0: the gRPC port + 1,
-    # or a free port when --listen's port is 0)
+    # the worker's dtfm data plane listens here when peers can dial it (0: the gRPC port + 100,
+    # dataplane.PORT_OFFSET, or a free port when --listen's port is 0)
     data_port: int = 0
 
     def validate(self) -> None:
@@ -87,8 +88,8 @@ class AgentConfig:
         """The data port to advertise, once the gRPC server has its port."""
         if self.data_port:
             return self.data_port
-        if split_hostport(self.listen)[1] and grpc_port < 65535:
-            return grpc_port + 1
+        if split_hostport(self.listen)[1] and grpc_port + PORT_OFFSET <= 65535:
+            return grpc_port + PORT_OFFSET
         from dtfm.rpc import free_port
 
         return free_port(split_hostport(self.listen)[0] or "0.0.0.0")

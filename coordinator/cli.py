@@ -71,7 +71,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "member accepts connections, else dtfm (dials out, relays; CPU only)")
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
                    metavar="PORT", help="port of the data-plane relay for agents that cannot "
-                   "accept connections, on the --listen host (default: the gRPC port + 1; "
+                   "accept connections, on the --listen host (default: the gRPC port + 100; "
                    "0: off)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
                    help="reschedules in a row without progress (a new checkpoint) before the "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
+from dtfm.core.dataplane import PORT_OFFSET
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
@@ -235,7 +236,7 @@ class CoordinatorConfig:
     state_dir: str = ""
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
     # --relay-port: the data-plane relay for agents that cannot accept connections, on the
-    # --listen host; None: the gRPC port + 1 (a free port when --listen's is 0); 0: off
+    # --listen host; None: the gRPC port + 100 (a free port when --listen's is 0); 0: off
     relay_port: int | None = None
     job: JobConfig = field(default_factory=JobConfig)
 
@@ -272,4 +273,5 @@ class CoordinatorConfig:
         host, port = split_hostport(self.listen, "--listen")
         if self.relay_port is not None:
             return host, self.relay_port
-        return host, (grpc_port + 1 if port and grpc_port < 65535 else 0)
+        return host, (grpc_port + PORT_OFFSET if port and grpc_port + PORT_OFFSET <= 65535
+                      else 0)

@@ -377,7 +377,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
                 raise rpc.ConfigError(f"--relay-port {config.relay_port}: cannot listen on "
                                   f"{relay_at[0]}:{relay_at[1]}: {exc.strerror}; pick a free "
                                   f"port, or 0 to run no relay") from exc
-            log.warning("no data-plane relay: the default port %d (gRPC + 1) is taken (%s); "
+            log.warning("no data-plane relay: the default port %d (gRPC + 100) is taken (%s); "
                         "agents that cannot accept connections will not meet each other: "
                         "give --relay-port", relay_at[1], exc.strerror)
     stop = asyncio.Event()

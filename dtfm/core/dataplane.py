@@ -26,6 +26,11 @@ import socket
 import struct
 from dataclasses import dataclass
 
+# A data-plane port (a reachable agent's worker, the coordinator's relay) defaults to its gRPC
+# port + 100: + 1 would be the next agent's gRPC port where several agents share a host
+# (deploy/install.sh numbers them 7071, 7072, ...) and the relay of a coordinator on 7070 would
+# take the first agent's 7071.
+PORT_OFFSET = 100
 MAGIC = b"DTFP"
 VERSION = 1
 NONCE_BYTES = 32

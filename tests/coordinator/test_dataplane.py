@@ -61,3 +61,20 @@ def test_gpu_jobs_and_missing_relays_are_refused_with_a_reason() -> None:
     assert not one.unsupported and one.plane is not None and one.plane.relay == ""
     with pytest.raises(ValueError, match="--transport"):
         DataPlanes("udp")
+
+
+def test_default_data_plane_ports_collide_with_no_neighbouring_agent_or_coordinator() -> None:
+    """deploy/install.sh numbers a host's agents 7071, 7072, ...; the coordinator listens on
+    7070. Data ports at gRPC + 1 made agent 0's data port agent 1's gRPC port, and the relay
+    agent 0's."""
+    from agent.config import AgentConfig
+    from coordinator.daemon.config import CoordinatorConfig
+
+    grpc = [7070] + [7071 + n for n in range(8)]
+    data = [AgentConfig(listen=f"0.0.0.0:{p}").data_port_for(p) for p in grpc[1:]]
+    relay = CoordinatorConfig(listen="0.0.0.0:7070").relay_address(7070)
+    assert relay == ("0.0.0.0", 7170)
+    assert data == [7171 + n for n in range(8)]
+    assert not set(grpc) & {*data, relay[1]} and len({*data, relay[1]}) == 9
+    assert CoordinatorConfig(listen="0.0.0.0:7070", relay_port=0).relay_address(7070) is None
+    assert AgentConfig(listen="0.0.0.0:7071", data_port=9000).data_port_for(7071) == 9000
