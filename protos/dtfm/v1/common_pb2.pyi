@@ -67,7 +67,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., cores: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., flops_bf16: _Optional[float] = ..., memory_pool: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "host", "port", "device", "version", "reachable", "data_port")
+    __slots__ = ("agent_id", "host", "port", "device", "version", "reachable", "data_port", "relay_port")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class AgentInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     port: int
@@ -82,7 +83,8 @@ class AgentInfo(_message.Message):
     version: str
     reachable: ReachOverride
     data_port: int
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., reachable: _Optional[_Union[ReachOverride, str]] = ..., data_port: _Optional[int] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., reachable: _Optional[_Union[ReachOverride, str]] = ..., data_port: _Optional[int] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class DialResult(_message.Message):
     __slots__ = ("dialer", "ok", "error", "unix_s")
@@ -279,14 +281,26 @@ class Assignment(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., checkpoint_pushes: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., init_hash: _Optional[str] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
 
 class DataPlane(_message.Message):
-    __slots__ = ("listen", "relay", "secret")
+    __slots__ = ("listen", "relay", "secret", "pair_relays")
     LISTEN_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    PAIR_RELAYS_FIELD_NUMBER: _ClassVar[int]
     listen: _containers.RepeatedScalarFieldContainer[str]
     relay: str
     secret: bytes
-    def __init__(self, listen: _Optional[_Iterable[str]] = ..., relay: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    pair_relays: _containers.RepeatedCompositeFieldContainer[PairRelay]
+    def __init__(self, listen: _Optional[_Iterable[str]] = ..., relay: _Optional[str] = ..., secret: _Optional[bytes] = ..., pair_relays: _Optional[_Iterable[_Union[PairRelay, _Mapping]]] = ...) -> None: ...
+
+class PairRelay(_message.Message):
+    __slots__ = ("rank_a", "rank_b", "relay")
+    RANK_A_FIELD_NUMBER: _ClassVar[int]
+    RANK_B_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    rank_a: int
+    rank_b: int
+    relay: str
+    def __init__(self, rank_a: _Optional[int] = ..., rank_b: _Optional[int] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class CheckpointMirror(_message.Message):
     __slots__ = ("stage", "peer", "pushed")
