@@ -205,7 +205,9 @@ def transport_config(a: Any, choice: netbind.BindChoice,
     return TransportConfig(
         job=a.job_id, epoch=a.epoch, secret=plane.secret,
         peers={r: addr or None for r, addr in enumerate(plane.listen)},
-        relay=plane.relay or None, bind=bind, timeout=timeout)
+        relay=plane.relay or None, bind=bind, timeout=timeout,
+        pair_relays={(min(p.rank_a, p.rank_b), max(p.rank_a, p.rank_b)): p.relay
+                     for p in plane.pair_relays})
 
 
 def _member_group(ranks: list[int], timeout: timedelta,

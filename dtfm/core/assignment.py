@@ -30,10 +30,13 @@ def resolve_relay(assignment: common_pb2.Assignment, coordinator: str) -> None:
     """Give the data plane's relay a host: ":PORT" is the coordinator's own relay, at the
     host this agent dials the coordinator at (`coordinator`, HOST:PORT as the agent was
     told it), the one address every agent is known to reach."""
-    relay = assignment.data_plane.relay
-    if relay.startswith(":"):
-        host = coordinator.rpartition(":")[0]
-        assignment.data_plane.relay = f"{host}{relay}"
+    host = coordinator.rpartition(":")[0]
+    plane = assignment.data_plane
+    if plane.relay.startswith(":"):
+        plane.relay = f"{host}{plane.relay}"
+    for pair in plane.pair_relays:
+        if pair.relay.startswith(":"):
+            pair.relay = f"{host}{pair.relay}"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ class TransportConfig:
     secret: bytes = field(repr=False)
     peers: dict[int, str | None]  # rank -> "host:port" it listens on, None: dials only
     relay: str | None = None  # "host:port" of the relay for pairs where neither listens
+    # (low rank, high rank) -> "host:port" of the relay that pair meets at instead of `relay`
+    # (a relay agent the coordinator chose for it by measured links)
+    pair_relays: dict[tuple[int, int], str] = field(default_factory=dict)
     bind: str | None = None  # listen here instead of this rank's advertised address
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)
@@ -40,6 +43,15 @@ class TransportConfig:
                 raise ValueError(f"peer table names rank {rank}: ranks are >= 0")
         if self.relay is not None:
             parse_addr(self.relay)
+        for (a, b), addr in self.pair_relays.items():
+            if not 0 <= a < b:
+                raise ValueError(f"pair_relays names pair ({a}, {b}): give (low rank, "
+                                 f"high rank), both >= 0")
+            parse_addr(addr)
+
+    def relay_for(self, me: int, peer: int) -> str | None:
+        """The relay `me` and `peer` meet at: the pair's own, else the default."""
+        return self.pair_relays.get((min(me, peer), max(me, peer)), self.relay)
 
     def mode(self, me: int, peer: int) -> str:
         """'dial', 'accept' or 'relay': how `me` reaches `peer` (both ends agree)."""
@@ -48,7 +60,7 @@ class TransportConfig:
             return "dial"
         if mine is not None:
             return "accept"
-        if self.relay is None:
+        if self.relay_for(me, peer) is None:
             raise ValueError(f"ranks {me} and {peer} both only dial out and the peer table "
                              f"names no relay: give one (TransportConfig.relay)")
         return "relay"
@@ -67,6 +79,7 @@ class TransportConfig:
             return TransportConfig(
                 job=str(d["job"]), epoch=int(d["epoch"]), secret=secret,
                 peers={int(k): v for k, v in d["peers"].items()}, relay=d.get("relay"),
+                pair_relays={_pair(k): v for k, v in d.get("pair_relays", {}).items()},
                 bind=d.get("bind"), timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
             )
         except (KeyError, ValueError, OSError) as exc:
@@ -78,4 +91,12 @@ class TransportConfig:
         return json.dumps({"job": self.job, "epoch": self.epoch, "secret_file": secret_file,
                            "peers": {str(k): v for k, v in self.peers.items()},
                            "relay": self.relay, "bind": self.bind,
+                           "pair_relays": {f"{a},{b}": v
+                                           for (a, b), v in self.pair_relays.items()},
                            "timeout_s": self.timeout.total_seconds()})
+
+
+def _pair(key: str) -> tuple[int, int]:
+    """"A,B" (a pair_relays key in the JSON) as a pair of ranks."""
+    a, _, b = key.partition(",")
+    return int(a), int(b)

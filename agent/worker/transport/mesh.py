@@ -257,7 +257,7 @@ class Mesh:
         if mode == "dial":
             addr, role_target = self.cfg.peers[p.rank], dp.NO_RANK
         else:
-            addr, role_target = self.cfg.relay, p.rank
+            addr, role_target = self.cfg.relay_for(self.rank, p.rank), p.rank
         assert addr is not None
         sock = self._dial(addr, p.rank, role_target)
         p.attach(sock)
