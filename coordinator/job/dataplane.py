@@ -29,6 +29,16 @@ size) and forgets the job's older epochs (`Relay.retire`).
 The relay address in the assignment has an empty host (":PORT"): the relay runs in the
 coordinator's process, and the agent substitutes the host it dials the coordinator at
 (agent/session.py), the one address every agent is known to reach.
+
+Relay agents: a member found reachable from everywhere that serves a relay
+(`AgentInfo.relay_port`, `agent start --relay-port`) is a candidate too. Given the epoch's
+measured network and grid (`links`), every pair of dial-only ranks gets the relay with the
+least relayed cost (coordinator/scheduler/relaychoice.py): pairs that talk (pipeline
+neighbours, data-parallel peers) weigh their share of a step's bytes, the rest (per-step
+scalars on the world group) next to nothing. Pairs that chose a relay agent are listed in
+`DataPlane.pair_relays`; the rest meet at the coordinator's. A relay agent admits the epoch
+from its own assignment (it is a member: agent/relayhost.py), so restricting relays to the
+job's members means no secret is sent anywhere else.
 """
 
 from __future__ import annotations
@@ -39,8 +49,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.daemon.registry import AgentRecord
+from coordinator.scheduler.network import Network
+from coordinator.scheduler.relaychoice import Pair, Path, choose
 from dtfm import reach
 from dtfm.core.assignment import member_address
+from dtfm.core.layout import Layout
 from dtfm.relay import Relay
 from protos.dtfm.v1 import common_pb2
 
@@ -49,6 +62,57 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "gloo", "dtfm")
 DTFM = "dtfm"
 SECRET_BYTES = 32
+TALK_BYTES = 64e6  # a talking pair's weight in the relay choice (its share of a step)
+SCALAR_BYTES = 1e3  # a pair that only shares the world group's per-step scalars
+COORDINATOR = ""  # the coordinator's relay among the candidates
+Links = tuple[Network, Sequence[int], Layout]  # the network, rank -> its index, the grid
+
+
+def serves_relay(rec: AgentRecord) -> bool:
+    """Whether this agent may relay for its job's dial-only pairs: peers can dial it, and it
+    serves a relay (`agent start --relay-port`)."""
+    return rec.reach.verdict == reach.EVERYWHERE and rec.info.relay_port > 0
+
+
+def talking_pairs(layout: Layout) -> set[Pair]:
+    """The rank pairs that exchange tensors: pipeline neighbours of a replica, and the
+    replicas of a stage (their data-parallel group)."""
+    pairs = set()
+    for a in range(layout.world_size):
+        for b in range(a + 1, layout.world_size):
+            sa, sb = layout.stage_of(a), layout.stage_of(b)
+            same_replica = layout.replica_of(a) == layout.replica_of(b)
+            if (same_replica and abs(sa - sb) == 1) or sa == sb:
+                pairs.add((a, b))
+    return pairs
+
+
+def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Links | None,
+                coordinator: bool) -> dict[Pair, str]:
+    """Each dial-only pair's relay: a relay agent's HOST:PORT, or COORDINATOR. `coordinator`:
+    whether the coordinator's relay runs. Without `links` (not measured) relay agents are
+    not weighed and every pair meets at the coordinator's."""
+    dialers = [r for r, addr in enumerate(listen) if not addr]
+    pairs = [(a, b) for i, a in enumerate(dialers) for b in dialers[i + 1:]]
+    if links is None:
+        return dict.fromkeys(pairs, COORDINATOR) if coordinator else {}
+    net, index, layout = links
+    talk = talking_pairs(layout)
+    agents = {member_address(records[k].info.host, records[k].info.relay_port): k
+              for k, rec in enumerate(records) if serves_relay(rec)}
+    relays = [*agents, *([COORDINATOR] if coordinator else [])]  # ties: keep the
+    # coordinator's uplink for control traffic
+
+    def path(a: int, b: int, c: int | None) -> Path:
+        hops = [(a, b), (b, a)] if c is None else [(a, c), (c, b)]
+        delays = [float(net.delay_ms[index[x], index[y]]) for x, y in hops]
+        return Path(max(delays) if c is None else sum(delays),
+                    min(float(net.bandwidth_gbps[index[x], index[y]]) for x, y in hops))
+
+    paths = {((a, b), relay): path(a, b, agents.get(relay)) for a, b in pairs
+             for relay in relays}
+    weights = {p: TALK_BYTES if p in talk else SCALAR_BYTES for p in pairs}
+    return choose(weights, paths, relays)
 
 
 def accepts(rec: AgentRecord) -> bool:
@@ -106,9 +170,10 @@ class DataPlanes:
             return DTFM
         return native
 
-    def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord]) -> EpochPlane:
-        """The data plane of `epoch` for `records` in rank order; tells the relay the
-        epoch's secret when it is dtfm."""
+    def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
+             links: Links | None = None) -> EpochPlane:
+        """The data plane of `epoch` for `records` in rank order, each dial-only pair's relay
+        chosen on `links` (module doc); tells the relay the epoch's secret when it is dtfm."""
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -121,14 +186,17 @@ class DataPlanes:
                 "transport, which carries CPU tensors only: GPU jobs with unreachable agents "
                 "are not supported yet; open their data and gRPC ports (docs/operations.md, "
                 "Ports) or start them with --reachable yes if peers can dial them"))
-        if len(relayed) >= 2 and self.relay is None:
-            return EpochPlane(backend, relayed=relayed, unsupported=(
-                f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
-                "at a relay, but the coordinator's relay is off (--relay-port 0): start it "
-                "with a relay port every agent can reach"))
-        secret = secrets.token_bytes(SECRET_BYTES)
         listen = [member_address(r.info.host, r.info.data_port) if accepts(r) else ""
                   for r in records]
+        chosen = pair_relays(records, listen, links, self.relay is not None)
+        if len(chosen) < len(relayed) * (len(relayed) - 1) // 2:
+            return EpochPlane(backend, relayed=relayed, unsupported=(
+                f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
+                "at a relay, but the coordinator's relay is off (--relay-port 0) and no relay "
+                "agent of the job (--relay-port, reachable from everywhere) has measured "
+                "links to both ends of every pair: start the coordinator's relay with a port "
+                "every agent can reach, or a relay agent"))
+        secret = secrets.token_bytes(SECRET_BYTES)
         relay = f":{self.relay.port}" if self.relay is not None else ""
         if self.relay is not None:
             self.relay.admit(job_id, epoch, secret, len(records))
@@ -136,5 +204,12 @@ class DataPlanes:
         log.info("job %s epoch %d: dtfm data plane, %d of %d members dial out only (%s)%s",
                  job_id, epoch, len(relayed), len(records), cut_off,
                  f", relay on port {self.relay.port}" if self.relay is not None else "")
-        plane = common_pb2.DataPlane(listen=listen, relay=relay, secret=secret)
+        by_agent = [common_pb2.PairRelay(rank_a=a, rank_b=b, relay=addr)
+                    for (a, b), addr in sorted(chosen.items()) if addr != COORDINATOR]
+        if by_agent:
+            log.info("job %s epoch %d: %d of %d dial-only pairs meet at relay agents (%s)",
+                     job_id, epoch, len(by_agent), len(chosen),
+                     ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in by_agent))
+        plane = common_pb2.DataPlane(listen=listen, relay=relay, secret=secret,
+                                     pair_relays=by_agent)
         return EpochPlane(backend, plane, relayed)

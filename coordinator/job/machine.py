@@ -428,7 +428,8 @@ class Job:
                                         splits=found["splits"], agents=ids, flops=flops)
         predicted = self.planner.model.predict({})
         self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
-        if (plane := self.dataplane.plan(self.job_id, self.epoch, records)).unsupported:
+        plane = self.dataplane.plan(self.job_id, self.epoch, records, (net, ranked, layout))
+        if plane.unsupported:
             self._set(S.JOB_STATE_FAILED, plane.unsupported)
             return
         assignments = build_assignments(
@@ -439,8 +440,7 @@ class Job:
             bind_addrs=[r.info.host for r in records], splits=found["splits"],
             codecs=found["codecs"],
             members=[(r.info.host, r.info.port) for r in records],
-            checkpoint_splits=resplit, dp_shares=found["dp_shares"],
-            init_hash=cfg.init_hash,
+            checkpoint_splits=resplit, dp_shares=found["dp_shares"], init_hash=cfg.init_hash,
             member_gbps=net.bandwidth_gbps[np.ix_(ranked, ranked)].tolist(),
             member_ids=[r.agent_id for r in records],
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],

@@ -78,3 +78,49 @@ def test_default_data_plane_ports_collide_with_no_neighbouring_agent_or_coordina
     assert not set(grpc) & {*data, relay[1]} and len({*data, relay[1]}) == 9
     assert CoordinatorConfig(listen="0.0.0.0:7070", relay_port=0).relay_address(7070) is None
     assert AgentConfig(listen="0.0.0.0:7071", data_port=9000).data_port_for(7071) == 9000
+
+
+def _relay_agent_world(agent_delay_ms: float) -> tuple[list[AgentRecord], tuple]:
+    """2 stages x 2 replicas: rank 0 a reachable relay agent, ranks 1-3 dial only. Every
+    direct hop 10 ms except via the relay agent (`agent_delay_ms` each way); the
+    coordinator-relayed links (the pairs of dial-only ranks) 25 ms; 1 Gbit/s everywhere."""
+    import numpy as np
+
+    from coordinator.scheduler.network import Network
+    from dtfm.core.layout import Layout
+
+    recs = [_rec(0, reach.EVERYWHERE)] + [_rec(i, reach.NOWHERE) for i in (1, 2, 3)]
+    recs[0].info.relay_port = 7171
+    delay = np.full((4, 4), 25.0)
+    delay[0, :] = delay[:, 0] = agent_delay_ms
+    net = Network.measured(delay, np.ones((4, 4)))
+    return recs, (net, [0, 1, 2, 3], Layout(2, 2))
+
+
+def test_dial_only_pairs_spread_over_the_coordinator_and_a_near_relay_agent() -> None:
+    async def run() -> None:
+        planes = DataPlanes()
+        await planes.start_relay("127.0.0.1", 0)
+        try:
+            recs, links = _relay_agent_world(agent_delay_ms=10.0)
+            plane = planes.plan("j", 1, recs, links).plane
+            assert plane is not None
+            pairs = {(p.rank_a, p.rank_b): p.relay for p in plane.pair_relays}
+            # talking pairs: (1, 3) data-parallel, (2, 3) pipeline; (1, 2) scalars only.
+            # The first talking pair takes the nearer agent, the second the idle
+            # coordinator (the agent's uplink would be shared), the light one the agent.
+            assert pairs == {(1, 3): "10.0.0.0:7171", (1, 2): "10.0.0.0:7171"}
+            far_recs, far = _relay_agent_world(agent_delay_ms=900.0)
+            assert not planes.plan("j", 2, far_recs, far).plane.pair_relays  # far: avoided
+        finally:
+            await planes.close()
+    asyncio.run(run())
+
+
+def test_a_relay_agent_serves_every_pair_when_the_coordinator_relays_nothing() -> None:
+    recs, links = _relay_agent_world(agent_delay_ms=10.0)
+    e = DataPlanes().plan("j", 1, recs, links)
+    assert not e.unsupported and e.plane is not None
+    assert sorted((p.rank_a, p.rank_b) for p in e.plane.pair_relays) == [(1, 2), (1, 3), (2, 3)]
+    unmeasured = DataPlanes().plan("j", 1, recs).unsupported  # no links: no agent weighed
+    assert "no relay agent" in unmeasured
