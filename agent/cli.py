@@ -56,6 +56,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    metavar="PORT", help="TCP port the training worker accepts the dtfm data "
                    "plane on, at --advertise, when peers can dial this agent (default: the "
                    "--listen port + 100)")
+    p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=0,
+                   metavar="PORT", help="serve a dtfm relay on this TCP port, at --advertise, "
+                   "where two agents of this agent's jobs that nobody can dial may meet; used "
+                   "only while peers can dial this agent (default 0: no relay)")
     flags.add_security_args(p)
     flags.add_common_args(p)
 
@@ -128,7 +132,7 @@ def _start(args: argparse.Namespace) -> int:
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
         flops=args.flops, memory=args.memory, prewarm=args.prewarm,
         mirror_interval_s=args.mirror_interval, reachable=args.reachable,
-        data_port=args.data_port,
+        data_port=args.data_port, relay_port=args.relay_port,
     )
     config.validate()
     return flags.run_async(serve(config))

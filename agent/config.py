@@ -41,6 +41,8 @@ class AgentConfig:
     # the worker's dtfm data plane listens here when peers can dial it (0: the gRPC port + 100,
     # dataplane.PORT_OFFSET, or a free port when --listen's port is 0)
     data_port: int = 0
+    # serve a dtfm relay for the job's dial-only pairs on this port (0: none; issue 32)
+    relay_port: int = 0
 
     def validate(self) -> None:
         split_hostport(self.coordinator, "--coordinator")
@@ -70,6 +72,9 @@ class AgentConfig:
         if not 0 <= self.data_port <= 65535:
             raise ConfigError(f"--data-port must be a TCP port (1-65535; 0: the gRPC port + "
                               f"1), got {self.data_port}")
+        if not 0 <= self.relay_port <= 65535:
+            raise ConfigError(f"--relay-port must be a TCP port (1-65535; 0: serve no relay), "
+                              f"got {self.relay_port}")
         if self.reachable not in OVERRIDES:
             raise ConfigError(f"--reachable must be {', '.join(OVERRIDES)}, got "
                               f"{self.reachable!r}")

@@ -20,6 +20,7 @@ from agent.checkpoints import CheckpointCopier, CheckpointStore
 from agent.config import AgentConfig
 from agent.device import detect
 from agent.identity import load_or_create_id
+from agent.relayhost import RelayHost
 from agent.session import CoordinatorSession, FatalSessionError
 from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
@@ -115,6 +116,20 @@ async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.S
     return server
 
 
+async def start_relay(config: AgentConfig, info: common_pb2.AgentInfo,
+                      session: CoordinatorSession) -> RelayHost | None:
+    """Serve the relay of `--relay-port` (None: off) and advertise it at Join."""
+    if not config.relay_port:
+        return None
+    host = RelayHost(rpc.split_hostport(config.listen)[0] or "0.0.0.0", config.relay_port,
+                     info.host)
+    info.relay_port = await host.start()
+    session.relay_host = host
+    log.info("agent serves a dtfm relay on port %d for its jobs' pairs nobody can dial "
+             "(used while peers can dial this agent)", info.relay_port)
+    return host
+
+
 async def serve(config: AgentConfig) -> int:
     """Run the agent until SIGTERM/SIGINT (0) or until the coordinator refuses it (2)."""
     agent_id = load_or_create_id(config.state_dir)
@@ -144,6 +159,7 @@ async def serve(config: AgentConfig) -> int:
                                  config.max_backoff_s, state_dir=config.state_dir,
                                  tuning=tuning)
     service.session = session
+    relay_host = await start_relay(config, info, session)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,6 +184,8 @@ async def serve(config: AgentConfig) -> int:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, FatalSessionError):
             await task
+    if relay_host is not None:
+        await relay_host.close()
     await server.stop(grace=1.0)
     if metrics is not None:
         metrics.close()

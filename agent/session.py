@@ -16,6 +16,7 @@ import grpc
 
 from agent.identity import SecretFile
 from agent.linkprobe import measure_peer
+from agent.relayhost import RelayHost
 from agent.supervisor import Supervisor
 from agent.tuning import TuningCheck
 from dtfm import reach, rpc
@@ -46,6 +47,7 @@ class CoordinatorSession:
         self.target = target
         self.security = security
         self.supervisor = supervisor
+        self.relay_host: RelayHost | None = None  # the relay it serves (--relay-port)
         self.max_backoff_s = max_backoff_s
         self.connected = False
         self.heartbeat_interval_s = 1.0
@@ -120,6 +122,8 @@ class CoordinatorSession:
         elif kind == "assign":
             a = command.assign
             resolve_relay(a, self.target)
+            if self.relay_host is not None:
+                self.relay_host.admit(a)
             log.info("assignment: job %s epoch %d rank %d stage %d replica %d",
                      a.job_id, a.epoch, a.rank, a.stage, a.replica)
             self._spawn(self.supervisor.start(a))

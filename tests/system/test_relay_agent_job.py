@@ -1,0 +1,53 @@
+"""Two agents nobody can dial meet at a relay agent's relay, not the coordinator's (issue 32:
+relays on agents, chosen per pair), with real processes on loopback: three of four agents
+start `--reachable no`, the fourth serves a relay (`agent start --relay-port`), and the
+coordinator serves none (`--relay-port 0`), so every pair of dial-only ranks that talks
+(in a 2 x 2 job any three ranks hold a pipeline or a data-parallel pair) must go through the
+agent. The losses equal the same job's on gloo with every agent reachable, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dtfm.rpc import free_port
+from tests.daemons import Daemons, wait_for
+from tests.progress import step_losses
+from tests.system.test_relayed_job import JOB, STEPS
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _train(daemons: Daemons, tag: str, agent_args: list[list[str]], *coordinator_args: str
+           ) -> tuple[dict[str, Any], list, str]:
+    coordinator, address = daemons.coordinator(*JOB, *coordinator_args)
+    agents = [daemons.agent(address, f"{tag}-{i}", *args) for i, args in enumerate(agent_args)]
+
+    def done() -> dict[str, Any] | None:
+        job = daemons.status(address)["job"]
+        assert job["state"] != "failed", job
+        return job if job["state"] == "done" else None
+
+    job = wait_for(done, 400, f"the {tag} job to finish", interval=0.5)
+    return job, agents, daemons.log(coordinator)
+
+
+def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons) -> None:
+    gloo, _, _ = _train(daemons, "open", [[]] * 4)
+    relay_port = free_port()
+    unreachable = ["--reachable", "no"]
+    relayed, agents, log = _train(
+        daemons, "nat", [unreachable] * 3 + [["--relay-port", str(relay_port)]],
+        "--relay-port", "0")
+    relay_log = daemons.log(agents[3])
+    assert "dtfm data plane, 3 of 4 members dial out only" in log, log[-3000:]
+    assert "dial-only pairs meet at relay agents" in log, log[-3000:]
+    assert f":{relay_port}" in log.split("meet at relay agents", 1)[1].splitlines()[0]
+    assert "relaying for ranks" in relay_log, relay_log[-3000:]
+    assert "relay: circuit between ranks" in relay_log, relay_log[-3000:]
+    ref = step_losses(daemons.tmp, gloo["id"], 1)
+    got = step_losses(daemons.tmp, relayed["id"], 1)
+    assert sorted(ref) == sorted(got) == [0, 1, 2, 3]
+    assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in got.values())
+    assert got == ref  # bit for bit: the same floats from the same seed
