@@ -49,8 +49,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.daemon.registry import AgentRecord
+from coordinator.links.relayed import serves_relay
 from coordinator.scheduler.network import Network
-from coordinator.scheduler.relaychoice import Pair, Path, choose
+from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from dtfm import reach
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
@@ -62,16 +63,9 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "gloo", "dtfm")
 DTFM = "dtfm"
 SECRET_BYTES = 32
-TALK_BYTES = 64e6  # a talking pair's weight in the relay choice (its share of a step)
 SCALAR_BYTES = 1e3  # a pair that only shares the world group's per-step scalars
 COORDINATOR = ""  # the coordinator's relay among the candidates
 Links = tuple[Network, Sequence[int], Layout]  # the network, rank -> its index, the grid
-
-
-def serves_relay(rec: AgentRecord) -> bool:
-    """Whether this agent may relay for its job's dial-only pairs: peers can dial it, and it
-    serves a relay (`agent start --relay-port`)."""
-    return rec.reach.verdict == reach.EVERYWHERE and rec.info.relay_port > 0
 
 
 def talking_pairs(layout: Layout) -> set[Pair]:
@@ -111,7 +105,7 @@ def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Li
 
     paths = {((a, b), relay): path(a, b, agents.get(relay)) for a, b in pairs
              for relay in relays}
-    weights = {p: TALK_BYTES if p in talk else SCALAR_BYTES for p in pairs}
+    weights = {p: NOMINAL_BYTES if p in talk else SCALAR_BYTES for p in pairs}
     return choose(weights, paths, relays)
 
 

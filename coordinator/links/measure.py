@@ -322,8 +322,10 @@ class LinkMeasurer:
                         [_Probe(x, (relayed.RELAY,), frozenset((f"send {x}",
                                                                 f"receive {relayed.RELAY}")))
                          for x in hops], by_id, silent, probe_seconds)
-        priced = relayed.price(self.store, pairs)
-        log.info("%d links priced as relayed through the coordinator", len(priced))
+        agents = [i for i in ids if relayed.serves_relay(by_id[i])]
+        priced = relayed.price(self.store, pairs, agents)
+        log.info("%d links priced as relayed through the cheapest of the coordinator and %d "
+                 "relay agents", len(priced), len(agents))
         if unpriced := [(x, y) for a, b in pairs for x, y in ((a, b), (b, a))
                         if (x, y) not in priced]:
             log.warning("%d links neither end can dial stay failed: %s", len(unpriced),

@@ -27,11 +27,19 @@ import itertools
 import time
 from collections.abc import Sequence
 
+from coordinator.daemon.registry import AgentRecord
 from coordinator.links.store import RELAYED, REVERSE, LinkEntry, LinkStore
+from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Path, cost_s
 from dtfm import reach
 from dtfm.core.limits import clip
 
 RELAY = reach.COORDINATOR  # the relay's peer id in a MeasureLinksCommand and in the store
+
+
+def serves_relay(rec: AgentRecord) -> bool:
+    """Whether this agent may relay for pairs nobody can dial: peers can dial it, and it
+    serves a relay (`agent start --relay-port`, `AgentInfo.relay_port`)."""
+    return rec.reach.verdict == reach.EVERYWHERE and rec.info.relay_port > 0
 
 
 def _ok(store: LinkStore, a: str, b: str) -> LinkEntry | None:
@@ -84,16 +92,34 @@ def hop_agents(pairs: Sequence[tuple[str, str]]) -> list[str]:
     return list(dict.fromkeys(x for pair in pairs for x in pair))
 
 
-def price(store: LinkStore, pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Price both directions of each pair as relayed, from its ends' measured hops to the
-    relay (`(x, RELAY)` in the store); a pair with a hop not measured stays failed, its error
-    saying which hop and why. Returns the links priced."""
+def _hops(store: LinkStore, x: str, y: str, relay: str) -> tuple[LinkEntry, LinkEntry] | None:
+    """x's hop to `relay` and `relay`'s hop to y, both measured (never through a relay)."""
+    if relay == RELAY:
+        first, second = _ok(store, x, RELAY), _ok(store, y, RELAY)  # relay->y as y->relay
+    elif relay in (x, y):
+        return None
+    else:
+        first, second = _ok(store, x, relay), _ok(store, relay, y)
+    if first is None or second is None or RELAYED in (first.path, second.path):
+        return None
+    return first, second
+
+
+def price(store: LinkStore, pairs: Sequence[tuple[str, str]],
+          relays: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """Price both directions of each pair as relayed, through the cheapest relay for one
+    flow (`relaychoice.cost_s` of `NOMINAL_BYTES`): the coordinator's, from its ends'
+    measured hops to it (`(x, RELAY)` in the store), or one of `relays` (agents serving a
+    relay, `agent start --relay-port`), from x->agent and agent->y. A pair with no relay
+    whose both hops were measured stays failed, its error saying which coordinator hop and
+    why. Returns the links priced."""
     priced = []
     now = time.time()
     for a, b in pairs:
         for x, y in ((a, b), (b, a)):
-            hx, hy = _ok(store, x, RELAY), _ok(store, y, RELAY)
-            if hx is None or hy is None:
+            paths = {r: h for r in (RELAY, *relays) if (h := _hops(store, x, y, r)) is not None}
+            if not paths:
+                hx, hy = _ok(store, x, RELAY), _ok(store, y, RELAY)
                 lost = x if hx is None else y
                 hop = store.entries.get((lost, RELAY))
                 store.mark_unreachable(x, y, clip(
@@ -101,9 +127,15 @@ def price(store: LinkStore, pairs: Sequence[tuple[str, str]]) -> list[tuple[str,
                     f"relay (the coordinator) was not measured: "
                     f"{hop.error if hop is not None else 'not probed'}"))
                 continue
-            note = (f"relayed via the coordinator: {x}->relay {hx.delay_ms:.1f} ms "
+            relay = min(paths, key=lambda r: cost_s(Path(
+                paths[r][0].delay_ms + paths[r][1].delay_ms,
+                min(paths[r][0].bandwidth_gbps, paths[r][1].bandwidth_gbps)), NOMINAL_BYTES, 0))
+            hx, hy = paths[relay]
+            via = "the coordinator" if relay == RELAY else f"relay agent {relay}"
+            back = f" (taken from {y}->relay)" if relay == RELAY else ""
+            note = (f"relayed via {via}: {x}->relay {hx.delay_ms:.1f} ms "
                     f"{hx.bandwidth_gbps * 1e3:.1f} Mbit/s + relay->{y} {hy.delay_ms:.1f} ms "
-                    f"{hy.bandwidth_gbps * 1e3:.1f} Mbit/s (taken from {y}->relay); the "
+                    f"{hy.bandwidth_gbps * 1e3:.1f} Mbit/s{back}; the "
                     f"rate of one flow alone: the relay's uplink is shared by every relayed "
                     f"flow")
             store.entries[x, y] = LinkEntry(hx.delay_ms + hy.delay_ms,

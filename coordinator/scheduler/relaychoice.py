@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 Pair = tuple[int, int]  # (rank_a, rank_b), rank_a < rank_b
+NOMINAL_BYTES = 64e6  # one talking pair's bytes per step, where no grid says (a link's price)
 
 
 @dataclass(frozen=True)

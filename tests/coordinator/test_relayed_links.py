@@ -127,3 +127,26 @@ def test_a_relayed_pair_whose_hop_to_the_relay_fails_stays_unreachable_and_says_
     error = store.entries["n2", "n3"].error
     assert "neither n2 nor n3 can dial the other" in error
     assert "link to the relay (the coordinator) was not measured" in error
+
+
+def _entry(delay_ms: float, gbps: float, path: str = "") -> object:
+    from coordinator.links.store import LinkEntry
+
+    return LinkEntry(delay_ms, gbps, True, "", 0.0, "", path)
+
+
+@pytest.mark.parametrize("agent_ms,via,delay", [(10.0, "relay agent a0", 20.0),
+                                                (2000.0, "the coordinator", 70.0)])
+def test_a_stranded_pair_is_priced_through_the_cheapest_relay(agent_ms: float, via: str,
+                                                              delay: float) -> None:
+    store = LinkStore()
+    store.entries["n2", relayed.RELAY] = _entry(30.0, 0.2)
+    store.entries["n3", relayed.RELAY] = _entry(40.0, 0.2)
+    for x in ("n2", "n3"):  # a0 is dialable: x->a0 probed, a0->x taken the other way
+        store.entries[x, "a0"] = _entry(agent_ms, 1.0)
+        store.entries["a0", x] = _entry(agent_ms, 1.0, REVERSE)
+    assert relayed.price(store, [("n2", "n3")], ["a0"]) == [("n2", "n3"), ("n3", "n2")]
+    link = store.entries["n2", "n3"]
+    assert link.path == RELAYED and link.delay_ms == delay and via in link.estimate
+    # without relay agents the coordinator is the only relay
+    assert relayed.price(store, [("n2", "n3")]) and store.entries["n2", "n3"].delay_ms == 70.0
