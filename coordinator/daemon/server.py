@@ -33,6 +33,7 @@ from coordinator.job.machine import Job
 from coordinator.links import relayprobe
 from coordinator.links.measure import LinkMeasurer, Pings
 from coordinator.links.reachability import ReachChecker, unreachable
+from coordinator.links.relayed import serves_relay
 from coordinator.links.store import LinkStore
 from dtfm import rpc
 from dtfm.core.limits import (
@@ -253,8 +254,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         shown = ", ".join(f"{a.agent_id} ({a.address})" for a in nowhere[:5])
         more = f" and {len(nowhere) - 5} more" if len(nowhere) > 5 else ""
         relay = self.job.dataplane.relay
-        via = (f"the coordinator's relay (port {relay.port})" if relay is not None
-               else "no relay (--relay-port 0): two of them cannot meet")
+        agents = [a.agent_id for a in self.registry.alive() if serves_relay(a)]
+        via = " or ".join(
+            ([f"the coordinator's relay (port {relay.port})"] if relay is not None else [])
+            + ([f"relay agents of their job ({', '.join(agents[:5])})"] if agents else [])
+        ) or "no relay (--relay-port 0, no relay agent): two of them cannot meet"
         return (f"{len(nowhere)} agent(s) cannot be dialled by their peers: {shown}{more}; "
                 f"their workers dial out (dtfm transport) and are relayed through {via}")
 

@@ -20,27 +20,30 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _train(daemons: Daemons, tag: str, agent_args: list[list[str]], *coordinator_args: str
-           ) -> tuple[dict[str, Any], list, str]:
+           ) -> tuple[dict[str, Any], list, str, str]:
     coordinator, address = daemons.coordinator(*JOB, *coordinator_args)
     agents = [daemons.agent(address, f"{tag}-{i}", *args) for i, args in enumerate(agent_args)]
+    seen: list[str] = []
 
     def done() -> dict[str, Any] | None:
         job = daemons.status(address)["job"]
+        seen.append(job["message"])
         assert job["state"] != "failed", job
         return job if job["state"] == "done" else None
 
     job = wait_for(done, 400, f"the {tag} job to finish", interval=0.5)
-    return job, agents, daemons.log(coordinator)
+    return job, agents, daemons.log(coordinator), " | ".join(dict.fromkeys(seen))
 
 
 def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons) -> None:
-    gloo, _, _ = _train(daemons, "open", [[]] * 4)
+    gloo, _, _, _ = _train(daemons, "open", [[]] * 4)
     relay_port = free_port()
     unreachable = ["--reachable", "no"]
-    relayed, agents, log = _train(
+    relayed, agents, log, messages = _train(
         daemons, "nat", [unreachable] * 3 + [["--relay-port", str(relay_port)]],
         "--relay-port", "0")
     relay_log = daemons.log(agents[3])
+    assert "relayed through relay agents of their job" in messages, messages
     assert "dtfm data plane, 3 of 4 members dial out only" in log, log[-3000:]
     assert "dial-only pairs meet at relay agents" in log, log[-3000:]
     assert f":{relay_port}" in log.split("meet at relay agents", 1)[1].splitlines()[0]
