@@ -21,6 +21,7 @@ The store torch requires is not used: a `dist.HashStore()` will do (no rank 0 to
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +50,20 @@ _OPS = {
 
 
 def register() -> None:
-    """Make `init_process_group("dtfm", ...)` available (idempotent)."""
+    """Make `init_process_group("dtfm", ...)` available (idempotent), and close the mesh at
+    interpreter exit whether or not the world was destroyed (`Mesh.close` says why)."""
     if NAME.lower() not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+        atexit.register(close)
+
+
+def close() -> None:
+    """Stop this process's mesh, if any: its threads joined, its connections shut."""
+    global _mesh
+    with _lock:
+        m, _mesh = _mesh, None
+    if m is not None:
+        m.close()
 
 
 def mesh() -> Mesh | None:

@@ -15,13 +15,16 @@ only bites a peer that runs far ahead).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import logging
 import queue
 import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,7 +67,7 @@ class _Peer:
         self.arrived: dict[tuple[int, int], deque[bytearray]] = {}
         self.unclaimed = 0
         self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
-        threading.Thread(target=self._send_loop, name=f"dtfm-send-{rank}", daemon=True).start()
+        mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
 
     def attach(self, sock: socket.socket) -> None:
         if self.sock is not None:
@@ -75,8 +78,7 @@ class _Peer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.connected.set()
-        threading.Thread(target=self._read_loop, name=f"dtfm-recv-{self.rank}",
-                         daemon=True).start()
+        self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
 
     def fail(self, exc: BaseException) -> None:
         with self.mesh.cond:
@@ -189,12 +191,13 @@ class Mesh:
         self.peers: dict[int, _Peer] = {}
         self.rejected = 0  # connections that failed the handshake
         self._closed = False
+        self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
         addr = cfg.bind or cfg.peers.get(rank)
         if addr is not None:
             host, port = dp.parse_addr(addr)
             self._listener = socket.create_server((host, port), reuse_port=False)
-            threading.Thread(target=self._accept_loop, name="dtfm-accept", daemon=True).start()
+            self.spawn(self._accept_loop, "dtfm-accept")
             log.info("rank %d: data plane listens on %s", rank, addr)
 
     # ---- public ----
@@ -236,14 +239,41 @@ class Mesh:
                 p = self.peers[rank] = _Peer(self, rank)
             return p
 
-    def close(self) -> None:
+    def spawn(self, target: Callable[[], None], name: str) -> None:
+        """A transport thread, which `close` stops and joins."""
+        t = threading.Thread(target=target, name=name, daemon=True)
+        with self.cond:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def close(self, join_s: float = 5.0) -> None:
+        """Stop every transport thread and wait for them (at most `join_s`).
+
+        Daemon threads left running at interpreter exit are stopped where they stand when they
+        next want the GIL; one inside a torch call then unwinds through C++ frames that do not
+        allow it and the process aborts ("terminate called without an active exception",
+        exit -6) after training finished. So the world's shutdown and an `atexit` hook
+        (backend.register) close the mesh first: sockets shut down (a blocked recv returns),
+        senders told to stop, waiters failed, threads joined."""
+        if self._closed:
+            return
         self._closed = True
         if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         for p in list(self.peers.values()):
             p.outbox.put(None)
             if p.sock is not None:
-                p.sock.close()
+                with contextlib.suppress(OSError):
+                    p.sock.shutdown(socket.SHUT_RDWR)
+            p.fail(ConnectionError(f"rank {self.rank}'s data plane closed"))
+        end = time.monotonic() + join_s
+        with self.cond:
+            threads = list(self._threads)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
 
     # ---- connecting ----
     def connect(self, p: _Peer) -> None:
@@ -294,7 +324,7 @@ class Mesh:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+            self.spawn(functools.partial(self._admit, sock), "dtfm-admit")
 
     def _admit(self, sock: socket.socket) -> None:
         sock.settimeout(10)

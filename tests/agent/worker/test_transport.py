@@ -19,6 +19,7 @@ import multiprocessing as mp
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -239,3 +240,21 @@ def test_relay_stop_closes_its_circuits() -> None:
         a.close()
         b.close()
         relay.stop()
+
+
+@pytest.mark.timeout(60)
+def test_close_stops_and_joins_every_transport_thread() -> None:
+    """A worker exits right after its last step: transport threads still reading or copying
+    then were stopped mid-torch-call at interpreter exit and the process aborted (exit -6,
+    "terminate called without an active exception"). close() leaves none running, even with
+    a message in flight that nobody received and a receive nobody answered."""
+    peers = {0: f"127.0.0.1:{free_port()}", 1: None}
+    m0, m1 = _mesh(0, peers), _mesh(1, peers)
+    m1.send(0, 0, 5, torch.ones(1 << 16)).wait()  # lands in 0's mailbox, never claimed
+    pending = m1.recv(0, 0, 6, torch.zeros(4))  # 0 never sends it
+    m0.close()
+    m1.close()
+    with pytest.raises(RuntimeError, match="closed|lost"):
+        pending.wait(timedelta(seconds=5))
+    left = [t.name for t in threading.enumerate() if t.name.startswith("dtfm-")]
+    assert left == [], left
