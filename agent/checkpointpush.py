@@ -28,7 +28,6 @@ not relayed); the coordinator logs it when it builds the assignments.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 from collections.abc import AsyncIterator
@@ -113,11 +112,7 @@ class CheckpointPushes:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         self._accepting.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await retryloop.cancel_all(tasks)
 
     # ---- pushing ----
 

@@ -546,11 +546,7 @@ class CheckpointCopier:
     async def stop_mirrors(self) -> None:
         tasks, self._mirrors = self._mirrors, []
         self.mirrored = {}
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await retryloop.cancel_all(tasks)
 
     async def _mirror(self, job_id: str, stage: int, address: str, spec: ModelSpec) -> None:
         async with self._peers([address]) as peers:

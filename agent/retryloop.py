@@ -9,6 +9,7 @@ an hour costs two log lines rather than one a minute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,3 +38,12 @@ async def every(interval_s: float, once: Callable[[], Awaitable[Any]], what: str
                             interval_s)
             failing = True
         await asyncio.sleep(interval_s)
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` (loops of `every`) and wait until each has stopped."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

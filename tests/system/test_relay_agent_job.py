@@ -7,39 +7,21 @@ agent. The losses equal the same job's on gloo with every agent reachable, bit f
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from dtfm.rpc import free_port
-from tests.daemons import Daemons, wait_for
+from tests.daemons import Daemons
 from tests.progress import step_losses
-from tests.system.test_relayed_job import JOB, STEPS
+from tests.system.test_relayed_job import STEPS, train_job
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _train(daemons: Daemons, tag: str, agent_args: list[list[str]], *coordinator_args: str
-           ) -> tuple[dict[str, Any], list, str, str]:
-    coordinator, address = daemons.coordinator(*JOB, *coordinator_args)
-    agents = [daemons.agent(address, f"{tag}-{i}", *args) for i, args in enumerate(agent_args)]
-    seen: list[str] = []
-
-    def done() -> dict[str, Any] | None:
-        job = daemons.status(address)["job"]
-        seen.append(job["message"])
-        assert job["state"] != "failed", job
-        return job if job["state"] == "done" else None
-
-    job = wait_for(done, 400, f"the {tag} job to finish", interval=0.5)
-    return job, agents, daemons.log(coordinator), " | ".join(dict.fromkeys(seen))
-
-
 def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons) -> None:
-    gloo, _, _, _ = _train(daemons, "open", [[]] * 4)
+    gloo, _, _, _ = train_job(daemons, "open", [[]] * 4)
     relay_port = free_port()
     unreachable = ["--reachable", "no"]
-    relayed, agents, log, messages = _train(
+    relayed, agents, log, messages = train_job(
         daemons, "nat", [unreachable] * 3 + [["--relay-port", str(relay_port)]],
         "--relay-port", "0")
     relay_log = daemons.log(agents[3])
