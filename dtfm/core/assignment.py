@@ -61,6 +61,20 @@ def mirror_stages(layout: Layout) -> dict[int, int]:
     return {stage: (stage + 1) % layout.stages for stage in range(layout.stages)}
 
 
+def _push_target(holder: int, stage_ranks: Sequence[int], can_dial: Sequence[bool],
+                 gbps: Sequence[Sequence[float]] | None) -> int | None:
+    """The dialable rank outside the stage with the best measured link from `holder` (the
+    lowest rank where links are unknown or equal); None when nobody can be dialled."""
+    out = [r for r in range(len(can_dial)) if can_dial[r] and r not in stage_ranks]
+    if not out:
+        return None
+    if gbps is None:
+        return out[0]
+    rate = [float(gbps[holder][r]) for r in out]
+    best = max((x for x in rate if not math.isnan(x)), default=math.nan)
+    return out[rate.index(best)] if not math.isnan(best) else out[0]
+
+
 def checkpoint_routes(layout: Layout, members: Sequence[str],
                       gbps: Sequence[Sequence[float]] | None = None, *,
                       ids: Sequence[str] | None = None,
@@ -81,8 +95,10 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     would otherwise fetch its checkpoint over that very link, as the move's priced cost
     (`coordinator.replan.copy_seconds`) assumes it does not. A mirrored stage whose holder
     nobody can dial is pushed instead (`received` on the mirror, `pushes` on the holder:
-    agent/checkpointpush.py) when its mirror can be dialled. A stage that still no dialable
-    agent holds is logged: copies are not relayed.
+    agent/checkpointpush.py) when its mirror can be dialled; a stage that still no dialable
+    agent would hold is pushed by its first holder to the dialable agent it has the best link
+    to. Only a job without any dialable member is left with stages nobody can copy (logged:
+    copies are not relayed).
     """
     n = layout.world_size
     if len(members) != n:
@@ -109,18 +125,19 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     for stage in range(layout.stages):
         if stage in pushed or any(can_dial[r] for r in layout.dp_ranks(stage)):
             continue
+        holder = layout.rank(stage, 0)
+        if (to := _push_target(holder, layout.dp_ranks(stage), can_dial, gbps)) is not None:
+            # no dialable agent holds the stage: its first holder pushes it to the dialable
+            # agent it has the best link to, where anyone can then fetch it
+            received[to].append((stage, members[holder]))
+            pushes[holder].append((stage, members[to]))
+            pushed.add(stage)
+            continue
         holders = ", ".join(who[r] for r in layout.dp_ranks(stage))
-        if stage in mirror_stages(layout):
-            by = layout.rank(mirror_stages(layout)[stage], 0)
-            log.warning("stage %d has no second copy: its holder %s and its mirror %s both "
-                        "cannot be dialled (behind NATs or firewalls), so neither can pull "
-                        "nor push it; checkpoint copies are not relayed. Losing %s loses "
-                        "the stage's progress", stage, holders, who[by], holders)
-        else:
-            log.warning("stage %d's checkpoints are written only by agents nobody can dial "
-                        "(%s): an agent that takes the stage over cannot copy them, since "
-                        "checkpoint copies are not relayed; it resumes from what it holds",
-                        stage, holders)
+        log.warning("stage %d's checkpoints are written only by agents nobody can dial "
+                    "(%s), and no member of the job can be dialled to take a copy: it has no "
+                    "second copy (checkpoint copies are not relayed); losing %s loses the "
+                    "stage's progress", stage, holders, holders)
 
     def peers(rank: int) -> tuple[str, ...]:
         order = [i for i in range(n) if who[i] != who[rank]]

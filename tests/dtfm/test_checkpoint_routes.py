@@ -100,10 +100,11 @@ def test_agents_sharing_a_private_address_are_told_apart_by_id() -> None:
         checkpoint_routes(layout, same, ids=["nat-a"])
 
 
-def test_holders_nobody_can_dial_are_asked_last_and_a_stage_only_they_hold_is_logged(
+def test_holders_nobody_can_dial_are_asked_last_and_a_stage_only_they_hold_is_pushed_out(
         caplog: pytest.LogCaptureFixture) -> None:
     """A copy needs a dial: peers that can be dialled come first whatever their link, and a
-    stage written only by agents behind NATs is named in the log."""
+    stage written only by agents behind NATs is pushed by its first holder to the dialable
+    agent with the best link from it, where anyone can fetch it."""
     layout = Layout(2, 2)
     names = _names(layout)  # rank = replica * stages + stage: s0r0, s1r0, s0r1, s1r1
     gbps = [[0.0, 1.0, 1.0, 1.0], [9.0, 0.0, 9.0, 9.0], [1.0, 1.0, 0.0, 1.0],
@@ -112,9 +113,14 @@ def test_holders_nobody_can_dial_are_asked_last_and_a_stage_only_they_hold_is_lo
         routes = checkpoint_routes(layout, names, gbps, dialable=[True, False, True, False])
     assert routes[0].peers == (names[2], names[1], names[3])
     assert routes[2].peers == (names[0], names[1], names[3])
-    assert "stage 1's checkpoints are written only by agents nobody can dial (1, 3)" \
-        in caplog.text
-    assert "stage 0's" not in caplog.text
+    assert routes[1].pushes == ((1, names[0]),)  # equal links to ranks 0 and 2: the lower
+    assert routes[0].received == ((1, names[1]),) and routes[2].received == ()
+    faster = [row[:] for row in gbps]
+    faster[1][2] = 20.0
+    routes = checkpoint_routes(layout, names, faster, dialable=[True, False, True, False])
+    assert routes[1].pushes == ((1, names[2]),)  # the better link from the holder
+    assert routes[3].pushes == ()
+    assert "nobody can dial" not in caplog.text
 
 
 def test_a_mirrored_stage_whose_holder_nobody_can_dial_is_pushed_to_its_mirror(
@@ -122,17 +128,20 @@ def test_a_mirrored_stage_whose_holder_nobody_can_dial_is_pushed_to_its_mirror(
     """3 stages, 1 replica, each mirrored by the next stage's agent. Rank 1 is behind a NAT:
     its stage is pushed to rank 2 (which can be dialled) instead of pulled; rank 0's stage,
     mirrored by rank 1, is still pulled (rank 1 dials out to rank 0). Ranks 1 and 2 both
-    undialable: nothing can carry stage 1's copy, and the log says so."""
+    undialable: stage 1 goes to rank 0; nobody dialable at all: the log says so."""
     layout = Layout(3, 1)
     names = _names(layout)
     routes = checkpoint_routes(layout, names, dialable=[True, False, True])
     assert routes[1].pushes == ((1, names[2]),) and routes[2].received == ((1, names[1]),)
     assert routes[2].mirrors == () and routes[1].mirrors == ((0, names[0]),)
     assert routes[0].pushes == routes[0].received == ()
+    # ranks 1 and 2 both undialable: stage 1's mirror cannot take a push, so rank 1 pushes
+    # to the one agent anyone can dial
+    routes = checkpoint_routes(layout, names, ids=["a", "b", "c"],
+                               dialable=[True, False, False])
+    assert routes[1].pushes == ((1, names[0]),) and routes[0].received[-1] == (1, names[1])
     with caplog.at_level("WARNING", logger="dtfm.core.assignment"):
-        routes = checkpoint_routes(layout, names, ids=["a", "b", "c"],
-                                   dialable=[True, False, False])
-    assert routes[1].pushes == () and routes[2].mirrors == ((1, names[1]),)
-    assert ("stage 1 has no second copy: its holder b and its mirror c both cannot be "
-            "dialled") in caplog.text
-    assert "copies are not relayed" in caplog.text and "stage 2" not in caplog.text
+        checkpoint_routes(layout, names, ids=["a", "b", "c"], dialable=[False] * 3)
+    assert ("stage 1's checkpoints are written only by agents nobody can dial (b), and no "
+            "member of the job can be dialled") in caplog.text
+    assert "copies are not relayed" in caplog.text
