@@ -306,11 +306,12 @@ class LinkMeasurer:
         """Links a probe could not dial (coordinator/links/relayed.py): those whose reverse
         was probed take its figures; for pairs failed both ways, each end measures its link
         to the relay (the coordinator, as a peer it dials), and the pair is priced relayed."""
-        if filled := relayed.fill_other_way(self.store, ids):
+        hidden = relayed.undialable([by_id[i] for i in ids])
+        if filled := relayed.fill_other_way(self.store, ids, hidden):
             log.info("%d links taken from the probe of their other direction (their receiver "
                      "cannot be dialled): %s", len(filled),
                      " ".join(f"{a}->{b}" for a, b in filled[:6]))
-        if not (pairs := relayed.stranded_pairs(self.store, ids)):
+        if not (pairs := relayed.stranded_pairs(self.store, ids, hidden)):
             return
         hops = relayed.hop_agents(pairs)
         log.info("%d pairs can dial neither way (%s): measuring %d agents' links to the relay",

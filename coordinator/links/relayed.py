@@ -60,12 +60,24 @@ def _probed(store: LinkStore, a: str, b: str) -> LinkEntry | None:
     return entry if entry is not None and entry.path == "" else None
 
 
-def fill_other_way(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
-    """Give every failed link a->b whose reverse b->a was probed the reverse's figures,
-    marked as measured the other way; returns the links filled."""
+def undialable(records: Sequence[AgentRecord]) -> set[str]:
+    """The agents peers cannot dial (verdict nowhere or some peers only): under the dtfm data
+    plane they dial out, so their links are taken the other way or relayed. A failed link
+    between two agents everyone can dial is a broken path (a route down, a firewall between
+    two sites), which failure handling plans around; pricing it through the relay would put
+    a job on it that gloo then cannot cross."""
+    return {r.agent_id for r in records
+            if r.reach.verdict in (reach.NOWHERE, reach.SOME_PEERS)}
+
+
+def fill_other_way(store: LinkStore, ids: Sequence[str], hidden: set[str]
+                   ) -> list[tuple[str, str]]:
+    """Give every failed link a->b into an agent nobody can dial (`hidden`) whose reverse b->a
+    was probed the reverse's figures, marked as measured the other way; returns the links
+    filled."""
     filled = []
     for a, b in itertools.permutations(ids, 2):
-        if not _failed(store, a, b) or (back := _probed(store, b, a)) is None:
+        if b not in hidden or not _failed(store, a, b) or (back := _probed(store, b, a)) is None:
             continue
         why = store.entries[a, b].error if (a, b) in store.entries else "not probed"
         note = f"measured the other way ({b}->{a}): {a} cannot dial {b} ({why})"
@@ -77,14 +89,15 @@ def fill_other_way(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]
     return filled
 
 
-def stranded_pairs(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
-    """Unordered pairs whose links failed both ways although each end got through to (or
-    was reached by) someone: neither can dial the other, so only a relay joins them. An
-    agent whose every link failed is dead or cut off, not relayed: failure handling leaves
-    it out."""
+def stranded_pairs(store: LinkStore, ids: Sequence[str], hidden: set[str]
+                   ) -> list[tuple[str, str]]:
+    """Unordered pairs of agents nobody can dial (`hidden`) whose links failed both ways
+    although each end got through to (or was reached by) someone: only a relay joins them,
+    as the data plane does. An agent whose every link failed is dead or cut off, not
+    relayed: failure handling leaves it out."""
     alive = {a for a in ids if any(_ok(store, a, b) or _ok(store, b, a) for b in ids if b != a)}
     return [(a, b) for a, b in itertools.combinations(ids, 2)
-            if a in alive and b in alive and _failed(store, a, b) and _failed(store, b, a)]
+            if {a, b} <= hidden & alive and _failed(store, a, b) and _failed(store, b, a)]
 
 
 def hop_agents(pairs: Sequence[tuple[str, str]]) -> list[str]:

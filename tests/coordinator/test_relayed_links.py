@@ -17,6 +17,7 @@ from coordinator.daemon.registry import Registry
 from coordinator.links import relayed
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import RELAYED, REVERSE, LinkStore, matrix_to_json
+from dtfm import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 BANDWIDTH = coordinator_pb2.MEASURE_KIND_BANDWIDTH
@@ -60,13 +61,19 @@ class Agents:
             assert error is None, error
 
 
-async def _measure(hidden: set[str], relay_answers: bool = True
+async def _measure(hidden: set[str], relay_answers: bool = True, cut: bool = False
                    ) -> tuple[Agents, common_pb2.LinkMatrix, LinkStore]:
+    """`hidden` agents cannot be dialled; found so (verdict nowhere) unless `cut`: then their
+    links fail although the dial-back found them reachable (a path down between them)."""
     registry = Registry(liveness_timeout_s=60)
     ids = ["a0", "a1", "n2", "n3"]
     for i, agent_id in enumerate(ids):
         registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="192.168.1.2",
                                            port=7000 + i))
+        record = registry.get(agent_id)
+        assert record is not None
+        record.reach.verdict = (reach.NOWHERE if agent_id in hidden and not cut
+                                else reach.EVERYWHERE)
     store = LinkStore()
     measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
     agents = Agents(registry, hidden, relay_answers)
@@ -127,6 +134,19 @@ def test_a_relayed_pair_whose_hop_to_the_relay_fails_stays_unreachable_and_says_
     error = store.entries["n2", "n3"].error
     assert "neither n2 nor n3 can dial the other" in error
     assert "link to the relay (the coordinator) was not measured" in error
+
+
+@pytest.mark.timeout(60)
+def test_failed_links_between_agents_everyone_can_dial_are_neither_reversed_nor_relayed(
+) -> None:
+    """A dead path between two reachable agents (tests/system/test_wan_dead_link.py) must stay
+    dead for failure handling to plan around: their job runs on gloo, which no relay
+    carries."""
+    agents, matrix, store = asyncio.run(_measure({"n2", "n3"}, cut=True))
+    assert {"n2->n3", "n3->n2", "a0->n2"} <= set(matrix.unreachable), matrix.unreachable
+    assert not matrix.relayed
+    assert store.entries["a0", "n2"].path == "" and not store.entries["a0", "n2"].reachable
+    assert not any(peer == relayed.RELAY for _, _, peer, _ in agents.asked)
 
 
 def _entry(delay_ms: float, gbps: float, path: str = "") -> object:
