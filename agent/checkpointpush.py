@@ -43,6 +43,7 @@ from agent.checkpoints import (
     CheckpointCopier,
     Peer,
     Sink,
+    assignment_spec,
     entry_of,
     install,
     list_peer,
@@ -88,10 +89,7 @@ class CheckpointPushes:
         if not CheckpointCopier.applies(a) or not (
                 a.checkpoint_pushes or any(m.pushed for m in a.mirrors)):
             return
-        try:
-            spec = ModelSpec.from_proto(a.model)
-        except ValueError as e:  # the worker refuses the same assignment, saying why
-            log.warning("checkpoint: no pushed copies for job %s: %s", a.job_id, e)
+        if (spec := assignment_spec(a, "no pushed copies")) is None:
             return
         for m in a.mirrors:
             if m.pushed:

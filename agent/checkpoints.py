@@ -384,6 +384,16 @@ def newest_intact(root: Path, stage: int, job_id: str, layers: tuple[int, int]) 
     return 0
 
 
+def assignment_spec(a: common_pb2.Assignment, what: str) -> ModelSpec | None:
+    """`a`'s model, or None having logged "checkpoint: WHAT for job J: why" (the worker
+    refuses the same assignment, saying why)."""
+    try:
+        return ModelSpec.from_proto(a.model)
+    except ValueError as e:
+        log.warning("checkpoint: %s for job %s: %s", what, a.job_id, e)
+        return None
+
+
 class CheckpointCopier:
     """The fetching side: a stage's checkpoint before its worker starts, and mirrors."""
 
@@ -524,12 +534,7 @@ class CheckpointCopier:
 
     def start_mirrors(self, a: common_pb2.Assignment) -> None:
         """Keep copies of the stages `a.mirrors` names while `a` runs (until stop_mirrors)."""
-        if not self.applies(a):
-            return
-        try:
-            spec = ModelSpec.from_proto(a.model)
-        except ValueError as e:  # the worker refuses the same assignment, saying why
-            log.warning("checkpoint: not mirroring for job %s: %s", a.job_id, e)
+        if not self.applies(a) or (spec := assignment_spec(a, "not mirroring")) is None:
             return
         for mirror in a.mirrors:
             if mirror.pushed:  # its holder cannot be dialled and pushes it here instead
