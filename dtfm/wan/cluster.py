@@ -178,6 +178,16 @@ class WanCluster:
         self.procs.clear()
         self.agent_procs.clear()
 
+    def run_to_end(self, timeout: float, start_timeout: float = 90.0
+                   ) -> tuple[list[str], dict[str, Any]]:
+        """Start the cluster, wait for its job to end (`wait_job`), stop it whatever
+        happened; the agents' ids and the last status."""
+        try:
+            ids = self.start(timeout=start_timeout)
+            return ids, self.wait_job(timeout)
+        finally:
+            self.stop()
+
     def wait_job(self, timeout: float, on_status: Any = None) -> dict[str, Any]:
         """Poll `coordinator status` until the job is done or failed; return the last status.
 

@@ -49,11 +49,7 @@ class _FaultyCluster(WanCluster):
 def _run(wan: WanEmulator, workdir: Path, fault: str) -> tuple[dict[str, Any], Path]:
     cluster = _FaultyCluster(wan, workdir, agents=4, coordinator_args=JOB)
     cluster.fault = fault
-    try:
-        cluster.start(timeout=90)
-        status = cluster.wait_job(300)
-    finally:
-        cluster.stop()
+    _, status = cluster.run_to_end(300)
     return status, workdir
 
 

@@ -38,11 +38,7 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
     with measurement_wan(DELAY, RATE, nat=[1, 2]) as wan:
         assert wan.address(2) == wan.address(3)  # both believe they are 192.168.1.2
         cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB)
-        try:
-            ids = cluster.start(timeout=90)
-            status = cluster.wait_job(400)
-        finally:
-            cluster.stop()
+        ids, status = cluster.run_to_end(400)
     job = status["job"]
     assert job["state"] == "done" and job["step"] == STEPS, job
     assert len(set(ids)) == 4

@@ -25,11 +25,7 @@ def test_three_natted_agents_meet_at_the_public_agents_relay(tmp_path: Path) -> 
         cluster = WanCluster(wan, tmp_path, agents=4,
                              coordinator_args=[*JOB, "--relay-port", "0"],
                              agent_args=["--relay-port", "7300"])
-        try:
-            ids = cluster.start(timeout=90)
-            status = cluster.wait_job(400)
-        finally:
-            cluster.stop()
+        ids, status = cluster.run_to_end(400)
     job = status["job"]
     assert job["state"] == "done" and job["step"] == STEPS, job
     verdicts = {a["id"]: a["reach"]["verdict"] for a in status["agents"]}
