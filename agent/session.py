@@ -23,6 +23,7 @@ from dtfm import reach, rpc
 from dtfm.core.assignment import resolve_relay
 from dtfm.core.limits import MAX_KIND, clip
 from dtfm.core.spec import WorkerState
+from dtfm.relay import Relay
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,14 @@ class CoordinatorSession:
             checkpoint_step=p.checkpoint_step,
             sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
+            relay_forwarded_bytes=relay.forwarded(p.job_id) if (relay := self.relay) else 0,
+            relay_refused_bytes=relay.refused_bytes if relay else 0,
         )
+
+    @property
+    def relay(self) -> Relay | None:
+        """The relay this agent serves (`--relay-port`), if any."""
+        return self.relay_host.relay if self.relay_host is not None else None
 
     async def _heartbeats(self, stream: grpc.aio.UnaryStreamCall) -> None:
         assert self._stub is not None

@@ -135,8 +135,9 @@ class CoordinatorCollector(Collector):
         restarts.add_metric(labels, len(self.job.recoveries.items))
         yield restarts
         relayed = CounterMetricFamily("dtfm_relay_forwarded_bytes", "Payload bytes the "
-                                      "coordinator's data-plane relay forwarded for the job "
-                                      "since the coordinator started", labels=["job_id", "model"])
+                                      "data-plane relays (the coordinator's, its relay agents') "
+                                      "forwarded for the job since the coordinator started",
+                                      labels=["job_id", "model"])
         relayed.add_metric(labels, float(status.relayed_bytes))
         refused = CounterMetricFamily("dtfm_relay_refused_bytes", "Bytes the relay read from "
                                       "connections it dropped (no key, not a member, a frame "

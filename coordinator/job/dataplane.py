@@ -56,7 +56,7 @@ from dtfm import reach
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
 from dtfm.relay import Relay
-from protos.dtfm.v1 import common_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,29 @@ class EpochPlane:
     unsupported: str = ""  # why this epoch cannot run (the job fails with it)
 
 
+class RelayAgentCounts:
+    """Bytes the job's relay agents report (`ProgressReport.relay_*`), summed over agents.
+
+    An agent counts from its own start, so a report lower than the last one means it
+    restarted: what it had counted before is kept, and the new count adds to it."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[int, int]] = {}  # agent -> (forwarded, refused) reported
+        self._before: dict[str, tuple[int, int]] = {}  # agent -> counted before a restart
+
+    def observe(self, agent_id: str, forwarded: int, refused: int) -> None:
+        last = self._last.get(agent_id, (0, 0))
+        if forwarded < last[0] or refused < last[1]:
+            before = self._before.get(agent_id, (0, 0))
+            self._before[agent_id] = (before[0] + last[0], before[1] + last[1])
+        self._last[agent_id] = (forwarded, refused)
+
+    def totals(self) -> tuple[int, int]:
+        """(forwarded, refused) over every agent that reported."""
+        counts = [*self._last.values(), *self._before.values()]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
 class DataPlanes:
     """The job's data-plane choice (`--transport`) and the coordinator's relay."""
 
@@ -138,6 +161,7 @@ class DataPlanes:
             raise ValueError(f"--transport must be {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
         self.relay: Relay | None = None
+        self.relay_agents = RelayAgentCounts()
 
     async def start_relay(self, host: str, port: int) -> int:
         """Serve the relay on this (the coordinator's) event loop; the port it listens on."""
@@ -145,12 +169,19 @@ class DataPlanes:
         await self.relay.serve()
         return self.relay.port
 
+    def observe(self, agent_id: str, report: coordinator_pb2.ProgressReport) -> None:
+        """Take a member's report of the relay it serves (counts since that agent started)."""
+        self.relay_agents.observe(agent_id, report.relay_forwarded_bytes,
+                                  report.relay_refused_bytes)
+
     def status_fields(self, job_id: str) -> dict[str, int]:
-        """What the relay forwarded for `job_id` and refused from non-members since this
-        coordinator started (JobStatus fields; 0 without a relay)."""
+        """What the relays forwarded for `job_id` and refused from non-members: the
+        coordinator's since it started, plus its members' relay agents as they last reported
+        (JobStatus fields)."""
         relay = self.relay
-        return {"relayed_bytes": relay.forwarded(job_id) if relay else 0,
-                "relay_refused_bytes": relay.refused_bytes if relay else 0}
+        forwarded, refused = self.relay_agents.totals()
+        return {"relayed_bytes": forwarded + (relay.forwarded(job_id) if relay else 0),
+                "relay_refused_bytes": refused + (relay.refused_bytes if relay else 0)}
 
     async def close(self) -> None:
         if self.relay is not None:

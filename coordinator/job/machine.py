@@ -224,6 +224,7 @@ class Job:
         if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
                 and rec.agent_id in self.members):
             self._progress[rec.agent_id] = report
+            self.dataplane.observe(rec.agent_id, report)
             if report.step > 0:
                 self._first_steps.setdefault(rec.agent_id, report.step)
             if report.step > 0 and self.recoveries.pending and self.state == S.JOB_STATE_RUNNING:

@@ -10,7 +10,7 @@ from coordinator.daemon.registry import AgentRecord
 from coordinator.job.dataplane import DataPlanes
 from dtfm import reach
 from dtfm.core import dataplane as dp
-from protos.dtfm.v1 import common_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
 def _rec(i: int, verdict: int, kind: str = "cpu") -> AgentRecord:
@@ -124,3 +124,19 @@ def test_a_relay_agent_serves_every_pair_when_the_coordinator_relays_nothing() -
     assert sorted((p.rank_a, p.rank_b) for p in e.plane.pair_relays) == [(1, 2), (1, 3), (2, 3)]
     unmeasured = DataPlanes().plan("j", 1, recs).unsupported  # no links: no agent weighed
     assert "no relay agent" in unmeasured
+
+
+def test_status_adds_relay_agents_counts_and_keeps_them_across_an_agent_restart() -> None:
+    planes = DataPlanes()
+    assert planes.status_fields("j") == {"relayed_bytes": 0, "relay_refused_bytes": 0}
+
+    def report(forwarded: int, refused: int) -> coordinator_pb2.ProgressReport:
+        return coordinator_pb2.ProgressReport(relay_forwarded_bytes=forwarded,
+                                              relay_refused_bytes=refused)
+
+    planes.observe("a", report(100, 5))
+    planes.observe("b", report(40, 0))
+    planes.observe("a", report(250, 5))  # counts since its start: the newest replaces
+    assert planes.status_fields("j") == {"relayed_bytes": 290, "relay_refused_bytes": 5}
+    planes.observe("a", report(30, 0))  # restarted: counts from zero, the 250 stay counted
+    assert planes.status_fields("j") == {"relayed_bytes": 320, "relay_refused_bytes": 5}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtfm.procs import wait_for
 from dtfm.rpc import free_port
 from tests.daemons import Daemons
 from tests.progress import step_losses
@@ -18,10 +19,10 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons) -> None:
-    gloo, _, _, _ = train_job(daemons, "open", [[]] * 4)
+    gloo, *_ = train_job(daemons, "open", [[]] * 4)
     relay_port = free_port()
     unreachable = ["--reachable", "no"]
-    relayed, agents, log, messages = train_job(
+    relayed, agents, log, messages, address = train_job(
         daemons, "nat", [unreachable] * 3 + [["--relay-port", str(relay_port)]],
         "--relay-port", "0")
     relay_log = daemons.log(agents[3])
@@ -31,6 +32,10 @@ def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons
     assert f":{relay_port}" in log.split("meet at relay agents", 1)[1].splitlines()[0]
     assert "relaying for ranks" in relay_log, relay_log[-3000:]
     assert "relay: circuit between ranks" in relay_log, relay_log[-3000:]
+    # the coordinator's relay is off: every byte status counts is the relay agent's report
+    forwarded = wait_for(lambda: daemons.status(address)["job"]["relay"]["forwarded_bytes"],
+                         30, "the relay agent's forwarded bytes in coordinator status")
+    assert forwarded > 10_000, forwarded
     ref = step_losses(daemons.tmp, gloo["id"], 1)
     got = step_losses(daemons.tmp, relayed["id"], 1)
     assert sorted(ref) == sorted(got) == [0, 1, 2, 3]

@@ -25,9 +25,10 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
 
 
 def train_job(daemons: Daemons, tag: str, agent_args: list[list[str]], *coordinator_args: str
-              ) -> tuple[dict[str, Any], list, str, str]:
+              ) -> tuple[dict[str, Any], list, str, str, str]:
     """Run JOB on agents started with `agent_args` (one list per agent) until it is done;
-    (the job's status, the agents, the coordinator's log, every status message seen)."""
+    (the job's status, the agents, the coordinator's log, every status message seen, the
+    coordinator's address)."""
     coordinator, address = daemons.coordinator(*JOB, *coordinator_args)
     agents = [daemons.agent(address, f"{tag}-{i}", *args) for i, args in enumerate(agent_args)]
     seen: list[str] = []
@@ -39,12 +40,12 @@ def train_job(daemons: Daemons, tag: str, agent_args: list[list[str]], *coordina
         return job if job["state"] == "done" else None
 
     job = wait_for(done, 400, f"the {tag} job to finish", interval=0.5)
-    return job, agents, daemons.log(coordinator), " | ".join(dict.fromkeys(seen))
+    return job, agents, daemons.log(coordinator), " | ".join(dict.fromkeys(seen)), address
 
 
 def test_unreachable_agents_train_over_dtfm_to_gloos_losses(daemons: Daemons) -> None:
-    gloo, _, _, _ = train_job(daemons, "open", [[]] * 4)
-    relayed, _, log, messages = train_job(daemons, "nat", [["--reachable", "no"]] * 3 + [[]])
+    gloo, *_ = train_job(daemons, "open", [[]] * 4)
+    relayed, _, log, messages, _ = train_job(daemons, "nat", [["--reachable", "no"]] * 3 + [[]])
     # the job took the unreachable agents in and said they are relayed
     assert "relayed through the coordinator's relay" in messages, messages
     assert "dtfm data plane, 3 of 4 members dial out only" in log, log[-3000:]
