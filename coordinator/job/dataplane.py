@@ -34,8 +34,9 @@ Relay agents: a member found reachable from everywhere that serves a relay
 (`AgentInfo.relay_port`, `agent start --relay-port`) is a candidate too. Given the epoch's
 measured network and grid (`links`), every pair of dial-only ranks gets the relay with the
 least relayed cost (coordinator/scheduler/relaychoice.py): pairs that talk (pipeline
-neighbours, data-parallel peers) weigh their share of a step's bytes, the rest (per-step
-scalars on the world group) next to nothing. Pairs that chose a relay agent are listed in
+neighbours, data-parallel peers) weigh the bytes the plan's step moves between them
+(`pair_bytes`, from the step model's `StepShape`), the rest (per-step scalars on the world
+group) next to nothing. Pairs that chose a relay agent are listed in
 `DataPlane.pair_relays`; the rest meet at the coordinator's. A relay agent admits the epoch
 from its own assignment (it is a member: agent/relayhost.py), so restricting relays to the
 job's members means no secret is sent anywhere else.
@@ -52,6 +53,7 @@ from coordinator.daemon.registry import AgentRecord
 from coordinator.links.relayed import serves_relay
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
+from coordinator.scheduler.steptime import StepShape
 from dtfm import reach
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
@@ -65,19 +67,27 @@ DTFM = "dtfm"
 SECRET_BYTES = 32
 SCALAR_BYTES = 1e3  # a pair that only shares the world group's per-step scalars
 COORDINATOR = ""  # the coordinator's relay among the candidates
-Links = tuple[Network, Sequence[int], Layout]  # the network, rank -> its index, the grid
+# the network, rank -> its index, the grid, and what a step moves (None: not known)
+Links = tuple[Network, Sequence[int], Layout, StepShape | None]
 
 
-def talking_pairs(layout: Layout) -> set[Pair]:
-    """The rank pairs that exchange tensors: pipeline neighbours of a replica, and the
-    replicas of a stage (their data-parallel group)."""
-    pairs = set()
+def pair_bytes(layout: Layout, shape: StepShape | None) -> dict[Pair, float]:
+    """The bytes each rank pair that exchanges tensors moves per step: pipeline neighbours of
+    a replica every micro-batch's activations and their gradients; two replicas of a stage
+    (its data-parallel group) the sharded exchange's 2/R of the stage's gradient (each sends
+    the other its shard, then the averaged shard back), once per `sync_every` steps. Without
+    a `shape`, every such pair weighs `NOMINAL_BYTES`. Pairs absent only share scalars."""
+    pairs: dict[Pair, float] = {}
+    replicas = layout.replicas
     for a in range(layout.world_size):
         for b in range(a + 1, layout.world_size):
             sa, sb = layout.stage_of(a), layout.stage_of(b)
-            same_replica = layout.replica_of(a) == layout.replica_of(b)
-            if (same_replica and abs(sa - sb) == 1) or sa == sb:
-                pairs.add((a, b))
+            if layout.replica_of(a) == layout.replica_of(b) and abs(sa - sb) == 1:
+                pairs[(a, b)] = (2 * shape.micro_batches * shape.act_bytes if shape
+                                 else NOMINAL_BYTES)
+            elif sa == sb:
+                pairs[(a, b)] = (2 * shape.grad_bytes[sa] / replicas / shape.sync_every
+                                 if shape else NOMINAL_BYTES)
     return pairs
 
 
@@ -90,8 +100,8 @@ def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Li
     pairs = [(a, b) for i, a in enumerate(dialers) for b in dialers[i + 1:]]
     if links is None:
         return dict.fromkeys(pairs, COORDINATOR) if coordinator else {}
-    net, index, layout = links
-    talk = talking_pairs(layout)
+    net, index, layout, shape = links
+    talk = pair_bytes(layout, shape)
     agents = {member_address(records[k].info.host, records[k].info.relay_port): k
               for k, rec in enumerate(records) if serves_relay(rec)}
     relays = [*agents, *([COORDINATOR] if coordinator else [])]  # ties: keep the
@@ -105,7 +115,7 @@ def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Li
 
     paths = {((a, b), relay): path(a, b, agents.get(relay)) for a, b in pairs
              for relay in relays}
-    weights = {p: NOMINAL_BYTES if p in talk else SCALAR_BYTES for p in pairs}
+    weights = {p: talk.get(p, SCALAR_BYTES) for p in pairs}
     return choose(weights, paths, relays)
 
 

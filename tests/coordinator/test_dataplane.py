@@ -7,9 +7,12 @@ import asyncio
 import pytest
 
 from coordinator.daemon.registry import AgentRecord
-from coordinator.job.dataplane import DataPlanes
+from coordinator.job.dataplane import DataPlanes, pair_bytes
+from coordinator.scheduler.relaychoice import NOMINAL_BYTES
+from coordinator.scheduler.steptime import StepShape
 from dtfm import reach
 from dtfm.core import dataplane as dp
+from dtfm.core.layout import Layout
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
@@ -80,7 +83,8 @@ def test_default_data_plane_ports_collide_with_no_neighbouring_agent_or_coordina
     assert AgentConfig(listen="0.0.0.0:7071", data_port=9000).data_port_for(7071) == 9000
 
 
-def _relay_agent_world(agent_delay_ms: float) -> tuple[list[AgentRecord], tuple]:
+def _relay_agent_world(agent_delay_ms: float, shape: StepShape | None = None
+                       ) -> tuple[list[AgentRecord], tuple]:
     """2 stages x 2 replicas: rank 0 a reachable relay agent, ranks 1-3 dial only. Every
     direct hop 10 ms except via the relay agent (`agent_delay_ms` each way); the
     coordinator-relayed links (the pairs of dial-only ranks) 25 ms; 1 Gbit/s everywhere."""
@@ -94,7 +98,7 @@ def _relay_agent_world(agent_delay_ms: float) -> tuple[list[AgentRecord], tuple]
     delay = np.full((4, 4), 25.0)
     delay[0, :] = delay[:, 0] = agent_delay_ms
     net = Network.measured(delay, np.ones((4, 4)))
-    return recs, (net, [0, 1, 2, 3], Layout(2, 2))
+    return recs, (net, [0, 1, 2, 3], Layout(2, 2), shape)
 
 
 def test_dial_only_pairs_spread_over_the_coordinator_and_a_near_relay_agent() -> None:
@@ -112,6 +116,38 @@ def test_dial_only_pairs_spread_over_the_coordinator_and_a_near_relay_agent() ->
             assert pairs == {(1, 3): "10.0.0.0:7171", (1, 2): "10.0.0.0:7171"}
             far_recs, far = _relay_agent_world(agent_delay_ms=900.0)
             assert not planes.plan("j", 2, far_recs, far).plane.pair_relays  # far: avoided
+        finally:
+            await planes.close()
+    asyncio.run(run())
+
+
+def test_pairs_weigh_the_bytes_the_plans_step_moves_between_them() -> None:
+    layout = Layout(2, 2)
+    shape = StepShape(micro_batches=4, act_bytes=1e6, grad_bytes=[8e6, 4e6], sync_every=2)
+    weights = pair_bytes(layout, shape)
+    pipeline = {p for p in weights if layout.stage_of(p[0]) != layout.stage_of(p[1])}
+    assert len(pipeline) == 2 and len(weights) == 4  # two neighbours, two dp groups
+    for (a, b), w in weights.items():
+        stage = layout.stage_of(a)
+        # activations and their gradients of 4 micro-batches; 2/R of the stage's gradient
+        # every second step
+        assert w == (8e6 if (a, b) in pipeline else 2 * [8e6, 4e6][stage] / 2 / 2)
+    assert set(pair_bytes(layout, None).values()) == {NOMINAL_BYTES}
+
+
+def test_the_heavier_pair_takes_the_nearer_relay() -> None:
+    async def run() -> None:
+        planes = DataPlanes()
+        await planes.start_relay("127.0.0.1", 0)
+        try:
+            # as in the test above, but the pipeline pair (2, 3) moves 10x the gradient pair
+            # (1, 3): it goes first and takes the near agent, (1, 3) the idle coordinator
+            heavy_pipeline = StepShape(micro_batches=1, act_bytes=5e7, grad_bytes=[1e7, 1e7])
+            recs, links = _relay_agent_world(agent_delay_ms=10.0, shape=heavy_pipeline)
+            plane = planes.plan("j", 1, recs, links).plane
+            assert plane is not None
+            pairs = {(p.rank_a, p.rank_b): p.relay for p in plane.pair_relays}
+            assert pairs == {(2, 3): "10.0.0.0:7171", (1, 2): "10.0.0.0:7171"}
         finally:
             await planes.close()
     asyncio.run(run())
