@@ -8,14 +8,18 @@ one site). Per case, the same job trains twice on the same agents: with the sche
 placement and with network-blind rank order; the table shows tokens/s, the step model's
 prediction against the measured step, and the bytes the relay forwarded per step. In the
 all-reachable world the scheduled job also runs over the dtfm transport (`--transport
-dtfm`) beside gloo, so the transport's own cost is a ratio measured in one run.
+dtfm`) beside gloo, so the transport's own cost is a ratio measured in one run. The NAT
+cases run with `--hole-punch off`, so the relay the scheduler prices is what is measured,
+and once more scheduled with hole punching on (`scheduled/punch`): the pairs that punch
+through their NATs leave the relay, which the step model (pricing them relayed) does not
+count on, so that row is left out of the step model's error.
 
 Targets (issue 32): all reachable, dtfm >= 0.9x gloo's tokens/s; 25 % behind NAT, scheduled
 >= 0.8x the all-reachable scheduled job and >= 1.5x rank order on the same agents; the step
 model within 15 %.
 
 Needs root (network namespaces). Writes bench/results/reach.json.
-Run: `python bench/reach.py` (three worlds, seven jobs: about 30 minutes on 2 cores);
+Run: `python bench/reach.py` (three worlds, nine jobs: about 40 minutes on 2 cores);
 a quick check: `python bench/reach.py --fractions 0,25 --steps 4`.
 """
 
@@ -66,9 +70,14 @@ def case_rows(args: argparse.Namespace, percent: int) -> list[dict[str, Any]]:
     count = round(len(cities) * percent / 100)
     alone, shared = nat_agents(cities, count)
     behind = sorted(set(alone).union(*shared))
-    jobs = [("scheduled", "scheduled", ()), ("rank-order", "rank-order", ())]
+    # the NAT cases measure the relay the scheduler prices (--hole-punch off), and the
+    # scheduled job once more with hole punching on: what punching saves where it works
+    relay_only = ("--hole-punch", "off")
+    jobs = [("scheduled", "scheduled", relay_only), ("rank-order", "rank-order", relay_only)]
     if count == 0:
         jobs.append(("scheduled/dtfm", "scheduled", ("--transport", "dtfm")))
+    else:
+        jobs.append(("scheduled/punch", "scheduled", ()))
     rows = []
     workdir = f"{args.workdir}/nat{percent}" if args.workdir else ""
     if workdir:
@@ -101,8 +110,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratio("nat25_over_all_reachable", ("25%", "scheduled"), ("0%", "scheduled"))
     ratio("nat25_over_rank_order", ("25%", "scheduled"), ("25%", "rank-order"))
     ratio("nat50_over_rank_order", ("50%", "scheduled"), ("50%", "rank-order"))
-    if rows:
-        out["step_model_error"] = max(abs(step_error(r)) for r in rows)
+    ratio("nat25_punch_over_relay", ("25%", "scheduled/punch"), ("25%", "scheduled"))
+    priced = [r for r in rows if r["job"] != "scheduled/punch"]  # punched pairs are priced
+    if priced:  # as relayed: an upper bound the model states, not a prediction to score
+        out["step_model_error"] = max(abs(step_error(r)) for r in priced)
     out["targets_met"] = {
         k: (out[k] <= v if k == "step_model_error" else out[k] >= v)
         for k, v in TARGETS.items() if k in out}

@@ -69,6 +69,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--transport", default="auto", choices=["auto", "gloo", "dtfm"],
                    help="the workers' data plane: auto = gloo (CPU) / NCCL (GPU) when every "
                    "member accepts connections, else dtfm (dials out, relays; CPU only)")
+    p.add_argument("--hole-punch", default="on", choices=["on", "off"],
+                   help="two agents that meet at a relay first try a direct connection "
+                   "through their NATs (TCP simultaneous open) and keep the relay only where "
+                   "that fails (default on; off: always the relay)")
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
                    metavar="PORT", help="port of the data-plane relay for agents that cannot "
                    "accept connections, on the --listen host (default: the gRPC port + 100; "
@@ -262,7 +266,7 @@ def _start(args: argparse.Namespace) -> int:
                       layer_split=args.layer_split, export_dir=args.export_dir,
                       export_merged=args.export_merged,
                       drift=_drift_config(args), sync_overhead=args.sync_overhead,
-                      transport=args.transport),
+                      transport=args.transport, hole_punch=args.hole_punch == "on"),
     )
     config.validate()
     flags.run_async(serve(config))

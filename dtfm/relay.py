@@ -8,6 +8,11 @@ partner does not arrive within `pair_timeout_s` is closed. Each frame's header i
 against the circuit before its payload is read: a frame naming another job, epoch or rank
 closes the circuit and nothing of it is forwarded.
 
+Before any frame of theirs, the relay sends each end one control frame
+(`dp.OBSERVED_TAG`): the address and port it saw the other end dial from, which behind a NAT
+is the NAT's public address and the port it mapped. The ends may use it to open a direct
+connection through both NATs (agent/worker/transport/punch.py) and leave the relay.
+
 Bounded buffers and backpressure: a direction of a circuit holds at most one chunk
 (`chunk_bytes`) read from the sender plus the receiver's socket write buffer, which is
 capped at `chunk_bytes` too (`set_write_buffer_limits`): when the receiver reads slowly the
@@ -42,6 +47,7 @@ import threading
 from dataclasses import dataclass, field
 
 from dtfm.core import dataplane as dp
+from dtfm.core.assignment import member_address
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +222,10 @@ class Relay:
         me, other = (c.job, c.epoch, c.src, c.dst), (c.job, c.epoch, c.dst, c.src)
         if other in self._waiting:
             partner = self._waiting.pop(other)
+            for end, seen in ((c, partner), (partner, c)):  # before either pump runs
+                end.writer.write(dp.control_frame(
+                    c.job, c.epoch, seen.src, end.src, dp.OBSERVED_TAG,
+                    member_address(*seen.writer.get_extra_info("peername")[:2]).encode()))
             partner.partner.set_result(c)
             log.info("relay: circuit between ranks %d and %d of epoch %d open", c.dst, c.src,
                      c.epoch)

@@ -205,7 +205,7 @@ def transport_config(a: Any, choice: netbind.BindChoice,
     return TransportConfig(
         job=a.job_id, epoch=a.epoch, secret=plane.secret,
         peers={r: addr or None for r, addr in enumerate(plane.listen)},
-        relay=plane.relay or None, bind=bind, timeout=timeout,
+        relay=plane.relay or None, bind=bind, timeout=timeout, hole_punch=plane.hole_punch,
         pair_relays={(min(p.rank_a, p.rank_b), max(p.rank_a, p.rank_b)): p.relay
                      for p in plane.pair_relays})
 

@@ -70,6 +70,9 @@ class JobConfig:
     # --transport: the workers' backend; auto: gloo/NCCL when every member accepts
     # connections, else dtfm (coordinator/job/dataplane.py)
     transport: str = "auto"
+    # --hole-punch: dial-only pairs at a relay try a direct connection through their NATs
+    # first (agent/worker/transport/punch.py); off: they always stay on the relay
+    hole_punch: bool = True
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
     def model_spec(self) -> ModelSpec:

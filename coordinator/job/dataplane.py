@@ -166,10 +166,11 @@ class RelayAgentCounts:
 class DataPlanes:
     """The job's data-plane choice (`--transport`) and the coordinator's relay."""
 
-    def __init__(self, transport: str = "auto") -> None:
+    def __init__(self, transport: str = "auto", hole_punch: bool = True) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"--transport must be {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
+        self.hole_punch = hole_punch
         self.relay: Relay | None = None
         self.relay_agents = RelayAgentCounts()
 
@@ -246,5 +247,5 @@ class DataPlanes:
                      job_id, epoch, len(by_agent), len(chosen),
                      ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in by_agent))
         plane = common_pb2.DataPlane(listen=listen, relay=relay, secret=secret,
-                                     pair_relays=by_agent)
+                                     pair_relays=by_agent, hole_punch=self.hole_punch)
         return EpochPlane(backend, plane, relayed)

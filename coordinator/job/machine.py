@@ -118,7 +118,7 @@ class Job:
                                            self.membership)  # the links an epoch plans on
         self.recoveries = Recoveries()
         self.replan = Replanner(self)  # drift watch and re-planning while training
-        self.dataplane = DataPlanes(config.transport)  # gloo/NCCL or dtfm, and the relay
+        self.dataplane = DataPlanes(config.transport, config.hole_punch)  # data plane, relay
         self.store = store
         if store is not None and config.model:
             self._adopt(store.unfinished(job_fingerprint(config)))

@@ -48,6 +48,14 @@ ROLE_DIAL = 1
 ROLE_ACCEPT = 2
 ROLE_RELAY = 3
 
+# Control frames on a relay circuit, before any tensor (agent/worker/transport/punch.py): the
+# relay tells each end the address it saw the other end dial from (OBSERVED, sent by the
+# relay as from the partner's rank), and each end tells the other whether its hole punch
+# got through (PUNCHED, one byte). A stream id no group hashes to (`stream_id` is a hash).
+CONTROL_STREAM = 0xFFFF_FFFF_FFFF_FFFE
+OBSERVED_TAG = 1
+PUNCHED_TAG = 2
+
 
 class AuthError(ConnectionError):
     """The peer did not prove it holds the job's key, or spoke something else."""
@@ -175,6 +183,12 @@ class Header:
             raise FrameError(f"frame from rank {self.src} to rank {self.dst} (epoch "
                              f"{self.epoch}) on the connection from rank {src} to rank {dst} "
                              f"(epoch {epoch}) or of another job: dropped, connection closed")
+
+
+def control_frame(job: bytes, epoch: int, src: int, dst: int, tag: int,
+                  payload: bytes) -> bytes:
+    """A control frame (`CONTROL_STREAM`) from `src` to `dst`: its header, then `payload`."""
+    return Header(job, epoch, src, dst, CONTROL_STREAM, tag, len(payload)).pack() + payload
 
 
 def stream_id(group: str, collective: bool) -> int:

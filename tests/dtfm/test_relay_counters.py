@@ -13,6 +13,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from agent.worker.transport.punch import partner_address
 from coordinator.commands.status import status_to_json
 from coordinator.daemon.metrics import coordinator_registry
 from dtfm.core import dataplane as dp
@@ -82,6 +83,9 @@ def test_relay_refuses_a_frame_naming_another_epoch_and_forwards_none_of_it() ->
     addr = relay.start_in_thread()
     try:
         with _dial(addr, 0, 1) as a, _dial(addr, 1, 0) as b:
+            for me, end, peer in ((0, a, 1), (1, b, 0)):  # paired: where the other dialled from
+                seen = partner_address(end, dp.job_digest("job-a"), 1, me, peer, 5)
+                assert seen == f"127.0.0.1:{(b if end is a else a).getsockname()[1]}"
             # a member (it holds the epoch's key) sends a frame of epoch 2 on its epoch-1
             # circuit: the header is read and refused, its payload never read or forwarded
             a.sendall(dp.Header(dp.job_digest("job-a"), 2, 0, 1, 0, 5, 64).pack())
@@ -89,7 +93,7 @@ def test_relay_refuses_a_frame_naming_another_epoch_and_forwards_none_of_it() ->
             deadline = time.monotonic() + 10
             while relay.refused_bytes == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert b.recv(1) == b""  # the relay closed the pair, having sent b nothing
+            assert b.recv(1) == b""  # the relay closed the pair, having sent b nothing more
     finally:
         relay.stop()
     assert relay.refused_bytes == dp.HEADER_BYTES

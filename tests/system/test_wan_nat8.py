@@ -92,7 +92,10 @@ def test_8_agents_3_behind_nat_train_to_the_reachable_losses_and_survive_the_rel
     started = time.monotonic()
     ref_job, ref = _reachable_run(tmp_path / "reachable")
     nat_dir = tmp_path / "nat"
-    job_args = [*JOB, "--transport", "dtfm", "--state-dir", str(nat_dir / "coordinator-state")]
+    # --hole-punch off: the NAT'd pairs stay on the relay, which is what this test kills
+    # (test_wan_nat_job.py pins the punch)
+    job_args = [*JOB, "--transport", "dtfm", "--hole-punch", "off",
+                "--state-dir", str(nat_dir / "coordinator-state")]
     with measurement_wan(DELAY, RATE, nat=NAT_ALONE, shared_nat=NAT_SITE) as wan:
         cluster = WanCluster(wan, nat_dir, agents=AGENTS, coordinator_args=job_args)
         try:

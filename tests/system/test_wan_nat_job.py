@@ -14,6 +14,7 @@ them (no direct path either way) is priced as relayed through the coordinator.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
         assert wan.address(2) == wan.address(3)  # both believe they are 192.168.1.2
         cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB)
         ids, status = cluster.run_to_end(400)
+        nats = {wan.public_address(2), wan.public_address(3)}  # agents 1 and 2 (host 0: the
+        # coordinator)
     job = status["job"]
     assert job["state"] == "done" and job["step"] == STEPS, job
     assert len(set(ids)) == 4
@@ -51,3 +54,14 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
     assert "no reachability verdict" not in log, log[-3000:]
     workers = [p.read_text(errors="replace") for p in tmp_path.glob("agent-*/work/*.log")]
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
+    # the two NATed agents met at the relay, then punched a direct connection through both
+    # NATs (agent/worker/transport/punch.py): each saw the other at its NAT's public address
+    # and mapped port, and the relay carried only the two one-byte "got through" frames
+    # (before hole punching it carried their data-parallel or pipeline traffic)
+    nat_workers = "".join(p.read_text(errors="replace")
+                          for i in (1, 2) for p in tmp_path.glob(f"agent-{i}/work/*.log"))
+    punched = re.findall(r"hole punched to rank \d+ at ([\d.]+):(\d+)", nat_workers)
+    assert len(punched) == 2 * job["epoch"], nat_workers[-3000:]
+    assert {host for host, _ in punched} == nats, punched
+    assert all(int(port) >= 20000 for _, port in punched)  # the NATs' mapped ports
+    assert job["relay"]["forwarded_bytes"] == 2 * job["epoch"], job["relay"]

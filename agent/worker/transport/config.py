@@ -34,6 +34,7 @@ class TransportConfig:
     bind: str | None = None  # listen here instead of this rank's advertised address
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)
+    hole_punch: bool = False  # pairs at a relay try a direct connection first (punch.py)
 
     def __post_init__(self) -> None:
         for rank, addr in self.peers.items():
@@ -81,6 +82,7 @@ class TransportConfig:
                 peers={int(k): v for k, v in d["peers"].items()}, relay=d.get("relay"),
                 pair_relays={_pair(k): v for k, v in d.get("pair_relays", {}).items()},
                 bind=d.get("bind"), timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
+                hole_punch=bool(d.get("hole_punch", False)),
             )
         except (KeyError, ValueError, OSError) as exc:
             raise ValueError(f"{ENV} is not a usable peer table ({exc!r}): it needs job, "
@@ -93,7 +95,8 @@ class TransportConfig:
                            "relay": self.relay, "bind": self.bind,
                            "pair_relays": {f"{a},{b}": v
                                            for (a, b), v in self.pair_relays.items()},
-                           "timeout_s": self.timeout.total_seconds()})
+                           "timeout_s": self.timeout.total_seconds(),
+                           "hole_punch": self.hole_punch})
 
 
 def _pair(key: str) -> tuple[int, int]:

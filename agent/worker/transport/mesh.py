@@ -2,7 +2,8 @@
 
 A connection per peer, opened on first use by the end that can: a rank that cannot listen
 dials one that can; where neither listens both dial the relay, which pairs them
-(`dtfm/relay.py`). Every connection starts with the job-key handshake
+(`dtfm/relay.py`), and try to punch a direct connection through their NATs from there
+(`punch.py`; `TransportConfig.hole_punch`). Every connection starts with the job-key handshake
 (`dtfm.core.dataplane.handshake`); a peer that fails it is closed before any frame is read.
 
 Messages are matched like gloo's: by (source rank, stream, tag), in order. A frame whose
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from agent.worker.transport import punch
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.work import TransportWork
 from dtfm.core import dataplane as dp
@@ -190,6 +192,7 @@ class Mesh:
         self.cond = threading.Condition()
         self.peers: dict[int, _Peer] = {}
         self.rejected = 0  # connections that failed the handshake
+        self.punched: set[int] = set()  # peers reached by a hole punch, not the relay
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -290,14 +293,35 @@ class Mesh:
             addr, role_target = self.cfg.relay_for(self.rank, p.rank), p.rank
         assert addr is not None
         sock = self._dial(addr, p.rank, role_target)
+        if role_target != dp.NO_RANK:
+            sock = self._through_relay(sock, p.rank)
         p.attach(sock)
+
+    def _through_relay(self, sock: socket.socket, peer: int) -> socket.socket:
+        """A relay circuit to `peer`, or the direct connection a hole punch opened instead
+        (agent/worker/transport/punch.py)."""
+        try:
+            observed = punch.partner_address(sock, self.job, self.cfg.epoch, self.rank, peer,
+                                             self.cfg.timeout.total_seconds())
+            direct = (punch.punch(sock, self.key, self.cfg.job, self.cfg.epoch, self.rank,
+                                  peer, observed) if self.cfg.hole_punch else None)
+        except BaseException:
+            sock.close()
+            raise
+        if direct is None:
+            return sock
+        sock.close()
+        with self.cond:
+            self.punched.add(peer)
+        return direct
 
     def _dial(self, addr: str, peer: int, target: int) -> socket.socket:
         end = time.monotonic() + self.cfg.timeout.total_seconds()
         host, port = dp.parse_addr(addr)
         while True:
             try:
-                sock = socket.create_connection((host, port), timeout=10)
+                sock = (socket.create_connection((host, port), timeout=10)
+                        if target == dp.NO_RANK else punch.dial_reusable(host, port, 10))
                 break
             except OSError as exc:  # not listening yet: it may still be starting
                 if time.monotonic() > end or self._closed:
@@ -344,4 +368,5 @@ class Mesh:
 
     def stats(self) -> dict[str, Any]:
         return {"rejected": self.rejected, "peers": sorted(self.peers),
+                "punched": sorted(self.punched),
                 "sent_bytes": sum(p.sent_bytes for p in list(self.peers.values()))}
