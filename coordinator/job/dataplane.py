@@ -49,7 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.daemon.registry import AgentRecord
-from coordinator.links.relayed import serves_relay
+from coordinator.links.relayed import direct_dials, serves_relay
+from coordinator.links.store import LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from dtfm import reach
@@ -81,13 +82,45 @@ def talking_pairs(layout: Layout) -> set[Pair]:
     return pairs
 
 
-def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Links | None,
+@dataclass(frozen=True)
+class PeerTable:
+    """Who listens where, and for whom: `listen` per rank ("" = dials only), `limited` the
+    ranks only the dialers in `direct` ((dialer, listener) ranks) may dial."""
+
+    listen: list[str]
+    limited: set[int] = field(default_factory=set)
+    direct: set[Pair] = field(default_factory=set)
+
+    def can_dial(self, a: int, b: int) -> bool:
+        """Whether rank `a` may dial rank `b` (agent/worker/transport/config.py's rule)."""
+        return bool(self.listen[b]) and (b not in self.limited or (a, b) in self.direct)
+
+    def relayed_pairs(self) -> list[Pair]:
+        """The (low, high) rank pairs with no direct path either way: they meet at a relay."""
+        n = len(self.listen)
+        return [(a, b) for a in range(n) for b in range(a + 1, n)
+                if not self.can_dial(a, b) and not self.can_dial(b, a)]
+
+
+def peer_table(records: Sequence[AgentRecord], direct: set[tuple[str, str]]) -> PeerTable:
+    """The epoch's peer table from the members' verdicts and `direct` ((dialer, listener)
+    agent ids, `relayed.direct_dials`): a member reachable from everywhere listens for all;
+    an undialable one that some member of this epoch got through to listens for those only;
+    the rest dial."""
+    rank = {r.agent_id: k for k, r in enumerate(records)}
+    pairs = {(rank[a], rank[b]) for a, b in direct if a in rank and b in rank
+             and records[rank[b]].info.data_port > 0 and not accepts(records[rank[b]])}
+    limited = {b for _, b in pairs}
+    listen = [member_address(r.info.host, r.info.data_port) if accepts(r) or k in limited
+              else "" for k, r in enumerate(records)]
+    return PeerTable(listen, limited, pairs)
+
+
+def pair_relays(records: Sequence[AgentRecord], pairs: Sequence[Pair], links: Links | None,
                 coordinator: bool) -> dict[Pair, str]:
-    """Each dial-only pair's relay: a relay agent's HOST:PORT, or COORDINATOR. `coordinator`:
-    whether the coordinator's relay runs. Without `links` (not measured) relay agents are
-    not weighed and every pair meets at the coordinator's."""
-    dialers = [r for r, addr in enumerate(listen) if not addr]
-    pairs = [(a, b) for i, a in enumerate(dialers) for b in dialers[i + 1:]]
+    """Each relayed pair's relay (`PeerTable.relayed_pairs`): a relay agent's HOST:PORT, or
+    COORDINATOR. `coordinator`: whether the coordinator's relay runs. Without `links` (not
+    measured) relay agents are not weighed and every pair meets at the coordinator's."""
     if links is None:
         return dict.fromkeys(pairs, COORDINATOR) if coordinator else {}
     net, index, layout = links
@@ -165,9 +198,11 @@ class DataPlanes:
         return native
 
     def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
-             links: Links | None = None) -> EpochPlane:
-        """The data plane of `epoch` for `records` in rank order, each dial-only pair's relay
-        chosen on `links` (module doc); tells the relay the epoch's secret when it is dtfm."""
+             links: Links | None = None, probes: LinkStore | None = None) -> EpochPlane:
+        """The data plane of `epoch` for `records` in rank order, each relayed pair's relay
+        chosen on `links` (module doc); `probes`: the measured links, whose probes are
+        evidence of direct paths to agents reachable from some peers only. Tells the relay
+        the epoch's secret when it is dtfm."""
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -180,10 +215,10 @@ class DataPlanes:
                 "transport, which carries CPU tensors only: GPU jobs with unreachable agents "
                 "are not supported yet; open their data and gRPC ports (docs/operations.md, "
                 "Ports) or start them with --reachable yes if peers can dial them"))
-        listen = [member_address(r.info.host, r.info.data_port) if accepts(r) else ""
-                  for r in records]
-        chosen = pair_relays(records, listen, links, self.relay is not None)
-        if len(chosen) < len(relayed) * (len(relayed) - 1) // 2:
+        table = peer_table(records, direct_dials(records, probes))
+        relayed_pairs = table.relayed_pairs()
+        chosen = pair_relays(records, relayed_pairs, links, self.relay is not None)
+        if len(chosen) < len(relayed_pairs):
             return EpochPlane(backend, relayed=relayed, unsupported=(
                 f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
                 "at a relay, but the coordinator's relay is off (--relay-port 0) and no relay "
@@ -204,6 +239,13 @@ class DataPlanes:
             log.info("job %s epoch %d: %d of %d dial-only pairs meet at relay agents (%s)",
                      job_id, epoch, len(by_agent), len(chosen),
                      ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in by_agent))
-        plane = common_pb2.DataPlane(listen=listen, relay=relay, secret=secret,
-                                     pair_relays=by_agent)
+        if table.direct:
+            log.info("job %s epoch %d: %d pairs dial a member reachable from some peers only "
+                     "directly (%s); %d pairs meet at a relay", job_id, epoch,
+                     len(table.direct), ", ".join(f"{a}->{b}" for a, b in sorted(table.direct)),
+                     len(relayed_pairs))
+        plane = common_pb2.DataPlane(
+            listen=table.listen, relay=relay, secret=secret, pair_relays=by_agent,
+            limited=sorted(table.limited),
+            direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)])
         return EpochPlane(backend, plane, relayed)

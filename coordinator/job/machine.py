@@ -428,7 +428,8 @@ class Job:
                                         splits=found["splits"], agents=ids, flops=flops)
         predicted = self.planner.model.predict({})
         self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
-        plane = self.dataplane.plan(self.job_id, self.epoch, records, (net, ranked, layout))
+        plane = self.dataplane.plan(self.job_id, self.epoch, records, (net, ranked, layout),
+                                    self.links)
         if plane.unsupported:
             self._set(S.JOB_STATE_FAILED, plane.unsupported)
             return
