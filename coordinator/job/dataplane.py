@@ -8,12 +8,18 @@ the agent's `--reachable`):
 
 - every member reachable (EVERYWHERE, or not checked: UNKNOWN): gloo on CPU, NCCL when
   every member has a GPU, exactly as before (fastest where every pair can dial);
-- any member NOWHERE or SOME_PEERS: the "dtfm" backend (agent/worker/transport). Such a
-  member listens nowhere and dials out; one found reachable (EVERYWHERE) listens on its
-  advertised host at its `data_port`; one not checked yet (UNKNOWN) dials out too, which
-  always works. SOME_PEERS is treated as NOWHERE (a peer table has no per-pair reachability
-  yet): it costs relayed traffic between peers that could have dialled, never a failure.
-  Two members that both only dial meet at the coordinator's relay;
+- any member NOWHERE or SOME_PEERS: the "dtfm" backend (agent/worker/transport). One found
+  reachable (EVERYWHERE) listens on its advertised host at its `data_port`, for everyone;
+  one not checked yet (UNKNOWN) dials out, which always works. An undialable member
+  (SOME_PEERS, or NOWHERE) listens for the members that got through to it only
+  (`DataPlane.limited` and `.direct`, from `relayed.direct_dials`: the dialer's dial-back of
+  it succeeded, or the dialer's own link probe of that direction did; `probes` is the link
+  store), typically its own site's LAN, so two agents of one site behind one NAT, placed
+  next to each other because their link is fast, talk directly; with no such evidence it
+  only dials out. Per pair (`PeerTable.can_dial`, the worker's `TransportConfig.mode`): the
+  end that may dial the other dials (the higher rank where both may); a pair where neither
+  may meets at a relay, and only such pairs get one (`pair_relays`). Link pricing agrees
+  (coordinator/links/relayed.py): the same probes measured such a pair direct;
 - `coordinator start --transport gloo|dtfm` overrides the choice.
 
 The dtfm backend carries CPU tensors only: a GPU job (every member CUDA, where NCCL would
@@ -32,7 +38,7 @@ coordinator's process, and the agent substitutes the host it dials the coordinat
 
 Relay agents: a member found reachable from everywhere that serves a relay
 (`AgentInfo.relay_port`, `agent start --relay-port`) is a candidate too. Given the epoch's
-measured network and grid (`links`), every pair of dial-only ranks gets the relay with the
+measured network and grid (`links`), every pair with no direct path gets the relay with the
 least relayed cost (coordinator/scheduler/relaychoice.py): pairs that talk (pipeline
 neighbours, data-parallel peers) weigh their share of a step's bytes, the rest (per-step
 scalars on the world group) next to nothing. Pairs that chose a relay agent are listed in
