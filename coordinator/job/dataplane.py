@@ -60,6 +60,7 @@ from coordinator.links.store import LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from dtfm import reach
+from dtfm.core import dataplane as dp
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
 from dtfm.relay import Relay
@@ -98,8 +99,9 @@ class PeerTable:
     direct: set[Pair] = field(default_factory=set)
 
     def can_dial(self, a: int, b: int) -> bool:
-        """Whether rank `a` may dial rank `b` (agent/worker/transport/config.py's rule)."""
-        return bool(self.listen[b]) and (b not in self.limited or (a, b) in self.direct)
+        """Whether rank `a` may dial rank `b` (`dp.may_dial`, the workers' rule too)."""
+        listening = {r for r, addr in enumerate(self.listen) if addr}
+        return dp.may_dial(a, b, listening, self.limited, self.direct)
 
     def relayed_pairs(self) -> list[Pair]:
         """The (low, high) rank pairs with no direct path either way: they meet at a relay."""

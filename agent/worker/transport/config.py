@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from dtfm.core.dataplane import parse_addr
+from dtfm.core.dataplane import may_dial, parse_addr
 
 ENV = "DTFM_TRANSPORT"
 
@@ -64,8 +64,8 @@ class TransportConfig:
     def can_dial(self, a: int, b: int) -> bool:
         """Whether rank `a` may dial rank `b`: `b` listens, for everyone or (limited) for
         `a` among others."""
-        return self.peers.get(b) is not None and (b not in self.limited
-                                                  or (a, b) in self.direct)
+        listening = {r for r, addr in self.peers.items() if addr is not None}
+        return may_dial(a, b, listening, self.limited, self.direct)
 
     def relay_for(self, me: int, peer: int) -> str | None:
         """The relay `me` and `peer` meet at: the pair's own, else the default."""
