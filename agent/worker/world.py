@@ -207,7 +207,9 @@ def transport_config(a: Any, choice: netbind.BindChoice,
         peers={r: addr or None for r, addr in enumerate(plane.listen)},
         relay=plane.relay or None, bind=bind, timeout=timeout, hole_punch=plane.hole_punch,
         pair_relays={(min(p.rank_a, p.rank_b), max(p.rank_a, p.rank_b)): p.relay
-                     for p in plane.pair_relays})
+                     for p in plane.pair_relays},
+        limited=frozenset(plane.limited),
+        direct=frozenset((d.dialer, d.listener) for d in plane.direct))
 
 
 def _member_group(ranks: list[int], timeout: timedelta,

@@ -8,12 +8,18 @@ the agent's `--reachable`):
 
 - every member reachable (EVERYWHERE, or not checked: UNKNOWN): gloo on CPU, NCCL when
   every member has a GPU, exactly as before (fastest where every pair can dial);
-- any member NOWHERE or SOME_PEERS: the "dtfm" backend (agent/worker/transport). Such a
-  member listens nowhere and dials out; one found reachable (EVERYWHERE) listens on its
-  advertised host at its `data_port`; one not checked yet (UNKNOWN) dials out too, which
-  always works. SOME_PEERS is treated as NOWHERE (a peer table has no per-pair reachability
-  yet): it costs relayed traffic between peers that could have dialled, never a failure.
-  Two members that both only dial meet at the coordinator's relay;
+- any member NOWHERE or SOME_PEERS: the "dtfm" backend (agent/worker/transport). One found
+  reachable (EVERYWHERE) listens on its advertised host at its `data_port`, for everyone;
+  one not checked yet (UNKNOWN) dials out, which always works. An undialable member
+  (SOME_PEERS, or NOWHERE) listens for the members that got through to it only
+  (`DataPlane.limited` and `.direct`, from `relayed.direct_dials`: the dialer's dial-back of
+  it succeeded, or the dialer's own link probe of that direction did; `probes` is the link
+  store), typically its own site's LAN, so two agents of one site behind one NAT, placed
+  next to each other because their link is fast, talk directly; with no such evidence it
+  only dials out. Per pair (`PeerTable.can_dial`, the worker's `TransportConfig.mode`): the
+  end that may dial the other dials (the higher rank where both may); a pair where neither
+  may meets at a relay, and only such pairs get one (`pair_relays`). Link pricing agrees
+  (coordinator/links/relayed.py): the same probes measured such a pair direct;
 - `coordinator start --transport gloo|dtfm` overrides the choice.
 
 The dtfm backend carries CPU tensors only: a GPU job (every member CUDA, where NCCL would
@@ -32,7 +38,7 @@ coordinator's process, and the agent substitutes the host it dials the coordinat
 
 Relay agents: a member found reachable from everywhere that serves a relay
 (`AgentInfo.relay_port`, `agent start --relay-port`) is a candidate too. Given the epoch's
-measured network and grid (`links`), every pair of dial-only ranks gets the relay with the
+measured network and grid (`links`), every pair with no direct path gets the relay with the
 least relayed cost (coordinator/scheduler/relaychoice.py): pairs that talk (pipeline
 neighbours, data-parallel peers) weigh the bytes the plan's step moves between them
 (`pair_bytes`, from the step model's `StepShape`), the rest (per-step scalars on the world
@@ -50,11 +56,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.daemon.registry import AgentRecord
-from coordinator.links.relayed import serves_relay
+from coordinator.links.relayed import direct_dials, serves_relay
+from coordinator.links.store import LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from coordinator.scheduler.steptime import StepShape
 from dtfm import reach
+from dtfm.core import dataplane as dp
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
 from dtfm.relay import Relay
@@ -91,13 +99,46 @@ def pair_bytes(layout: Layout, shape: StepShape | None) -> dict[Pair, float]:
     return pairs
 
 
-def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Links | None,
+@dataclass(frozen=True)
+class PeerTable:
+    """Who listens where, and for whom: `listen` per rank ("" = dials only), `limited` the
+    ranks only the dialers in `direct` ((dialer, listener) ranks) may dial."""
+
+    listen: list[str]
+    limited: set[int] = field(default_factory=set)
+    direct: set[Pair] = field(default_factory=set)
+
+    def can_dial(self, a: int, b: int) -> bool:
+        """Whether rank `a` may dial rank `b` (`dp.may_dial`, the workers' rule too)."""
+        listening = {r for r, addr in enumerate(self.listen) if addr}
+        return dp.may_dial(a, b, listening, self.limited, self.direct)
+
+    def relayed_pairs(self) -> list[Pair]:
+        """The (low, high) rank pairs with no direct path either way: they meet at a relay."""
+        n = len(self.listen)
+        return [(a, b) for a in range(n) for b in range(a + 1, n)
+                if not self.can_dial(a, b) and not self.can_dial(b, a)]
+
+
+def peer_table(records: Sequence[AgentRecord], direct: set[tuple[str, str]]) -> PeerTable:
+    """The epoch's peer table from the members' verdicts and `direct` ((dialer, listener)
+    agent ids, `relayed.direct_dials`): a member reachable from everywhere listens for all;
+    an undialable one that some member of this epoch got through to listens for those only;
+    the rest dial."""
+    rank = {r.agent_id: k for k, r in enumerate(records)}
+    pairs = {(rank[a], rank[b]) for a, b in direct if a in rank and b in rank
+             and records[rank[b]].info.data_port > 0 and not accepts(records[rank[b]])}
+    limited = {b for _, b in pairs}
+    listen = [member_address(r.info.host, r.info.data_port) if accepts(r) or k in limited
+              else "" for k, r in enumerate(records)]
+    return PeerTable(listen, limited, pairs)
+
+
+def pair_relays(records: Sequence[AgentRecord], pairs: Sequence[Pair], links: Links | None,
                 coordinator: bool) -> dict[Pair, str]:
-    """Each dial-only pair's relay: a relay agent's HOST:PORT, or COORDINATOR. `coordinator`:
-    whether the coordinator's relay runs. Without `links` (not measured) relay agents are
-    not weighed and every pair meets at the coordinator's."""
-    dialers = [r for r, addr in enumerate(listen) if not addr]
-    pairs = [(a, b) for i, a in enumerate(dialers) for b in dialers[i + 1:]]
+    """Each relayed pair's relay (`PeerTable.relayed_pairs`): a relay agent's HOST:PORT, or
+    COORDINATOR. `coordinator`: whether the coordinator's relay runs. Without `links` (not
+    measured) relay agents are not weighed and every pair meets at the coordinator's."""
     if links is None:
         return dict.fromkeys(pairs, COORDINATOR) if coordinator else {}
     net, index, layout, shape = links
@@ -207,9 +248,11 @@ class DataPlanes:
         return native
 
     def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
-             links: Links | None = None) -> EpochPlane:
-        """The data plane of `epoch` for `records` in rank order, each dial-only pair's relay
-        chosen on `links` (module doc); tells the relay the epoch's secret when it is dtfm."""
+             links: Links | None = None, probes: LinkStore | None = None) -> EpochPlane:
+        """The data plane of `epoch` for `records` in rank order, each relayed pair's relay
+        chosen on `links` (module doc); `probes`: the measured links, whose probes are
+        evidence of direct paths to agents reachable from some peers only. Tells the relay
+        the epoch's secret when it is dtfm."""
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -222,10 +265,10 @@ class DataPlanes:
                 "transport, which carries CPU tensors only: GPU jobs with unreachable agents "
                 "are not supported yet; open their data and gRPC ports (docs/operations.md, "
                 "Ports) or start them with --reachable yes if peers can dial them"))
-        listen = [member_address(r.info.host, r.info.data_port) if accepts(r) else ""
-                  for r in records]
-        chosen = pair_relays(records, listen, links, self.relay is not None)
-        if len(chosen) < len(relayed) * (len(relayed) - 1) // 2:
+        table = peer_table(records, direct_dials(records, probes))
+        relayed_pairs = table.relayed_pairs()
+        chosen = pair_relays(records, relayed_pairs, links, self.relay is not None)
+        if len(chosen) < len(relayed_pairs):
             return EpochPlane(backend, relayed=relayed, unsupported=(
                 f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
                 "at a relay, but the coordinator's relay is off (--relay-port 0) and no relay "
@@ -246,6 +289,14 @@ class DataPlanes:
             log.info("job %s epoch %d: %d of %d dial-only pairs meet at relay agents (%s)",
                      job_id, epoch, len(by_agent), len(chosen),
                      ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in by_agent))
-        plane = common_pb2.DataPlane(listen=listen, relay=relay, secret=secret,
-                                     pair_relays=by_agent, hole_punch=self.hole_punch)
+        if table.direct:
+            log.info("job %s epoch %d: %d pairs dial a member reachable from some peers only "
+                     "directly (%s); %d pairs meet at a relay", job_id, epoch,
+                     len(table.direct), ", ".join(f"{a}->{b}" for a, b in sorted(table.direct)),
+                     len(relayed_pairs))
+        plane = common_pb2.DataPlane(
+            listen=table.listen, relay=relay, secret=secret, pair_relays=by_agent,
+            limited=sorted(table.limited),
+            direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)],
+            hole_punch=self.hole_punch)
         return EpochPlane(backend, plane, relayed)

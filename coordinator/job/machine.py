@@ -430,7 +430,7 @@ class Job:
         predicted = self.planner.model.predict({})
         self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
         plane = self.dataplane.plan(self.job_id, self.epoch, records,
-                                    (net, ranked, layout, self.planner.model.shape))
+                                    (net, ranked, layout, self.planner.model.shape), self.links)
         if plane.unsupported:
             self._set(S.JOB_STATE_FAILED, plane.unsupported)
             return

@@ -18,6 +18,15 @@ plan as unreachable. Two cases, after the measurer's passes (`coordinator/links/
   uplink is shared by every relayed flow a placement has, which the scheduler divides by
   (`coordinator/scheduler/relay.py`), since only a placement says how many there are.
 
+Agents reachable from some peers only (one site's LAN reaches them, the rest of the world
+does not) are undialable too, but not for everyone: a peer whose own dial got through, the
+dial-back's or a probe of that very direction (`direct_dials`), dials them directly on the
+data plane as well (coordinator/job/dataplane.py). Such a link needs nothing from here: its
+probe measured it as it is, direct, and it is priced so (path "": no relay hop, not counted
+among the relay's flows), which lets the scheduler place two agents of one site next to each
+other at their LAN's price. Only pairs failed both ways (`stranded_pairs`: no evidence of a
+direct path either way) are priced relayed, the same pairs the data plane relays.
+
 Pure bookkeeping on the `LinkStore`; the measurer runs the probes.
 """
 
@@ -68,6 +77,30 @@ def undialable(records: Sequence[AgentRecord]) -> set[str]:
     a job on it that gloo then cannot cross."""
     return {r.agent_id for r in records
             if r.reach.verdict in (reach.NOWHERE, reach.SOME_PEERS)}
+
+
+def direct_dials(records: Sequence[AgentRecord], store: LinkStore | None = None
+                 ) -> set[tuple[str, str]]:
+    """(dialer, listener) agent ids where the listener is undialable (`undialable`) yet the
+    dialer got through to it: the dialer's dial-back of it succeeded (`ReachStatus.dials`),
+    or the dialer's own probe of that direction did (a probe, not a figure taken the other
+    way or through a relay). Both are a dial of the listener's advertised address answered
+    by the listener's own id (`dtfm.reach.identified`, agent/linkprobe.py), so two agents
+    behind different NATs at one private address never count as each other. A direction is
+    evidence for itself only: a NAT lets its LAN dial out and in, a firewall may not.
+
+    An agent the operator declared unreachable (`--reachable no`) is dialled by nobody: the
+    operator's word stands over any probe."""
+    ids = {r.agent_id for r in records}
+    out = set()
+    for rec in records:
+        if rec.agent_id not in undialable([rec]) or rec.reach.overridden:
+            continue
+        ok = {d.dialer for d in rec.reach.dials if d.ok} & ids
+        if store is not None:
+            ok |= {a for a in ids if _probed(store, a, rec.agent_id) is not None}
+        out |= {(a, rec.agent_id) for a in ok - {rec.agent_id}}
+    return out
 
 
 def fill_other_way(store: LinkStore, ids: Sequence[str], hidden: set[str]

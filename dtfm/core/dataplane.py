@@ -24,6 +24,7 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 
 # A data-plane port (a reachable agent's worker, the coordinator's relay) defaults to its gRPC
@@ -195,6 +196,15 @@ def stream_id(group: str, collective: bool) -> int:
     """A 64-bit stream id for a group's point-to-point or collective messages."""
     h = int.from_bytes(hashlib.sha256(group.encode()).digest()[:8], "big") & ~1
     return h | int(collective)
+
+
+def may_dial(a: int, b: int, listening: Container[int], limited: Container[int],
+             direct: Container[tuple[int, int]]) -> bool:
+    """Whether rank `a` may dial rank `b` by the peer table: `b` listens, for everyone or, a
+    `limited` rank (reachable from some peers only), for the (dialer, listener) pairs in
+    `direct`. One rule for the coordinator that writes the table and the workers that read
+    it (`TransportConfig.mode`), so both ends of a pair and the relay plan agree."""
+    return b in listening and (b not in limited or (a, b) in direct)
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

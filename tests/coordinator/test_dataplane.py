@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from coordinator.daemon.registry import AgentRecord
-from coordinator.job.dataplane import DataPlanes, pair_bytes
+from coordinator.job.dataplane import DataPlanes, pair_bytes, peer_table
+from coordinator.links.relayed import direct_dials
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES
 from coordinator.scheduler.steptime import StepShape
 from dtfm import reach
@@ -176,3 +177,63 @@ def test_status_adds_relay_agents_counts_and_keeps_them_across_an_agent_restart(
     assert planes.status_fields("j") == {"relayed_bytes": 290, "relay_refused_bytes": 5}
     planes.observe("a", report(30, 0))  # restarted: counts from zero, the 250 stay counted
     assert planes.status_fields("j") == {"relayed_bytes": 320, "relay_refused_bytes": 5}
+
+
+def _dialled(rec: AgentRecord, *results: tuple[str, bool]) -> AgentRecord:
+    """`rec` with the dial-back results (dialer, got through) of its check."""
+    rec.reach.dials.extend(reach.result(d, "" if ok else "deadline exceeded")
+                           for d, ok in results)
+    return rec
+
+
+def _site_world() -> list[AgentRecord]:
+    """a0 reachable; a1 and a2 behind one NAT (each reached by the other's dial-back, by
+    nobody else); a3 behind a NAT of its own."""
+    return [_rec(0, reach.EVERYWHERE),
+            _dialled(_rec(1, reach.SOME_PEERS), ("coordinator", False), ("a2", True),
+                     ("a0", False)),
+            _dialled(_rec(2, reach.SOME_PEERS), ("coordinator", False), ("a1", True)),
+            _dialled(_rec(3, reach.NOWHERE), ("coordinator", False), ("a0", False))]
+
+
+def test_a_some_peers_member_listens_for_the_peers_that_reached_it_only() -> None:
+    """Before: a SOME_PEERS member was taken as NOWHERE, so the a1-a2 pair of one site met
+    at the relay. Now each listens for the other: they talk directly, and only pairs with no
+    direct path either way (with a3) are relayed."""
+    async def run() -> None:
+        planes = DataPlanes()
+        await planes.start_relay("127.0.0.1", 0)
+        try:
+            e = planes.plan("j", 1, _site_world())
+            assert e.plane is not None and not e.unsupported
+            assert list(e.plane.listen) == ["10.0.0.0:7072", "10.0.0.1:7072",
+                                            "10.0.0.2:7072", ""]
+            assert list(e.plane.limited) == [1, 2]
+            assert {(d.dialer, d.listener) for d in e.plane.direct} == {(1, 2), (2, 1)}
+            table = peer_table(_site_world(), direct_dials(_site_world()))
+            assert table.relayed_pairs() == [(1, 3), (2, 3)]  # not (1, 2), nor any with a0
+            assert not table.can_dial(0, 1) and table.can_dial(1, 0)  # a0 did not reach a1
+        finally:
+            await planes.close()
+    asyncio.run(run())
+
+
+def test_a_probe_that_got_through_is_evidence_of_its_direction_and_no_relay_is_needed() -> None:
+    """A link probe of a3 by a1 got through (identified by id, path "": probed): a1 may dial
+    a3 though a3's dial-back had no site peer among its dialers. Its reverse, taken the
+    other way, is no evidence. With every pair direct, no relay is needed at all."""
+    from coordinator.links.store import REVERSE, LinkEntry, LinkStore
+
+    store = LinkStore()
+    store.entries["a1", "a3"] = LinkEntry(1.0, 1.0, True, "", 0.0)
+    store.entries["a3", "a2"] = LinkEntry(1.0, 1.0, True, "", 0.0, path=REVERSE)
+    assert direct_dials(_site_world(), store) == {("a1", "a2"), ("a2", "a1"), ("a1", "a3")}
+    recs = [_site_world()[k] for k in (1, 2, 3)]  # ranks: a1, a2, a3
+    three = DataPlanes().plan("j", 1, recs, probes=store)  # no relay running
+    assert three.unsupported  # a2-a3 has no direct path and there is no relay
+    two = DataPlanes().plan("j", 1, recs[:2])
+    assert not two.unsupported and two.plane is not None and two.plane.relay == ""
+    assert {(d.dialer, d.listener) for d in two.plane.direct} == {(0, 1), (1, 0)}
+    # the operator's --reachable no stands over any evidence: nobody dials it
+    recs[0].reach.overridden = True
+    assert ("a2", "a1") not in direct_dials(recs, store)

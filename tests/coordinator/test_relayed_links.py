@@ -22,6 +22,7 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 BANDWIDTH = coordinator_pb2.MEASURE_KIND_BANDWIDTH
 # one-way ms to the core, access Gbit/s; the relay sits at the core
+LAN = (0.5, 1.0)  # one site's LAN: ms one way, Gbit/s
 SITE = {"a0": (10.0, 1.0), "a1": (20.0, 0.5), "n2": (30.0, 0.2), "n3": (40.0, 0.1),
         relayed.RELAY: (0.0, 10.0)}
 
@@ -33,9 +34,10 @@ def _figures(a: str, b: str) -> tuple[float, float]:
 class Agents:
     """Answers measure commands; `hidden` agents cannot be dialled (probes to them fail)."""
 
-    def __init__(self, registry: Registry, hidden: set[str], relay_answers: bool = True
-                 ) -> None:
+    def __init__(self, registry: Registry, hidden: set[str], relay_answers: bool = True,
+                 site: frozenset[str] = frozenset()) -> None:
         self.registry, self.hidden, self.relay_answers = registry, hidden, relay_answers
+        self.site = site  # hidden agents of one LAN: they dial each other, at LAN figures
         self.measurer: LinkMeasurer | None = None
         self.asked: list[tuple[str, int, str, str]] = []  # (agent, kind, peer, address)
 
@@ -48,9 +50,10 @@ class Agents:
                 self.asked.append((agent_id, cmd.kind, p.agent_id, p.address))
             samples = []
             for p in cmd.peers:
-                fails = p.agent_id in self.hidden or (
+                lan = {agent_id, p.agent_id} <= self.site
+                fails = (p.agent_id in self.hidden and not lan) or (
                     p.agent_id == relayed.RELAY and not self.relay_answers)
-                delay, gbps = _figures(agent_id, p.agent_id)
+                delay, gbps = LAN if lan else _figures(agent_id, p.agent_id)
                 samples.append(common_pb2.LinkSample(
                     peer_id=p.agent_id, reachable=not fails, delay_ms=0.0 if fails else delay,
                     bandwidth_gbps=0.0 if fails or cmd.kind != BANDWIDTH else gbps,
@@ -61,10 +64,12 @@ class Agents:
             assert error is None, error
 
 
-async def _measure(hidden: set[str], relay_answers: bool = True, cut: bool = False
+async def _measure(hidden: set[str], relay_answers: bool = True, cut: bool = False,
+                   site: frozenset[str] = frozenset()
                    ) -> tuple[Agents, common_pb2.LinkMatrix, LinkStore]:
     """`hidden` agents cannot be dialled; found so (verdict nowhere) unless `cut`: then their
-    links fail although the dial-back found them reachable (a path down between them)."""
+    links fail although the dial-back found them reachable (a path down between them).
+    Hidden agents of `site` share one LAN: they reach each other, verdict some peers."""
     registry = Registry(liveness_timeout_s=60)
     ids = ["a0", "a1", "n2", "n3"]
     for i, agent_id in enumerate(ids):
@@ -72,11 +77,11 @@ async def _measure(hidden: set[str], relay_answers: bool = True, cut: bool = Fal
                                            port=7000 + i))
         record = registry.get(agent_id)
         assert record is not None
-        record.reach.verdict = (reach.NOWHERE if agent_id in hidden and not cut
-                                else reach.EVERYWHERE)
+        record.reach.verdict = (reach.EVERYWHERE if agent_id not in hidden or cut
+                                else reach.SOME_PEERS if agent_id in site else reach.NOWHERE)
     store = LinkStore()
     measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
-    agents = Agents(registry, hidden, relay_answers)
+    agents = Agents(registry, hidden, relay_answers, site)
     agents.measurer = measurer
     servers = [asyncio.create_task(agents.serve(i)) for i in ids]
     try:
@@ -125,6 +130,37 @@ def test_a_pair_neither_end_can_dial_is_priced_through_the_relay() -> None:
     assert {kind for _, kind in hops} == {coordinator_pb2.MEASURE_KIND_LATENCY, BANDWIDTH}
     assert store.entries["a0", "n3"].path == REVERSE
     assert matrix_to_json(matrix)["relayed"] == list(matrix.relayed)
+
+
+@pytest.mark.timeout(60)
+def test_two_agents_of_one_site_are_priced_direct_as_the_data_plane_connects_them() -> None:
+    """n2 and n3 sit behind one NAT (some peers: each other). Their probes of each other got
+    through: the pair is priced at its LAN's figures, not through the relay, and a grid with
+    them as pipeline neighbours has no relayed flow to share the relay's uplink; the data
+    plane dials that pair directly (`direct_dials`, the same probes). Behind NATs of their own
+    (the contrast) the pair is relayed in both."""
+    from coordinator.job.dataplane import peer_table
+    from coordinator.scheduler import relay
+
+    for site, want_relayed in ((frozenset({"n2", "n3"}), False), (frozenset(), True)):
+        registry_agents, matrix, store = asyncio.run(_measure({"n2", "n3"}, site=site))
+        ids = list(matrix.agent_ids)
+        grid = [[ids.index("a0")], [ids.index("n2")], [ids.index("n3")], [ids.index("a1")]]
+        flows = relay.relayed_flows(grid, relay.mask(ids, list(matrix.relayed)))
+        records = [registry_agents.registry.get(i) for i in ("a0", "n2", "n3", "a1")]
+        for r in records:
+            assert r is not None
+            r.info.data_port = 7100
+        table = peer_table(records, relayed.direct_dials(records, store))
+        if want_relayed:
+            assert sorted(matrix.relayed) == ["n2->n3", "n3->n2"] and flows == 2
+            assert table.relayed_pairs() == [(1, 2)]
+            continue
+        assert not matrix.relayed and not matrix.unreachable and flows == 0
+        entry = store.entries["n2", "n3"]
+        assert entry.path == "" and (entry.delay_ms, entry.bandwidth_gbps) == LAN
+        assert {("n2", "n3"), ("n3", "n2")} <= relayed.direct_dials(records, store)
+        assert table.relayed_pairs() == [] and table.can_dial(2, 1)
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,9 @@ finishes all its steps.
 The layout is `--placement rank-order`: agents in address order, stage-major. The NAT'd
 agents advertise private 192.168.1.x addresses, which sort after every public one, so they
 hold stage 2 replica 1 and stage 3 replicas 0 and 1: a pipeline pair (stage 2 -> 3 of
-replica 1) and a data-parallel pair (stage 3) with no direct path, which meet at the relay. A
+replica 1) and a data-parallel pair (stage 3) between them. The lone one's pairs have no
+direct path and meet at the relay; the site's two dial each other directly where the
+dial-back found that they reach each other (test_wan_nat_site.py pins that). A
 scheduled placement would try to keep them apart (relayed links are priced; that is pinned by
 test_wan_relayed_links.py), and then the relay might carry nothing worth killing. Hence also
 `--no-measure`: rank order needs no links.

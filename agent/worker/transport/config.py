@@ -1,9 +1,10 @@
 """What the data-plane transport needs to know, from the assignment, not from a store.
 
-The peer table says which rank listens where (None: it cannot accept, it only dials) and
-which relay two non-listening ranks meet at; with it no rank ever needs an inbound
-connection it cannot take, and rendezvous needs no TCPStore on rank 0 (rank 0 may be behind
-a NAT too). It comes as `pg_options` of `init_process_group`, or from the environment
+The peer table says which rank listens where (None: it cannot accept, it only dials), for
+whom (a `limited` rank only for the dialers `direct` names: its own site's LAN, say) and
+which relay two ranks meet at where neither may dial the other; with it no rank ever needs
+an inbound connection it cannot take, and rendezvous needs no TCPStore on rank 0 (rank 0 may
+be behind a NAT too). It comes as `pg_options` of `init_process_group`, or from the environment
 (`DTFM_TRANSPORT`: JSON, the secret read from `secret_file`, never put in the JSON).
 """
 
@@ -14,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from dtfm.core.dataplane import parse_addr
+from dtfm.core.dataplane import may_dial, parse_addr
 
 ENV = "DTFM_TRANSPORT"
 
@@ -31,6 +32,11 @@ class TransportConfig:
     # (low rank, high rank) -> "host:port" of the relay that pair meets at instead of `relay`
     # (a relay agent the coordinator chose for it by measured links)
     pair_relays: dict[tuple[int, int], str] = field(default_factory=dict)
+    # ranks that listen for some peers only (reachable from one site's LAN, say): only the
+    # (dialer, listener) pairs in `direct` may dial them; every other pair with one of them
+    # is taken as if it did not listen
+    limited: frozenset[int] = frozenset()
+    direct: frozenset[tuple[int, int]] = frozenset()
     bind: str | None = None  # listen here instead of this rank's advertised address
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)
@@ -49,17 +55,31 @@ class TransportConfig:
                 raise ValueError(f"pair_relays names pair ({a}, {b}): give (low rank, "
                                  f"high rank), both >= 0")
             parse_addr(addr)
+        for dialer, listener in self.direct:
+            if listener not in self.limited or self.peers.get(listener) is None \
+                    or dialer not in self.peers or dialer == listener:
+                raise ValueError(f"direct names rank {dialer} dialling rank {listener}: the "
+                                 f"listener must be a limited rank with a listen address and "
+                                 f"the dialer another rank of the peer table")
+
+    def can_dial(self, a: int, b: int) -> bool:
+        """Whether rank `a` may dial rank `b`: `b` listens, for everyone or (limited) for
+        `a` among others."""
+        listening = {r for r, addr in self.peers.items() if addr is not None}
+        return may_dial(a, b, listening, self.limited, self.direct)
 
     def relay_for(self, me: int, peer: int) -> str | None:
         """The relay `me` and `peer` meet at: the pair's own, else the default."""
         return self.pair_relays.get((min(me, peer), max(me, peer)), self.relay)
 
     def mode(self, me: int, peer: int) -> str:
-        """'dial', 'accept' or 'relay': how `me` reaches `peer` (both ends agree)."""
-        mine, theirs = self.peers.get(me), self.peers.get(peer)
-        if theirs is not None and (mine is None or me > peer):
+        """'dial', 'accept' or 'relay': how `me` reaches `peer`. Both ends agree, as the
+        rule is symmetric: where only one end may dial the other it dials, where both may
+        the higher rank dials, where neither may they meet at the pair's relay."""
+        i_dial, they_dial = self.can_dial(me, peer), self.can_dial(peer, me)
+        if i_dial and (not they_dial or me > peer):
             return "dial"
-        if mine is not None:
+        if they_dial:
             return "accept"
         if self.relay_for(me, peer) is None:
             raise ValueError(f"ranks {me} and {peer} both only dial out and the peer table "
@@ -81,6 +101,8 @@ class TransportConfig:
                 job=str(d["job"]), epoch=int(d["epoch"]), secret=secret,
                 peers={int(k): v for k, v in d["peers"].items()}, relay=d.get("relay"),
                 pair_relays={_pair(k): v for k, v in d.get("pair_relays", {}).items()},
+                limited=frozenset(int(r) for r in d.get("limited", [])),
+                direct=frozenset(_pair(k) for k in d.get("direct", [])),
                 bind=d.get("bind"), timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
                 hole_punch=bool(d.get("hole_punch", False)),
             )
@@ -95,11 +117,13 @@ class TransportConfig:
                            "relay": self.relay, "bind": self.bind,
                            "pair_relays": {f"{a},{b}": v
                                            for (a, b), v in self.pair_relays.items()},
+                           "limited": sorted(self.limited),
+                           "direct": [f"{a},{b}" for a, b in sorted(self.direct)],
                            "timeout_s": self.timeout.total_seconds(),
                            "hole_punch": self.hole_punch})
 
 
 def _pair(key: str) -> tuple[int, int]:
-    """"A,B" (a pair_relays key in the JSON) as a pair of ranks."""
+    """"A,B" (a pair_relays key, or a direct dial, in the JSON) as a pair of ranks."""
     a, _, b = key.partition(",")
     return int(a), int(b)

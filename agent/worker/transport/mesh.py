@@ -3,8 +3,21 @@
 A connection per peer, opened on first use by the end that can: a rank that cannot listen
 dials one that can; where neither listens both dial the relay, which pairs them
 (`dtfm/relay.py`), and try to punch a direct connection through their NATs from there
-(`punch.py`; `TransportConfig.hole_punch`). Every connection starts with the job-key handshake
-(`dtfm.core.dataplane.handshake`); a peer that fails it is closed before any frame is read.
+(`punch.py`; `TransportConfig.hole_punch`). A rank reachable from some peers only (its
+site's LAN) listens for those the peer table names (`TransportConfig.direct`): they dial it
+directly, every other pair with it goes as if it did not listen (`TransportConfig.mode`, the
+same rule at both ends).
+
+A direct dial that fails at run time (the coordinator's evidence, a dial of the agent's gRPC
+port, did not hold for its data port) is an error naming the pair, not a quiet fall back to
+the relay: the listener cannot tell a dialer that gave up from one that has not started yet,
+and a relay circuit says nothing until its partner arrives, so a listener that also waited at
+the relay could settle on the relay while its dialer's late direct connection was accepted,
+or the other way round, and the two ends would disagree on the path. The failure ends the
+epoch as a lost worker does; the error says how to make the pair relayed.
+
+Every connection starts with the job-key handshake (`dtfm.core.dataplane.handshake`); a peer
+that fails it is closed before any frame is read.
 
 Messages are matched like gloo's: by (source rank, stream, tag), in order. A frame whose
 receive is posted is read straight into the receiver's tensor; one that arrives first waits
@@ -292,7 +305,19 @@ class Mesh:
         else:
             addr, role_target = self.cfg.relay_for(self.rank, p.rank), p.rank
         assert addr is not None
-        sock = self._dial(addr, p.rank, role_target)
+        try:
+            sock = self._dial(addr, p.rank, role_target)
+        except ConnectionError as exc:
+            if mode == "dial" and p.rank in self.cfg.limited:
+                raise ConnectionError(
+                    f"rank {self.rank} cannot dial rank {p.rank} directly at {addr}, though "
+                    f"the coordinator found a direct path (rank {p.rank} is reachable from "
+                    f"some peers only, and rank {self.rank}'s dial-back or link probe of its "
+                    f"gRPC port got through): its data port is not reachable from here. "
+                    f"Open it to its site's peers as the gRPC port is (docs/operations.md, "
+                    f"Ports), or start that agent with --reachable no so every pair with it "
+                    f"is relayed: {exc}") from exc
+            raise
         if role_target != dp.NO_RANK:
             sock = self._through_relay(sock, p.rank)
         p.attach(sock)

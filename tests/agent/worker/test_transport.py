@@ -73,6 +73,54 @@ def _relay_process(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.timeout(240)
+def test_a_direct_pair_of_limited_listeners_talks_directly_the_rest_through_a_relay(
+        tmp_path: Path) -> None:
+    """Ranks 1 and 3 sit at one site (each reachable from the other only: `limited`, with
+    `direct` both ways), rank 2 behind a NAT of its own, rank 0 reachable. The data-parallel
+    pair (1, 3) dials directly: the default relay is a dead address, so any attempt of
+    theirs to relay would fail; (1, 2) and (2, 3) meet at their pair relay, which forwards
+    their bytes. Every op's result is gloo's."""
+    relay = Relay(SECRET, pair_timeout_s=60)
+    live = relay.start_in_thread()
+    dead = f"127.0.0.1:{free_port()}"
+    try:
+        peers: dict[int, str | None] = {r: f"127.0.0.1:{free_port()}" for r in (0, 1, 3)}
+        peers[2] = None
+        cfg = TransportConfig("job-a", 1, SECRET, peers, relay=dead,
+                              pair_relays={(1, 2): live, (2, 3): live}, limited=frozenset({1, 3}),
+                              direct=frozenset({(1, 3), (3, 1)}))
+        assert cfg.mode(3, 1) == "dial" and cfg.mode(1, 3) == "accept"  # higher rank dials
+        assert cfg.mode(0, 1) == "accept" and cfg.mode(1, 0) == "dial"  # 0 may not dial 1
+        assert cfg.mode(2, 1) == cfg.mode(1, 2) == "relay"  # 2 may not dial 1 either
+        ours = _spawn_ranks("dtfm", [cfg] * 4, tmp_path)
+        assert relay.forwarded("job-a") > 0  # the pairs with rank 2
+    finally:
+        relay.stop()
+    _assert_gloos_results(ours, _spawn_ranks("gloo", [None] * 4, tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_direct_dial_names_the_pair_and_what_to_do() -> None:
+    """The coordinator's evidence was wrong (nothing answers at the limited rank's data
+    port): the dialler's send fails with an error naming both ranks and the remedy, not a
+    bare connection error or a silent switch of path the other end would not follow."""
+    cfg = TransportConfig("job-a", 1, SECRET, {0: None, 1: f"127.0.0.1:{free_port()}"},
+                          limited=frozenset({1}), direct=frozenset({(0, 1)}),
+                          timeout=timedelta(seconds=1))
+    assert cfg.mode(0, 1) == "dial"
+    m = Mesh(cfg, 0)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 0 cannot dial rank 1 directly.*"
+                                                  r"--reachable no"):
+            m.send(1, 0, 1, torch.zeros(4)).wait(timedelta(seconds=30))
+    finally:
+        m.close()
+    with pytest.raises(ValueError, match="limited rank"):
+        TransportConfig("j", 1, SECRET, {0: None, 1: None}, limited=frozenset({1}),
+                        direct=frozenset({(0, 1)}))
+
+
+@pytest.mark.timeout(240)
 def test_worker_ops_match_gloo_with_dialers_and_a_relay(tmp_path: Path) -> None:
     relay, relay_addr = _relay_process(tmp_path)
     try:
@@ -85,7 +133,12 @@ def test_worker_ops_match_gloo_with_dialers_and_a_relay(tmp_path: Path) -> None:
     finally:
         relay.kill()
         relay.wait(10)
-    gloo = _spawn_ranks("gloo", [None] * 4, tmp_path)
+    _assert_gloos_results(ours, _spawn_ranks("gloo", [None] * 4, tmp_path))
+
+
+def _assert_gloos_results(ours: list[dict], gloo: list[dict]) -> None:
+    """The dtfm ranks' results are gloo's: bitwise, but for 4-member sums of random floats
+    (another order of addition), which agree across ranks and with the rank-order sum."""
     # the big world SUM: every member reduced in group-rank order, bitwise, and each member
     # sent 2(n-1)/n of the tensor (reduce-scatter + all-gather), not n-1 whole tensors
     ref = ours[0]["world_big_in"].clone()
