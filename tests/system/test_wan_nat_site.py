@@ -17,6 +17,7 @@ order needs no links: the dial-back's evidence alone lets them dial each other.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,15 @@ def test_two_agents_behind_one_nat_talk_directly_and_train_to_glooss_losses(
     assert verdicts[ids[0]] == "everywhere", verdicts
     grid = status["plan"]["grid"]
     assert [row[0] for row in grid] == ids, (grid, ids)  # the NAT'd pair: stages 1 and 2
-    # the pair's activations and gradients, and everything else, went direct
-    assert job["relay"]["forwarded_bytes"] == 0, job
+    # the pair's activations and gradients went direct: no circuit of theirs at the relay
     log = (tmp_path / "site" / "coordinator.log").read_text(errors="replace")
-    assert "dtfm data plane" in log and "pairs dial a member reachable from some peers " \
-        "only directly (1->2, 2->1); 0 pairs meet at a relay" in log, log[-3000:]
+    direct = re.search(r"pairs dial a member reachable from some peers only directly "
+                       r"\(1->2, 2->1\); (\d+) pairs meet at a relay", log)
+    assert "dtfm data plane" in log and direct, log[-3000:]
+    assert not re.search(r"relay: circuit between ranks (1 and 2|2 and 1)", log), log[-3000:]
+    # pairs with agent 0 meet at the relay only if its own verdict had not come in when the
+    # epoch was planned; those punch through (test_wan_punch.py), so the relay carried
+    # at most their one-byte "got through" frames
+    assert job["relay"]["forwarded_bytes"] <= 2 * int(direct.group(1)), job
     assert sorted(got) == sorted(ref) and len(ref) >= STEPS, (sorted(got), sorted(ref))
     assert got == ref  # bit for bit: same seed, same data, same weights
