@@ -59,10 +59,11 @@ import grpc
 from agent import retryloop
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
+from dtfm.core.assignment import COORDINATOR_PEER
 from dtfm.core.checkpoints import KEEP, FileEntry, Manifest
 from dtfm.core.limits import MAX_NAME, clip, text_problem
 from dtfm.core.spec import ModelSpec
-from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +184,27 @@ class DiskFull(OSError):
 
 @dataclass
 class Peer:
-    """One peer agent, reached over an authenticated channel."""
+    """One peer agent, reached over an authenticated channel; or the coordinator, whose
+    service answers the same checkpoint calls (its copy of last resort)."""
 
     address: str
-    stub: agent_pb2_grpc.AgentStub
+    stub: agent_pb2_grpc.AgentStub | coordinator_pb2_grpc.CoordinatorStub
+
+
+def open_peer(address: str, security: rpc.Security,
+              coordinator: str = "") -> tuple[grpc.aio.Channel, Peer]:
+    """A channel and a checkpoint stub for `address`: a peer agent's HOST:PORT, or
+    COORDINATOR_PEER, the coordinator at `coordinator` (the address this agent joined it
+    at). rpc.ConfigError when it cannot be dialled as given."""
+    if address != COORDINATOR_PEER:
+        channel = rpc.open_channel(address, security)
+        return channel, Peer(address, agent_pb2_grpc.AgentStub(channel))
+    if not coordinator:
+        raise rpc.ConfigError("the coordinator holds this copy, but this agent was not told "
+                              "the coordinator's address")
+    channel = rpc.open_channel(coordinator, security)
+    return channel, Peer(f"the coordinator ({coordinator})",
+                         coordinator_pb2_grpc.CoordinatorStub(channel))
 
 
 async def list_peer(peer: Peer, job_id: str, stage: int, spec: ModelSpec,
@@ -399,9 +417,10 @@ class CheckpointCopier:
 
     def __init__(self, root: Path, security: rpc.Security,
                  budget_s: float = PREPARE_BUDGET_S,
-                 mirror_interval_s: float = MIRROR_INTERVAL_S) -> None:
+                 mirror_interval_s: float = MIRROR_INTERVAL_S, coordinator: str = "") -> None:
         self.root = Path(root)
         self.security = security
+        self.coordinator = coordinator  # HOST:PORT this agent joined: for COORDINATOR_PEER
         self.budget_s = budget_s
         self.mirror_interval_s = mirror_interval_s
         self._mirrors: list[asyncio.Task[None]] = []
@@ -423,12 +442,12 @@ class CheckpointCopier:
         try:
             for address in dict.fromkeys(addresses):
                 try:
-                    channel = rpc.open_channel(address, self.security)
+                    channel, peer = open_peer(address, self.security, self.coordinator)
                 except rpc.ConfigError as e:
                     log.warning("checkpoint: skipping peer %r: %s", address, e)
                     continue
                 channels.append(channel)
-                peers.append(Peer(address, agent_pb2_grpc.AgentStub(channel)))
+                peers.append(peer)
             yield peers
         finally:
             for channel in channels:
@@ -493,7 +512,7 @@ class CheckpointCopier:
             if peers and len(unasked) == len(peers):
                 log.warning("checkpoint: stage %d of job %s: none of the %d peers could be "
                             "asked for its checkpoints (%s): a copy needs a dial, agents behind "
-                            "a NAT or firewall accept none, and copies are not relayed; the "
+                            "a NAT or firewall accept none; the "
                             "worker starts from step %d", stage, a.job_id, len(peers),
                             unasked[0], have)
                 return
