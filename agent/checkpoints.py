@@ -184,8 +184,7 @@ class DiskFull(OSError):
 
 @dataclass
 class Peer:
-    """One peer agent, reached over an authenticated channel; or the coordinator, whose
-    service answers the same checkpoint calls (its copy of last resort)."""
+    """A peer agent over an authenticated channel, or the coordinator (same calls)."""
 
     address: str
     stub: agent_pb2_grpc.AgentStub | coordinator_pb2_grpc.CoordinatorStub
@@ -194,16 +193,14 @@ class Peer:
 def open_peer(address: str, security: rpc.Security,
               coordinator: str = "") -> tuple[grpc.aio.Channel, Peer]:
     """A channel and a checkpoint stub for `address`: a peer agent's HOST:PORT, or
-    COORDINATOR_PEER, the coordinator at `coordinator` (the address this agent joined it
-    at). rpc.ConfigError when it cannot be dialled as given."""
+    COORDINATOR_PEER, the coordinator at `coordinator` (HOST:PORT this agent joined)."""
     if address != COORDINATOR_PEER:
         channel = rpc.open_channel(address, security)
         return channel, Peer(address, agent_pb2_grpc.AgentStub(channel))
     if not coordinator:
-        raise rpc.ConfigError("the coordinator holds this copy, but this agent was not told "
-                              "the coordinator's address")
+        raise rpc.ConfigError("this agent was not told the coordinator's address")
     channel = rpc.open_channel(coordinator, security)
-    return channel, Peer(f"the coordinator ({coordinator})",
+    return channel, Peer(f"coordinator {coordinator}",
                          coordinator_pb2_grpc.CoordinatorStub(channel))
 
 
@@ -511,10 +508,8 @@ class CheckpointCopier:
             newer = sorted(s for s in by_step if s > have)[-KEEP:]
             if peers and len(unasked) == len(peers):
                 log.warning("checkpoint: stage %d of job %s: none of the %d peers could be "
-                            "asked for its checkpoints (%s): a copy needs a dial, agents behind "
-                            "a NAT or firewall accept none; the "
-                            "worker starts from step %d", stage, a.job_id, len(peers),
-                            unasked[0], have)
+                            "asked for its checkpoints (%s); the worker starts from step %d",
+                            stage, a.job_id, len(peers), unasked[0], have)
                 return
             if not newer:
                 log.info("checkpoint: stage %d (layers %d-%d) of job %s: this agent holds "
