@@ -126,13 +126,33 @@ class CheckpointPushes:
             log.warning("checkpoint: cannot push stage %d of job %s to %r: %s", stage, job_id,
                         address, e)
             return
-        # the coordinator keeps one step per stage (coordinator/job/checkpointcopies.py)
-        keep = 1 if address == COORDINATOR_PEER else KEEP
+        if address != COORDINATOR_PEER:
+            async with channel:
+                await retryloop.every(self.interval_s,
+                                      lambda: self.push_once(peer, job_id, stage, spec),
+                                      f"push stage {stage} of job {job_id} to {address}",
+                                      address, log)
+            return
+
+        async def to_coordinator() -> None:
+            """It keeps one step per stage (coordinator/job/checkpointcopies.py), and only
+            while it runs the job: refused as a precondition, the job ended (or that
+            coordinator runs another), so pushing again would only resend the bytes."""
+            try:
+                await self.push_once(peer, job_id, stage, spec, keep=1)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.info("checkpoint: stopped pushing stage %d of job %s to the coordinator: "
+                         "%s", stage, job_id, e.details())
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()  # ends the loop at its next sleep
+
         async with channel:
-            await retryloop.every(self.interval_s,
-                                  lambda: self.push_once(peer, job_id, stage, spec, keep),
-                                  f"push stage {stage} of job {job_id} to {address}", address,
-                                  log)
+            await retryloop.every(self.interval_s, to_coordinator,
+                                  f"push stage {stage} of job {job_id} to the coordinator",
+                                  self.coordinator, log)
 
     async def push_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec,
                         keep: int = KEEP) -> list[int]:

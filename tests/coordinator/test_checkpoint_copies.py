@@ -170,3 +170,30 @@ def test_pushes_to_the_coordinator_are_authenticated_for_its_job_and_within_the_
                                                                    job).exists()
 
     asyncio.run(main())
+
+
+def test_a_holder_stops_pushing_once_the_coordinators_job_has_ended(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """After the job ends the coordinator takes no more copies of it; the holder (whose
+    assignment lasts until its next one) stops pushing, instead of resending its newest step
+    every second for as long as it idles."""
+    state, holder = tmp_path / "coordinator", tmp_path / "holder"
+
+    async def main() -> None:
+        async with coordinator(state) as (address, svc):
+            job = svc.job.job_id
+            write_step(holder, 0, 2, payload(2), job=job)
+            svc.job.state = coordinator_pb2.JOB_STATE_DONE
+            pushing = CheckpointPushes(holder, SECURITY, interval_s=0.05, coordinator=address)
+            pushing.start(assignment(job, 0, pushes=True))
+            try:
+                await eventually(lambda: "stopped pushing stage 0" in caplog.text, "the stop")
+                await asyncio.sleep(0.5)  # ten intervals: no push follows
+            finally:
+                await pushing.stop()
+            assert held_on_disk(state, job, 0) == []
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main())
+    assert caplog.text.count("refused a push") == 1, caplog.text
+    assert "keeps checkpoint copies only of the job it runs (none now)" in caplog.text
