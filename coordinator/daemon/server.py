@@ -144,6 +144,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.history.record(rec.agent_id, request)
             if request.epoch == self.job.epoch:
                 floor = self.job.checkpoint_floor()
+                layout = self.job.planner.layout  # stages the coordinator holds count too
+                if self.job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
+                    floor = self.copies.floor(self.job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor)
 
     async def Leave(

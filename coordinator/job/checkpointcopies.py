@@ -26,7 +26,7 @@ dials the coordinator, so there the stage's holder pushes it instead
   any other job an earlier run left (`keep_only`); without `--state-dir` the folder is a
   temporary one removed when the coordinator exits.
 
-`held` feeds `coordinator status` (stages, steps, bytes).
+`held` feeds `coordinator status` (stages, steps, bytes); `floor` the steps agents keep.
 """
 
 from __future__ import annotations
@@ -130,6 +130,17 @@ class CoordinatorCopies:
         key = ondisk.job_key(job_id) if job_id else ""
         return [coordinator_pb2.HeldCheckpoint(stage=stage, step=step, bytes=size)
                 for (job, stage), (step, size) in sorted(self._held.items()) if job == key]
+
+    def floor(self, job_id: str, stages: int, floor: int) -> int:
+        """The keep-from floor (`CheckpointTracker.floor`: the oldest step every agent must
+        keep, 0 none) lowered to the oldest step held here of stages 0..`stages`-1: a stage
+        lost with all its agents resumes from this copy, which lags its holder by the pushes
+        in flight, so every other stage must still hold its step (agents keep KEEP steps
+        otherwise, and a fast job outruns that)."""
+        mine = [c.step for c in self.held(job_id) if c.stage < stages]
+        if not mine:
+            return floor
+        return min(floor, min(mine)) if floor else max(1, min(mine))
 
     async def remove(self, job_id: str, why: str) -> None:
         """Delete every copy of `job_id` (it ended): nothing is left behind."""

@@ -40,6 +40,10 @@ from tests.agent.test_checkpoint_transfer import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+# grpc.aio may report a client stream the server refused early, while the client still
+# writes, as INTERNAL "Internal error from Core" in place of the server's status
+# (grpc/grpc#36066): the refusal's own code and reason are then in the coordinator's log
+OR_RACE = (grpc.StatusCode.INTERNAL,)
 
 
 @contextlib.asynccontextmanager
@@ -140,10 +144,11 @@ def test_pushes_to_the_coordinator_are_authenticated_for_its_job_and_within_the_
             s0 = write_step(holder, 0, 2, payload(2), job=job)
             s1 = write_step(holder, 1, 2, payload(3), job=job, layers=(2, 4))
             assert (await push(address, job, s0))[0] == grpc.StatusCode.OK
-            with caplog.at_level(logging.ERROR, logger="coordinator.job.checkpointcopies"):
+            with caplog.at_level(logging.WARNING):
                 code, why = await push(address, job, s1)
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, why
-            assert "raise --checkpoint-store-mib" in why and "stage 1 step 2" in caplog.text
+            assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, *OR_RACE), why
+            assert "stage 1 step 2 of job" in caplog.text
+            assert "raise --checkpoint-store-mib" in caplog.text
             assert held_on_disk(state, job, 1) == []
             newer = write_step(holder, 0, 4, payload(4), job=job)
             assert (await push(address, job, newer))[0] == grpc.StatusCode.OK
@@ -151,13 +156,18 @@ def test_pushes_to_the_coordinator_are_authenticated_for_its_job_and_within_the_
 
             # not the job it runs
             other = write_step(holder, 0, 2, payload(2), job="job-other")
-            code, why = await push(address, "job-other", other)
-            assert code == grpc.StatusCode.FAILED_PRECONDITION and "job-other" in why, why
+            with caplog.at_level(logging.WARNING):
+                code, why = await push(address, "job-other", other)
+            assert code in (grpc.StatusCode.FAILED_PRECONDITION, *OR_RACE), why
+            assert "only of the job it runs" in caplog.text and "not of job job-other" in \
+                caplog.text
             # more than the model's layers allow: refused before a byte is written
             huge = Manifest(job, 0, 8, (0, 2), (FileEntry(ondisk.data_name(8), 10**12,
                                                           hashlib.sha256(b"").hexdigest()),))
-            code, why = await push(address, job, huge)
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "refused" in why, why
+            with caplog.at_level(logging.WARNING):
+                code, why = await push(address, job, huge)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, *OR_RACE), why
+            assert "refused before downloading" in caplog.text
             # no token, no push
             code, _ = await push(address, job, newer, rpc.Security(token=""))
             assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -188,12 +198,37 @@ def test_a_holder_stops_pushing_once_the_coordinators_job_has_ended(
             pushing.start(assignment(job, 0, pushes=True))
             try:
                 await eventually(lambda: "stopped pushing stage 0" in caplog.text, "the stop")
+                refusals = caplog.text.count("refused a push")
                 await asyncio.sleep(0.5)  # ten intervals: no push follows
+                assert caplog.text.count("refused a push") == refusals
             finally:
                 await pushing.stop()
             assert held_on_disk(state, job, 0) == []
 
     with caplog.at_level(logging.INFO):
         asyncio.run(main())
-    assert caplog.text.count("refused a push") == 1, caplog.text
     assert "keeps checkpoint copies only of the job it runs (none now)" in caplog.text
+
+
+def test_the_keep_from_floor_covers_the_steps_the_coordinator_holds(tmp_path: Path) -> None:
+    """A stage lost with all its agents resumes from the coordinator's copy, which lags its
+    holder: every agent must keep that step (the floor), else a fast job's survivors have
+    pruned it and the job resumes from an older common step, or from 0."""
+    state, holder = tmp_path / "coordinator", tmp_path / "holder"
+
+    async def main() -> None:
+        async with coordinator(state) as (address, svc):
+            job = svc.job.job_id
+            assert svc.copies.floor(job, 2, 0) == 0 and svc.copies.floor(job, 2, 7) == 7
+            async with rpc.open_channel(address, SECURITY) as channel:
+                peer = Peer(address, coordinator_pb2_grpc.CoordinatorStub(channel))
+                for stage, step in ((0, 12), (1, 8)):
+                    m = write_step(holder, stage, step, payload(step), job=job,
+                                   layers=(2 * stage, 2 * stage + 2))
+                    await push_step(peer, job, ondisk.job_dir(holder, job), m, newest=step)
+            assert svc.copies.floor(job, 2, 0) == 8  # no mirrors: the coordinator's oldest
+            assert svc.copies.floor(job, 2, 10) == 8 and svc.copies.floor(job, 2, 4) == 4
+            assert svc.copies.floor(job, 1, 0) == 12  # stage 1 is not of this layout
+            assert svc.copies.floor("job-other", 2, 0) == 0
+
+    asyncio.run(main())
