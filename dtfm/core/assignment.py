@@ -54,7 +54,8 @@ class CheckpointRoutes:
     mirrors: tuple[tuple[int, str], ...]  # (stage, member holding it) to keep a copy of
     # (stage, member holding it) whose copy its holder pushes here: nobody can dial it
     received: tuple[tuple[int, str], ...] = ()
-    # (own stage, member to push its checkpoints to): nobody can dial this rank to pull them
+    # (own stage, member to push its checkpoints to, or COORDINATOR_PEER where no member can
+    # be dialled): nobody can dial this rank to pull them
     pushes: tuple[tuple[int, str], ...] = ()
 
 
