@@ -21,8 +21,10 @@ names the stage in `mirrors` with `pushed` set, and
   into place, the manifest last; then pruned as a mirror prunes, and reported in the
   heartbeats' mirrored steps (`CheckpointCopier.mirrored`), as a pulled mirror is.
 
-Where both the holder and its mirror are undialable nothing can carry the copy (copies are
-not relayed); the coordinator logs it when it builds the assignments.
+Where no member of the job can be dialled, the holder pushes its stage to the coordinator
+instead (`COORDINATOR_PEER`, `Coordinator.PushCheckpoint`: every agent dials it), the copy of
+last resort, which keeps only the newest step (coordinator/job/checkpointcopies.py, through
+`answer_push` and `install_push` here: one receiving path for both).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -48,13 +50,15 @@ from agent.checkpoints import (
     install,
     list_peer,
     manifest_of,
+    open_peer,
 )
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
+from dtfm.core.assignment import COORDINATOR_PEER
 from dtfm.core.checkpoints import KEEP, Manifest
 from dtfm.core.limits import MAX_NAME, text_problem
 from dtfm.core.spec import ModelSpec
-from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from protos.dtfm.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +77,10 @@ class CheckpointPushes:
 
     def __init__(self, root: Path, security: rpc.Security,
                  copier: CheckpointCopier | None = None,
-                 interval_s: float = MIRROR_INTERVAL_S) -> None:
+                 interval_s: float = MIRROR_INTERVAL_S, coordinator: str = "") -> None:
         self.root = Path(root)
         self.security = security
+        self.coordinator = coordinator  # HOST:PORT this agent joined: for COORDINATOR_PEER
         self.copier = copier  # its `mirrored` feeds the heartbeats
         self.interval_s = interval_s
         self._accepting: dict[tuple[str, int], ModelSpec] = {}  # (job, stage) -> its model
@@ -116,24 +121,45 @@ class CheckpointPushes:
 
     async def _push_loop(self, job_id: str, stage: int, address: str, spec: ModelSpec) -> None:
         try:
-            channel = rpc.open_channel(address, self.security)
+            channel, peer = open_peer(address, self.security, self.coordinator)
         except rpc.ConfigError as e:
             log.warning("checkpoint: cannot push stage %d of job %s to %r: %s", stage, job_id,
                         address, e)
             return
-        async with channel:
-            peer = Peer(address, agent_pb2_grpc.AgentStub(channel))
-            await retryloop.every(self.interval_s,
-                                  lambda: self.push_once(peer, job_id, stage, spec),
-                                  f"push stage {stage} of job {job_id} to {address}", address,
-                                  log)
+        if address != COORDINATOR_PEER:
+            async with channel:
+                await retryloop.every(self.interval_s,
+                                      lambda: self.push_once(peer, job_id, stage, spec),
+                                      f"push stage {stage} of job {job_id} to {address}",
+                                      address, log)
+            return
 
-    async def push_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec
-                        ) -> list[int]:
-        """Make `peer`'s copy of `stage` follow this agent's: upload each of the newest KEEP
+        async def to_coordinator() -> None:
+            """It keeps one step per stage (coordinator/job/checkpointcopies.py), and only
+            while it runs the job: refused as a precondition, the job ended (or that
+            coordinator runs another), so pushing again would only resend the bytes."""
+            try:
+                await self.push_once(peer, job_id, stage, spec, keep=1)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.info("checkpoint: stopped pushing stage %d of job %s to the coordinator: "
+                         "%s", stage, job_id, e.details())
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()  # ends the loop at its next sleep
+
+        async with channel:
+            await retryloop.every(self.interval_s, to_coordinator,
+                                  f"push stage {stage} of job {job_id} to the coordinator",
+                                  self.coordinator, log)
+
+    async def push_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec,
+                        keep: int = KEEP) -> list[int]:
+        """Make `peer`'s copy of `stage` follow this agent's: upload each of the newest `keep`
         complete steps it lacks or holds otherwise (oldest first). Returns the steps sent."""
         root = ondisk.job_dir(self.root, job_id)
-        mine = (await asyncio.to_thread(ondisk.complete_steps, root, stage, job_id))[-KEEP:]
+        mine = (await asyncio.to_thread(ondisk.complete_steps, root, stage, job_id))[-keep:]
         if not mine:
             return []
         theirs = {m.step: m.files for m in await list_peer(peer, job_id, stage, spec)}
@@ -149,46 +175,24 @@ class CheckpointPushes:
     async def receive(self, requests: AsyncIterator[agent_pb2.CheckpointPush],
                       context: grpc.aio.ServicerContext) -> agent_pb2.CheckpointPushReply:
         """`Agent.PushCheckpoint`: install one pushed step, or abort saying why not."""
-        try:
-            return await self._receive(requests.__aiter__(), context.peer())
-        except Refused as e:
-            log.warning("checkpoint: refused a push from %s: %s", context.peer(), e)
-            await context.abort(e.code, str(e))
-            raise AssertionError("unreachable: abort raises") from e  # pragma: no cover
+        return await answer_push(requests, context, self._receive)
 
     async def _receive(self, messages: AsyncIterator[agent_pb2.CheckpointPush],
+                       first: agent_pb2.CheckpointPush, m: Manifest,
                        who: str) -> agent_pb2.CheckpointPushReply:
-        first = await _next(messages)
-        bad = grpc.StatusCode.INVALID_ARGUMENT
-        if first is None or not first.HasField("entry") or first.data:
-            raise Refused(bad, "a push starts with one message naming the job and the step "
-                               "(job_id, entry, newest); the files' bytes follow in later ones")
-        if problem := ("job_id is empty" if not first.job_id
-                       else text_problem("job_id", first.job_id, MAX_NAME)):
-            raise Refused(bad, f"{problem}: give the job id of the assignment")
-        key = (first.job_id, first.entry.stage)
+        key = (first.job_id, m.stage)
         spec = self._accepting.get(key)
         if spec is None:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this agent keeps no pushed copy of stage {key[1]} of job {key[0]} "
                           "(its assignment names none: not started yet, or re-planned); "
                           "the pusher tries again with its next assignment")
-        try:
-            m = manifest_of(first.job_id, first.entry)
-        except ValueError as e:
-            raise Refused(bad, f"malformed step: {e}") from e
         if too_big := ondisk.size_problem(m, spec):
-            raise Refused(bad, f"stage {m.stage} step {m.step}: {too_big}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"stage {m.stage} step {m.step}: {too_big}")
         async with self._locks.setdefault(key, asyncio.Lock()):
             root = ondisk.job_dir(self.root, first.job_id)
-            try:
-                await self._install(messages, root, m)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"the disk of the receiving agent is full ({e.strerror}): "
-                                  f"stage {m.stage} step {m.step} was not copied") from e
-                raise
+            await install_push(messages, root, m)
             kept = await asyncio.to_thread(ondisk.prune, root, m.stage,
                                            max(first.newest, m.step))
         if self.copier is not None and kept:
@@ -197,43 +201,98 @@ class CheckpointPushes:
                  m.stage, m.step, first.job_id, who, sum(f.size for f in m.files) / 2**20)
         return agent_pb2.CheckpointPushReply(step=m.step)
 
-    async def _install(self, messages: AsyncIterator[agent_pb2.CheckpointPush], root: Path,
+
+# ---- receiving, shared with the coordinator's copy of last resort ----
+
+Handler = Callable[[AsyncIterator[agent_pb2.CheckpointPush], agent_pb2.CheckpointPush,
+                    Manifest, str], Awaitable[agent_pb2.CheckpointPushReply]]
+
+
+async def answer_push(requests: AsyncIterator[agent_pb2.CheckpointPush],
+                      context: grpc.aio.ServicerContext,
+                      handle: Handler) -> agent_pb2.CheckpointPushReply:
+    """A `PushCheckpoint` call (the agents' and the coordinator's): read and check the
+    first message (`read_push`), then let `handle(messages, first, manifest, caller)` decide
+    whether to keep the step and install it (`install_push`); a `Refused` from either aborts
+    the call with its status and reason, logged."""
+    messages = requests.__aiter__()
+    try:
+        first, m = await read_push(messages)
+        return await handle(messages, first, m, context.peer())
+    except Refused as e:
+        log.warning("checkpoint: refused a push from %s: %s", context.peer(), e)
+        await context.abort(e.code, str(e))
+        raise AssertionError("unreachable: abort raises") from e  # pragma: no cover
+
+
+async def read_push(messages: AsyncIterator[agent_pb2.CheckpointPush]
+                    ) -> tuple[agent_pb2.CheckpointPush, Manifest]:
+    """A push's first message and the step it declares; Refused when malformed."""
+    first = await _next(messages)
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if first is None or not first.HasField("entry") or first.data:
+        raise Refused(bad, "a push starts with one message naming the job and the step "
+                           "(job_id, entry, newest); the files' bytes follow in later ones")
+    if problem := ("job_id is empty" if not first.job_id
+                   else text_problem("job_id", first.job_id, MAX_NAME)):
+        raise Refused(bad, f"{problem}: give the job id of the assignment")
+    try:
+        return first, manifest_of(first.job_id, first.entry)
+    except ValueError as e:
+        raise Refused(bad, f"malformed step: {e}") from e
+
+
+async def install_push(messages: AsyncIterator[agent_pb2.CheckpointPush], root: Path,
                        m: Manifest) -> None:
-        """The files of `m` from `messages`, each checked and renamed into place, and the
-        manifest last (a partial push leaves no step a worker would load)."""
-        await asyncio.to_thread(ondisk.private_dir, ondisk.stage_dir(root, m.stage))
-        # an old manifest must not vouch for files while they are replaced
-        await asyncio.to_thread(ondisk.manifest_for(root, m.stage, m.step).unlink, True)
-        pending = b""
-        for f in m.files:
-            part = ondisk.part_for(root, m.stage, f.name, f.sha256)
+    """Install step `m` into job folder `root` from the rest of a push; a full disk is
+    Refused as RESOURCE_EXHAUSTED (the partial file deleted)."""
+    try:
+        await _install(messages, root, m)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the disk of the receiving end is full ({e.strerror}): "
+                          f"stage {m.stage} step {m.step} was not copied") from e
+        raise
+
+
+async def _install(messages: AsyncIterator[agent_pb2.CheckpointPush], root: Path,
+                   m: Manifest) -> None:
+    """The files of `m` from `messages`, each checked and renamed into place, and the
+    manifest last (a partial push leaves no step a worker would load)."""
+    await asyncio.to_thread(ondisk.private_dir, ondisk.stage_dir(root, m.stage))
+    # an old manifest must not vouch for files while they are replaced
+    await asyncio.to_thread(ondisk.manifest_for(root, m.stage, m.step).unlink, True)
+    pending = b""
+    for f in m.files:
+        part = ondisk.part_for(root, m.stage, f.name, f.sha256)
+        await asyncio.to_thread(part.unlink, True)
+        sink = Sink(part)
+        await asyncio.to_thread(sink.open)
+        try:
+            while sink.size < f.size:
+                if not pending:
+                    pending = await _data(messages, f"{sink.size} of {f.size} bytes of "
+                                                    f"{f.name}")
+                take = f.size - sink.size
+                await asyncio.to_thread(sink.write, pending[:take])
+                pending = pending[take:]
+            await asyncio.to_thread(sink.finish)
+        except BaseException:
+            sink.close()
             await asyncio.to_thread(part.unlink, True)
-            sink = Sink(part)
-            await asyncio.to_thread(sink.open)
-            try:
-                while sink.size < f.size:
-                    if not pending:
-                        pending = await _data(messages, f"{sink.size} of {f.size} bytes of "
-                                                        f"{f.name}")
-                    take = f.size - sink.size
-                    await asyncio.to_thread(sink.write, pending[:take])
-                    pending = pending[take:]
-                await asyncio.to_thread(sink.finish)
-            except BaseException:
-                sink.close()
-                await asyncio.to_thread(part.unlink, True)
-                raise
-            if sink.sha.hexdigest() != f.sha256:
-                await asyncio.to_thread(part.unlink, True)
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{f.name} fails its checksum (sha256 "
-                              f"{sink.sha.hexdigest()[:16]}..., the step says "
-                              f"{f.sha256[:16]}...); deleted")
-            await asyncio.to_thread(install, part, ondisk.stage_dir(root, m.stage) / f.name)
-        if pending or await _next(messages) is not None:
+            raise
+        if sink.sha.hexdigest() != f.sha256:
+            await asyncio.to_thread(part.unlink, True)
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"the push sent more bytes than step {m.step}'s files hold")
-        await asyncio.to_thread(ondisk.write_manifest, root, m)
+                          f"{f.name} fails its checksum (sha256 "
+                          f"{sink.sha.hexdigest()[:16]}..., the step says "
+                          f"{f.sha256[:16]}...); deleted")
+        await asyncio.to_thread(install, part, ondisk.stage_dir(root, m.stage) / f.name)
+    if pending or await _next(messages) is not None:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"the push sent more bytes than step {m.step}'s files hold")
+    await asyncio.to_thread(ondisk.write_manifest, root, m)
 
 
 async def _next(messages: AsyncIterator[agent_pb2.CheckpointPush]

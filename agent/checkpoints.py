@@ -59,10 +59,11 @@ import grpc
 from agent import retryloop
 from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
+from dtfm.core.assignment import COORDINATOR_PEER
 from dtfm.core.checkpoints import KEEP, FileEntry, Manifest
 from dtfm.core.limits import MAX_NAME, clip, text_problem
 from dtfm.core.spec import ModelSpec
-from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +184,24 @@ class DiskFull(OSError):
 
 @dataclass
 class Peer:
-    """One peer agent, reached over an authenticated channel."""
+    """A peer agent over an authenticated channel, or the coordinator (same calls)."""
 
     address: str
-    stub: agent_pb2_grpc.AgentStub
+    stub: agent_pb2_grpc.AgentStub | coordinator_pb2_grpc.CoordinatorStub
+
+
+def open_peer(address: str, security: rpc.Security,
+              coordinator: str = "") -> tuple[grpc.aio.Channel, Peer]:
+    """A channel and a checkpoint stub for `address`: a peer agent's HOST:PORT, or
+    COORDINATOR_PEER, the coordinator at `coordinator` (HOST:PORT this agent joined)."""
+    if address != COORDINATOR_PEER:
+        channel = rpc.open_channel(address, security)
+        return channel, Peer(address, agent_pb2_grpc.AgentStub(channel))
+    if not coordinator:
+        raise rpc.ConfigError("this agent was not told the coordinator's address")
+    channel = rpc.open_channel(coordinator, security)
+    return channel, Peer(f"coordinator {coordinator}",
+                         coordinator_pb2_grpc.CoordinatorStub(channel))
 
 
 async def list_peer(peer: Peer, job_id: str, stage: int, spec: ModelSpec,
@@ -399,9 +414,10 @@ class CheckpointCopier:
 
     def __init__(self, root: Path, security: rpc.Security,
                  budget_s: float = PREPARE_BUDGET_S,
-                 mirror_interval_s: float = MIRROR_INTERVAL_S) -> None:
+                 mirror_interval_s: float = MIRROR_INTERVAL_S, coordinator: str = "") -> None:
         self.root = Path(root)
         self.security = security
+        self.coordinator = coordinator  # HOST:PORT this agent joined: for COORDINATOR_PEER
         self.budget_s = budget_s
         self.mirror_interval_s = mirror_interval_s
         self._mirrors: list[asyncio.Task[None]] = []
@@ -423,12 +439,12 @@ class CheckpointCopier:
         try:
             for address in dict.fromkeys(addresses):
                 try:
-                    channel = rpc.open_channel(address, self.security)
+                    channel, peer = open_peer(address, self.security, self.coordinator)
                 except rpc.ConfigError as e:
                     log.warning("checkpoint: skipping peer %r: %s", address, e)
                     continue
                 channels.append(channel)
-                peers.append(Peer(address, agent_pb2_grpc.AgentStub(channel)))
+                peers.append(peer)
             yield peers
         finally:
             for channel in channels:
@@ -492,10 +508,8 @@ class CheckpointCopier:
             newer = sorted(s for s in by_step if s > have)[-KEEP:]
             if peers and len(unasked) == len(peers):
                 log.warning("checkpoint: stage %d of job %s: none of the %d peers could be "
-                            "asked for its checkpoints (%s): a copy needs a dial, agents behind "
-                            "a NAT or firewall accept none, and copies are not relayed; the "
-                            "worker starts from step %d", stage, a.job_id, len(peers),
-                            unasked[0], have)
+                            "asked for its checkpoints (%s); the worker starts from step %d",
+                            stage, a.job_id, len(peers), unasked[0], have)
                 return
             if not newer:
                 log.info("checkpoint: stage %d (layers %d-%d) of job %s: this agent holds "

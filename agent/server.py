@@ -139,8 +139,10 @@ async def serve(config: AgentConfig) -> int:
                                 reachable=reach.OVERRIDES[config.reachable])  # type: ignore[arg-type]
     checkpoints = checkpoint_dir(config.state_dir)
     copier = CheckpointCopier(checkpoints, config.security,
-                              mirror_interval_s=config.mirror_interval_s)
-    pushes = CheckpointPushes(checkpoints, config.security, copier, config.mirror_interval_s)
+                              mirror_interval_s=config.mirror_interval_s,
+                              coordinator=config.coordinator)
+    pushes = CheckpointPushes(checkpoints, config.security, copier, config.mirror_interval_s,
+                              config.coordinator)
     service = AgentService(info, CheckpointStore(checkpoints), pushes)
     metrics = await start_metrics(config, service)
 

@@ -77,6 +77,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    metavar="PORT", help="port of the data-plane relay for agents that cannot "
                    "accept connections, on the --listen host (default: the gRPC port + 100; "
                    "0: off)")
+    p.add_argument("--checkpoint-store-mib", type=flags.number(float, 0), default=4096,
+                   metavar="MIB", help="the most disk the coordinator gives to copies of "
+                   "stage checkpoints when no agent of the job can be dialled (their holders "
+                   "push them here, the newest step of each stage; 0: keep none)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
                    help="reschedules in a row without progress (a new checkpoint) before the "
                    "job fails; progress refills the budget")
@@ -257,6 +261,7 @@ def _start(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
         state_dir=args.state_dir,
         relay_port=args.relay_port,
+        checkpoint_store_bytes=int(args.checkpoint_store_mib * 2**20),
         job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
                       replicas=args.replicas, train=flags.train_config_from_args(args),
                       measure_links=not args.no_measure, search_seconds=args.search_seconds,

@@ -85,7 +85,12 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 # the coordinator's relay since it started (dtfm/relay.py): forwarded for
                 # this job, and read from connections it dropped (never forwarded)
                 "relay": {"forwarded_bytes": j.relayed_bytes,
-                          "refused_bytes": j.relay_refused_bytes}},
+                          "refused_bytes": j.relay_refused_bytes},
+                # stages pushed to the coordinator: no member of the job can be dialled
+                # (coordinator/job/checkpointcopies.py)
+                "coordinator_checkpoints": [
+                    {"stage": c.stage, "step": c.step, "bytes": c.bytes}
+                    for c in j.coordinator_checkpoints]},
         "plan": plan,
         "local_steps": local_steps(status.job.job_id, agents),
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
@@ -168,6 +173,11 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         if j["stages"]:
             lines.append(f"  layout {j['stages']}x{j['replicas']}, checkpoint at step "
                          f"{j['checkpoint_step']}, {len(j['recoveries'])} recoveries")
+        if held := j["coordinator_checkpoints"]:
+            lines.append("  the coordinator holds checkpoints (no member can be dialled): "
+                         + ", ".join(f"stage {c['stage']} step {c['step']} "
+                                     f"({c['bytes'] / 2**20:.1f} MiB)" for c in held)
+                         + f", {sum(c['bytes'] for c in held) / 2**20:.1f} MiB in all")
         if (ls := data["local_steps"]) is not None:
             lines.append(f"  local steps: sync every {ls['every']} steps, round {ls['round']}; "
                          f"per step data-parallel {ls['dp_bytes_per_step'] / 1e6:.3g} MB, "

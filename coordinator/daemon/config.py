@@ -241,6 +241,9 @@ class CoordinatorConfig:
     # --relay-port: the data-plane relay for agents that cannot accept connections, on the
     # --listen host; None: the gRPC port + 100 (a free port when --listen's is 0); 0: off
     relay_port: int | None = None
+    # --checkpoint-store-mib: the most the copies of last resort (stages of a job no member of
+    # which can be dialled, pushed here: coordinator/job/checkpointcopies.py) may take
+    checkpoint_store_bytes: int = 4096 * 2**20
     job: JobConfig = field(default_factory=JobConfig)
 
     def validate(self) -> None:

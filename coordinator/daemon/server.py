@@ -29,6 +29,7 @@ from coordinator.daemon.validate import (
     validate_link_report,
     validate_progress,
 )
+from coordinator.job.checkpointcopies import CoordinatorCopies
 from coordinator.job.machine import Job
 from coordinator.links import relayprobe
 from coordinator.links.measure import LinkMeasurer, Pings
@@ -42,7 +43,8 @@ from dtfm.core.limits import (
     MAX_STATUS_AGENTS,
     OMITTED_METADATA,
 )
-from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from dtfm.core.spec import ModelSpec
+from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store,
                        reach=self.reach)  # plans only once members' reach verdicts are in
         self.history = History()
+        self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
+                                        self._accepting_copies)
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None
 
@@ -140,6 +144,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.history.record(rec.agent_id, request)
             if request.epoch == self.job.epoch:
                 floor = self.job.checkpoint_floor()
+                layout = self.job.planner.layout  # stages the coordinator holds count too
+                if self.job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
+                    floor = self.copies.floor(self.job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor)
 
     async def Leave(
@@ -190,8 +197,45 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # unreachable: abort raises
 
+    # --- checkpoint copies of last resort (coordinator/job/checkpointcopies.py) ---
+    async def ListCheckpoints(
+        self, request: agent_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb2.CheckpointList:
+        return await self.copies.list(request, context)
+
+    async def FetchCheckpoint(
+        self, request: agent_pb2.FetchCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
+        async for chunk in self.copies.fetch(request, context):
+            yield chunk
+
+    async def PushCheckpoint(
+        self, request_iterator: AsyncIterator[agent_pb2.CheckpointPush],
+        context: grpc.aio.ServicerContext
+    ) -> agent_pb2.CheckpointPushReply:
+        return await self.copies.push(request_iterator, context)
+
+    def _accepting_copies(self) -> tuple[str, ModelSpec] | None:
+        """The job pushes are taken for, and its model: the one this coordinator runs, until
+        it ends."""
+        job = getattr(self, "job", None)
+        if job is None or not job.job_id or job.state in (coordinator_pb2.JOB_STATE_DONE,
+                                                          coordinator_pb2.JOB_STATE_FAILED):
+            return None
+        return job.job_id, self.config.job.model_spec()
+
     # --- people and scripts ---
     async def run_job(self) -> None:
+        """Drive the job (and its export); the coordinator's checkpoint copies of the job
+        go when it ends (kept while it is unfinished: a restarted coordinator continues it)."""
+        if self.job.job_id:
+            await self.copies.keep_only(self.job.job_id)
+        await self._run_and_export()
+        if self.job.job_id and self.job.state in (coordinator_pb2.JOB_STATE_DONE,
+                                                  coordinator_pb2.JOB_STATE_FAILED):
+            await self.copies.remove(self.job.job_id, "the job ended")
+
+    async def _run_and_export(self) -> None:
         """Drive the job; after its last step, write --export-dir when given."""
         await self.job.run()
         job = self.config.job
@@ -233,6 +277,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         tokenizer, a LoRA job's settings: `coordinator.job.export.job_export_source`, read
         once)."""
         status = self.job.status()
+        status.coordinator_checkpoints.extend(self.copies.held(status.job_id))
         if line := self.unreachable_line(status.state):
             status.message = f"{status.message}; {line}" if status.message else line
         if self.config.job.model:

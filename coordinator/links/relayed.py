@@ -127,8 +127,12 @@ def stranded_pairs(store: LinkStore, ids: Sequence[str], hidden: set[str]
     """Unordered pairs of agents nobody can dial (`hidden`) whose links failed both ways
     although each end got through to (or was reached by) someone: only a relay joins them,
     as the data plane does. An agent whose every link failed is dead or cut off, not
-    relayed: failure handling leaves it out."""
+    relayed: failure handling leaves it out. Where nobody can be dialled at all (every agent
+    behind a NAT) no probe can get through, so no link says who is alive: all are taken as
+    alive, and a dead one shows as its failed hop to the relay."""
     alive = {a for a in ids if any(_ok(store, a, b) or _ok(store, b, a) for b in ids if b != a)}
+    if not set(ids) - hidden:
+        alive = set(ids)
     return [(a, b) for a, b in itertools.combinations(ids, 2)
             if {a, b} <= hidden & alive and _failed(store, a, b) and _failed(store, b, a)]
 

@@ -21,6 +21,13 @@ from protos.dtfm.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 
+# The checkpoint peer that is the coordinator itself (`Assignment.checkpoint_peers`, a
+# `CheckpointMirror.peer` of `checkpoint_pushes`): the copy of last resort of a stage no
+# dialable member holds. Not an address (it has no port): the agent dials the coordinator at
+# the address it joined it at, the one every agent is known to reach.
+COORDINATOR_PEER = "coordinator"
+
+
 def member_address(host: str, port: int) -> str:
     """HOST:PORT of an agent's own gRPC server, with an IPv6 literal in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -47,7 +54,8 @@ class CheckpointRoutes:
     mirrors: tuple[tuple[int, str], ...]  # (stage, member holding it) to keep a copy of
     # (stage, member holding it) whose copy its holder pushes here: nobody can dial it
     received: tuple[tuple[int, str], ...] = ()
-    # (own stage, member to push its checkpoints to): nobody can dial this rank to pull them
+    # (own stage, member to push its checkpoints to, or COORDINATOR_PEER where no member can
+    # be dialled): nobody can dial this rank to pull them
     pushes: tuple[tuple[int, str], ...] = ()
 
 
@@ -97,8 +105,10 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     nobody can dial is pushed instead (`received` on the mirror, `pushes` on the holder:
     agent/checkpointpush.py) when its mirror can be dialled; a stage that still no dialable
     agent would hold is pushed by its first holder to the dialable agent it has the best link
-    to. Only a job without any dialable member is left with stages nobody can copy (logged:
-    copies are not relayed).
+    to. In a job without any dialable member, the first holder pushes it to the coordinator
+    (`COORDINATOR_PEER`, which every agent dials: the copy of last resort); wherever a member
+    cannot be dialled, every rank's peers name the coordinator after the dialable members, so
+    an agent that needs a stage (this epoch's, or an earlier epoch's split) asks it too.
     """
     n = layout.world_size
     if len(members) != n:
@@ -133,18 +143,23 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
             pushes[holder].append((stage, members[to]))
             pushed.add(stage)
             continue
-        holders = ", ".join(who[r] for r in layout.dp_ranks(stage))
-        log.warning("stage %d's checkpoints are written only by agents nobody can dial "
-                    "(%s), and no member of the job can be dialled to take a copy: it has no "
-                    "second copy (checkpoint copies are not relayed); losing %s loses the "
-                    "stage's progress", stage, holders, holders)
+        # no member of the job can be dialled: the coordinator, which every agent dials,
+        # keeps the copy of last resort (coordinator/job/checkpointcopies.py)
+        pushes[holder].append((stage, COORDINATOR_PEER))
+        log.info("stage %d's checkpoints are written only by agents nobody can dial (%s), "
+                 "and no member of the job can be dialled: %s pushes its newest step to the "
+                 "coordinator", stage, ", ".join(who[r] for r in layout.dp_ranks(stage)),
+                 who[holder])
 
     def peers(rank: int) -> tuple[str, ...]:
         order = [i for i in range(n) if who[i] != who[rank]]
         if gbps is not None:  # unknown (NaN) last; equal links keep rank order
             order.sort(key=lambda i: math.inf if math.isnan(g := float(gbps[i][rank])) else -g)
         order.sort(key=lambda i: not can_dial[i])  # stable: dialable first, each by its link
-        return tuple(members[i] for i in order)
+        found = [members[i] for i in order]
+        if not all(can_dial):  # where the coordinator may hold a copy: after dialable agents
+            found.insert(sum(can_dial[i] for i in order), COORDINATOR_PEER)
+        return tuple(found)
 
     return [CheckpointRoutes(peers(rank), tuple(mirrors[rank]), tuple(received[rank]),
                              tuple(pushes[rank])) for rank in range(n)]

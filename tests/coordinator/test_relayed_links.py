@@ -164,6 +164,17 @@ def test_two_agents_of_one_site_are_priced_direct_as_the_data_plane_connects_the
 
 
 @pytest.mark.timeout(60)
+def test_with_every_agent_undialable_every_pair_is_priced_through_the_relay() -> None:
+    """No agent can be dialled, so no probe gets through anywhere: every pair is relayed
+    (before, each agent counted as dead for lack of one good link, and a job of NATed
+    agents only was left with one agent)."""
+    _, matrix, store = asyncio.run(_measure({"a0", "a1", "n2", "n3"}))
+    assert not matrix.unreachable, matrix.unreachable
+    assert len(matrix.relayed) == 12
+    assert store.entries["a0", "n3"].path == RELAYED
+
+
+@pytest.mark.timeout(60)
 def test_a_relayed_pair_whose_hop_to_the_relay_fails_stays_unreachable_and_says_why() -> None:
     _, matrix, store = asyncio.run(_measure({"n2", "n3"}, relay_answers=False))
     assert sorted(matrix.unreachable) == ["n2->n3", "n3->n2"]

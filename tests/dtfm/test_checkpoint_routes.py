@@ -6,7 +6,12 @@ from typing import Any
 
 import pytest
 
-from dtfm.core.assignment import build_assignments, checkpoint_routes, member_address
+from dtfm.core.assignment import (
+    COORDINATOR_PEER,
+    build_assignments,
+    checkpoint_routes,
+    member_address,
+)
 from dtfm.core.layout import Layout
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import TrainConfig
@@ -111,8 +116,9 @@ def test_holders_nobody_can_dial_are_asked_last_and_a_stage_only_they_hold_is_pu
             [9.0, 9.0, 9.0, 0.0]]  # ranks 1 and 3 (stage 1) have the best links out
     with caplog.at_level("WARNING", logger="dtfm.core.assignment"):
         routes = checkpoint_routes(layout, names, gbps, dialable=[True, False, True, False])
-    assert routes[0].peers == (names[2], names[1], names[3])
-    assert routes[2].peers == (names[0], names[1], names[3])
+    # the coordinator after the dialable members: it may hold a copy where a member is NATed
+    assert routes[0].peers == (names[2], COORDINATOR_PEER, names[1], names[3])
+    assert routes[2].peers == (names[0], COORDINATOR_PEER, names[1], names[3])
     assert routes[1].pushes == ((1, names[0]),)  # equal links to ranks 0 and 2: the lower
     assert routes[0].received == ((1, names[1]),) and routes[2].received == ()
     faster = [row[:] for row in gbps]
@@ -128,7 +134,7 @@ def test_a_mirrored_stage_whose_holder_nobody_can_dial_is_pushed_to_its_mirror(
     """3 stages, 1 replica, each mirrored by the next stage's agent. Rank 1 is behind a NAT:
     its stage is pushed to rank 2 (which can be dialled) instead of pulled; rank 0's stage,
     mirrored by rank 1, is still pulled (rank 1 dials out to rank 0). Ranks 1 and 2 both
-    undialable: stage 1 goes to rank 0; nobody dialable at all: the log says so."""
+    undialable: stage 1 goes to rank 0."""
     layout = Layout(3, 1)
     names = _names(layout)
     routes = checkpoint_routes(layout, names, dialable=[True, False, True])
@@ -140,8 +146,43 @@ def test_a_mirrored_stage_whose_holder_nobody_can_dial_is_pushed_to_its_mirror(
     routes = checkpoint_routes(layout, names, ids=["a", "b", "c"],
                                dialable=[True, False, False])
     assert routes[1].pushes == ((1, names[0]),) and routes[0].received[-1] == (1, names[1])
-    with caplog.at_level("WARNING", logger="dtfm.core.assignment"):
-        checkpoint_routes(layout, names, ids=["a", "b", "c"], dialable=[False] * 3)
-    assert ("stage 1's checkpoints are written only by agents nobody can dial (b), and no "
-            "member of the job can be dialled") in caplog.text
-    assert "copies are not relayed" in caplog.text
+
+
+def test_with_no_dialable_member_every_stage_is_pushed_to_the_coordinator(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every agent behind a NAT: nobody can take a copy but the coordinator, which every
+    agent dials. Each stage's first holder pushes it there (the copy of last resort), and
+    every rank's peers name the coordinator, so whoever needs a stage later can fetch it.
+    (Before: the stages had no second copy, and losing an agent lost its stage.)"""
+    layout = Layout(3, 1)
+    names = _names(layout)
+    with caplog.at_level("INFO", logger="dtfm.core.assignment"):
+        routes = checkpoint_routes(layout, names, ids=["a", "b", "c"], dialable=[False] * 3)
+    assert [r.pushes for r in routes] == [((s, COORDINATOR_PEER),) for s in range(3)]
+    assert all(r.received == () for r in routes)
+    assert routes[0].peers == (COORDINATOR_PEER, names[1], names[2])
+    assert "(b), and no member of the job can be dialled: b pushes its newest step to the " \
+        "coordinator" in caplog.text
+    # replicated stages too; a stage with a dialable replica is not pushed anywhere
+    layout = Layout(2, 2)
+    names = _names(layout)
+    routes = checkpoint_routes(layout, names, dialable=[False] * 4)
+    assert routes[0].pushes == ((0, COORDINATOR_PEER),) and routes[2].pushes == ()
+    assert routes[1].pushes == ((1, COORDINATOR_PEER),) and routes[3].pushes == ()
+    routes = checkpoint_routes(layout, names, dialable=[True, False, False, False])
+    assert all(COORDINATOR_PEER not in (p for _, p in r.pushes) for r in routes)
+    # every member dialable: the coordinator holds nothing and is not asked
+    assert all(COORDINATOR_PEER not in r.peers
+               for r in checkpoint_routes(layout, names, dialable=[True] * 4))
+
+
+def test_build_assignments_names_the_coordinator_in_pushes_and_peers() -> None:
+    layout = Layout(2, 1)
+    out = build_assignments(
+        job_id="j", epoch=1, layout=layout, spec=get_preset("gpt-tiny"),
+        train=TrainConfig(global_batch=2, micro_batches=1, checkpoint_every=2),
+        master_addr="10.0.0.1", master_port=1, members=[("10.0.0.1", 1), ("10.0.0.2", 1)],
+        member_dialable=[False, False])
+    for rank, a in enumerate(out):
+        assert [(p.stage, p.peer) for p in a.checkpoint_pushes] == [(rank, COORDINATOR_PEER)]
+        assert COORDINATOR_PEER in a.checkpoint_peers

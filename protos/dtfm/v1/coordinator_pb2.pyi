@@ -1,3 +1,4 @@
+from protos.dtfm.v1 import agent_pb2 as _agent_pb2
 from protos.dtfm.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -277,7 +278,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "export_source")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "coordinator_checkpoints", "export_source")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +305,7 @@ class JobStatus(_message.Message):
     STATE_SAVED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELAY_REFUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
@@ -331,8 +333,9 @@ class JobStatus(_message.Message):
     state_saved_unix_s: float
     relayed_bytes: int
     relay_refused_bytes: int
+    coordinator_checkpoints: _containers.RepeatedCompositeFieldContainer[HeldCheckpoint]
     export_source: ExportSource
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., coordinator_checkpoints: _Optional[_Iterable[_Union[HeldCheckpoint, _Mapping]]] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
 
 class ExportSource(_message.Message):
     __slots__ = ("config_json", "generation_json", "tokenizer", "lora")
@@ -361,6 +364,16 @@ class LoraSource(_message.Message):
     base: str
     seed: int
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., targets: _Optional[str] = ..., base: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class HeldCheckpoint(_message.Message):
+    __slots__ = ("stage", "step", "bytes")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    step: int
+    bytes: int
+    def __init__(self, stage: _Optional[int] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Replan(_message.Message):
     __slots__ = ("at_unix_s", "at_step", "trigger", "suspects", "links", "devices", "step_before_s", "step_drifted_s", "predicted_stay_s", "predicted_new_s", "gain_s", "cost_s", "decision", "why", "measure_s", "outcome", "stalled_s", "step_after_s", "grid_before", "grid_after")

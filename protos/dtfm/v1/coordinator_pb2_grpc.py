@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.dtfm.v1 import agent_pb2 as protos_dot_dtfm_dot_v1_dot_agent__pb2
 from protos.dtfm.v1 import common_pb2 as protos_dot_dtfm_dot_v1_dot_common__pb2
 from protos.dtfm.v1 import coordinator_pb2 as protos_dot_dtfm_dot_v1_dot_coordinator__pb2
 
@@ -80,6 +81,21 @@ class CoordinatorStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.DialReport.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/dtfm.v1.Coordinator/ListCheckpoints',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointList.FromString,
+                _registered_method=True)
+        self.FetchCheckpoint = channel.unary_stream(
+                '/dtfm.v1.Coordinator/FetchCheckpoint',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
+        self.PushCheckpoint = channel.stream_unary(
+                '/dtfm.v1.Coordinator/PushCheckpoint',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -151,6 +167,29 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """The copy of last resort of a stage no dialable agent holds (every member of the job
+        sits behind a NAT or firewall): its holder pushes it here (the `Agent` calls of the same
+        names and messages, checked the same way), the coordinator keeps the newest step of each
+        stage of the running job (within --checkpoint-store-bytes), and agents list and fetch
+        it here as from a peer agent (coordinator/job/checkpointcopies.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushCheckpoint(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +237,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportDial,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.DialReport.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointList.SerializeToString,
+            ),
+            'FetchCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchCheckpoint,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'PushCheckpoint': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushCheckpoint,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +497,87 @@ class Coordinator:
             '/dtfm.v1.Coordinator/ReportDial',
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.DialReport.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/ListCheckpoints',
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.ListCheckpointsRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/FetchCheckpoint',
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.FetchCheckpointRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushCheckpoint(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dtfm.v1.Coordinator/PushCheckpoint',
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.FromString,
             options,
             channel_credentials,
             insecure,
