@@ -55,6 +55,7 @@ from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from dtfm import reach
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
+from dtfm.front import Front
 from dtfm.relay import Relay
 from protos.dtfm.v1 import common_pb2
 
@@ -138,6 +139,7 @@ class DataPlanes:
             raise ValueError(f"--transport must be {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport = transport
         self.relay: Relay | None = None
+        self._front: Front | None = None  # the shared port's front, when the relay is on it
 
     async def start_relay(self, host: str, port: int) -> int:
         """Serve the relay on this (the coordinator's) event loop; the port it listens on."""
@@ -145,12 +147,22 @@ class DataPlanes:
         await self.relay.serve()
         return self.relay.port
 
+    def share_relay(self, port: int, front: Front) -> Relay:
+        """A relay fed by the coordinator's front on its gRPC `port` (dtfm/front.py): it
+        listens nowhere itself; the caller routes the front's data-plane connections to
+        `Relay.accept`. What the front refuses counts as the relay's refused bytes."""
+        self.relay = Relay(None, port=port)
+        self._front = front
+        return self.relay
+
     def status_fields(self, job_id: str) -> dict[str, int]:
         """What the relay forwarded for `job_id` and refused from non-members since this
-        coordinator started (JobStatus fields; 0 without a relay)."""
-        relay = self.relay
+        coordinator started (JobStatus fields; 0 without a relay), the bytes of connections
+        the shared port's front closed for speaking neither gRPC nor dtfm included."""
+        relay, front = self.relay, self._front
+        refused = (relay.refused_bytes if relay else 0) + (front.refused_bytes if front else 0)
         return {"relayed_bytes": relay.forwarded(job_id) if relay else 0,
-                "relay_refused_bytes": relay.refused_bytes if relay else 0}
+                "relay_refused_bytes": refused}
 
     async def close(self) -> None:
         if self.relay is not None:
