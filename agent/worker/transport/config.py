@@ -32,6 +32,9 @@ class TransportConfig:
     # (a relay agent the coordinator chose for it by measured links)
     pair_relays: dict[tuple[int, int], str] = field(default_factory=dict)
     bind: str | None = None  # listen here instead of this rank's advertised address
+    # take accepted connections from the agent's handoff (its abstract Unix socket name:
+    # agent/datahandoff.py) instead of listening: the agent serves them on its one port
+    handoff: str | None = None
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)
 
@@ -80,7 +83,8 @@ class TransportConfig:
                 job=str(d["job"]), epoch=int(d["epoch"]), secret=secret,
                 peers={int(k): v for k, v in d["peers"].items()}, relay=d.get("relay"),
                 pair_relays={_pair(k): v for k, v in d.get("pair_relays", {}).items()},
-                bind=d.get("bind"), timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
+                bind=d.get("bind"), handoff=d.get("handoff"),
+                timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
             )
         except (KeyError, ValueError, OSError) as exc:
             raise ValueError(f"{ENV} is not a usable peer table ({exc!r}): it needs job, "
@@ -90,7 +94,7 @@ class TransportConfig:
         """The JSON for `ENV` (the secret stays in `secret_file`)."""
         return json.dumps({"job": self.job, "epoch": self.epoch, "secret_file": secret_file,
                            "peers": {str(k): v for k, v in self.peers.items()},
-                           "relay": self.relay, "bind": self.bind,
+                           "relay": self.relay, "bind": self.bind, "handoff": self.handoff,
                            "pair_relays": {f"{a},{b}": v
                                            for (a, b), v in self.pair_relays.items()},
                            "timeout_s": self.timeout.total_seconds()})
