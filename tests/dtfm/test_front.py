@@ -4,6 +4,7 @@ raw sockets speaking a dtfm hello, garbage, or nothing."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from dtfm import rpc
 from dtfm.core import dataplane as dp
 from dtfm.front import DTFM, GARBAGE, GRPC, H2_PREFACE, Front, classify
 from tests.certs import make_ca, make_leaf
+from tests.netstat import listening_tcp_ports
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "front-test-token-0123456789"
@@ -43,26 +45,13 @@ async def _health(port: int, security: rpc.Security) -> int:
         return reply.status
 
 
-def _listening_tcp_ports() -> set[int]:
-    """Ports this network namespace listens on over TCP (IPv4 and IPv6)."""
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if fields[3] == "0A":  # LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 async def _grpc_and_the_data_plane_share_one_port_and_only_it() -> None:
     got: list[tuple[socket.socket, dp.Hello]] = []
-    before = _listening_tcp_ports()
     front = Front(lambda sock, hello: got.append((sock, hello)))
     security = rpc.Security(token=TOKEN)
     server, port = await _served(front, security)
     try:
-        assert _listening_tcp_ports() - before == {port}  # gRPC itself: no TCP port
+        assert listening_tcp_ports(os.getpid(), owned=True) == {port}  # gRPC: no TCP port
         assert await _health(port, security) == health_pb2.HealthCheckResponse.SERVING
         hello = dp.new_hello(dp.ROLE_DIAL, "job-a", 3, 1, 2)
         with socket.create_connection(("127.0.0.1", port)) as dialer:
