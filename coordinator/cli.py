@@ -70,9 +70,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="the workers' data plane: auto = gloo (CPU) / NCCL (GPU) when every "
                    "member accepts connections, else dtfm (dials out, relays; CPU only)")
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
-                   metavar="PORT", help="port of the data-plane relay for agents that cannot "
-                   "accept connections, on the --listen host (default: the gRPC port + 100; "
-                   "0: off)")
+                   metavar="PORT", help="a port of its own for the data-plane relay for agents "
+                   "that cannot accept connections, on the --listen host (default: the relay "
+                   "shares the --listen port, one port to open; 0: no relay)")
     p.add_argument("--max-restarts", type=flags.count, default=3,
                    help="reschedules in a row without progress (a new checkpoint) before the "
                    "job fails; progress refills the budget")
