@@ -135,8 +135,11 @@ class Front:
     async def start(self, host: str, port: int, backend: str) -> int:
         """Listen on host:port (0: a free port), splicing gRPC to `backend`; the port."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host or "0.0.0.0", port), family=family,
-                                              backlog=512, reuse_port=False)
+        dualstack = host in ("", "::") and socket.has_dualstack_ipv6()  # as gRPC binds "[::]"
+        self._listener = socket.create_server(
+            (host or "::" if dualstack else host or "0.0.0.0", port),
+            family=socket.AF_INET6 if dualstack else family, backlog=512, reuse_port=False,
+            dualstack_ipv6=dualstack)
         self._listener.setblocking(False)
         self.backend, self.port = backend, self._listener.getsockname()[1]
         self._accepting = asyncio.create_task(self._accept_loop())
@@ -184,8 +187,8 @@ class Front:
                 self.on_data(sock, hello)
             elif kind == GRPC:
                 self.grpc_connections += 1
-                handed = True
                 await self._splice(sock)
+                handed = True
             elif kind is None:
                 self._refuse(peer, head, f"not enough to tell what it speaks within "
                              f"{self.sniff_timeout_s:g} s ({len(head)} bytes)")
@@ -239,13 +242,16 @@ class Front:
         back_sock.setblocking(False)
         try:
             await loop.sock_connect(back_sock, "\0" + self.backend)
-        except OSError:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            back_t, back = await loop.create_unix_connection(_Pipe, sock=back_sock)
+        except BaseException:
             back_sock.close()
-            sock.close()
             raise
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        back_t, back = await loop.create_unix_connection(_Pipe, sock=back_sock)
-        front_t, front = await loop.connect_accepted_socket(_Pipe, sock)
+        try:
+            front_t, front = await loop.connect_accepted_socket(_Pipe, sock)
+        except BaseException:
+            back_t.close()
+            raise
         for tr, pipe in ((back_t, back), (front_t, front)):
             self._pipes.add(tr)
             pipe.on_lost = self._pipes.discard
