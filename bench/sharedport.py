@@ -7,7 +7,8 @@
   that takes its connections from the agent's handoff (agent/datahandoff.py: the front
   passes the accepted socket over, so the bytes never cross the agent).
 
-Everything runs in this process (the front on an event loop thread, the meshes' threads),
+Everything runs in this process (gRPC and its front on uvloop, as in the daemons; the data
+plane's front on an event loop thread and the meshes' threads),
 the same way for both columns. Loopback measures the front's own cost, not a WAN. Prints a
 table and writes bench/results/sharedport.json; well under a minute.
 
@@ -37,6 +38,7 @@ from agent.server import data_router  # noqa: E402
 from agent.worker.transport import TransportConfig  # noqa: E402
 from agent.worker.transport.mesh import Mesh  # noqa: E402
 from dtfm import rpc  # noqa: E402
+from dtfm.flags import run_async  # noqa: E402
 from dtfm.front import Front  # noqa: E402
 from dtfm.rpc import free_port  # noqa: E402
 
@@ -151,7 +153,7 @@ def main() -> None:
     for shared in (False, True):
         runs = []
         for _ in range(args.reps):
-            g = asyncio.run(_grpc_case(Front() if shared else None, args.mib, args.calls))
+            g = run_async(_grpc_case(Front() if shared else None, args.mib, args.calls))
             runs.append({**g, **_data_case(shared, args.mib)})
         row = {"ports": "one (front)" if shared else "own ports",
                **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}

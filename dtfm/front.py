@@ -11,9 +11,9 @@ hands the connection on:
   (agent/datahandoff.py). The socket is untouched: its reader sees the hello exactly as if
   it had accepted the connection itself;
 - gRPC (the HTTP/2 preface "PRI * HTTP/2.0", or a TLS ClientHello, record type 0x16, when
-  TLS is configured) is spliced to the daemon's gRPC server, which listens only on an
-  abstract Unix socket (no second TCP port): bytes are passed both ways by two asyncio
-  protocols, with the write buffers' backpressure pausing the other side's reads;
+  TLS is configured) is joined to the daemon's gRPC server, which listens only on an
+  abstract Unix socket (no second TCP port): the kernel moves the bytes both ways
+  (splice(2), dtfm/splice.py), not the event loop;
 - anything else, and a client that says nothing for `sniff_timeout_s`, is closed, logged
   and counted (`refused`, `refused_bytes`); nothing a peer sends can stop the front.
 
@@ -29,9 +29,9 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from typing import cast
 
 from dtfm.core import dataplane as dp
+from dtfm.splice import Splice
 
 log = logging.getLogger(__name__)
 
@@ -64,55 +64,6 @@ def backend_address() -> str:
     return f"dtfm-grpc-{os.getpid()}-{os.urandom(6).hex()}"
 
 
-class _Pipe(asyncio.Protocol):
-    """One side of a splice: what it reads it writes to its peer's transport."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.peer: _Pipe | None = None
-        self.pending: list[bytes] = []  # read before the peer was connected
-        self.on_lost: Callable[[asyncio.Transport], None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        transport = self.transport
-        transport.set_write_buffer_limits(high=_PIPE_HIGH_WATER)
-
-    def link(self, peer: _Pipe) -> None:
-        self.peer = peer
-        assert peer.transport is not None
-        for data in self.pending:
-            peer.transport.write(data)
-        self.pending.clear()
-
-    def data_received(self, data: bytes) -> None:
-        if self.peer is None or self.peer.transport is None:
-            self.pending.append(data)
-        else:
-            self.peer.transport.write(data)
-
-    def eof_received(self) -> bool:
-        if self.peer is not None and self.peer.transport is not None and \
-                self.peer.transport.can_write_eof():
-            self.peer.transport.write_eof()
-            return True  # half-close: the other direction goes on
-        return False
-
-    def pause_writing(self) -> None:  # our write buffer is full: stop reading the peer
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.on_lost is not None and self.transport is not None:
-            self.on_lost(self.transport)
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.close()
-
-
 class Front:
     """The public listener: sniffs each connection and hands it to gRPC or the data plane."""
 
@@ -130,7 +81,7 @@ class Front:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._pipes: set[asyncio.Transport] = set()
+        self._splices: set[Splice] = set()
 
     async def start(self, host: str, port: int, backend: str) -> int:
         """Listen on host:port (0: a free port), splicing gRPC to `backend`; the port."""
@@ -157,8 +108,8 @@ class Front:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for tr in list(self._pipes):
-            tr.close()
+        for sp in list(self._splices):
+            sp.close()
         await asyncio.sleep(0)
 
     async def _accept_loop(self) -> None:
@@ -236,27 +187,19 @@ class Front:
                 await _readable(loop, sock, left)
 
     async def _splice(self, sock: socket.socket) -> None:
-        """Pass the connection's bytes to and from the gRPC server, both ways."""
+        """Join the connection to the gRPC server, both ways, in the kernel (dtfm/splice.py)."""
         loop = asyncio.get_running_loop()
-        back_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        back_sock.setblocking(False)
+        back = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        back.setblocking(False)
         try:
-            await loop.sock_connect(back_sock, "\0" + self.backend)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            back_t, back = await loop.create_unix_connection(_Pipe, sock=back_sock)
+            await loop.sock_connect(back, "\0" + self.backend)
         except BaseException:
-            back_sock.close()
+            back.close()
             raise
-        try:
-            front_t, front = await loop.connect_accepted_socket(_Pipe, sock)
-        except BaseException:
-            back_t.close()
-            raise
-        for tr, pipe in ((back_t, back), (front_t, front)):
-            self._pipes.add(tr)
-            pipe.on_lost = self._pipes.discard
-        front.link(back)
-        back.link(front)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        splice = Splice(sock, back, self._splices.discard)
+        self._splices.add(splice)
+        splice.start(f"dtfm-splice-{self.port}")
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float) -> None:
