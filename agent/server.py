@@ -171,7 +171,9 @@ async def serve(config: AgentConfig) -> int:
     service = AgentService(info, CheckpointStore(checkpoints), pushes)
     metrics = await start_metrics(config, service)
 
-    front = Front()  # the one public port: gRPC, the data plane unless --data-port, a relay
+    # the one public port: gRPC, the data plane unless --data-port, a relay with --relay;
+    # when neither shares it gRPC listens by itself, as before the front (no extra hop)
+    front = Front() if config.data_shared or (config.relay and not config.relay_port) else None
     handoff = DataHandoff() if config.data_shared else None
     server, port, health = await rpc.start_server(config.listen, config.security,
                                                   registrar(service), f"agent {agent_id}",
@@ -193,8 +195,9 @@ async def serve(config: AgentConfig) -> int:
                                  tuning=tuning)
     service.session = session
     relay_host = await start_relay(config, info, session)
-    front.on_data = data_router(handoff, relay_host if relay_host and relay_host.shared
-                                else None)
+    if front is not None:
+        front.on_data = data_router(handoff, relay_host if relay_host and relay_host.shared
+                                    else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -221,7 +224,8 @@ async def serve(config: AgentConfig) -> int:
             await task
     if relay_host is not None:
         await relay_host.close()
-    await front.aclose()
+    if front is not None:
+        await front.aclose()
     if handoff is not None:
         await handoff.aclose()
     await server.stop(grace=1.0)

@@ -367,13 +367,16 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
         return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
                 *relayprobe.register(server)]
 
-    front = Front()  # the one public port: gRPC, and the relay unless it has its own
+    # the one public port: gRPC and the relay; with a relay port of its own (or none) gRPC
+    # listens by itself, as before the front (no extra hop)
+    front = Front() if config.relay_shared else None
     server, port, health = await rpc.start_server(
         config.listen, config.security, register, "coordinator", front=front
     )
     log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
              "TLS" if config.security.tls else "plaintext")
     if config.relay_shared:
+        assert front is not None
         relay = service.job.dataplane.share_relay(port, front)
         front.on_data = relay.accept
         log.info("data-plane relay on the gRPC port %d (one port for both)", port)
@@ -382,7 +385,6 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
             relay_port = await service.job.dataplane.start_relay(*relay_at)
             log.info("data-plane relay listening on %s:%d", relay_at[0], relay_port)
         except OSError as exc:  # the operator's port: say so and stop
-            await front.aclose()
             await server.stop(grace=0)
             raise rpc.ConfigError(f"--relay-port {config.relay_port}: cannot listen on "
                                   f"{relay_at[0]}:{relay_at[1]}: {exc.strerror}; pick a free "
@@ -407,7 +409,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await front.aclose()
+    if front is not None:
+        await front.aclose()
     await server.stop(grace=2.0)
     if metrics is not None:
         metrics.close()
