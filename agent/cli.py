@@ -53,13 +53,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "dial it back when it joins and logs what they found; yes or no overrides "
                    "that, for the operator who knows better")
     p.add_argument("--data-port", type=flags.number(int, 0, maximum=65535), default=0,
-                   metavar="PORT", help="TCP port the training worker accepts the dtfm data "
-                   "plane on, at --advertise, when peers can dial this agent (default: the "
-                   "--listen port + 100)")
+                   metavar="PORT", help="a TCP port of its own on which the training worker "
+                   "accepts the dtfm data plane, at --advertise, when peers can dial this "
+                   "agent (default 0: the --listen port itself, shared with gRPC: one port)")
+    p.add_argument("--relay", action="store_true",
+                   help="serve a dtfm relay on the --listen port, where two agents of this "
+                   "agent's jobs that nobody can dial may meet; used only while peers can "
+                   "dial this agent (default: no relay)")
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=0,
-                   metavar="PORT", help="serve a dtfm relay on this TCP port, at --advertise, "
-                   "where two agents of this agent's jobs that nobody can dial may meet; used "
-                   "only while peers can dial this agent (default 0: no relay)")
+                   metavar="PORT", help="serve that relay on a TCP port of its own instead "
+                   "(default 0: none, or the --listen port with --relay)")
     flags.add_security_args(p)
     flags.add_common_args(p)
 
@@ -132,7 +135,7 @@ def _start(args: argparse.Namespace) -> int:
         bind_interface=args.bind_interface, metrics_listen=args.metrics_listen,
         flops=args.flops, memory=args.memory, prewarm=args.prewarm,
         mirror_interval_s=args.mirror_interval, reachable=args.reachable,
-        data_port=args.data_port, relay_port=args.relay_port,
+        data_port=args.data_port, relay=args.relay, relay_port=args.relay_port,
     )
     config.validate()
     return flags.run_async(serve(config))

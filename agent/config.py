@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.checkpoints import MIRROR_INTERVAL_S
-from dtfm.core.dataplane import PORT_OFFSET
 from dtfm.core.limits import is_host
 from dtfm.flags import check_directory
 from dtfm.reach import OVERRIDES
@@ -38,10 +37,13 @@ class AgentConfig:
     mirror_interval_s: float = MIRROR_INTERVAL_S  # how often a mirror asks for new checkpoints
     # can peers dial --advertise? auto: the coordinator finds out; yes/no: the operator says
     reachable: str = "auto"
-    # the worker's dtfm data plane listens here when peers can dial it (0: the gRPC port + 100,
-    # dataplane.PORT_OFFSET, or a free port when --listen's port is 0)
+    # the port peers dial this agent's dtfm data plane at when they can: 0 (the default) the
+    # gRPC port itself (dtfm/front.py sorts the connections, agent/datahandoff.py passes them
+    # to the worker); a port: the worker listens there itself
     data_port: int = 0
-    # serve a dtfm relay for the job's dial-only pairs on this port (0: none; issue 32)
+    # serve a dtfm relay for the job's dial-only pairs (issue 32): on the gRPC port (`relay`),
+    # or on a port of its own (`relay_port`; 0: not on one)
+    relay: bool = False
     relay_port: int = 0
 
     def validate(self) -> None:
@@ -70,8 +72,8 @@ class AgentConfig:
                               f"{self.mirror_interval_s}")
         check_directory(self.state_dir, "--state-dir")
         if not 0 <= self.data_port <= 65535:
-            raise ConfigError(f"--data-port must be a TCP port (1-65535; 0: the gRPC port + "
-                              f"1), got {self.data_port}")
+            raise ConfigError(f"--data-port must be a TCP port (1-65535; 0: share the gRPC "
+                              f"port), got {self.data_port}")
         if not 0 <= self.relay_port <= 65535:
             raise ConfigError(f"--relay-port must be a TCP port (1-65535; 0: serve no relay), "
                               f"got {self.relay_port}")
@@ -89,15 +91,14 @@ class AgentConfig:
                                   f"interface of this machine (it has {', '.join(names)})")
         self.security.validate()
 
+    @property
+    def data_shared(self) -> bool:
+        """Whether the data plane is served on the gRPC port (the default: one port)."""
+        return not self.data_port
+
     def data_port_for(self, grpc_port: int) -> int:
         """The data port to advertise, once the gRPC server has its port."""
-        if self.data_port:
-            return self.data_port
-        if split_hostport(self.listen)[1] and grpc_port + PORT_OFFSET <= 65535:
-            return grpc_port + PORT_OFFSET
-        from dtfm.rpc import free_port
-
-        return free_port(split_hostport(self.listen)[0] or "0.0.0.0")
+        return self.data_port or grpc_port
 
     @property
     def advertise_host(self) -> str:

@@ -24,9 +24,13 @@ log = logging.getLogger(__name__)
 class RelayHost:
     """A `dtfm.relay.Relay` on the agent's event loop, admitting the epochs it relays for."""
 
-    def __init__(self, bind_host: str, port: int, advertised_host: str) -> None:
+    def __init__(self, bind_host: str, port: int, advertised_host: str,
+                 shared: bool = False) -> None:
         self.relay = Relay(None, bind_host, port)
         self.advertised_host = advertised_host
+        # on the agent's gRPC `port` (its front hands circuits to `relay.accept`): it listens
+        # nowhere itself
+        self.shared = shared
 
     @property
     def address(self) -> str:
@@ -34,8 +38,9 @@ class RelayHost:
         return member_address(self.advertised_host, self.relay.port)
 
     async def start(self) -> int:
-        """Serve; the port it listens on."""
-        await self.relay.serve()
+        """Serve (unless it shares the gRPC port); the port peers dial it at."""
+        if not self.shared:
+            await self.relay.serve()
         return self.relay.port
 
     def admit(self, a: common_pb2.Assignment) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import grpc
 from agent.checkpointpush import CheckpointPushes
 from agent.checkpoints import CheckpointCopier, CheckpointStore
 from agent.config import AgentConfig
+from agent.datahandoff import DataHandoff
 from agent.device import detect
 from agent.identity import load_or_create_id
 from agent.relayhost import RelayHost
@@ -26,7 +28,9 @@ from agent.statedir import checkpoint_dir
 from agent.supervisor import Supervisor
 from agent.tuning import TuningCheck
 from dtfm import probe, reach, rpc
+from dtfm.core.dataplane import NO_RANK, Hello
 from dtfm.core.spec import WorkerState
+from dtfm.front import DataHandler, Front
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -118,16 +122,39 @@ async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.S
 
 async def start_relay(config: AgentConfig, info: common_pb2.AgentInfo,
                       session: CoordinatorSession) -> RelayHost | None:
-    """Serve the relay of `--relay-port` (None: off) and advertise it at Join."""
-    if not config.relay_port:
+    """Serve the relay of `--relay` (on the gRPC port) or `--relay-port` (its own; None:
+    off) and advertise it at Join."""
+    if not config.relay_port and not config.relay:
         return None
-    host = RelayHost(rpc.split_hostport(config.listen)[0] or "0.0.0.0", config.relay_port,
-                     info.host)
+    shared = not config.relay_port
+    host = RelayHost(rpc.split_hostport(config.listen)[0] or "0.0.0.0",
+                     info.port if shared else config.relay_port, info.host, shared=shared)
     info.relay_port = await host.start()
     session.relay_host = host
     log.info("agent serves a dtfm relay on port %d for its jobs' pairs nobody can dial "
              "(used while peers can dial this agent)", info.relay_port)
     return host
+
+
+def data_router(handoff: DataHandoff | None, relay: RelayHost | None) -> DataHandler | None:
+    """Where the front sends a dtfm connection: a circuit naming a target rank to the relay
+    served on this port, any other to the epoch's worker; None when neither is here."""
+    if handoff is None and relay is None:
+        return None
+
+    def route(sock: socket.socket, hello: Hello) -> None:
+        if hello.target != NO_RANK and relay is not None:
+            relay.relay.accept(sock, hello)
+        elif hello.target == NO_RANK and handoff is not None:
+            handoff.give(sock, hello)
+        else:
+            log.warning("closed a dtfm connection for %s: this agent serves %s on its port",
+                        "a relay circuit" if hello.target != NO_RANK else "its worker",
+                        "no relay (--relay)" if hello.target != NO_RANK
+                        else "no data plane (--data-port names its own)")
+            sock.close()
+
+    return route
 
 
 async def serve(config: AgentConfig) -> int:
@@ -146,15 +173,23 @@ async def serve(config: AgentConfig) -> int:
     service = AgentService(info, CheckpointStore(checkpoints), pushes)
     metrics = await start_metrics(config, service)
 
+    # the one public port: gRPC, the data plane unless --data-port, a relay with --relay;
+    # when neither shares it gRPC listens by itself, as before the front (no extra hop)
+    front = Front() if config.data_shared or (config.relay and not config.relay_port) else None
+    handoff = DataHandoff() if config.data_shared else None
     server, port, health = await rpc.start_server(config.listen, config.security,
-                                                  registrar(service), f"agent {agent_id}")
+                                                  registrar(service), f"agent {agent_id}",
+                                                  front=front)
+    if handoff is not None:
+        await handoff.start()
     info.port = port
     info.data_port = config.data_port_for(port)
     log.info("agent %s serving on %s:%d (%s, data port %d), coordinator %s", agent_id,
              info.host, port, info.device.kind, info.data_port, config.coordinator)
     supervisor = Supervisor(Path(config.state_dir) / "work",
                             bind_interface=config.bind_interface,
-                            checkpoints=copier, prewarm=config.prewarm, pushes=pushes)
+                            checkpoints=copier, prewarm=config.prewarm, pushes=pushes,
+                            data_handoff=handoff.name if handoff is not None else "")
     tuning = TuningCheck()
     tuning.run()  # what a measurement cannot change; the buffers wait for measured links
     session = CoordinatorSession(info, config.coordinator, config.security, supervisor,
@@ -162,6 +197,9 @@ async def serve(config: AgentConfig) -> int:
                                  tuning=tuning)
     service.session = session
     relay_host = await start_relay(config, info, session)
+    if front is not None:
+        front.on_data = data_router(handoff, relay_host if relay_host and relay_host.shared
+                                    else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -188,6 +226,10 @@ async def serve(config: AgentConfig) -> int:
             await task
     if relay_host is not None:
         await relay_host.close()
+    if front is not None:
+        await front.aclose()
+    if handoff is not None:
+        await handoff.aclose()
     await server.stop(grace=1.0)
     if metrics is not None:
         metrics.close()

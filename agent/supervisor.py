@@ -31,6 +31,7 @@ from pathlib import Path
 from agent.checkpointpush import CheckpointPushes
 from agent.checkpoints import CheckpointCopier
 from agent.statedir import checkpoint_dir, private_dir
+from dtfm.core.dataplane import HANDOFF_ENV
 from dtfm.core.events import ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
@@ -114,9 +115,12 @@ class Supervisor:
     def __init__(self, workdir: Path, on_change: Callable[[], None] = lambda: None,
                  python: str = sys.executable, bind_interface: str = "",
                  checkpoints: CheckpointCopier | None = None, prewarm: bool = False,
-                 pushes: CheckpointPushes | None = None) -> None:
+                 pushes: CheckpointPushes | None = None, data_handoff: str = "") -> None:
         self.workdir = workdir
         self.bind_interface = bind_interface
+        # the abstract socket the worker takes its data-plane connections from, when the
+        # agent serves them on its gRPC port (agent/datahandoff.py); "": it listens itself
+        self.data_handoff = data_handoff
         # copies stage checkpoints from peers: before a worker starts, and mirrors while it runs
         self.checkpoints = checkpoints
         self.pushes = pushes  # copies pushed to or from agents nobody can dial
@@ -148,6 +152,10 @@ class Supervisor:
         # checkpoints are on by default: in this agent's state dir (workdir's parent) unless
         # the job names a --checkpoint-dir
         env[WorkerEnv.AGENT_CHECKPOINT_DIR] = str(checkpoint_dir(self.workdir.parent))
+        if self.data_handoff:
+            env[HANDOFF_ENV] = self.data_handoff
+        else:
+            env.pop(HANDOFF_ENV, None)
         return env
 
     def restock(self) -> None:

@@ -74,9 +74,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "through their NATs (TCP simultaneous open) and keep the relay only where "
                    "that fails (default on; off: always the relay)")
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
-                   metavar="PORT", help="port of the data-plane relay for agents that cannot "
-                   "accept connections, on the --listen host (default: the gRPC port + 100; "
-                   "0: off)")
+                   metavar="PORT", help="a port of its own for the data-plane relay for agents "
+                   "that cannot accept connections, on the --listen host (default: the relay "
+                   "shares the --listen port, one port to open; 0: no relay)")
     p.add_argument("--checkpoint-store-mib", type=flags.number(float, 0), default=4096,
                    metavar="MIB", help="the most disk the coordinator gives to copies of "
                    "stage checkpoints when no agent of the job can be dialled (their holders "

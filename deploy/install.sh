@@ -63,7 +63,7 @@ else
   units=()
   for gpu in "$@"; do
     if [ ! -f "$etc/agent-$gpu.env" ]; then
-      printf 'DTFM_LISTEN=0.0.0.0:%d\n# DTFM_METRICS_LISTEN=0.0.0.0:%d\n' \
+      printf '# its one TCP port to open (gRPC and the dtfm data plane share it)\nDTFM_LISTEN=0.0.0.0:%d\n# DTFM_METRICS_LISTEN=0.0.0.0:%d\n' \
         $((7071 + gpu)) $((9171 + gpu)) > "$etc/agent-$gpu.env"
       chmod 0640 "$etc/agent-$gpu.env"
     fi

@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -141,6 +142,23 @@ class Relay:
                                                   limit=self.chunk_bytes)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("relay listens on %s:%d", self.host, self.port)
+
+    def accept(self, sock: socket.socket, hello: dp.Hello | None = None) -> None:
+        """Serve a connection another listener accepted (dtfm/front.py: the relay on the
+        daemon's one public port), on the running loop, exactly as if `serve` had: the
+        hello is still unread in `sock` (`hello`, peeked by the front, is not used)."""
+        task = asyncio.get_running_loop().create_task(self._accepted(sock))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accepted(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock, limit=self.chunk_bytes)
+        except OSError as exc:
+            sock.close()
+            log.warning("relay: a connection handed over was lost: %s", exc)
+            return
+        await self._on_connect(reader, writer)
 
     def start_in_thread(self) -> str:
         """Serve on a daemon thread's own loop; the 'host:port' it listens on."""

@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from dtfm.front import Front, backend_address
+
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -302,10 +304,14 @@ async def start_server(
     security: Security,
     register: Callable[[grpc.aio.Server], Iterable[str]],
     what: str,
+    front: Front | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Build, bind and start a server; `register` adds servicers and returns service names.
 
-    Returns the server, the bound port (useful with port 0) and the health servicer.
+    With `front` (dtfm/front.py) the front owns `listen`'s port and splices gRPC to this
+    server, which then listens only on an abstract Unix socket: one TCP port for gRPC and
+    the data plane. Returns the server, the public port (useful with port 0) and the health
+    servicer.
     """
     security.validate()
     host, wanted_port = split_hostport(listen, "listen address")
@@ -314,6 +320,8 @@ async def start_server(
         interceptors=[BoundaryInterceptor(security.token)], options=SERVER_OPTIONS
     )
     names = list(register(server))
+    backend = backend_address() if front is not None else ""
+    address = f"unix-abstract:{backend}" if front is not None else listen
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -329,7 +337,7 @@ async def start_server(
             root_certificates=Security.read(security.tls_ca),
             require_client_auth=bool(security.tls_ca),
         )
-        port = _bind(lambda: server.add_secure_port(listen, creds), listen, what)
+        port = _bind(lambda: server.add_secure_port(address, creds), listen, what)
     else:
         if not is_loopback(host):
             log.warning(
@@ -338,8 +346,15 @@ async def start_server(
                 what,
                 listen,
             )
-        port = _bind(lambda: server.add_insecure_port(listen), listen, what)
+        port = _bind(lambda: server.add_insecure_port(address), listen, what)
     await server.start()
+    if front is not None:
+        try:
+            port = await front.start(host, wanted_port, backend)
+        except OSError as exc:
+            await server.stop(grace=0)
+            raise ConfigError(f"{what}: cannot listen on {listen}: {exc.strerror}; pick "
+                              f"another --listen") from exc
     for name in names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -57,6 +57,7 @@ from agent.worker.pipeline import Links, make_links
 from agent.worker.store import GroupAddressStore, rendezvous_store
 from agent.worker.transport import TransportConfig, register
 from dtfm.core.assignment import member_address
+from dtfm.core.dataplane import HANDOFF_ENV
 from dtfm.core.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -199,13 +200,17 @@ def transport_config(a: Any, choice: netbind.BindChoice,
                          f"puts in the coordinator's (agent/session.py); an older agent?")
     mine = plane.listen[a.rank]
     bind = None
-    if mine:
+    # the agent serves this rank's data plane on its gRPC port and hands the connections
+    # over (agent/datahandoff.py); without it (--data-port) the rank listens itself
+    handoff = (os.environ.get(HANDOFF_ENV) or None) if mine else None
+    if mine and handoff is None:
         bind = member_address(netbind.listen_host(a.bind_addr, choice),
                               int(mine.rpartition(":")[2]))
     return TransportConfig(
         job=a.job_id, epoch=a.epoch, secret=plane.secret,
         peers={r: addr or None for r, addr in enumerate(plane.listen)},
-        relay=plane.relay or None, bind=bind, timeout=timeout, hole_punch=plane.hole_punch,
+        relay=plane.relay or None, bind=bind, handoff=handoff, timeout=timeout,
+        hole_punch=plane.hole_punch,
         pair_relays={(min(p.rank_a, p.rank_b), max(p.rank_a, p.rank_b)): p.relay
                      for p in plane.pair_relays},
         limited=frozenset(plane.limited),

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
-from dtfm.core.dataplane import PORT_OFFSET
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
@@ -238,8 +237,9 @@ class CoordinatorConfig:
     evict_after_s: float = 600.0  # drop agents lost or left this long from the registry
     state_dir: str = ""
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
-    # --relay-port: the data-plane relay for agents that cannot accept connections, on the
-    # --listen host; None: the gRPC port + 100 (a free port when --listen's is 0); 0: off
+    # --relay-port: the data-plane relay for agents that cannot accept connections; None:
+    # on the gRPC port itself (dtfm/front.py sorts the connections); a port: its own
+    # listener on the --listen host; 0: off
     relay_port: int | None = None
     # --checkpoint-store-mib: the most the copies of last resort (stages of a job no member of
     # which can be dialled, pushed here: coordinator/job/checkpointcopies.py) may take
@@ -271,13 +271,14 @@ class CoordinatorConfig:
                               f"{self.relay_port}")
         self.job.validate()
 
-    def relay_address(self, grpc_port: int) -> tuple[str, int] | None:
-        """(host, port) the relay listens on (port 0: any free one), None when it is off;
-        `grpc_port` is the port the coordinator's gRPC server got."""
-        if self.relay_port == 0:
+    @property
+    def relay_shared(self) -> bool:
+        """Whether the relay serves on the gRPC port (the default: one port to open)."""
+        return self.relay_port is None
+
+    def relay_address(self) -> tuple[str, int] | None:
+        """(host, port) of the relay's own listener (`--relay-port PORT`), None when it is
+        off or shares the gRPC port."""
+        if not self.relay_port:
             return None
-        host, port = split_hostport(self.listen, "--listen")
-        if self.relay_port is not None:
-            return host, self.relay_port
-        return host, (grpc_port + PORT_OFFSET if port and grpc_port + PORT_OFFSET <= 65535
-                      else 0)
+        return split_hostport(self.listen, "--listen")[0], self.relay_port

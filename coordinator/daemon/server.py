@@ -44,6 +44,7 @@ from dtfm.core.limits import (
     OMITTED_METADATA,
 )
 from dtfm.core.spec import ModelSpec
+from dtfm.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -411,24 +412,29 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
         return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
                 *relayprobe.register(server)]
 
+    # the one public port: gRPC and the relay; with a relay port of its own (or none) gRPC
+    # listens by itself, as before the front (no extra hop)
+    front = Front() if config.relay_shared else None
     server, port, health = await rpc.start_server(
-        config.listen, config.security, register, "coordinator"
+        config.listen, config.security, register, "coordinator", front=front
     )
     log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
              "TLS" if config.security.tls else "plaintext")
-    if (relay_at := config.relay_address(port)) is not None:
+    if config.relay_shared:
+        assert front is not None
+        relay = service.job.dataplane.share_relay(port, front)
+        front.on_data = relay.accept
+        log.info("data-plane relay on the gRPC port %d (one port for both)", port)
+    elif (relay_at := config.relay_address()) is not None:
         try:
             relay_port = await service.job.dataplane.start_relay(*relay_at)
             log.info("data-plane relay listening on %s:%d", relay_at[0], relay_port)
-        except OSError as exc:
-            if config.relay_port is not None:  # the operator's port: say so and stop
-                await server.stop(grace=0)
-                raise rpc.ConfigError(f"--relay-port {config.relay_port}: cannot listen on "
+        except OSError as exc:  # the operator's port: say so and stop
+            await server.stop(grace=0)
+            raise rpc.ConfigError(f"--relay-port {config.relay_port}: cannot listen on "
                                   f"{relay_at[0]}:{relay_at[1]}: {exc.strerror}; pick a free "
-                                  f"port, or 0 to run no relay") from exc
-            log.warning("no data-plane relay: the default port %d (gRPC + 100) is taken (%s); "
-                        "agents that cannot accept connections will not meet each other: "
-                        "give --relay-port", relay_at[1], exc.strerror)
+                                  f"port, leave it out to share the gRPC port, or 0 to run "
+                                  f"no relay") from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -448,6 +454,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    if front is not None:
+        await front.aclose()
     await server.stop(grace=2.0)
     if metrics is not None:
         metrics.close()

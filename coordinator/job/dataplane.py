@@ -65,6 +65,7 @@ from dtfm import reach
 from dtfm.core import dataplane as dp
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
+from dtfm.front import Front
 from dtfm.relay import Relay
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -214,6 +215,7 @@ class DataPlanes:
         self.hole_punch = hole_punch
         self.relay: Relay | None = None
         self.relay_agents = RelayAgentCounts()
+        self._front: Front | None = None  # the shared port's front, when the relay is on it
 
     async def start_relay(self, host: str, port: int) -> int:
         """Serve the relay on this (the coordinator's) event loop; the port it listens on."""
@@ -226,14 +228,24 @@ class DataPlanes:
         self.relay_agents.observe(agent_id, report.relay_forwarded_bytes,
                                   report.relay_refused_bytes)
 
+    def share_relay(self, port: int, front: Front) -> Relay:
+        """A relay fed by the coordinator's front on its gRPC `port` (dtfm/front.py): it
+        listens nowhere itself; the caller routes the front's data-plane connections to
+        `Relay.accept`. What the front refuses counts as the relay's refused bytes."""
+        self.relay = Relay(None, port=port)
+        self._front = front
+        return self.relay
+
     def status_fields(self, job_id: str) -> dict[str, int]:
         """What the relays forwarded for `job_id` and refused from non-members: the
-        coordinator's since it started, plus its members' relay agents as they last reported
-        (JobStatus fields)."""
-        relay = self.relay
+        coordinator's since it started (the bytes of connections the shared port's front
+        closed for speaking neither gRPC nor dtfm included), plus its members' relay agents
+        as they last reported (JobStatus fields)."""
+        relay, front = self.relay, self._front
         forwarded, refused = self.relay_agents.totals()
+        refused += (relay.refused_bytes if relay else 0) + (front.refused_bytes if front else 0)
         return {"relayed_bytes": forwarded + (relay.forwarded(job_id) if relay else 0),
-                "relay_refused_bytes": refused + (relay.refused_bytes if relay else 0)}
+                "relay_refused_bytes": refused}
 
     async def close(self) -> None:
         if self.relay is not None:

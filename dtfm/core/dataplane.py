@@ -27,11 +27,6 @@ import struct
 from collections.abc import Container
 from dataclasses import dataclass
 
-# A data-plane port (a reachable agent's worker, the coordinator's relay) defaults to its gRPC
-# port + 100: + 1 would be the next agent's gRPC port where several agents share a host
-# (deploy/install.sh numbers them 7071, 7072, ...) and the relay of a coordinator on 7070 would
-# take the first agent's 7071.
-PORT_OFFSET = 100
 MAGIC = b"DTFP"
 VERSION = 1
 NONCE_BYTES = 32
@@ -205,6 +200,47 @@ def may_dial(a: int, b: int, listening: Container[int], limited: Container[int],
     `direct`. One rule for the coordinator that writes the table and the workers that read
     it (`TransportConfig.mode`), so both ends of a pair and the relay plan agree."""
     return b in listening and (b not in limited or (a, b) in direct)
+
+
+# Handing accepted connections to the worker (agent/datahandoff.py): where an agent serves
+# the data plane on its one public port, its front accepts the connection and passes the
+# socket itself (SCM_RIGHTS, no copy) to the epoch's worker over an abstract Unix socket
+# whose name the worker finds in this variable. The worker claims its (job, epoch) first.
+HANDOFF_ENV = "DTFM_DATA_HANDOFF"
+_CLAIM = struct.Struct("!16sI")
+CLAIM_BYTES = _CLAIM.size
+
+
+def claim(job: str, epoch: int) -> bytes:
+    """What a worker sends when it connects to the handoff: the epoch it takes peers for."""
+    return _CLAIM.pack(job_digest(job), epoch)
+
+
+def unpack_claim(data: bytes) -> tuple[bytes, int]:
+    """(job digest, epoch) of a worker's claim."""
+    job, epoch = _CLAIM.unpack(data)
+    return job, epoch
+
+
+def connect_handoff(name: str, job: str, epoch: int) -> socket.socket:
+    """A worker's connection to its agent's handoff `name`, claiming (job, epoch)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect("\0" + name)
+        sock.sendall(claim(job, epoch))
+    except OSError as exc:
+        sock.close()
+        raise ConnectionError(f"cannot reach the agent's data-plane handoff {name!r} "
+                              f"({HANDOFF_ENV}): {exc}; is the agent running?") from exc
+    return sock
+
+
+def receive_handed(sock: socket.socket) -> socket.socket | None:
+    """The next connection the agent hands over on `sock`; None once the agent is gone."""
+    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if not fds:
+        return None
+    return socket.socket(fileno=fds[0])
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

@@ -67,21 +67,24 @@ def test_gpu_jobs_and_missing_relays_are_refused_with_a_reason() -> None:
         DataPlanes("udp")
 
 
-def test_default_data_plane_ports_collide_with_no_neighbouring_agent_or_coordinator() -> None:
-    """deploy/install.sh numbers a host's agents 7071, 7072, ...; the coordinator listens on
-    7070. Data ports at gRPC + 1 made agent 0's data port agent 1's gRPC port, and the relay
-    agent 0's."""
+def test_by_default_each_daemon_serves_its_data_plane_on_its_grpc_port() -> None:
+    """One port per daemon (dtfm/front.py): an agent advertises its gRPC port as its data
+    port and the coordinator's relay shares its gRPC port, unless given ports of their own
+    (deploy/install.sh numbers a host's agents 7071, 7072, ...: nothing else to collide)."""
     from agent.config import AgentConfig
     from coordinator.daemon.config import CoordinatorConfig
 
-    grpc = [7070] + [7071 + n for n in range(8)]
-    data = [AgentConfig(listen=f"0.0.0.0:{p}").data_port_for(p) for p in grpc[1:]]
-    relay = CoordinatorConfig(listen="0.0.0.0:7070").relay_address(7070)
-    assert relay == ("0.0.0.0", 7170)
-    assert data == [7171 + n for n in range(8)]
-    assert not set(grpc) & {*data, relay[1]} and len({*data, relay[1]}) == 9
-    assert CoordinatorConfig(listen="0.0.0.0:7070", relay_port=0).relay_address(7070) is None
-    assert AgentConfig(listen="0.0.0.0:7071", data_port=9000).data_port_for(7071) == 9000
+    grpc = [7071 + n for n in range(8)]
+    assert [AgentConfig(listen=f"0.0.0.0:{p}").data_port_for(p) for p in grpc] == grpc
+    assert AgentConfig(listen="0.0.0.0:7071").data_shared
+    own_data = AgentConfig(listen="0.0.0.0:7071", data_port=9000)
+    assert own_data.data_port_for(7071) == 9000 and not own_data.data_shared
+    shared = CoordinatorConfig(listen="0.0.0.0:7070")
+    assert shared.relay_shared and shared.relay_address() is None
+    own = CoordinatorConfig(listen="0.0.0.0:7070", relay_port=7170)
+    assert not own.relay_shared and own.relay_address() == ("0.0.0.0", 7170)
+    off = CoordinatorConfig(listen="0.0.0.0:7070", relay_port=0)
+    assert not off.relay_shared and off.relay_address() is None
 
 
 def _relay_agent_world(agent_delay_ms: float, shape: StepShape | None = None

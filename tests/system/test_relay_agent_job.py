@@ -3,7 +3,11 @@ relays on agents, chosen per pair), with real processes on loopback: three of fo
 start `--reachable no`, the fourth serves a relay (`agent start --relay-port`), and the
 coordinator serves none (`--relay-port 0`), so every pair of dial-only ranks that talks
 (in a 2 x 2 job any three ranks hold a pipeline or a data-parallel pair) must go through the
-agent. The losses equal the same job's on gloo with every agent reachable, bit for bit."""
+agent. The losses equal the same job's on gloo with every agent reachable, bit for bit.
+
+The relay agent keeps the separate-port mode an operator may choose: its relay and its
+worker's data plane on ports of their own (`--relay-port`, `--data-port`), not on its gRPC
+port (the default, dtfm/front.py; test_wan_relay_agent.py runs that one)."""
 
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons) -> None:
     gloo, *_ = train_job(daemons, "open", [[]] * 4)
-    relay_port = free_port()
+    relay_port, data_port = free_port(), free_port()
     unreachable = ["--reachable", "no"]
     relayed, agents, log, messages, address = train_job(
-        daemons, "nat", [unreachable] * 3 + [["--relay-port", str(relay_port)]],
+        daemons, "nat", [unreachable] * 3 + [["--relay-port", str(relay_port),
+                                              "--data-port", str(data_port)]],
         "--relay-port", "0")
     relay_log = daemons.log(agents[3])
     assert "relayed through relay agents of their job" in messages, messages
@@ -36,6 +41,9 @@ def test_dial_only_agents_meet_at_a_relay_agent_to_gloos_losses(daemons: Daemons
     forwarded = wait_for(lambda: daemons.status(address)["job"]["relay"]["forwarded_bytes"],
                          30, "the relay agent's forwarded bytes in coordinator status")
     assert forwarded > 10_000, forwarded
+    worker_log = "".join(p.read_text(errors="replace")
+                         for p in daemons.tmp.glob("nat-3*/work/*.log"))
+    assert f"data plane listens on 127.0.0.1:{data_port}" in worker_log, worker_log[-3000:]
     ref = step_losses(daemons.tmp, gloo["id"], 1)
     got = step_losses(daemons.tmp, relayed["id"], 1)
     assert sorted(ref) == sorted(got) == [0, 1, 2, 3]

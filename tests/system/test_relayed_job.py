@@ -4,7 +4,9 @@ coordinator picks the "dtfm" backend; they dial out to the listening one and, be
 themselves, meet at the coordinator's relay (in a 2 x 2 job any three ranks hold a pair that
 talks: a pipeline or a data-parallel pair). The same job with every agent reachable runs on
 gloo, and both give the same losses, step for step, bit for bit (same seed; dtfm's
-two-member all_reduce and its point-to-point messages are exactly gloo's)."""
+two-member all_reduce and its point-to-point messages are exactly gloo's). Every dtfm
+connection crosses the daemons' one port each (the coordinator's gRPC port for the relay,
+the listening agent's gRPC port for its worker)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ def test_unreachable_agents_train_over_dtfm_to_gloos_losses(daemons: Daemons) ->
     nat_logs = [t for p, t in worker_logs.items() if p.parts[-3].startswith("nat-")]
     assert any("via gloo" in t or "gloo via" in t for t in open_logs), open_logs[:1]
     assert sum("dtfm via the assignment's peer table" in t for t in nat_logs) == 4, nat_logs
+    # one port per daemon (dtfm/front.py): the relay shares the coordinator's gRPC port, and
+    # the listening agent's worker takes its peers' connections from the agent's gRPC port
+    assert "data-plane relay on the gRPC port" in log, log[-3000:]
+    assert sum("data plane served on the agent's port" in t for t in nat_logs) == 1, nat_logs
     ref = step_losses(daemons.tmp, gloo["id"], 1)
     got = step_losses(daemons.tmp, relayed["id"], 1)
     assert sorted(ref) == sorted(got) == [0, 1, 2, 3]

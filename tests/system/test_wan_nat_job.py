@@ -10,6 +10,12 @@ four agents as soon as they joined, while the dial-back of a NATed agent ends on
 timeout; the job waits for the verdicts before planning (`Membership.with_verdicts`), so
 auto picks dtfm. Links into the NATed agents are measured the other way, and the pair of
 them (no direct path either way) is priced as relayed through the coordinator.
+
+Ports (dtfm/front.py, docs/operations.md "Ports and reachability"): while the job trains,
+each host's network namespace listens on exactly one TCP port: the coordinator's host on
+its gRPC port (the relay shares it), each agent's host on the agent's gRPC port (its
+worker's data plane shares it), a NATed agent's too (nobody can reach it, but it still
+serves gRPC for the coordinator's dial-back to fail on).
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from dtfm.wan import WanEmulator
-from dtfm.wan.cluster import WanCluster, measurement_wan
+from dtfm.wan.cluster import AGENT_PORT, COORDINATOR_PORT, WanCluster, measurement_wan
+from tests.netstat import listening_tcp_ports
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -39,7 +46,22 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
     with measurement_wan(DELAY, RATE, nat=[1, 2]) as wan:
         assert wan.address(2) == wan.address(3)  # both believe they are 192.168.1.2
         cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB)
-        ids, status = cluster.run_to_end(400)
+        listening: dict[str, set[int]] = {}
+
+        def ports_while_training(status: dict) -> None:
+            job = status.get("job", {})
+            if not listening and job.get("state") == "running" and job.get("step", 0) >= 1:
+                assert cluster.coordinator_proc is not None
+                procs = {"coordinator": cluster.coordinator_proc} | {
+                    f"agent-{i}": p for i, p in enumerate(cluster.agent_procs)}
+                listening.update({name: listening_tcp_ports(p.pid)
+                                  for name, p in procs.items()})
+
+        try:
+            ids = cluster.start(timeout=90)
+            status = cluster.wait_job(400, on_status=ports_while_training)
+        finally:
+            cluster.stop()
         nats = {wan.public_address(2), wan.public_address(3)}  # agents 1 and 2 (host 0: the
         # coordinator)
     job = status["job"]
@@ -65,3 +87,6 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
     assert {host for host, _ in punched} == nats, punched
     assert all(int(port) >= 20000 for _, port in punched)  # the NATs' mapped ports
     assert job["relay"]["forwarded_bytes"] == 2 * job["epoch"], job["relay"]
+    # one TCP port per daemon, the data plane and the relay included (seen mid-training)
+    assert listening == {"coordinator": {COORDINATOR_PORT},
+                         **{f"agent-{i}": {AGENT_PORT} for i in range(4)}}, listening

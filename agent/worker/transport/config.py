@@ -38,6 +38,9 @@ class TransportConfig:
     limited: frozenset[int] = frozenset()
     direct: frozenset[tuple[int, int]] = frozenset()
     bind: str | None = None  # listen here instead of this rank's advertised address
+    # take accepted connections from the agent's handoff (its abstract Unix socket name:
+    # agent/datahandoff.py) instead of listening: the agent serves them on its one port
+    handoff: str | None = None
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)
     hole_punch: bool = False  # pairs at a relay try a direct connection first (punch.py)
@@ -103,7 +106,8 @@ class TransportConfig:
                 pair_relays={_pair(k): v for k, v in d.get("pair_relays", {}).items()},
                 limited=frozenset(int(r) for r in d.get("limited", [])),
                 direct=frozenset(_pair(k) for k in d.get("direct", [])),
-                bind=d.get("bind"), timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
+                bind=d.get("bind"), handoff=d.get("handoff"),
+                timeout=timedelta(seconds=float(d.get("timeout_s", 300))),
                 hole_punch=bool(d.get("hole_punch", False)),
             )
         except (KeyError, ValueError, OSError) as exc:
@@ -114,7 +118,7 @@ class TransportConfig:
         """The JSON for `ENV` (the secret stays in `secret_file`)."""
         return json.dumps({"job": self.job, "epoch": self.epoch, "secret_file": secret_file,
                            "peers": {str(k): v for k, v in self.peers.items()},
-                           "relay": self.relay, "bind": self.bind,
+                           "relay": self.relay, "bind": self.bind, "handoff": self.handoff,
                            "pair_relays": {f"{a},{b}": v
                                            for (a, b), v in self.pair_relays.items()},
                            "limited": sorted(self.limited),

@@ -209,8 +209,14 @@ class Mesh:
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
+        self._handoff: socket.socket | None = None
         addr = cfg.bind or cfg.peers.get(rank)
-        if addr is not None:
+        if addr is not None and cfg.handoff:
+            # the agent accepts on its one public port and passes the sockets over
+            self._handoff = dp.connect_handoff(cfg.handoff, cfg.job, cfg.epoch)
+            self.spawn(self._handoff_loop, "dtfm-handoff")
+            log.info("rank %d: data plane served on the agent's port (%s)", rank, addr)
+        elif addr is not None:
             host, port = dp.parse_addr(addr)
             self._listener = socket.create_server((host, port), reuse_port=False)
             self.spawn(self._accept_loop, "dtfm-accept")
@@ -274,10 +280,11 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
+        for lsock in (self._listener, self._handoff):
+            if lsock is not None:
+                with contextlib.suppress(OSError):
+                    lsock.shutdown(socket.SHUT_RDWR)
+                lsock.close()
         for p in list(self.peers.values()):
             p.outbox.put(None)
             if p.sock is not None:
@@ -372,6 +379,21 @@ class Mesh:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
+                return
+            self.spawn(functools.partial(self._admit, sock), "dtfm-admit")
+
+    def _handoff_loop(self) -> None:
+        """Admit the connections the agent accepted for this epoch, as `_accept_loop` does."""
+        assert self._handoff is not None
+        while not self._closed:
+            try:
+                sock = dp.receive_handed(self._handoff)
+            except OSError:
+                return
+            if sock is None:
+                if not self._closed:
+                    log.warning("rank %d: the agent's data-plane handoff closed: peers can no "
+                                "longer dial this rank", self.rank)
                 return
             self.spawn(functools.partial(self._admit, sock), "dtfm-admit")
 

@@ -1,0 +1,174 @@
+"""One port per daemon (dtfm/front.py) against ports of their own, side by side on loopback.
+
+- gRPC: a unary call's round trip and a server-streamed bulk transfer (1 MiB messages, as
+  checkpoint copies stream) to a server on its own TCP port, and to the same server behind
+  the front, which splices each connection to it over an abstract Unix socket.
+- Data plane: one `Mesh` sends tensors to another that listens on its own port, and to one
+  that takes its connections from the agent's handoff (agent/datahandoff.py: the front
+  passes the accepted socket over, so the bytes never cross the agent).
+
+Everything runs in this process (gRPC and its front on uvloop, as in the daemons; the data
+plane's front on an event loop thread and the meshes' threads),
+the same way for both columns. Loopback measures the front's own cost, not a WAN. Prints a
+table and writes bench/results/sharedport.json; well under a minute.
+
+    .venv/bin/python bench/sharedport.py [--mib 256] [--calls 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent.datahandoff import DataHandoff  # noqa: E402
+from agent.server import data_router  # noqa: E402
+from agent.worker.transport import TransportConfig  # noqa: E402
+from agent.worker.transport.mesh import Mesh  # noqa: E402
+from dtfm import rpc  # noqa: E402
+from dtfm.flags import run_async  # noqa: E402
+from dtfm.front import Front  # noqa: E402
+from dtfm.rpc import free_port  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sharedport.json"
+SECURITY = rpc.Security(token="bench-sharedport-token-0123")
+CHUNK = 1 << 20
+
+
+def _register(server: grpc.aio.Server) -> list[str]:
+    async def echo(req: bytes, _: Any) -> bytes:
+        return req
+
+    async def pull(req: bytes, _: Any) -> AsyncIterator[bytes]:
+        chunk = b"\0" * CHUNK
+        for _ in range(int(req.decode())):
+            yield chunk
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bench", {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        "Pull": grpc.unary_stream_rpc_method_handler(pull)})])
+    return []
+
+
+async def _grpc_case(front: Front | None, mib: int, calls: int) -> dict[str, float]:
+    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, _register, "bench",
+                                             front=front)
+    try:
+        async with rpc.open_channel(f"127.0.0.1:{port}", SECURITY) as ch:
+            echo = ch.unary_unary("/bench.Bench/Echo")
+            pull = ch.unary_stream("/bench.Bench/Pull")
+            await echo(b"x")
+            rtts = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await echo(b"x")
+                rtts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            got = 0
+            async for msg in pull(str(mib).encode()):
+                got += len(msg)
+            dt = time.perf_counter() - t0
+        return {"grpc_unary_rtt_us": statistics.median(rtts) * 1e6,
+                "grpc_stream_mib_s": got / dt / (1 << 20)}
+    finally:
+        if front is not None:
+            await front.aclose()
+        await server.stop(0)
+
+
+class _Loop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _data_case(shared: bool, mib: int) -> dict[str, float]:
+    loop = _Loop()
+    handoff = front = None
+    try:
+        if shared:
+            handoff = DataHandoff()
+            front = Front(data_router(handoff, None))
+            loop.call(handoff.start())
+            port = loop.call(front.start("127.0.0.1", 0, "no-grpc"))
+        else:
+            port = free_port()
+        peers: dict[int, str | None] = {0: f"127.0.0.1:{port}", 1: None}
+        t = timedelta(seconds=120)
+        m0 = Mesh(TransportConfig("bench", 1, b"bench-secret", peers,
+                                  handoff=handoff.name if handoff else None, timeout=t), 0)
+        m1 = Mesh(TransportConfig("bench", 1, b"bench-secret", peers, timeout=t), 1)
+        try:
+            msg = 16  # MiB per message
+            src, dst = torch.ones(msg << 18), torch.zeros(msg << 18)
+            m1.send(0, 0, 0, src).wait()  # connect
+            m0.recv(1, 0, 0, dst).wait()
+            n = max(1, mib // msg)
+            t0 = time.perf_counter()
+            sends = [m1.send(0, 0, i + 1, src) for i in range(n)]
+            for i in range(n):
+                m0.recv(1, 0, i + 1, dst).wait()
+            for w in sends:
+                w.wait()
+            dt = time.perf_counter() - t0
+            return {"data_mib_s": n * msg / dt}
+        finally:
+            m1.close()
+            m0.close()
+    finally:
+        if front is not None and handoff is not None:
+            loop.call(front.aclose())
+            loop.call(handoff.aclose())
+        loop.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="MiB per bulk transfer")
+    ap.add_argument("--calls", type=int, default=500, help="unary calls timed")
+    ap.add_argument("--reps", type=int, default=3, help="runs per case (the median is kept)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    rows = []
+    for shared in (False, True):
+        runs = []
+        for _ in range(args.reps):
+            g = run_async(_grpc_case(Front() if shared else None, args.mib, args.calls))
+            runs.append({**g, **_data_case(shared, args.mib)})
+        row = {"ports": "one (front)" if shared else "own ports",
+               **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+        rows.append(row)
+    print(f"{'ports':<13} {'gRPC unary RTT us':>18} {'gRPC stream MiB/s':>18} "
+          f"{'data plane MiB/s':>17}")
+    for r in rows:
+        print(f"{r['ports']:<13} {r['grpc_unary_rtt_us']:>18.0f} {r['grpc_stream_mib_s']:>18.0f} "
+              f"{r['data_mib_s']:>17.0f}")
+    ratio = {k: rows[1][k] / rows[0][k] for k in rows[0] if k != "ports"}
+    print("one port / own ports: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+    Path(args.out).write_text(json.dumps({"loopback": True, "mib": args.mib,
+                                          "calls": args.calls, "reps": args.reps,
+                                          "rows": rows, "ratio": ratio}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
