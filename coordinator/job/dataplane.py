@@ -82,10 +82,15 @@ def talking_pairs(layout: Layout) -> set[Pair]:
 
 
 def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Links | None,
-                coordinator: bool) -> dict[Pair, str]:
+                coordinator: bool, to_coordinator: Sequence[Path | None] = ()
+                ) -> dict[Pair, str]:
     """Each dial-only pair's relay: a relay agent's HOST:PORT, or COORDINATOR. `coordinator`:
     whether the coordinator's relay runs. Without `links` (not measured) relay agents are
-    not weighed and every pair meets at the coordinator's."""
+    not weighed and every pair meets at the coordinator's. `to_coordinator` (by rank): each
+    member's measured hop to the coordinator's relay; the coordinator's path of a pair is
+    priced from its two hops where both are known, else from the pair's relayed link in
+    `links` (which is the cheapest relay's price: after a relay agent became the cheapest,
+    that figure would make the coordinator look as good as it)."""
     dialers = [r for r, addr in enumerate(listen) if not addr]
     pairs = [(a, b) for i, a in enumerate(dialers) for b in dialers[i + 1:]]
     if links is None:
@@ -98,6 +103,10 @@ def pair_relays(records: Sequence[AgentRecord], listen: Sequence[str], links: Li
     # coordinator's uplink for control traffic
 
     def path(a: int, b: int, c: int | None) -> Path:
+        if c is None and len(to_coordinator) == len(records):
+            ha, hb = to_coordinator[a], to_coordinator[b]
+            if ha is not None and hb is not None:
+                return Path(ha.delay_ms + hb.delay_ms, min(ha.gbps, hb.gbps))
         hops = [(a, b), (b, a)] if c is None else [(a, c), (c, b)]
         delays = [float(net.delay_ms[index[x], index[y]]) for x, y in hops]
         return Path(max(delays) if c is None else sum(delays),
@@ -127,6 +136,9 @@ class EpochPlane:
     backend: str
     plane: common_pb2.DataPlane | None = None  # the same for every rank; None: gloo, NCCL
     relayed: list[str] = field(default_factory=list)  # members that only dial out
+    # each dial-only pair's relay by agent ids: a relay agent's id, or reach.COORDINATOR
+    # (the re-planner prices the running epoch's relayed links through these)
+    routes: dict[tuple[str, str], str] = field(default_factory=dict)
     unsupported: str = ""  # why this epoch cannot run (the job fails with it)
 
 
@@ -165,9 +177,11 @@ class DataPlanes:
         return native
 
     def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
-             links: Links | None = None) -> EpochPlane:
+             links: Links | None = None, to_coordinator: Sequence[Path | None] = ()
+             ) -> EpochPlane:
         """The data plane of `epoch` for `records` in rank order, each dial-only pair's relay
-        chosen on `links` (module doc); tells the relay the epoch's secret when it is dtfm."""
+        chosen on `links` and the members' hops to the coordinator (`pair_relays`); tells
+        the relay the epoch's secret when it is dtfm."""
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -182,7 +196,7 @@ class DataPlanes:
                 "Ports) or start them with --reachable yes if peers can dial them"))
         listen = [member_address(r.info.host, r.info.data_port) if accepts(r) else ""
                   for r in records]
-        chosen = pair_relays(records, listen, links, self.relay is not None)
+        chosen = pair_relays(records, listen, links, self.relay is not None, to_coordinator)
         if len(chosen) < len(relayed) * (len(relayed) - 1) // 2:
             return EpochPlane(backend, relayed=relayed, unsupported=(
                 f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
@@ -206,4 +220,8 @@ class DataPlanes:
                      ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in by_agent))
         plane = common_pb2.DataPlane(listen=listen, relay=relay, secret=secret,
                                      pair_relays=by_agent)
-        return EpochPlane(backend, plane, relayed)
+        relay_ids = {member_address(r.info.host, r.info.relay_port): r.agent_id
+                     for r in records if serves_relay(r)}
+        routes = {(records[a].agent_id, records[b].agent_id): relay_ids.get(addr, reach.COORDINATOR)
+                  for (a, b), addr in chosen.items()}
+        return EpochPlane(backend, plane, relayed, routes=routes)

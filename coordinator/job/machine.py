@@ -48,6 +48,7 @@ from coordinator.job.prediction import Prediction, agent_flops, device_figures
 from coordinator.job.recovery import Recoveries, layout_text, permanent_failure
 from coordinator.job.replan import Replanner
 from coordinator.links import failure as linkfailure
+from coordinator.links import relayed
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.reachability import ReachChecker
 from coordinator.links.store import LinkStore
@@ -428,7 +429,10 @@ class Job:
                                         splits=found["splits"], agents=ids, flops=flops)
         predicted = self.planner.model.predict({})
         self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
-        plane = self.dataplane.plan(self.job_id, self.epoch, records, (net, ranked, layout))
+        plane = self.dataplane.plan(
+            self.job_id, self.epoch, records, (net, ranked, layout),
+            [relayed.coordinator_hop(self.links, r.agent_id) for r in records])
+        self.planner.relays = plane.routes
         if plane.unsupported:
             self._set(S.JOB_STATE_FAILED, plane.unsupported)
             return

@@ -189,3 +189,16 @@ def move_verdict(stay_s: float, new_s: float, steps_left: int, cost_s: float,
                              f"costs")
     return True, gain, (f"{stay_s - new_s:.2f} s/step x {steps_left} steps left = {gain:.0f} s "
                         f"saved, over {margin:g} x the {cost_s:.0f} s a move costs")
+
+
+def with_links(net: Network, ids: list[str],
+               figures: dict[tuple[str, str], tuple[float, float]]) -> Network:
+    """`net` with the links in `figures` ({(from, to): (delay ms, Gbit/s)}, by agent id) set
+    to those figures; links of agents not in `ids` are ignored."""
+    at = {a: i for i, a in enumerate(ids)}
+    delay, bandwidth = np.array(net.delay_ms, dtype=float), np.array(net.bandwidth_gbps,
+                                                                      dtype=float)
+    for (x, y), (d, g) in figures.items():
+        if x in at and y in at:
+            delay[at[x], at[y]], bandwidth[at[x], at[y]] = d, g
+    return Network.measured(delay, bandwidth)

@@ -156,3 +156,40 @@ def price(store: LinkStore, pairs: Sequence[tuple[str, str]],
                                             "", now, clip(note), RELAYED)
             priced.append((x, y))
     return priced
+
+
+def via(store: LinkStore, x: str, y: str, relay: str) -> Path | None:
+    """The path x -> `relay` -> y from the store's measured hops (`RELAY`: the
+    coordinator's, relay->y taken as y->relay); None where a hop has no figure."""
+    hops = _hops(store, x, y, relay)
+    if hops is None:
+        return None
+    return Path(hops[0].delay_ms + hops[1].delay_ms,
+                min(hops[0].bandwidth_gbps, hops[1].bandwidth_gbps))
+
+
+def coordinator_hop(store: LinkStore, x: str) -> Path | None:
+    """x's measured link to the coordinator's relay (its delay and rate), None if unknown."""
+    entry = _ok(store, x, RELAY)
+    return None if entry is None else Path(entry.delay_ms, entry.bandwidth_gbps)
+
+
+def relayed_figures(store: LinkStore, links: Sequence[tuple[str, str]],
+                    routes: dict[tuple[str, str], str] | None = None
+                    ) -> dict[tuple[str, str], Path]:
+    """The figures of relayed links x->y as the store has them now. With `routes` ({(a, b):
+    the relay the pair meets at, agent id or RELAY}, either order), through that very relay:
+    what a running epoch pays, which may not be the cheapest relay any more (a relay that
+    slowed keeps its pairs until the job re-plans). Without, the store's price (the cheapest
+    relay, `price`). Links without figures are left out."""
+    out = {}
+    for x, y in links:
+        if routes is None:
+            entry = _ok(store, x, y)
+            if entry is not None and entry.path == RELAYED:
+                out[x, y] = Path(entry.delay_ms, entry.bandwidth_gbps)
+            continue
+        relay = routes.get((x, y), routes.get((y, x)))
+        if relay is not None and (path := via(store, x, y, relay)) is not None:
+            out[x, y] = path
+    return out
