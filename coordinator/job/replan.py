@@ -59,6 +59,7 @@ from coordinator.job.weigh import (
     probe_representatives,
     request_lead,
     settle_remeasured,
+    through_relays,
     with_links,
 )
 from coordinator.links import relayed
@@ -423,7 +424,10 @@ class Replanner:
                                                pings=Pings(BACKGROUND_PINGS, drift.measured_s))
             sweep = settle_remeasured(model.net, *matrix_arrays(swept), self.cfg.threshold)
             delay_moved = sweep.delay_moved
-            links = links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids))
+            links = through_relays(
+                links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids)),
+                {(a, b) for a, _, b in (n.partition("->") for n in job.planner.relayed)},
+                job.planner.relays, relayed.RELAY)
             stands_for = probe_representatives(links, ids, sweep.net) if delay_moved.any() \
                 else {link: link for link in links}
             probed = to_measure(stands_for)

@@ -73,13 +73,19 @@ def undialable(records: Sequence[AgentRecord]) -> set[str]:
 def fill_other_way(store: LinkStore, ids: Sequence[str], hidden: set[str]
                    ) -> list[tuple[str, str]]:
     """Give every failed link a->b into an agent nobody can dial (`hidden`) whose reverse b->a
-    was probed the reverse's figures, marked as measured the other way; returns the links
-    filled."""
+    was probed the reverse's figures, marked as measured the other way; a link taken the
+    other way before takes them again (its reverse may have been probed since: a relay
+    agent's hop to a NATed agent that slowed); returns the links filled."""
     filled = []
     for a, b in itertools.permutations(ids, 2):
-        if b not in hidden or not _failed(store, a, b) or (back := _probed(store, b, a)) is None:
+        if b not in hidden or (back := _probed(store, b, a)) is None:
             continue
-        why = store.entries[a, b].error if (a, b) in store.entries else "not probed"
+        entry = store.entries.get((a, b))
+        if not _failed(store, a, b) and (entry is None or entry.path != REVERSE
+                                         or entry.measured_unix_s == back.measured_unix_s):
+            continue
+        why = ("taken the other way before" if entry is not None and entry.reachable
+               else entry.error if entry is not None else "not probed")
         note = f"measured the other way ({b}->{a}): {a} cannot dial {b} ({why})"
         if back.estimate:
             note += f"; that probe's own estimate: {back.estimate}"
@@ -98,6 +104,15 @@ def stranded_pairs(store: LinkStore, ids: Sequence[str], hidden: set[str]
     alive = {a for a in ids if any(_ok(store, a, b) or _ok(store, b, a) for b in ids if b != a)}
     return [(a, b) for a, b in itertools.combinations(ids, 2)
             if {a, b} <= hidden & alive and _failed(store, a, b) and _failed(store, b, a)]
+
+
+def relayed_pairs(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
+    """Unordered pairs of `ids` already priced as relayed (either direction): a measurement
+    that re-measured some of their hops (a re-plan's, while the job trains) prices them
+    again, so a relay whose hops slowed stops being their price."""
+    return [(a, b) for a, b in itertools.combinations(ids, 2)
+            if any((e := _ok(store, x, y)) is not None and e.path == RELAYED
+                   for x, y in ((a, b), (b, a)))]
 
 
 def hop_agents(pairs: Sequence[tuple[str, str]]) -> list[str]:

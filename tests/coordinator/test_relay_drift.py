@@ -9,13 +9,16 @@ prices the coordinator's relay from its own hops, not from the cheapest relay's 
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
-from coordinator.daemon.registry import AgentRecord
+from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job.dataplane import COORDINATOR, pair_relays
-from coordinator.job.weigh import with_links
+from coordinator.job.weigh import through_relays, with_links
 from coordinator.links import relayed
+from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import RELAYED, REVERSE, LinkEntry, LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import Path
@@ -23,6 +26,7 @@ from dtfm import reach
 from dtfm.core.layout import Layout
 from protos.dtfm.v1 import common_pb2
 from tests.coordinator.test_job import Cluster, config
+from tests.coordinator.test_relayed_links import SITE, Agents
 
 SLOW_HOP, FAST_HOP = (100.0, 0.01), (5.0, 0.1)  # ms, Gbit/s
 
@@ -102,3 +106,59 @@ def test_the_coordinators_relay_is_priced_from_its_own_hops_not_the_cheapest_rel
     # a coordinator whose own hops are fast takes the pairs the agent's shared uplink loses
     fast = [None, *[Path(1.0, 1.0)] * 3]
     assert COORDINATOR in pair_relays(recs, listen, links, True, fast).values()
+
+
+def test_a_re_measurement_probes_a_relayed_pairs_hops_to_its_relay_agent_not_the_pair() -> None:
+    links = {("n1", "n2"), ("n2", "n1"), ("x", "n1")}
+    relayed_links = {("n1", "n2"), ("n2", "n1"), ("n3", "n4")}
+    assert through_relays(links, relayed_links, {("n2", "n1"): "r"}, relayed.RELAY) == {
+        ("x", "n1"), ("n1", "r"), ("n2", "r")}
+    # at the coordinator's relay: the sweep measures those hops anyway
+    assert through_relays(links, relayed_links, {("n1", "n2"): relayed.RELAY},
+                          relayed.RELAY) == {("x", "n1")}
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_agent_whose_hops_slowed_stops_being_the_pairs_price(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n2 and n3 dial only and meet at relay agent a0 (nearer than the coordinator). Its
+    hops lose rate; a re-measurement probes just those hops (n2->a0, n3->a0: the re-plan's
+    bandwidth pass, no latency pass, no probe of the pair itself), and the pair is priced
+    again from them: through the coordinator now. Before, a pair already priced kept its
+    relay agent's figure, and a0->n3 kept the figure taken the other way at the start."""
+    monkeypatch.setitem(SITE, "a0", (0.0, 10.0))
+    monkeypatch.setitem(SITE, relayed.RELAY, (5.0, 10.0))
+
+    async def run() -> LinkStore:
+        registry = Registry(liveness_timeout_s=60)
+        for i, agent_id in enumerate(["a0", "a1", "n2", "n3"]):
+            info = common_pb2.AgentInfo(agent_id=agent_id, host="192.168.1.2", port=7000 + i,
+                                        relay_port=7300 if agent_id == "a0" else 0)
+            record = registry.get(registry.join(info).agent_id)
+            assert record is not None
+            record.reach.verdict = reach.NOWHERE if agent_id in ("n2", "n3") else reach.EVERYWHERE
+        store = LinkStore()
+        measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
+        agents = Agents(registry, {"n2", "n3"})
+        agents.measurer = measurer
+        servers = [asyncio.create_task(agents.serve(i)) for i in ("a0", "a1", "n2", "n3")]
+        try:
+            await measurer.measure(registry.alive())
+            assert "relay agent a0" in store.entries["n2", "n3"].estimate
+            monkeypatch.setitem(SITE, "a0", (0.0, 0.01))  # a0's uplink slows
+            agents.asked.clear()
+            await measurer.measure(registry.alive(), latency=False,
+                                   bandwidth_links={("n2", "a0"), ("n3", "a0")})
+            assert {(a, p) for a, _, p, _ in agents.asked} == {("n2", "a0"), ("n3", "a0")}
+        finally:
+            for s in servers:
+                s.cancel()
+            await asyncio.gather(*servers, return_exceptions=True)
+        return store
+
+    store = asyncio.run(run())
+    assert store.entries["a0", "n3"].bandwidth_gbps == 0.01  # taken the other way again
+    for x, y in (("n2", "n3"), ("n3", "n2")):
+        entry = store.entries[x, y]
+        assert entry.path == RELAYED and "via the coordinator" in entry.estimate, entry
+        assert entry.delay_ms == pytest.approx(30.0 + 40.0 + 2 * 5.0)
