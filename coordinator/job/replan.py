@@ -13,7 +13,11 @@ On a verdict it starts one background evaluation while the job trains on:
    for each group that moved alike between the same two places, the rest inferred from it)
    or, where none moved, of the plan's links that touch the suspects, with short probes
    (`--remeasure-probe-seconds`), through the job's `LinkMeasurer` into the link store (with
-   `--links FILE` the file is read again instead: whoever refreshes it);
+   `--links FILE` the file is read again instead: whoever refreshes it); a relayed link's
+   probe is replaced by its pair's hops to its relay agent, the hops to the coordinator's
+   relay are measured by the sweep, and relayed links are priced again from them; the
+   running plan is weighed with each relayed pair through the relay it meets at now
+   (`as_routed`), a new one through the cheapest;
 2. search and polish again on the updated matrix (the job's `EpochPlanner.place`), with a slowed
    device's FLOP/s scaled by its measured compute and the uneven-split planner given a go;
 3. weigh the predicted step saved over the remaining steps against the cost of moving: the

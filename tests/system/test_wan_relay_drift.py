@@ -5,7 +5,7 @@ Agent 0 is reachable and serves a relay (`--relay-port`); agents 1-3 sit behind 
 their own, so in a 2 x 2 job two pairs that talk (any three ranks hold them) can dial
 neither way and meet at a relay: the coordinator's, whose links to everyone are free at
 first, so both pairs meet there. Mid-job the emulator slows the coordinator's links to the
-NATed hosts (+80 ms, 5 Mbit/s): nothing but the relayed traffic (and the agents' control
+NATed hosts (+80 ms, 2 Mbit/s): nothing but the relayed traffic (and the agents' control
 traffic) crosses them, so the step slows and the drift watch fires. The re-measurement
 measures the NATed agents' hops to the coordinator again, re-prices their relayed links,
 and prices the running plan through the relay its pairs use (the slowed one): staying costs
@@ -30,9 +30,12 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {W
 
 NATTED = [1, 2, 3]
 DELAY = [[0, 10, 5, 10], [10, 0, 10, 5], [5, 10, 0, 10], [10, 5, 10, 0]]
-RATE = [[0, 50, 50, 50], [50, 0, 50, 50], [50, 50, 0, 50], [50, 50, 50, 0]]
-STEPS = 60
-SLOW_AT = 12  # once the watch has settled on the healthy step
+# agent 0's links (its relay's hops) at 10 Mbit/s: its relay stays dearer than the
+# coordinator's free links even where a loaded forwarder measures those at 20-60 Mbit/s
+RATE = [[0, 10, 10, 10], [10, 0, 50, 50], [10, 50, 0, 50], [10, 50, 50, 0]]
+SLOWED = {"delay_ms": 80, "bandwidth_mbps": 2}  # the coordinator's links to the NATed hosts
+STEPS = 48
+SLOW_AT = 10  # once the watch has settled on the healthy step
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "5",
        "--search-seconds", "1", "--eval-batches", "0", "--layer-split", "even",
@@ -66,7 +69,7 @@ def test_a_slowed_relay_is_drift_the_job_moves_its_relayed_pairs_to_the_other_re
             log = (tmp_path / "coordinator.log").read_text(errors="replace")
             assert "dtfm data plane" in log and _at_relay_agents(log, 1) == 0, log[-3000:]
             for agent in NATTED:  # the coordinator's relay slows: host 0 to the NATed hosts
-                wan.set_link(0, agent + 1, delay_ms=80, bandwidth_mbps=5, both_ways=True)
+                wan.set_link(0, agent + 1, **SLOWED, both_ways=True)
             status = cluster.wait_job(300)
         finally:
             cluster.stop()
