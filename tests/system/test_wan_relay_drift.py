@@ -5,7 +5,7 @@ Agent 0 is reachable and serves a relay (`--relay-port`); agents 1-3 sit behind 
 their own, so in a 2 x 2 job two pairs that talk (any three ranks hold them) can dial
 neither way and meet at a relay: the coordinator's, whose links to everyone are free at
 first, so both pairs meet there. Mid-job the emulator slows the coordinator's links to the
-NATed hosts (+80 ms, 2 Mbit/s): nothing but the relayed traffic (and the agents' control
+NATed hosts (+80 ms, 4 Mbit/s): nothing but the relayed traffic (and the agents' control
 traffic) crosses them, so the step slows and the drift watch fires. The re-measurement
 measures the NATed agents' hops to the coordinator again, re-prices their relayed links,
 and prices the running plan through the relay its pairs use (the slowed one): staying costs
@@ -33,14 +33,19 @@ DELAY = [[0, 10, 5, 10], [10, 0, 10, 5], [5, 10, 0, 10], [10, 5, 10, 0]]
 # agent 0's links (its relay's hops) at 10 Mbit/s: its relay stays dearer than the
 # coordinator's free links even where a loaded forwarder measures those at 20-60 Mbit/s
 RATE = [[0, 10, 10, 10], [10, 0, 50, 50], [10, 50, 0, 50], [10, 50, 50, 0]]
-SLOWED = {"delay_ms": 80, "bandwidth_mbps": 2}  # the coordinator's links to the NATed hosts
+# the coordinator's links to the NATed hosts: dearer than agent 0's relay for both talking
+# pairs (4 Mbit/s for one flow against 10 shared by two)
+SLOWED = {"delay_ms": 80, "bandwidth_mbps": 4}
 STEPS = 48
 SLOW_AT = 10  # once the watch has settled on the healthy step
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "5",
        "--search-seconds", "1", "--eval-batches", "0", "--layer-split", "even",
        "--heartbeat-interval", "0.5", "--checkpoint-every", "6", "--drift-window", "4",
-       "--replan-margin", "1"]
+       "--replan-margin", "1",
+       # the slowed links carry the NATed agents' heartbeats too, queued behind the relayed
+       # traffic and the re-measurement's probes of them (at 2 Mbit/s one went 10 s unheard)
+       "--liveness-timeout", "30"]
 
 
 def _status(cluster: WanCluster) -> dict[str, Any] | None:
@@ -70,7 +75,14 @@ def test_a_slowed_relay_is_drift_the_job_moves_its_relayed_pairs_to_the_other_re
             assert "dtfm data plane" in log and _at_relay_agents(log, 1) == 0, log[-3000:]
             for agent in NATTED:  # the coordinator's relay slows: host 0 to the NATed hosts
                 wan.set_link(0, agent + 1, **SLOWED, both_ways=True)
-            status = cluster.wait_job(300)
+            # what the coordinator's relay forwarded by epoch: epoch 2's pairs meet elsewhere
+            forwarded: dict[int, list[int]] = {}
+
+            def watch(s: dict[str, Any]) -> None:
+                forwarded.setdefault(s["plan"]["epoch"], []).append(
+                    s["job"]["relay"]["forwarded_bytes"])
+
+            status = cluster.wait_job(300, on_status=watch)
         finally:
             cluster.stop()
     job = status["job"]
@@ -88,6 +100,8 @@ def test_a_slowed_relay_is_drift_the_job_moves_its_relayed_pairs_to_the_other_re
     assert log.count("links to the relay") >= 2, log[-4000:]
     assert _at_relay_agents(log, 2) >= 2, log[-4000:]  # both talking pairs, at least
     assert f"{wan.address(1)}:7300" in log, log[-3000:]
+    assert forwarded[1][-1] > 0, forwarded  # epoch 1's pairs met at the coordinator's relay
+    assert len(set(forwarded[2])) == 1, forwarded  # epoch 2's: not one byte more through it
     relay_log = (tmp_path / "agent-0.log").read_text(errors="replace")
     assert "relay: circuit between ranks" in relay_log, relay_log[-3000:]
     print(f"\nre-plan at step {rec['at_step']}: {rec['why']}; step {rec['step_before_s']:.2f}"
