@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.daemon.registry import AgentRecord
-from coordinator.links.relayed import direct_dials, serves_relay
+from coordinator.links.relayed import coordinator_hop, direct_dials, serves_relay
 from coordinator.links.store import LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
@@ -136,10 +136,16 @@ def peer_table(records: Sequence[AgentRecord], direct: set[tuple[str, str]]) -> 
 
 
 def pair_relays(records: Sequence[AgentRecord], pairs: Sequence[Pair], links: Links | None,
-                coordinator: bool) -> dict[Pair, str]:
+                coordinator: bool, to_coordinator: Sequence[Path | None] = ()
+                ) -> dict[Pair, str]:
     """Each relayed pair's relay (`PeerTable.relayed_pairs`): a relay agent's HOST:PORT, or
     COORDINATOR. `coordinator`: whether the coordinator's relay runs. Without `links` (not
-    measured) relay agents are not weighed and every pair meets at the coordinator's."""
+    measured) relay agents are not weighed and every pair meets at the coordinator's.
+    `to_coordinator` (by rank): each member's measured hop to the coordinator's relay; the
+    coordinator's path of a pair is priced from its two hops where both are known, else
+    from the pair's relayed link in `links` (which is the cheapest relay's price: after a
+    relay agent became the cheapest, that figure would make the coordinator look as good as
+    it)."""
     if links is None:
         return dict.fromkeys(pairs, COORDINATOR) if coordinator else {}
     net, index, layout, shape = links
@@ -150,6 +156,10 @@ def pair_relays(records: Sequence[AgentRecord], pairs: Sequence[Pair], links: Li
     # coordinator's uplink for control traffic
 
     def path(a: int, b: int, c: int | None) -> Path:
+        if c is None and len(to_coordinator) == len(records):
+            ha, hb = to_coordinator[a], to_coordinator[b]
+            if ha is not None and hb is not None:
+                return Path(ha.delay_ms + hb.delay_ms, min(ha.gbps, hb.gbps))
         hops = [(a, b), (b, a)] if c is None else [(a, c), (c, b)]
         delays = [float(net.delay_ms[index[x], index[y]]) for x, y in hops]
         return Path(max(delays) if c is None else sum(delays),
@@ -179,6 +189,9 @@ class EpochPlane:
     backend: str
     plane: common_pb2.DataPlane | None = None  # the same for every rank; None: gloo, NCCL
     relayed: list[str] = field(default_factory=list)  # members that only dial out
+    # each dial-only pair's relay by agent ids: a relay agent's id, or reach.COORDINATOR
+    # (the re-planner prices the running epoch's relayed links through these)
+    routes: dict[tuple[str, str], str] = field(default_factory=dict)
     unsupported: str = ""  # why this epoch cannot run (the job fails with it)
 
 
@@ -262,9 +275,10 @@ class DataPlanes:
     def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
              links: Links | None = None, probes: LinkStore | None = None) -> EpochPlane:
         """The data plane of `epoch` for `records` in rank order, each relayed pair's relay
-        chosen on `links` (module doc); `probes`: the measured links, whose probes are
-        evidence of direct paths to agents reachable from some peers only. Tells the relay
-        the epoch's secret when it is dtfm."""
+        chosen on `links` and the members' hops to the coordinator (`pair_relays`);
+        `probes`: the measured links, whose probes are evidence of direct paths to agents
+        reachable from some peers only and give those hops. Tells the relay the epoch's
+        secret when it is dtfm."""
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -279,7 +293,9 @@ class DataPlanes:
                 "Ports) or start them with --reachable yes if peers can dial them"))
         table = peer_table(records, direct_dials(records, probes))
         relayed_pairs = table.relayed_pairs()
-        chosen = pair_relays(records, relayed_pairs, links, self.relay is not None)
+        chosen = pair_relays(records, relayed_pairs, links, self.relay is not None,
+                             [coordinator_hop(probes, r.agent_id) for r in records]
+                             if probes is not None else ())
         if len(chosen) < len(relayed_pairs):
             return EpochPlane(backend, relayed=relayed, unsupported=(
                 f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
@@ -311,4 +327,8 @@ class DataPlanes:
             limited=sorted(table.limited),
             direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)],
             hole_punch=self.hole_punch)
-        return EpochPlane(backend, plane, relayed)
+        relay_ids = {member_address(r.info.host, r.info.relay_port): r.agent_id
+                     for r in records if serves_relay(r)}
+        routes = {(records[a].agent_id, records[b].agent_id):
+                  relay_ids.get(addr, reach.COORDINATOR) for (a, b), addr in chosen.items()}
+        return EpochPlane(backend, plane, relayed, routes=routes)

@@ -98,6 +98,10 @@ class EpochPlanner:
         # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices the
         # relay's uplink shared among the grid's relayed flows (coordinator/scheduler/relay.py)
         self.relayed: list[str] = []
+        # the relay each dial-only pair of this epoch meets at ({(agent, agent): a relay
+        # agent's id or the coordinator's, coordinator/job/dataplane.py}): a re-plan prices
+        # the running plan through these, not through the relay that is cheapest now
+        self.relays: dict[tuple[str, str], str] = {}
 
     def plan_message(self, found: dict[str, Any], ids: list[str], placement: Placement,
                      epoch: int, predicted: Any) -> common_pb2.Plan:

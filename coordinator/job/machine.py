@@ -261,8 +261,7 @@ class Job:
                                       self.planner.layout, self.planner.grid_ids, self._progress)
 
     def busy_training(self) -> bool:
-        return self.state in (S.JOB_STATE_RUNNING, S.JOB_STATE_SCHEDULING,
-                              S.JOB_STATE_MEASURING)
+        return self.state in (S.JOB_STATE_RUNNING, S.JOB_STATE_SCHEDULING, S.JOB_STATE_MEASURING)
 
     def measured_step_s(self) -> float:
         """Median step time over the members' last few steady steps (0 before any)."""
@@ -431,6 +430,7 @@ class Job:
         self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
         plane = self.dataplane.plan(self.job_id, self.epoch, records,
                                     (net, ranked, layout, self.planner.model.shape), self.links)
+        self.planner.relays = plane.routes
         if plane.unsupported:
             self._set(S.JOB_STATE_FAILED, plane.unsupported)
             return

@@ -13,7 +13,11 @@ On a verdict it starts one background evaluation while the job trains on:
    for each group that moved alike between the same two places, the rest inferred from it)
    or, where none moved, of the plan's links that touch the suspects, with short probes
    (`--remeasure-probe-seconds`), through the job's `LinkMeasurer` into the link store (with
-   `--links FILE` the file is read again instead: whoever refreshes it);
+   `--links FILE` the file is read again instead: whoever refreshes it); a relayed link's
+   probe is replaced by its pair's hops to its relay agent, the hops to the coordinator's
+   relay are measured by the sweep, and relayed links are priced again from them; the
+   running plan is weighed with each relayed pair through the relay it meets at now
+   (`as_routed`), a new one through the cheapest;
 2. search and polish again on the updated matrix (the job's `EpochPlanner.place`), with a slowed
    device's FLOP/s scaled by its measured compute and the uneven-split planner given a go;
 3. weigh the predicted step saved over the remaining steps against the cost of moving: the
@@ -59,7 +63,10 @@ from coordinator.job.weigh import (
     probe_representatives,
     request_lead,
     settle_remeasured,
+    through_relays,
+    with_links,
 )
+from coordinator.links import relayed
 from coordinator.links.infer import to_measure
 from coordinator.links.measure import LinkMeasurer, Pings
 from coordinator.links.store import LinkStore, matrix_arrays
@@ -253,10 +260,11 @@ class Replanner:
         started = time.monotonic()
         net = await self._remeasured(ids, model, drift)
         rec.measure_s = time.monotonic() - started
-        rec.links.extend(changed_links(model.net, net, ids, self.cfg.threshold))
+        running, net = self.as_routed(net, ids, model.grid)
+        rec.links.extend(changed_links(model.net, running, ids, self.cfg.threshold))
         compute = self._compute_now(ids)
         flops = self._scaled_flops(model, drift)
-        stay = _prediction_like(model, net, model.grid, model.splits, flops).predict(compute)
+        stay = _prediction_like(model, running, model.grid, model.splits, flops).predict(compute)
         rec.predicted_stay_s = stay.step_s
         placement = job.config.parsed_placement()
         if placement.kind != "scheduled":
@@ -277,7 +285,8 @@ class Replanner:
             grid, splits, _ = await job.planner.in_pool(
                 split, net.delay_ms, net.bandwidth_gbps, grid, model.work, dev, True,
                 job.config.search_seconds)
-        new = _prediction_like(model, net, grid, splits, flops).predict(
+        new = _prediction_like(model, job.planner.relay_priced(net, ids, grid), grid, splits,
+                               flops).predict(
             self._compute_for(compute, model, grid, splits, flops))
         steps_left = max(job.config.train.steps - drift.at_step, 0)
         checkpoint_every = job.config.train.checkpoint_every
@@ -419,7 +428,10 @@ class Replanner:
                                                pings=Pings(BACKGROUND_PINGS, drift.measured_s))
             sweep = settle_remeasured(model.net, *matrix_arrays(swept), self.cfg.threshold)
             delay_moved = sweep.delay_moved
-            links = links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids))
+            links = through_relays(
+                links_to_probe(model.grid, ids, delay_moved, set(drift.links) or set(ids)),
+                {(a, b) for a, _, b in (n.partition("->") for n in job.planner.relayed)},
+                job.planner.relays, relayed.RELAY)
             stands_for = probe_representatives(links, ids, sweep.net) if delay_moved.any() \
                 else {link: link for link in links}
             probed = to_measure(stands_for)
@@ -436,6 +448,28 @@ class Replanner:
         else:
             return model.net
         return Network.measured(delay, bandwidth)
+
+    def as_routed(self, net: Network, ids: list[str], grid: list[list[int]]
+                      ) -> tuple[Network, Network]:
+        """The re-measured links as the running plan pays for them, and as a new plan would.
+
+        A relayed link's figure in the store is its cheapest relay's (re-priced by the
+        re-measurement from the hops it just measured), but the running epoch's pairs meet at
+        the relays its data plane chose (`EpochPlanner.relays`): when that relay slowed, the
+        running plan pays its slow hops until the job moves, and pricing it through the
+        cheapest would predict staying as fast as moving. So: the running plan with each
+        relayed link through its pair's relay, its flows sharing the relay's uplink as the
+        epoch's prediction had them; and `net` with each relayed link at the cheapest relay's
+        price, which the next epoch's data plane chooses afresh (`DataPlanes.plan`)."""
+        planner, store = self.job.planner, self.job.links
+        links = [(a, b) for a, _, b in (name.partition("->") for name in planner.relayed)]
+
+        def routed(base: Network, routes: dict[tuple[str, str], str] | None) -> Network:
+            figures = relayed.relayed_figures(store, links, routes)
+            return with_links(base, ids, {k: (p.delay_ms, p.gbps) for k, p in figures.items()})
+
+        cheapest = routed(net, None)
+        return planner.relay_priced(routed(cheapest, planner.relays), ids, grid), cheapest
 
     def _compute_now(self, ids: list[str]) -> dict[str, float]:
         """Each member's compute per step over the recent steps."""

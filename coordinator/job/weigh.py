@@ -189,3 +189,33 @@ def move_verdict(stay_s: float, new_s: float, steps_left: int, cost_s: float,
                              f"costs")
     return True, gain, (f"{stay_s - new_s:.2f} s/step x {steps_left} steps left = {gain:.0f} s "
                         f"saved, over {margin:g} x the {cost_s:.0f} s a move costs")
+
+
+def with_links(net: Network, ids: list[str],
+               figures: dict[tuple[str, str], tuple[float, float]]) -> Network:
+    """`net` with the links in `figures` ({(from, to): (delay ms, Gbit/s)}, by agent id) set
+    to those figures; links of agents not in `ids` are ignored."""
+    at = {a: i for i, a in enumerate(ids)}
+    delay, bandwidth = np.array(net.delay_ms, dtype=float), np.array(net.bandwidth_gbps,
+                                                                      dtype=float)
+    for (x, y), (d, g) in figures.items():
+        if x in at and y in at:
+            delay[at[x], at[y]], bandwidth[at[x], at[y]] = d, g
+    return Network.measured(delay, bandwidth)
+
+
+def through_relays(links: set[tuple[str, str]], relayed: set[tuple[str, str]],
+                   routes: dict[tuple[str, str], str], coordinator: str
+                   ) -> set[tuple[str, str]]:
+    """The links a re-measurement probes, with each relayed link (neither end accepts, so its
+    probe can only fail) replaced by its pair's hops to the relay agent the pair meets at
+    (`routes`, either order): (x, relay) for each end, which dials the relay (relay->x is
+    taken the other way). A pair at the coordinator's relay (`coordinator`) needs nothing
+    here: every sweep measures the hops to the coordinator of the pairs it finds stranded,
+    and the pair is priced again from them."""
+    out = links - relayed
+    for x, y in links & relayed:
+        relay = routes.get((x, y), routes.get((y, x)))
+        if relay is not None and relay != coordinator:
+            out |= {(x, relay), (y, relay)}
+    return out

@@ -311,18 +311,24 @@ class LinkMeasurer:
             log.info("%d links taken from the probe of their other direction (their receiver "
                      "cannot be dialled): %s", len(filled),
                      " ".join(f"{a}->{b}" for a, b in filled[:6]))
-        if not (pairs := relayed.stranded_pairs(self.store, ids, hidden)):
+        pairs = relayed.stranded_pairs(self.store, ids, hidden)
+        # pairs priced before keep their figure only until their hops are measured again
+        again = [p for p in relayed.relayed_pairs(self.store, ids)
+                 if p not in pairs and set(p) <= hidden]
+        if not (pairs or again):
             return
-        hops = relayed.hop_agents(pairs)
-        log.info("%d pairs can dial neither way (%s): measuring %d agents' links to the relay",
-                 len(pairs), " ".join(f"{a}-{b}" for a, b in pairs[:6]), len(hops))
-        await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
-                        [_Probe(x, (relayed.RELAY,)) for x in hops], by_id, silent,
-                        probe_seconds)
-        await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH,
-                        [_Probe(x, (relayed.RELAY,), frozenset((f"send {x}",
-                                                                f"receive {relayed.RELAY}")))
-                         for x in hops], by_id, silent, probe_seconds)
+        if hops := relayed.hop_agents(pairs):
+            log.info("%d pairs can dial neither way (%s): measuring %d agents' links to the "
+                     "relay", len(pairs), " ".join(f"{a}-{b}" for a, b in pairs[:6]),
+                     len(hops))
+            await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
+                            [_Probe(x, (relayed.RELAY,)) for x in hops], by_id, silent,
+                            probe_seconds)
+            await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH,
+                            [_Probe(x, (relayed.RELAY,), frozenset((
+                                f"send {x}", f"receive {relayed.RELAY}"))) for x in hops],
+                            by_id, silent, probe_seconds)
+        pairs += again
         agents = [i for i in ids if relayed.serves_relay(by_id[i])]
         priced = relayed.price(self.store, pairs, agents)
         log.info("%d links priced as relayed through the cheapest of the coordinator and %d "

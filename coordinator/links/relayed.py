@@ -106,13 +106,19 @@ def direct_dials(records: Sequence[AgentRecord], store: LinkStore | None = None
 def fill_other_way(store: LinkStore, ids: Sequence[str], hidden: set[str]
                    ) -> list[tuple[str, str]]:
     """Give every failed link a->b into an agent nobody can dial (`hidden`) whose reverse b->a
-    was probed the reverse's figures, marked as measured the other way; returns the links
-    filled."""
+    was probed the reverse's figures, marked as measured the other way; a link taken the
+    other way before takes them again (its reverse may have been probed since: a relay
+    agent's hop to a NATed agent that slowed); returns the links filled."""
     filled = []
     for a, b in itertools.permutations(ids, 2):
-        if b not in hidden or not _failed(store, a, b) or (back := _probed(store, b, a)) is None:
+        if b not in hidden or (back := _probed(store, b, a)) is None:
             continue
-        why = store.entries[a, b].error if (a, b) in store.entries else "not probed"
+        entry = store.entries.get((a, b))
+        if not _failed(store, a, b) and (entry is None or entry.path != REVERSE
+                                         or entry.measured_unix_s == back.measured_unix_s):
+            continue
+        why = ("taken the other way before" if entry is not None and entry.reachable
+               else entry.error if entry is not None else "not probed")
         note = f"measured the other way ({b}->{a}): {a} cannot dial {b} ({why})"
         if back.estimate:
             note += f"; that probe's own estimate: {back.estimate}"
@@ -135,6 +141,15 @@ def stranded_pairs(store: LinkStore, ids: Sequence[str], hidden: set[str]
         alive = set(ids)
     return [(a, b) for a, b in itertools.combinations(ids, 2)
             if {a, b} <= hidden & alive and _failed(store, a, b) and _failed(store, b, a)]
+
+
+def relayed_pairs(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
+    """Unordered pairs of `ids` already priced as relayed (either direction): a measurement
+    that re-measured some of their hops (a re-plan's, while the job trains) prices them
+    again, so a relay whose hops slowed stops being their price."""
+    return [(a, b) for a, b in itertools.combinations(ids, 2)
+            if any((e := _ok(store, x, y)) is not None and e.path == RELAYED
+                   for x, y in ((a, b), (b, a)))]
 
 
 def hop_agents(pairs: Sequence[tuple[str, str]]) -> list[str]:
@@ -193,3 +208,40 @@ def price(store: LinkStore, pairs: Sequence[tuple[str, str]],
                                             "", now, clip(note), RELAYED)
             priced.append((x, y))
     return priced
+
+
+def via(store: LinkStore, x: str, y: str, relay: str) -> Path | None:
+    """The path x -> `relay` -> y from the store's measured hops (`RELAY`: the
+    coordinator's, relay->y taken as y->relay); None where a hop has no figure."""
+    hops = _hops(store, x, y, relay)
+    if hops is None:
+        return None
+    return Path(hops[0].delay_ms + hops[1].delay_ms,
+                min(hops[0].bandwidth_gbps, hops[1].bandwidth_gbps))
+
+
+def coordinator_hop(store: LinkStore, x: str) -> Path | None:
+    """x's measured link to the coordinator's relay (its delay and rate), None if unknown."""
+    entry = _ok(store, x, RELAY)
+    return None if entry is None else Path(entry.delay_ms, entry.bandwidth_gbps)
+
+
+def relayed_figures(store: LinkStore, links: Sequence[tuple[str, str]],
+                    routes: dict[tuple[str, str], str] | None = None
+                    ) -> dict[tuple[str, str], Path]:
+    """The figures of relayed links x->y as the store has them now. With `routes` ({(a, b):
+    the relay the pair meets at, agent id or RELAY}, either order), through that very relay:
+    what a running epoch pays, which may not be the cheapest relay any more (a relay that
+    slowed keeps its pairs until the job re-plans). Without, the store's price (the cheapest
+    relay, `price`). Links without figures are left out."""
+    out = {}
+    for x, y in links:
+        if routes is None:
+            entry = _ok(store, x, y)
+            if entry is not None and entry.path == RELAYED:
+                out[x, y] = Path(entry.delay_ms, entry.bandwidth_gbps)
+            continue
+        relay = routes.get((x, y), routes.get((y, x)))
+        if relay is not None and (path := via(store, x, y, relay)) is not None:
+            out[x, y] = path
+    return out
