@@ -188,6 +188,14 @@ class WanCluster:
         finally:
             self.stop()
 
+    def status(self) -> dict[str, Any] | None:
+        """`coordinator status --json`, or None while the coordinator does not answer (not
+        listening yet, restarting, or slow under load)."""
+        try:
+            return self.cli("status", "--json", timeout=15)
+        except (RuntimeError, subprocess.TimeoutExpired):
+            return None
+
     def wait_job(self, timeout: float, on_status: Any = None) -> dict[str, Any]:
         """Poll `coordinator status` until the job is done or failed; return the last status.
 
@@ -195,11 +203,11 @@ class WanCluster:
         deadline = time.monotonic() + timeout
         status: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            try:
-                status = self.cli("status", "--json", timeout=15)
-            except (RuntimeError, subprocess.TimeoutExpired):
+            got = self.status()
+            if got is None:
                 time.sleep(1.0)
                 continue
+            status = got
             if on_status is not None:
                 on_status(status)
             if status["job"]["state"] in ("done", "failed"):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -53,13 +52,6 @@ def _steps(state_dir: Path, stage: int) -> set[int]:
             if (m := MANIFEST.match(p.name))}
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except RuntimeError:  # not listening yet
-        return None
-
-
 @pytest.mark.timeout(240)
 def test_a_spare_on_another_host_resumes_a_killed_stage_from_a_copied_checkpoint(
         tmp_path: Path) -> None:
@@ -71,7 +63,7 @@ def test_a_spare_on_another_host_resumes_a_killed_stage_from_a_copied_checkpoint
                              agent_args=["--mirror-interval", "5"])
         try:
             ids = cluster.start(timeout=90)
-            running = wait_for(lambda: (s := _status(cluster)) and s["job"]["state"] == "running"
+            running = wait_for(lambda: (s := cluster.status()) and s["job"]["state"] == "running"
                                and s["plan"] and s, 120, f"the job to start (logs in {tmp_path})",
                                0.5)
             job_id, grid = running["job"]["id"], running["plan"]["grid"]

@@ -14,7 +14,6 @@ replicas, where no worker connects them. Before, the coordinator restarted the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -36,20 +35,13 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--heartbeat-interval", "0.5", "--max-restarts", "2"]
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except RuntimeError:
-        return None
-
-
 @pytest.mark.timeout(300)
 def test_a_dead_link_between_pipeline_neighbours_is_planned_around(tmp_path: Path) -> None:
     with measurement_wan(DELAY, RATE) as wan:
         cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB)
         try:
             ids = cluster.start(timeout=90)
-            status = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= CUT_AT
+            status = wait_for(lambda: (s := cluster.status()) and s["job"]["step"] >= CUT_AT
                               and s, 180, f"step {CUT_AT} (logs in {tmp_path})", 0.5)
             grid = status["plan"]["grid"]
             a, b = grid[0][1], grid[1][1]  # replica 1's pipeline neighbours

@@ -12,9 +12,7 @@ it) is lower than the imported model's, and `agent generate --greedy` on it give
 from __future__ import annotations
 
 import stat
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -47,13 +45,6 @@ JOB = ["--seq-len", "32", "--agents", "4", "--min-agents", "4", "--stages", "2",
        "--heartbeat-interval", "0.5"]
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except (RuntimeError, subprocess.TimeoutExpired):
-        return None
-
-
 @pytest.mark.timeout(290)
 def test_an_import_fine_tuned_across_hosts_exports_while_training_after_churn(
         tmp_path: Path) -> None:
@@ -69,18 +60,18 @@ def test_an_import_fine_tuned_across_hosts_exports_while_training_after_churn(
             "--init-from", str(src), "--data", str(data), *JOB])
         try:
             ids = cluster.start(timeout=120)
-            first = wait_for(lambda: (s := _status(cluster)) and s["job"]["state"] == "running"
+            first = wait_for(lambda: (s := cluster.status()) and s["job"]["state"] == "running"
                              and s["job"]["checkpoint_step"] >= 5 and s, 150,
                              f"the job's first checkpoint (logs in {tmp_path})", 0.5)
             victim = ids.index(first["plan"]["grid"][1][0])
             cluster.agent_procs[victim].kill()
-            wait_for(lambda: (s := _status(cluster)) and s["job"]["epoch"] >= 2
+            wait_for(lambda: (s := cluster.status()) and s["job"]["epoch"] >= 2
                      and s["job"]["state"] == "running"
                      and s["job"]["checkpoint_step"] > first["job"]["checkpoint_step"] and s,
                      150, f"the job to resume with the spare and checkpoint again (logs in "
                      f"{tmp_path})", 0.5)
             result = cluster.cli("export", "--json", "--out", str(out), timeout=120)
-            status = _status(cluster)
+            status = cluster.status()
         finally:
             cluster.stop()
     assert status is not None and status["job"]["state"] == "running", status  # still training

@@ -27,7 +27,6 @@ secret the new relay is told) from the newest checkpoint, and trains to the end.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -67,13 +66,6 @@ def _newest_step(workdir: Path, job_id: str) -> int:
     return max((step for step, _ in _losses(workdir, job_id)), default=0)
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except (RuntimeError, subprocess.TimeoutExpired):  # restarting, or slow under load
-        return None
-
-
 def _reachable_run(tmp: Path) -> tuple[dict[str, Any], dict[tuple[int, int], float]]:
     with measurement_wan(DELAY, RATE) as wan:
         cluster = WanCluster(wan, tmp, agents=AGENTS, coordinator_args=JOB)
@@ -102,7 +94,7 @@ def test_8_agents_3_behind_nat_train_to_the_reachable_losses_and_survive_the_rel
         cluster = WanCluster(wan, nat_dir, agents=AGENTS, coordinator_args=job_args)
         try:
             ids = cluster.start(timeout=120)
-            before = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= 1
+            before = wait_for(lambda: (s := cluster.status()) and s["job"]["step"] >= 1
                               and s, 400, "the NAT'd job's first step", interval=0.5)
             # the relay carries the NAT'd ranks' pipeline and data-parallel traffic
             assert before["job"]["relay"]["forwarded_bytes"] > 0, before["job"]

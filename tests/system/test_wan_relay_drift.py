@@ -51,13 +51,6 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--liveness-timeout", "30"]
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except RuntimeError:
-        return None
-
-
 def _at_relay_agents(log: str, epoch: int) -> int:
     """How many dial-only pairs of `epoch` the coordinator put at relay agents."""
     found = re.search(rf"epoch {epoch}: (\d+) of \d+ dial-only pairs meet at relay agents", log)
@@ -72,7 +65,7 @@ def test_a_slowed_relay_is_drift_the_job_moves_its_relayed_pairs_to_the_other_re
                              agent_args=["--relay-port", "7300"])
         try:
             ids = cluster.start(timeout=90)
-            wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= SLOW_AT,
+            wait_for(lambda: (s := cluster.status()) and s["job"]["step"] >= SLOW_AT,
                      240, f"step {SLOW_AT} (logs in {tmp_path})", 0.5)
             log = (tmp_path / "coordinator.log").read_text(errors="replace")
             assert "dtfm data plane" in log and _at_relay_agents(log, 1) == 0, log[-3000:]

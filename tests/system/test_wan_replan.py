@@ -40,13 +40,6 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--seed", "7"]
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except RuntimeError:
-        return None
-
-
 def _losses(report: dict[str, Any]) -> dict[int, float]:
     """Loss by step, the newest epoch's where a step was trained twice (after a move)."""
     out: dict[int, tuple[int, float]] = {}
@@ -62,7 +55,7 @@ def _run(wan: WanEmulator, workdir: Path, degrade: bool) -> dict[str, Any]:
         ids = cluster.start(timeout=90)
         degraded: list[tuple[int, int]] = []
         if degrade:
-            status = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= DEGRADE_AT
+            status = wait_for(lambda: (s := cluster.status()) and s["job"]["step"] >= DEGRADE_AT
                               and s, 300, f"step {DEGRADE_AT} (logs in {workdir})", 0.5)
             grid = status["plan"]["grid"]
             host = {a: ids.index(a) + 1 for a in ids}
