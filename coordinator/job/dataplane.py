@@ -289,8 +289,9 @@ class DataPlanes:
             return EpochPlane(backend, relayed=relayed, unsupported=(
                 f"members that cannot accept connections ({cut_off}) need the dtfm "
                 "transport, which carries CPU tensors only: GPU jobs with unreachable agents "
-                "are not supported yet; open their --listen port (and --data-port if set; docs/operations.md, "
-                "Ports) or start them with --reachable yes if peers can dial them"))
+                "are not supported yet; open their --listen port (and --data-port if set; "
+                "docs/operations.md, Ports) or start them with --reachable yes if peers can "
+                "dial them"))
         table = peer_table(records, direct_dials(records, probes))
         relayed_pairs = table.relayed_pairs()
         chosen = pair_relays(records, relayed_pairs, links, self.relay is not None,
