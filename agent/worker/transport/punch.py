@@ -68,17 +68,25 @@ def dial_reusable(host: str, port: int, timeout_s: float) -> socket.socket:
     raise err if err is not None else OSError(f"no address for {host}:{port}")
 
 
+def _control(sock: socket.socket, job: bytes, epoch: int, me: int, peer: int, tag: int,
+             lengths: range, mismatch: str) -> bytes:
+    """The payload of the next frame on a relay circuit, which must be a control frame from
+    `peer` with `tag` and a length in `lengths`; ConnectionError naming `mismatch` else."""
+    h = dp.Header.unpack(dp.recv_exact(sock, dp.HEADER_BYTES))
+    h.check(job, epoch, peer, me)
+    if (h.stream, h.tag) != (dp.CONTROL_STREAM, tag) or h.length not in lengths:
+        raise ConnectionError(f"{mismatch} (stream {h.stream:#x}, tag {h.tag}, "
+                              f"{h.length} bytes): run the same dtfm everywhere")
+    return dp.recv_exact(sock, h.length)
+
+
 def partner_address(sock: socket.socket, job: bytes, epoch: int, me: int, peer: int,
                     timeout_s: float) -> str:
     """The relay's first frame on a circuit: where it saw `peer` dial from (HOST:PORT)."""
     sock.settimeout(timeout_s)
-    h = dp.Header.unpack(dp.recv_exact(sock, dp.HEADER_BYTES))
-    h.check(job, epoch, peer, me)
-    if (h.stream, h.tag) != (dp.CONTROL_STREAM, dp.OBSERVED_TAG) or h.length > 256:
-        raise ConnectionError(f"the relay's circuit to rank {peer} did not start with the "
-                              f"peer's observed address (stream {h.stream:#x}, tag {h.tag}): "
-                              f"a relay of another version? run the same dtfm everywhere")
-    return dp.recv_exact(sock, h.length).decode()
+    return _control(sock, job, epoch, me, peer, dp.OBSERVED_TAG, range(257),
+                    f"the relay's circuit to rank {peer} did not start with the peer's "
+                    f"observed address: a relay of another version?").decode()
 
 
 def simultaneous_open(local: tuple[str, int], remote: str, deadline_s: float
@@ -117,13 +125,9 @@ def agree(relay: socket.socket, job: bytes, epoch: int, me: int, peer: int, ok: 
     when both did (both ends compute the same answer)."""
     relay.settimeout(timeout_s)
     relay.sendall(dp.control_frame(job, epoch, me, peer, dp.PUNCHED_TAG, bytes([ok])))
-    h = dp.Header.unpack(dp.recv_exact(relay, dp.HEADER_BYTES))
-    h.check(job, epoch, peer, me)
-    if (h.stream, h.tag, h.length) != (dp.CONTROL_STREAM, dp.PUNCHED_TAG, 1):
-        raise ConnectionError(f"rank {peer} answered the hole punch with stream "
-                              f"{h.stream:#x} tag {h.tag}: the two ends run different dtfm "
-                              f"versions")
-    theirs = dp.recv_exact(relay, 1)
+    theirs = _control(relay, job, epoch, me, peer, dp.PUNCHED_TAG, range(1, 2),
+                      f"rank {peer} answered the hole punch with another frame: the two ends "
+                      f"run different dtfm versions?")
     return ok and theirs == b"\x01"
 
 
