@@ -10,9 +10,10 @@ prediction against the measured step, and the bytes the relay forwarded per step
 all-reachable world the scheduled job also runs over the dtfm transport (`--transport
 dtfm`) beside gloo, so the transport's own cost is a ratio measured in one run. The NAT
 cases run with `--hole-punch off`, so the relay the scheduler prices is what is measured,
-and once more scheduled with hole punching on (`scheduled/punch`): the pairs that punch
-through their NATs leave the relay, which the step model (pricing them relayed) does not
-count on, so that row is left out of the step model's error.
+and once more scheduled with hole punching on (`scheduled/punch`): a pair that punches
+through its NATs leaves the relay only where the direct path timed no slower than the relay
+(agent/worker/transport/pathweigh.py), so the step model's relayed price stays an upper
+bound for it; that row's error is shown (`step_model_error_punch`) but not scored.
 
 Targets (issue 32): all reachable, dtfm >= 0.9x gloo's tokens/s; 25 % behind NAT, scheduled
 >= 0.8x the all-reachable scheduled job and >= 1.5x rank order on the same agents; the step
@@ -114,6 +115,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     priced = [r for r in rows if r["job"] != "scheduled/punch"]  # punched pairs are priced
     if priced:  # as relayed: an upper bound the model states, not a prediction to score
         out["step_model_error"] = max(abs(step_error(r)) for r in priced)
+    punched = [r for r in rows if r["job"] == "scheduled/punch"]
+    if punched:
+        out["step_model_error_punch"] = max(abs(step_error(r)) for r in punched)
     out["targets_met"] = {
         k: (out[k] <= v if k == "step_model_error" else out[k] >= v)
         for k, v in TARGETS.items() if k in out}

@@ -47,10 +47,14 @@ ROLE_RELAY = 3
 # Control frames on a relay circuit, before any tensor (agent/worker/transport/punch.py): the
 # relay tells each end the address it saw the other end dial from (OBSERVED, sent by the
 # relay as from the partner's rank), and each end tells the other whether its hole punch
-# got through (PUNCHED, one byte). A stream id no group hashes to (`stream_id` is a hash).
+# got through (PUNCHED, one byte); where both did, they time both paths (PROBE) and the lower
+# rank says which one they keep (CHOSEN; agent/worker/transport/pathweigh.py). A stream id no
+# group hashes to (`stream_id` is a hash).
 CONTROL_STREAM = 0xFFFF_FFFF_FFFF_FFFE
 OBSERVED_TAG = 1
 PUNCHED_TAG = 2
+PROBE_TAG = 3
+CHOSEN_TAG = 4
 
 
 class AuthError(ConnectionError):
@@ -185,6 +189,19 @@ def control_frame(job: bytes, epoch: int, src: int, dst: int, tag: int,
                   payload: bytes) -> bytes:
     """A control frame (`CONTROL_STREAM`) from `src` to `dst`: its header, then `payload`."""
     return Header(job, epoch, src, dst, CONTROL_STREAM, tag, len(payload)).pack() + payload
+
+
+def read_control(sock: socket.socket, job: bytes, epoch: int, me: int, peer: int, tag: int,
+                 lengths: range, mismatch: str) -> bytes:
+    """The payload of the next frame on `sock`, which must be a control frame from `peer` to
+    `me` with `tag` and a length in `lengths`; ConnectionError naming `mismatch` else (a
+    FrameError where the frame is of another job, epoch or pair)."""
+    h = Header.unpack(recv_exact(sock, HEADER_BYTES))
+    h.check(job, epoch, peer, me)
+    if (h.stream, h.tag) != (CONTROL_STREAM, tag) or h.length not in lengths:
+        raise ConnectionError(f"{mismatch} (stream {h.stream:#x}, tag {h.tag}, "
+                              f"{h.length} bytes): run the same dtfm everywhere")
+    return recv_exact(sock, h.length)
 
 
 def stream_id(group: str, collective: bool) -> int:

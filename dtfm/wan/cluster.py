@@ -1,7 +1,7 @@
 """A dtfm cluster inside an emulated WAN: a coordinator and agents, each in its own host.
 
-Host 0 holds the coordinator (zero delay and no rate limit to everyone, so control traffic does
-not distort what is measured); hosts 1..N hold one agent each, with the link matrix the caller
+Host 0 holds the coordinator (zero delay and no rate limit to everyone by default, so control
+traffic does not distort what is measured; `measurement_wan(coordinator_link=)` gives it a cost); hosts 1..N hold one agent each, with the link matrix the caller
 gives. Processes are started through the real command lines, so this rehearses exactly what a
 deployment runs. Used by the link-measurement tests and `bench/links.py`.
 
@@ -48,16 +48,20 @@ MEASURED_MTU = 9000
 def measurement_wan(delay_ms: Sequence[Sequence[float]],
                     bandwidth_mbps: Sequence[Sequence[float]], *, nat: Sequence[int] = (),
                     shared_nat: Sequence[Sequence[int]] = (),
-                    firewall: Sequence[int] = ()) -> WanEmulator:
+                    firewall: Sequence[int] = (),
+                    coordinator_link: tuple[float, float | None] = (0.0, None)) -> WanEmulator:
     """An emulator for a cluster whose links get measured: agents on hosts 1..N with the given
-    links, the coordinator on host 0 with free links to everyone, tuned hosts (BUFFER_SYSCTLS)
-    and jumbo frames (MEASURED_MTU). `nat` (each behind a NAT of its own), `shared_nat` (groups
-    behind one NAT) and `firewall` name agents by number (agent i is host i + 1); the
-    coordinator stays public."""
+    links, the coordinator on host 0 with free links to everyone (or, `coordinator_link`, a
+    delay in ms and a rate in Mbit/s each way to every agent: a relay on the coordinator that
+    costs something, as a real one does), tuned hosts (BUFFER_SYSCTLS) and jumbo frames
+    (MEASURED_MTU). `nat` (each behind a NAT of its own), `shared_nat` (groups behind one
+    NAT) and `firewall` name agents by number (agent i is host i + 1); the coordinator stays
+    public."""
     n = len(delay_ms)
-    delay = [[0.0] * (n + 1)] + [[0.0, *map(float, row)] for row in delay_ms]
-    bandwidth: list[list[float | None]] = [[None] * (n + 1)] + [
-        [None, *map(float, row)] for row in bandwidth_mbps]
+    hop_ms, hop_mbps = float(coordinator_link[0]), coordinator_link[1]
+    delay = [[0.0] + [hop_ms] * n] + [[hop_ms, *map(float, row)] for row in delay_ms]
+    bandwidth: list[list[float | None]] = [[None] + [hop_mbps] * n] + [
+        [hop_mbps, *map(float, row)] for row in bandwidth_mbps]
     return WanEmulator(delay_ms=delay, bandwidth_mbps=bandwidth, sysctls=BUFFER_SYSCTLS,
                        mtu=MEASURED_MTU, nat=[_agent_host(a, n) for a in nat],
                        shared_nat=[[_agent_host(a, n) for a in g] for g in shared_nat],

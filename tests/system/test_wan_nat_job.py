@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.worker.transport.pathweigh import RELAY_BYTES
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import AGENT_PORT, COORDINATOR_PORT, WanCluster, measurement_wan
 from tests.netstat import listening_tcp_ports
@@ -41,11 +42,24 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--heartbeat-interval", "0.5", "--layer-split", "even"]
 
 
+# The relay's host: free (the emulator's default coordinator), where the scheduler puts the
+# NATed pair next to each other (relayed links priced at nothing) and the pair, punched
+# through, finds the relay faster and stays on it; or 20 ms and 50 Mbit/s from everyone, as a
+# real one is, where the network-blind rank order (stage 1 = the two NATed agents, the last
+# in address order) makes them data-parallel peers and the direct path (10 ms, 100 Mbit/s) is
+# the faster once punched.
+CASES = {"relay-free": ((0.0, None), [], False),
+         "relay-far": ((20.0, 50.0), ["--placement", "rank-order"], True)}
+
+
 @pytest.mark.timeout(600)
-def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path) -> None:
-    with measurement_wan(DELAY, RATE, nat=[1, 2]) as wan:
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path,
+                                                                 case: str) -> None:
+    relay_link, placement, direct = CASES[case]
+    with measurement_wan(DELAY, RATE, nat=[1, 2], coordinator_link=relay_link) as wan:
         assert wan.address(2) == wan.address(3)  # both believe they are 192.168.1.2
-        cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB)
+        cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=[*JOB, *placement])
         listening: dict[str, set[int]] = {}
 
         def ports_while_training(status: dict) -> None:
@@ -78,15 +92,23 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path)
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
     # the two NATed agents met at the relay, then punched a direct connection through both
     # NATs (agent/worker/transport/punch.py): each saw the other at its NAT's public address
-    # and mapped port, and the relay carried only the two one-byte "got through" frames
-    # (before hole punching it carried their data-parallel or pipeline traffic)
+    # and mapped port. They timed both paths (pathweigh.py) and kept the faster: direct, and
+    # the relay carried only the two one-byte "got through" frames and the weighing's probes
+    # (before hole punching it carried their data-parallel or pipeline traffic); or the
+    # relay, which then carried their traffic as well
     nat_workers = "".join(p.read_text(errors="replace")
                           for i in (1, 2) for p in tmp_path.glob(f"agent-{i}/work/*.log"))
-    punched = re.findall(r"hole punched to rank \d+ at ([\d.]+):(\d+)", nat_workers)
+    outcome = "hole punched" if direct else "got through"
+    punched = re.findall(rf"{outcome} to rank \d+ at ([\d.]+):(\d+)", nat_workers)
     assert len(punched) == 2 * job["epoch"], nat_workers[-3000:]
     assert {host for host, _ in punched} == nats, punched
     assert all(int(port) >= 20000 for _, port in punched)  # the NATs' mapped ports
-    assert job["relay"]["forwarded_bytes"] == 2 * job["epoch"], job["relay"]
+    weighing = (2 + RELAY_BYTES) * job["epoch"]
+    if direct:
+        assert job["relay"]["forwarded_bytes"] == weighing, job["relay"]
+    else:
+        assert "the relay is faster" in nat_workers, nat_workers[-3000:]
+        assert job["relay"]["forwarded_bytes"] > weighing + 10_000, job["relay"]
     # one TCP port per daemon, the data plane and the relay included (seen mid-training)
     assert listening == {"coordinator": {COORDINATOR_PORT},
                          **{f"agent-{i}": {AGENT_PORT} for i in range(4)}}, listening

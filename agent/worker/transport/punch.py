@@ -14,9 +14,12 @@ the relay:
    simultaneous open joins the two into one connection;
 3. the direct connection runs the job-key handshake like any other (the lower rank as the
    dialler), and each end tells the other over the relay circuit whether it got through
-   (`agree`). Only when both did do they move to the direct connection; otherwise both stay
+   (`agree`). Only when both did is the direct connection a candidate; otherwise both stay
    on the relay, which always works. Both ends decide from the same two bytes, so they never
-   disagree on the path.
+   disagree on the path;
+4. both ends time the two paths with the same exchange and keep the direct one only where
+   it is not slower than the relay (pathweigh.py): the scheduler priced the pair through
+   its relay, and a direct path slower than that would make the job slower than planned.
 
 Where it does not work: a NAT that maps every destination to a new port (symmetric NATs,
 some carrier-grade NATs) gives the relay a port the peer cannot use, and the punch times out
@@ -35,6 +38,7 @@ import logging
 import socket
 import time
 
+from agent.worker.transport import pathweigh
 from dtfm.core import dataplane as dp
 
 log = logging.getLogger(__name__)
@@ -68,23 +72,11 @@ def dial_reusable(host: str, port: int, timeout_s: float) -> socket.socket:
     raise err if err is not None else OSError(f"no address for {host}:{port}")
 
 
-def _control(sock: socket.socket, job: bytes, epoch: int, me: int, peer: int, tag: int,
-             lengths: range, mismatch: str) -> bytes:
-    """The payload of the next frame on a relay circuit, which must be a control frame from
-    `peer` with `tag` and a length in `lengths`; ConnectionError naming `mismatch` else."""
-    h = dp.Header.unpack(dp.recv_exact(sock, dp.HEADER_BYTES))
-    h.check(job, epoch, peer, me)
-    if (h.stream, h.tag) != (dp.CONTROL_STREAM, tag) or h.length not in lengths:
-        raise ConnectionError(f"{mismatch} (stream {h.stream:#x}, tag {h.tag}, "
-                              f"{h.length} bytes): run the same dtfm everywhere")
-    return dp.recv_exact(sock, h.length)
-
-
 def partner_address(sock: socket.socket, job: bytes, epoch: int, me: int, peer: int,
                     timeout_s: float) -> str:
     """The relay's first frame on a circuit: where it saw `peer` dial from (HOST:PORT)."""
     sock.settimeout(timeout_s)
-    return _control(sock, job, epoch, me, peer, dp.OBSERVED_TAG, range(257),
+    return dp.read_control(sock, job, epoch, me, peer, dp.OBSERVED_TAG, range(257),
                     f"the relay's circuit to rank {peer} did not start with the peer's "
                     f"observed address: a relay of another version?").decode()
 
@@ -125,7 +117,7 @@ def agree(relay: socket.socket, job: bytes, epoch: int, me: int, peer: int, ok: 
     when both did (both ends compute the same answer)."""
     relay.settimeout(timeout_s)
     relay.sendall(dp.control_frame(job, epoch, me, peer, dp.PUNCHED_TAG, bytes([ok])))
-    theirs = _control(relay, job, epoch, me, peer, dp.PUNCHED_TAG, range(1, 2),
+    theirs = dp.read_control(relay, job, epoch, me, peer, dp.PUNCHED_TAG, range(1, 2),
                       f"rank {peer} answered the hole punch with another frame: the two ends "
                       f"run different dtfm versions?")
     return ok and theirs == b"\x01"
@@ -158,6 +150,22 @@ def punch(relay: socket.socket, key: bytes, job: str, epoch: int, me: int, peer:
                  f"no connection to {observed} within {deadline_s:.0f} s")
         return None
     assert direct is not None
-    log.info("rank %d: hole punched to rank %d at %s: direct, off the relay", me, peer,
-             observed)
+    try:
+        weighed = pathweigh.weigh(relay, direct, digest, epoch, me, peer,
+                                  max(deadline_s, 10.0) + 20.0)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            direct.close()
+        raise
+    figures = (f"a {pathweigh.PROBE_BYTES // 1024} KiB round trip took "
+               f"{weighed.direct_s * 1e3:.1f} ms direct, {weighed.relay_s * 1e3:.1f} ms "
+               f"through the relay")
+    if not weighed.direct:
+        with contextlib.suppress(OSError):
+            direct.close()
+        log.info("rank %d: got through to rank %d at %s, but the relay is faster (%s): "
+                 "traffic stays on the relay", me, peer, observed, figures)
+        return None
+    log.info("rank %d: hole punched to rank %d at %s: direct, off the relay (%s)", me, peer,
+             observed, figures)
     return direct
