@@ -9,7 +9,10 @@ With the defaults a user gets: `--transport auto` and link measurement on. The j
 four agents as soon as they joined, while the dial-back of a NATed agent ends only at its
 timeout; the job waits for the verdicts before planning (`Membership.with_verdicts`), so
 auto picks dtfm. Links into the NATed agents are measured the other way, and the pair of
-them (no direct path either way) is priced as relayed through the coordinator.
+them (no direct path either way) is priced as relayed through the coordinator. At the relay
+they punch through both NATs and keep whichever path timed faster (pathweigh.py): the relay
+where the coordinator's host is free (the emulator's default), the direct path where it is
+20 ms and 50 Mbit/s away (both cases below).
 
 Ports (dtfm/front.py, docs/operations.md "Ports and reachability"): while the job trains,
 each host's network namespace listens on exactly one TCP port: the coordinator's host on
