@@ -54,7 +54,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="per job, seconds")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
-    return p.parse_args(argv)
+    p.add_argument("--relay-link", default="", metavar="MS,MBPS",
+                   help="the coordinator's host (the relay) this far from every agent, each "
+                   "way (default: free, the emulator's control host); e.g. 30,200")
+    args = p.parse_args(argv)
+    try:
+        ms, _, mbps = args.relay_link.partition(",")
+        args.coordinator_link = ((float(ms), float(mbps)) if args.relay_link
+                                 else (0.0, None))
+    except ValueError:
+        p.error(f"--relay-link {args.relay_link!r}: give a delay in ms and a rate in Mbit/s, "
+                f"e.g. 30,200")
+    return args
 
 
 def relayed_bytes_per_step(row: dict[str, Any]) -> float | None:
@@ -83,8 +94,8 @@ def case_rows(args: argparse.Namespace, percent: int) -> list[dict[str, Any]]:
     workdir = f"{args.workdir}/nat{percent}" if args.workdir else ""
     if workdir:
         os.makedirs(workdir, exist_ok=True)
-    with measured_world(args.per_city, args.scale, workdir, nat=alone,
-                        shared_nat=shared) as (cluster, links, city_of):
+    with measured_world(args.per_city, args.scale, workdir, nat=alone, shared_nat=shared,
+                        coordinator_link=args.coordinator_link) as (cluster, links, city_of):
         ids = list(city_of)
         for label, placement, extra in jobs:
             row = run_job(cluster, args, placement, links, extra, label=f"{percent}% {label}")
