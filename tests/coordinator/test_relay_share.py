@@ -30,7 +30,7 @@ GRID = [[0, 2], [1, 3]]  # rank order = device order
 LAYOUT = Layout(2, 2)
 
 
-def _world() -> tuple[Registry, Network, list[str]]:
+def _world(gbps: float = 1.0) -> tuple[Registry, Network, list[str]]:
     registry = Registry(liveness_timeout_s=60.0)
     for i, agent in enumerate(IDS):
         rec = registry.join(common_pb2.AgentInfo(
@@ -40,7 +40,7 @@ def _world() -> tuple[Registry, Network, list[str]]:
                                            else reach.NOWHERE)
     delay = np.full((4, 4), 25.0)  # the dial-only pairs' relayed links (solo)
     delay[0, :] = delay[:, 0] = 10.0  # to and from the relay agent, direct
-    net = Network.measured(delay, np.ones((4, 4)))
+    net = Network.measured(delay, np.full((4, 4), gbps))
     relayed = [f"{a}->{b}" for a in IDS[1:] for b in IDS[1:] if a != b]
     return registry, net, relayed
 
@@ -125,6 +125,41 @@ def test_the_data_plane_takes_the_planners_routes_and_chooses_itself_only_withou
             assert at_agents(every) == set()  # as priced, though its own choice differs
             assert at_agents({("a1", "a2"): reach.COORDINATOR}) == own  # pairs missing
             assert at_agents({**every, ("a2", "a3"): "a9"}) == own  # no such relay
+        finally:
+            await planes.close()
+    asyncio.run(run())
+
+
+def test_place_prices_the_grid_it_returns_through_the_routes_it_hands_the_data_plane() -> None:
+    """`EpochPlanner.place` (rank order: a0, a2 in one pipeline): `found["routes"]` are the data
+    plane's choice for the placed grid, and `found["net"]`, the prediction's links, shares
+    each relay's rate among that relay's flows."""
+    from coordinator.job.prediction import device_figures
+    from coordinator.scheduler.compression import Compression
+    from coordinator.scheduler.compute import Workload
+    from coordinator.scheduler.placement import Placement
+    from dtfm.core.presets import get_preset
+
+    async def run() -> None:
+        planes = DataPlanes()
+        await planes.start_relay("127.0.0.1", 0)
+        try:
+            registry, net, relayed = _world(gbps=0.001)  # slow: a step's bytes weigh
+            planner = _planner(planes, registry, relayed)
+            work = Workload(get_preset("gpt-tiny"), 2, 2, 8, 2,
+                            compression=Compression.for_job("none", "none"))
+            records = [registry.get(a) for a in IDS]
+            found = await planner.place(Placement.parse("rank-order"), net, LAYOUT, IDS, work,
+                                        device_figures(records, "fp32"), [1e12] * 4)
+            # rank order: pipelines a0-a2 and a1-a3, stage 1's replicas a2, a3
+            assert found["grid"] == [[0, 1], [2, 3]]
+            talking = {("a1", "a3"), ("a2", "a3")}  # pipeline, data-parallel
+            routes = found["routes"]
+            assert routes is not None and {routes[p] for p in talking} == {
+                "a0", reach.COORDINATOR}, routes  # one talking pair at each relay
+            for a, b in ((1, 3), (3, 1), (2, 3), (3, 2)):  # two flows per relay
+                assert found["net"].bandwidth_gbps[a, b] == pytest.approx(0.001 / 2)
+            assert found["net"].bandwidth_gbps[0, 2] == pytest.approx(0.001)  # direct
         finally:
             await planes.close()
     asyncio.run(run())
