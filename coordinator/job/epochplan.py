@@ -104,9 +104,9 @@ class EpochPlanner:
         self.grid_ids: list[list[str]] = []  # this epoch's grid, stage x replica -> agent id
         self.model: Prediction | None = None  # this epoch's step-time model
         self._port_epoch, self._port = -1, 0
-        # "from->to" links of the members that go through the relay (LinkMatrix.relayed), as
-        # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices the
-        # relay's uplink shared among the grid's relayed flows (coordinator/scheduler/relay.py)
+        # "from->to" links of the members that go through a relay (LinkMatrix.relayed), as
+        # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices each
+        # relay's uplink shared among the grid's flows it carries (coordinator/scheduler/relay.py)
         self.relayed: list[str] = []
         # the relay each dial-only pair of this epoch meets at ({(agent, agent): a relay
         # agent's id or the coordinator's, coordinator/job/dataplane.py}): a re-plan prices
