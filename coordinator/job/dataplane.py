@@ -367,6 +367,10 @@ class DataPlanes:
         chosen = (by_rank(records, routes, relayed_pairs, self.relay is not None)
                   if routes is not None else None)
         if chosen is None:
+            if routes is not None:
+                log.info("job %s epoch %d: the relays the plan was priced through miss a "
+                         "relayed pair or name a relay not here; each pair's relay chosen "
+                         "afresh", job_id, epoch)
             chosen = self.choose(records, relayed_pairs, links, probes)
         if len(chosen) < len(relayed_pairs):
             return EpochPlane(backend, relayed=relayed, unsupported=(

@@ -326,17 +326,15 @@ class EpochPlanner:
                      if a in index and b in index}
         per_relay = relay.flows_by_relay(grid, mask, by_device) if routes is not None else None
         flows = relay.relayed_flows(grid, mask)
-        if say and per_relay:
-            log.info("job %s: %d of the grid's flows go through relays: %s (%d relayed links "
-                     "among the members); each gets its relay's rate over that relay's flows",
-                     self.job_id, flows, ", ".join(
-                         f"{n} at {'the coordinator' if v == reach.COORDINATOR else 'agent ' + v}'s"
-                         for v, n in sorted(per_relay.items())), int(mask.sum()))
-        elif say:
-            log.info("job %s: %d of the grid's flows go through relays (%d relayed links "
-                     "among the members; which relay each takes not known: taken as one "
-                     "uplink); each gets 1/%d of a relayed link's rate", self.job_id, flows,
-                     int(mask.sum()), max(flows, 1))
+        if say:
+            at = ": " + ", ".join(
+                f"{n} at {'the coordinator' if v == reach.COORDINATOR else 'agent ' + v}'s"
+                for v, n in sorted(per_relay.items())) if per_relay else ""
+            how = ("each gets its relay's rate over that relay's flows" if per_relay is not None
+                   else f"which relay each takes is not known: each gets 1/{max(flows, 1)} of "
+                   "a relayed link's rate, as through one uplink")
+            log.info("job %s: %d of the grid's flows go through relays%s (%d relayed links "
+                     "among the members); %s", self.job_id, flows, at, int(mask.sum()), how)
         return relay.priced_for(net, mask, grid, by_device if per_relay is not None else None)
 
     async def choose_split(self, net: Network, grid: list[list[int]], work: Workload,
