@@ -46,16 +46,25 @@ group) next to nothing. Pairs that chose a relay agent are listed in
 `DataPlane.pair_relays`; the rest meet at the coordinator's. A relay agent admits the epoch
 from its own assignment (it is a member: agent/relayhost.py), so restricting relays to the
 job's members means no secret is sent anywhere else.
+
+The planner prices the grid it places with these very routes (each relay's uplink shared by
+the flows it carries, coordinator/scheduler/relay.py): `DataPlanes.router` gives it the same
+choice (`DataPlanes.routes`) for the grid it prices, and `plan` takes the routes the planner
+priced (`routes=`) rather than choosing again, so the epoch runs what was predicted even
+where its inputs moved in between (`--sync-every auto` changes the bytes a pair moves after
+placement; the planner routes on the measured links, the data plane is handed the shared
+ones). It chooses itself only where it is given no routes, or routes that miss one of its
+relayed pairs or name a relay it does not have.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.daemon.registry import AgentRecord
+from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.links.relayed import coordinator_hop, direct_dials, serves_relay
 from coordinator.links.store import LinkStore
 from coordinator.scheduler.network import Network
@@ -78,6 +87,10 @@ SCALAR_BYTES = 1e3  # a pair that only shares the world group's per-step scalars
 COORDINATOR = ""  # the coordinator's relay among the candidates
 # the network, rank -> its index, the grid, and what a step moves (None: not known)
 Links = tuple[Network, Sequence[int], Layout, StepShape | None]
+# each dial-only pair's relay by agent ids: a relay agent's id, or reach.COORDINATOR
+AgentRoutes = dict[tuple[str, str], str]
+# the members' ids in rank order and the grid's links -> their routes (None: not known)
+Router = Callable[[Sequence[str], Links], AgentRoutes | None]
 
 
 def pair_bytes(layout: Layout, shape: StepShape | None) -> dict[Pair, float]:
@@ -169,6 +182,34 @@ def pair_relays(records: Sequence[AgentRecord], pairs: Sequence[Pair], links: Li
              for relay in relays}
     weights = {p: talk.get(p, SCALAR_BYTES) for p in pairs}
     return choose(weights, paths, relays)
+
+
+def by_agent(records: Sequence[AgentRecord], chosen: Mapping[Pair, str]) -> AgentRoutes:
+    """`chosen` (rank pairs -> a relay agent's HOST:PORT or COORDINATOR) by agent ids: the
+    relay agent's id, or reach.COORDINATOR."""
+    relay_ids = {member_address(r.info.host, r.info.relay_port): r.agent_id
+                 for r in records if serves_relay(r)}
+    return {(records[a].agent_id, records[b].agent_id): relay_ids.get(addr, reach.COORDINATOR)
+            for (a, b), addr in chosen.items()}
+
+
+def by_rank(records: Sequence[AgentRecord], routes: Mapping[tuple[str, str], str],
+            pairs: Sequence[Pair], coordinator: bool) -> dict[Pair, str] | None:
+    """`routes` (`by_agent`'s, either order of a pair) back to `pairs` of ranks -> a relay
+    agent's HOST:PORT or COORDINATOR; None where a pair has no route or its relay is not
+    one here (no member serving a relay by that id; the coordinator's relay off)."""
+    addresses = {r.agent_id: member_address(r.info.host, r.info.relay_port)
+                 for r in records if serves_relay(r)}
+    if coordinator:
+        addresses[reach.COORDINATOR] = COORDINATOR
+    out = {}
+    for a, b in pairs:
+        x, y = records[a].agent_id, records[b].agent_id
+        relay = routes.get((x, y), routes.get((y, x)))
+        if relay is None or relay not in addresses:
+            return None
+        out[a, b] = addresses[relay]
+    return out
 
 
 def accepts(rec: AgentRecord) -> bool:
@@ -272,13 +313,42 @@ class DataPlanes:
             return DTFM
         return native
 
+    def choose(self, records: Sequence[AgentRecord], pairs: Sequence[Pair],
+               links: Links | None, probes: LinkStore | None) -> dict[Pair, str]:
+        """Each relayed pair's relay (rank pairs of `records` in rank order), chosen on
+        `links` and the members' hops to the coordinator (`pair_relays`)."""
+        return pair_relays(
+            records, pairs, links, self.relay is not None,
+            [coordinator_hop(probes, r.agent_id) for r in records] if probes is not None else ())
+
+    def routes(self, records: Sequence[AgentRecord], links: Links | None,
+               probes: LinkStore | None) -> AgentRoutes | None:
+        """Each relayed pair's relay by agent ids (`choose`, `by_agent`), as `plan`
+        would choose it for `records` in rank order; None where the epoch would not run the
+        dtfm data plane (nothing is relayed)."""
+        if self.backend(records) != DTFM:
+            return None
+        pairs = peer_table(records, direct_dials(records, probes)).relayed_pairs()
+        return by_agent(records, self.choose(records, pairs, links, probes))
+
+    def router(self, registry: Registry, probes: LinkStore | None) -> Router:
+        """`routes` for the planner (coordinator/job/epochplan.py), which knows its members
+        by id: they are looked up in `registry`; None where one is not there."""
+        def route(ids: Sequence[str], links: Links) -> AgentRoutes | None:
+            records = [registry.get(a) for a in ids]
+            known = [r for r in records if r is not None]
+            return self.routes(known, links, probes) if len(known) == len(ids) else None
+        return route
+
     def plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
-             links: Links | None = None, probes: LinkStore | None = None) -> EpochPlane:
+             links: Links | None = None, probes: LinkStore | None = None,
+             routes: Mapping[tuple[str, str], str] | None = None) -> EpochPlane:
         """The data plane of `epoch` for `records` in rank order, each relayed pair's relay
-        chosen on `links` and the members' hops to the coordinator (`pair_relays`);
-        `probes`: the measured links, whose probes are evidence of direct paths to agents
-        reachable from some peers only and give those hops. Tells the relay the epoch's
-        secret when it is dtfm."""
+        as the planner priced it (`routes`, `by_rank`), or, without routes that serve every
+        relayed pair, chosen here (`choose`) on `links` and the members' hops to the
+        coordinator; `probes`: the measured links, whose probes are evidence of direct paths
+        to agents reachable from some peers only and give those hops. Tells the relay the
+        epoch's secret when it is dtfm."""
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -294,9 +364,14 @@ class DataPlanes:
                 "dial them"))
         table = peer_table(records, direct_dials(records, probes))
         relayed_pairs = table.relayed_pairs()
-        chosen = pair_relays(records, relayed_pairs, links, self.relay is not None,
-                             [coordinator_hop(probes, r.agent_id) for r in records]
-                             if probes is not None else ())
+        chosen = (by_rank(records, routes, relayed_pairs, self.relay is not None)
+                  if routes is not None else None)
+        if chosen is None:
+            if routes is not None:
+                log.info("job %s epoch %d: the relays the plan was priced through miss a "
+                         "relayed pair or name a relay not here; each pair's relay chosen "
+                         "afresh", job_id, epoch)
+            chosen = self.choose(records, relayed_pairs, links, probes)
         if len(chosen) < len(relayed_pairs):
             return EpochPlane(backend, relayed=relayed, unsupported=(
                 f"{len(relayed)} members cannot accept connections ({cut_off}) and must meet "
@@ -312,24 +387,20 @@ class DataPlanes:
         log.info("job %s epoch %d: dtfm data plane, %d of %d members dial out only (%s)%s",
                  job_id, epoch, len(relayed), len(records), cut_off,
                  f", relay on port {self.relay.port}" if self.relay is not None else "")
-        by_agent = [common_pb2.PairRelay(rank_a=a, rank_b=b, relay=addr)
+        at_agents = [common_pb2.PairRelay(rank_a=a, rank_b=b, relay=addr)
                     for (a, b), addr in sorted(chosen.items()) if addr != COORDINATOR]
-        if by_agent:
+        if at_agents:
             log.info("job %s epoch %d: %d of %d dial-only pairs meet at relay agents (%s)",
-                     job_id, epoch, len(by_agent), len(chosen),
-                     ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in by_agent))
+                     job_id, epoch, len(at_agents), len(chosen),
+                     ", ".join(f"{p.rank_a}-{p.rank_b} at {p.relay}" for p in at_agents))
         if table.direct:
             log.info("job %s epoch %d: %d pairs dial a member reachable from some peers only "
                      "directly (%s); %d pairs meet at a relay", job_id, epoch,
                      len(table.direct), ", ".join(f"{a}->{b}" for a, b in sorted(table.direct)),
                      len(relayed_pairs))
         plane = common_pb2.DataPlane(
-            listen=table.listen, relay=relay, secret=secret, pair_relays=by_agent,
+            listen=table.listen, relay=relay, secret=secret, pair_relays=at_agents,
             limited=sorted(table.limited),
             direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)],
             hole_punch=self.hole_punch)
-        relay_ids = {member_address(r.info.host, r.info.relay_port): r.agent_id
-                     for r in records if serves_relay(r)}
-        routes = {(records[a].agent_id, records[b].agent_id):
-                  relay_ids.get(addr, reach.COORDINATOR) for (a, b), addr in chosen.items()}
-        return EpochPlane(backend, plane, relayed, routes=routes)
+        return EpochPlane(backend, plane, relayed, routes=by_agent(records, chosen))

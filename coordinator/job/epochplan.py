@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,10 +41,15 @@ from coordinator.scheduler.compute import (
 from coordinator.scheduler.memory import check_fit, packs, stages_bytes
 from coordinator.scheduler.placement import Placement, fixed_grid, score
 from coordinator.scheduler.steptime import dp_shares
+from dtfm import reach
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.shape import choose_layout, elastic_layout
 from dtfm.core.spec import TrainConfig
 from protos.dtfm.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from coordinator.job.dataplane import AgentRoutes, Router
+    from coordinator.scheduler.steptime import StepShape
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +83,13 @@ def split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work:
 class EpochPlanner:
     """What each epoch trains on, and how the job finds it."""
 
-    def __init__(self, config: JobConfig, checkpoints: CheckpointTracker) -> None:
+    def __init__(self, config: JobConfig, checkpoints: CheckpointTracker,
+                 router: Router | None = None) -> None:
         self.config = config
+        # which relay each relayed pair of a grid would meet at: the data plane's own choice
+        # (`DataPlanes.router`), so the flows priced per relay are the flows run per relay;
+        # None: not known (every relayed flow shares one uplink)
+        self.router = router
         self.checkpoints = checkpoints
         self.job_id = ""  # for the log; the job sets it
         # Churn: the layout the job wants (set by its first epoch; replicas shrink below it when
@@ -94,9 +104,9 @@ class EpochPlanner:
         self.grid_ids: list[list[str]] = []  # this epoch's grid, stage x replica -> agent id
         self.model: Prediction | None = None  # this epoch's step-time model
         self._port_epoch, self._port = -1, 0
-        # "from->to" links of the members that go through the relay (LinkMatrix.relayed), as
-        # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices the
-        # relay's uplink shared among the grid's relayed flows (coordinator/scheduler/relay.py)
+        # "from->to" links of the members that go through a relay (LinkMatrix.relayed), as
+        # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices each
+        # relay's uplink shared among the grid's flows it carries (coordinator/scheduler/relay.py)
         self.relayed: list[str] = []
         # the relay each dial-only pair of this epoch meets at ({(agent, agent): a relay
         # agent's id or the coordinator's, coordinator/job/dataplane.py}): a re-plan prices
@@ -266,11 +276,18 @@ class EpochPlanner:
                      found["polished_step_s"])
         else:
             found = {"grid": grid, "seconds": 0.0, "algorithm": placement.kind}
-        net = self.relay_priced(net, ids, found["grid"])
-        found["net"] = net  # the links as this grid sees them: its prediction's
+        solo = net  # relayed links as for one flow alone: what the relay choice weighs
+        net = self.relay_priced(solo, ids, found["grid"], self.relay_routes(
+            solo, ids, found["grid"], layout, work.step_shape(planned_splits)), say=False)
         found["grid"], found["splits"], why = await self.choose_split(
             net, found["grid"], work, dev, move=grid is None, planned=planned_splits,
             epoch=epoch)
+        # the split may move devices and changes what pairs move: the grid as it runs, its
+        # relayed pairs routed as the data plane will run them (it takes these routes)
+        found["routes"] = self.relay_routes(solo, ids, found["grid"], layout,
+                                            work.step_shape(found["splits"]))
+        net = self.relay_priced(solo, ids, found["grid"], found["routes"])
+        found["net"] = net  # the links as this grid sees them: its prediction's
         found["split_note"] = f"{','.join(map(str, found['splits']))} ({why})"
         check_fit(found["grid"], stages_bytes(work.memory(), found["splits"]), dev.memory,
                   names=ids, pools=dev.pools or None, moments_dtype=work.moments_dtype)
@@ -283,17 +300,42 @@ class EpochPlanner:
                      "; ".join(",".join(f"{x:.2f}" for x in row) for row in found["dp_shares"]))
         return {**found, **score(net, found["grid"], dp_gb, pp_gb, work.compression)}
 
-    def relay_priced(self, net: Network, ids: list[str], grid: list[list[int]]) -> Network:
-        """`net` with the relay's uplink shared among `grid`'s relayed flows: the search
-        priced each relayed link as if it ran alone (two hops, the narrower one's rate)."""
+    def relay_routes(self, net: Network, ids: list[str], grid: list[list[int]],
+                     layout: Layout, shape: StepShape | None) -> AgentRoutes | None:
+        """The relay each relayed pair of `grid` would meet at (by agent ids), as the data
+        plane chooses it (`router`) on the solo-priced `net` and what a step moves
+        (`shape`); None where not known (no router, no relayed link among the members)."""
+        if self.router is None or not relay.mask(ids, self.relayed).any():
+            return None
+        ranked = [int(d) for d in layout.devices_by_rank(grid)]
+        return self.router([ids[d] for d in ranked], (net, ranked, layout, shape))
+
+    def relay_priced(self, net: Network, ids: list[str], grid: list[list[int]],
+                     routes: dict[tuple[str, str], str] | None = None, *,
+                     say: bool = True) -> Network:
+        """`net` with each relay's uplink shared among the flows of `grid` it carries, by
+        `routes` ({(agent, agent): relay}, either order; `relay_routes`, or a running
+        epoch's `relays`): the search priced each relayed link as if it ran alone (two hops,
+        the narrower one's rate). Without routes for every relayed flow of the grid, all of
+        them share one uplink (exact with one relay). `say`: log the sharing."""
         mask = relay.mask(ids, self.relayed)
         if not mask.any():
             return net
+        index = {a: i for i, a in enumerate(ids)}
+        by_device = {(index[a], index[b]): via for (a, b), via in (routes or {}).items()
+                     if a in index and b in index}
+        per_relay = relay.flows_by_relay(grid, mask, by_device) if routes is not None else None
         flows = relay.relayed_flows(grid, mask)
-        log.info("job %s: %d of the grid's flows go through the relay (%d relayed links "
-                 "among the members); each gets 1/%d of a relayed link's rate", self.job_id,
-                 flows, int(mask.sum()), max(flows, 1))
-        return relay.shared(net, mask, flows)
+        if say:
+            at = ": " + ", ".join(
+                f"{n} at {'the coordinator' if v == reach.COORDINATOR else 'agent ' + v}'s"
+                for v, n in sorted(per_relay.items())) if per_relay else ""
+            how = ("each gets its relay's rate over that relay's flows" if per_relay is not None
+                   else f"which relay each takes is not known: each gets 1/{max(flows, 1)} of "
+                   "a relayed link's rate, as through one uplink")
+            log.info("job %s: %d of the grid's flows go through relays%s (%d relayed links "
+                     "among the members); %s", self.job_id, flows, at, int(mask.sum()), how)
+        return relay.priced_for(net, mask, grid, by_device if per_relay is not None else None)
 
     async def choose_split(self, net: Network, grid: list[list[int]], work: Workload,
                            dev: Devices, move: bool, planned: list[int] | None = None,

@@ -111,14 +111,14 @@ class Job:
         self._adopt_deadline = 0.0
         self._first_steps: dict[str, int] = {}  # each member's first step this epoch
         self.checkpoints = CheckpointTracker(config)  # what the checkpoints hold
-        self.planner = EpochPlanner(config, self.checkpoints)  # layout, grid, split, H
+        self.dataplane = DataPlanes(config.transport, config.hole_punch)  # data plane, relay
+        self.planner = EpochPlanner(config, self.checkpoints,  # layout, grid, split, H
+                                    self.dataplane.router(registry, links))  # relay routes
         self.membership = Membership(config, registry, measurer, links, reach)  # usable agents
         self._name_collaborators()
-        self.link_source = EpochLinkSource(config, measurer, links, self.planner,
-                                           self.membership)  # the links an epoch plans on
+        self.link_source = EpochLinkSource(config, measurer, links, self.planner, self.membership)
         self.recoveries = Recoveries()
         self.replan = Replanner(self)  # drift watch and re-planning while training
-        self.dataplane = DataPlanes(config.transport, config.hole_punch)  # data plane, relay
         self.store = store
         if store is not None and config.model:
             self._adopt(store.unfinished(job_fingerprint(config)))
@@ -428,8 +428,8 @@ class Job:
                                         splits=found["splits"], agents=ids, flops=flops)
         predicted = self.planner.model.predict({})
         self.plan = self.planner.plan_message(found, ids, placement, self.epoch, predicted)
-        plane = self.dataplane.plan(self.job_id, self.epoch, records,
-                                    (net, ranked, layout, self.planner.model.shape), self.links)
+        plane = self.dataplane.plan(self.job_id, self.epoch, records, (  # as priced: routes
+            net, ranked, layout, self.planner.model.shape), self.links, found.get("routes"))
         self.planner.relays = plane.routes
         if plane.unsupported:
             self._set(S.JOB_STATE_FAILED, plane.unsupported)

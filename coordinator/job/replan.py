@@ -285,8 +285,10 @@ class Replanner:
             grid, splits, _ = await job.planner.in_pool(
                 split, net.delay_ms, net.bandwidth_gbps, grid, model.work, dev, True,
                 job.config.search_seconds)
-        new = _prediction_like(model, job.planner.relay_priced(net, ids, grid), grid, splits,
-                               flops).predict(
+        routes = job.planner.relay_routes(net, ids, grid, job.planner.layout,
+                                          model.work.step_shape(splits))
+        new = _prediction_like(model, job.planner.relay_priced(net, ids, grid, routes), grid,
+                               splits, flops).predict(
             self._compute_for(compute, model, grid, splits, flops))
         steps_left = max(job.config.train.steps - drift.at_step, 0)
         checkpoint_every = job.config.train.checkpoint_every
@@ -458,9 +460,10 @@ class Replanner:
         the relays its data plane chose (`EpochPlanner.relays`): when that relay slowed, the
         running plan pays its slow hops until the job moves, and pricing it through the
         cheapest would predict staying as fast as moving. So: the running plan with each
-        relayed link through its pair's relay, its flows sharing the relay's uplink as the
-        epoch's prediction had them; and `net` with each relayed link at the cheapest relay's
-        price, which the next epoch's data plane chooses afresh (`DataPlanes.plan`)."""
+        relayed link through its pair's relay, each relay's uplink shared by the flows it
+        carries, as the epoch's prediction had them; and `net` with each relayed link at the
+        cheapest relay's price, which the next epoch's data plane chooses afresh
+        (`DataPlanes.plan`)."""
         planner, store = self.job.planner, self.job.links
         links = [(a, b) for a, _, b in (name.partition("->") for name in planner.relayed)]
 
@@ -469,7 +472,8 @@ class Replanner:
             return with_links(base, ids, {k: (p.delay_ms, p.gbps) for k, p in figures.items()})
 
         cheapest = routed(net, None)
-        return planner.relay_priced(routed(cheapest, planner.relays), ids, grid), cheapest
+        running = routed(cheapest, planner.relays)
+        return planner.relay_priced(running, ids, grid, planner.relays), cheapest
 
     def _compute_now(self, ids: list[str]) -> dict[str, float]:
         """Each member's compute per step over the recent steps."""

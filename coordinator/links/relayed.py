@@ -14,9 +14,10 @@ plan as unreachable. Two cases, after the measurer's passes (`coordinator/links/
   such agent measures its own link to the coordinator as a peer (`RELAY`: the agent dials out,
   and the coordinator answers the same Ping and Probe RPCs agents do), and A->B is priced
   A->relay + relay->B: the sum of both hops' delays, the narrower hop's bandwidth (relay->B
-  taken as B->relay's figures, as above). That is the rate of one flow alone; the relay's
-  uplink is shared by every relayed flow a placement has, which the scheduler divides by
-  (`coordinator/scheduler/relay.py`), since only a placement says how many there are.
+  taken as B->relay's figures, as above). That is the rate of one flow alone; a relay's
+  uplink is shared by every relayed flow it carries, which the scheduler divides by
+  (`coordinator/scheduler/relay.py`), since only a placement (and the data plane's choice of
+  relay per pair) says how many there are.
 
 Agents reachable from some peers only (one site's LAN reaches them, the rest of the world
 does not) are undialable too, but not for everyone: a peer whose own dial got through, the

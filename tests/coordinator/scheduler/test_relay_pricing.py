@@ -94,3 +94,54 @@ def test_the_job_s_planner_prices_its_grid_s_relayed_flows_by_agent_id() -> None
     priced = planner.relay_priced(net, ids, blind)
     assert priced.bandwidth_gbps[2, 4] == pytest.approx(net.bandwidth_gbps[2, 4] / 4)
     assert priced.bandwidth_gbps[0, 2] == net.bandwidth_gbps[0, 2]
+
+
+def _all_relayed(n: int) -> tuple[Network, np.ndarray]:
+    """n devices that can dial none of each other: every link relayed, 1 Gbit/s solo."""
+    relayed = ~np.eye(n, dtype=bool)
+    return Network.measured(np.full((n, n), 20.0), np.ones((n, n))), relayed
+
+
+def test_each_relay_s_rate_is_shared_only_by_the_flows_it_carries() -> None:
+    """Two relays, the grid's four relayed flows spread 2 + 2 (as the data plane spreads
+    them, coordinator/scheduler/relaychoice.py): each relayed link gets 1/2 of its rate,
+    not the 1/4 that taking every flow through one uplink gave."""
+    _, net, relayed = _scenario()
+    blind = rank_order_grid(4, 2)  # pipeline 0-2-4-6: relayed 2<->4 and 4<->6
+    routes = {(2, 4): "coordinator", (6, 4): "agent-r"}  # either order of a pair
+    assert relay.flows_by_relay(blind, relayed, routes) == {"coordinator": 2, "agent-r": 2}
+    priced = relay.priced_for(net, relayed, blind, routes)
+    for a, b in ((2, 4), (4, 2), (4, 6), (6, 4)):
+        assert priced.bandwidth_gbps[a, b] == pytest.approx(net.bandwidth_gbps[a, b] / 2)
+    assert priced.bandwidth_gbps[0, 2] == net.bandwidth_gbps[0, 2]  # direct: as measured
+    # a relayed link no flow of the grid uses (2<->6) keeps the one-uplink share
+    assert priced.bandwidth_gbps[2, 6] == pytest.approx(net.bandwidth_gbps[2, 6] / 4)
+    assert relay.priced_for(net, relayed, blind).bandwidth_gbps[2, 4] == pytest.approx(
+        net.bandwidth_gbps[2, 4] / 4)  # no routes: as before, one uplink for all four
+
+
+def test_one_relay_prices_as_one_shared_uplink_and_a_missing_route_falls_back_to_it() -> None:
+    _, net, relayed = _scenario()
+    blind = rank_order_grid(4, 2)
+    one = relay.priced_for(net, relayed, blind, {(2, 4): "coordinator", (4, 6): "coordinator"})
+    np.testing.assert_array_equal(one.bandwidth_gbps,
+                                  relay.shared(net, relayed, 4).bandwidth_gbps)
+    assert relay.flows_by_relay(blind, relayed, {(2, 4): "r"}) is None  # 4<->6 not routed
+    partial = relay.priced_for(net, relayed, blind, {(2, 4): "r"})
+    np.testing.assert_array_equal(partial.bandwidth_gbps, one.bandwidth_gbps)
+
+
+def test_a_flow_whose_relay_carries_three_flows_gets_a_third() -> None:
+    """2 stages x 3 replicas of six agents nobody can dial: stage 0's ring (three flows) at
+    relay a, the pipeline links (six flows, both ways) at b, stage 1's ring at c."""
+    net, relayed = _all_relayed(6)
+    grid = [[0, 1, 2], [3, 4, 5]]
+    routes = {(0, 1): "a", (1, 2): "a", (2, 0): "a", (0, 3): "b", (1, 4): "b", (2, 5): "b",
+              (3, 4): "c", (4, 5): "c", (3, 5): "c"}
+    assert relay.relayed_flows(grid, relayed) == 12
+    assert relay.flows_by_relay(grid, relayed, routes) == {"a": 3, "b": 6, "c": 3}
+    priced = relay.priced_for(net, relayed, grid, routes)
+    assert priced.bandwidth_gbps[0, 1] == pytest.approx(1 / 3)  # a ring flow: a carries 3
+    assert priced.bandwidth_gbps[5, 3] == pytest.approx(1 / 3)
+    assert priced.bandwidth_gbps[3, 0] == pytest.approx(1 / 6)  # a pipeline flow at b
+    assert relay.priced_for(net, relayed, grid).bandwidth_gbps[0, 1] == pytest.approx(1 / 12)
