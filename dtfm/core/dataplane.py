@@ -44,11 +44,11 @@ ROLE_DIAL = 1
 ROLE_ACCEPT = 2
 ROLE_RELAY = 3
 
-# Control frames on a relay circuit, before any tensor (agent/worker/transport/punch.py): the
+# Control frames on a relay circuit, before any tensor (dtfm/core/punch.py): the
 # relay tells each end the address it saw the other end dial from (OBSERVED, sent by the
 # relay as from the partner's rank), and each end tells the other whether its hole punch
 # got through (PUNCHED, one byte); where both did, they time both paths (PROBE) and the lower
-# rank says which one they keep (CHOSEN; agent/worker/transport/pathweigh.py). A stream id no
+# rank says which one they keep (CHOSEN; dtfm/core/pathweigh.py). A stream id no
 # group hashes to (`stream_id` is a hash).
 CONTROL_STREAM = 0xFFFF_FFFF_FFFF_FFFE
 OBSERVED_TAG = 1

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.worker.transport.pathweigh import RELAY_BYTES
+from dtfm.core.pathweigh import RELAY_BYTES
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import AGENT_PORT, COORDINATOR_PORT, WanCluster, measurement_wan
 from tests.netstat import listening_tcp_ports
@@ -91,7 +91,7 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path,
     workers = [p.read_text(errors="replace") for p in tmp_path.glob("agent-*/work/*.log")]
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
     # the two NATed agents met at the relay, then punched a direct connection through both
-    # NATs (agent/worker/transport/punch.py): each saw the other at its NAT's public address
+    # NATs (dtfm/core/punch.py): each saw the other at its NAT's public address
     # and mapped port. They timed both paths (pathweigh.py) and kept the faster: direct, and
     # the relay carried only the two one-byte "got through" frames and the weighing's probes
     # (before hole punching it carried their data-parallel or pipeline traffic); or the

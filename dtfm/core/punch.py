@@ -38,8 +38,8 @@ import logging
 import socket
 import time
 
-from agent.worker.transport import pathweigh
 from dtfm.core import dataplane as dp
+from dtfm.core import pathweigh
 
 log = logging.getLogger(__name__)
 
