@@ -55,6 +55,13 @@ OBSERVED_TAG = 1
 PUNCHED_TAG = 2
 PROBE_TAG = 3
 CHOSEN_TAG = 4
+# On the direct connection a punch probe at link measurement opened (agent/punchprobe.py),
+# never through a relay: round trips (PING), a timed bulk transfer in frames (BULK; an empty
+# one ends it), the receiver's "rate settled, stop" (STOP) and the rate it measured (RATE).
+PING_TAG = 5
+BULK_TAG = 6
+STOP_TAG = 7
+RATE_TAG = 8
 
 
 class AuthError(ConnectionError):

@@ -124,9 +124,13 @@ def agree(relay: socket.socket, job: bytes, epoch: int, me: int, peer: int, ok: 
 
 
 def punch(relay: socket.socket, key: bytes, job: str, epoch: int, me: int, peer: int,
-          observed: str, deadline_s: float = PUNCH_S) -> socket.socket | None:
+          observed: str, deadline_s: float = PUNCH_S, weigh: bool = True
+          ) -> socket.socket | None:
     """Try a direct connection to `peer` at `observed` from the relay circuit's local port;
-    the authenticated direct socket when both ends got through, None to stay on `relay`."""
+    the authenticated direct socket when both ends got through, None to stay on `relay`.
+    `weigh=False` (link measurement, agent/punchprobe.py: the direct path is what it
+    measures) returns the direct socket without timing it against the relay; both ends must
+    pass the same `weigh`."""
     digest = dp.job_digest(job)
     local = relay.getsockname()[:2]
     direct = None if on_loopback(observed) else simultaneous_open(local, observed, deadline_s)
@@ -150,6 +154,8 @@ def punch(relay: socket.socket, key: bytes, job: str, epoch: int, me: int, peer:
                  f"no connection to {observed} within {deadline_s:.0f} s")
         return None
     assert direct is not None
+    if not weigh:
+        return direct
     try:
         weighed = pathweigh.weigh(relay, direct, digest, epoch, me, peer,
                                   max(deadline_s, 10.0) + 20.0)

@@ -1,9 +1,10 @@
 """A dtfm cluster inside an emulated WAN: a coordinator and agents, each in its own host.
 
 Host 0 holds the coordinator (zero delay and no rate limit to everyone by default, so control
-traffic does not distort what is measured; `measurement_wan(coordinator_link=)` gives it a cost); hosts 1..N hold one agent each, with the link matrix the caller
-gives. Processes are started through the real command lines, so this rehearses exactly what a
-deployment runs. Used by the link-measurement tests and `bench/links.py`.
+traffic does not distort what is measured; `measurement_wan(coordinator_link=)` gives it a
+cost); hosts 1..N hold one agent each, with the link matrix the caller gives. Processes are
+started through the real command lines, so this rehearses exactly what a deployment runs.
+Used by the link-measurement tests and `bench/links.py`.
 
 Agents may sit behind NATs or firewalls (`measurement_wan(..., nat=, shared_nat=, firewall=)`,
 in agent numbers): such an agent listens and advertises at its own address as a real one would
