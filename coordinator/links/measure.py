@@ -5,7 +5,8 @@ then hands out bandwidth probes in the rotation order of `coordinator.links.stor
 soon as its sender can send and its receiver can receive, so no device sends (or receives) two
 transfers at once and no slow link holds up a whole round. A link whose receiver
 cannot be dialled (behind a NAT or firewall) is taken from its other direction's probe, and a
-pair that can dial neither way is priced as relayed through the coordinator
+pair that can dial neither way is hole-punched and measured direct where the punch gets
+through (`coordinator.links.punchprobe`), else priced as relayed through the coordinator
 (`coordinator.links.relayed`). A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
 agent that stays silent past it is recorded as a failed link and not asked again. A sample
@@ -334,10 +335,17 @@ class LinkMeasurer:
                             [_Probe(x, (relayed.RELAY,), frozenset((
                                 f"send {x}", f"receive {relayed.RELAY}"))) for x in hops],
                             by_id, silent, probe_seconds)
-        if direct := await self._punch(run, pairs, by_id, silent, probe_seconds):
+        agents = [i for i in ids if relayed.serves_relay(by_id[i])]
+        if punched := await self._punch(run, pairs, by_id, silent, probe_seconds):
+            direct = punchprobe.kept(self.store, punched, agents)
+            if slower := [p for p in punched if p not in direct]:
+                log.info("%d punched pairs are faster through the relay, where the data plane "
+                         "keeps them: priced relayed (%s)", len(slower),
+                         " ".join(f"{a}-{b}" for a, b in slower[:6]))
             pairs = [p for p in pairs if p not in direct]
         pairs += again
-        agents = [i for i in ids if relayed.serves_relay(by_id[i])]
+        if not pairs:
+            return
         priced = relayed.price(self.store, pairs, agents)
         log.info("%d links priced as relayed through the cheapest of the coordinator and %d "
                  "relay agents", len(priced), len(agents))
@@ -351,8 +359,8 @@ class LinkMeasurer:
                      ) -> list[tuple[str, str]]:
         """Have both agents of each stranded pair punch through the coordinator's relay and
         measure the direct connection (coordinator/links/punchprobe.py), pairs in rounds
-        that use each agent once; the pairs punched both ways, priced direct. None where
-        hole punching is off or no relay runs here."""
+        that use each agent once; the pairs punched both ways. None where hole punching is
+        off or no relay runs here."""
         relay = punchprobe.relay_of(self.punching)
         if relay is None or not pairs:
             return []
@@ -367,7 +375,7 @@ class LinkMeasurer:
                 punchprobe.retire(relay, tickets)
         direct = punchprobe.punched(self.store, pairs)
         log.info("%d of %d pairs nobody can dial punched through both ways, measured direct "
-                 "(%s); the rest are priced relayed", len(direct), len(pairs),
+                 "(%s)", len(direct), len(pairs),
                  " ".join(f"{a}-{b}" for a, b in direct[:6]) or "none")
         return direct
 

@@ -30,7 +30,9 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from coordinator.links.store import PUNCHED, LinkStore
+from coordinator.links import relayed
+from coordinator.links.store import PUNCHED, RELAYED, LinkEntry, LinkStore
+from dtfm.core import pathweigh
 from dtfm.core.limits import clip
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -118,6 +120,33 @@ def record(store: LinkStore, agent_id: str, sample: common_pb2.LinkSample) -> No
     if entry.estimate:
         note += f"; the bandwidth is the probe's estimate: {entry.estimate}"
     entry.estimate, entry.path = clip(note), PUNCHED
+
+
+def round_trip_s(there: LinkEntry, back: LinkEntry) -> float:
+    """What pathweigh times on a path: PROBE_BYTES there and a byte back."""
+    return ((there.delay_ms + back.delay_ms) / 1e3
+            + pathweigh.PROBE_BYTES * 8 / (there.bandwidth_gbps * 1e9))
+
+
+def kept(store: LinkStore, pairs: Sequence[tuple[str, str]], relays: Sequence[str] = ()
+         ) -> list[tuple[str, str]]:
+    """Of `pairs` (punched both ways), those whose direct path the data plane keeps: at each
+    epoch both ends weigh it against the relay and stay on the relay where that is faster by
+    more than pathweigh's slack (dtfm/core/pathweigh.py `choose`). The same rule on the
+    measured figures: each direction's round trip direct against the one through the relay
+    `relayed.price` would choose (the cheapest of the coordinator and `relays`), both as
+    pathweigh times them. A pair whose relay path has no figures keeps its direct path."""
+    out = []
+    for a, b in pairs:
+        scratch = LinkStore(dict(store.entries))
+        relayed.price(scratch, [(a, b)], relays)
+        via = [scratch.entries[x, y] for x, y in ((a, b), (b, a))]
+        direct = [store.entries[x, y] for x, y in ((a, b), (b, a))]
+        if not all(e.reachable and e.path == RELAYED for e in via) or all(
+                pathweigh.choose(round_trip_s(via[i], via[1 - i]),
+                                 round_trip_s(direct[i], direct[1 - i])) for i in (0, 1)):
+            out.append((a, b))
+    return out
 
 
 def punched(store: LinkStore, pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -18,8 +18,13 @@ the relay:
    on the relay, which always works. Both ends decide from the same two bytes, so they never
    disagree on the path;
 4. both ends time the two paths with the same exchange and keep the direct one only where
-   it is not slower than the relay (pathweigh.py): the scheduler priced the pair through
-   its relay, and a direct path slower than that would make the job slower than planned.
+   it is not slower than the relay (pathweigh.py): the scheduler priced the pair by the
+   path this rule picks on the figures link measurement had (the direct ones from a punch
+   probe, agent/punchprobe.py, where it got through; else the relay's), and a slower path
+   than that would make the job slower than planned.
+
+Link measurement uses steps 1-3 too (`punch(..., weigh=False)`): the pair meets at the
+coordinator's relay as a pseudo-job and measures the punched connection itself.
 
 Where it does not work: a NAT that maps every destination to a new port (symmetric NATs,
 some carrier-grade NATs) gives the relay a port the peer cannot use, and the punch times out

@@ -47,6 +47,7 @@ class Planes:
 class Agents:
     registry: Registry
     punch_fails: set[str] = field(default_factory=set)  # agents whose punch does not get through
+    direct: tuple[float, float] = DIRECT  # what a punch that got through measures
     measurer: LinkMeasurer | None = None
     punches: list[tuple[str, str, coordinator_pb2.PunchProbe]] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # relay epochs held during each punch
@@ -62,7 +63,7 @@ class Agents:
                     self.punches.append((agent_id, p.agent_id, cmd.punch))
                     self.admitted.append(len(relay.epochs()) if relay is not None else 0)
                     ok = agent_id not in self.punch_fails
-                    delay, gbps = DIRECT
+                    delay, gbps = self.direct
                 else:
                     ok = p.agent_id not in HIDDEN
                     delay = SITE[agent_id][0] + SITE[p.agent_id][0]
@@ -77,7 +78,8 @@ class Agents:
             assert error is None, error
 
 
-async def _measure(planes: Planes | None, punch_fails: frozenset[str] = frozenset()
+async def _measure(planes: Planes | None, punch_fails: frozenset[str] = frozenset(),
+                   direct: tuple[float, float] = DIRECT
                    ) -> tuple[Agents, common_pb2.LinkMatrix, LinkStore]:
     registry = Registry(liveness_timeout_s=60)
     ids = ["a0", "a1", "n2", "n3"]
@@ -90,7 +92,7 @@ async def _measure(planes: Planes | None, punch_fails: frozenset[str] = frozense
     store = LinkStore()
     measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
     measurer.punching = planes
-    agents = Agents(registry, set(punch_fails), measurer)
+    agents = Agents(registry, set(punch_fails), direct, measurer)
     relay = planes.relay if planes is not None else None
     servers = [asyncio.create_task(agents.serve(i, relay)) for i in ids]
     try:
@@ -150,6 +152,19 @@ def test_a_pair_whose_punch_fails_either_way_is_priced_relayed_as_without_punchi
     _, off, _ = asyncio.run(_measure(Planes(relay, hole_punch=False)))
     for got, want in zip(matrix_arrays(matrix), matrix_arrays(off), strict=True):
         np.testing.assert_array_equal(got, want)  # every figure as without punching
+
+
+@pytest.mark.timeout(60)
+def test_a_punched_pair_the_relay_carries_faster_is_priced_relayed_as_the_data_plane_keeps_it(
+) -> None:
+    """At each epoch the pair weighs the punched path against the relay and stays on the
+    relay where that is faster (dtfm/core/pathweigh.py): priced so, not direct."""
+    relay = Relay(None, port=7700)
+    agents, matrix, store = asyncio.run(_measure(Planes(relay), direct=(150.0, 0.01)))
+    assert len(agents.punches) == 2  # both got through ...
+    assert sorted(matrix.relayed) == ["n2->n3", "n3->n2"] and not matrix.punched  # ... slower
+    assert (store.entries["n2", "n3"].delay_ms,
+            store.entries["n2", "n3"].bandwidth_gbps) == pytest.approx(_relayed_figures())
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,9 @@ With the defaults a user gets: `--transport auto` and link measurement on. The j
 four agents as soon as they joined, while the dial-back of a NATed agent ends only at its
 timeout; the job waits for the verdicts before planning (`Membership.with_verdicts`), so
 auto picks dtfm. Links into the NATed agents are measured the other way, and the pair of
-them (no direct path either way) is priced as relayed through the coordinator.
+them (no direct path either way) punches through both NATs at link measurement and is
+measured direct (coordinator/links/punchprobe.py): priced direct where that path is the
+faster (relay-far), relayed through the coordinator where the relay is (relay-free).
 
 Ports (dtfm/front.py, docs/operations.md "Ports and reachability"): while the job trains,
 each host's network namespace listens on exactly one TCP port: the coordinator's host on
@@ -88,6 +90,9 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path,
     # every epoch on dtfm: none planned on gloo before the NATed agents' verdicts came in
     assert log.count("dtfm data plane") == job["epoch"], log[-3000:]
     assert "no reachability verdict" not in log, log[-3000:]
+    # the NATed pair punched through at link measurement; priced as the data plane then goes
+    assert "1 of 1 pairs nobody can dial punched through both ways" in log, log[-3000:]
+    assert ("punched pairs are faster through the relay" in log) != direct, log[-3000:]
     workers = [p.read_text(errors="replace") for p in tmp_path.glob("agent-*/work/*.log")]
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
     # the two NATed agents met at the relay, then punched a direct connection through both
