@@ -173,7 +173,7 @@ class _PacedStream:
             self.sent += CHUNK_BYTES
 
 
-class _Windows:
+class Windows:
     """Sums the receiver's ticks into windows of at least `window_s` and judges them."""
 
     def __init__(self, window_s: float) -> None:
@@ -232,7 +232,7 @@ class _Windows:
 
 
 @dataclass(frozen=True)
-class _Rate:
+class Rate:
     """What a bandwidth probe found: a settled rate, or an estimate and how it was made."""
 
     gbps: float
@@ -240,9 +240,9 @@ class _Rate:
 
 
 async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
-                     rtt_s: float, peer_id: str) -> _Rate:
+                     rtt_s: float, peer_id: str) -> Rate:
     """Steady-state rate of one continuous, paced stream once its windows agree, else an
-    estimate (see `_estimate`); raises ValueError only when no data arrived at all.
+    estimate (see `estimate_rate`); raises ValueError only when no data arrived at all.
 
     A fresh connection reads low at first (slow start, and the receiver's TCP buffer grows
     only while data flows: a 30 Mbit/s path with 476 ms round trips takes about 2.5 s to
@@ -255,14 +255,14 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     cannot pass for a steady rate.
     """
     tick_s = min(TICK_S, target_s / 4)
-    windows = _Windows(target_s / STEADY_WINDOWS)
+    windows = Windows(target_s / STEADY_WINDOWS)
     # Once the rate settles, the pace limit follows the fastest tick of the last round trip,
     # so what is still in flight when the probe ends drains within about a round trip.
     recent: collections.deque[float] = collections.deque(
         maxlen=math.ceil((rtt_s + tick_s) / tick_s) + 1)
     stream = _PacedStream(cap, tick_s, INITIAL_INFLIGHT)
     began = time.perf_counter()
-    rate: _Rate | None = None
+    rate: Rate | None = None
     ended, cut_short = "the peer ended the stream", True
     call = stub.Probe(stream.chunks(), timeout=max(60.0, 40 * target_s))
     while True:
@@ -283,7 +283,7 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         stream.report(tick.total_bytes, limit)
         steady = windows.steady()
         if steady is not None:
-            rate = _Rate(steady / 1e9)
+            rate = Rate(steady / 1e9)
         elif len(windows.rates) >= MAX_WINDOWS:
             ended, cut_short = f"its {len(windows.rates)} windows never agreed", False
         elif stream.sent >= cap:
@@ -295,7 +295,7 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
         break
     elapsed = time.perf_counter() - began
     if rate is None:
-        rate = _estimate(windows, stream.received, elapsed, ended, cut_short)
+        rate = estimate_rate(windows, stream.received, elapsed, ended, cut_short)
     log.info("bandwidth to %s: %.1f Mbit/s%s after %.2f s; windows of %.2f s: %s Mbit/s",
              peer_id, rate.gbps * 1e3, f" (an estimate: {rate.estimate_note})"
              if rate.estimate_note else "", elapsed, windows.window_s,
@@ -303,8 +303,8 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     return rate
 
 
-def _estimate(windows: _Windows, received: int, elapsed_s: float, ended: str,
-              cut_short: bool) -> _Rate:
+def estimate_rate(windows: Windows, received: int, elapsed_s: float, ended: str,
+              cut_short: bool) -> Rate:
     """The best figure of a probe whose windows never agreed; `ended` says why it stopped.
 
     `cut_short` (the byte cap, the peer): the flow was most likely still climbing, so its
@@ -323,4 +323,4 @@ def _estimate(windows: _Windows, received: int, elapsed_s: float, ended: str,
     note = (f"no steady rate: {ended}"
             + (f" ({stalls} of {len(windows.rates)} moved no data)" if stalls else "")
             + f"; took {how}, {bps / 1e6:.2f} Mbit/s")
-    return _Rate(bps / 1e9, note)
+    return Rate(bps / 1e9, note)

@@ -14,6 +14,7 @@ import random
 
 import grpc
 
+from agent import punchprobe
 from agent.identity import SecretFile
 from agent.linkprobe import measure_peer
 from agent.relayhost import RelayHost
@@ -177,12 +178,15 @@ class CoordinatorSession:
         """
         self.state = WorkerState.MEASURING
         try:
-            if cmd.kind == coordinator_pb2.MEASURE_KIND_LATENCY:
+            if cmd.kind == coordinator_pb2.MEASURE_KIND_PUNCH:
+                samples = [await punchprobe.probe(self.info.agent_id, cmd, self.target)]
+            elif cmd.kind == coordinator_pb2.MEASURE_KIND_LATENCY:
                 samples = list(await asyncio.gather(
                     *(self._measure_peer(cmd, peer) for peer in cmd.peers)))
             else:
                 samples = [await self._measure_peer(cmd, peer) for peer in cmd.peers]
-            if self.tuning is not None and cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY:
+            if self.tuning is not None and cmd.kind in (coordinator_pb2.MEASURE_KIND_BOTH,
+                                                        coordinator_pb2.MEASURE_KIND_BANDWIDTH):
                 self.tuning.run()  # the buffers against the bandwidth-delay products just seen
             report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
                                                 round_id=cmd.round_id, samples=samples,

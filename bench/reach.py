@@ -12,7 +12,7 @@ dtfm`) beside gloo, so the transport's own cost is a ratio measured in one run. 
 cases run with `--hole-punch off`, so the relay the scheduler prices is what is measured,
 and once more scheduled with hole punching on (`scheduled/punch`): a pair that punches
 through its NATs leaves the relay only where the direct path timed no slower than the relay
-(agent/worker/transport/pathweigh.py), so the step model's relayed price stays an upper
+(dtfm/core/pathweigh.py), so the step model's relayed price stays an upper
 bound for it; that row's error is shown (`step_model_error_punch`) but not scored.
 
 Targets (issue 32): all reachable, dtfm >= 0.9x gloo's tokens/s; 25 % behind NAT, scheduled

@@ -11,7 +11,7 @@ closes the circuit and nothing of it is forwarded.
 Before any frame of theirs, the relay sends each end one control frame
 (`dp.OBSERVED_TAG`): the address and port it saw the other end dial from, which behind a NAT
 is the NAT's public address and the port it mapped. The ends may use it to open a direct
-connection through both NATs (agent/worker/transport/punch.py) and leave the relay.
+connection through both NATs (dtfm/core/punch.py) and leave the relay.
 
 Bounded buffers and backpressure: a direction of a circuit holds at most one chunk
 (`chunk_bytes`) read from the sender plus the receiver's socket write buffer, which is

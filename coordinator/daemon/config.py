@@ -70,7 +70,7 @@ class JobConfig:
     # connections, else dtfm (coordinator/job/dataplane.py)
     transport: str = "auto"
     # --hole-punch: dial-only pairs at a relay try a direct connection through their NATs
-    # first (agent/worker/transport/punch.py); off: they always stay on the relay
+    # first (dtfm/core/punch.py); off: they always stay on the relay
     hole_punch: bool = True
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 

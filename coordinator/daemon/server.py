@@ -70,6 +70,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.store = JobStore(config.state_dir) if config.state_dir else None
         self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store,
                        reach=self.reach)  # plans only once members' reach verdicts are in
+        self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
         self.history = History()
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         self._accepting_copies)

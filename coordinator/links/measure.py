@@ -5,7 +5,8 @@ then hands out bandwidth probes in the rotation order of `coordinator.links.stor
 soon as its sender can send and its receiver can receive, so no device sends (or receives) two
 transfers at once and no slow link holds up a whole round. A link whose receiver
 cannot be dialled (behind a NAT or firewall) is taken from its other direction's probe, and a
-pair that can dial neither way is priced as relayed through the coordinator
+pair that can dial neither way is hole-punched and measured direct where the punch gets
+through (`coordinator.links.punchprobe`), else priced as relayed through the coordinator
 (`coordinator.links.relayed`). A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
 agent that stays silent past it is recorded as a failed link and not asked again. A sample
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass, replace
 
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.links import relayed
+from coordinator.links import punchprobe, relayed
 from coordinator.links.infer import latency_clusters, sampled_links, to_measure
 from coordinator.links.store import LinkStore, rotation_rounds
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
@@ -91,6 +92,9 @@ class LinkMeasurer:
         self._seq = itertools.count()
         self.last_seconds = 0.0
         self.running = False
+        # the coordinator's relay and the hole-punch switch (the job's DataPlanes, set by the
+        # server): stranded pairs are punch-probed through it (coordinator/links/punchprobe.py)
+        self.punching: punchprobe.RelaySource | None = None
 
     def on_report(self, report: coordinator_pb2.LinkReport) -> str | None:
         """Record a report; or say why it cannot be used (stale, forged, or incomplete)."""
@@ -115,6 +119,9 @@ class LinkMeasurer:
                 log.warning("link %s->%s: bandwidth %.2f Mbit/s is an estimate (%s)",
                             report.agent_id, sample.peer_id, sample.bandwidth_gbps * 1e3,
                             sample.estimate_note or "no note")
+            if kind == coordinator_pb2.MEASURE_KIND_PUNCH:
+                punchprobe.record(self.store, report.agent_id, sample)
+                continue
             self.store.record(report.agent_id, sample,
                               latency=kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH,
                               bandwidth=kind != coordinator_pb2.MEASURE_KIND_LATENCY)
@@ -328,8 +335,17 @@ class LinkMeasurer:
                             [_Probe(x, (relayed.RELAY,), frozenset((
                                 f"send {x}", f"receive {relayed.RELAY}"))) for x in hops],
                             by_id, silent, probe_seconds)
-        pairs += again
         agents = [i for i in ids if relayed.serves_relay(by_id[i])]
+        if punched := await self._punch(run, pairs, by_id, silent, probe_seconds):
+            direct = punchprobe.kept(self.store, punched, agents)
+            if slower := [p for p in punched if p not in direct]:
+                log.info("%d punched pairs are faster through the relay, where the data plane "
+                         "keeps them: priced relayed (%s)", len(slower),
+                         " ".join(f"{a}-{b}" for a, b in slower[:6]))
+            pairs = [p for p in pairs if p not in direct]
+        pairs += again
+        if not pairs:
+            return
         priced = relayed.price(self.store, pairs, agents)
         log.info("%d links priced as relayed through the cheapest of the coordinator and %d "
                  "relay agents", len(priced), len(agents))
@@ -337,6 +353,31 @@ class LinkMeasurer:
                         if (x, y) not in priced]:
             log.warning("%d links neither end can dial stay failed: %s", len(unpriced),
                         self.store.entries[unpriced[0]].error)
+
+    async def _punch(self, run: int, pairs: list[tuple[str, str]],
+                     by_id: dict[str, AgentRecord], silent: set[str], probe_seconds: float
+                     ) -> list[tuple[str, str]]:
+        """Have both agents of each stranded pair punch through the coordinator's relay and
+        measure the direct connection (coordinator/links/punchprobe.py), pairs in rounds
+        that use each agent once; the pairs punched both ways. None where hole punching is
+        off or no relay runs here."""
+        relay = punchprobe.relay_of(self.punching)
+        if relay is None or not pairs:
+            return []
+        for batch in punchprobe.rounds([p for p in pairs if not set(p) & silent]):
+            tickets = punchprobe.admit(relay, run, batch)
+            try:
+                await asyncio.gather(*(
+                    self._probe(run, coordinator_pb2.MEASURE_KIND_PUNCH,
+                                _Probe(x, (y,), punch=ticket), by_id, silent, probe_seconds)
+                    for (x, y), ticket in tickets.items()))
+            finally:
+                punchprobe.retire(relay, tickets)
+        direct = punchprobe.punched(self.store, pairs)
+        log.info("%d of %d pairs nobody can dial punched through both ways, measured direct "
+                 "(%s)", len(direct), len(pairs),
+                 " ".join(f"{a}-{b}" for a, b in direct[:6]) or "none")
+        return direct
 
     def _delay(self, a: str, b: str) -> float | None:
         entry = self.store.entries.get((a, b))
@@ -366,8 +407,8 @@ class LinkMeasurer:
         measurer, peers = probe.measurer, probe.peers
         round_id = f"m{run}-k{kind}-{next(self._seq)}"
         count = pings.count or self.ping_count
-        spread_s = (pings.spread_for(count, len(peers))
-                    if kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH else 0.0)
+        spread_s = (pings.spread_for(count, len(peers)) if kind in (
+            coordinator_pb2.MEASURE_KIND_LATENCY, coordinator_pb2.MEASURE_KIND_BOTH) else 0.0)
         command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
             round_id=round_id,
             # the relay (the coordinator) has no address here: the agent dials the one it
@@ -379,6 +420,9 @@ class LinkMeasurer:
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
             ping_spread_s=spread_s,
         ))
+        if probe.punch is not None:
+            command.measure.punch.CopyFrom(probe.punch)
+            spread_s += punchprobe.EXTRA_S  # the peer's arrival at the relay and the punch
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[(round_id, measurer)] = _Pending(future, kind, peers)
         try:
@@ -410,6 +454,7 @@ class _Probe:
     measurer: str
     peers: tuple[str, ...]
     holds: frozenset[str] = frozenset()  # what no other probe may use meanwhile ("send A")
+    punch: coordinator_pb2.PunchProbe | None = None  # a punch probe's ticket (punchprobe.py)
 
 
 @dataclass(frozen=True)

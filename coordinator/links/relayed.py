@@ -19,6 +19,15 @@ plan as unreachable. Two cases, after the measurer's passes (`coordinator/links/
   (`coordinator/scheduler/relay.py`), since only a placement (and the data plane's choice of
   relay per pair) says how many there are.
 
+A pair neither end can dial may still have a direct path through both NATs: with hole
+punching on, the measurer has both ends punch through the coordinator's relay and measure
+that connection (coordinator/links/punchprobe.py) before anything here prices the pair.
+A pair punched both ways (whose relay path is not the faster) keeps those figures, marked
+`PUNCHED`: priced direct, not among the relay's flows, since placement can count on the
+data plane punching again at each epoch and keeping the direct path where it is the faster.
+Only pairs whose punch failed (or with `--hole-punch off`, or no coordinator relay) reach
+`price`, an upper bound as before.
+
 Agents reachable from some peers only (one site's LAN reaches them, the rest of the world
 does not) are undialable too, but not for everyone: a peer whose own dial got through, the
 dial-back's or a probe of that very direction (`direct_dials`), dials them directly on the

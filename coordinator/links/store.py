@@ -46,6 +46,8 @@ class LinkEntry:
     # How the figure was had: "" probed from `from` to `to`; REVERSE: copied from the probe
     # of the other direction (`to` cannot be dialled); RELAYED: priced as relayed through the
     # coordinator (neither end can be dialled). coordinator/links/relayed.py sets both.
+    # PUNCHED: neither end can be dialled, and `from` measured it on a direct connection
+    # hole-punched through both NATs (coordinator/links/punchprobe.py): a direct link.
     path: str = ""
     # The coordinator failed this link itself (an implausible or contradicting report, a
     # silent measurer, one that left): it stays failed, never taken from its reverse.
@@ -54,6 +56,7 @@ class LinkEntry:
 
 REVERSE = "reverse"
 RELAYED = "relayed"
+PUNCHED = "punched"
 
 
 @dataclass
@@ -99,7 +102,7 @@ class LinkStore:
         delay = [math.nan] * (n * n)
         bw = [math.nan] * (n * n)
         unreachable = []
-        estimated, notes, relayed = [], [], []
+        estimated, notes, relayed, punched = [], [], [], []
         for i, a in enumerate(ids):
             delay[i * n + i] = 0.0
             for j, b in enumerate(ids):
@@ -114,11 +117,13 @@ class LinkStore:
                         notes.append(entry.estimate)
                     if entry.path == RELAYED:
                         relayed.append(f"{a}->{b}")
+                    elif entry.path == PUNCHED:
+                        punched.append(f"{a}->{b}")
                 else:
                     unreachable.append(f"{a}->{b}")
         return common_pb2.LinkMatrix(
             agent_ids=list(ids), delay_ms=delay, bandwidth_gbps=bw, unreachable=unreachable,
-            estimated=estimated, estimate_notes=notes, relayed=relayed)
+            estimated=estimated, estimate_notes=notes, relayed=relayed, punched=punched)
 
     def complete_for(self, ids: Sequence[str]) -> bool:
         return all(
@@ -215,5 +220,7 @@ def matrix_to_json(m: common_pb2.LinkMatrix) -> dict:
         "estimated": dict(zip(m.estimated, m.estimate_notes, strict=False)),
         # "from->to" links neither end can dial: priced through the coordinator's relay
         "relayed": list(m.relayed),
+        # "from->to" links neither end can dial whose hole punch got through: priced direct
+        "punched": list(m.punched),
         "excluded": blame(m.agent_ids, [tuple(p.split("->", 1)) for p in m.unreachable]),
     }

@@ -37,13 +37,16 @@ def resolve_relay(assignment: common_pb2.Assignment, coordinator: str) -> None:
     """Give the data plane's relay a host: ":PORT" is the coordinator's own relay, at the
     host this agent dials the coordinator at (`coordinator`, HOST:PORT as the agent was
     told it), the one address every agent is known to reach."""
-    host = coordinator.rpartition(":")[0]
     plane = assignment.data_plane
-    if plane.relay.startswith(":"):
-        plane.relay = f"{host}{plane.relay}"
+    plane.relay = relay_at(plane.relay, coordinator)
     for pair in plane.pair_relays:
-        if pair.relay.startswith(":"):
-            pair.relay = f"{host}{pair.relay}"
+        pair.relay = relay_at(pair.relay, coordinator)
+
+
+def relay_at(relay: str, coordinator: str) -> str:
+    """`relay` with a host: ":PORT" (the coordinator's relay) at the host of `coordinator`
+    (HOST:PORT as the agent dials it); any other address as it is."""
+    return f"{coordinator.rpartition(':')[0]}{relay}" if relay.startswith(":") else relay
 
 
 @dataclass(frozen=True)

@@ -44,17 +44,24 @@ ROLE_DIAL = 1
 ROLE_ACCEPT = 2
 ROLE_RELAY = 3
 
-# Control frames on a relay circuit, before any tensor (agent/worker/transport/punch.py): the
+# Control frames on a relay circuit, before any tensor (dtfm/core/punch.py): the
 # relay tells each end the address it saw the other end dial from (OBSERVED, sent by the
 # relay as from the partner's rank), and each end tells the other whether its hole punch
 # got through (PUNCHED, one byte); where both did, they time both paths (PROBE) and the lower
-# rank says which one they keep (CHOSEN; agent/worker/transport/pathweigh.py). A stream id no
+# rank says which one they keep (CHOSEN; dtfm/core/pathweigh.py). A stream id no
 # group hashes to (`stream_id` is a hash).
 CONTROL_STREAM = 0xFFFF_FFFF_FFFF_FFFE
 OBSERVED_TAG = 1
 PUNCHED_TAG = 2
 PROBE_TAG = 3
 CHOSEN_TAG = 4
+# On the direct connection a punch probe at link measurement opened (agent/punchprobe.py),
+# never through a relay: round trips (PING), a timed bulk transfer in frames (BULK; an empty
+# one ends it), the receiver's "rate settled, stop" (STOP) and the rate it measured (RATE).
+PING_TAG = 5
+BULK_TAG = 6
+STOP_TAG = 7
+RATE_TAG = 8
 
 
 class AuthError(ConnectionError):

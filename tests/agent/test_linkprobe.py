@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from agent import linkprobe
-from agent.linkprobe import CHUNK_BYTES, MAX_WINDOWS, _estimate, _Windows
+from agent.linkprobe import CHUNK_BYTES, MAX_WINDOWS, Windows, estimate_rate
 from agent.server import AgentService
 from dtfm import rpc
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2
@@ -26,8 +26,8 @@ SECURITY = rpc.Security(token="linkprobe-test-token")
 MBIT = 1e6
 
 
-def windows_of(rates_mbps: list[float], window_s: float = 1 / 3) -> _Windows:
-    w = _Windows(window_s)
+def windows_of(rates_mbps: list[float], window_s: float = 1 / 3) -> Windows:
+    w = Windows(window_s)
     for r in rates_mbps:
         w.add(int(r * MBIT / 8 * window_s), window_s)
     return w
@@ -62,7 +62,7 @@ def test_windows_of_two_or_three_chunks_are_too_coarse_to_agree() -> None:
 def test_an_unsettled_probe_is_estimated_from_the_windows_that_moved_data() -> None:
     rates = [0.6, 0.0, 0.0, 1.6, 0.0, 1.9, 2.3, 0.0, 2.0, 2.6, 1.3, 2.0] + [2.0] * 8
     w = windows_of(rates)
-    rate = _estimate(w, received=10**6, elapsed_s=8.0, ended="its 20 windows never agreed",
+    rate = estimate_rate(w, received=10**6, elapsed_s=8.0, ended="its 20 windows never agreed",
                      cut_short=False)
     assert rate.gbps * 1e3 == pytest.approx(2.0, rel=0.02)
     assert "its 20 windows never agreed" in rate.estimate_note
@@ -72,14 +72,14 @@ def test_an_unsettled_probe_is_estimated_from_the_windows_that_moved_data() -> N
 
 def test_a_probe_cut_short_takes_its_fastest_window() -> None:
     w = windows_of([5.0, 20.0, 35.0])
-    rate = _estimate(w, received=10**6, elapsed_s=1.0, ended="it reached its cap of 1 MiB",
+    rate = estimate_rate(w, received=10**6, elapsed_s=1.0, ended="it reached its cap of 1 MiB",
                      cut_short=True)
     assert rate.gbps * 1e3 == pytest.approx(35.0, rel=0.02)
     assert rate.estimate_note.startswith("no steady rate: it reached its cap")
 
 
 def test_data_without_a_complete_window_is_averaged_over_the_probe() -> None:
-    rate = _estimate(_Windows(1.0), received=250_000, elapsed_s=2.0,
+    rate = estimate_rate(Windows(1.0), received=250_000, elapsed_s=2.0,
                      ended="the peer ended the stream", cut_short=True)
     assert rate.gbps * 1e9 == pytest.approx(1e6)
     assert "average over the whole probe" in rate.estimate_note
@@ -87,7 +87,7 @@ def test_data_without_a_complete_window_is_averaged_over_the_probe() -> None:
 
 def test_no_data_at_all_is_unreachable() -> None:
     with pytest.raises(ValueError, match="no probe data arrived"):
-        _estimate(windows_of([0.0, 0.0, 0.0]), received=0, elapsed_s=3.0,
+        estimate_rate(windows_of([0.0, 0.0, 0.0]), received=0, elapsed_s=3.0,
                   ended="its 3 windows never agreed", cut_short=False)
 
 

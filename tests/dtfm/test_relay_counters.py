@@ -13,10 +13,10 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from agent.worker.transport.punch import partner_address
 from coordinator.commands.status import status_to_json
 from coordinator.daemon.metrics import coordinator_registry
 from dtfm.core import dataplane as dp
+from dtfm.core.punch import partner_address
 from dtfm.relay import Relay
 from protos.dtfm.v1 import coordinator_pb2
 from tests.agent.worker.test_transport import _intrude

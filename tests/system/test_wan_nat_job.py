@@ -9,10 +9,12 @@ With the defaults a user gets: `--transport auto` and link measurement on. The j
 four agents as soon as they joined, while the dial-back of a NATed agent ends only at its
 timeout; the job waits for the verdicts before planning (`Membership.with_verdicts`), so
 auto picks dtfm. Links into the NATed agents are measured the other way, and the pair of
-them (no direct path either way) is priced as relayed through the coordinator. At the relay
-they punch through both NATs and keep whichever path timed faster (pathweigh.py): the relay
-where the coordinator's host is free (the emulator's default), the direct path where it is
-20 ms and 50 Mbit/s away (both cases below).
+them (no direct path either way) punches through both NATs at link measurement and is
+measured direct (coordinator/links/punchprobe.py): priced direct where that path is the
+faster (relay-far), relayed through the coordinator where the relay is (relay-free). At the
+relay, at each epoch, they punch again and keep whichever path timed faster (pathweigh.py):
+the relay where the coordinator's host is free (the emulator's default), the direct path
+where it is 20 ms and 50 Mbit/s away (both cases below).
 
 Ports (dtfm/front.py, docs/operations.md "Ports and reachability"): while the job trains,
 each host's network namespace listens on exactly one TCP port: the coordinator's host on
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.worker.transport.pathweigh import RELAY_BYTES
+from dtfm.core.pathweigh import RELAY_BYTES
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import AGENT_PORT, COORDINATOR_PORT, WanCluster, measurement_wan
 from tests.netstat import listening_tcp_ports
@@ -91,10 +93,13 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path,
     # every epoch on dtfm: none planned on gloo before the NATed agents' verdicts came in
     assert log.count("dtfm data plane") == job["epoch"], log[-3000:]
     assert "no reachability verdict" not in log, log[-3000:]
+    # the NATed pair punched through at link measurement; priced as the data plane then goes
+    assert "1 of 1 pairs nobody can dial punched through both ways" in log, log[-3000:]
+    assert ("punched pairs are faster through the relay" in log) != direct, log[-3000:]
     workers = [p.read_text(errors="replace") for p in tmp_path.glob("agent-*/work/*.log")]
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
     # the two NATed agents met at the relay, then punched a direct connection through both
-    # NATs (agent/worker/transport/punch.py): each saw the other at its NAT's public address
+    # NATs (dtfm/core/punch.py): each saw the other at its NAT's public address
     # and mapped port. They timed both paths (pathweigh.py) and kept the faster: direct, and
     # the relay carried only the two one-byte "got through" frames and the weighing's probes
     # (before hole punching it carried their data-parallel or pipeline traffic); or the

@@ -6,6 +6,8 @@ the same private address. The coordinator's measurement must leave nobody out: l
 NAT'd agent come from its own probe the other way (it dials out), and the pair of NAT'd agents,
 which can dial neither way, is priced through the relay (the coordinator), from each one's
 probe of the coordinator. `coordinator links --measure --json` shows which is which.
+Hole punching is off here (`--hole-punch off`): with it on, the pair would punch through both
+NATs at measurement and be priced direct (tests/system/test_wan_punch_links.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ RATE = [[0, 200, 200], [200, 0, 200], [200, 200, 0]]
 def _measure(tmp_path: Path) -> tuple[list[str], dict[str, Any]]:
     with measurement_wan(DELAY, RATE, nat=[1, 2]) as wan:
         assert wan.address(2) == wan.address(3)  # one private address behind both NATs
-        cluster = WanCluster(wan, tmp_path, agents=3)
+        cluster = WanCluster(wan, tmp_path, agents=3, coordinator_args=["--hole-punch", "off"])
         try:
             ids = cluster.start(timeout=90, prewarm=False)
             return ids, cluster.measure(timeout=120)

@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from agent.worker.transport import punch
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.work import TransportWork
 from dtfm.core import dataplane as dp
+from dtfm.core import punch
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
@@ -331,7 +331,7 @@ class Mesh:
 
     def _through_relay(self, sock: socket.socket, peer: int) -> socket.socket:
         """A relay circuit to `peer`, or the direct connection a hole punch opened instead
-        (agent/worker/transport/punch.py)."""
+        (dtfm/core/punch.py)."""
         try:
             observed = punch.partner_address(sock, self.job, self.cfg.epoch, self.rank, peer,
                                              self.cfg.timeout.total_seconds())

@@ -347,7 +347,7 @@ class LinkSample(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., delay_ms: _Optional[float] = ..., bandwidth_gbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., measured_unix_s: _Optional[float] = ..., estimated: _Optional[bool] = ..., estimate_note: _Optional[str] = ...) -> None: ...
 
 class LinkMatrix(_message.Message):
-    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable", "estimated", "estimate_notes", "relayed")
+    __slots__ = ("agent_ids", "delay_ms", "bandwidth_gbps", "unreachable", "estimated", "estimate_notes", "relayed", "punched")
     AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
     DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class LinkMatrix(_message.Message):
     ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_NOTES_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    PUNCHED_FIELD_NUMBER: _ClassVar[int]
     agent_ids: _containers.RepeatedScalarFieldContainer[str]
     delay_ms: _containers.RepeatedScalarFieldContainer[float]
     bandwidth_gbps: _containers.RepeatedScalarFieldContainer[float]
@@ -362,7 +363,8 @@ class LinkMatrix(_message.Message):
     estimated: _containers.RepeatedScalarFieldContainer[str]
     estimate_notes: _containers.RepeatedScalarFieldContainer[str]
     relayed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ..., estimated: _Optional[_Iterable[str]] = ..., estimate_notes: _Optional[_Iterable[str]] = ..., relayed: _Optional[_Iterable[str]] = ...) -> None: ...
+    punched: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., delay_ms: _Optional[_Iterable[float]] = ..., bandwidth_gbps: _Optional[_Iterable[float]] = ..., unreachable: _Optional[_Iterable[str]] = ..., estimated: _Optional[_Iterable[str]] = ..., estimate_notes: _Optional[_Iterable[str]] = ..., relayed: _Optional[_Iterable[str]] = ..., punched: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TuningAdvice(_message.Message):
     __slots__ = ("setting", "current", "wanted", "why")

@@ -14,6 +14,7 @@ class MeasureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEASURE_KIND_BOTH: _ClassVar[MeasureKind]
     MEASURE_KIND_LATENCY: _ClassVar[MeasureKind]
     MEASURE_KIND_BANDWIDTH: _ClassVar[MeasureKind]
+    MEASURE_KIND_PUNCH: _ClassVar[MeasureKind]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 MEASURE_KIND_BOTH: MeasureKind
 MEASURE_KIND_LATENCY: MeasureKind
 MEASURE_KIND_BANDWIDTH: MeasureKind
+MEASURE_KIND_PUNCH: MeasureKind
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_ALIVE: AgentState
 AGENT_STATE_LOST: AgentState
@@ -79,7 +81,7 @@ class PeerTarget(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class MeasureLinksCommand(_message.Message):
-    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes", "kind", "ping_spread_s")
+    __slots__ = ("round_id", "peers", "ping_count", "probe_seconds", "probe_max_bytes", "kind", "ping_spread_s", "punch")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PING_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,7 @@ class MeasureLinksCommand(_message.Message):
     PROBE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PING_SPREAD_S_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerTarget]
     ping_count: int
@@ -94,7 +97,22 @@ class MeasureLinksCommand(_message.Message):
     probe_max_bytes: int
     kind: MeasureKind
     ping_spread_s: float
-    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ..., kind: _Optional[_Union[MeasureKind, str]] = ..., ping_spread_s: _Optional[float] = ...) -> None: ...
+    punch: PunchProbe
+    def __init__(self, round_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., ping_count: _Optional[int] = ..., probe_seconds: _Optional[float] = ..., probe_max_bytes: _Optional[int] = ..., kind: _Optional[_Union[MeasureKind, str]] = ..., ping_spread_s: _Optional[float] = ..., punch: _Optional[_Union[PunchProbe, _Mapping]] = ...) -> None: ...
+
+class PunchProbe(_message.Message):
+    __slots__ = ("relay", "job", "secret", "rank", "peer_rank")
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEER_RANK_FIELD_NUMBER: _ClassVar[int]
+    relay: str
+    job: str
+    secret: bytes
+    rank: int
+    peer_rank: int
+    def __init__(self, relay: _Optional[str] = ..., job: _Optional[str] = ..., secret: _Optional[bytes] = ..., rank: _Optional[int] = ..., peer_rank: _Optional[int] = ...) -> None: ...
 
 class StopCommand(_message.Message):
     __slots__ = ("job_id", "reason")

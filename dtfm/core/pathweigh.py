@@ -2,11 +2,12 @@
 
 A hole punch (punch.py) that gets through gives a pair a direct path, but direct is not
 always faster: a relay on a well-connected host (a cloud VM, the coordinator in a data
-centre) can beat the direct path between two home connections on another continent, and
-the scheduler priced the pair through its relay (coordinator/links/relayed.py), not direct.
+centre) can beat the direct path between two home connections on another continent.
 Taking the direct path blindly then runs slower than the plan predicted: on the emulated
 world of `bench/reach.py`, whose relay has free links, the job with hole punching ran at
-0.63x the relayed one.
+0.63x the relayed one. Link measurement prices a punched pair by this same rule on its
+measured figures (coordinator/links/punchprobe.py `kept`): direct where the direct path
+wins, through the relay where the relay does, so what is chosen here is what was planned.
 
 So both ends time the same exchange on both paths before they choose: the lower rank sends
 `PROBE_BYTES` and waits for a one-byte answer, on the relay and the direct connection in

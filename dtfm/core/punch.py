@@ -18,8 +18,13 @@ the relay:
    on the relay, which always works. Both ends decide from the same two bytes, so they never
    disagree on the path;
 4. both ends time the two paths with the same exchange and keep the direct one only where
-   it is not slower than the relay (pathweigh.py): the scheduler priced the pair through
-   its relay, and a direct path slower than that would make the job slower than planned.
+   it is not slower than the relay (pathweigh.py): the scheduler priced the pair by the
+   path this rule picks on the figures link measurement had (the direct ones from a punch
+   probe, agent/punchprobe.py, where it got through; else the relay's), and a slower path
+   than that would make the job slower than planned.
+
+Link measurement uses steps 1-3 too (`punch(..., weigh=False)`): the pair meets at the
+coordinator's relay as a pseudo-job and measures the punched connection itself.
 
 Where it does not work: a NAT that maps every destination to a new port (symmetric NATs,
 some carrier-grade NATs) gives the relay a port the peer cannot use, and the punch times out
@@ -38,8 +43,8 @@ import logging
 import socket
 import time
 
-from agent.worker.transport import pathweigh
 from dtfm.core import dataplane as dp
+from dtfm.core import pathweigh
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +129,13 @@ def agree(relay: socket.socket, job: bytes, epoch: int, me: int, peer: int, ok: 
 
 
 def punch(relay: socket.socket, key: bytes, job: str, epoch: int, me: int, peer: int,
-          observed: str, deadline_s: float = PUNCH_S) -> socket.socket | None:
+          observed: str, deadline_s: float = PUNCH_S, weigh: bool = True
+          ) -> socket.socket | None:
     """Try a direct connection to `peer` at `observed` from the relay circuit's local port;
-    the authenticated direct socket when both ends got through, None to stay on `relay`."""
+    the authenticated direct socket when both ends got through, None to stay on `relay`.
+    `weigh=False` (link measurement, agent/punchprobe.py: the direct path is what it
+    measures) returns the direct socket without timing it against the relay; both ends must
+    pass the same `weigh`."""
     digest = dp.job_digest(job)
     local = relay.getsockname()[:2]
     direct = None if on_loopback(observed) else simultaneous_open(local, observed, deadline_s)
@@ -150,6 +159,8 @@ def punch(relay: socket.socket, key: bytes, job: str, epoch: int, me: int, peer:
                  f"no connection to {observed} within {deadline_s:.0f} s")
         return None
     assert direct is not None
+    if not weigh:
+        return direct
     try:
         weighed = pathweigh.weigh(relay, direct, digest, epoch, me, peer,
                                   max(deadline_s, 10.0) + 20.0)

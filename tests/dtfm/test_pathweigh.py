@@ -1,4 +1,4 @@
-"""Weighing a punched path against the relay (agent/worker/transport/pathweigh.py): both ends
+"""Weighing a punched path against the relay (dtfm/core/pathweigh.py): both ends
 time the same exchange on real sockets and keep whichever path is faster, the direct one
 unless the relay wins by more than the slack; both get one answer with the same figures.
 A path is slowed by a forwarder that holds every chunk it passes on (the same on every
@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from agent.worker.transport.pathweigh import (
+from dtfm.core import dataplane as dp
+from dtfm.core.pathweigh import (
     DIRECT_SLACK,
     PROBE_BYTES,
     RELAY_BYTES,
@@ -21,7 +22,6 @@ from agent.worker.transport.pathweigh import (
     choose,
     weigh,
 )
-from dtfm.core import dataplane as dp
 
 JOB = dp.job_digest("job")
 HOLD_S = 0.02  # what the slow path's forwarder holds each chunk for
