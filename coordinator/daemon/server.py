@@ -111,6 +111,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise  # unreachable: abort raises
         generation = rec.stream_generation
         queue = rec.commands
+        # The dial-back is registered before the first yield: the registry counts the agent
+        # alive from `join`, and a job waiting for agents runs while this stream sends its
+        # welcome; registered after, the job found no check pending for the newcomer, planned
+        # on it as "not checked" and its verdict came in a moment later. Their commands queue
+        # behind the welcome.
+        self.reach.on_join(rec)  # dials it back; the verdict follows on this stream
+        self.job.on_join(rec)
         yield coordinator_pb2.Command(
             welcome=coordinator_pb2.Welcome(
                 agent_id=rec.agent_id,
@@ -119,8 +126,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 agent_secret=rec.secret,
             )
         )
-        self.job.on_join(rec)
-        self.reach.on_join(rec)  # dials it back; the verdict follows on this stream
         while not self.stopping.is_set():
             command = await queue.get()
             if command is None or rec.stream_generation != generation:
