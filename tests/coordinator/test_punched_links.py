@@ -26,6 +26,7 @@ from coordinator.scheduler import relay as relay_mask
 from dtfm import reach
 from dtfm.relay import Relay
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
+from tests.coordinator.joined import measured, registry_with, report
 
 PUNCH = coordinator_pb2.MEASURE_KIND_PUNCH
 BANDWIDTH = coordinator_pb2.MEASURE_KIND_BANDWIDTH
@@ -72,35 +73,21 @@ class Agents:
                     peer_id=p.agent_id, reachable=ok, delay_ms=delay if ok else 0.0,
                     bandwidth_gbps=gbps if ok and cmd.kind in (BANDWIDTH, PUNCH) else 0.0,
                     error="" if ok else f"peer {p.agent_id}: no way through"))
-            assert self.measurer is not None
-            error = self.measurer.on_report(coordinator_pb2.LinkReport(
-                agent_id=agent_id, round_id=cmd.round_id, samples=samples))
-            assert error is None, error
+            report(self.measurer, agent_id, cmd.round_id, samples)
 
 
 async def _measure(planes: Planes | None, punch_fails: frozenset[str] = frozenset(),
                    direct: tuple[float, float] = DIRECT
                    ) -> tuple[Agents, common_pb2.LinkMatrix, LinkStore]:
-    registry = Registry(liveness_timeout_s=60)
     ids = ["a0", "a1", "n2", "n3"]
-    for i, agent_id in enumerate(ids):
-        registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="192.168.1.2",
-                                           port=7000 + i))
-        record = registry.get(agent_id)
-        assert record is not None
-        record.reach.verdict = reach.NOWHERE if agent_id in HIDDEN else reach.EVERYWHERE
+    registry = registry_with({a: reach.NOWHERE if a in HIDDEN else reach.EVERYWHERE
+                              for a in ids})
     store = LinkStore()
     measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
     measurer.punching = planes
     agents = Agents(registry, set(punch_fails), direct, measurer)
     relay = planes.relay if planes is not None else None
-    servers = [asyncio.create_task(agents.serve(i, relay)) for i in ids]
-    try:
-        matrix = await asyncio.wait_for(measurer.measure(registry.alive()), 30)
-    finally:
-        for s in servers:
-            s.cancel()
-        await asyncio.gather(*servers, return_exceptions=True)
+    matrix = await measured(measurer, registry, [agents.serve(i, relay) for i in ids])
     return agents, matrix, store
 
 

@@ -19,6 +19,7 @@ from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import RELAYED, REVERSE, LinkStore, matrix_to_json
 from dtfm import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
+from tests.coordinator.joined import measured, registry_with, report
 
 BANDWIDTH = coordinator_pb2.MEASURE_KIND_BANDWIDTH
 # one-way ms to the core, access Gbit/s; the relay sits at the core
@@ -58,10 +59,7 @@ class Agents:
                     peer_id=p.agent_id, reachable=not fails, delay_ms=0.0 if fails else delay,
                     bandwidth_gbps=0.0 if fails or cmd.kind != BANDWIDTH else gbps,
                     error=f"peer {p.agent_id}: deadline exceeded" if fails else ""))
-            assert self.measurer is not None
-            error = self.measurer.on_report(coordinator_pb2.LinkReport(
-                agent_id=agent_id, round_id=cmd.round_id, samples=samples))
-            assert error is None, error
+            report(self.measurer, agent_id, cmd.round_id, samples)
 
 
 async def _measure(hidden: set[str], relay_answers: bool = True, cut: bool = False,
@@ -70,26 +68,15 @@ async def _measure(hidden: set[str], relay_answers: bool = True, cut: bool = Fal
     """`hidden` agents cannot be dialled; found so (verdict nowhere) unless `cut`: then their
     links fail although the dial-back found them reachable (a path down between them).
     Hidden agents of `site` share one LAN: they reach each other, verdict some peers."""
-    registry = Registry(liveness_timeout_s=60)
     ids = ["a0", "a1", "n2", "n3"]
-    for i, agent_id in enumerate(ids):
-        registry.join(common_pb2.AgentInfo(agent_id=agent_id, host="192.168.1.2",
-                                           port=7000 + i))
-        record = registry.get(agent_id)
-        assert record is not None
-        record.reach.verdict = (reach.EVERYWHERE if agent_id not in hidden or cut
-                                else reach.SOME_PEERS if agent_id in site else reach.NOWHERE)
+    registry = registry_with({a: (reach.EVERYWHERE if a not in hidden or cut
+                                  else reach.SOME_PEERS if a in site else reach.NOWHERE)
+                              for a in ids})
     store = LinkStore()
     measurer = LinkMeasurer(registry, store, probe_timeout_s=2.0)
     agents = Agents(registry, hidden, relay_answers, site)
     agents.measurer = measurer
-    servers = [asyncio.create_task(agents.serve(i)) for i in ids]
-    try:
-        matrix = await asyncio.wait_for(measurer.measure(registry.alive()), 30)
-    finally:
-        for s in servers:
-            s.cancel()
-        await asyncio.gather(*servers, return_exceptions=True)
+    matrix = await measured(measurer, registry, [agents.serve(i) for i in ids])
     return agents, matrix, store
 
 
