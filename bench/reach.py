@@ -10,10 +10,12 @@ prediction against the measured step, and the bytes the relay forwarded per step
 all-reachable world the scheduled job also runs over the dtfm transport (`--transport
 dtfm`) beside gloo, so the transport's own cost is a ratio measured in one run. The NAT
 cases run with `--hole-punch off`, so the relay the scheduler prices is what is measured,
-and once more scheduled with hole punching on (`scheduled/punch`): a pair that punches
-through its NATs leaves the relay only where the direct path timed no slower than the relay
-(dtfm/core/pathweigh.py), so the step model's relayed price stays an upper
-bound for it; that row's error is shown (`step_model_error_punch`) but not scored.
+and once more scheduled with hole punching on (`scheduled/punch`), in a world whose links
+were measured with it on: pairs nobody can dial are punch-probed and priced direct where
+that path is the faster (coordinator/links/punchprobe.py), and at each epoch keep the direct
+path only where it timed no slower than the relay (dtfm/core/pathweigh.py). That row's step
+error is shown (`step_model_error_punch`) but not scored. `--relay-link MS,MBPS` gives the
+relay (the coordinator's host) a cost; by default the emulator's control host is free.
 
 Targets (issue 32): all reachable, dtfm >= 0.9x gloo's tokens/s; 25 % behind NAT, scheduled
 >= 0.8x the all-reachable scheduled job and >= 1.5x rank order on the same agents; the step
@@ -82,26 +84,33 @@ def case_rows(args: argparse.Namespace, percent: int) -> list[dict[str, Any]]:
     count = round(len(cities) * percent / 100)
     alone, shared = nat_agents(cities, count)
     behind = sorted(set(alone).union(*shared))
-    # the NAT cases measure the relay the scheduler prices (--hole-punch off), and the
-    # scheduled job once more with hole punching on: what punching saves where it works
+    # the NAT cases measure the relay the scheduler prices (--hole-punch off: links measured
+    # with it too, so pairs nobody can dial are priced relayed), and the scheduled job once
+    # more with hole punching on, on links measured with it on (such pairs punch-probed and
+    # priced direct where that is the faster path): what punching saves where it works
     relay_only = ("--hole-punch", "off")
-    jobs = [("scheduled", "scheduled", relay_only), ("rank-order", "rank-order", relay_only)]
+    worlds: list[tuple[tuple[str, ...], list[tuple[str, str, tuple[str, ...]]]]] = [
+        (relay_only if count else (), [("scheduled", "scheduled", relay_only),
+                                       ("rank-order", "rank-order", relay_only)])]
     if count == 0:
-        jobs.append(("scheduled/dtfm", "scheduled", ("--transport", "dtfm")))
+        worlds[0][1].append(("scheduled/dtfm", "scheduled", ("--transport", "dtfm")))
     else:
-        jobs.append(("scheduled/punch", "scheduled", ()))
+        worlds.append(((), [("scheduled/punch", "scheduled", ())]))
     rows = []
-    workdir = f"{args.workdir}/nat{percent}" if args.workdir else ""
-    if workdir:
-        os.makedirs(workdir, exist_ok=True)
-    with measured_world(args.per_city, args.scale, workdir, nat=alone, shared_nat=shared,
-                        coordinator_link=args.coordinator_link) as (cluster, links, city_of):
-        ids = list(city_of)
-        for label, placement, extra in jobs:
-            row = run_job(cluster, args, placement, links, extra, label=f"{percent}% {label}")
-            row.update(case=f"{percent}%", job=label, behind_nat=[ids[i] for i in behind],
-                       relayed_bytes_per_step=relayed_bytes_per_step(row))
-            rows.append(row)
+    for k, (measuring, jobs) in enumerate(worlds):
+        workdir = f"{args.workdir}/nat{percent}-{k}" if args.workdir else ""
+        if workdir:
+            os.makedirs(workdir, exist_ok=True)
+        with measured_world(args.per_city, args.scale, workdir, nat=alone, shared_nat=shared,
+                            coordinator_link=args.coordinator_link,
+                            coordinator_args=measuring) as (cluster, links, city_of):
+            ids = list(city_of)
+            for label, placement, extra in jobs:
+                row = run_job(cluster, args, placement, links, extra,
+                              label=f"{percent}% {label}")
+                row.update(case=f"{percent}%", job=label, behind_nat=[ids[i] for i in behind],
+                           relayed_bytes_per_step=relayed_bytes_per_step(row))
+                rows.append(row)
     return rows
 
 

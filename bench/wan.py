@@ -98,21 +98,23 @@ def run_job(cluster: WanCluster, args: argparse.Namespace, placement: str,
 @contextmanager
 def measured_world(per_city: int, scale: float, workdir: str = "", *, nat: Sequence[int] = (),
                    shared_nat: Sequence[Sequence[int]] = (),
-                   coordinator_link: tuple[float, float | None] = (0.0, None)
+                   coordinator_link: tuple[float, float | None] = (0.0, None),
+                   coordinator_args: Sequence[str] = ()
                    ) -> Iterator[tuple[WanCluster, Path, dict[str, str]]]:
     """The emulated world-wide WAN with `per_city` agents per city, its links measured once by
     the agents (as a deployment does) and written to a links file; yields (cluster, links
     file, each agent id's city). Jobs then run on that matrix with `run_job`. `nat` and
     `shared_nat` put agents (by number) behind NAT routers, `coordinator_link` gives the
     coordinator's host (and the relay it hosts) a delay and rate to everyone
-    (`measurement_wan`)."""
+    (`measurement_wan`); `coordinator_args` start the coordinator that measures (e.g.
+    `--hole-punch off`: pairs nobody can dial are priced relayed, not punch-probed)."""
     delay, bandwidth, cities = world_links(per_city, scale)
     n = len(delay)
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-wan-") as scratch, \
             measurement_wan(delay, bandwidth, nat=nat, shared_nat=shared_nat,
                             coordinator_link=coordinator_link) as wan:
         root = Path(workdir or scratch)
-        cluster = WanCluster(wan, root, agents=n)
+        cluster = WanCluster(wan, root, agents=n, coordinator_args=coordinator_args)
         ids = cluster.start(prewarm=False)  # measuring only
         print(f"{n} agents joined; measuring {n * (n - 1)} links ...", file=sys.stderr)
         t0 = time.monotonic()
