@@ -241,6 +241,15 @@ class EpochPlanner:
             raise ValueError(f"--links {self.config.links_file} has no row for agent(s) "
                              f"{', '.join(missing)}: measure them with `coordinator links "
                              f"--measure --json`")
+        members = set(ids)
+        punched = [link for link in obj.get("punched", [])
+                   if set(link.split("->")) <= members]
+        if punched and not self.config.hole_punch:
+            log.warning("--links %s prices %d links of the members direct through a hole "
+                        "punch (%s), but this job runs with --hole-punch off: those pairs go "
+                        "through the relay, slower than priced. Measure the links with the "
+                        "coordinator started with --hole-punch off, or drop that flag",
+                        self.config.links_file, len(punched), ", ".join(punched[:4]))
         rows = [index[a] for a in ids]
         pick = np.ix_(rows, rows)
         return (np.array(obj["delay_ms"], dtype=float)[pick],

@@ -13,12 +13,18 @@ tests/system/test_wan_punch_links.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from coordinator.daemon.config import JobConfig
 from coordinator.daemon.registry import Registry
+from coordinator.job.checkpoints import CheckpointTracker
+from coordinator.job.epochplan import EpochPlanner
 from coordinator.links import punchprobe, relayed
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import PUNCHED, RELAYED, LinkStore, matrix_arrays, matrix_to_json
@@ -190,3 +196,26 @@ def test_a_failed_punch_sample_is_stored_failed_with_its_reason() -> None:
     entry = store.entries["n2", "n3"]
     assert entry.path == PUNCHED and "the probe's estimate: no steady rate" in entry.estimate
     assert punchprobe.punched(store, [("n2", "n3")]) == []  # one way only: not priced direct
+
+
+def test_a_links_file_with_punched_links_warns_a_job_that_never_punches(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # measured with punching on, the file prices n2-n3 direct; a --hole-punch off job runs
+    # that pair through the relay, slower than the plan: it says so, and how to mend it
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps({
+        "agents": ["a0", "n2", "n3"], "delay_ms": [[0, 9, 9], [9, 0, 5], [9, 5, 0]],
+        "bandwidth_gbps": [[None, 1, 1], [1, None, 1], [1, 1, None]],
+        "punched": ["n2->n3", "n3->n2"]}))
+    for hole_punch, warned in ((False, True), (True, False)):
+        cfg = JobConfig(links_file=str(path), hole_punch=hole_punch)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="coordinator.job.epochplan"):
+            delay, _ = EpochPlanner(cfg, CheckpointTracker(cfg)).known_links(["a0", "n2", "n3"])
+        assert delay[1, 2] == 5
+        assert ("--hole-punch off: those pairs go through the relay" in caplog.text) == warned
+        # a job on members the punched links do not join is not warned
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="coordinator.job.epochplan"):
+            EpochPlanner(cfg, CheckpointTracker(cfg)).known_links(["a0", "n2"])
+        assert "hole punch" not in caplog.text
