@@ -85,15 +85,20 @@ class _Peer:
         mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
 
     def attach(self, sock: socket.socket) -> None:
-        if self.sock is not None:
+        """Use `sock` for this peer and start reading it; under the mesh's lock, so a mesh
+        closing meanwhile either shuts this socket down and joins its reader, or refuses it."""
+        with self.mesh.cond:
+            again = self.sock is not None
+            if not again and not self.mesh.closed:
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.sock = sock
+                self.connected.set()
+                self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
+                return
+        if again:
             log.warning("rank %d connected again: the new connection is dropped", self.rank)
-            sock.close()
-            return
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        self.connected.set()
-        self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
+        sock.close()
 
     def fail(self, exc: BaseException) -> None:
         with self.mesh.cond:
@@ -223,6 +228,10 @@ class Mesh:
             log.info("rank %d: data plane listens on %s", rank, addr)
 
     # ---- public ----
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
         byte_view(tensor)  # a tensor it cannot send fails here, in the caller
         work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor])
@@ -256,6 +265,8 @@ class Mesh:
         if rank == self.rank or rank not in self.cfg.peers:
             raise ValueError(f"rank {self.rank} has no peer {rank} in its peer table")
         with self.cond:
+            if self._closed:  # a peer made now would start a sender that close() never stops
+                raise ConnectionError(f"rank {self.rank}'s data plane closed")
             p = self.peers.get(rank)
             if p is None:
                 p = self.peers[rank] = _Peer(self, rank)
@@ -277,15 +288,17 @@ class Mesh:
         exit -6) after training finished. So the world's shutdown and an `atexit` hook
         (backend.register) close the mesh first: sockets shut down (a blocked recv returns),
         senders told to stop, waiters failed, threads joined."""
-        if self._closed:
-            return
-        self._closed = True
+        with self.cond:  # against peer(): every peer made before this is stopped below
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self.peers.values())
         for lsock in (self._listener, self._handoff):
             if lsock is not None:
                 with contextlib.suppress(OSError):
                     lsock.shutdown(socket.SHUT_RDWR)
                 lsock.close()
-        for p in list(self.peers.values()):
+        for p in peers:
             p.outbox.put(None)
             if p.sock is not None:
                 with contextlib.suppress(OSError):
@@ -411,7 +424,12 @@ class Mesh:
                         self.rank, exc)
             sock.close()
             return
-        self.peer(theirs.rank).attach(sock)
+        try:
+            p = self.peer(theirs.rank)
+        except ConnectionError:  # closed while this connection was being admitted
+            sock.close()
+            return
+        p.attach(sock)
 
     def stats(self) -> dict[str, Any]:
         return {"rejected": self.rejected, "peers": sorted(self.peers),
