@@ -131,12 +131,17 @@ class Fault:
         os._exit(FAULT_EXIT_CODE)
 
 
-def pick_device(backend: str, rank: int) -> torch.device:
-    """CPU for gloo; for NCCL the GPU of this local rank (LOCAL_RANK, else rank modulo count)."""
-    if backend != "nccl":
+def pick_device(backend: str, rank: int, gpu: bool = False) -> torch.device:
+    """CPU for gloo; for NCCL, or the dtfm transport of a GPU job (`gpu`: the data plane's
+    `gpu`, every member has one), the GPU of this local rank (LOCAL_RANK, else rank modulo
+    count)."""
+    if backend != "nccl" and not gpu:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("the assignment asks for NCCL but this machine has no CUDA device")
+        asked = "NCCL" if backend == "nccl" else f"a GPU (the {backend} data plane's gpu flag)"
+        raise RuntimeError(f"the assignment asks for {asked} but this machine has no CUDA "
+                           f"device: the agent reported one at registration; check "
+                           f"nvidia-smi and CUDA_VISIBLE_DEVICES, then restart the agent")
     local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
@@ -170,7 +175,8 @@ class Worker:
                 f"in a {a.stages}x{a.replicas} layout, not ({a.stage}, {a.replica})"
             )
         self._check_layers(a)
-        self.device = pick_device(a.backend or "gloo", self.rank)
+        self.device = pick_device(a.backend or "gloo", self.rank,
+                                  a.HasField("data_plane") and a.data_plane.gpu)
         self.deadline = self._deadline()
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()

@@ -22,9 +22,9 @@ the agent's `--reachable`):
   (coordinator/links/relayed.py): the same probes measured such a pair direct;
 - `coordinator start --transport gloo|dtfm` overrides the choice.
 
-The dtfm backend carries CPU tensors only: a GPU job (every member CUDA, where NCCL would
-run) that needs it is refused with a message saying so, rather than training on CPU or
-hanging in NCCL's bootstrap.
+A GPU job (every member CUDA, where NCCL would run) that needs the dtfm backend still trains
+on its GPUs: `DataPlane.gpu` tells the workers to place their stages on CUDA, and the
+transport stages each message through host memory (agent/worker/transport/staging.py).
 
 Every epoch gets a fresh random secret (`secrets.token_bytes`), carried only in the
 members' assignments: the workers and the relay derive the epoch's key from it, so a holder
@@ -355,13 +355,7 @@ class DataPlanes:
         relayed = [r.agent_id for r in records if not accepts(r)]
         cut_off = ", ".join(f"{r.agent_id} ({reach.NAMES[r.reach.verdict]})"
                             for r in records if not accepts(r)) or "none"
-        if all(r.info.device.kind == "cuda" for r in records):
-            return EpochPlane(backend, relayed=relayed, unsupported=(
-                f"members that cannot accept connections ({cut_off}) need the dtfm "
-                "transport, which carries CPU tensors only: GPU jobs with unreachable agents "
-                "are not supported yet; open their --listen port (and --data-port if set; "
-                "docs/operations.md, Ports) or start them with --reachable yes if peers can "
-                "dial them"))
+        gpu = all(r.info.device.kind == "cuda" for r in records)
         table = peer_table(records, direct_dials(records, probes))
         relayed_pairs = table.relayed_pairs()
         chosen = (by_rank(records, routes, relayed_pairs, self.relay is not None)
@@ -384,8 +378,9 @@ class DataPlanes:
         if self.relay is not None:
             self.relay.admit(job_id, epoch, secret, len(records))
             self.relay.retire(job_id, before_epoch=epoch)
-        log.info("job %s epoch %d: dtfm data plane, %d of %d members dial out only (%s)%s",
-                 job_id, epoch, len(relayed), len(records), cut_off,
+        log.info("job %s epoch %d: dtfm data plane%s, %d of %d members dial out only (%s)%s",
+                 job_id, epoch, " (GPUs, messages staged through host memory)" if gpu else "",
+                 len(relayed), len(records), cut_off,
                  f", relay on port {self.relay.port}" if self.relay is not None else "")
         at_agents = [common_pb2.PairRelay(rank_a=a, rank_b=b, relay=addr)
                     for (a, b), addr in sorted(chosen.items()) if addr != COORDINATOR]
@@ -402,5 +397,5 @@ class DataPlanes:
             listen=table.listen, relay=relay, secret=secret, pair_relays=at_agents,
             limited=sorted(table.limited),
             direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)],
-            hole_punch=self.hole_punch)
+            hole_punch=self.hole_punch, gpu=gpu)
         return EpochPlane(backend, plane, relayed, routes=by_agent(records, chosen))

@@ -55,10 +55,22 @@ def test_unreachable_members_get_dtfm_a_peer_table_and_a_fresh_secret_per_epoch(
     asyncio.run(run())
 
 
-def test_gpu_jobs_and_missing_relays_are_refused_with_a_reason() -> None:
-    gpu = [_rec(1, reach.EVERYWHERE, "cuda"), _rec(2, reach.NOWHERE, "cuda")]
-    why = DataPlanes().plan("j", 1, gpu).unsupported
-    assert "CPU tensors only" in why and "a2 (nowhere)" in why
+def test_a_gpu_job_with_an_unreachable_member_trains_on_its_gpus_over_dtfm() -> None:
+    """Every member CUDA: NCCL when all accept connections; with one that cannot, the dtfm
+    plane with `gpu` set (the workers place their stages on CUDA and stage messages through
+    host memory); a job with one CPU member is a CPU job either way."""
+    reachable = [_rec(1, reach.EVERYWHERE, "cuda"), _rec(2, reach.EVERYWHERE, "cuda")]
+    assert DataPlanes().plan("j", 1, reachable).backend == "nccl"
+    gpu = DataPlanes().plan("j", 1, [_rec(1, reach.EVERYWHERE, "cuda"),
+                                     _rec(2, reach.NOWHERE, "cuda")])
+    assert gpu.backend == "dtfm" and not gpu.unsupported
+    assert gpu.plane is not None and gpu.plane.gpu
+    mixed = DataPlanes().plan("j", 1, [_rec(1, reach.EVERYWHERE, "cuda"),
+                                       _rec(2, reach.NOWHERE)])
+    assert mixed.plane is not None and not mixed.plane.gpu
+
+
+def test_missing_relays_are_refused_with_a_reason() -> None:
     no_relay = [_rec(1, reach.NOWHERE), _rec(2, reach.NOWHERE)]
     assert "--relay-port 0" in DataPlanes().plan("j", 1, no_relay).unsupported
     one = DataPlanes().plan("j", 1, [_rec(1, reach.EVERYWHERE), _rec(2, reach.NOWHERE)])

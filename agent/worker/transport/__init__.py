@@ -7,8 +7,9 @@ inbound port on a rank that cannot listen: it dials, and two such ranks meet at 
 (`dtfm/core/dataplane.py`). The peer table comes from the assignment (`config.py`), not from
 a store on rank 0.
 
-Modules: `config` (the peer table), `mesh` (connections and tagged messages), `work` (the
-`Work` objects), `backend` (the process groups). Imports torch; never grpc or the coordinator.
+Modules: `config` (the peer table), `mesh` (connections and tagged messages), `staging`
+(GPU and strided tensors through host copies), `work` (the `Work` objects), `backend` (the
+process groups). Imports torch; never grpc or the coordinator.
 """
 
 from agent.worker.transport.backend import NAME, mesh, register

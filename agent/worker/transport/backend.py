@@ -16,6 +16,10 @@ members it is bitwise gloo's result. A larger one of n > 2 members reduce-scatte
 i reduces slice i, in group-rank order) then all-gathers: two hops, 2(n-1)/n of the tensor
 sent per member instead of n-1. Either way every member holds bitwise the same result.
 
+Tensors may live on the GPU or be strided views: each message goes through a host copy
+(`staging.py`), so a GPU job whose members cannot all accept connections trains on its GPUs
+over this backend; a collective on a strided tensor runs on a contiguous copy, copied back.
+
 The store torch requires is not used: a `dist.HashStore()` will do (no rank 0 to dial).
 """
 
@@ -53,7 +57,8 @@ def register() -> None:
     """Make `init_process_group("dtfm", ...)` available (idempotent), and close the mesh at
     interpreter exit whether or not the world was destroyed (`Mesh.close` says why)."""
     if NAME.lower() not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(NAME, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
         atexit.register(close)
 
 
@@ -134,14 +139,18 @@ class DtfmProcessGroup(dist.ProcessGroup):
         work = TransportWork(self._mesh.cfg.timeout, f"all_reduce #{seq} over ranks "
                              f"{self._ranks}", [t])
         n = self.size()
-        if n > 2 and t.numel() * t.element_size() >= SPLIT_MIN_BYTES:
-            step = self._scatter_gather(t.reshape(-1), fn, seq)
+        dense = t if t.is_contiguous() else t.contiguous()  # a strided view: reduce a copy
+        if n > 2 and dense.numel() * dense.element_size() >= SPLIT_MIN_BYTES:
+            step = self._scatter_gather(dense.view(-1), fn, seq)
         else:
-            step = self._exchange(t, fn, seq)
+            step = self._exchange(dense, fn, seq)
 
         def finish() -> None:
             try:
                 step()
+                if dense is not t:
+                    with torch.no_grad():
+                        t.copy_(dense)
             except BaseException as exc:  # noqa: BLE001 - the waiter hears why
                 work.finish(exc)
                 return

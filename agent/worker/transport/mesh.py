@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from agent.worker.transport import staging
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.work import TransportWork
 from dtfm.core import dataplane as dp
@@ -233,18 +234,23 @@ class Mesh:
         return self._closed
 
     def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
-        byte_view(tensor)  # a tensor it cannot send fails here, in the caller
-        work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor])
+        """Send `tensor`'s value now (a GPU or strided one is staged: `staging.outgoing`)."""
+        wire = staging.outgoing(tensor)
+        byte_view(wire)  # a tensor it cannot send fails here, in the caller
+        work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor, wire])
         header = dp.Header(self.job, self.cfg.epoch, self.rank, dst, stream, tag,
-                           tensor.numel() * tensor.element_size()).pack()
-        self.peer(dst).outbox.put((header, tensor, work))
+                           wire.numel() * wire.element_size()).pack()
+        self.peer(dst).outbox.put((header, wire, work))
         return work
 
     def recv(self, src: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
-        byte_view(tensor)
-        work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor])
+        """Receive into `tensor` (a GPU or strided one through a host buffer:
+        `staging.incoming`, copied into place before the work reports done)."""
+        wire, land = staging.incoming(tensor)
+        byte_view(wire)
+        work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor], land)
         p = self.peer(src)
-        r = _Recv(tensor, work)
+        r = _Recv(wire, work)
         buf = None
         with self.cond:
             got = p.arrived.get((stream, tag))

@@ -2,12 +2,14 @@
 
 `wait(timeout)` behaves as gloo's does for the worker (`agent/worker/errors.wait_all`): it
 raises RuntimeError when the operation failed (the message says which peer and why) or when
-the timeout passed; a zero timeout means the group's own timeout.
+the timeout passed; a zero timeout means the group's own timeout. A receive staged through a
+host buffer (`staging.py`) copies it into place in `finish`, before anyone hears "done".
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -19,7 +21,7 @@ class TransportWork(Work):
     """One send, receive or collective in flight."""
 
     def __init__(self, default_timeout: timedelta, what: str,
-                 tensors: list[torch.Tensor]) -> None:
+                 tensors: list[torch.Tensor], land: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._done = threading.Event()
         self._lock = threading.Lock()  # finish() against get_future(): no callback is lost
@@ -28,8 +30,16 @@ class TransportWork(Work):
         self._what = what
         self._tensors = tensors  # kept alive until finished: the transport reads or writes them
         self._callbacks: list[Future] = []
+        self._land = land  # run once on success, before done: the staged copy into place
 
     def finish(self, error: BaseException | None = None) -> None:
+        land, self._land = self._land, None
+        if error is None and land is not None and not self._done.is_set():
+            try:
+                land()
+            except Exception as exc:  # noqa: BLE001 - the waiter hears why
+                error = RuntimeError(f"the message arrived but copying it into the "
+                                     f"receiving tensor failed: {exc}")
         with self._lock:
             if self._done.is_set():
                 return

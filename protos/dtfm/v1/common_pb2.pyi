@@ -281,7 +281,7 @@ class Assignment(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., checkpoint_pushes: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., init_hash: _Optional[str] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
 
 class DataPlane(_message.Message):
-    __slots__ = ("listen", "relay", "secret", "pair_relays", "limited", "direct", "hole_punch")
+    __slots__ = ("listen", "relay", "secret", "pair_relays", "limited", "direct", "hole_punch", "gpu")
     LISTEN_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class DataPlane(_message.Message):
     LIMITED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     HOLE_PUNCH_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     listen: _containers.RepeatedScalarFieldContainer[str]
     relay: str
     secret: bytes
@@ -296,7 +297,8 @@ class DataPlane(_message.Message):
     limited: _containers.RepeatedScalarFieldContainer[int]
     direct: _containers.RepeatedCompositeFieldContainer[DirectDial]
     hole_punch: bool
-    def __init__(self, listen: _Optional[_Iterable[str]] = ..., relay: _Optional[str] = ..., secret: _Optional[bytes] = ..., pair_relays: _Optional[_Iterable[_Union[PairRelay, _Mapping]]] = ..., limited: _Optional[_Iterable[int]] = ..., direct: _Optional[_Iterable[_Union[DirectDial, _Mapping]]] = ..., hole_punch: _Optional[bool] = ...) -> None: ...
+    gpu: bool
+    def __init__(self, listen: _Optional[_Iterable[str]] = ..., relay: _Optional[str] = ..., secret: _Optional[bytes] = ..., pair_relays: _Optional[_Iterable[_Union[PairRelay, _Mapping]]] = ..., limited: _Optional[_Iterable[int]] = ..., direct: _Optional[_Iterable[_Union[DirectDial, _Mapping]]] = ..., hole_punch: _Optional[bool] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class DirectDial(_message.Message):
     __slots__ = ("dialer", "listener")

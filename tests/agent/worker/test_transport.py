@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,11 +38,12 @@ from tests.agent.worker import transport_ranks
 SECRET = b"join-token-of-the-test"
 
 
-def _spawn_ranks(backend: str, cfgs: list[TransportConfig | None], tmp: Path) -> list[dict]:
+def _spawn_ranks(backend: str, cfgs: list[TransportConfig | None], tmp: Path,
+                 target: Callable[..., None] = transport_ranks.run) -> list[dict]:
     ctx = mp.get_context("spawn")
     port = free_port()
     outs = [str(tmp / f"{backend}-{r}.pt") for r in range(4)]
-    procs = [ctx.Process(target=transport_ranks.run, args=(r, backend, port, cfgs[r], outs[r]))
+    procs = [ctx.Process(target=target, args=(r, backend, port, cfgs[r], outs[r]))
              for r in range(4)]
     try:
         for p in procs:
@@ -134,6 +136,30 @@ def test_worker_ops_match_gloo_with_dialers_and_a_relay(tmp_path: Path) -> None:
         relay.kill()
         relay.wait(10)
     _assert_gloos_results(ours, _spawn_ranks("gloo", [None] * 4, tmp_path))
+
+
+@pytest.mark.timeout(240)
+def test_strided_views_travel_through_host_copies_and_land_in_place(tmp_path: Path) -> None:
+    """What a GPU tensor takes (no GPU here): views the mesh cannot read in place are sent
+    as a copy of their value when posted, received into a host buffer copied into the view
+    (the rest of its base untouched), and all-reduced on a dense copy written back."""
+    peers: dict[int, str | None] = {r: f"127.0.0.1:{free_port()}" for r in range(4)}
+    cfg = TransportConfig("job-a", 1, SECRET, peers)
+    res = _spawn_ranks("dtfm", [cfg] * 4, tmp_path, transport_ranks.run_strided)
+    for rank in (1, 3):
+        src = rank - 1
+        base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * src
+        assert torch.equal(res[rank]["into_t"], base.t())  # not the +1000 made after isend
+        half = (torch.arange(24, dtype=torch.float32).reshape(4, 6) - src).bfloat16()
+        want = torch.zeros(4, 6, dtype=torch.bfloat16)
+        want[:, 1:4] = half[:, 1:4]
+        assert torch.equal(res[rank]["wide"], want)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["small"], torch.arange(20.).reshape(4, 5).t() * 10), rank
+        assert torch.equal(r["large"], torch.arange(40_000.).reshape(200, 200).t() * 10), rank
+        want_cols = torch.ones(8, 8)
+        want_cols[:, ::2] = 4
+        assert torch.equal(r["cols"], want_cols), rank
 
 
 def _assert_gloos_results(ours: list[dict], gloo: list[dict]) -> None:

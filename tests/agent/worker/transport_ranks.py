@@ -100,3 +100,40 @@ def run(rank: int, backend: str, port: int, cfg: TransportConfig | None, out: st
     dist.barrier()
     torch.save(res, out)
     dist.destroy_process_group()
+
+
+def run_strided(rank: int, backend: str, port: int, cfg: TransportConfig | None,
+                out: str) -> None:
+    """Strided views (a transpose, a column slice) sent, received into and all-reduced over
+    the dtfm backend: they go through host copies (agent/worker/transport/staging.py), the
+    same code a GPU tensor takes. Pairs (0, 1) and (2, 3) exchange; the world reduces a small
+    view (one-hop exchange) and a large one (reduce-scatter + all-gather). Every value is an
+    integer, so every sum is exact in any order."""
+    faulthandler.dump_traceback_later(100, exit=True)
+    init(backend, rank, 4, port, cfg)
+    res: dict[str, torch.Tensor] = {}
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * rank
+        half = (torch.arange(24, dtype=torch.float32).reshape(4, 6) - rank).bfloat16()
+        sent = base.t()
+        ws = [dist.isend(sent, dst=peer, tag=1), dist.isend(half[:, 1:4], dst=peer, tag=2)]
+        sent.add_(1000)  # after the send was posted: a staged send carries the value it had
+    else:
+        into_t = torch.zeros(3, 4).t()
+        wide = torch.zeros(4, 6, dtype=torch.bfloat16)
+        ws = [dist.irecv(into_t, src=peer, tag=1), dist.irecv(wide[:, 1:4], src=peer, tag=2)]
+        res.update(into_t=into_t, wide=wide)
+    for w in ws:
+        w.wait(timedelta(seconds=30))
+    small = (torch.arange(20, dtype=torch.float32).reshape(4, 5) * (rank + 1)).t()
+    large = (torch.arange(40_000, dtype=torch.float32).reshape(200, 200) * (rank + 1)).t()
+    cols = torch.ones(8, 8)
+    for t in (small, large, cols[:, ::2]):
+        w = dist.all_reduce(t, async_op=True)
+        assert w is not None
+        w.wait(timedelta(seconds=30))
+    res.update(small=small, large=large, cols=cols)
+    dist.barrier()
+    torch.save(res, out)
+    dist.destroy_process_group()
