@@ -175,8 +175,7 @@ class Worker:
                 f"in a {a.stages}x{a.replicas} layout, not ({a.stage}, {a.replica})"
             )
         self._check_layers(a)
-        self.device = pick_device(a.backend or "gloo", self.rank,
-                                  a.HasField("data_plane") and a.data_plane.gpu)
+        self.device = pick_device(a.backend or "gloo", self.rank, a.data_plane.gpu)
         self.deadline = self._deadline()
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()

@@ -236,6 +236,11 @@ class EpochPlane:
     unsupported: str = ""  # why this epoch cannot run (the job fails with it)
 
 
+def all_gpu(records: Sequence[AgentRecord]) -> bool:
+    """Every member has CUDA: NCCL where all accept connections, else dtfm on the GPUs."""
+    return all(r.info.device.kind == "cuda" for r in records)
+
+
 class RelayAgentCounts:
     """Bytes the job's relay agents report (`ProgressReport.relay_*`), summed over agents.
 
@@ -307,7 +312,7 @@ class DataPlanes:
 
     def backend(self, records: Sequence[AgentRecord]) -> str:
         """The epoch's backend (see the module's rule)."""
-        native = "nccl" if all(r.info.device.kind == "cuda" for r in records) else "gloo"
+        native = "nccl" if all_gpu(records) else "gloo"
         if self.transport == DTFM or (self.transport == "auto"
                                       and any(needs_dtfm(r) for r in records)):
             return DTFM
@@ -355,7 +360,7 @@ class DataPlanes:
         relayed = [r.agent_id for r in records if not accepts(r)]
         cut_off = ", ".join(f"{r.agent_id} ({reach.NAMES[r.reach.verdict]})"
                             for r in records if not accepts(r)) or "none"
-        gpu = all(r.info.device.kind == "cuda" for r in records)
+        gpu = all_gpu(records)
         table = peer_table(records, direct_dials(records, probes))
         relayed_pairs = table.relayed_pairs()
         chosen = (by_rank(records, routes, relayed_pairs, self.relay is not None)

@@ -235,8 +235,7 @@ class Mesh:
 
     def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
         """Send `tensor`'s value now (a GPU or strided one is staged: `staging.outgoing`)."""
-        wire = staging.outgoing(tensor)
-        byte_view(wire)  # a tensor it cannot send fails here, in the caller
+        wire = staging.outgoing(tensor)  # a tensor it cannot send fails here, in the caller
         work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor, wire])
         header = dp.Header(self.job, self.cfg.epoch, self.rank, dst, stream, tag,
                            wire.numel() * wire.element_size()).pack()
@@ -247,7 +246,6 @@ class Mesh:
         """Receive into `tensor` (a GPU or strided one through a host buffer:
         `staging.incoming`, copied into place before the work reports done)."""
         wire, land = staging.incoming(tensor)
-        byte_view(wire)
         work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor], land)
         p = self.peer(src)
         r = _Recv(wire, work)
