@@ -99,7 +99,9 @@ class Membership:
 
     async def with_verdicts(self, records: list[AgentRecord],
                             bound_s: float | None = None) -> list[AgentRecord]:
-        """`records`, once every one's reachability check has settled.
+        """`records`, once every one's reachability check has settled, and every dial of
+        them a later newcomer was asked for (the first agent of a NAT'd site is reachable
+        from its neighbour only once that one joined and got through).
 
         A newcomer's dial-back ends only at its timeout when nobody can dial it (behind a
         NAT: ~3 s), and a job that starts as soon as enough agents joined would otherwise

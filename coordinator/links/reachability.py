@@ -55,7 +55,9 @@ class ReachChecker:
         self._pending: dict[tuple[str, str], _Pending] = {}  # (round, dialer) -> what it dials
         self._rounds = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._checking: dict[str, asyncio.Task[None]] = {}  # agent id -> its Join's check
+        # agent id -> what may still change its verdict: its Join's own check, and the dials
+        # of it that later newcomers were asked for (`_backfill`)
+        self._checking: dict[str, list[asyncio.Task[None]]] = {}
 
     def on_join(self, rec: AgentRecord) -> None:
         """A (re-)join: forget the old verdict (the address may be new) and check afresh."""
@@ -67,13 +69,14 @@ class ReachChecker:
         rec.reach = common_pb2.ReachStatus(address=rec.address,
                                            summary=f"checking whether peers can dial "
                                                    f"{rec.address}")
-        self._checking[rec.agent_id] = self._spawn(self.check(rec, rec.stream_generation))
+        self._checking[rec.agent_id] = [self._spawn(self.check(rec, rec.stream_generation))]
         newcomer = rec.agent_id
         behind = [a for a in self.registry.alive()
                   if a.agent_id != newcomer and a.info.reachable == common_pb2.REACH_OVERRIDE_AUTO
                   and sum(d.dialer != reach.COORDINATOR for d in a.reach.dials) < self.peers]
         for earlier in behind[:BACKFILL]:
-            self._spawn(self._backfill(earlier, earlier.stream_generation, newcomer))
+            task = self._spawn(self._backfill(earlier, earlier.stream_generation, newcomer))
+            self._checking.setdefault(earlier.agent_id, []).append(task)
 
     @property
     def longest_check_s(self) -> float:
@@ -82,17 +85,28 @@ class ReachChecker:
         return self.dial_timeout_s + REPORT_SLACK_S
 
     def checking(self, agent_ids: list[str]) -> list[str]:
-        """Those of `agent_ids` whose dial-back has not settled a verdict yet."""
-        return [a for a in agent_ids if (t := self._checking.get(a)) is not None
-                and not t.done()]
+        """Those of `agent_ids` whose verdict may still change: their own dial-back has not
+        settled, or a newcomer is still dialling them. The latter matters as much: the first
+        agent of a NAT'd site is "nowhere" until its neighbour joins and gets through, and an
+        epoch planned in between relays a pair that could talk directly."""
+        return [a for a in agent_ids if self._open(a)]
 
     async def settled(self, agent_ids: list[str], timeout_s: float) -> list[str]:
         """Wait up to `timeout_s` for the checks of `agent_ids` to settle; those still
         pending then (none unless a check overran its own bound)."""
-        tasks = [self._checking[a] for a in self.checking(agent_ids)]
+        tasks = [t for a in agent_ids for t in self._open(a)]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
         return self.checking(agent_ids)
+
+    def _open(self, agent_id: str) -> list[asyncio.Task[None]]:
+        """The checks of `agent_id` still running (the finished ones are forgotten)."""
+        tasks = [t for t in self._checking.get(agent_id, []) if not t.done()]
+        if tasks:
+            self._checking[agent_id] = tasks
+        else:
+            self._checking.pop(agent_id, None)
+        return tasks
 
     async def check(self, rec: AgentRecord, generation: int) -> None:
         """Dial `rec` from here and from up to `self.peers` peers; settle the verdict."""

@@ -23,7 +23,7 @@ from coordinator.links.measure import LinkMeasurer
 from coordinator.links.reachability import ReachChecker
 from coordinator.links.store import LinkStore
 from dtfm import reach, rpc
-from protos.dtfm.v1 import common_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,3 +117,59 @@ def test_an_operators_verdict_is_not_waited_for() -> None:
 def test_the_default_bound_covers_the_longest_check() -> None:
     checker = ReachChecker(Registry(liveness_timeout_s=30), rpc.Security(token=""))
     assert checker.longest_check_s >= reach.DIAL_TIMEOUT_S
+
+
+def _dials(queue: asyncio.Queue[coordinator_pb2.Command]) -> list[coordinator_pb2.DialCommand]:
+    """The dial commands waiting on an agent's Join stream (as its agent would read them)."""
+    found = []
+    while not queue.empty():
+        command = queue.get_nowait()
+        if command is not None and command.HasField("dial"):
+            found.append(command.dial)
+    return found
+
+
+async def _site_pair() -> tuple[bool, int, int]:
+    """Two agents of one NAT'd site: the first is judged "nowhere" (nobody else existed); the
+    second joins and is asked to dial it back (a backfill), and gets through. An epoch planned
+    for both must wait for that dial too, not only for the newcomer's own check."""
+    registry = Registry(liveness_timeout_s=30)
+    checker = ReachChecker(registry, rpc.Security(token=""), dial_timeout_s=1.0)
+    links = LinkStore()
+    membership = Membership(JobConfig(), registry, LinkMeasurer(registry, links), links,
+                            checker)
+    listeners = [_silent_listener(), _silent_listener()]
+    try:
+        first = registry.join(common_pb2.AgentInfo(
+            agent_id="first", host="127.0.0.1", port=listeners[0].getsockname()[1]))
+        checker.on_join(first)
+        assert not await checker.settled(["first"], 10.0)
+        assert first.reach.verdict == reach.NOWHERE
+        second = registry.join(common_pb2.AgentInfo(
+            agent_id="second", host="127.0.0.1", port=listeners[1].getsockname()[1]))
+        checker.on_join(second)
+        planning = asyncio.ensure_future(membership.with_verdicts([first, second]))
+        await asyncio.sleep(0.1)  # the checks start and send their dial commands
+        ask_first, = _dials(first.commands)  # the newcomer's own check: can first dial it?
+        backfill, = _dials(second.commands)  # and can the newcomer dial first?
+        assert (ask_first.peer.agent_id, backfill.peer.agent_id) == ("second", "first")
+        assert checker.on_report(coordinator_pb2.DialReport(
+            agent_id="first", round_id=ask_first.round_id, peer_id="second", ok=True)) is None
+        while second.reach.verdict == reach.UNKNOWN:  # its own check settles (~1 s)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        waited = not planning.done()  # the backfill of first is still out
+        assert checker.on_report(coordinator_pb2.DialReport(
+            agent_id="second", round_id=backfill.round_id, peer_id="first", ok=True)) is None
+        await asyncio.wait_for(planning, 5.0)
+        return waited, first.reach.verdict, second.reach.verdict
+    finally:
+        await checker.close()
+        for sock in listeners:
+            sock.close()
+
+
+def test_the_epoch_waits_for_a_newcomers_dial_of_an_earlier_agent() -> None:
+    waited, first, second = asyncio.run(_site_pair())
+    assert waited
+    assert first == second == reach.SOME_PEERS
