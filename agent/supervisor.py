@@ -32,7 +32,7 @@ from agent.checkpointpush import CheckpointPushes
 from agent.checkpoints import CheckpointCopier
 from agent.statedir import checkpoint_dir, private_dir
 from dtfm.core.dataplane import HANDOFF_ENV
-from dtfm.core.events import ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
+from dtfm.core.events import DoneEvent, ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
@@ -84,6 +84,10 @@ class WorkerProgress:
                 value = getattr(event, name)
                 if not math.isnan(value):
                     setattr(self, name, value)
+        elif isinstance(event, DoneEvent):  # the state turns DONE once the worker exits 0
+            self.step = max(self.step, event.step)
+            if event.resumed_step >= 0:
+                self.resumed_step = event.resumed_step
         elif isinstance(event, ErrorEvent):
             self.state = WorkerState.FAILED
             self.error = event.message or "unknown error"

@@ -285,7 +285,8 @@ class Worker:
         if cfg.steps == 0 and self.ckpt and self.ckpt.writes(a.replica):
             self._save(0, opt, sampler)  # --steps 0: the initial (imported) weights, to export
         val = self._evaluate(pipe, val_tokens)
-        self.progress.emit(DoneEvent(val_loss=None if math.isnan(val) else val, rank=self.rank))
+        self.progress.emit(DoneEvent(val_loss=None if math.isnan(val) else val, rank=self.rank,
+                                     step=max(start, cfg.steps), resumed_step=start))
         dist.destroy_process_group()
 
     def _build_local(self) -> tuple[Stage, torch.optim.Optimizer, Sampler, Any]:

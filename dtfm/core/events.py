@@ -94,12 +94,16 @@ class StepEvent:
 
 @dataclass(frozen=True)
 class DoneEvent:
-    """Training finished; `val_loss` is None when no evaluation ran."""
+    """Training finished; `val_loss` is None when no evaluation ran. `step` is the step the
+    weights are at (0: not reported): a run that resumed from the last step's checkpoint
+    trains nothing and writes no step event, and without it would read as done at step 0."""
 
     NAME: ClassVar[EventName] = EventName.DONE
 
     val_loss: float | None = None
     rank: int = -1
+    step: int = 0
+    resumed_step: int = -1  # as in StepEvent
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local
+from agent.supervisor import WorkerProgress
+from dtfm.core.events import DoneEvent, encode_event, parse_event
+from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local, run_workers
 
 FLAGS = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "1", "--batch", "4",
          "--micro-batches", "2", "--steps", "8", "--checkpoint-every", "4", "--seed", "5",
@@ -32,3 +34,24 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
                          "step-00000004.safetensors"], names
 
     assert_resumed(run_local(*FLAGS, "--checkpoint-dir", str(ckpt)), full, after=4)
+
+
+@pytest.mark.timeout(150)
+def test_resuming_at_the_last_step_reports_that_step_done(tmp_path: Path) -> None:
+    """A job that failed after its last step's checkpoint (a peer lost in the teardown)
+    resumes there with nothing left to train: its workers write no step event, and their done
+    event carries the step the weights are at, so the agent's heartbeat and the coordinator's
+    status read "done at step 8", not "done at step 0"."""
+    ckpt = tmp_path / "ckpt"
+    first = run_local(*FLAGS, "--checkpoint-dir", str(ckpt))
+    assert first.rc == 0, first.stderr
+    again = run_workers(FLAGS, 2, ckpt,
+                        tmp_path / "again", job_id=local_job_dir(ckpt).name)
+    assert again.rc == 0, again.stderr
+    assert again.steps == [] and again.done is not None, again.stderr
+    assert (again.done["step"], again.done["resumed_step"]) == (8, 8), again.done
+    progress = WorkerProgress()
+    done = parse_event(encode_event(DoneEvent(step=8, resumed_step=8)))
+    assert done is not None
+    progress.apply(done)
+    assert (progress.step, progress.resumed_step) == (8, 8)

@@ -132,7 +132,8 @@ def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
                 run.steps.append({"step": ev.step, "loss": ev.loss,
                                   "checkpoint_step": ev.checkpoint_step})
             elif isinstance(ev, DoneEvent):
-                run.done = {"val_loss": ev.val_loss}
+                run.done = {"val_loss": ev.val_loss, "step": ev.step,
+                            "resumed_step": ev.resumed_step}
             elif isinstance(ev, ErrorEvent):
                 run.stderr += ev.message
         run.rc = max(abs(w.returncode or 0) for w in workers)
