@@ -13,6 +13,7 @@ stage when it resumes.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from dtfm.core import checkpoints as ondisk
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster, measurement_wan
+from tests.progress import step_losses
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -80,8 +82,14 @@ ALL_NAT_JOB = ["--model", "gpt-tiny", "--agents", "2", "--min-agents", "1", "--s
                "--layer-split", "even"]
 
 
-def _losses(report: dict[str, Any], epoch: int) -> dict[int, float]:
-    return {p["step"]: p["loss"] for p in report["points"] if p["epoch"] == epoch and p["loss"]}
+def _losses(tmp: Path, job_id: str, epoch: int) -> dict[int, float]:
+    """step -> loss of one epoch, as its workers wrote them (every rank reports the loss)."""
+    return {step: loss for steps in step_losses(tmp, job_id, epoch).values()
+            for step, loss in steps.items() if math.isfinite(loss)}
+
+
+def _report_epochs(report: dict[str, Any]) -> set[int]:
+    return {p["epoch"] for p in report["points"] if p["loss"]}
 
 
 @pytest.mark.timeout(300)
@@ -139,16 +147,19 @@ def test_with_every_agent_natted_a_killed_stage_resumes_from_the_coordinators_co
     resumed = [int(s) for s in re.findall(r"rank \d+: resumed at step (\d+) from ", epoch2)]
     assert resumed and resumed[0] >= held, (held, resumed, epoch2[-3000:])
     assert first["resumed_step"] == resumed[0], (first, resumed)
-    # the losses go on from where they were (a fresh start would begin again near epoch 1's
-    # first loss): epoch 2's first is no worse than epoch 1's at the step it resumed from, and
-    # steps trained in both epochs (where the heartbeats sampled any) agree
-    before, after = _losses(report, 1), _losses(report, 2)
-    at_resume = [loss for step, loss in sorted(before.items()) if step <= resumed[0]]
-    assert at_resume and after, report
-    assert after[min(after)] < at_resume[-1] + 0.1 < before[min(before)], (before, after)
+    # the losses go on from where they were: epoch 2's first step is near epoch 1's at the
+    # step it resumed from (one batch's noise: ~0.2 here) and well below epoch 1's first (a
+    # fresh start's), and steps trained in both epochs agree. From the workers' own files,
+    # every step: the heartbeats sample too few under load to be sure they caught an early one.
+    before, after = _losses(tmp_path, job_id, 1), _losses(tmp_path, job_id, 2)
+    at = resumed[0]
+    assert 1 in before and at in before and min(after) == at + 1, (at, before, after)
+    assert abs(after[at + 1] - before[at]) < 0.4, (at, before, after)
+    assert after[at + 1] < before[1] - 0.3, (at, before, after)
     both = sorted(set(before) & set(after))
     for step in both:
         assert after[step] == pytest.approx(before[step], rel=2e-3), (step, before, after)
+    assert _report_epochs(report) >= {1, 2}, report  # the coordinator saw both epochs train
     # the job ended: nothing of it is left at the coordinator
     assert not list((state / "checkpoints").glob(f"{ondisk.job_key(job_id)}*")), \
         list((state / "checkpoints").rglob("*"))
