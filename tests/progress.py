@@ -24,3 +24,10 @@ def step_losses(workdir: Path, job_id: str, epoch: int | None = None
                 steps[ev["step"]] = (run, ev["loss"])
     return {rank: {step: loss for step, (_, loss) in steps.items()}
             for rank, steps in found.items()}
+
+
+def job_losses(workdir: Path, job_id: str, epoch: int | None = None) -> dict[int, float]:
+    """step -> loss of the job (`step_losses`, ranks merged): every rank reports the step's
+    global loss, so any rank's is the job's."""
+    return {step: loss for steps in step_losses(workdir, job_id, epoch).values()
+            for step, loss in steps.items()}

@@ -36,13 +36,19 @@ def _silent_listener() -> socket.socket:
     return sock
 
 
-def _world(dial_timeout_s: float, override: int = common_pb2.REACH_OVERRIDE_AUTO,
-           ) -> tuple[Registry, ReachChecker, Membership, socket.socket]:
+def _membership(dial_timeout_s: float) -> tuple[Registry, ReachChecker, Membership]:
+    """A real registry, reachability checker and job membership, with no agent yet."""
     registry = Registry(liveness_timeout_s=30)
     checker = ReachChecker(registry, rpc.Security(token=""), dial_timeout_s=dial_timeout_s)
     links = LinkStore()
     membership = Membership(JobConfig(), registry, LinkMeasurer(registry, links), links,
                             checker)
+    return registry, checker, membership
+
+
+def _world(dial_timeout_s: float, override: int = common_pb2.REACH_OVERRIDE_AUTO,
+           ) -> tuple[Registry, ReachChecker, Membership, socket.socket]:
+    registry, checker, membership = _membership(dial_timeout_s)
     silent = _silent_listener()
     registry.join(common_pb2.AgentInfo(agent_id="natted", host="127.0.0.1",
                                        port=silent.getsockname()[1], reachable=override))
@@ -133,11 +139,7 @@ async def _site_pair() -> tuple[bool, int, int]:
     """Two agents of one NAT'd site: the first is judged "nowhere" (nobody else existed); the
     second joins and is asked to dial it back (a backfill), and gets through. An epoch planned
     for both must wait for that dial too, not only for the newcomer's own check."""
-    registry = Registry(liveness_timeout_s=30)
-    checker = ReachChecker(registry, rpc.Security(token=""), dial_timeout_s=1.0)
-    links = LinkStore()
-    membership = Membership(JobConfig(), registry, LinkMeasurer(registry, links), links,
-                            checker)
+    registry, checker, membership = _membership(dial_timeout_s=1.0)
     listeners = [_silent_listener(), _silent_listener()]
     try:
         first = registry.join(common_pb2.AgentInfo(

@@ -13,7 +13,6 @@ stage when it resumes.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from dtfm.core import checkpoints as ondisk
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster, measurement_wan
-from tests.progress import step_losses
+from tests.progress import job_losses
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -80,12 +79,6 @@ ALL_NAT_JOB = ["--model", "gpt-tiny", "--agents", "2", "--min-agents", "1", "--s
                "--seed", "5", "--search-seconds", "1", "--eval-batches", "0",
                "--checkpoint-every", str(EVERY), "--heartbeat-interval", "0.5",
                "--layer-split", "even"]
-
-
-def _losses(tmp: Path, job_id: str, epoch: int) -> dict[int, float]:
-    """step -> loss of one epoch, as its workers wrote them (every rank reports the loss)."""
-    return {step: loss for steps in step_losses(tmp, job_id, epoch).values()
-            for step, loss in steps.items() if math.isfinite(loss)}
 
 
 def _report_epochs(report: dict[str, Any]) -> set[int]:
@@ -151,7 +144,7 @@ def test_with_every_agent_natted_a_killed_stage_resumes_from_the_coordinators_co
     # step it resumed from (one batch's noise: ~0.2 here) and well below epoch 1's first (a
     # fresh start's), and steps trained in both epochs agree. From the workers' own files,
     # every step: the heartbeats sample too few under load to be sure they caught an early one.
-    before, after = _losses(tmp_path, job_id, 1), _losses(tmp_path, job_id, 2)
+    before, after = job_losses(tmp_path, job_id, 1), job_losses(tmp_path, job_id, 2)
     at = resumed[0]
     assert 1 in before and at in before and min(after) == at + 1, (at, before, after)
     assert abs(after[at + 1] - before[at]) < 0.4, (at, before, after)

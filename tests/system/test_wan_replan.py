@@ -23,7 +23,7 @@ import pytest
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster, measurement_wan
-from tests.progress import step_losses
+from tests.progress import job_losses
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -39,14 +39,6 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--layer-split", "even", "--checkpoint-every", "10", "--eval-batches", "0",
        "--heartbeat-interval", "0.5", "--drift-window", "4", "--replan-margin", "1.2",
        "--seed", "7"]
-
-
-def _losses(workdir: Path, job_id: str) -> dict[int, float]:
-    """Loss by step, the newest epoch's where a step was trained twice (after a move), from
-    the workers' own progress files: every step, where the report has what heartbeats
-    sampled. Every rank reports the step's global loss."""
-    return {step: loss for steps in step_losses(workdir, job_id).values()
-            for step, loss in steps.items()}
 
 
 def _run(wan: WanEmulator, workdir: Path, degrade: bool) -> dict[str, Any]:
@@ -68,7 +60,7 @@ def _run(wan: WanEmulator, workdir: Path, degrade: bool) -> dict[str, Any]:
         done = cluster.wait_job(600)
         report = cluster.cli("report", "--json", timeout=30)
         return {"ids": ids, "status": done, "report": report, "degraded": degraded,
-                "losses": _losses(workdir, done["job"]["id"])}
+                "losses": job_losses(workdir, done["job"]["id"])}
     finally:
         cluster.stop()
         for a, b in [(1, 2), (1, 4), (3, 2), (3, 4)]:  # heal for the next run

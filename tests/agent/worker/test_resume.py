@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agent.supervisor import WorkerProgress
-from dtfm.core.events import DoneEvent, encode_event, parse_event
+from dtfm.core.events import DoneEvent
 from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local, run_workers
 
 FLAGS = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "1", "--batch", "4",
@@ -50,8 +50,6 @@ def test_resuming_at_the_last_step_reports_that_step_done(tmp_path: Path) -> Non
     assert again.rc == 0, again.stderr
     assert again.steps == [] and again.done is not None, again.stderr
     assert (again.done["step"], again.done["resumed_step"]) == (8, 8), again.done
-    progress = WorkerProgress()
-    done = parse_event(encode_event(DoneEvent(step=8, resumed_step=8)))
-    assert done is not None
-    progress.apply(done)
+    progress = WorkerProgress()  # the agent folds the workers' own done event in
+    progress.apply(DoneEvent(**again.done))
     assert (progress.step, progress.resumed_step) == (8, 8)
