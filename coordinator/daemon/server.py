@@ -138,7 +138,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         problem = validate_progress(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        await self._authenticate(request.agent_id, request.agent_secret, context)
+        await self._authenticate(request, context)
         rec = self.registry.heartbeat(request)
         if rec is None:
             await context.abort(
@@ -189,20 +189,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         (`problem` is None) and comes from a joined agent holding its secret."""
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
+        if await self._authenticate(request, context) is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"agent {request.agent_id!r} has not joined: {not_joined}")
 
     async def _authenticate(
-        self, agent_id: str, secret: str, context: grpc.aio.ServicerContext
+        self, request: Any, context: grpc.aio.ServicerContext
     ) -> AgentRecord | None:
-        """The reporting agent's row, None if unknown; PERMISSION_DENIED if not its secret."""
+        """The reporting agent's row, None if unknown; PERMISSION_DENIED if not its secret.
+
+        Its `agent_secret` is cleared once checked: a report is kept (the registry's row, the
+        job's progress, the history) and status answers are built from what is kept, so a
+        secret that never outlives this check cannot reach any answer, log or metric."""
         try:
-            return self.registry.authenticate(agent_id, secret)
+            return self.registry.authenticate(request.agent_id, request.agent_secret)
         except IdentityError as exc:
             log.warning("refused a report: %s", exc)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # unreachable: abort raises
+        finally:
+            request.ClearField("agent_secret")
 
     # --- checkpoint copies of last resort (coordinator/job/checkpointcopies.py) ---
     async def ListCheckpoints(
