@@ -20,6 +20,7 @@ import grpc
 from coordinator.daemon.config import CoordinatorConfig
 from coordinator.daemon.history import History
 from coordinator.daemon.jobstore import JobStore
+from coordinator.daemon.pushgate import PushGate
 from coordinator.daemon.registry import LEFT, AgentRecord, IdentityError, Registry
 from coordinator.daemon.validate import (
     secret_problem,
@@ -43,7 +44,6 @@ from dtfm.core.limits import (
     MAX_STATUS_AGENTS,
     OMITTED_METADATA,
 )
-from dtfm.core.spec import ModelSpec
 from dtfm.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -73,7 +73,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
         self.history = History()
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
-                                        self._accepting_copies)
+                                        PushGate(self.registry, self.job).admit)
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None
 
@@ -227,15 +227,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         context: grpc.aio.ServicerContext
     ) -> agent_pb2.CheckpointPushReply:
         return await self.copies.push(request_iterator, context)
-
-    def _accepting_copies(self) -> tuple[str, ModelSpec] | None:
-        """The job pushes are taken for, and its model: the one this coordinator runs, until
-        it ends."""
-        job = getattr(self, "job", None)
-        if job is None or not job.job_id or job.state in (coordinator_pb2.JOB_STATE_DONE,
-                                                          coordinator_pb2.JOB_STATE_FAILED):
-            return None
-        return job.job_id, self.config.job.model_spec()
 
     # --- people and scripts ---
     async def run_job(self) -> None:
