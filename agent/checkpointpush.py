@@ -24,7 +24,10 @@ names the stage in `mirrors` with `pushed` set, and
 Where no member of the job can be dialled, the holder pushes its stage to the coordinator
 instead (`COORDINATOR_PEER`, `Coordinator.PushCheckpoint`: every agent dials it), the copy of
 last resort, which keeps only the newest step (coordinator/job/checkpointcopies.py, through
-`answer_push` and `install_push` here: one receiving path for both).
+`answer_push` and `install_push` here: one receiving path for both). The join token proves
+nothing there (every volunteer holds it), so that push alone carries the pusher's id and the
+secret its coordinator issued (`pusher_metadata`, read back by `pusher_of`); a push to a peer
+agent never does, since the secret would let that peer act as this agent.
 """
 
 from __future__ import annotations
@@ -63,6 +66,25 @@ from protos.dtfm.v1 import agent_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 
+AGENT_ID_KEY = "dtfm-agent-id"  # call metadata of a push to the coordinator
+SECRET_KEY = "dtfm-agent-secret"
+Pusher = tuple[str, str]  # (agent id, agent secret) a push to the coordinator claims
+Metadata = tuple[tuple[str, str], ...]
+
+
+def pusher_metadata(agent_id: str, secret: str) -> Metadata:
+    """The call metadata proving a push to the coordinator comes from agent `agent_id`."""
+    return ((AGENT_ID_KEY, agent_id), (SECRET_KEY, secret))
+
+
+def pusher_of(context: grpc.aio.ServicerContext) -> Pusher:
+    """The (agent id, secret) a push claims in its metadata; "" for what is missing."""
+    sent = dict(context.invocation_metadata() or ())
+    agent_id, secret = sent.get(AGENT_ID_KEY, ""), sent.get(SECRET_KEY, "")
+    return (agent_id if isinstance(agent_id, str) else "",
+            secret if isinstance(secret, str) else "")
+
+
 class Refused(Exception):
     """A push this agent does not install: the status code and why, for the pusher."""
 
@@ -83,6 +105,9 @@ class CheckpointPushes:
         self.coordinator = coordinator  # HOST:PORT this agent joined: for COORDINATOR_PEER
         self.copier = copier  # its `mirrored` feeds the heartbeats
         self.interval_s = interval_s
+        # this agent's id and the secret its coordinator issued, as they are now (they change
+        # when it re-joins): a push to the coordinator proves them; None: not joined (tests)
+        self.identity: Callable[[], Pusher] | None = None
         self._accepting: dict[tuple[str, int], ModelSpec] = {}  # (job, stage) -> its model
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -138,8 +163,9 @@ class CheckpointPushes:
             """It keeps one step per stage (coordinator/job/checkpointcopies.py), and only
             while it runs the job: refused as a precondition, the job ended (or that
             coordinator runs another), so pushing again would only resend the bytes."""
+            proof = pusher_metadata(*self.identity()) if self.identity is not None else ()
             try:
-                await self.push_once(peer, job_id, stage, spec, keep=1)
+                await self.push_once(peer, job_id, stage, spec, keep=1, metadata=proof)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
@@ -155,9 +181,10 @@ class CheckpointPushes:
                                   self.coordinator, log)
 
     async def push_once(self, peer: Peer, job_id: str, stage: int, spec: ModelSpec,
-                        keep: int = KEEP) -> list[int]:
+                        keep: int = KEEP, metadata: Metadata = ()) -> list[int]:
         """Make `peer`'s copy of `stage` follow this agent's: upload each of the newest `keep`
-        complete steps it lacks or holds otherwise (oldest first). Returns the steps sent."""
+        complete steps it lacks or holds otherwise (oldest first), each call with `metadata`.
+        Returns the steps sent."""
         root = ondisk.job_dir(self.root, job_id)
         mine = (await asyncio.to_thread(ondisk.complete_steps, root, stage, job_id))[-keep:]
         if not mine:
@@ -167,7 +194,7 @@ class CheckpointPushes:
         if not todo and max(theirs, default=0) != mine[-1].step:
             todo = [mine[-1]]  # it holds newer steps this agent abandoned: it prunes them
         for m in todo:
-            await push_step(peer, job_id, root, m, newest=mine[-1].step)
+            await push_step(peer, job_id, root, m, newest=mine[-1].step, metadata=metadata)
         return [m.step for m in todo]
 
     # ---- receiving ----
@@ -318,8 +345,10 @@ async def _data(messages: AsyncIterator[agent_pb2.CheckpointPush], at: str) -> b
     return msg.data
 
 
-async def push_step(peer: Peer, job_id: str, root: Path, m: Manifest, newest: int) -> int:
-    """Upload step `m` of this agent's job folder `root` to `peer`; the step it installed.
+async def push_step(peer: Peer, job_id: str, root: Path, m: Manifest, newest: int,
+                    metadata: Metadata = ()) -> int:
+    """Upload step `m` of this agent's job folder `root` to `peer` (the call carrying
+    `metadata`: `pusher_metadata` for the coordinator); the step it installed.
     A file pruned or shortened meanwhile ends the stream early: the peer refuses the step
     (nothing half-written is installed), and the next round sends the steps held then."""
 
@@ -342,7 +371,7 @@ async def push_step(peer: Peer, job_id: str, root: Path, m: Manifest, newest: in
                     left -= len(data)
                     yield agent_pb2.CheckpointPush(data=data)
 
-    reply = await peer.stub.PushCheckpoint(messages())
+    reply = await peer.stub.PushCheckpoint(messages(), metadata=metadata or None)
     log.info("checkpoint: pushed stage %d step %d of job %s to %s", m.stage, m.step, job_id,
              peer.address)
     return reply.step

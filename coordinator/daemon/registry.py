@@ -12,6 +12,8 @@ Each agent id is bound to a secret issued at its first Join: a second process un
 id (a copied state directory, a cloned VM, someone forging reports) cannot take over the row,
 its command stream or its reports. Secrets live in memory only; after a coordinator restart the
 first Join of an id wins and gets a fresh secret (the agents re-join within their backoff).
+A secret goes out only in its own agent's Welcome: a report's copy is dropped once checked
+(`heartbeat` keeps none), since every token holder reads the rows through GetStatus.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class Registry:
             log.warning("agent %s's host is not tuned for long links (coordinator status "
                         "shows the fix): %s", rec.agent_id,
                         "; ".join(f"{t.setting} is {t.current}, wants {t.wanted}" for t in new))
+        report.ClearField("agent_secret")  # proven by now; never kept, so never shown
         rec.progress = report
         if rec.state != ALIVE:
             log.log(logging.WARNING if rec.state == LOST else logging.INFO,

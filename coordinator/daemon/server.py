@@ -20,6 +20,7 @@ import grpc
 from coordinator.daemon.config import CoordinatorConfig
 from coordinator.daemon.history import History
 from coordinator.daemon.jobstore import JobStore
+from coordinator.daemon.pushgate import PushGate
 from coordinator.daemon.registry import LEFT, AgentRecord, IdentityError, Registry
 from coordinator.daemon.validate import (
     secret_problem,
@@ -43,7 +44,6 @@ from dtfm.core.limits import (
     MAX_STATUS_AGENTS,
     OMITTED_METADATA,
 )
-from dtfm.core.spec import ModelSpec
 from dtfm.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -73,7 +73,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
         self.history = History()
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
-                                        self._accepting_copies)
+                                        PushGate(self.registry, self.job).admit)
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None
 
@@ -138,7 +138,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         problem = validate_progress(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        await self._authenticate(request.agent_id, request.agent_secret, context)
+        await self._authenticate(request, context)
         rec = self.registry.heartbeat(request)
         if rec is None:
             await context.abort(
@@ -189,20 +189,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         (`problem` is None) and comes from a joined agent holding its secret."""
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if await self._authenticate(request.agent_id, request.agent_secret, context) is None:
+        if await self._authenticate(request, context) is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"agent {request.agent_id!r} has not joined: {not_joined}")
 
     async def _authenticate(
-        self, agent_id: str, secret: str, context: grpc.aio.ServicerContext
+        self, request: Any, context: grpc.aio.ServicerContext
     ) -> AgentRecord | None:
-        """The reporting agent's row, None if unknown; PERMISSION_DENIED if not its secret."""
+        """The reporting agent's row, None if unknown; PERMISSION_DENIED if not its secret.
+
+        Its `agent_secret` is cleared once checked: a report is kept (the registry's row, the
+        job's progress, the history) and status answers are built from what is kept, so a
+        secret that never outlives this check cannot reach any answer, log or metric."""
         try:
-            return self.registry.authenticate(agent_id, secret)
+            return self.registry.authenticate(request.agent_id, request.agent_secret)
         except IdentityError as exc:
             log.warning("refused a report: %s", exc)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # unreachable: abort raises
+        finally:
+            request.ClearField("agent_secret")
 
     # --- checkpoint copies of last resort (coordinator/job/checkpointcopies.py) ---
     async def ListCheckpoints(
@@ -221,15 +227,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         context: grpc.aio.ServicerContext
     ) -> agent_pb2.CheckpointPushReply:
         return await self.copies.push(request_iterator, context)
-
-    def _accepting_copies(self) -> tuple[str, ModelSpec] | None:
-        """The job pushes are taken for, and its model: the one this coordinator runs, until
-        it ends."""
-        job = getattr(self, "job", None)
-        if job is None or not job.job_id or job.state in (coordinator_pb2.JOB_STATE_DONE,
-                                                          coordinator_pb2.JOB_STATE_FAILED):
-            return None
-        return job.job_id, self.config.job.model_spec()
 
     # --- people and scripts ---
     async def run_job(self) -> None:

@@ -10,8 +10,11 @@ dials the coordinator, so there the stage's holder pushes it instead
 - **Receiving** (`Coordinator.PushCheckpoint`): through the agents' own receiving path
   (`agent.checkpointpush.answer_push` / `install_push`: first message checked, files written
   to hidden partial names, checked for size and sha256, renamed into place, the manifest
-  last), behind the same authenticated server (the join token, or mTLS). Accepted only for the
-  job the coordinator runs while it has not ended, within the size the model allows for the
+  last), behind the same authenticated server (the join token, or mTLS). Accepted only from
+  the stage's own holder, proven by its agent secret, for the job the coordinator runs while it
+  has not ended and a step it can have reached (the gate the daemon passes in:
+  coordinator/daemon/pushgate.py), all decided before anything is reserved or written; within
+  the size the model allows for the
   step's layers (`dtfm.core.checkpoints.size_problem`), and within `--checkpoint-store-mib`
   for everything held: a push that would exceed it is refused (RESOURCE_EXHAUSTED) and logged
   as an error naming the flag. One step per (job, stage) is kept, the newest pushed: the
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import grpc
 
-from agent.checkpointpush import Refused, answer_push, install_push
+from agent.checkpointpush import Pusher, Refused, answer_push, install_push, pusher_of
 from agent.checkpoints import CheckpointStore
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import Manifest
@@ -51,21 +54,21 @@ from protos.dtfm.v1 import agent_pb2, coordinator_pb2
 log = logging.getLogger(__name__)
 
 FOLDER = "checkpoints"  # under --state-dir
-# the job a copy may be pushed for now: (job id, its model), None while none runs
-Accepting = Callable[[], tuple[str, ModelSpec] | None]
+# whether `pusher` may push step `m` of job `job_id`: its model if so, Refused if not
+Admit = Callable[[Pusher, str, Manifest], ModelSpec]
 
 
 class CoordinatorCopies:
     """Stage checkpoints pushed to the coordinator: the newest step of each (job, stage)."""
 
-    def __init__(self, state_dir: str | Path, cap_bytes: int, accepting: Accepting) -> None:
+    def __init__(self, state_dir: str | Path, cap_bytes: int, admit: Admit) -> None:
         if state_dir:
             self.root = Path(state_dir) / FOLDER
         else:  # nothing to keep across runs: a private folder gone at exit
             self.root = Path(tempfile.mkdtemp(prefix="dtfm-coordinator-checkpoints-"))
             atexit.register(shutil.rmtree, self.root, True)
         self.cap_bytes = cap_bytes
-        self.accepting = accepting
+        self.admit = admit
         self.serving = CheckpointStore(self.root)
         # (job folder, stage) -> the step held and its bytes; pushes in flight reserve theirs
         self._held: dict[tuple[str, int], tuple[int, int]] = _scan(self.root)
@@ -84,17 +87,20 @@ class CoordinatorCopies:
 
     async def push(self, requests: AsyncIterator[agent_pb2.CheckpointPush],
                    context: grpc.aio.ServicerContext) -> agent_pb2.CheckpointPushReply:
-        return await answer_push(requests, context, self._receive)
+        pusher = pusher_of(context)
+
+        async def receive(messages: AsyncIterator[agent_pb2.CheckpointPush],
+                          first: agent_pb2.CheckpointPush, m: Manifest,
+                          who: str) -> agent_pb2.CheckpointPushReply:
+            spec = self.admit(pusher, first.job_id, m)  # before a byte is reserved
+            return await self._receive(messages, first, m, f"agent {pusher[0]} ({who})", spec)
+
+        return await answer_push(requests, context, receive)
 
     async def _receive(self, messages: AsyncIterator[agent_pb2.CheckpointPush],
                        first: agent_pb2.CheckpointPush, m: Manifest,
-                       who: str) -> agent_pb2.CheckpointPushReply:
-        job = self.accepting()
-        if job is None or job[0] != first.job_id:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the coordinator keeps checkpoint copies only of the job it runs "
-                          f"({job[0] if job else 'none now'}), not of job {first.job_id}")
-        if too_big := ondisk.size_problem(m, job[1]):
+                       who: str, spec: ModelSpec) -> agent_pb2.CheckpointPushReply:
+        if too_big := ondisk.size_problem(m, spec):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"stage {m.stage} step {m.step}: {too_big}")
         key = (ondisk.job_key(first.job_id), m.stage)

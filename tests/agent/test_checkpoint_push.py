@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.checkpointpush import CheckpointPushes
+from agent.checkpointpush import CheckpointPushes, pusher_of
 from agent.checkpoints import CheckpointCopier, CheckpointStore, entry_of
 from agent.server import AgentService
 from dtfm import rpc
@@ -83,7 +83,18 @@ def test_an_undialable_holders_steps_reach_its_mirror_by_push(tmp_path: Path) ->
             assert [(m.stage, m.pushed) for m in natted.mirrors] == [(1, False)]
             receiving.start(kept)
             copier.start_mirrors(kept)  # a pushed mirror is not pulled: nothing dials rank 0
+            claimed: list[tuple[str, str]] = []
+            receive = receiving.receive
+
+            async def recording(requests: AsyncIterator[agent_pb2.CheckpointPush],
+                                context: grpc.aio.ServicerContext
+                                ) -> agent_pb2.CheckpointPushReply:
+                claimed.append(pusher_of(context))
+                return await receive(requests, context)
+
+            receiving.receive = recording  # type: ignore[method-assign]
             pushing = CheckpointPushes(holder_root, SECURITY, interval_s=0.1)
+            pushing.identity = lambda: ("natted", "ab" * 32)  # for the coordinator alone
             pushing.start(natted)
             try:
                 await eventually(lambda: steps_held(mirror_root, 0) == [2, 4], "steps 2, 4")
@@ -93,6 +104,8 @@ def test_an_undialable_holders_steps_reach_its_mirror_by_push(tmp_path: Path) ->
                 await eventually(lambda: copier.mirrored.get(0) == 6, "mirrored step 6")
             finally:
                 await pushing.stop()
+            # a peer never sees the pusher's secret: it would let the peer act as the pusher
+            assert claimed and set(claimed) == {("", "")}, claimed
         assert not [n for n in leftovers(mirror_root, 0) if n.startswith(".")]
 
     asyncio.run(main())

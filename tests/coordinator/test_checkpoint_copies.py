@@ -6,7 +6,9 @@ List/Fetch calls agents serve, shows it in its status, and deletes it when the j
 the coordinator is the daemon's own `CoordinatorService` on a real gRPC server (loopback, the
 token required); the agents' ends are the agent's own `CheckpointPushes` and
 `CheckpointCopier`, dialling `COORDINATOR_PEER`. No torch: the bytes are random, the
-manifests real.
+manifests real. Only a joined agent holding the stage in the running epoch may push it
+(coordinator/daemon/pushgate.py): the pushers join through the real Join call, and the job's
+grid is set as an epoch's plan sets it (no torch, no workers).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.checkpointpush import CheckpointPushes, push_step
+from agent.checkpointpush import CheckpointPushes, Metadata, push_step, pusher_metadata
 from agent.checkpoints import CheckpointCopier, Peer
 from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from coordinator.daemon.server import CoordinatorService
@@ -65,6 +67,30 @@ async def coordinator(state: Path, cap_bytes: int = 2**30
         await server.stop(0)
 
 
+async def joined(address: str, agent_id: str) -> str:
+    """The secret the coordinator issues `agent_id` at a real Join (the stream is then
+    dropped: this coordinator sweeps nobody, so the agent stays alive)."""
+    async with rpc.open_channel(address, SECURITY) as channel:
+        call = coordinator_pb2_grpc.CoordinatorStub(channel).Join(coordinator_pb2.JoinRequest(
+            agent=common_pb2.AgentInfo(agent_id=agent_id, host="127.0.0.1", port=9,
+                                       device=common_pb2.DeviceInfo(kind="cpu"))))
+        secret = (await call.read()).welcome.agent_secret
+        call.cancel()
+    assert len(secret) == 64
+    return secret
+
+
+async def running(address: str, svc: CoordinatorService, grid: list[list[str]]
+                  ) -> dict[str, str]:
+    """Join the agents of `grid` (stage rows of agent ids) and run epoch 1 on them, as
+    `Job` sets an epoch; their secrets by id."""
+    secrets = {a: await joined(address, a) for row in grid for a in row}
+    svc.job.planner.grid_ids = grid
+    svc.job.members = [a for row in grid for a in row]
+    svc.job.epoch, svc.job.state = 1, coordinator_pb2.JOB_STATE_RUNNING
+    return secrets
+
+
 def assignment(job_id: str, stage: int, *, pushes: bool = False, peers: tuple[str, ...] = ()
                ) -> common_pb2.Assignment:
     return common_pb2.Assignment(
@@ -88,6 +114,20 @@ async def _status(address: str) -> coordinator_pb2.JobStatus:
     return reply.job
 
 
+async def push(address: str, holder: Path, job: str, m: Manifest, metadata: Metadata = (),
+               security: rpc.Security = SECURITY) -> tuple[grpc.StatusCode, str]:
+    """Push step `m` of agent root `holder` to the coordinator, the call with `metadata`:
+    the status it ended with and its details."""
+    async with rpc.open_channel(address, security) as channel:
+        peer = Peer(address, coordinator_pb2_grpc.CoordinatorStub(channel))
+        try:
+            await push_step(peer, job, ondisk.job_dir(holder, job), m, newest=m.step,
+                            metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
 def test_a_pushed_stage_is_kept_newest_only_fetched_like_from_a_peer_and_removed_at_the_end(
         tmp_path: Path) -> None:
     state, holder, taker = tmp_path / "coordinator", tmp_path / "holder", tmp_path / "taker"
@@ -95,9 +135,11 @@ def test_a_pushed_stage_is_kept_newest_only_fetched_like_from_a_peer_and_removed
     async def main() -> None:
         async with coordinator(state) as (address, svc):
             job = svc.job.job_id
+            secret = (await running(address, svc, [["h0"], ["h1"]]))["h0"]
             write_step(holder, 0, 2, payload(2), job=job)
             write_step(holder, 0, 4, payload(4), job=job)
             pushing = CheckpointPushes(holder, SECURITY, interval_s=0.1, coordinator=address)
+            pushing.identity = lambda: ("h0", secret)
             pushing.start(assignment(job, 0, pushes=True))
             try:
                 # only the newest step travels, and only it is kept
@@ -127,37 +169,30 @@ def test_pushes_to_the_coordinator_are_authenticated_for_its_job_and_within_the_
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state, holder = tmp_path / "coordinator", tmp_path / "holder"
 
-    async def push(address: str, job: str, m: Manifest, security: rpc.Security = SECURITY
-                   ) -> tuple[grpc.StatusCode, str]:
-        async with rpc.open_channel(address, security) as channel:
-            peer = Peer(address, coordinator_pb2_grpc.CoordinatorStub(channel))
-            try:
-                await push_step(peer, job, ondisk.job_dir(holder, job), m, newest=m.step)
-            except grpc.aio.AioRpcError as e:
-                return e.code(), e.details() or ""
-        return grpc.StatusCode.OK, ""
-
     async def main() -> None:
         # room for one stage: the second is refused, a newer step of the first replaces it
         async with coordinator(state, cap_bytes=SIZE + 1000) as (address, svc):
             job = svc.job.job_id
+            secrets = await running(address, svc, [["h0"], ["h1"]])
+            as_h0 = pusher_metadata("h0", secrets["h0"])
             s0 = write_step(holder, 0, 2, payload(2), job=job)
             s1 = write_step(holder, 1, 2, payload(3), job=job, layers=(2, 4))
-            assert (await push(address, job, s0))[0] == grpc.StatusCode.OK
+            assert (await push(address, holder, job, s0, as_h0))[0] == grpc.StatusCode.OK
             with caplog.at_level(logging.WARNING):
-                code, why = await push(address, job, s1)
+                code, why = await push(address, holder, job, s1,
+                                       pusher_metadata("h1", secrets["h1"]))
             assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, *OR_RACE), why
             assert "stage 1 step 2 of job" in caplog.text
             assert "raise --checkpoint-store-mib" in caplog.text
             assert held_on_disk(state, job, 1) == []
             newer = write_step(holder, 0, 4, payload(4), job=job)
-            assert (await push(address, job, newer))[0] == grpc.StatusCode.OK
+            assert (await push(address, holder, job, newer, as_h0))[0] == grpc.StatusCode.OK
             assert held_on_disk(state, job, 0) == [4]
 
             # not the job it runs
             other = write_step(holder, 0, 2, payload(2), job="job-other")
             with caplog.at_level(logging.WARNING):
-                code, why = await push(address, "job-other", other)
+                code, why = await push(address, holder, "job-other", other, as_h0)
             assert code in (grpc.StatusCode.FAILED_PRECONDITION, *OR_RACE), why
             assert "only of the job it runs" in caplog.text and "not of job job-other" in \
                 caplog.text
@@ -165,11 +200,11 @@ def test_pushes_to_the_coordinator_are_authenticated_for_its_job_and_within_the_
             huge = Manifest(job, 0, 8, (0, 2), (FileEntry(ondisk.data_name(8), 10**12,
                                                           hashlib.sha256(b"").hexdigest()),))
             with caplog.at_level(logging.WARNING):
-                code, why = await push(address, job, huge)
+                code, why = await push(address, holder, job, huge, as_h0)
             assert code in (grpc.StatusCode.INVALID_ARGUMENT, *OR_RACE), why
             assert "refused before downloading" in caplog.text
             # no token, no push
-            code, _ = await push(address, job, newer, rpc.Security(token=""))
+            code, _ = await push(address, holder, job, newer, as_h0, rpc.Security(token=""))
             assert code == grpc.StatusCode.UNAUTHENTICATED
             assert held_on_disk(state, job, 0) == [4]
         # a coordinator restarted on the same --state-dir finds what it held
@@ -193,8 +228,10 @@ def test_a_holder_stops_pushing_once_the_coordinators_job_has_ended(
         async with coordinator(state) as (address, svc):
             job = svc.job.job_id
             write_step(holder, 0, 2, payload(2), job=job)
+            secret = (await running(address, svc, [["h0"]]))["h0"]
             svc.job.state = coordinator_pb2.JOB_STATE_DONE
             pushing = CheckpointPushes(holder, SECURITY, interval_s=0.05, coordinator=address)
+            pushing.identity = lambda: ("h0", secret)
             pushing.start(assignment(job, 0, pushes=True))
             try:
                 await eventually(lambda: "stopped pushing stage 0" in caplog.text, "the stop")
@@ -220,15 +257,79 @@ def test_the_keep_from_floor_covers_the_steps_the_coordinator_holds(tmp_path: Pa
         async with coordinator(state) as (address, svc):
             job = svc.job.job_id
             assert svc.copies.floor(job, 2, 0) == 0 and svc.copies.floor(job, 2, 7) == 7
-            async with rpc.open_channel(address, SECURITY) as channel:
-                peer = Peer(address, coordinator_pb2_grpc.CoordinatorStub(channel))
-                for stage, step in ((0, 12), (1, 8)):
-                    m = write_step(holder, stage, step, payload(step), job=job,
-                                   layers=(2 * stage, 2 * stage + 2))
-                    await push_step(peer, job, ondisk.job_dir(holder, job), m, newest=step)
+            secrets = await running(address, svc, [["h0"], ["h1"]])
+            for stage, step in ((0, 12), (1, 8)):
+                m = write_step(holder, stage, step, payload(step), job=job,
+                               layers=(2 * stage, 2 * stage + 2))
+                assert (await push(address, holder, job, m, pusher_metadata(
+                    f"h{stage}", secrets[f"h{stage}"])))[0] == grpc.StatusCode.OK
             assert svc.copies.floor(job, 2, 0) == 8  # no mirrors: the coordinator's oldest
             assert svc.copies.floor(job, 2, 10) == 8 and svc.copies.floor(job, 2, 4) == 4
             assert svc.copies.floor(job, 1, 0) == 12  # stage 1 is not of this layout
             assert svc.copies.floor("job-other", 2, 0) == 0
+
+    asyncio.run(main())
+
+
+def test_only_the_stages_holder_may_push_it_and_refused_pushes_fill_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 41 item 5: a bare client with the join token pushed "stage 0 at step 99,999,999"
+    and stages 40-44 of a two-stage job until the store was full, and the real holder's push
+    was then refused. Now every one of those is refused and logged before a byte is held,
+    and the holder's push fits in a store with room for one stage."""
+    state, holder, outsider = tmp_path / "coordinator", tmp_path / "holder", tmp_path / "outer"
+
+    async def main() -> None:
+        async with coordinator(state, cap_bytes=SIZE + 1000) as (address, svc):
+            job = svc.job.job_id
+            secrets = await running(address, svc, [["h0"], ["h1"]])
+            outsider_secret = await joined(address, "spare")  # joined, in no stage
+            absurd = write_step(outsider, 0, 99_999_999, payload(9), job=job)
+            planted = [absurd] + [write_step(outsider, s, 2, payload(s), job=job)
+                                  for s in range(40, 45)]
+            refused = {
+                "the join token alone": ((), grpc.StatusCode.UNAUTHENTICATED,
+                                         "the join token alone may not push"),
+                "an id that never joined": (pusher_metadata("ghost", "ab" * 32),
+                                            grpc.StatusCode.PERMISSION_DENIED, "has not joined"),
+                "another agent's id": (pusher_metadata("h0", outsider_secret),
+                                       grpc.StatusCode.PERMISSION_DENIED,
+                                       "wrong or missing agent_secret"),
+            }
+            for what, (metadata, code, reason) in refused.items():
+                for m in planted:
+                    caplog.clear()
+                    with caplog.at_level(logging.WARNING):
+                        got, why = await push(address, outsider, job, m, metadata)
+                    assert got in (code, *OR_RACE), (what, m.stage, why)
+                    assert "refused a push" in caplog.text and reason in caplog.text, what
+            # a joined agent pushing stages it does not hold: the spare, and stage 1's holder
+            for agent_id, secret in (("spare", outsider_secret), ("h1", secrets["h1"])):
+                for m in planted[1:]:
+                    caplog.clear()
+                    with caplog.at_level(logging.WARNING):
+                        got, why = await push(address, outsider, job, m,
+                                              pusher_metadata(agent_id, secret))
+                    assert got in (grpc.StatusCode.FAILED_PRECONDITION, *OR_RACE), why
+                    assert f"agent {agent_id} does not hold stage {m.stage}" in caplog.text
+            # the holder itself, at a step the job cannot have reached
+            as_h0 = pusher_metadata("h0", secrets["h0"])
+            with caplog.at_level(logging.WARNING):
+                got, why = await push(address, outsider, job, absurd, as_h0)
+            assert got in (grpc.StatusCode.INVALID_ARGUMENT, *OR_RACE), why
+            assert "trains 100 steps (--steps)" in caplog.text
+            ahead = write_step(holder, 0, 60, payload(60), job=job)  # 0 reported + 50 at most
+            with caplog.at_level(logging.WARNING):
+                got, why = await push(address, holder, job, ahead, as_h0)
+            assert got in (grpc.StatusCode.OUT_OF_RANGE, *OR_RACE), why
+            assert "have reported step 0 at most" in caplog.text
+            assert not svc.copies.held(job)
+            assert not any(ondisk.job_dir(state / "checkpoints", job).rglob("*.pt"))
+
+            # the real holder's push is taken, into the store with room for one stage
+            real = write_step(holder, 0, 40, payload(40), job=job)
+            assert (await push(address, holder, job, real, as_h0))[0] == grpc.StatusCode.OK
+            assert [(c.stage, c.step) for c in svc.copies.held(job)] == [(0, 40)]
+            assert held_on_disk(state, job, 0) == [40]
 
     asyncio.run(main())

@@ -80,3 +80,14 @@ def test_leave_marks_left_without_calling_it_lost(caplog: pytest.LogCaptureFixtu
     assert registry.leave("a", "twice") is rec and changes == ["change"]
     assert registry.leave("nobody", "x") is None
     assert [r.agent_id for r in registry.alive()] == ["b"]
+
+
+def test_a_heartbeat_keeps_no_secret() -> None:
+    """The row feeds every status answer: the report's secret, already checked, is not kept
+    (issue 41 item 1; the whole path with real agents: test_secrets_stay.py)."""
+    registry, _, _ = _registry(Clock())
+    secret = registry.get("a").secret  # type: ignore[union-attr]
+    rec = registry.heartbeat(coordinator_pb2.ProgressReport(agent_id="a", agent_secret=secret,
+                                                            step=3))
+    assert rec is not None and rec.progress.step == 3 and rec.progress.agent_secret == ""
+    assert secret not in str(rec.to_proto())

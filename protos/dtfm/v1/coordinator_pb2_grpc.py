@@ -172,7 +172,10 @@ class CoordinatorServicer:
         sits behind a NAT or firewall): its holder pushes it here (the `Agent` calls of the same
         names and messages, checked the same way), the coordinator keeps the newest step of each
         stage of the running job (within --checkpoint-store-bytes), and agents list and fetch
-        it here as from a peer agent (coordinator/job/checkpointcopies.py).
+        it here as from a peer agent (coordinator/job/checkpointcopies.py). A push is taken only
+        from the stage's holder in the running epoch, proving itself with call metadata
+        `dtfm-agent-id` and `dtfm-agent-secret` (its Welcome's agent_secret; metadata, since the
+        same CheckpointPush goes to peer agents, who must never see it): coordinator/daemon/pushgate.py.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
