@@ -181,6 +181,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = subs["demo"] = sub.add_parser(
         "demo", help="a local cluster on loopback (coordinator + agents) training a small GPT")
     demo.add_arguments(p)
+
+    from coordinator.commands import certs
+
+    p = subs["certs"] = sub.add_parser(
+        "certs", help="make the cluster's TLS CA (certs ca) and sign node certificates "
+        "(certs node) for --tls-cert/--tls-key/--tls-ca")
+    certs.add_arguments(p)
     return parser, subs
 
 
@@ -205,6 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C is how a watch ends
             return 0
 
+    def certs(args: argparse.Namespace) -> int:
+        from coordinator.commands import certs as certs_cmd
+
+        return certs_cmd.run(args)
+
     def report(args: argparse.Namespace) -> int:
         from coordinator.commands.report import run
 
@@ -212,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return flags.dispatch(parser, subs, argv, {
         "start": _start, "status": query, "links": query, "plan": plan, "demo": demo,
-        "report": report, "export": lambda args: flags.run_async(_export(args))})
+        "report": report, "certs": certs, "export": lambda args: flags.run_async(_export(args))})
 
 
 def _add_drift_flags(p: argparse.ArgumentParser) -> None:

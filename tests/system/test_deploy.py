@@ -61,11 +61,29 @@ def test_example_toml_is_accepted_by_the_coordinator(tmp_path: Path) -> None:
     assert args.model == "gpt-1.3b" and args.agents == 64 and args.micro_batches == 8
 
 
-def test_install_script_parses_and_refuses_bad_usage() -> None:
+def test_install_script_parses_and_refuses_bad_usage(tmp_path: Path) -> None:
     script = DEPLOY / "install.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    out = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True)
-    assert out.returncode == 2 and "usage" in out.stderr
+    for args in (["bogus"], ["agent", "0", "--bogus"], ["coordinator", "0"],
+                 ["agent", "x1"], ["agent", "0", "--advertise"]):
+        out = subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", "DESTDIR": str(tmp_path)})
+        assert out.returncode == 2 and "usage" in out.stderr, (args, out.stderr)
+    for env, message in ((dict(PREFIX="opt/dtfm"), "must be an absolute path"),
+                         (dict(PREFIX="/opt/my dtfm"), "may not hold spaces")):
+        out = subprocess.run(["bash", str(script), "coordinator"], capture_output=True,
+                             text=True, env={"PATH": "/usr/bin:/bin", "DESTDIR": str(tmp_path),
+                                             **env})
+        assert out.returncode == 2 and message in out.stderr, (env, out.stderr)
+    assert list(tmp_path.iterdir()) == [], "a refused install writes nothing"
+
+
+def test_units_raise_the_open_files_limit_for_a_thousand_agents() -> None:
+    """systemd's default soft limit (1,024) is what idle connections exhausted (issue 41);
+    the units' comments and docs/operations.md, "Open files", hold the arithmetic."""
+    for unit in ("dtfm-coordinator.service", "dtfm-agent@.service"):
+        limits = re.findall(r"^LimitNOFILE=(\d+)$", (DEPLOY / unit).read_text(), re.M)
+        assert limits and int(limits[0]) >= 22_000 * 2, f"{unit}: LimitNOFILE={limits}"
 
 
 def test_sysctl_file_sets_real_keys_to_well_formed_values() -> None:

@@ -24,12 +24,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
+from dtfm import certs
 from dtfm.procs import terminate_all
-from tests.certs import make_ca, make_leaf
 from tests.daemons import free_port, wait_for
 
-pytestmark = pytest.mark.timeout(120)
+# four installs (venv + pip) and two daemons: minutes on a loaded machine
+pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[2]
 STAGED = ("/etc/dtfm", "/var/lib/dtfm", "/opt/dtfm")
 UNITS = ("dtfm-coordinator.service", "dtfm-agent@.service")
@@ -46,25 +48,27 @@ def _install_env(root: Path) -> dict[str, str]:
     return env
 
 
-def _install(root: Path, *role: str) -> None:
+def _install(root: Path, *role: str) -> str:
     out = subprocess.run(["bash", str(REPO / "deploy" / "install.sh"), *role],
-                         env=_install_env(root), capture_output=True, text=True, timeout=100)
+                         env=_install_env(root), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"install.sh {' '.join(role)} failed:\n{out.stdout}{out.stderr}"
+    return out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Install both roles, note what an upgrade must keep, edit an env file, install again."""
     root = tmp_path_factory.mktemp("destdir")
-    _install(root, "coordinator")
+    _install(root, "coordinator", "--make-certs", "--advertise", "coordinator.test")
     _install(root, "agent", "0")
     etc = root / "etc" / "dtfm"
-    first = {"token": (etc / "token").read_text(), "agent-0": (etc / "agent-0.env").read_text()}
+    first = {"token": (etc / "token").read_text(), "agent-0": (etc / "agent-0.env").read_text(),
+             **{f.name: f.read_bytes() for f in (etc / "tls").iterdir()}}
     with open(etc / "coordinator.env", "a") as f:
         f.write("# edited by the operator\n")
-    _install(root, "coordinator")
+    again = _install(root, "coordinator", "--make-certs")
     _install(root, "agent", "0")
-    return {"root": root, "first": first}
+    return {"root": root, "first": first, "again": again}
 
 
 def test_install_twice_keeps_token_and_env_files(staged: dict) -> None:
@@ -75,9 +79,14 @@ def test_install_twice_keeps_token_and_env_files(staged: dict) -> None:
     assert (etc / "token").stat().st_mode & 0o777 == 0o600
     assert "# edited by the operator" in (etc / "coordinator.env").read_text()
     assert (etc / "agent-0.env").read_text() == staged["first"]["agent-0"]
-    for unit in UNITS:
-        assert (root / "etc/systemd/system" / unit).read_bytes() == \
-            (REPO / "deploy" / unit).read_bytes()
+    for unit in UNITS:  # as shipped, but running the venv the installer built
+        shipped = (REPO / "deploy" / unit).read_text()
+        assert "/opt/dtfm/venv/bin/" in shipped
+        assert (root / "etc/systemd/system" / unit).read_text() == \
+            shipped.replace("/opt/dtfm/", f"{root}/opt/dtfm/")
+    for name in ("ca.pem", "ca.key", "node.pem", "node.key"):
+        assert (etc / "tls" / name).read_bytes() == staged["first"][name], f"{name} replaced"
+    assert "kept" in staged["again"] and "node.pem" in staged["again"]
     src = root / "opt/dtfm/src"
     assert (src / "docs/operations.md").exists() and not (src / ".venv").exists()
 
@@ -86,17 +95,31 @@ def test_installed_units_pass_systemd_analyze_verify(staged: dict, tmp_path: Pat
     tool = shutil.which("systemd-analyze")
     if tool is None:
         pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
-    root: Path = staged["root"]
-    for unit in UNITS:  # the same unit with its paths pointing at the staged files
-        text = (root / "etc/systemd/system" / unit).read_text()
-        for path in STAGED:
-            text = text.replace(path, f"{root}{path}")
-        (tmp_path / unit).write_text(text)
-    for unit in ("dtfm-coordinator.service", "dtfm-agent@.service", "dtfm-agent@0.service"):
-        out = subprocess.run([tool, "verify", str(tmp_path / unit)], capture_output=True,
+    units = staged["root"] / "etc/systemd/system"
+    # the staged units as the installer wrote them; an instance is the template's text
+    shutil.copy(units / "dtfm-agent@.service", tmp_path / "dtfm-agent@0.service")
+    for unit in (units / "dtfm-coordinator.service", units / "dtfm-agent@.service",
+                 tmp_path / "dtfm-agent@0.service"):
+        out = subprocess.run([tool, "verify", str(unit)], capture_output=True,
                              text=True, timeout=60, cwd=tmp_path)
         assert out.returncode == 0 and not out.stderr.strip(), \
             f"systemd-analyze verify {unit}:\n{out.stdout}{out.stderr}"
+
+
+def test_make_certs_writes_the_tls_files_the_env_files_name(staged: dict) -> None:
+    tls = staged["root"] / "etc/dtfm/tls"
+    assert {f.name for f in tls.iterdir()} == {"ca.pem", "ca.key", "node.pem", "node.key"}
+    for key in ("ca.key", "node.key"):
+        assert (tls / key).stat().st_mode & 0o777 == 0o600, key
+    ca = certs.load_ca(tls)
+    node = x509.load_pem_x509_certificate((tls / "node.pem").read_bytes())
+    node.verify_directly_issued_by(ca.cert)
+    sans = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "coordinator.test" in sans.get_values_for_type(x509.DNSName)
+    assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    for line in (staged["root"] / "etc/dtfm/coordinator.env").read_text().splitlines():
+        if line.startswith("DTFM_TLS_"):
+            assert (staged["root"] / line.partition("=")[2].lstrip("/")).is_file(), line
 
 
 def _env_file(path: Path, root: Path) -> dict[str, str]:
@@ -121,18 +144,8 @@ def _unit_env(unit: Path, instance: str, root: Path) -> dict[str, str]:
     return env
 
 
-def _tls(root: Path) -> None:
-    """The TLS files the shipped env files name, made by a throwaway CA."""
-    tls = root / "etc/dtfm/tls"
-    tls.mkdir(exist_ok=True)
-    ca_path, ca_key, ca_cert = make_ca(tls)
-    make_leaf(tls, "node", ca_key, ca_cert)
-    assert ca_path == tls / "ca.pem"
-
-
 def test_installed_entry_points_run_from_the_env_files(staged: dict) -> None:
     root: Path = staged["root"]
-    _tls(root)
     bin_dir, etc = root / "opt/dtfm/venv/bin", root / "etc/dtfm"
     base = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
     base["PYTHONPATH"] = _install_env(root)["PYTHONPATH"]
