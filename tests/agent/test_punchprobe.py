@@ -12,13 +12,15 @@ refused. The punch itself across NATs: tests/system/test_wan_punch_links.py.
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
 import secrets
 import socket
 import threading
 
 import pytest
 
-from agent.punchprobe import Figures, Link, probe
+from agent.punchprobe import Figures, Link, probe, readable_now
 from dtfm.core import dataplane as dp
 from dtfm.relay import Relay
 from protos.dtfm.v1 import coordinator_pb2
@@ -119,3 +121,24 @@ def test_a_command_without_its_ticket_is_a_failed_sample() -> None:
         kind=coordinator_pb2.MEASURE_KIND_PUNCH, peers=[coordinator_pb2.PeerTarget(agent_id="b")])
     sample = asyncio.run(probe("a", cmd, "127.0.0.1:1"))
     assert not sample.reachable and "different dtfm versions" in sample.error
+
+
+def test_a_descriptor_past_1024_is_polled_not_selected() -> None:
+    """The units run the agent with LimitNOFILE=65536 (deploy/): a busy agent's probe socket can
+    be numbered past 1,023, where select(2) raises ValueError and the probe would fail."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard open-file limit is {hard}: no descriptor past 1,024 to try")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 1500)
+    sock = socket.socket(fileno=high)
+    try:
+        assert not readable_now(sock)
+        b.sendall(b"x")
+        assert readable_now(sock)
+    finally:
+        sock.close()
+        a.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
