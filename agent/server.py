@@ -196,6 +196,7 @@ async def serve(config: AgentConfig) -> int:
                                  config.max_backoff_s, state_dir=config.state_dir,
                                  tuning=tuning)
     service.session = session
+    session.data_handoff = handoff
     relay_host = await start_relay(config, info, session)
     if front is not None:
         front.on_data = data_router(handoff, relay_host if relay_host and relay_host.shared
