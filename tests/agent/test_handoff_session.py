@@ -22,6 +22,7 @@ from agent.supervisor import Supervisor
 from dtfm import rpc
 from dtfm.core import dataplane as dp
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.agent.servers import coordinator_server
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "test-token-0123456789abcdef"
@@ -63,10 +64,7 @@ async def _until(cond: Callable[[], bool], what: str) -> None:
 def test_the_session_tells_the_hand_off_its_assignment_and_its_stop(tmp_path: Path) -> None:
     async def main() -> None:
         coordinator = Commanding()
-        server = grpc.aio.server()
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await coordinator_server(coordinator)
         handoff = DataHandoff()
         await handoff.start()
         session = CoordinatorSession(
