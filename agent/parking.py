@@ -42,11 +42,18 @@ _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h)
 
 
 def source_of(sock: socket.socket) -> str:
-    """The source a connection counts against: its peer's IPv4 address, or IPv6 /64."""
+    """The source a connection counts against (`source_key` of its peer's address)."""
     try:
-        host = sock.getpeername()[0]
+        return source_key(sock.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return "unknown"
+
+
+def source_key(host: str) -> str:
+    """An IPv4 address as itself (an IPv4-mapped IPv6 one too), an IPv6 address as its /64."""
+    try:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except (OSError, ValueError, IndexError, TypeError):
+    except ValueError:
         return "unknown"
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
