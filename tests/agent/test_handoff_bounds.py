@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from agent.parking import Parking
+from dtfm.core import dataplane as dp
 from tests.agent.handoffs import LoopAgent, closed, dial_hello, mesh, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,3 +187,31 @@ def test_the_agents_port_keeps_serving_under_1100_hellos_and_1024_descriptors() 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_worker_that_does_not_take_its_connections_neither_stalls_the_agent_nor_gets_them_all(
+        ) -> None:
+    """Connections handed but not yet taken sit in the worker's queue: the agent fills it
+    without blocking, keeps the rest waiting in its lot, and hands them on as it drains."""
+    agent = LoopAgent(epoch=1, wait_s=30.0)
+    worker = dp.connect_handoff(agent.handoff.name, "job-a", 1)  # claims, then reads nothing
+    flood: list[socket.socket] = []
+    try:
+        first = _dial(agent, 1)
+        wait_for(lambda: agent.handoff.handed == 1, "the claim to take effect")
+        flood = [first] + [_dial(agent, 1, source=f"127.0.2.{i % 5}") for i in range(149)]
+        queued = agent.handoff.handed
+        assert 10 <= queued <= 100 and len(agent.handoff.parking) == 150 - queued, queued
+        with dial_hello(agent.port, 2, "job-made-up") as s:  # the agent's loop still serves
+            assert closed(s, timeout_s=2)
+        worker.settimeout(10)
+        for _ in range(150):  # the worker drains its queue: the rest follows, none lost
+            handed = dp.receive_handed(worker)
+            assert handed is not None
+            handed.close()
+        assert agent.handoff.handed == 150 and len(agent.handoff.parking) == 0
+    finally:
+        worker.close()
+        for s in flood:
+            s.close()
+        agent.close()
