@@ -197,6 +197,7 @@ async def serve(config: AgentConfig) -> int:
                                  tuning=tuning)
     service.session = session
     pushes.identity = lambda: (agent_id, session.secret)  # proves pushes to the coordinator
+    session.data_handoff = handoff
     relay_host = await start_relay(config, info, session)
     if front is not None:
         front.on_data = data_router(handoff, relay_host if relay_host and relay_host.shared

@@ -15,6 +15,7 @@ import random
 import grpc
 
 from agent import punchprobe
+from agent.datahandoff import DataHandoff
 from agent.identity import SecretFile
 from agent.linkprobe import measure_peer
 from agent.relayhost import RelayHost
@@ -50,6 +51,8 @@ class CoordinatorSession:
         self.security = security
         self.supervisor = supervisor
         self.relay_host: RelayHost | None = None  # the relay it serves (--relay-port)
+        # where its port's data-plane connections wait for the worker (None: --data-port)
+        self.data_handoff: DataHandoff | None = None
         self.max_backoff_s = max_backoff_s
         self.connected = False
         self.heartbeat_interval_s = 1.0
@@ -126,10 +129,14 @@ class CoordinatorSession:
             resolve_relay(a, self.target)
             if self.relay_host is not None:
                 self.relay_host.admit(a)
+            if self.data_handoff is not None:  # before the worker starts: peers may dial now
+                self.data_handoff.hold(a.job_id, a.epoch)
             log.info("assignment: job %s epoch %d rank %d stage %d replica %d",
                      a.job_id, a.epoch, a.rank, a.stage, a.replica)
             self._spawn(self.supervisor.start(a))
         elif kind == "stop":
+            if self.data_handoff is not None:
+                self.data_handoff.release()
             self._spawn(self.supervisor.stop(command.stop.reason or "coordinator said stop"))
         elif kind == "reach":
             self._reached(command.reach)

@@ -108,6 +108,7 @@ def _data_case(shared: bool, mib: int) -> dict[str, float]:
     try:
         if shared:
             handoff = DataHandoff()
+            handoff.hold("bench", 1)  # as the agent does on its assignment
             front = Front(data_router(handoff, None))
             loop.call(handoff.start())
             port = loop.call(front.start("127.0.0.1", 0, "no-grpc"))

@@ -22,6 +22,7 @@ from agent.session import CoordinatorSession
 from agent.supervisor import Supervisor
 from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.agent.servers import coordinator_server
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "test-token-0123456789abcdef"
@@ -46,10 +47,7 @@ def test_a_cancelled_session_ends_instead_of_rejoining(tmp_path: Path,
                                                        server_stops_first: bool) -> None:
     async def main() -> None:
         servicer = HoldingCoordinator()
-        server = grpc.aio.server()
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await coordinator_server(servicer)
         session = CoordinatorSession(
             common_pb2.AgentInfo(agent_id="vm-test", host="127.0.0.1", port=1),
             f"127.0.0.1:{port}", rpc.Security(token=TOKEN),
