@@ -103,8 +103,8 @@ def tokenizer_dir(model_dir: Path) -> Path:
 
     if (model_dir / TOKENIZER_NAME).is_file() or not lora.is_adapter_dir(model_dir):
         return model_dir
-    config = json.loads((model_dir / lora.ADAPTER_CONFIG).read_text())
-    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    config = lora.read_adapter_config(model_dir, "--model-dir")  # bad JSON: names the file
+    base = config.get("base_model_name_or_path")
     return Path(base) if isinstance(base, str) and base else model_dir
 
 

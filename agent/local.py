@@ -36,6 +36,7 @@ from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
 from dtfm.core.fingerprint import is_local_job, local_job_id
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
+from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.presets import PRESETS
 from dtfm.core.spec import SYNC_AUTO, TrainConfig
 from dtfm.core.tokenfiles import SPLITS, check_data_path
@@ -147,6 +148,9 @@ class LocalJob:
         self.spec = resolve_spec(args.model or ("" if self.train.init_from else DEFAULT_MODEL),
                                  self.train.init_from, self.train.seq_len)
         lora.check(self.train, self.spec)
+        if self.train.lora_init:  # its tensors must be the adapters the job says, here
+            check_adapter_dir(self.train.lora_init, self.spec, self.train,
+                              "--lora-init" if args.lora_init else "--init-from")
         self.init_hash = ""
         if self.train.init_from:
             check_dir(self.train.init_from)
@@ -234,7 +238,8 @@ class LocalJob:
 
     def _plan_export(self, args: argparse.Namespace) -> Path | None:
         """--export-dir: checked before training (a non-empty directory is refused unless
-        --force); the stages' weights come from their checkpoints of the last step, in the
+        --force, the base model or a directory holding it or inside it always, an unwritable
+        place too); the stages' weights come from their checkpoints of the last step, in the
         workdir unless --checkpoint-dir names a place."""
         if args.export_merged and not (args.export_dir and self.train.lora_rank):
             raise ValueError("--export-merged writes a LoRA job's base with its adapters "
@@ -244,7 +249,9 @@ class LocalJob:
         if self.train.checkpoint_every == 0:
             raise ValueError("--export-dir needs the last step's checkpoint, which "
                              "--checkpoint-every 0 turns off: drop it")
-        hfexport.check_destination(args.export_dir, args.force)
+        hfexport.check_not_base(args.export_dir, self.train.init_from, "--export-dir")
+        hfexport.check_destination(args.export_dir, args.force, "--export-dir")
+        hfexport.make_parent(args.export_dir, "--export-dir")  # writable: not after training
         if args.tokenizer:
             hfexport.tokenizer_sources(args.tokenizer)
         return Path(args.export_dir).resolve()

@@ -34,6 +34,7 @@ from dtfm.core.hfconfig import (
     spec_from_hf_config,
 )
 from dtfm.core.hfdir import check_weights
+from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.spec import ModelSpec, TrainConfig
 
 
@@ -52,15 +53,17 @@ class LoadedModel:
     @classmethod
     def load(cls, model_dir: str | Path, log: Callable[[str], None] = lambda _: None
              ) -> LoadedModel:
-        root, adapters = Path(model_dir), None
+        root, adapters, cfg = Path(model_dir), None, None
         if spec_lora.is_adapter_dir(root):  # a peft adapter directory: its base, merged
             cfg = spec_lora.from_adapter_dir(TrainConfig(init_from=str(root)), "--model-dir")
-            adapters = cfg, lora.read_adapter_dir(cfg.lora_init)
             log(f"{root} is a LoRA adapter (rank {cfg.lora_rank}) of {cfg.init_from}")
             root = Path(cfg.init_from)
         config = read_hf_config(root)
         spec = spec_from_hf_config(config)
         check_weights(spec, root, "--model-dir")  # before allocating what config.json says
+        if cfg is not None:  # its tensors must be the adapters its config says, on this base
+            check_adapter_dir(cfg.lora_init, spec, cfg, "--model-dir")
+            adapters = cfg, lora.read_adapter_dir(cfg.lora_init)
         gen_path = root / GENERATION_CONFIG_FILE
         gen = read_json(gen_path) if gen_path.is_file() else None
         t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -177,12 +178,16 @@ def adapter_state(tensors: Mapping[str, torch.Tensor], stage: nn.Module, spec: M
     index, so each lands on its layer whatever the cut, and `checkpoint.merge_states` refuses
     the whole when a layer's adapters are in none of the pieces."""
     out = {}
-    for peft, ours, _ in _adapters(stage, spec, cfg):
+    for peft, ours, param in _adapters(stage, spec, cfg):
         if peft not in tensors:
             if piece:
                 continue
             raise ValueError(f"the LoRA checkpoint lacks adapter {peft}: it was written with "
                              f"other --lora-targets or layers than this job's")
+        if tensors[peft].shape != param.shape:  # another rank: torch's error names neither
+            raise ValueError(f"the LoRA adapters' {peft} has shape {list(tensors[peft].shape)}, "
+                             f"but this job's --lora-rank {cfg.lora_rank} needs "
+                             f"{list(param.shape)}: they were trained with another rank")
         out[ours] = tensors[peft]
     return out
 
@@ -205,7 +210,13 @@ def read_adapter_dir(path: str, check_only: bool = False) -> dict[str, torch.Ten
         raise ValueError(f"--lora-init {path}: no {spec_lora.ADAPTER_WEIGHTS} there on this "
                          f"machine (every agent needs its own copy of the adapter directory, "
                          f"like --init-from)")
-    return {} if check_only else load_file(str(weights))
+    if check_only:
+        return {}
+    try:
+        return load_file(str(weights))
+    except SafetensorError as exc:
+        raise ValueError(f"--lora-init {path}: {weights} is not a readable safetensors file "
+                         f"({exc})") from None
 
 
 @torch.no_grad()

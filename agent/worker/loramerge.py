@@ -16,12 +16,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from agent.worker import lora
 from agent.worker.hfload import load_parts_from_hf, stage_tensors_hf
 from agent.worker.stage import Stage
-from dtfm.core.hfexport import ExportSource, StageFile, write_export
+from dtfm.core.hfexport import (
+    ExportError,
+    ExportSource,
+    StageFile,
+    check_destination,
+    make_parent,
+    write_export,
+)
 from dtfm.core.spec import ModelSpec, TrainConfig
 
 
@@ -40,16 +48,24 @@ def write_merged_export(out: str | Path, spec: ModelSpec, cfg: TrainConfig,
                         files: Sequence[StageFile], *, source: ExportSource | None = None,
                         force: bool = False,
                         progress: Callable[[str], None] | None = None) -> Path:
-    """Write `out` from the stages' adapter files: base + merged adapters, HF layout."""
+    """Write `out` from the stages' adapter files: base + merged adapters, HF layout. The
+    merged weights go to a temporary file beside `out` first: a place that cannot take it
+    (unwritable, full) is an ExportError saying so, never the writer's own exception."""
+    out = Path(out).absolute()
+    check_destination(out, force)
+    parent = make_parent(out)  # before the merge: an unwritable place fails first and fast
     adapters: dict[str, torch.Tensor] = {}
     for f in files:
         adapters.update(load_file(str(f.path)))
     model = merged_model(spec, cfg, adapters)
-    out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.merged-{os.getpid()}-{secrets.token_hex(4)}.safetensors"
+    tmp = parent / f".{out.name}.merged-{os.getpid()}-{secrets.token_hex(4)}.safetensors"
     try:
-        save_file(stage_tensors_hf(model.parts(), spec), str(tmp))
+        try:
+            save_file(stage_tensors_hf(model.parts(), spec), str(tmp))
+        except (OSError, SafetensorError) as exc:
+            raise ExportError(f"writing the merged weights to {tmp} failed ({exc}): give an "
+                              f"export directory on a disk you can write, with room for the "
+                              f"whole model") from None
         return write_export(out, spec, [StageFile(0, tmp)], source=source, force=force,
                             progress=progress)
     finally:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
+from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
@@ -112,12 +114,7 @@ class JobConfig:
             raise ConfigError("--export-merged writes a LoRA job's base with its adapters "
                               "merged: give it with --export-dir and --lora-rank")
         if self.export_dir:
-            from dtfm.core.hfexport import ExportError, check_destination
-
-            try:
-                check_destination(self.export_dir, force=False)
-            except ExportError as exc:
-                raise ConfigError(f"--export-dir: {exc}") from None
+            self._check_export_dir()
         self.drift.validate()
         if not self.model:
             return
@@ -159,6 +156,8 @@ class JobConfig:
         try:
             self.train.validate(layout.replicas)
             lora.check(self.train, spec)
+            if self.train.lora_init and Path(self.train.lora_init).exists():  # else: workers'
+                check_adapter_dir(self.train.lora_init, spec, self.train)
         except ValueError as exc:
             raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
                               f"{layout.replicas} replicas)") from None
@@ -177,11 +176,21 @@ class JobConfig:
             raise ConfigError(str(exc)) from None
 
 
+    def _check_export_dir(self) -> None:
+        """--export-dir, before any training: new or empty, writable, and not the base model
+        (nor a directory holding it or inside it), which the export would replace."""
+        from dtfm.core.hfexport import ExportError, check_destination, check_not_base, make_parent
+
+        try:
+            check_not_base(self.export_dir, self.train.init_from, "--export-dir")
+            check_destination(self.export_dir, False, "--export-dir")
+            make_parent(self.export_dir, "--export-dir")
+        except ExportError as exc:
+            raise ConfigError(str(exc)) from None
+
     def _check_init_from(self) -> None:
         """--init-from: the spec from config.json (refusing a --model that disagrees), the
         hash every worker's copy must match, and an absolute path (workers run elsewhere)."""
-        from pathlib import Path
-
         from dtfm.core.hfdir import dir_hash
 
         self.train.init_from = str(Path(self.train.init_from).absolute())

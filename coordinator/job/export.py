@@ -24,7 +24,8 @@ mirror), on their own disks. So an export needs no shared storage and no torch:
    `agent local --export-dir` writes.
 
 Everything the caller gave is checked before anything is fetched: the destination (not empty,
-writable: not under /proc), the tokenizer. The download goes to a private temporary folder
+writable: not under /proc; for a LoRA job, not its base, a directory holding it or one inside
+it, which the export would replace), the tokenizer. The download goes to a private temporary folder
 beside the destination; the folder holding the destination keeps its mode.
 
 It works while the job trains: a checkpoint step, once its manifest is listed, is immutable
@@ -54,6 +55,7 @@ from dtfm.core.hfexport import (
     ExportSource,
     StageFile,
     check_destination,
+    check_not_base,
     export_source,
     make_parent,
     tokenizer_sources,
@@ -282,6 +284,8 @@ async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rp
     spec = ModelSpec.from_proto(job.model_spec)
     check_inputs(out, force)
     lora = _lora_config(job, spec, merged, where)
+    if lora is not None:  # an adapter written over its base would have none
+        check_not_base(out, lora.init_from)
     source = _source_for(job, tokenizer, where, say)
     parent = Path(out).absolute().parent
     try:

@@ -201,14 +201,39 @@ def weight_map(spec: ModelSpec, files: Sequence[StageFile]) -> tuple[dict[str, s
     return where, total
 
 
-def check_destination(out: str | Path, force: bool) -> None:
-    """Refuse an existing non-empty `out` unless `force` (before any work is done)."""
+def check_destination(out: str | Path, force: bool, flag: str = "--out") -> None:
+    """Refuse an existing non-empty `out` unless `force` (before any work is done); `flag`:
+    the flag the user gave it with (`--export-dir`, `--out`)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory")
+        raise ExportError(f"{flag} {out} exists and is not a directory: give a new or empty "
+                          f"directory")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} exists and is not empty: give an empty or new "
+        raise ExportError(f"{flag} {out} exists and is not empty: give an empty or new "
                           f"directory, or --force to replace it")
+
+
+def check_not_base(out: str | Path, base: str | Path, flag: str = "--out",
+                   base_flag: str = "--init-from") -> None:
+    """Refuse (ExportError) an export destination that is the model the job started from,
+    holds it, or lies inside it (symlinks resolved): the export replaces `out` whole, so the
+    base, which a LoRA adapter needs beside it, would be lost. Nothing to check without a
+    base."""
+    if not base:
+        return
+    o, b = Path(out).resolve(), Path(base).resolve()
+    if o == b:
+        where = "is"
+    elif o in b.parents:
+        where = "holds"
+    elif b in o.parents:
+        where = "is inside"
+    else:
+        return
+    raise ExportError(f"{flag} {out} {where} the base model {base_flag} {base}: the export "
+                      f"replaces {out} whole, which would destroy the model the job starts "
+                      f"from (and that an adapter export needs as its base); give a "
+                      f"directory outside {b}")
 
 
 def tokenizer_sources(tokenizer: str | Path) -> list[Path]:
@@ -225,7 +250,7 @@ def tokenizer_sources(tokenizer: str | Path) -> list[Path]:
                       f"one of {', '.join(TOKENIZER_FILES)}")
 
 
-def make_parent(out: str | Path) -> Path:
+def make_parent(out: str | Path, flag: str = "--out") -> Path:
     """Create the directory that will hold `out` (its missing parents) and prove it takes a
     new folder, before any work is done; ExportError naming `out` and what to do when not
     (under /proc or /sys, a read-only disk, a file in the way). Returns it."""
@@ -236,7 +261,7 @@ def make_parent(out: str | Path) -> Path:
         probe.mkdir()
         probe.rmdir()
     except OSError as exc:
-        raise ExportError(f"--out {out}: cannot write a directory in {parent} "
+        raise ExportError(f"{flag} {out}: cannot write a directory in {parent} "
                           f"({exc.strerror or exc}): give a directory on a disk you can "
                           f"write") from None
     return parent

@@ -25,6 +25,7 @@ flags needs to know.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -127,13 +128,35 @@ def peft_name(spec: ModelSpec, layer: int, proj: Projection, which: str) -> str:
     return f"{PEFT_PREFIX}{layer_prefix(spec, layer)}.{proj.theirs}.lora_{which}.weight"
 
 
+def max_rank(spec: ModelSpec, targets: str = "") -> tuple[int, Projection]:
+    """The largest rank the projections `targets` adapts can take, and the projection that
+    bounds it: a rank above a Linear's smaller side (min of in and out features) adds no
+    expressiveness, only memory (B A is at most that rank anyway)."""
+    smallest = min(targeted(spec, targets), key=lambda p: min(p.in_features, p.out_features))
+    return min(smallest.in_features, smallest.out_features), smallest
+
+
 def check(cfg: TrainConfig, spec: ModelSpec) -> None:
-    """Raise ValueError naming the flag, for LoRA settings this model cannot train with."""
+    """Raise ValueError naming the flag, for LoRA settings this model cannot train with: a
+    LoRA flag without --lora-rank (it would be silently ignored), targets naming no module, a
+    rank above the adapted projections' sizes."""
     if not cfg.lora_rank:
-        if cfg.lora_targets:
-            raise ValueError("--lora-targets applies with --lora-rank R > 0")
+        defaults = TrainConfig()
+        for flag, given, default in (("--lora-targets", cfg.lora_targets, ""),
+                                     ("--lora-alpha", cfg.lora_alpha, defaults.lora_alpha),
+                                     ("--lora-dropout", cfg.lora_dropout,
+                                      defaults.lora_dropout)):
+            if given != default:
+                raise ValueError(f"{flag} applies with --lora-rank R > 0, which is not given "
+                                 f"(full fine-tuning would ignore {flag}): add --lora-rank, or "
+                                 f"drop {flag}")
         return
-    targeted(spec, cfg.lora_targets)
+    bound, proj = max_rank(spec, cfg.lora_targets)
+    if cfg.lora_rank > bound:
+        raise ValueError(f"--lora-rank {cfg.lora_rank} exceeds {bound}, the smaller side of "
+                         f"{proj.theirs} ({proj.in_features} in x {proj.out_features} out in "
+                         f"{spec.name}), the smallest projection it adapts: a rank above that "
+                         f"adds only memory; give --lora-rank {bound} or less")
 
 
 def adapter_config(spec: ModelSpec, cfg: TrainConfig, base: str) -> dict[str, Any]:
@@ -173,7 +196,9 @@ _PLAIN = {"bias": "none", "use_dora": False, "use_rslora": False, "modules_to_sa
           "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
 
 
-def _read_adapter_config(d: Path, flag: str) -> dict[str, Any]:
+def read_adapter_config(d: Path, flag: str) -> dict[str, Any]:
+    """`d`'s adapter_config.json, checked to be a LoRA adapter dtfm can continue; ValueError
+    naming `flag`, the directory and the file otherwise (unreadable JSON included)."""
     where = f"{flag} {d}"
     try:
         config = json.loads((d / ADAPTER_CONFIG).read_text())
@@ -193,6 +218,11 @@ def _read_adapter_config(d: Path, flag: str) -> dict[str, Any]:
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
         raise ValueError(f"{where}: {ADAPTER_CONFIG}'s target_modules must be a list of module "
                          f"names (dtfm does not take a regular expression), got {targets!r}")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not (
+            alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"{where}: {ADAPTER_CONFIG}'s lora_alpha must be a number > 0, got "
+                         f"{alpha!r}")
     if not (d / ADAPTER_WEIGHTS).is_file():
         raise ValueError(f"{where}: it has no {ADAPTER_WEIGHTS} (save the adapter with "
                          f"peft's save_pretrained(..., safe_serialization=True))")
@@ -212,7 +242,7 @@ def from_adapter_dir(cfg: TrainConfig, flag: str = "--init-from") -> TrainConfig
     if cfg.lora_init:
         raise ValueError(f"--init-from {d} is an adapter directory and --lora-init "
                          f"{cfg.lora_init} another: give one")
-    config = _read_adapter_config(d, flag)
+    config = read_adapter_config(d, flag)
     base = str(config.get("base_model_name_or_path") or "")
     if not base or not (Path(base) / "config.json").is_file():
         raise ValueError(f"{flag} {d} is a peft adapter directory whose base {base!r} "

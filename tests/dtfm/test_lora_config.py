@@ -133,3 +133,17 @@ def test_coordinator_start_export_merged_needs_a_lora_job_and_export_dir(
                              "--lora-rank", "4", "--export-dir", str(tmp_path / "x")])
     JobConfig(model=args.model, agents=args.agents, train=flags.train_config_from_args(args),
               export_dir=args.export_dir, export_merged=args.export_merged).validate()
+
+
+def test_the_rank_is_bounded_by_the_adapted_projections_smaller_side() -> None:
+    """issue 41: --lora-rank 100000 on a width-64 model was accepted and never finished a
+    step. The bound is the smallest side among the projections the targets adapt."""
+    bound, proj = lora.max_rank(GPT)
+    assert (bound, proj.theirs) == (GPT.d_model, "attn.c_attn")
+    lora.check(TrainConfig(lora_rank=bound), GPT)  # at the bound: fine
+    with pytest.raises(ValueError, match=rf"--lora-rank {bound + 1} exceeds {bound}"):
+        lora.check(TrainConfig(lora_rank=bound + 1), GPT)
+    kv = LLAMA.kv_heads * LLAMA.head_size  # k_proj / v_proj are d_model x kv
+    assert lora.max_rank(LLAMA)[0] == min(kv, LLAMA.d_model)
+    assert lora.max_rank(LLAMA, "q_proj")[0] == LLAMA.d_model
+    lora.check(TrainConfig(lora_rank=LLAMA.d_model, lora_targets="q_proj"), LLAMA)
