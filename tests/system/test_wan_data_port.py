@@ -29,11 +29,8 @@ LIAR_PORT = AGENT_PORT + 1
 
 
 def _rows(cluster: WanCluster) -> dict[str, dict[str, Any]] | None:
-    try:
-        agents = cluster.cli("status", "--json", timeout=15)["agents"]
-    except (RuntimeError, subprocess.TimeoutExpired):
-        return None
-    rows = {a["address"]: a for a in agents if a["state"] == "alive"}
+    status = cluster.status()  # None while the coordinator does not answer
+    rows = {a["address"]: a for a in status["agents"] if a["state"] == "alive"} if status else {}
     liar = rows.get(f"{cluster.wan.address(1)}:{LIAR_PORT}")
     return rows if liar is not None and "is not used" in liar["reach"]["summary"] else None
 
