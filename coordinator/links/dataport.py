@@ -8,8 +8,9 @@ stale"), every epoch failed, and the honest agent's worker was the one that repo
 
 So the coordinator checks the port when the agent joins, beside the reachability dial-back
 (coordinator/links/reachability.py): where the dial-back does not already cover it (a port of
-its own, or an operator's `--reachable yes|no`, which skips the dial-back) it pings the data
-address once on a fresh channel (`dtfm.reach.answering`). An answer from another agent's id
+its own, or an operator's `--reachable yes`, which skips the dial-back; with `--reachable no`
+no peer is ever told to dial it) it pings the data address once on a fresh channel
+(`dtfm.reach.answering`). An answer from another agent's id
 proves the address is someone else's: the port is refused (`AgentRecord.data_port_refused`,
 so `data_port` reads 0 and the agent's workers only dial out), the coordinator logs a warning
 naming the agent, the port and who holds it, and the agent's reachability line says it. No
@@ -37,11 +38,13 @@ def data_address(rec: AgentRecord) -> str:
 
 
 def needs_check(rec: AgentRecord) -> bool:
-    """Whether the data port needs a dial of its own: the reachability dial-back covers it
-    only when it is the gRPC port and the dial-back runs (no operator override)."""
-    return rec.info.data_port > 0 and (
-        rec.info.data_port != rec.info.port
-        or rec.info.reachable != common_pb2.REACH_OVERRIDE_AUTO)
+    """Whether the data port needs a dial of its own: peers may be told to dial it (not
+    `--reachable no`), and the reachability dial-back does not cover it (a port of its own,
+    or `--reachable yes`, which skips the dial-back)."""
+    reachable = rec.info.reachable
+    return (rec.info.data_port > 0 and reachable != common_pb2.REACH_OVERRIDE_NO
+            and (rec.info.data_port != rec.info.port
+                 or reachable == common_pb2.REACH_OVERRIDE_YES))
 
 
 async def check(rec: AgentRecord, security: rpc.Security,

@@ -14,8 +14,9 @@ coordinator), so the verdicts firm up as agents arrive.
 Agents are told apart by id only: a dial counts only when the answer comes from the id that
 was meant (`dtfm.reach.dial`), since agents behind different NATs often advertise the same
 private address. An agent started with `--reachable yes|no` is not dialled: the operator's
-word is the verdict. Its data port is checked either way, where this dial-back does not
-cover it (coordinator/links/dataport.py): one another agent answers at is not used.
+word is the verdict. Its data port is checked either way where peers may be told to dial it
+and this dial-back does not cover it (coordinator/links/dataport.py): one another agent
+answers at is not used.
 """
 
 from __future__ import annotations

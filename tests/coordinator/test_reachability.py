@@ -11,6 +11,7 @@ import pytest
 from agent.server import AgentService, registrar
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job.dataplane import accepts
+from coordinator.links import dataport
 from coordinator.links.reachability import ReachChecker
 from dtfm import reach, rpc
 from dtfm.rpc import free_port
@@ -107,6 +108,15 @@ def test_a_data_port_another_agent_answers_at_is_refused() -> None:
     assert not accepts(liar)
     assert quiet.data_port == quiet.info.data_port > 0 and not quiet.data_port_refused
     assert accepts(quiet)
+    # what needs a dial of its own: not a port the dial-back covers, nor one never dialled
+    no, auto = common_pb2.REACH_OVERRIDE_NO, common_pb2.REACH_OVERRIDE_AUTO
+    shared = common_pb2.AgentInfo(agent_id="s", port=7071, data_port=7071, reachable=auto)
+    assert not dataport.needs_check(AgentRecord(shared, 0, 0))
+    assert dataport.needs_check(AgentRecord(liar.info, 0, 0))  # --reachable yes
+    own = common_pb2.AgentInfo(agent_id="o", port=7071, data_port=9000, reachable=auto)
+    assert dataport.needs_check(AgentRecord(own, 0, 0))
+    own.reachable = no
+    assert not dataport.needs_check(AgentRecord(own, 0, 0))
     again = Registry(liveness_timeout_s=10)
     row = again.join(liar.info)
     row.data_port_refused = "x"
