@@ -54,18 +54,42 @@ async def identified(stub: agent_pb2_grpc.AgentStub, agent_id: str, address: str
                      timeout_s: float = DIAL_TIMEOUT_S) -> str:
     """One `Agent.Ping` on `stub` (a channel to `address`): "" when `agent_id` itself answered,
     else why not, in words (it did not answer, or another agent sits at that address)."""
+    answered, error = await _ping(stub, timeout_s, f"agent {agent_id} at {address}")
+    if error:
+        return error
+    if answered != agent_id:
+        return clip(f"{address} answered as agent {answered}, not "
+                    f"{agent_id}: another agent sits at the address {agent_id} advertises")
+    return ""
+
+
+async def answering(address: str, security: rpc.Security,
+                    timeout_s: float = DIAL_TIMEOUT_S) -> str:
+    """The id of the agent that answers `Agent.Ping` at `address` (a fresh channel, as in
+    `dial`); "" when no agent answers there (nothing listens, or something that is not an
+    agent's gRPC server: a worker's own data-plane listener, say)."""
+    try:
+        async with rpc.open_channel(address, security) as channel:
+            answered, error = await _ping(agent_pb2_grpc.AgentStub(channel), timeout_s,
+                                          address)
+    except (ValueError, OSError):
+        return ""
+    return "" if error else answered
+
+
+async def _ping(stub: agent_pb2_grpc.AgentStub, timeout_s: float, who: str
+                ) -> tuple[str, str]:
+    """(the id in the answer, "") when the nonce came back, else ("", why not: `who` names
+    the one dialled)."""
     try:
         nonce = secrets.randbits(63)
         reply = await stub.Ping(agent_pb2.PingRequest(nonce=nonce), timeout=timeout_s,
                                 wait_for_ready=False)
     except grpc.aio.AioRpcError as exc:
-        return clip(rpc.describe_rpc_error(exc, f"agent {agent_id} at {address}"))
-    if reply.agent_id != agent_id:
-        return clip(f"{address} answered as agent {reply.agent_id or '(no id)'}, not "
-                    f"{agent_id}: another agent sits at the address {agent_id} advertises")
+        return "", clip(rpc.describe_rpc_error(exc, who))
     if reply.nonce != nonce:
-        return clip(f"agent {agent_id} at {address} echoed the wrong nonce")
-    return ""
+        return "", clip(f"{who} echoed the wrong nonce")
+    return reply.agent_id or "(no id)", ""
 
 
 def result(dialer: str, error: str) -> common_pb2.DialResult:

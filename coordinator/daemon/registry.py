@@ -51,6 +51,9 @@ class AgentRecord:
     why: str = ""  # why it is lost or left (for the log line when it comes back)
     # whether peers can dial it back (coordinator/links/reachability.py keeps it current)
     reach: common_pb2.ReachStatus = field(default_factory=common_pb2.ReachStatus)
+    # why its advertised data port is not handed to peers ("": it is): another agent
+    # answered there (coordinator/links/dataport.py); cleared by a re-join, which checks again
+    data_port_refused: str = ""
 
     def proves(self, secret: str) -> bool:
         """Whether `secret` is this agent's (constant time, so it cannot be guessed bytewise)."""
@@ -59,6 +62,11 @@ class AgentRecord:
     @property
     def agent_id(self) -> str:
         return self.info.agent_id
+
+    @property
+    def data_port(self) -> int:
+        """The data port peers may be told to dial: the advertised one, 0 once refused."""
+        return 0 if self.data_port_refused else self.info.data_port
 
     @property
     def address(self) -> str:
@@ -153,6 +161,7 @@ class Registry:
             rec.last_seen = now
             rec.state = ALIVE
             rec.why = ""
+            rec.data_port_refused = ""
             rec.commands.put_nowait(None)  # type: ignore[arg-type]  # ends the old stream
             rec.commands = asyncio.Queue()
             rec.secret = secrets.token_hex(32)

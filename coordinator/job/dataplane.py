@@ -9,7 +9,8 @@ the agent's `--reachable`):
 - every member reachable (EVERYWHERE, or not checked: UNKNOWN): gloo on CPU, NCCL when
   every member has a GPU, exactly as before (fastest where every pair can dial);
 - any member NOWHERE or SOME_PEERS: the "dtfm" backend (agent/worker/transport). One found
-  reachable (EVERYWHERE) listens on its advertised host at its `data_port`, for everyone;
+  reachable (EVERYWHERE) listens on its advertised host at its `data_port`, for everyone
+  (unless that port was refused: another agent answers there, coordinator/links/dataport.py);
   one not checked yet (UNKNOWN) dials out, which always works. An undialable member
   (SOME_PEERS, or NOWHERE) listens for the members that got through to it only
   (`DataPlane.limited` and `.direct`, from `relayed.direct_dials`: the dialer's dial-back of
@@ -141,9 +142,9 @@ def peer_table(records: Sequence[AgentRecord], direct: set[tuple[str, str]]) -> 
     the rest dial."""
     rank = {r.agent_id: k for k, r in enumerate(records)}
     pairs = {(rank[a], rank[b]) for a, b in direct if a in rank and b in rank
-             and records[rank[b]].info.data_port > 0 and not accepts(records[rank[b]])}
+             and records[rank[b]].data_port > 0 and not accepts(records[rank[b]])}
     limited = {b for _, b in pairs}
-    listen = [member_address(r.info.host, r.info.data_port) if accepts(r) or k in limited
+    listen = [member_address(r.info.host, r.data_port) if accepts(r) or k in limited
               else "" for k, r in enumerate(records)]
     return PeerTable(listen, limited, pairs)
 
@@ -215,7 +216,12 @@ def by_rank(records: Sequence[AgentRecord], routes: Mapping[tuple[str, str], str
 def accepts(rec: AgentRecord) -> bool:
     """Whether peers may dial this agent's data port (it advertised one and was found
     reachable from everywhere)."""
-    return rec.reach.verdict == reach.EVERYWHERE and rec.info.data_port > 0
+    return rec.reach.verdict == reach.EVERYWHERE and rec.data_port > 0
+
+
+def why_dials(rec: AgentRecord) -> str:
+    """Why a member that does not accept connections only dials, in a word or three."""
+    return "data port refused" if rec.data_port_refused else reach.NAMES[rec.reach.verdict]
 
 
 def needs_dtfm(rec: AgentRecord) -> bool:
@@ -358,7 +364,7 @@ class DataPlanes:
         if backend != DTFM:
             return EpochPlane(backend)
         relayed = [r.agent_id for r in records if not accepts(r)]
-        cut_off = ", ".join(f"{r.agent_id} ({reach.NAMES[r.reach.verdict]})"
+        cut_off = ", ".join(f"{r.agent_id} ({why_dials(r)})"
                             for r in records if not accepts(r)) or "none"
         gpu = all_gpu(records)
         table = peer_table(records, direct_dials(records, probes))

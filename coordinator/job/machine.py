@@ -237,11 +237,11 @@ class Job:
                 steps.append(report)  # step 1 carries warm-up; later ones are steady
                 self.replan.observe(rec.agent_id, report)
             failed = WorkerState.from_wire(report.worker_state) is WorkerState.FAILED
-            kind = report.error_kind or "internal"
+            why, kind = (rootcause.worker_failure(rec.agent_id, report, self.members,
+                                                  self.registry) if failed else ("", ""))
             if failed and (not self._failure or rootcause.outranks(kind, self._failure_kind)):
                 self._failure_at = self._failure_at if self._failure else time.monotonic()
-                self._failure = f"worker on {rec.agent_id} failed: {report.error or 'no reason'}"
-                self._failure_kind = kind
+                self._failure, self._failure_kind = why, kind
             self.poke()
 
     def on_lost(self, lost: list[AgentRecord]) -> None:

@@ -14,14 +14,32 @@ the real error failed the job; a lost agent showed as a survivor's gloo error. S
   interval and a margin (`hold_s`), so every member's report of the same fault has arrived;
 - an agent found lost after the recovery began, among the members that failed, becomes the
   recovery's reason (`lost_reason`): the registry notices a silent agent only after its
-  liveness timeout, long after its neighbours' errors arrived.
+  liveness timeout, long after its neighbours' errors arrived;
+- a worker that dialled rank W's peer-table entry and was answered by rank A ("the peer table
+  is stale", dtfm/core/staleentry.py) is not at fault: rank W's agent advertised an address
+  agent A holds. Where the coordinator's own records bear that out (W's data address is one
+  of A's), the failure names W's agent (`MISDIRECTED`, acted on at once, never permanent) and
+  W's data port is refused (coordinator/links/dataport.py), so the next epoch's workers dial
+  W's rank never again at A's port; it only dials out (`worker_failure`, `stale_entry`).
 """
 
 from __future__ import annotations
 
-from dtfm.core.causes import CAUSES, EXPLAINED_BY_OTHERS, LOST, outranks, rank
+from collections.abc import Sequence
 
-__all__ = ["CAUSES", "LOST", "hold_s", "lost_reason", "outranks", "rank"]
+from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.links import dataport
+from dtfm.core import staleentry
+from dtfm.core.assignment import member_address
+from dtfm.core.causes import CAUSES, EXPLAINED_BY_OTHERS, LOST, outranks, rank
+from protos.dtfm.v1 import coordinator_pb2
+
+__all__ = ["CAUSES", "LOST", "MISDIRECTED", "hold_s", "lost_reason", "outranks", "rank",
+           "stale_entry", "worker_failure"]
+
+# a member's advertised data address is another's: the coordinator's kind, not a worker's
+# (unknown to `dtfm.core.causes`, so it ranks as `internal`: over the peer errors it causes)
+MISDIRECTED = "misdirected"
 
 HOLD_MARGIN_S = 1.0  # on top of a heartbeat interval: the report's way to the coordinator
 
@@ -38,3 +56,41 @@ def lost_reason(lost: list[str], seen_first: str = "") -> str:
     """The failure a lost member makes, with the error its loss caused where one came first."""
     why = f"lost agent(s) {', '.join(lost)}"
     return f"{why} (seen first as: {seen_first})" if seen_first else why
+
+
+def stale_entry(error: str, members: Sequence[str], registry: Registry
+                ) -> tuple[AgentRecord, str] | None:
+    """The member whose peer-table entry a worker's `error` says was wrong, and why in words,
+    where the coordinator's records bear it out: that member's advertised data address is an
+    address of the member that answered there. `members`: the epoch's agent ids in rank
+    order. None when `error` names no stale entry, or the records do not show the clash
+    (the reporter's word alone blames nobody)."""
+    ranks = staleentry.ranks(error)
+    if ranks is None:
+        return None
+    wanted, answered = ranks
+    if wanted == answered or not all(0 <= r < len(members) for r in ranks):
+        return None
+    culprit, holder = registry.get(members[wanted]), registry.get(members[answered])
+    if culprit is None or holder is None:
+        return None
+    address = member_address(culprit.info.host, culprit.info.data_port)
+    if address not in {member_address(holder.info.host, p)
+                       for p in (holder.info.data_port, holder.info.port)}:
+        return None
+    return culprit, (f"rank {wanted}'s peer-table entry {address} was answered by rank "
+                     f"{answered}: {dataport.held_by(culprit, holder.agent_id)}")
+
+
+def worker_failure(agent_id: str, report: coordinator_pb2.ProgressReport,
+                   members: Sequence[str], registry: Registry) -> tuple[str, str]:
+    """(the failure in words, its kind) of agent `agent_id`'s failed worker. A stale peer-table
+    entry the records bear out (`stale_entry`) is blamed on the entry's member, whose data
+    port is refused here, not on the worker that reported it."""
+    blamed = stale_entry(report.error, members, registry)
+    if blamed is None:
+        return (f"worker on {agent_id} failed: {report.error or 'no reason'}",
+                report.error_kind or "internal")
+    culprit, why = blamed
+    dataport.refuse(culprit, why)
+    return f"{why} (seen by the worker on {agent_id})", MISDIRECTED

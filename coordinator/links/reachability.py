@@ -14,7 +14,9 @@ coordinator), so the verdicts firm up as agents arrive.
 Agents are told apart by id only: a dial counts only when the answer comes from the id that
 was meant (`dtfm.reach.dial`), since agents behind different NATs often advertise the same
 private address. An agent started with `--reachable yes|no` is not dialled: the operator's
-word is the verdict.
+word is the verdict. Its data port is checked either way where peers may be told to dial it
+and this dial-back does not cover it (coordinator/links/dataport.py): one another agent
+answers at is not used.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import random
 from dataclasses import dataclass
 
 from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.links import dataport
 from dtfm import reach, rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -62,14 +65,17 @@ class ReachChecker:
     def on_join(self, rec: AgentRecord) -> None:
         """A (re-)join: forget the old verdict (the address may be new) and check afresh."""
         override = rec.info.reachable
+        ports = ([self._spawn(self._check_data_port(rec, rec.stream_generation))]
+                 if dataport.needs_check(rec) else [])
         if override != common_pb2.REACH_OVERRIDE_AUTO:
-            self._checking.pop(rec.agent_id, None)  # the operator's word: nothing to wait for
+            self._checking[rec.agent_id] = ports  # the operator's word: no dial-back
             self._settle(rec, rec.stream_generation, reach.overridden(rec.address, override))
             return
         rec.reach = common_pb2.ReachStatus(address=rec.address,
                                            summary=f"checking whether peers can dial "
                                                    f"{rec.address}")
-        self._checking[rec.agent_id] = [self._spawn(self.check(rec, rec.stream_generation))]
+        self._checking[rec.agent_id] = [self._spawn(self.check(rec, rec.stream_generation)),
+                                        *ports]
         newcomer = rec.agent_id
         behind = [a for a in self.registry.alive()
                   if a.agent_id != newcomer and a.info.reachable == common_pb2.REACH_OVERRIDE_AUTO
@@ -127,6 +133,13 @@ class ReachChecker:
         dials += [d for d in rec.reach.dials if d.dialer not in mine]
         self._settle(rec, generation, reach.judged(address, dials))
 
+    async def _check_data_port(self, rec: AgentRecord, generation: int) -> None:
+        """Dial `rec`'s own data port (`dataport.check`); refuse it where another agent
+        answers there, and say so on its reachability line."""
+        why = await dataport.check(rec, self.security, self.dial_timeout_s)
+        if why and self._current(rec, generation) and dataport.refuse(rec, why):
+            self._settle(rec, generation, rec.reach)
+
     async def _backfill(self, rec: AgentRecord, generation: int, dialer: str) -> None:
         """One more peer's dial of an agent checked by too few: add it to the verdict."""
         answer = await self._ask(dialer, rec, generation)
@@ -176,6 +189,8 @@ class ReachChecker:
         if not self._current(rec, generation):
             return  # it re-joined meanwhile: that Join's own check decides
         before = rec.reach.verdict
+        if rec.data_port_refused and rec.data_port_refused not in status.summary:
+            status.summary += f"; {rec.data_port_refused}"
         rec.reach = status
         if status.verdict != before:
             level = logging.WARNING if status.verdict == reach.NOWHERE else logging.INFO

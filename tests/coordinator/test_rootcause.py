@@ -13,7 +13,9 @@ import asyncio
 import time
 
 from coordinator.job import rootcause
+from dtfm.core import staleentry
 from dtfm.core.spec import WorkerState
+from dtfm.core.staleentry import StaleEntry
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_job_states import FAILED, RECOVERING, Harness, config, run, until
 
@@ -86,3 +88,64 @@ def test_a_non_finite_loss_fails_the_job_instead_of_being_retried() -> None:
         assert h.job.epoch == 2 and "loss at step 7 is nan" in h.job.message
         assert "rescheduling" not in h.job.message and "invalid" in h.job.message
     run(config(max_restarts=5), body)
+
+
+def _stale(h: Harness, wanted: str, answered: str) -> str:
+    """The error a worker reports when `wanted`'s peer-table entry is answered by `answered`
+    (the transport's own words, dtfm/core/staleentry.py, wrapped as the worker wraps them)."""
+    ranks = h.job.members
+    entry = h.registry.agents[wanted].info
+    exc = StaleEntry(f"{entry.host}:{entry.data_port}", ranks.index(answered), ranks.index(wanted))
+    return (f"PeerError: rank {ranks.index(answered)}: pipeline receive failed after 0.1 s; "
+            f"caused by StaleEntry: {exc}")
+
+
+def test_a_stale_peer_table_entry_is_blamed_on_the_member_whose_entry_was_wrong() -> None:
+    """Issue 41: agent-0 advertises agent-1's port as its data port. agent-1's worker dials
+    agent-0's rank there, is answered by its own rank, and fails "the peer table is stale".
+    The failure names agent-0 (its entry was wrong, as the coordinator's records show), not
+    agent-1 that reported it; agent-0's data port is refused, and the job recovers."""
+    async def body(h: Harness) -> None:
+        liar, honest = h.registry.agents["agent-0"], h.registry.agents["agent-1"]
+        liar.info.host, liar.info.data_port = honest.info.host, honest.info.port
+        for a in h.registry.agents.values():
+            a.data_port_refused = ""  # type: ignore[attr-defined]  # AgentRecord's field
+        await h.running_epoch(1)
+        h.report("agent-1", WorkerState.FAILED, error=_stale(h, "agent-0", "agent-1"),
+                 error_kind="peer")
+        ranks = list(h.job.members)
+        await h.running_epoch(2)  # recovered at once: not held as a peer error, not permanent
+        reason = h.job.recoveries.items[-1].reason
+        assert reason.startswith(f"rank {ranks.index('agent-0')}'s peer-table entry "
+                                 f"10.0.0.2:7071 was answered by rank "
+                                 f"{ranks.index('agent-1')}: agent agent-0's data "
+                                 f"port 7071 is not used"), reason
+        assert reason.endswith("(seen by the worker on agent-1)"), reason
+        assert "agent-1's data port" not in reason
+        refused = liar.data_port_refused  # type: ignore[attr-defined]
+        assert "agent agent-0's data port 7071 is not used" in refused, refused
+        assert not honest.data_port_refused  # type: ignore[attr-defined]
+    run(config(max_restarts=3), body)
+
+
+def test_a_stale_entry_the_records_do_not_bear_out_blames_nobody() -> None:
+    """The reporter's word alone (agent-0's advertised data address is not agent-1's) refuses
+    no one's port: the failure is the reporter's, as any peer error."""
+    async def body(h: Harness) -> None:
+        for a in h.registry.agents.values():
+            a.data_port_refused = ""  # type: ignore[attr-defined]
+        await h.running_epoch(1)
+        h.report("agent-1", WorkerState.FAILED, error=_stale(h, "agent-0", "agent-1"),
+                 error_kind="peer")
+        await h.running_epoch(2)
+        assert h.job.recoveries.items[-1].reason.startswith("worker on agent-1 failed")
+        assert not any(a.data_port_refused  # type: ignore[attr-defined]
+                       for a in h.registry.agents.values())
+    run(config(max_restarts=3), body)
+
+
+def test_the_stale_entry_words_round_trip() -> None:
+    text = str(StaleEntry("10.0.0.2:7071", 3, 1))
+    assert "answered as rank 3, not rank 1: the peer table is stale" in text
+    assert staleentry.ranks(f"RuntimeError: x; caused by StaleEntry: {text}") == (1, 3)
+    assert staleentry.ranks("PeerError: Connection closed by peer") is None

@@ -48,6 +48,7 @@ from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.work import TransportWork
 from dtfm.core import dataplane as dp
 from dtfm.core import punch
+from dtfm.core.staleentry import StaleEntry
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
@@ -386,8 +387,7 @@ class Mesh:
             raise
         if target == dp.NO_RANK and theirs.rank != peer:
             sock.close()
-            raise ConnectionError(f"{addr} answered as rank {theirs.rank}, not rank {peer}: "
-                                  f"the peer table is stale")
+            raise StaleEntry(addr, theirs.rank, peer)
         return sock
 
     def _accept_loop(self) -> None:
