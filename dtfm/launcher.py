@@ -35,12 +35,14 @@ import os
 import subprocess
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtfm.core.events import ProgressEvent, WorkerEnv, parse_event
 from dtfm.core.files import open_private_append, write_private
+from dtfm.core.hfexport import ExportError
+from dtfm.core.mergerequest import EXPORT_ERROR_EXIT, MergeRequest
 from dtfm.procs import terminate_all, terminate_all_async
 from protos.dtfm.v1 import common_pb2
 
@@ -280,3 +282,31 @@ class WorkerProcess:
 def stop_all(workers: Iterable[WorkerProcess], grace_s: float = STOP_GRACE_S) -> None:
     """Stop several workers sharing one grace period (SIGTERM all first, then wait)."""
     terminate_all([w.popen for w in workers], grace_s, group=True)
+
+
+MERGE_MODULE = "agent.worker.loramerge"  # run as `python -m`, never imported by a daemon
+
+
+def run_merge(request: MergeRequest, workdir: Path, progress: Callable[[str], None],
+              python: str = sys.executable) -> Path:
+    """Write a merged LoRA export in a child process (`python -m agent.worker.loramerge`):
+    the torch-free coordinator's way to fold adapters into their base. Its stdout lines are
+    passed to `progress`; an ExportError there is one here, with the child's message. Blocks:
+    call it from a thread (spawned with Popen, as every worker is: see `launch`)."""
+    req, log = workdir / "merge-request.json", workdir / "merge.log"
+    write_private(req, request.dumps().encode())
+    with open_private_append(log) as err:
+        proc = subprocess.Popen([python, "-m", MERGE_MODULE, str(req)], stdout=subprocess.PIPE,
+                                stderr=err, text=True, start_new_session=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            progress(line.rstrip("\n"))
+        rc = proc.wait()
+    if rc == 0:
+        return request.out.absolute()
+    tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    if rc == EXPORT_ERROR_EXIT and tail:
+        raise ExportError(tail[-1])
+    raise ExportError(f"the merge process exited with status {rc}"
+                      f"{': ' + tail[-1] if tail else ''} (its log: {log}, kept only until "
+                      f"the export ends): check the base model named by --init-from")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from dtfm.core.hfexport import (
     make_parent,
     write_export,
 )
+from dtfm.core.mergerequest import EXPORT_ERROR_EXIT, MergeRequest
 from dtfm.core.spec import ModelSpec, TrainConfig
 
 
@@ -86,3 +88,25 @@ def write_lora_export(out: str | Path, spec: ModelSpec, cfg: TrainConfig,
     return write_adapter_export(out, spec, cfg, files,
                                 tokenizer=source.tokenizer if source else None, force=force,
                                 progress=progress)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m agent.worker.loramerge REQUEST`: the merge the torch-free coordinator runs
+    as a child (`dtfm.launcher.run_merge`): progress on stdout, an ExportError's message as
+    the last line of stderr with status EXPORT_ERROR_EXIT."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m agent.worker.loramerge REQUEST.json", file=sys.stderr)
+        return EXPORT_ERROR_EXIT
+    req = MergeRequest.loads(Path(args[0]).read_text())
+    try:
+        write_merged_export(req.out, req.spec, req.cfg, req.files, source=req.source,
+                            force=req.force, progress=lambda line: print(line, flush=True))
+    except ExportError as exc:
+        print(exc, file=sys.stderr)
+        return EXPORT_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

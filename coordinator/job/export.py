@@ -20,7 +20,8 @@ mirror), on their own disks. So an export needs no shared storage and no torch:
    A LoRA job's stage files hold its adapters, so its status carries its LoRA settings and
    base (`ExportSource.lora`) and the export is a `peft` adapter directory
    (`dtfm.core.loraexport`, no torch) or, with `merged`, the base with the adapters folded
-   in (`agent.worker.loramerge`: torch, and the base on this machine's disk), exactly what
+   in (`agent.worker.loramerge`, run as a child process by `dtfm.launcher.run_merge`: it
+   needs torch, which the coordinator never imports, and the base on this disk), exactly what
    `agent local --export-dir` writes.
 
 Everything the caller gave is checked before anything is fetched: the destination (not empty,
@@ -61,7 +62,9 @@ from dtfm.core.hfexport import (
     tokenizer_sources,
     write_export,
 )
+from dtfm.core.mergerequest import MergeRequest
 from dtfm.core.spec import ModelSpec, TrainConfig
+from dtfm.launcher import run_merge
 from protos.dtfm.v1 import agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -296,12 +299,13 @@ async def export_from_status(status: coordinator_pb2.ClusterStatus, security: rp
     with tmp:
         step, files = await gather(job.job_id, spec, agent_targets(status), security,
                                    Path(tmp.name), say)
-        if lora is not None:
-            from agent.worker.loramerge import write_lora_export  # torch: only here
-
-            path = await asyncio.to_thread(write_lora_export, out, spec, lora, files,
-                                           source=source, force=force, merged=merged,
-                                           progress=say)
+        if lora is not None and merged:  # torch, so in a child process (run_merge)
+            request = MergeRequest(Path(out), spec, lora, tuple(files), source, force)
+            path = await asyncio.to_thread(run_merge, request, Path(tmp.name), say)
+        elif lora is not None:
+            path = await asyncio.to_thread(
+                loraexport.write_adapter_export, out, spec, lora, files,
+                tokenizer=source.tokenizer if source else None, force=force, progress=say)
         else:
             path = await asyncio.to_thread(write_export, out, spec, files, source=source,
                                            force=force, progress=say)

@@ -88,6 +88,8 @@ def test_lora_2x2_exports_load_in_peft_and_transformers_with_dtfms_loss(
     write_lora_export(other, spec, cfg, [StageFile(f.stage, f.path) for f in files],
                       merged=not merged_flag)
     adapter_dir, merged_dir = (other, out) if merged_flag else (out, other)
+    _the_coordinators_merge_is_the_same(merged_dir, spec, cfg, [StageFile(f.stage, f.path)
+                                                                for f in files], tmp_path)
 
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(src.absolute())
@@ -132,3 +134,31 @@ def test_qwen2_bf16_lora_merges_into_the_full_precision_base(tmp_path: Path) -> 
             assert torch.equal(merged[name], value), name
     rounded = base["model.embed_tokens.weight"]
     assert not torch.equal(rounded.bfloat16().float(), rounded)  # the check could fail
+
+
+def _the_coordinators_merge_is_the_same(merged_dir: Path, spec: object, cfg: object,
+                                        files: list[StageFile], tmp_path: Path) -> None:
+    """The torch-free coordinator merges in a child process (`dtfm.launcher.run_merge`); it
+    writes exactly the tensors the in-process merge wrote, and a refusal in the child (a
+    non-empty destination) is an ExportError here, with the child's message."""
+    from safetensors.torch import load_file
+
+    from dtfm.core.hfexport import ExportError
+    from dtfm.core.mergerequest import MergeRequest
+    from dtfm.launcher import run_merge
+
+    said: list[str] = []
+    work = tmp_path / "merge-work"
+    work.mkdir()
+    child = run_merge(MergeRequest(tmp_path / "child", spec, cfg, tuple(files)),  # type: ignore[arg-type]
+                      work, said.append)
+    assert child == (tmp_path / "child").absolute() and said
+
+    def tensors(d: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    mine, theirs = tensors(child), tensors(merged_dir)
+    assert set(mine) == set(theirs) and mine
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    with pytest.raises(ExportError, match="not empty|--force|exists"):
+        run_merge(MergeRequest(child, spec, cfg, tuple(files)), work, said.append)  # type: ignore[arg-type]
