@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from dtfm.core import dataplane as dp
 from dtfm.frontlimits import FrontLimits, Tally, ThrottledLog, source_of
-from dtfm.splice import LoopSplice, Pipes
+from dtfm.splice import Joined, LoopSplice, Pipes, Splicer
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,13 @@ class Front:
 
     `limits` bound what it holds (dtfm/frontlimits.py; default: from RLIMIT_NOFILE at
     construction); `sniff_timeout_s` is how long a connection may take to say what it
-    speaks; `idle_timeout_s` how long a spliced gRPC connection may move no byte."""
+    speaks; `idle_timeout_s` how long a spliced gRPC connection may move no byte.
+    `splicer` joins a gRPC connection to the server (default: `LoopSplice` on this loop,
+    with pipes from a pool of `limits.pipes`; bench/sharedport.py passes another)."""
 
     def __init__(self, on_data: DataHandler | None = None, *, sniff_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 120.0, limits: FrontLimits | None = None) -> None:
+                 idle_timeout_s: float = 120.0, limits: FrontLimits | None = None,
+                 splicer: Splicer | None = None) -> None:
         # on_data None: this daemon serves no data plane here; dtfm hellos are refused
         self.on_data = on_data
         self.sniff_timeout_s, self.idle_timeout_s = sniff_timeout_s, idle_timeout_s
@@ -140,10 +143,12 @@ class Front:
         self._sorting = Tally("unsorted", self.limits.sniffing, self.limits.sniffing_per_source)
         self._grpc = Tally("gRPC", self.limits.grpc, self.limits.grpc_per_source)
         self._pipes = Pipes(self.limits.pipes)
+        self._splicer: Splicer = splicer or (lambda a, b, done: LoopSplice(a, b, self._pipes,
+                                                                            done))
         self._log = ThrottledLog(log)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._splices: dict[LoopSplice, tuple[str, str]] = {}  # -> (source, peer)
+        self._splices: dict[Joined, tuple[str, str]] = {}  # -> (source, peer)
 
     @property
     def sniffing(self) -> int:
@@ -296,13 +301,13 @@ class Front:
             self._grpc.release(source)
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        splice = LoopSplice(sock, back, self._pipes, self._spliced_done)
+        splice = self._splicer(sock, back, self._spliced_done)
         self._splices[splice] = (source, peer)
         self.grpc_connections += 1
         splice.start()
         return True
 
-    def _spliced_done(self, splice: LoopSplice) -> None:
+    def _spliced_done(self, splice: Joined) -> None:
         held = self._splices.pop(splice, None)
         if held is not None:
             self._grpc.release(held[0])

@@ -2,10 +2,14 @@
 
 The one-port front (dtfm/front.py) joins each gRPC connection to the daemon's gRPC server.
 Copying through Python on the event loop halved a bulk stream's rate on loopback
-(bench/sharedport.py) and spent the daemon's loop on it; `splice` moves the bytes socket ->
-pipe -> socket without them entering user space, on one thread per direction that blocks in
-the kernel (no GIL held). A direction ends at its source's EOF (passed on as a half-close);
-an error in either ends both. Linux only, as the rest of the data plane.
+(bench/sharedport.py); `splice` moves the bytes socket -> pipe -> socket without them
+entering user space. The event loop drives it (issue 41): a thread per direction and a pipe
+each made every connection, even an idle one, cost two threads and six descriptors, and let
+~140 silent connections exhaust a coordinator. Here a connection holds only its two sockets;
+a pipe is lent from a bounded pool (`Pipes`) while bytes are in flight. Measured side by
+side (bench/sharedport.py), the loop is no slower for gRPC than the threads were.
+A direction ends at its source's EOF (passed on as a half-close); an error in either ends
+both. Linux only, as the rest of the data plane.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import contextlib
 import fcntl
 import os
 import socket
-import threading
 from collections.abc import Callable
+from typing import Protocol
 
 _CHUNK = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -25,53 +29,18 @@ _WAKE_BUDGET = 8 * _CHUNK  # bytes one direction moves per wake before the loop 
 _COPY_CHUNK = 64 << 10  # read through user space at a time when no pipe is free
 
 
-class Splice:
-    """Two sockets joined both ways until both directions end; `close` ends them now."""
+class Joined(Protocol):
+    """Two sockets joined both ways (what a `Splicer` returns)."""
 
-    def __init__(self, a: socket.socket, b: socket.socket,
-                 on_done: Callable[[Splice], None] = lambda s: None) -> None:
-        self.a, self.b, self.on_done = a, b, on_done
-        self._left = 2
-        self._lock = threading.Lock()
-        for s in (a, b):
-            s.setblocking(True)
+    last_active: float  # loop time of the last byte moved either way
 
-    def start(self, name: str = "dtfm-splice") -> None:
-        for src, dst in ((self.a, self.b), (self.b, self.a)):
-            threading.Thread(target=self._pump, args=(src, dst), name=name,
-                             daemon=True).start()
+    def start(self) -> None: ...
 
-    def close(self) -> None:
-        """End both directions (their threads return; the sockets close with the last)."""
-        for s in (self.a, self.b):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+    def close(self) -> None: ...
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        r, w = os.pipe()
-        try:
-            with contextlib.suppress(OSError):  # a smaller pipe only means more calls
-                fcntl.fcntl(w, _F_SETPIPE_SZ, _CHUNK)
-            while True:
-                n = os.splice(src.fileno(), w, _CHUNK)
-                if n == 0:
-                    break
-                while n:
-                    n -= os.splice(r, dst.fileno(), n)
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)  # EOF on to the other end; it may still answer
-        except OSError:
-            self.close()
-        finally:
-            os.close(r)
-            os.close(w)
-            with self._lock:
-                self._left -= 1
-                last = self._left == 0
-            if last:
-                self.a.close()
-                self.b.close()
-                self.on_done(self)
+
+# (a, b, on_done) -> the join of a and b, calling on_done(join) once both are closed
+Splicer = Callable[[socket.socket, socket.socket, Callable[[Joined], None]], Joined]
 
 
 class Pipes:
@@ -129,7 +98,7 @@ class LoopSplice:
     either ends both. `last_active` is the loop time of the last byte moved either way."""
 
     def __init__(self, a: socket.socket, b: socket.socket, pipes: Pipes,
-                 on_done: Callable[[LoopSplice], None] = lambda s: None) -> None:
+                 on_done: Callable[[Joined], None] = lambda s: None) -> None:
         self.a, self.b, self.pipes, self.on_done = a, b, pipes, on_done
         self.loop = asyncio.get_running_loop()
         self.last_active = self.loop.time()
@@ -161,21 +130,21 @@ class LoopSplice:
     def _readable(self, f: _Flow) -> None:
         try:
             budget = _WAKE_BUDGET  # then let the loop serve others
-            while budget > 0 and not self.closed:
+            while not self.closed:
                 if f.pipe is None:
                     f.pipe = self.pipes.take()
                 if f.pipe is None:  # every pipe is lent: copy this much through user space
                     f.copied = f.src.recv(_COPY_CHUNK)
                     n = len(f.copied)
                 else:
-                    n = os.splice(f.src.fileno(), f.pipe[1], _CHUNK, flags=_SPLICE_FLAGS)
-                    f.in_pipe = n
+                    n = f.in_pipe = os.splice(f.src.fileno(), f.pipe[1], _CHUNK,
+                                              flags=_SPLICE_FLAGS)
                 if n == 0:
                     self._eof(f)
                     return
                 budget -= n
-                if not self._drain(f):
-                    return
+                if not self._drain(f) or budget <= 0 or n < _COPY_CHUNK:
+                    return  # less than a chunk: most likely all there was (else: woken again)
         except BlockingIOError:
             self._release(f)
         except OSError:
