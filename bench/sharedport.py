@@ -230,14 +230,14 @@ def main() -> None:
         for name, front, shared in cases:
             row = _timed_grpc(front() if front else None, args.mib, args.calls)
             runs[name].append({**row, **(_data_case(shared, args.mib) if shared is not None
-                                         else {"data_mib_s": float("nan")})})
+                                         else {})})
     rows = [{"ports": name, **{k: statistics.median(r[k] for r in runs[name])
                                for k in runs[name][0]}} for name, _, _ in cases]
     print(f"{'ports':<13} {'gRPC unary RTT us':>18} {'gRPC stream MiB/s':>18} "
           f"{'gRPC CPU s':>11} {'data plane MiB/s':>17}")
     for r in rows:
         print(f"{r['ports']:<13} {r['grpc_unary_rtt_us']:>18.0f} {r['grpc_stream_mib_s']:>18.0f} "
-              f"{r['grpc_cpu_s']:>11.2f} {r['data_mib_s']:>17.0f}")
+              f"{r['grpc_cpu_s']:>11.2f} {r.get('data_mib_s', float('nan')):>17.0f}")
     ratio = {k: rows[1][k] / rows[0][k] for k in rows[0] if k != "ports"}
     print("one port / own ports: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     splice = {k: rows[1][k] / rows[2][k] for k in rows[0] if k.startswith("grpc")}
