@@ -4,10 +4,11 @@ raw sockets speaking a dtfm hello, garbage, or nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,17 @@ async def _served(front: Front, security: rpc.Security) -> tuple[object, int]:
     server, port, _ = await rpc.start_server("127.0.0.1:0", security, lambda s: [],
                                              "test daemon", front=front)
     return server, port
+
+
+@contextlib.asynccontextmanager
+async def _serving(front: Front, security: rpc.Security) -> AsyncIterator[int]:
+    """A gRPC server behind `front`; its public port. Both stop on the way out."""
+    server, port = await _served(front, security)
+    try:
+        yield port
+    finally:
+        await front.aclose()
+        await server.stop(0)
 
 
 async def _health(port: int, security: rpc.Security) -> int:
@@ -192,23 +204,18 @@ async def _floods_from_one_source_leave_room_for_a_real_client() -> None:
                          pipes=4)
     front = Front(limits=limits)
     security = rpc.Security(token=TOKEN)
-    server, port = await _served(front, security)
-    fds = _open_fds()
     held: list[socket.socket] = []
-    try:  # a preface and nothing, one byte and nothing; from .3 a preface, SETTINGS, nothing
+    async with _serving(front, security) as port, contextlib.AsyncExitStack() as stack:
+        fds = _open_fds()
+        # a preface and nothing, one byte and nothing; from .3 a preface, SETTINGS, nothing
         for payload, source in ((H2_PREFACE, "127.0.0.2"), (b"P", "127.0.0.2"),
                                 (H2_PREFACE + SETTINGS, "127.0.0.3")):
-            held += [_dial(port, payload, source) for _ in range(100)]
+            held += [stack.enter_context(_dial(port, payload, source)) for _ in range(100)]
         await _until(lambda: _held(front) == (8, 4, 288, 288), lambda: _held(front))
         # the front holds 8 + 2 * 4 of its own, gRPC 4 more: not a descriptor per attempt
         assert _open_fds() - fds - len(held) <= 8 + 2 * 4 + 4 + 2 * limits.pipes
         assert await _health(port, security) == health_pb2.HealthCheckResponse.SERVING
         assert front.grpc_connections == 5  # the attacker's 4 and the real client
-    finally:
-        for s in held:
-            s.close()
-        await front.aclose()
-        await server.stop(0)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -223,8 +230,7 @@ def test_floods_from_one_source_leave_room_for_a_real_client(
 async def _caps_per_source_and_in_total_are_enforced_and_counted() -> None:
     front = Front(limits=SMALL)
     security = rpc.Security(token=TOKEN)
-    server, port = await _served(front, security)
-    try:
+    async with _serving(front, security) as port:
         sorting = [_dial(port, b"P") for _ in range(4)]  # 3 per source
         sorting += [_dial(port, b"D", "127.0.0.3") for _ in range(3)]  # 5 in all
         await _until(lambda: _held(front) == (5, 0, 2, 2), lambda: _held(front))
@@ -240,9 +246,6 @@ async def _caps_per_source_and_in_total_are_enforced_and_counted() -> None:
             s.close()
         await _until(lambda: _held(front) == (0, 0, 5, 5), lambda: _held(front))
         assert await _health(port, security) == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await front.aclose()
-        await server.stop(0)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -253,8 +256,7 @@ def test_caps_per_source_and_in_total_are_enforced_and_counted(loop: str) -> Non
 async def _tls_and_prefaces_that_go_no_further_are_closed() -> None:
     front = Front(sniff_timeout_s=0.5, idle_timeout_s=1.0)
     security = rpc.Security(token=TOKEN)  # no TLS here
-    server, port = await _served(front, security)
-    try:
+    async with _serving(front, security) as port:
         assert await _closed_by_front(port, b"\x16\x03\x01\x02\x00\x01") == b""
         assert (front.refused, front.grpc_connections) == (1, 0)
         assert await _closed_by_front(port, H2_PREFACE) == b""  # no frame: the sniff deadline
@@ -265,9 +267,6 @@ async def _tls_and_prefaces_that_go_no_further_are_closed() -> None:
         assert loop.time() - t0 >= 0.9
         assert (front.grpc_connections, front.idle_closed, front.spliced) == (1, 1, 0)
         assert await _health(port, security) == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await front.aclose()
-        await server.stop(0)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
