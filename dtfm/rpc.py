@@ -350,7 +350,7 @@ async def start_server(
     await server.start()
     if front is not None:
         try:
-            port = await front.start(host, wanted_port, backend)
+            port = await front.start(host, wanted_port, backend, tls=security.tls)
         except OSError as exc:
             await server.stop(grace=0)
             raise ConfigError(f"{what}: cannot listen on {listen}: {exc.strerror}; pick "
