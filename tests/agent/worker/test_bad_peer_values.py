@@ -9,7 +9,8 @@ coordinator failed the job as "the job's configuration is invalid". Now:
   rank's own non-finite values stay `NonFiniteLoss` (`config`: diverged or NaN weights);
 - arithmetic on a bad number that slips past is `internal` (retried), never `config`;
 - real gloo workers (`agent local`, the `DTFM_FAULT` seam's `corrupt` mode): rank 1 sends its
-  values times -4; no worker reports `config`, and the named failure blames rank 1.
+  values times -4; no worker reports `config`, and the named failure blames rank 1; under the
+  real coordinator and agents the job recovers, the recovery names rank 1, and it finishes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from coordinator.job import rootcause
 from coordinator.job.recovery import permanent_failure
 from dtfm.core import causes
 from tests.agent.worker.testlib import run_local
+from tests.daemons import Daemons, wait_for
 
 PIPE = [4, 5, 6]  # ranks of stages 0..2 of replica 1 (a 3x2 layout's second replica)
 
@@ -111,3 +113,24 @@ def test_a_peer_sending_values_times_minus_4_is_blamed_not_the_configuration(
     assert honest and honest[0]["kind"] == "bad_value" and blame in honest[0]["message"], failed
     assert blame in run.stderr, run.stderr  # the failure `agent local` names blames rank 1
     assert "math domain error" not in run.stdout + run.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_job_recovers_from_a_bad_peer_and_names_it(daemons: Daemons) -> None:
+    """The real coordinator and agents: the rank that sends -4x values in epoch 1 is named in
+    the recovery's reason, the job is retried (not failed as invalid configuration) and
+    finishes in epoch 2."""
+    _, address = daemons.coordinator(
+        "--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
+        "--steps", "4", "--batch", "2", "--micro-batches", "1", "--eval-batches", "1",
+        "--no-measure", "--search-seconds", "1", "--max-restarts", "3")
+    for i in range(2):
+        daemons.agent(address, f"agent-{i}", "--no-prewarm",
+                      env=daemons.env(DTFM_FAULT="1:2:corrupt:1"))
+    job = wait_for(lambda: (s := daemons.status(address)["job"])["state"] in ("done", "failed")
+                   and s, 260, f"the job to end (logs in {daemons.tmp})", 1.0)
+    assert job["state"] == "done", job
+    reasons = [r["reason"] for r in job["recoveries"]]
+    assert reasons and "BadPeerValue: rank 0: rank 1 (stage 1, replica 0) sent a squared " \
+        "gradient norm of -" in reasons[0], reasons
+    assert "invalid" not in reasons[0] and job["epoch"] == 2, job
