@@ -16,7 +16,11 @@ The worker's `error` progress event carries `kind` and `phase`:
 - `peer`: a peer died or stopped answering during training (a pipeline receive or send, a
   data-parallel collective or the norm exchange failed, or timed out: `wait_all` bounds each
   wait by the adaptive deadline of `deadline.py`, and says how long it waited and why).
-- `internal`: anything else (a bug).
+- `bad_value`: a peer sent a value no honest worker computes (`globalnorm.BadPeerValue`,
+  naming the sender): a peer fault, retried, whose report names who is at fault.
+- `internal`: anything else (a bug), including arithmetic on a bad number that Python raises
+  as a ValueError (`numeric_slip`: "math domain error"); a peer's impossible value is caught
+  where it arrives (`bad_value`).
 
 `phase` is `join` until the world and its groups exist, then `train`.
 
@@ -42,8 +46,10 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from agent.worker.deadline import Deadline
+from dtfm.core import causes
 
 CONFIG, RENDEZVOUS, PEER, INTERNAL = "config", "rendezvous", "peer", "internal"
+BAD_VALUE = causes.BAD_VALUE
 JOIN, TRAIN = "join", "train"
 
 
@@ -65,6 +71,8 @@ _MAX_PART = 600  # characters of each cause in `describe`
 
 class PeerError(RuntimeError):
     """A pipeline neighbour, data-parallel peer or pipeline peer failed or timed out."""
+
+    kind = PEER  # `globalnorm.BadPeerValue`: BAD_VALUE, a peer fault that names the sender
 
 
 class StorageError(RuntimeError):
@@ -143,7 +151,9 @@ def _storage_refused(exc: BaseException) -> bool:
 def classify(exc: BaseException, phase: str) -> str:
     """The `kind` of a failure raised in `phase` ("join" or "train")."""
     if isinstance(exc, PeerError):
-        return PEER
+        return exc.kind
+    if numeric_slip(exc):
+        return INTERNAL
     if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)):
         return CONFIG
     if _storage_refused(exc):
@@ -155,6 +165,19 @@ def classify(exc: BaseException, phase: str) -> str:
     if phase == TRAIN and comm:
         return PEER
     return INTERNAL
+
+
+# what Python's math and float conversions raise (as ValueError) on a number out of range
+_NUMERIC_WORDS = ("math domain error", "cannot convert float nan", "cannot convert float inf")
+
+
+def numeric_slip(exc: BaseException) -> bool:
+    """Whether `exc` is arithmetic gone wrong on a bad number (the square root of a negative,
+    NaN to an integer), which Python raises as a ValueError. The number was wrong, not the
+    configuration: values from peers are checked where they arrive and blamed on the sender
+    (`BAD_VALUE`); one that slips past is `internal` (retried), never `config`
+    (which fails the job as one the user must fix)."""
+    return type(exc) is ValueError and str(exc).lower().startswith(_NUMERIC_WORDS)
 
 
 _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "store")

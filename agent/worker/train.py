@@ -15,25 +15,24 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
-from agent.worker import checkpoint, deadline, errors, lora
+from agent.worker import checkpoint, deadline, errors, globalnorm, lora
 from agent.worker.compress import make_codec
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
 from agent.worker.deadline import Deadline, measure_flops
+from agent.worker.fault import Fault
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
 from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.stage import Stage
 from agent.worker.world import join
 from dtfm.core.events import (
-    FAULT_EXIT_CODE,
     DoneEvent,
     ErrorEvent,
     ProgressEvent,
@@ -52,8 +51,6 @@ log = logging.getLogger(__name__)
 
 ENV_TIMEOUT = WorkerEnv.TIMEOUT  # the ceiling of any wait (deadline.py decides below it)
 ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
-# "RANK:STEP[:exit|hang[:EPOCH]]": that rank fails before running STEP (in that epoch only)
-ENV_FAULT = "DTFM_FAULT"
 ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
 # a file holding that factor, read before every step: the WAN emulator's live compute changes
 ENV_SLOWDOWN_FILE = "DTFM_COMPUTE_SLOWDOWN_FILE"
@@ -95,40 +92,6 @@ class Progress:
     def close(self) -> None:
         if self._own:
             self._f.close()
-
-
-@dataclass(frozen=True)
-class Fault:
-    """The fault-injection seam: `rank` fails just before running step `step` (1-based);
-    with `epoch`, only in that epoch of the job (a job the coordinator recovers then goes on)."""
-
-    rank: int
-    step: int
-    mode: str = "exit"
-    epoch: int | None = None
-
-    @classmethod
-    def from_env(cls) -> Fault | None:
-        raw = os.environ.get(ENV_FAULT, "")
-        if not raw:
-            return None
-        parts = raw.split(":")
-        mode = parts[2] if len(parts) > 2 else "exit"
-        if mode not in ("exit", "hang", "config"):
-            raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be 'exit', 'hang' or 'config'")
-        return cls(int(parts[0]), int(parts[1]), mode,
-                   int(parts[3]) if len(parts) > 3 else None)
-
-    def maybe_fire(self, rank: int, step: int, epoch: int = 0) -> None:
-        if rank != self.rank or step != self.step or self.epoch not in (None, epoch):
-            return
-        log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
-        if self.mode == "hang":
-            while True:
-                time.sleep(3600)
-        if self.mode == "config":  # fails as a worker that refuses its own input does
-            raise ValueError(f"fault injection: rank {rank} refuses its input before step {step}")
-        os._exit(FAULT_EXIT_CODE)
 
 
 def pick_device(backend: str, rank: int, gpu: bool = False) -> torch.device:
@@ -371,11 +334,11 @@ class Worker:
         dp_s, extras = averager.finish() if outer is None else (0.0, [local_loss])
         t1 = time.perf_counter()
         sq = float(local_sq_norm(self.stage))
-        table = self.world.pipeline_exchange([sq, extras[0] if last else 0.0], exchange)
-        norm = math.sqrt(sum(row[0] for row in table))  # stage order: same bits everywhere
-        loss = table[-1][1]  # the last stage's: every rank of the pipeline stops alike
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            raise errors.NonFiniteLoss(step, loss, norm)
+        table = self.world.pipeline_exchange(
+            [sq, extras[0] if last else 0.0], exchange,
+            self.fault.sent_scale(self.rank, step, a.epoch) if self.fault else 1.0)
+        norm, loss = globalnorm.checked(table, self.world.pipeline, self.rank, a.replica,
+                                        step)
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()

@@ -98,15 +98,16 @@ class World:
         return Exchange(bufs, [dist.irecv(buf, src=r, group=self.pipe_group, tag=TAG_EXCHANGE)
                                for r, buf in bufs.items()])
 
-    def pipeline_exchange(self, values: list[float], posted: Exchange | None = None
-                          ) -> list[list[float]]:
+    def pipeline_exchange(self, values: list[float], posted: Exchange | None = None,
+                          sent_scale: float = 1.0) -> list[list[float]]:
         """Every pipeline rank's `values`, in stage order: one isend/irecv per peer, one hop
-        (the receives from `posted`, when `post_exchange` posted them earlier).
+        (the receives from `posted`, when `post_exchange` posted them earlier). `sent_scale`
+        multiplies what is sent, not this rank's own row: the fault seam's `corrupt` mode.
 
         float64 on the wire, so every rank holds the exact values each peer computed, and
         sums taken over the result in stage order are bitwise identical on every rank.
         """
-        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device) * sent_scale
         posted = posted or self.post_exchange(len(values))
         works = posted.works + [dist.isend(mine, dst=r, group=self.pipe_group, tag=TAG_EXCHANGE)
                                 for r in posted.bufs]

@@ -7,11 +7,13 @@ refused checkpoint) showed as its neighbour's gloo error and started a needless 
 the real error failed the job; a lost agent showed as a survivor's gloo error. So:
 
 - causes are ranked (`dtfm.core.causes`, the order `agent local` uses too): a configuration
-  error over a lost agent, over a worker's own failure (`internal`), over failing to join
-  (`rendezvous`), over a peer's failure (`peer`), which others explain; a report replaces
-  the job's failure only when it ranks higher;
-- a failure that others may explain (`peer`, `rendezvous`) is acted on only after a heartbeat
-  interval and a margin (`hold_s`), so every member's report of the same fault has arrived;
+  error over a lost agent, over a worker's own failure (`internal`), over a peer's impossible
+  value (`bad_value`: the report names the sender), over failing to join (`rendezvous`), over
+  a peer's failure (`peer`), which others explain; a report replaces the job's failure only
+  when it ranks higher;
+- a failure that others may explain (`bad_value`, `peer`, `rendezvous`) is acted on only
+  after a heartbeat interval and a margin (`hold_s`), so every member's report of the same
+  fault has arrived;
 - an agent found lost after the recovery began, among the members that failed, becomes the
   recovery's reason (`lost_reason`): the registry notices a silent agent only after its
   liveness timeout, long after its neighbours' errors arrived;

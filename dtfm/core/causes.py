@@ -9,6 +9,10 @@ ranked, most telling first:
 - `config`: the worker refused its own input; retrying the same assignment fails the same way;
 - `lost`: an agent stopped answering (only the coordinator sees this one);
 - `internal`: the worker's own failure that is none of the others (a bug, an unknown kind);
+- `bad_value`: a peer sent a value no honest worker computes (a negative squared gradient
+  norm), and the worker that received it names the sender: more telling than the sender's
+  own `peer` error when it fell over next, less than the sender's `config` error where it
+  diverged itself (it is held for the others' reports as `peer` is);
 - `rendezvous`, `peer`: failures that another's failure usually explains.
 
 The kinds are the worker's `ErrorEvent.kind` (agent/worker/errors.py). Pure Python.
@@ -20,8 +24,9 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 CONFIG, LOST, INTERNAL, RENDEZVOUS, PEER = "config", "lost", "internal", "rendezvous", "peer"
-CAUSES = (CONFIG, LOST, INTERNAL, RENDEZVOUS, PEER)  # most telling first
-EXPLAINED_BY_OTHERS = (RENDEZVOUS, PEER)
+BAD_VALUE = "bad_value"
+CAUSES = (CONFIG, LOST, INTERNAL, BAD_VALUE, RENDEZVOUS, PEER)  # most telling first
+EXPLAINED_BY_OTHERS = (BAD_VALUE, RENDEZVOUS, PEER)
 
 T = TypeVar("T")
 

@@ -24,7 +24,10 @@ receive is posted is read straight into the receiver's tensor; one that arrives 
 in a mailbox bounded by `mailbox_bytes` per peer. When the mailbox is full the reader stops
 reading that peer until a matching receive is posted, so a fast sender is slowed by TCP's
 own flow control rather than growing memory (the worker posts its receives ahead, so this
-only bites a peer that runs far ahead).
+only bites a peer that runs far ahead). A frame's claimed length is checked before anything
+is allocated for it: against its posted receive's tensor, else against the mailbox's room (a
+frame larger than the whole mailbox waits for its receive). Any error in a peer's reader
+fails every receive waiting on that peer at once, naming it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
 import queue
 import socket
 import threading
@@ -52,6 +56,9 @@ from dtfm.core.staleentry import StaleEntry
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
+_DISCARD_CHUNK = 1 << 20
+_PARKED_POLL_S = 0.25  # how often a reader parked by a full mailbox checks its peer is there
+_TCP_ESTABLISHED = 1  # tcp_info's tcpi_state (linux/tcp_states.h)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -141,39 +148,68 @@ class _Peer:
                 self.fail(err)
 
     def _read_loop(self) -> None:
-        m, sock = self.mesh, self.sock
+        """Read frames until the connection ends. Whatever ends it (the peer gone mid-frame, a
+        frame it may not send, a bug) fails at once every receive waiting on this peer,
+        including the one whose payload was being read, and names the peer: a waiter that
+        heard nothing would sit out the group's timeout."""
+        sock, reading = self.sock, None
         assert sock is not None
         try:
             while True:
+                reading = None
                 h = dp.Header.unpack(dp.recv_exact(sock, dp.HEADER_BYTES))
-                h.check(m.job, m.cfg.epoch, self.rank, m.rank)
-                key = (h.stream, h.tag)
-                with m.cond:
-                    while not self.posted.get(key) and \
-                            self.unclaimed + h.length > m.cfg.mailbox_bytes and self.unclaimed > 0 \
-                            and self.error is None:
-                        m.cond.wait()  # backpressure: read on when a receive claims a message
-                    req = self.posted[key].popleft() if self.posted.get(key) else None
-                if req is None:
+                h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
+                reading = self._claim(h)
+                if reading is None:  # nothing posted: into the mailbox, whose limit it fits
                     buf = bytearray(h.length)
                     dp.recv_into_exact(sock, memoryview(buf))
-                    with m.cond:
-                        late = self._deliver(key, buf)
+                    with self.mesh.cond:
+                        late = self._deliver((h.stream, h.tag), buf)
                     if late is not None:
                         _copy_in(late, buf, self.rank)
                     continue
-                view = byte_view(req.tensor)
-                if len(view) != h.length:
-                    dp.recv_into_exact(sock, memoryview(bytearray(h.length)))
-                    req.work.finish(RuntimeError(
+                view = byte_view(reading.tensor)
+                if len(view) != h.length:  # refused before a byte of it is held
+                    reading.work.finish(RuntimeError(
                         f"rank {self.rank} sent {h.length} bytes (tag {h.tag}) for a receive "
                         f"of {len(view)} bytes: the two ends disagree on the tensor's shape "
                         f"or dtype"))
+                    reading = None
+                    _discard(sock, h.length)
                     continue
                 dp.recv_into_exact(sock, view)
-                req.work.finish()
+                reading.work.finish()
         except (OSError, dp.FrameError) as exc:
-            self.fail(ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
+            self._lost(reading, ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
+        except BaseException as exc:  # noqa: BLE001 - a dead reader must not leave waiters
+            log.exception("rank %d: reading from rank %d failed", self.mesh.rank, self.rank)
+            self._lost(reading, ConnectionError(
+                f"reading from rank {self.rank} failed ({type(exc).__name__}: {exc}); its "
+                f"connection is closed"))
+
+    def _claim(self, h: dp.Header) -> _Recv | None:
+        """The receive posted for frame `h` (taken out of `posted`), or None once the mailbox
+        has room for its payload; until then the reader waits (backpressure). A frame larger
+        than the whole mailbox waits for its receive: nothing is allocated for a length the
+        peer merely claims. A peer that goes meanwhile is noticed (`_gone`), though nothing
+        reads its socket: its receives fail then, not at the group's timeout."""
+        m, key = self.mesh, (h.stream, h.tag)
+        with m.cond:
+            while not self.posted.get(key) and self.error is None and \
+                    self.unclaimed + h.length > m.cfg.mailbox_bytes:
+                # read on when a receive claims a message or is posted
+                if not m.cond.wait(_PARKED_POLL_S) and self.sock and (why := _gone(self.sock)):
+                    raise ConnectionError(f"{why} while its {h.length}-byte message (tag "
+                                          f"{h.tag}) waited for a receive")
+            if self.error is not None:
+                raise ConnectionError(str(self.error))
+            return self.posted[key].popleft() if self.posted.get(key) else None
+
+    def _lost(self, reading: _Recv | None, err: ConnectionError) -> None:
+        """Fail the receive being read (no longer in `posted`) and the rest of this peer's."""
+        if reading is not None:
+            reading.work.finish(err)
+        self.fail(err)
 
     def _deliver(self, key: tuple[int, int], buf: bytearray) -> _Recv | None:
         """Called under the mesh's lock: a message for which no receive was posted. Files it
@@ -185,6 +221,29 @@ class _Peer:
         self.arrived.setdefault(key, deque()).append(buf)
         self.unclaimed += len(buf)
         return None
+
+
+def _gone(sock: socket.socket) -> str:
+    """Why `sock`'s peer is gone ('' while the connection stands), without reading it: the
+    kernel's TCP state shows a peer's FIN even behind unread bytes."""
+    try:
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            return f"the connection failed: {os.strerror(err)}"
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except OSError:  # closed here meanwhile (its error says so), or not TCP: nothing known
+        return ""
+    return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
+
+
+def _discard(sock: socket.socket, n: int) -> None:
+    """Read and drop `n` payload bytes a chunk at a time, so a frame refused for its length
+    costs no memory of that length."""
+    chunk = memoryview(bytearray(min(n, _DISCARD_CHUNK)))
+    while n > 0:
+        k = min(n, len(chunk))
+        dp.recv_into_exact(sock, chunk[:k])
+        n -= k
 
 
 def _copy_in(r: _Recv, buf: bytearray, src: int) -> None:
