@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
 from dtfm.core.spec import ModelSpec, TrainConfig
+from dtfm.core.words import stages_x_replicas
 from dtfm.flags import check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
 
@@ -160,8 +161,7 @@ class JobConfig:
             self.train.validate(layout.replicas)
             lora.check(self.train, spec)
         except ValueError as exc:
-            raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
-                              f"{layout.replicas} replicas)") from None
+            raise ConfigError(f"{exc} (the job runs {layout.text})") from None
         self._check_data(spec.vocab_size)
 
     def _check_data(self, vocab_size: int) -> None:
@@ -216,7 +216,7 @@ class JobConfig:
         n = pinned.stages * pinned.replicas
         if self.agents != n:
             raise ConfigError(f"--placement {placement.path} places {n} agents "
-                              f"({pinned.stages} stages x {pinned.replicas} replicas), but "
+                              f"({stages_x_replicas(pinned.stages, pinned.replicas)}), but "
                               f"--agents is {self.agents}")
         for flag, value, want in (("--stages", self.stages, pinned.stages),
                                   ("--replicas", self.replicas, pinned.replicas)):
