@@ -103,9 +103,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     for i, line in enumerate(lines):  # the last line carries the data, as one JSON event
         _say(args, line, **(data if i == len(lines) - 1 else {}))
     if failed:
-        return flags.fail("; ".join(f"the {p} run failed: {why}" for p, why in failed.items())
-                          + (f" (the {', '.join(results)} run's result is above)"
-                             if results else "") + f"; logs in {workdir}", 1)
+        return flags.fail(failure_text(results, failed), 1)
     return 0
 
 
@@ -124,6 +122,13 @@ def run_line(placement: str, r: dict[str, Any]) -> str:
     measured = bool((r.get("worker_split_median") or {}).get("compute_s"))
     gap = prediction_gap(r["predicted_step_s"], r["measured_step_s"], compute, measured)
     return f"{line}; {gap}" if gap else line
+
+
+def failure_text(results: dict[str, Any], failed: dict[str, str]) -> str:
+    """The demo's last word when a run failed: which, why (its logs named there), and that
+    the result of the one that finished stands above."""
+    return ("; ".join(f"the {p} run failed: {why}" for p, why in failed.items())
+            + (f" (the {', '.join(results)} run's result is printed above)" if results else ""))
 
 
 def outcome(results: dict[str, dict[str, Any]],

@@ -9,7 +9,7 @@ from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.core.words import stages_x_replicas
-from dtfm.flags import check_directory
+from dtfm.flags import LIVENESS_TIMEOUT_S, check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 
@@ -231,7 +231,7 @@ class CoordinatorConfig:
     listen: str = "127.0.0.1:7070"
     security: Security = field(default_factory=lambda: Security(token=""))
     heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 5.0
+    liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # dtfm/flags.py says why
     measure_timeout_s: float = 120.0
     measure_every_s: float = 0.0  # re-measure all links this often while no job trains; 0: off
     evict_after_s: float = 600.0  # drop agents lost or left this long from the registry
