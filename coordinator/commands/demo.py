@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from coordinator.commands.status import status_to_json, step_time_line
 from dtfm import flags, rpc
 from dtfm.core.words import stages_x_replicas
 from dtfm.procs import terminate_all
@@ -161,6 +162,9 @@ def summary(history: coordinator_pb2.JobHistory, status: coordinator_pb2.Cluster
         "last_loss": last.loss if last else 0.0, "seconds": round(seconds, 1),
         "step_s": round(statistics.median(step_times), 4) if step_times else 0.0,
         "plan_cost": status.plan.cost, "next": NEXT_STEPS,
+        # the plan's predicted step against the measured one, and why where far apart
+        "step_time": step_time_line(status_to_json(status)) if status.job.predicted_step_s
+        else "",
     }
 
 
@@ -171,6 +175,7 @@ def summary_text(s: dict[str, Any]) -> str:
             f"({stages_x_replicas(s['stages'], s['replicas'])}) in {s['seconds']:.0f} s "
             f"({s['step_s']:.2f} s a step); {loss}; "
             f"plan cost {s['plan_cost']:.4f} s\n"
+            + (f"demo: {s['step_time']}\n" if s.get("step_time") else "")
             + "".join(f"demo: next, {n}\n" for n in s["next"]))
 
 

@@ -458,7 +458,7 @@ class Job:
         self._set(S.JOB_STATE_RUNNING,
                   f"epoch {self.epoch}: {layout.text}, "
                   f"{placement.label} placement, layers {found['split_note']}, predicted "
-                  f"cost {found['cost']:.3f} s, predicted step {predicted.step_s:.2f} s"
+                  f"cost {found['cost']:.3f} s"  # the step: JobStatus.predicted_step_s, live
                   + (f", compression {found['codecs'].summary()}"
                      if work.compression and work.compression.active else "")
                   + (f", {train.micro_batches} micro-batches per replica (shrunk from "

@@ -117,6 +117,8 @@ def test_stopping_after_a_finished_job_does_not_say_it_was_left_running(
         h.registry.add(6)
         task = asyncio.get_running_loop().create_task(h.job.run())
         await h.running_epoch(1)
+        # the job's message names the plan, not a second (plan-time, soon stale) predicted step
+        assert "predicted cost" in h.job.message and "predicted step" not in h.job.message
         report_all(h, 20, WorkerState.DONE)
         await until(lambda: h.job.state == S.JOB_STATE_DONE)
         await task
@@ -155,3 +157,13 @@ def test_the_liveness_default_is_the_measured_one_in_the_flag_and_the_config() -
     out = subprocess.run([sys.executable, "-m", "coordinator", "start", "--help"],
                          capture_output=True, text=True, timeout=50)
     assert "marked lost (15;" in " ".join(out.stdout.split())
+
+
+def test_the_loopback_demo_ends_with_the_plans_step_against_the_measured_one() -> None:
+    from coordinator.commands.demo import summary, summary_text
+
+    status = _status("127.0.0.1")
+    status.job.step = status.job.total_steps = 80
+    text = summary_text(summary(coordinator_pb2.JobHistory(), status, seconds=10.0))
+    assert ("demo: step time: the plan (scheduled placement) predicts 0.15 s, measured 2.72 s; "
+            "the step measures 18.1x the plan's prediction") in text
