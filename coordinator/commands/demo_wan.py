@@ -168,8 +168,9 @@ def _train(cluster: Any, args: argparse.Namespace, job_args: list[str], placemen
             eta = f"  ETA {(job['total_steps'] - job['step']) * job['measured_step_s']:.0f}s"
         line = (f"[{placement}] {job['state']:<9} step {job['step']}/{job['total_steps']}  "
                 f"loss {job['loss']:.4f}  {job['tokens_per_s']:.0f} tok/s  "
-                f"{job['measured_step_s']:.2f} s/step (plan {job['predicted_step_s']:.2f})"
-                f"{eta}")
+                f"{job['measured_step_s']:.2f} s/step"
+                + (f" (plan {job['predicted_step_s']:.2f})" if job["predicted_step_s"] else "")
+                + eta)
         if not args.json:
             progress.show(line, key=job["state"])
 
