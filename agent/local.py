@@ -40,6 +40,7 @@ from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.presets import PRESETS
 from dtfm.core.spec import SYNC_AUTO, TrainConfig
 from dtfm.core.tokenfiles import SPLITS, check_data_path
+from dtfm.core.words import stages_x_replicas
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
 from dtfm.procs import TERMINATED_STATUS, Terminated, sigterm_unwinds
 from dtfm.rpc import free_port
@@ -430,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(
             f"agent local: {job.spec.name} ({job.spec.param_count():,} params) on "
-            f"{args.stages} stages x {args.replicas} replicas, layers {job.splits}, "
+            f"{stages_x_replicas(args.stages, args.replicas)}, layers {job.splits}, "
             f"{args.schedule}, dp {args.dp_mode}, batch {args.batch} in "
             f"{args.micro_batches} micro-batches, {args.steps} steps",
             flush=True,

@@ -68,7 +68,9 @@ from dtfm.core.tokenfiles import (
     tokenizer_hash,
     write_meta,
 )
+from dtfm.core.words import counted
 from dtfm.procs import TERMINATED_STATUS, Terminated, sigterm_unwinds
+from dtfm.progressline import ProgressLine
 
 KNOWN_EOT = ("<|endoftext|>", "<|end_of_text|>", "</s>")  # tried before the configured eos
 TRAINED_EOT = "<|endoftext|>"
@@ -158,11 +160,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(meta.to_json(), end="")
     else:
-        print(f"prepared {opts.out}: train {meta.tokens['train']:,} tokens "
-              f"({meta.documents['train']:,} documents), val {meta.tokens['val']:,} tokens "
-              f"({meta.documents['val']:,} documents), {meta.dtype}, vocabulary "
-              f"{meta.vocab_size:,}, end-of-text {meta.eot_token!r} = {meta.eot_id}")
+        print(prepared_line(opts.out, meta))
     return 0
+
+
+def prepared_line(out: Path, meta: TokenMeta) -> str:
+    """What `agent prepare` made, for people. Val cut from the tail of train (too few
+    documents for one to go to val) holds no whole document: it says so, not "0 documents"."""
+    val = (f"{meta.tokens['val']:,} tokens cut from the end of train (too few documents to "
+           f"hold one out whole)" if meta.val_split == "tail"
+           else f"{meta.tokens['val']:,} tokens ({counted(meta.documents['val'], 'document')})")
+    return (f"prepared {out}: train {meta.tokens['train']:,} tokens "
+            f"({counted(meta.documents['train'], 'document')}), val {val}, {meta.dtype}, "
+            f"vocabulary {meta.vocab_size:,}, end-of-text {meta.eot_token!r} = {meta.eot_id}")
 
 
 def prepare(opts: Options, log: IO[str]) -> TokenMeta:
@@ -478,12 +488,11 @@ def _move_tail(sinks: dict[str, Sink], fraction: float) -> None:
 
 class Progress:
     """Bytes read of the total, documents, tokens/s and ETA on `log`: rewritten in place on a
-    terminal every half second, a line every 10 s otherwise."""
+    terminal every half second, a line every 10 s otherwise (`dtfm.progressline`)."""
 
     def __init__(self, reader: Reader, log: IO[str], what: str) -> None:
-        self.reader, self.log, self.what = reader, log, what
-        self.tty = hasattr(log, "isatty") and log.isatty()
-        self.every = 0.5 if self.tty else 10.0
+        self.reader, self.what = reader, what
+        self.line = ProgressLine(log, every_s=10.0, tty_every_s=0.5)
         self.t0 = self.last = time.monotonic()
         self.counts: Counts | None = None
 
@@ -491,16 +500,15 @@ class Progress:
         if counts is not None:
             self.counts = counts
         now = time.monotonic()
-        if now - self.last >= self.every:
+        if now - self.last >= 0.5:  # building the line is not free: not on every chunk
             self.last = now
-            self._say(now)
+            self.line.show(self._line(now), now=now)
 
     def finish(self) -> None:
-        self._say(time.monotonic())
-        if self.tty:
-            self.log.write("\n")
+        self.line.show(self._line(time.monotonic()))
+        self.line.finish()
 
-    def _say(self, now: float) -> None:
+    def _line(self, now: float) -> str:
         done, total = self.reader.bytes_done, self.reader.total_bytes
         elapsed = max(now - self.t0, 1e-9)
         rate = done / elapsed
@@ -511,9 +519,7 @@ class Progress:
             docs = sum(self.counts.documents.values())
             line += (f" | {docs:,} documents | {self.counts.tokens_seen / elapsed:,.0f} "
                      f"tokens/s")
-        line += f" | {rate / 1e6:.1f} MB/s | ETA {flags.hms(eta)}"
-        self.log.write(f"\r{line}\033[K" if self.tty else line + "\n")
-        self.log.flush()
+        return line + f" | {rate / 1e6:.1f} MB/s | ETA {flags.hms(eta)}"
 
 
 # ---- the output directory

@@ -47,8 +47,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT to serve on")
     flags.add_security_args(p)
     p.add_argument("--heartbeat-interval", type=flags.seconds, default=1.0, help="seconds")
-    p.add_argument("--liveness-timeout", type=flags.seconds, default=5.0,
-                   help="seconds without heartbeat before an agent is marked lost")
+    p.add_argument("--liveness-timeout", type=flags.seconds, default=flags.LIVENESS_TIMEOUT_S,
+                   help="seconds without heartbeat before an agent is marked lost "
+                   "(%(default)g; docs/operations.md, \"Liveness\")")
     p.add_argument("--evict-after", type=flags.seconds, default=600.0,
                    help="seconds an agent may stay lost or left before it is dropped from "
                    "the registry (and from status)")

@@ -40,6 +40,15 @@ from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
 ENV_PREFIX = "DTFM_"
+# --liveness-timeout's default: seconds without a heartbeat (one a second) before the
+# coordinator marks an agent lost and stops the job's workers. 5 s flapped under load (five
+# times during a `pip install` beside the agents). Measured (bench/heartbeat_gaps.py,
+# docs/operations.md, "Liveness"): the largest gap between heartbeats was 2.0 s on loopback
+# beside a busy loop and a pip-install-like load, 2.3 s from agents 238 ms away on the emulated
+# world (its round trip is in every gap there), and a lost packet adds a TCP retransmission
+# timeout that doubles. 15 s is 3x the gaps that flapped and over 6x the largest measured; a
+# dead agent is noticed 10 s later than at 5 s.
+LIVENESS_TIMEOUT_S = 15.0
 _SKIP = {"help", "config", "command"}
 
 

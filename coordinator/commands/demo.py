@@ -24,8 +24,11 @@ from typing import Any
 
 import grpc
 
+from coordinator.commands.status import status_to_json, step_time_line
 from dtfm import flags, rpc
+from dtfm.core.words import stages_x_replicas
 from dtfm.procs import terminate_all
+from dtfm.progressline import ProgressLine
 from dtfm.rpc import free_port
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -36,9 +39,11 @@ DEFAULTS = {"model": ("gpt-tiny", "gpt-mini"), "agents": (4, 8), "stages": (2, 4
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model preset (gpt-tiny; gpt-mini with --wan)")
-    p.add_argument("--agents", type=int, help="agents to start (4; with --wan 8 per city)")
+    p.add_argument("--agents", type=int, help="agents to start (4; with --wan: one in each of "
+                   "8 cities, 8 in all, or 8 x --per-city)")
     p.add_argument("--stages", type=int, help="pipeline stages (2; 4 with --wan)")
-    p.add_argument("--replicas", type=int, help="data-parallel replicas (2)")
+    p.add_argument("--replicas", type=int,
+                   help="data-parallel replicas (2; with --wan: the agents / --stages)")
     p.add_argument("--steps", type=int, help="training steps (80; 10 with --wan)")
     p.add_argument("--batch", type=int, help="global batch (8; 16 with --wan)")
     p.add_argument("--micro-batches", type=int, help="micro-batches per replica (2; 4 with --wan)")
@@ -58,18 +63,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_common_args(p, config_file=False)
 
 
-def _resolve_defaults(args: argparse.Namespace) -> None:
+def _resolve_defaults(args: argparse.Namespace) -> str:
+    """Fill the flags left out; an error message where --wan fixes a flag given otherwise."""
     wan = args.wan is not None
+    if wan and args.agents is not None and args.agents != 8 * args.per_city:
+        return (f"--agents {args.agents}: the --wan world demo runs 8 x --per-city agents "
+                f"({8 * args.per_city} with --per-city {args.per_city}); set --per-city "
+                f"instead")
     for name, pair in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, pair[wan])
     if wan:
         args.agents = 8 * args.per_city
         args.replicas = args.agents // args.stages
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
-    _resolve_defaults(args)
+    if wrong := _resolve_defaults(args):
+        return flags.fail(wrong)
     if args.nat and args.wan is None:
         return flags.fail("--nat puts emulated agents behind NAT routers: it needs --wan world")
     if args.wan is not None:
@@ -150,6 +162,9 @@ def summary(history: coordinator_pb2.JobHistory, status: coordinator_pb2.Cluster
         "last_loss": last.loss if last else 0.0, "seconds": round(seconds, 1),
         "step_s": round(statistics.median(step_times), 4) if step_times else 0.0,
         "plan_cost": status.plan.cost, "next": NEXT_STEPS,
+        # the plan's predicted step against the measured one, and why where far apart
+        "step_time": step_time_line(status_to_json(status)) if status.job.predicted_step_s
+        else "",
     }
 
 
@@ -157,9 +172,10 @@ def summary_text(s: dict[str, Any]) -> str:
     loss = (f"loss {s['first_loss']:.3f} at step {s['first_step']} -> {s['last_loss']:.3f} at "
             f"step {s['last_step']}" if s["last_step"] else "no loss reported")
     return (f"demo: trained {s['steps']} steps of {s['model']} on {s['agents']} agents "
-            f"({s['stages']} stages x {s['replicas']} replicas) in {s['seconds']:.0f} s "
+            f"({stages_x_replicas(s['stages'], s['replicas'])}) in {s['seconds']:.0f} s "
             f"({s['step_s']:.2f} s a step); {loss}; "
             f"plan cost {s['plan_cost']:.4f} s\n"
+            + (f"demo: {s['step_time']}\n" if s.get("step_time") else "")
             + "".join(f"demo: next, {n}\n" for n in s["next"]))
 
 
@@ -178,12 +194,14 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
     started = time.monotonic()
     deadline = started + args.timeout
     last_line = ""
+    progress = ProgressLine(sys.stdout)  # in place on a terminal, sparse into a file
     start_step_time: tuple[int, float] | None = None
     async with rpc.open_channel(address, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         while time.monotonic() < deadline:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
+                progress.finish()
                 return flags.fail(f"a demo process exited early (code {dead[0].returncode}); "
                                     f"see the logs in {workdir}", 1)
             try:
@@ -211,13 +229,19 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
                 line = (f"[{state}] agents {alive}/{args.agents}  step {job.step}/"
                         f"{job.total_steps}  loss {job.loss:.4f}  "
                         f"{job.tokens_per_s:.0f} tok/s{eta}  {job.message}")
-            if line != last_line:
-                print(line, flush=True)
-                last_line = line
+            if args.json:
+                if line != last_line:
+                    print(line, flush=True)
+                    last_line = line
+            else:  # a new state or agent count is an event; else a line every 10 s in a file
+                progress.show(line, key=(state, alive))
             if closing is not None:
+                progress.finish()
                 sys.stderr.write(summary_text(closing))
                 return 0
             if job.state == coordinator_pb2.JOB_STATE_FAILED:
+                progress.finish()
                 return flags.fail(f"job failed: {job.message}; see logs in {workdir}", 1)
             await asyncio.sleep(1.0)
+    progress.finish()
     return flags.fail(f"demo did not finish within {args.timeout:.0f} s; logs in {workdir}", 1)

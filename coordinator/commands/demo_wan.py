@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from coordinator.job.prediction import prediction_gap
 from dtfm import flags
+from dtfm.progressline import ProgressLine
 
 
 def city_table(grid: list[list[str]], city_of: dict[str, str]) -> str:
@@ -88,42 +91,100 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
                     "--replicas", str(n // args.stages), "--steps", str(args.steps),
                     "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
                     "--search-seconds", "5", "--layer-split", "even"]
-        results = {}
-        for placement in ("scheduled", "rank-order"):
-            results[placement] = _train(cluster, args, job_args, placement, links_path, city_of)
+        results: dict[str, dict[str, Any]] = {}
+        failed: dict[str, str] = {}
+        for placement in PLACEMENTS:  # one run failing does not hide the other's result
+            try:
+                results[placement] = _train(cluster, args, job_args, placement, links_path,
+                                            city_of)
+            except (RuntimeError, TimeoutError) as exc:
+                failed[placement] = str(exc).removeprefix(f"{placement}: ")
+    lines, data = outcome(results, failed)
+    for i, line in enumerate(lines):  # the last line carries the data, as one JSON event
+        _say(args, line, **(data if i == len(lines) - 1 else {}))
+    if failed:
+        return flags.fail(failure_text(results, failed), 1)
+    return 0
+
+
+PLACEMENTS = ("scheduled", "rank-order")
+
+
+def run_line(placement: str, r: dict[str, Any]) -> str:
+    """One run's result: its measured step against the plan's prediction, and why they differ
+    where they are far apart (`prediction_gap`)."""
+    line = (f"demo: {placement} run: {r['measured_step_s']:.2f} s/step "
+            f"({r['tokens_per_s']:.0f} tok/s), loss {r['loss']:.4f}; the plan predicted "
+            f"{r['predicted_step_s']:.2f} s a step")
+    # the prediction beyond communication is compute; the workers measured theirs if they
+    # reported a split of their steps
+    compute = max(0.0, r["predicted_step_s"] - (r.get("predicted_comm_s") or 0.0))
+    measured = bool((r.get("worker_split_median") or {}).get("compute_s"))
+    gap = prediction_gap(r["predicted_step_s"], r["measured_step_s"], compute, measured)
+    return f"{line}; {gap}" if gap else line
+
+
+def failure_text(results: dict[str, Any], failed: dict[str, str]) -> str:
+    """The demo's last word when a run failed: which, why (its logs named there), and that
+    the result of the one that finished stands above."""
+    return ("; ".join(f"the {p} run failed: {why}" for p, why in failed.items())
+            + (f" (the {', '.join(results)} run's result is printed above)" if results else ""))
+
+
+def outcome(results: dict[str, dict[str, Any]],
+            failed: dict[str, str]) -> tuple[list[str], dict[str, Any]]:
+    """The lines the demo ends with (each finished run's result, then the comparison when
+    both finished) and the data its JSON carries; `failed`: placement -> why it failed."""
+    lines = [run_line(p, results[p]) for p in PLACEMENTS if p in results]
+    data: dict[str, Any] = {"runs": results, "failed": failed}
+    if failed or len(results) < len(PLACEMENTS):
+        return lines, data
     fast, blind = results["scheduled"], results["rank-order"]
     speedup = blind["measured_step_s"] / fast["measured_step_s"]
     predicted = blind["predicted_step_s"] / fast["predicted_step_s"]
-    _say(args, f"demo: scheduled {fast['measured_step_s']:.2f} s/step "
-               f"({fast['tokens_per_s']:.0f} tok/s), network-blind rank order "
-               f"{blind['measured_step_s']:.2f} s/step ({blind['tokens_per_s']:.0f} tok/s): "
-               f"the scheduler's placement trains {speedup:.2f}x faster "
-               f"(the cost model predicted {predicted:.2f}x)",
-         speedup=speedup, predicted_speedup=predicted, runs=results)
-    return 0
+    lines.append(f"demo: scheduled {fast['measured_step_s']:.2f} s/step "
+                 f"({fast['tokens_per_s']:.0f} tok/s), network-blind rank order "
+                 f"{blind['measured_step_s']:.2f} s/step ({blind['tokens_per_s']:.0f} tok/s): "
+                 f"the scheduler's placement trains {speedup:.2f}x faster "
+                 f"(the cost model predicted {predicted:.2f}x)")
+    return lines, {**data, "speedup": speedup, "predicted_speedup": predicted}
 
 
 def _train(cluster: Any, args: argparse.Namespace, job_args: list[str], placement: str,
            links: Path, city_of: dict[str, str]) -> dict[str, Any]:
-    shown = {"plan": False, "line": ""}
+    shown = {"plan": False}
+    progress = ProgressLine(sys.stdout)  # in place on a terminal, sparse into a file
 
     def watch(status: dict[str, Any], now: float) -> None:
         job, plan = status["job"], status["plan"]
         if plan and not shown["plan"]:
             shown["plan"] = True
-            _say(args, f"\n{placement} placement: cost {plan['cost']:.2f} s, predicted step "
-                       f"{plan['predicted_step_s']:.2f} s\n"
-                       + city_table(plan["grid"], city_of), grid=plan["grid"])
+            progress.finish()
+            _say(args, f"\n{placement} placement: cost {plan['cost']:.2f} s; "
+                       + plan_prediction(plan) + "\n" + city_table(plan["grid"], city_of),
+                 grid=plan["grid"])
         eta = ""
         if job["step"] >= 1 and job["measured_step_s"]:
             eta = f"  ETA {(job['total_steps'] - job['step']) * job['measured_step_s']:.0f}s"
         line = (f"[{placement}] {job['state']:<9} step {job['step']}/{job['total_steps']}  "
                 f"loss {job['loss']:.4f}  {job['tokens_per_s']:.0f} tok/s  "
-                f"{job['measured_step_s']:.2f} s/step{eta}")
-        if line != shown["line"] and not args.json:
-            shown["line"] = line
-            _say(args, line)
+                f"{job['measured_step_s']:.2f} s/step"
+                + (f" (plan {job['predicted_step_s']:.2f})" if job["predicted_step_s"] else "")
+                + eta)
+        if not args.json:
+            progress.show(line, key=job["state"])
 
-    return cluster.train(job_args, placement, links, args.timeout, watch,
-                         prewarm=False)  # steady steps: no spares importing beside them
+    try:
+        return cluster.train(job_args, placement, links, args.timeout, watch,
+                             prewarm=False)  # steady steps: no spares importing beside them
+    finally:
+        progress.finish()
 
+
+def plan_prediction(plan: dict[str, Any]) -> str:
+    """The plan's predicted step as it is first shown, with what its compute figure is."""
+    if plan["predicted_compute_s"] <= 0:
+        return (f"the plan predicts {plan['predicted_step_s']:.2f} s a step, communication "
+                f"alone (the agents reported no device speed)")
+    return (f"the plan predicts {plan['predicted_step_s']:.2f} s a step, its compute a guess "
+            f"from the devices' FLOP/s until the workers report their own")

@@ -33,6 +33,7 @@ from dtfm import flags
 from dtfm.core.presets import PRESETS, get_preset
 from dtfm.core.shape import pick_shape
 from dtfm.core.spec import SYNC_AUTO, check_batch
+from dtfm.core.words import stages_x_replicas
 
 EXIT_USAGE = 2
 TSP_EXACT = "exact (Held-Karp)"
@@ -127,7 +128,7 @@ def _shape(args: argparse.Namespace, n: int, layers: int | None) -> tuple[int, i
     if s is not None and r is not None:
         if s * r != n:
             raise PlanInputError(
-                f"{s} stages x {r} replicas = {s * r} tasklets but the network has {n} "
+                f"{stages_x_replicas(s, r)} = {s * r} tasklets but the network has {n} "
                 f"devices: pick --stages x --replicas = {n}"
             )
         return s, r, False
@@ -194,7 +195,7 @@ def compute(args: argparse.Namespace,
             f"use --stages {layers} or fewer"
         )
     if picked and args.links is not None:
-        _note(f"{net.size} devices: planning {s} stages x {r} replicas (set --stages/--replicas)")
+        _note(f"{net.size} devices: planning {stages_x_replicas(s, r)} (set --stages/--replicas)")
     dp_gb, pp_gb, sizes_from = _sizes(args, s, r)
     if args.budget is not None and args.budget < 1:
         raise PlanInputError(f"--budget must be >= 1, got {args.budget}")
@@ -274,7 +275,7 @@ def compute(args: argparse.Namespace,
 def format_table(out: dict[str, Any]) -> str:
     s, r, grid = out["stages"], out["replicas"], out["grid"]
     lines = [
-        f"plan for {out['source']}: {out['devices']} devices, {s} stages x {r} replicas",
+        f"plan for {out['source']}: {out['devices']} devices, {stages_x_replicas(s, r)}",
         f"sizes: c_DP = {out['dp_gb']:.4g} GB, c_PP = {out['pp_gb']:.4g} GB ({out['sizes_from']})",
         "",
         "allocation (device of stage j in pipeline k; a pipeline runs down its column):",

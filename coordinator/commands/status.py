@@ -11,10 +11,13 @@ from typing import Any
 from coordinator.daemon.history import traffic_per_step
 from coordinator.daemon.reconcile import save_line
 from coordinator.daemon.registry import STATE_NAMES
+from coordinator.job.prediction import prediction_gap
 from coordinator.job.replanlog import replans_to_json, replans_to_text
 from coordinator.links.store import matrix_to_json
 from dtfm import reach
 from dtfm.core.spec import WorkerState
+from dtfm.core.words import stages_x_replicas
+from dtfm.rpc import is_loopback
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
@@ -159,11 +162,8 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         lines.append(f"job {j['id']}: {j['state']}  model {j['model']}  epoch {j['epoch']}  "
                      f"step {j['step']}/{j['total_steps']}  loss {j['loss']:.4f}  "
                      f"{j['tokens_per_s']:.0f} tok/s")
-        if j["placement"]:
-            measured = (f"{j['measured_step_s']:.2f} s" if j["measured_step_s"]
-                        else "not yet measured")
-            lines.append(f"  placement {j['placement']}: step time predicted "
-                         f"{j['predicted_step_s']:.2f} s, measured {measured}")
+        if j["predicted_step_s"]:
+            lines.append(f"  {step_time_line(data)}")
         if j["message"]:
             lines.append(f"  {j['message']}")
         saves = j["state_saves"]
@@ -219,10 +219,10 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
     if data["plan"]:
         p = data["plan"]
         lines.append(f"plan (epoch {p['epoch']}, {p['placement'] or 'scheduled'}): "
-                     f"{p['stages']} stages x {p['replicas']} "
-                     f"replicas, cost {p['cost']:.3f} s = DP {p['dp_cost']:.3f} + "
-                     f"2 x PP {p['pp_cost']:.3f}; predicted step {p['predicted_step_s']:.2f} s "
-                     f"(communication alone {p['predicted_comm_s']:.2f} s)")
+                     f"{stages_x_replicas(p['stages'], p['replicas'])}, cost {p['cost']:.3f} s "
+                     f"= DP {p['dp_cost']:.3f} + "
+                     f"2 x PP {p['pp_cost']:.3f}; communication alone "
+                     f"{p['predicted_comm_s']:.2f} s a step")
         splits = p["layer_splits"] or [0] * len(p["grid"])
         for s, (row, layers, shares) in enumerate(zip(p["grid"], splits, p["dp_shares"],
                                                       strict=True)):
@@ -235,12 +235,31 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
     return "\n".join(lines)
 
 
+def step_time_line(data: dict[str, Any]) -> str:
+    """The job's one predicted step (the running plan's, refined with the compute its workers
+    measured) against the measured one, and why where they are far apart
+    (`coordinator.job.prediction.prediction_gap`). `data`: `status_to_json`'s."""
+    j, plan = data["job"], data["plan"] or {}
+    measured = j["measured_step_s"]
+    line = (f"step time: the plan ({j['placement'] or 'scheduled'} placement) predicts "
+            f"{j['predicted_step_s']:.2f} s, measured "
+            + (f"{measured:.2f} s" if measured else "not yet"))
+    members = {a for row in plan.get("grid", []) for a in row}
+    compute_measured = any(a["worker"]["compute_s"] > 0 and a["worker"]["job_id"] == j["id"]
+                           for a in data["agents"] if a["id"] in members)
+    gap = prediction_gap(j["predicted_step_s"], measured, plan.get("predicted_compute_s", 0.0),
+                         compute_measured)
+    return f"{line}; {gap}" if gap else line
+
+
 def _tuning_lines(agents: list[dict[str, Any]]) -> list[str]:
     """Agents whose hosts are not tuned for long links: what it costs and the sysctl lines,
-    once per distinct set of lines."""
+    once per distinct set of lines. Not for agents on loopback: their links have no round
+    trip for TCP's buffers or slow start to matter over."""
     by_fix: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for a in agents:
-        if a["tuning"] and a["state"] == "alive":
+        host = a["address"].rsplit(":", 1)[0].strip("[]")
+        if a["tuning"] and a["state"] == "alive" and not is_loopback(host):
             by_fix.setdefault(tuple(t["line"] for t in a["tuning"]), []).append(a)
     lines = []
     for fix, group in by_fix.items():

@@ -10,7 +10,8 @@ from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
 from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.spec import ModelSpec, TrainConfig
-from dtfm.flags import check_directory
+from dtfm.core.words import stages_x_replicas
+from dtfm.flags import LIVENESS_TIMEOUT_S, check_directory
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 
@@ -159,8 +160,7 @@ class JobConfig:
             if self.train.lora_init and Path(self.train.lora_init).exists():  # else: workers'
                 check_adapter_dir(self.train.lora_init, spec, self.train)
         except ValueError as exc:
-            raise ConfigError(f"{exc} (the job runs {layout.stages} stages x "
-                              f"{layout.replicas} replicas)") from None
+            raise ConfigError(f"{exc} (the job runs {layout.text})") from None
         self._check_data(spec.vocab_size)
 
     def _check_data(self, vocab_size: int) -> None:
@@ -225,7 +225,7 @@ class JobConfig:
         n = pinned.stages * pinned.replicas
         if self.agents != n:
             raise ConfigError(f"--placement {placement.path} places {n} agents "
-                              f"({pinned.stages} stages x {pinned.replicas} replicas), but "
+                              f"({stages_x_replicas(pinned.stages, pinned.replicas)}), but "
                               f"--agents is {self.agents}")
         for flag, value, want in (("--stages", self.stages, pinned.stages),
                                   ("--replicas", self.replicas, pinned.replicas)):
@@ -240,7 +240,7 @@ class CoordinatorConfig:
     listen: str = "127.0.0.1:7070"
     security: Security = field(default_factory=lambda: Security(token=""))
     heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 5.0
+    liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # dtfm/flags.py says why
     measure_timeout_s: float = 120.0
     measure_every_s: float = 0.0  # re-measure all links this often while no job trains; 0: off
     evict_after_s: float = 600.0  # drop agents lost or left this long from the registry

@@ -54,3 +54,11 @@ def save_line(failures: int, error: str, saved_unix_s: float, now_unix_s: float)
              else "never saved")
     return (f"STATE NOT SAVED: {failures} save(s) of the job's state failed in a row ({since}; "
             f"a restart would adopt that older state): {error}")
+
+
+def shutdown_note(state: str, path: object) -> str:
+    """What a coordinator stopping with a state directory leaves behind, for its log: a job
+    still under way is left to the next coordinator; a `done` or `failed` one has ended."""
+    if state in ("done", "failed"):
+        return f"{state}: the job has ended, nothing runs on (its record stays in {path})"
+    return f"left running for the next coordinator (state in {path})"

@@ -36,7 +36,7 @@ import numpy as np
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, JobStore, fingerprint
-from coordinator.daemon.reconcile import persistence_fields, stale_snapshot
+from coordinator.daemon.reconcile import persistence_fields, shutdown_note, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job import rootcause
 from coordinator.job.checkpoints import CheckpointTracker
@@ -364,8 +364,8 @@ class Job:
         delay, bandwidth, failures = links.delay, links.bandwidth, links.failures
         net = Network.measured(delay, bandwidth)
         layout, train = self.planner.epoch_layout(members, spec.n_layers)
-        self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.stages} stages x "
-                  f"{layout.replicas} replicas ({placement.label})")
+        self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.text} "
+                  f"({placement.label})")
         work = Workload(spec, layout.stages, layout.replicas, train.global_batch,
                         train.micro_batches, cfg.train.schedule, cfg.train.dtype,
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
@@ -394,8 +394,8 @@ class Job:
                     flops, warm=(grid, f"{found['algorithm']}, swapped off dead links"),
                     planned_splits=self.replan.planned_splits(layout.stages), epoch=self.epoch)
         except DoesNotFit as exc:
-            self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.stages} stages x "
-                      f"{layout.replicas} replicas does not fit: {exc}")
+            self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.text} "
+                      f"does not fit: {exc}")
             return
         except ValueError as exc:
             self._set(S.JOB_STATE_FAILED, f"placement {placement.label}: {exc}")
@@ -456,9 +456,9 @@ class Job:
             self.registry.send(rec.agent_id, coordinator_pb2.Command(assign=assignment))
         self.started_unix_s = time.time()
         self._set(S.JOB_STATE_RUNNING,
-                  f"epoch {self.epoch}: {layout.stages} stages x {layout.replicas} replicas, "
+                  f"epoch {self.epoch}: {layout.text}, "
                   f"{placement.label} placement, layers {found['split_note']}, predicted "
-                  f"cost {found['cost']:.3f} s, predicted step {predicted.step_s:.2f} s"
+                  f"cost {found['cost']:.3f} s"  # the step: JobStatus.predicted_step_s, live
                   + (f", compression {found['codecs'].summary()}"
                      if work.compression and work.compression.active else "")
                   + (f", {train.micro_batches} micro-batches per replica (shrunk from "
@@ -596,5 +596,5 @@ class Job:
             await self._stop_members("coordinator shutting down")
         elif self.store is not None:
             self.persist()
-            log.info("job %s: left running for the next coordinator (state in %s)",
-                     self.job_id, self.store.path)
+            log.info("job %s: %s", self.job_id,
+                     shutdown_note(STATE_NAMES.get(self.state, ""), self.store.path))

@@ -67,3 +67,37 @@ class Prediction:
                     else float(estimate[j, k]) for k, d in enumerate(row)]
                    for j, row in enumerate(self.grid)]
         return simulate_step(self.net, self.grid, self.shape, compute)
+
+
+# The measured step this far from the plan's prediction (either way) is worth a word.
+FAR_OFF = 1.5
+
+
+def prediction_gap(predicted_s: float, measured_s: float, compute_s: float,
+                   compute_measured: bool) -> str:
+    """Why the measured step is far from the plan's prediction, in words; "" when within
+    `FAR_OFF` either way (or either figure is missing).
+
+    `compute_s`: the compute the prediction holds (0: no device speed known, so it is the
+    communication alone); `compute_measured`: whether that compute is the members' own
+    measured figure (`Prediction.predict` with their reports) or estimated from FLOP/s."""
+    if predicted_s <= 0 or measured_s <= 0:
+        return ""
+    ratio = measured_s / predicted_s
+    if 1 / FAR_OFF <= ratio <= FAR_OFF:
+        return ""
+    how = (f"the step measures {ratio:.1f}x the plan's prediction" if ratio > 1 else
+           f"the step measures {1 / ratio:.1f}x faster than the plan's prediction")
+    if compute_s <= 0:
+        why = ("the agents reported no device speed, so the prediction is communication "
+               "alone")
+    elif not compute_measured:
+        why = ("the plan's compute is a guess from the devices' reported FLOP/s, not "
+               "measured; the workers' own figure replaces it once they report steps")
+    elif ratio > 1:
+        why = ("its compute is the workers' own, so the rest is waiting the cost model does "
+               "not price: workers sharing CPU cores, the first steps' start-up, or links "
+               "slower than measured")
+    else:
+        why = "the links carried more than measured, or communication overlapped compute"
+    return f"{how}: {why}"

@@ -34,6 +34,7 @@ from coordinator.scheduler.network import Network
 from dtfm.core.layout import layer_ranges
 from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, TrainConfig
+from dtfm.core.words import stages_x_replicas
 
 EXACT_TSP_MAX = 12  # Held-Karp up to this many stages (2^12 x 12 x 12 numpy work per path)
 HALL_MAX = 8  # vectorized Hall bottleneck up to this many replicas (2^R subsets)
@@ -323,8 +324,8 @@ class CostModel:
             raise ValueError(f"stages and replicas must be >= 1, got {stages} x {replicas}")
         if net.size != stages * replicas:
             raise ValueError(
-                f"the network has {net.size} devices but {stages} stages x {replicas} "
-                f"replicas need {stages * replicas}: pick stages x replicas = {net.size}"
+                f"the network has {net.size} devices but {stages_x_replicas(stages, replicas)} "
+                f"need {stages * replicas}: pick stages x replicas = {net.size}"
             )
         if not (np.isfinite(dp_gb) and dp_gb >= 0 and np.isfinite(pp_gb) and pp_gb >= 0):
             raise ValueError(f"c_DP and c_PP must be >= 0 GB, got {dp_gb} and {pp_gb}")

@@ -26,6 +26,7 @@ from coordinator.scheduler import Network, plan_cost
 from coordinator.scheduler.compression import Compression
 from coordinator.scheduler.compute import Workload, tasklet_seconds
 from coordinator.scheduler.steptime import placed_step_s, polish
+from dtfm.core.words import stages_x_replicas
 
 KINDS = ("scheduled", "rank-order", "random")
 
@@ -144,9 +145,9 @@ def fixed_grid(placement: Placement, stages: int, replicas: int,
         pinned = placement.pinned
         assert pinned is not None
         if (pinned.stages, pinned.replicas) != (stages, replicas):
-            raise ValueError(f"the pinned plan {placement.path} is {pinned.stages} stages x "
-                             f"{pinned.replicas} replicas, but the job runs {stages} x "
-                             f"{replicas}")
+            raise ValueError(f"the pinned plan {placement.path} is "
+                             f"{stages_x_replicas(pinned.stages, pinned.replicas)}, but the job "
+                             f"runs {stages_x_replicas(stages, replicas)}")
         if not pinned.agents:
             return pinned.grid
         index = {a: i for i, a in enumerate(ids)}

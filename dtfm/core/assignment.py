@@ -16,6 +16,7 @@ from dtfm.core.buckets import check_shares
 from dtfm.core.codecs import LinkCodecs
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.spec import ModelSpec, TrainConfig
+from dtfm.core.words import counted
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -237,8 +238,8 @@ def build_assignments(
         resplit = [] if old == counts else old
     if dp_shares is not None:
         if len(dp_shares) != layout.stages:
-            raise ValueError(f"data-parallel shares for {len(dp_shares)} stages, the layout "
-                             f"has {layout.stages}")
+            raise ValueError(f"data-parallel shares for {counted(len(dp_shares), 'stage')}, "
+                             f"the layout has {layout.stages}")
         dp_shares = [check_shares(row, layout.replicas) for row in dp_shares]
     routes = None
     if members is not None and not train.checkpoint_dir and train.checkpoint_every:

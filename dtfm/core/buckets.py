@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from dtfm.core.words import counted
+
 PIPELINE_BUCKETS = 8  # buckets per stage, so the exchange's two hops overlap
 MIN_BUCKET_BYTES = 64 << 10
 MAX_BUCKET_BYTES = 4 << 20
@@ -42,7 +44,7 @@ def check_shares(shares: Sequence[float], replicas: int) -> list[float]:
     """`shares` as a list, or ValueError saying what is wrong with them."""
     out = [float(s) for s in shares]
     if len(out) != replicas:
-        raise ValueError(f"{len(out)} data-parallel shares for {replicas} replicas")
+        raise ValueError(f"{len(out)} data-parallel shares for {counted(replicas, 'replica')}")
     if not all(math.isfinite(s) and s >= 0 for s in out) or sum(out) <= 0:
         raise ValueError(f"data-parallel shares must be >= 0 with a positive sum, got {out}")
     return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtfm.core.words import stages_x_replicas
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -24,6 +26,11 @@ class Layout:
                 f"a layout needs at least 1 stage and 1 replica, got stages={self.stages} "
                 f"replicas={self.replicas}"
             )
+
+    @property
+    def text(self) -> str:
+        """For people: "2 stages x 1 replica"."""
+        return stages_x_replicas(self.stages, self.replicas)
 
     @property
     def world_size(self) -> int:
@@ -73,7 +80,7 @@ class Layout:
         if len(grid) != self.stages or any(len(row) != self.replicas for row in grid):
             raise ValueError(
                 f"grid shape {len(grid)}x{len(grid[0]) if grid else 0} does not match "
-                f"{self.stages} stages x {self.replicas} replicas"
+                f"{self.text}"
             )
         return [grid[self.stage_of(r)][self.replica_of(r)] for r in range(self.world_size)]
 

@@ -26,6 +26,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from dtfm.core.words import counted
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # what the cost model can size
 UINT32 = 2**32 - 1
 # Checkpoints are on unless the operator says 0: a crashed or rescheduled job then loses at
@@ -505,7 +507,7 @@ def check_batch(global_batch: int, micro_batches: int, replicas: int) -> None:
     unit = replicas * micro_batches
     if global_batch % unit:
         raise ValueError(
-            f"--batch {global_batch} does not split evenly into {replicas} replicas x "
+            f"--batch {global_batch} does not split evenly into {counted(replicas, 'replica')} x "
             f"{micro_batches} micro-batches: it is not divisible by {unit}; use a multiple of "
             f"replicas x micro-batches = {unit}, such as {(global_batch // unit + 1) * unit}"
         )

@@ -53,7 +53,7 @@ def test_assignments_carry_their_stages_shares() -> None:
     out = build_assignments(**kw, dp_shares=[[0.25, 0.75], [1.0, 0.0]])  # type: ignore[arg-type]
     assert [list(a.dp_shares) for a in out] == [[0.25, 0.75], [1.0, 0.0]] * 2  # rank order
     assert all(not a.dp_shares for a in build_assignments(**kw))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="shares for 1 stages, the layout has 2"):
+    with pytest.raises(ValueError, match="shares for 1 stage, the layout has 2"):
         build_assignments(**kw, dp_shares=[[0.5, 0.5]])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="3 data-parallel shares for 2 replicas"):
         build_assignments(**kw, dp_shares=[[0.5, 0.5], [0.2, 0.3, 0.5]])  # type: ignore[arg-type]
