@@ -31,35 +31,24 @@ departed attacker's connections do not keep their places.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from dtfm.frontlimits import source_of as source_by_host
 
 Epoch = tuple[bytes, int]  # (job digest, epoch)
 _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h)
 
 
 def source_of(sock: socket.socket) -> str:
-    """The source a connection counts against (`source_key` of its peer's address)."""
+    """The source a connection counts against: its peer's address, as the front counts it
+    (`dtfm.frontlimits.source_of`)."""
     try:
-        return source_key(sock.getpeername()[0])
+        return source_by_host(sock.getpeername()[0])
     except (OSError, IndexError, TypeError):
         return "unknown"
-
-
-def source_key(host: str) -> str:
-    """An IPv4 address as itself (an IPv4-mapped IPv6 one too), an IPv6 address as its /64."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return "unknown"
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 def peer_gone(sock: socket.socket) -> bool:

@@ -41,7 +41,8 @@ import socket
 from collections.abc import Callable
 
 from dtfm.core import dataplane as dp
-from dtfm.frontlimits import FrontLimits, Tally, ThrottledLog, source_of
+from dtfm.frontlimits import FrontLimits, Tally, source_of
+from dtfm.ratelog import RateLog
 from dtfm.splice import Joined, LoopSplice, Pipes, Splicer
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class Front:
         self._pipes = Pipes(self.limits.pipes)
         self._splicer: Splicer = splicer or (lambda a, b, done: LoopSplice(a, b, self._pipes,
                                                                             done))
-        self._log = ThrottledLog(log)
+        self._log = RateLog(log)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._splices: dict[Joined, tuple[str, str]] = {}  # -> (source, peer)

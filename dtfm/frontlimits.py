@@ -29,9 +29,7 @@ usually holds a whole /64).
 from __future__ import annotations
 
 import ipaddress
-import logging
 import resource
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -87,7 +85,7 @@ def source_of(host: str) -> str:
     try:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
-        return host
+        return "unknown"
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
@@ -125,24 +123,3 @@ class Tally:
     def held_by(self, source: str) -> int:
         return self._by_source[source]
 
-
-class ThrottledLog:
-    """Warnings of one kind at most once per `every_s`, each saying how many were held back:
-    a flood of refused connections must not become a flood of log lines."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
-        self.logger, self.every_s = logger, every_s
-        self._last: dict[str, float] = {}
-        self._held_back: Counter[str] = Counter()
-
-    def warning(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.every_s:
-            self._held_back[kind] += 1
-            return
-        self._last[kind] = now
-        more = self._held_back.pop(kind, 0)
-        self.logger.warning("%s%s", message,
-                            f" ({more} more like it in the last {now - last:.0f} s)"
-                            if more and last is not None else "", stacklevel=2)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from agent.parking import source_key
+from dtfm.frontlimits import source_of as source_key
 from dtfm.ratelog import RateLog
 
 
