@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import grpc
 
-from agent.checkpoints import MIRROR_INTERVAL_S
 from dtfm import flags, rpc
+from dtfm.checkpoints.copies import MIRROR_INTERVAL_S
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -73,7 +73,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     flags.add_common_args(p, config_file=False)
 
     try:
-        from agent import local
+        from agent.commands import local
     except ImportError:  # pragma: no cover - the runtime is part of the package
         local = None
     if local is not None:
@@ -82,14 +82,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             "--standalone")
         local.add_arguments(p)
 
-    from agent import generate
+    from agent.commands import generate
 
     p = subs["generate"] = sub.add_parser(
         "generate", help="continue a prompt with a Hugging Face model directory's weights, "
         "computed by dtfm's own model")
     generate.add_arguments(p)
 
-    from agent import prepare
+    from agent.commands import prepare
 
     p = subs["prepare"] = sub.add_parser(
         "prepare", help="tokenize .txt, .jsonl or .parquet files into the train.bin, val.bin "
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, subs = build_parser()
 
     def local(args: argparse.Namespace) -> int:
-        from agent import local as local_cmd
+        from agent.commands import local as local_cmd
 
         return local_cmd.run(args)
 
@@ -110,12 +110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return flags.run_async(_status(args))
 
     def generate(args: argparse.Namespace) -> int:
-        from agent import generate as generate_cmd
+        from agent.commands import generate as generate_cmd
 
         return generate_cmd.run(args)
 
     def prepare(args: argparse.Namespace) -> int:
-        from agent import prepare as prepare_cmd
+        from agent.commands import prepare as prepare_cmd
 
         return prepare_cmd.run(args)
 
@@ -125,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from agent.config import AgentConfig, default_state_dir
-    from agent.server import serve
+    from agent.daemon.config import AgentConfig, default_state_dir
+    from agent.daemon.server import serve
 
     config = AgentConfig(
         coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,

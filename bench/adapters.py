@@ -155,7 +155,7 @@ def memory_figures(model: str, stages: int, rank: int) -> dict[str, int]:
 
 def run_loopback(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """One `agent local` run; its figures."""
-    cmd = [sys.executable, "-c", _WRAP, sys.executable, "-m", "agent.local", "--json",
+    cmd = [sys.executable, "-c", _WRAP, sys.executable, "-m", "agent.commands.local", "--json",
            "--model", args.model, "--stages", str(args.stages), "--replicas",
            str(args.replicas), "--steps", str(args.steps), "--batch", str(args.batch),
            "--micro-batches", str(args.micro_batches), "--lr", str(args.lr),

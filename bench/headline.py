@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "headline.json"
 sys.path.insert(0, str(REPO))
 
-from agent.device import available_ram  # noqa: E402
+from agent.probing.device import available_ram  # noqa: E402
 from bench.uneven import Cluster, _env, _events  # noqa: E402
 from coordinator.scheduler.memory import MemoryShape, gib, stages_bytes  # noqa: E402
 from dtfm.core.presets import SEQ_SUFFIX, get_preset  # noqa: E402

@@ -49,8 +49,8 @@ if str(REPO) not in sys.path:  # run as `python bench/prepare.py`
 import tokenizers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from agent import prepare as prep  # noqa: E402
-from agent.textinput import Piece, batches  # noqa: E402
+from agent.commands import prepare as prep  # noqa: E402
+from agent.commands.textinput import Piece, batches  # noqa: E402
 from agent.worker.data import stdlib_files  # noqa: E402
 from dtfm.core.tokenfiles import read_meta  # noqa: E402
 

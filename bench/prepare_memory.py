@@ -2,7 +2,7 @@
 
 A long document once reached the tokenizer whole when it was a `.jsonl` line (or a
 `.parquet` row), and the tokenizer's working memory is some 170 bytes per character: a 20 MB
-line peaked at 3.5 GB. `agent.textinput` now cuts every document into pieces as it cut a
+line peaked at 3.5 GB. `agent.commands.textinput` now cuts every document into pieces as it cut a
 `.txt`; this measures what that buys.
 
 For each `--mb` size the text is made here, deterministically and with no download: the

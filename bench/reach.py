@@ -13,7 +13,7 @@ cases run with `--hole-punch off`, so the relay the scheduler prices is what is 
 and once more scheduled with hole punching on (`scheduled/punch`), in a world whose links
 were measured with it on: pairs nobody can dial are punch-probed and priced direct where
 that path is the faster (coordinator/links/punchprobe.py), and at each epoch keep the direct
-path only where it timed no slower than the relay (dtfm/core/pathweigh.py). That row's step
+path only where it timed no slower than the relay (dtfm/net/pathweigh.py). That row's step
 error is shown (`step_model_error_punch`) but not scored. `--relay-link MS,MBPS` gives the
 relay (the coordinator's host) a cost; by default the emulator's control host is free.
 

@@ -37,7 +37,7 @@ RESULTS = REPO / "bench" / "results" / "runtime.json"
 def run_layout(args: argparse.Namespace, stages: int, replicas: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as work:
         cmd = [
-            sys.executable, "-m", "agent.local", "--json", "--model", args.model,
+            sys.executable, "-m", "agent.commands.local", "--json", "--model", args.model,
             "--stages", str(stages), "--replicas", str(replicas),
             "--micro-batches", str(args.micro_batches), "--batch", str(args.batch),
             "--steps", str(args.steps), "--schedule", args.schedule, "--dp-mode", args.dp_mode,

@@ -1,13 +1,13 @@
-"""One port per daemon (dtfm/front.py) against ports of their own, side by side on loopback.
+"""One port per daemon (dtfm/net/front.py) against ports of their own, side by side on loopback.
 
 - gRPC: a unary call's round trip and a server-streamed bulk transfer (1 MiB messages, as
   checkpoint copies stream) to a server on its own TCP port, and to the same server behind
   the front, which splices each connection to it over an abstract Unix socket.
 - Data plane: one `Mesh` sends tensors to another that listens on its own port, and to one
-  that takes its connections from the agent's handoff (agent/datahandoff.py: the front
+  that takes its connections from the agent's handoff (dtfm/net/handoff.py: the front
   passes the accepted socket over, so the bytes never cross the agent).
 
-- The front's splice, gRPC only: on the event loop (dtfm/splice.py, since issue 41) and,
+- The front's splice, gRPC only: on the event loop (dtfm/net/splice.py, since issue 41) and,
   the row "threads", as before it, a thread and a pipe per direction (`ThreadSplice`).
 
 Everything runs in this process (gRPC and its front on uvloop, as in the daemons; the data
@@ -41,15 +41,15 @@ import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent.datahandoff import DataHandoff  # noqa: E402
-from agent.server import data_router  # noqa: E402
+from agent.daemon.server import data_router  # noqa: E402
 from agent.worker.transport import TransportConfig  # noqa: E402
 from agent.worker.transport.mesh import Mesh  # noqa: E402
 from dtfm import rpc  # noqa: E402
 from dtfm.flags import run_async  # noqa: E402
-from dtfm.front import Front  # noqa: E402
+from dtfm.net.front import Front  # noqa: E402
+from dtfm.net.handoff import DataHandoff  # noqa: E402
+from dtfm.net.splice import Joined  # noqa: E402
 from dtfm.rpc import free_port  # noqa: E402
-from dtfm.splice import Joined  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sharedport.json"
 SECURITY = rpc.Security(token="bench-sharedport-token-0123")

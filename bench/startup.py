@@ -7,7 +7,7 @@ delays, 25 Mbit/s per Gbit/s), with the agents' spare workers on (the default) o
 waits long before its job; its spare is warm by then), then the coordinator starts the job.
 
 Each worker's start is cut into phases from three sources, all written by the programs
-themselves: the agent's `worker start-up:` line (`agent/supervisor.py`: assignment received,
+themselves: the agent's `worker start-up:` line (`agent/daemon/supervisor.py`: assignment received,
 checkpoints fetched, first step event read), the worker's `start-up:` line
 (`agent/worker/__main__.py`: process started, imports done, assignment in hand) and its
 `joined world` and `rank R: stage` log lines (`world.py`, `train.py`):

@@ -1,7 +1,7 @@
 """The dtfm transport against gloo on loopback: send/recv latency and throughput, all_reduce.
 
 Two ranks in real processes. Cases: gloo; dtfm direct (rank 0 listens, rank 1 dials);
-dtfm relayed (neither listens: both dial a `dtfm.relay.Relay` in its own process). Prints a
+dtfm relayed (neither listens: both dial a `dtfm.net.relay.Relay` in its own process). Prints a
 table and writes bench/results/transport.json. Loopback only: it measures the transport's
 own cost (Python framing and threads), not a WAN; a couple of minutes at most.
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.worker.transport import TransportConfig, register  # noqa: E402
-from dtfm.relay import Relay  # noqa: E402
+from dtfm.net.relay import Relay  # noqa: E402
 from dtfm.rpc import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transport.json"

@@ -4,7 +4,7 @@ Owns the HTTP side only: a tiny HTTP/1.1 responder on the daemon's own event loo
 one `CollectorRegistry` per request. Serving on the loop (not prometheus_client's thread
 server) means collectors read the daemon's live objects from the thread that mutates them, so
 there is nothing to lock and nothing to keep in sync. What each daemon exports lives in
-`coordinator/daemon/metrics.py` and `agent/metrics.py`.
+`coordinator/daemon/metrics.py` and `agent/daemon/metrics.py`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ pipe: written as a new line each time, a demo's 80 steps left about 100 near-ide
 in its log. `ProgressLine` redraws on a terminal (at most every `tty_every_s`), and elsewhere
 writes a line only for an event (the caller's `key` changed: a new state) or when `every_s`
 has passed since the last one it wrote, then the last line on `finish`. Used by
-`agent prepare`'s progress (agent/prepare.py) and the demos' (coordinator/commands/demo.py,
+`agent prepare`'s progress (agent/commands/prepare.py) and the demos' (coordinator/commands/demo.py,
 demo_wan.py).
 """
 

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from dtfm.front import Front, backend_address
+from dtfm.net.front import Front, backend_address
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Build, bind and start a server; `register` adds servicers and returns service names.
 
-    With `front` (dtfm/front.py) the front owns `listen`'s port and splices gRPC to this
+    With `front` (dtfm/net/front.py) the front owns `listen`'s port and splices gRPC to this
     server, which then listens only on an abstract Unix socket: one TCP port for gRPC and
     the data plane. Returns the server, the public port (useful with port 0) and the health
     servicer.

@@ -57,8 +57,8 @@ from agent.worker.pipeline import Links, make_links
 from agent.worker.store import GroupAddressStore, rendezvous_store
 from agent.worker.transport import TransportConfig, register
 from dtfm.core.assignment import member_address
-from dtfm.core.dataplane import HANDOFF_ENV
 from dtfm.core.layout import Layout
+from dtfm.net.dataplane import HANDOFF_ENV
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +198,11 @@ def transport_config(a: Any, choice: netbind.BindChoice,
                          f"and agent disagree on the wire format (upgrade both)")
     if plane.relay.startswith(":"):
         raise ValueError(f"the data plane's relay {plane.relay!r} names no host: the agent "
-                         f"puts in the coordinator's (agent/session.py); an older agent?")
+                         f"puts in the coordinator's (agent/daemon/session.py); an older agent?")
     mine = plane.listen[a.rank]
     bind = None
     # the agent serves this rank's data plane on its gRPC port and hands the connections
-    # over (agent/datahandoff.py); without it (--data-port) the rank listens itself
+    # over (dtfm/net/handoff.py); without it (--data-port) the rank listens itself
     handoff = (os.environ.get(HANDOFF_ENV) or None) if mine else None
     if mine and handoff is None:
         bind = member_address(netbind.listen_host(a.bind_addr, choice),

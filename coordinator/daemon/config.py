@@ -73,7 +73,7 @@ class JobConfig:
     # connections, else dtfm (coordinator/job/dataplane.py)
     transport: str = "auto"
     # --hole-punch: dial-only pairs at a relay try a direct connection through their NATs
-    # first (dtfm/core/punch.py); off: they always stay on the relay
+    # first (dtfm/net/punch.py); off: they always stay on the relay
     hole_punch: bool = True
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
@@ -247,7 +247,7 @@ class CoordinatorConfig:
     state_dir: str = ""
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
     # --relay-port: the data-plane relay for agents that cannot accept connections; None:
-    # on the gRPC port itself (dtfm/front.py sorts the connections); a port: its own
+    # on the gRPC port itself (dtfm/net/front.py sorts the connections); a port: its own
     # listener on the --listen host; 0: off
     relay_port: int | None = None
     # --checkpoint-store-mib: the most the copies of last resort (stages of a job no member of

@@ -6,7 +6,7 @@ job until --checkpoint-store-mib was full, after which the real holder's push wa
 push (`Coordinator.PushCheckpoint`, coordinator/job/checkpointcopies.py) is taken only
 
 - from a joined agent that proves its id: the pusher sends its id and the `agent_secret` of its
-  Welcome as call metadata (`agent.checkpointpush.pusher_metadata`): UNAUTHENTICATED without
+  Welcome as call metadata (`dtfm.checkpoints.push.pusher_metadata`): UNAUTHENTICATED without
   them, PERMISSION_DENIED when they prove nothing;
 - for the job this coordinator runs, while it has not ended (FAILED_PRECONDITION: the pusher
   stops);
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import grpc
 
-from agent.checkpointpush import Pusher, Refused
 from coordinator.daemon.registry import IdentityError, Registry
 from coordinator.daemon.validate import agent_id_problem, secret_problem
 from coordinator.job.machine import Job
+from dtfm.checkpoints.push import Pusher, Refused
 from dtfm.core.checkpoints import Manifest
 from dtfm.core.spec import ModelSpec
 from protos.dtfm.v1 import coordinator_pb2

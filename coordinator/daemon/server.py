@@ -44,7 +44,7 @@ from dtfm.core.limits import (
     MAX_STATUS_AGENTS,
     OMITTED_METADATA,
 )
-from dtfm.front import Front
+from dtfm.net.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)

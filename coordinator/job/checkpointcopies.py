@@ -1,14 +1,14 @@
 """The coordinator's copy of last resort of stage checkpoints (issue 32).
 
 Without shared storage a stage's checkpoint lives on the agents that wrote it, and a second
-copy is pulled by (or pushed to) another member of the job (agent/checkpoints.py,
-agent/checkpointpush.py). When no member of the job can be dialled (every agent behind a NAT
+copy is pulled by (or pushed to) another member of the job (dtfm/checkpoints/copies.py,
+dtfm/checkpoints/push.py). When no member of the job can be dialled (every agent behind a NAT
 or firewall) nobody can take that copy, and losing an agent would lose its stage. Every agent
 dials the coordinator, so there the stage's holder pushes it instead
 (`dtfm.core.assignment.COORDINATOR_PEER` in its `checkpoint_pushes`), store and forward:
 
 - **Receiving** (`Coordinator.PushCheckpoint`): through the agents' own receiving path
-  (`agent.checkpointpush.answer_push` / `install_push`: first message checked, files written
+  (`dtfm.checkpoints.push.answer_push` / `install_push`: first message checked, files written
   to hidden partial names, checked for size and sha256, renamed into place, the manifest
   last), behind the same authenticated server (the join token, or mTLS). Accepted only from
   the stage's own holder, proven by its agent secret, for the job the coordinator runs while it
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import grpc
 
-from agent.checkpointpush import Pusher, Refused, answer_push, install_push, pusher_of
-from agent.checkpoints import CheckpointStore
+from dtfm.checkpoints.copies import CheckpointStore
+from dtfm.checkpoints.push import Pusher, Refused, answer_push, install_push, pusher_of
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import Manifest
 from dtfm.core.spec import ModelSpec

@@ -35,7 +35,7 @@ size) and forgets the job's older epochs (`Relay.retire`).
 
 The relay address in the assignment has an empty host (":PORT"): the relay runs in the
 coordinator's process, and the agent substitutes the host it dials the coordinator at
-(agent/session.py), the one address every agent is known to reach.
+(agent/daemon/session.py), the one address every agent is known to reach.
 
 Relay agents: a member found reachable from everywhere that serves a relay
 (`AgentInfo.relay_port`, `agent start --relay-port`) is a candidate too. Given the epoch's
@@ -45,7 +45,7 @@ neighbours, data-parallel peers) weigh the bytes the plan's step moves between t
 (`pair_bytes`, from the step model's `StepShape`), the rest (per-step scalars on the world
 group) next to nothing. Pairs that chose a relay agent are listed in
 `DataPlane.pair_relays`; the rest meet at the coordinator's. A relay agent admits the epoch
-from its own assignment (it is a member: agent/relayhost.py), so restricting relays to the
+from its own assignment (it is a member: agent/daemon/relayhost.py), so restricting relays to the
 job's members means no secret is sent anywhere else.
 
 The planner prices the grid it places with these very routes (each relay's uplink shared by
@@ -71,12 +71,12 @@ from coordinator.links.store import LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from coordinator.scheduler.steptime import StepShape
-from dtfm import reach
-from dtfm.core import dataplane as dp
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
-from dtfm.front import Front
-from dtfm.relay import Relay
+from dtfm.net import dataplane as dp
+from dtfm.net import reach
+from dtfm.net.front import Front
+from dtfm.net.relay import Relay
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ class DataPlanes:
                                   report.relay_refused_bytes)
 
     def share_relay(self, port: int, front: Front) -> Relay:
-        """A relay fed by the coordinator's front on its gRPC `port` (dtfm/front.py): it
+        """A relay fed by the coordinator's front on its gRPC `port` (dtfm/net/front.py): it
         listens nowhere itself; the caller routes the front's data-plane connections to
         `Relay.accept`. What the front refuses counts as the relay's refused bytes."""
         self.relay = Relay(None, port=port)

@@ -41,10 +41,10 @@ from coordinator.scheduler.compute import (
 from coordinator.scheduler.memory import check_fit, packs, stages_bytes
 from coordinator.scheduler.placement import Placement, fixed_grid, score
 from coordinator.scheduler.steptime import dp_shares
-from dtfm import reach
 from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.shape import choose_layout, elastic_layout
 from dtfm.core.spec import TrainConfig
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2
 
 if TYPE_CHECKING:

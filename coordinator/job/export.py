@@ -10,10 +10,10 @@ mirror), on their own disks. So an export needs no shared storage and no torch:
    complete steps it holds of each stage; pick the newest step for which the stages of one
    split (their layer ranges join end to end, 0 to the model's last layer) each have a copy
    with its weights file (after a re-cut, an older split's step can be the newest complete);
-3. copy each stage's weights file of that step from one holder (`agent.checkpoints.download`:
+3. copy each stage's weights file of that step from one holder (`dtfm.checkpoints.copies.download`:
    resumable, checked against the holder's manifest sha256), trying the next holder on
    failure; a listing that declares more bytes than the model's layers take is never
-   fetched (`agent.checkpoints.list_peer`), and a full disk ends the export saying so;
+   fetched (`dtfm.checkpoints.copies.list_peer`), and a full disk ends the export saying so;
 4. assemble the directory (`dtfm.core.hfexport.write_export`: atomic, refuses a non-empty
    destination unless forced), with the token ids and tokenizer the coordinator's status
    names (`dtfm.core.hfexport.ExportSource`, the one `agent local --export-dir` writes too).
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import grpc
 
-from agent.checkpoints import BadCopy, DiskFull, Peer, download, list_peer
-from dtfm import reach, rpc
+from dtfm import rpc
+from dtfm.checkpoints.copies import BadCopy, DiskFull, Peer, download, list_peer
 from dtfm.core import checkpoints as ondisk
 from dtfm.core import loraexport
 from dtfm.core.assignment import member_address
@@ -65,6 +65,7 @@ from dtfm.core.hfexport import (
 from dtfm.core.mergerequest import MergeRequest
 from dtfm.core.spec import ModelSpec, TrainConfig
 from dtfm.launcher import run_merge
+from dtfm.net import reach
 from protos.dtfm.v1 import agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ async def _listings(peers: Sequence[tuple[str, Peer]], job_id: str, spec: ModelS
     count is at most the layer count: a split of any epoch, re-cuts included), and why the
     peers not asked were not. A step that declares more bytes than its layers of `spec` take
     is left out (`list_peer`). A peer is asked only once it answered a Ping as the agent
-    meant (`dtfm.reach.identified`): another agent at the same private address is not it."""
+    meant (`dtfm.net.reach.identified`): another agent at the same private address is not it."""
     held: dict[tuple[int, int], list[Holding]] = {}
     missed: list[str] = []
 

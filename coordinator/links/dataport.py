@@ -10,7 +10,7 @@ So the coordinator checks the port when the agent joins, beside the reachability
 (coordinator/links/reachability.py): where the dial-back does not already cover it (a port of
 its own, or an operator's `--reachable yes`, which skips the dial-back; with `--reachable no`
 no peer is ever told to dial it) it pings the data address once on a fresh channel
-(`dtfm.reach.answering`). An answer from another agent's id
+(`dtfm.net.reach.answering`). An answer from another agent's id
 proves the address is someone else's: the port is refused (`AgentRecord.data_port_refused`,
 so `data_port` reads 0 and the agent's workers only dial out), the coordinator logs a warning
 naming the agent, the port and who holds it, and the agent's reachability line says it. No
@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 
 from coordinator.daemon.registry import AgentRecord
-from dtfm import reach, rpc
+from dtfm import rpc
 from dtfm.core.assignment import member_address
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -2,14 +2,14 @@
 
 Two agents nobody can dial with no direct path either way (`relayed.stranded_pairs`) meet at
 a relay on the data plane, and at each epoch try to punch a direct connection through their
-NATs (dtfm/core/punch.py). Priced through the relay only (`relayed.price`: both hops' delay,
+NATs (dtfm/net/punch.py). Priced through the relay only (`relayed.price`: both hops' delay,
 the narrower hop's rate), placement could never count on a punch: two NATed agents in one
 city with a fast direct link were placed as if two relay hops apart.
 
 So, with hole punching on (`coordinator start --hole-punch on`, the default) and the
 coordinator's relay running, the measurer asks both agents of each stranded pair at once to
 punch through the coordinator's relay and measure the direct connection
-(`MEASURE_KIND_PUNCH`, agent/punchprobe.py). The relay forwards only for epochs it admitted
+(`MEASURE_KIND_PUNCH`, agent/probing/punchprobe.py). The relay forwards only for epochs it admitted
 (`Relay.admit`), so each pair is admitted as a pseudo-job of its own (`admit`: two ranks,
 epoch 0, a fresh secret sent to these two agents only) and retired when the round ends
 (`retire`): no other agent can open a circuit with it, and the relay holds the key only for
@@ -19,7 +19,7 @@ figures, as a direct link (not in `LinkMatrix.relayed`, not one of the relay's f
 whose punch failed either way is priced relayed, exactly as without punching.
 
 The data plane is unchanged: such a pair still meets at a relay at each epoch, punches, and
-keeps the direct path only where it is not slower than the relay (dtfm/core/pathweigh.py),
+keeps the direct path only where it is not slower than the relay (dtfm/net/pathweigh.py),
 which the measurement says it is wherever placement counted on it.
 """
 
@@ -32,19 +32,19 @@ from typing import TYPE_CHECKING, Protocol
 
 from coordinator.links import relayed
 from coordinator.links.store import PUNCHED, RELAYED, LinkEntry, LinkStore
-from dtfm.core import pathweigh
 from dtfm.core.limits import clip
+from dtfm.net import pathweigh
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 if TYPE_CHECKING:
-    from dtfm.relay import Relay
+    from dtfm.net.relay import Relay
 
 SECRET_BYTES = 32
 # At most this many pairs punch at once: each holds a key at the relay, which keeps at most
 # `Relay.max_keys` (64) and drops the oldest beyond, a running job's epoch among them.
 MAX_PAIRS_AT_ONCE = 16
 # On top of the measurer's probe deadline: the peer's arrival at the relay (up to 15 s,
-# agent/punchprobe.py PARTNER_WAIT_S), the punch (4 s) and two transfers in turn.
+# agent/probing/punchprobe.py PARTNER_WAIT_S), the punch (4 s) and two transfers in turn.
 EXTRA_S = 30.0
 
 
@@ -132,7 +132,7 @@ def kept(store: LinkStore, pairs: Sequence[tuple[str, str]], relays: Sequence[st
          ) -> list[tuple[str, str]]:
     """Of `pairs` (punched both ways), those whose direct path the data plane keeps: at each
     epoch both ends weigh it against the relay and stay on the relay where that is faster by
-    more than pathweigh's slack (dtfm/core/pathweigh.py `choose`). The same rule on the
+    more than pathweigh's slack (dtfm/net/pathweigh.py `choose`). The same rule on the
     measured figures: each direction's round trip direct against the one through the relay
     `relayed.price` would choose (the cheapest of the coordinator and `relays`), both as
     pathweigh times them. A pair whose relay path has no figures keeps its direct path."""

@@ -12,7 +12,7 @@ agents that were checked by fewer peers (the first agent of a cluster had nobody
 coordinator), so the verdicts firm up as agents arrive.
 
 Agents are told apart by id only: a dial counts only when the answer comes from the id that
-was meant (`dtfm.reach.dial`), since agents behind different NATs often advertise the same
+was meant (`dtfm.net.reach.dial`), since agents behind different NATs often advertise the same
 private address. An agent started with `--reachable yes|no` is not dialled: the operator's
 word is the verdict. Its data port is checked either way where peers may be told to dial it
 and this dial-back does not cover it (coordinator/links/dataport.py): one another agent
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.links import dataport
-from dtfm import reach, rpc
+from dtfm import rpc
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from coordinator.daemon.registry import AgentRecord
 from coordinator.links.store import RELAYED, REVERSE, LinkEntry, LinkStore
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Path, cost_s
-from dtfm import reach
 from dtfm.core.limits import clip
+from dtfm.net import reach
 
 RELAY = reach.COORDINATOR  # the relay's peer id in a MeasureLinksCommand and in the store
 
@@ -95,8 +95,8 @@ def direct_dials(records: Sequence[AgentRecord], store: LinkStore | None = None
     dialer got through to it: the dialer's dial-back of it succeeded (`ReachStatus.dials`),
     or the dialer's own probe of that direction did (a probe, not a figure taken the other
     way or through a relay). Both are a dial of the listener's advertised address answered
-    by the listener's own id (`dtfm.reach.identified`, agent/linkprobe.py), so two agents
-    behind different NATs at one private address never count as each other. A direction is
+    by the listener's own id (`dtfm.net.reach.identified`, agent/probing/linkprobe.py), so two
+    agents behind different NATs at one private address never count as each other. A direction is
     evidence for itself only: a NAT lets its LAN dial out and in, a firewall may not.
 
     An agent the operator declared unreachable (`--reachable no`) is dialled by nobody: the

@@ -3,9 +3,9 @@
 Pairs of agents that can dial neither way talk through the relay the coordinator hosts
 (coordinator/links/relayed.py), and their link is priced from each end's link to the
 coordinator. An agent nobody can dial can still dial out, so it measures that link as it
-measures any peer's (agent/linkprobe.py `measure_peer`): `Agent.Ping`, answered as the peer
+measures any peer's (agent/probing/linkprobe.py `measure_peer`): `Agent.Ping`, answered as the peer
 id `relayed.RELAY`, and `Agent.Probe`, answered by the same windows agents use
-(`dtfm.probe`). Every other `Agent` RPC stays unimplemented here. The coordinator's server
+(`dtfm.net.probe`). Every other `Agent` RPC stays unimplemented here. The coordinator's server
 registers it beside its own service (`register`); the join token guards it like every RPC.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from coordinator.links.relayed import RELAY
-from dtfm import probe
+from dtfm.net import probe
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc
 
 

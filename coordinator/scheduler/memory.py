@@ -8,8 +8,8 @@ does not fit and by how much. The compute side lives in `compute`.
 Devices that share one memory (several agents training on one host's CPUs and RAM, or
 several on one GPU) each report the whole of it; counting each report once per agent would
 accept a plan eight agents on one 23 GiB box cannot hold. So the check also takes
-each device's memory pool (`DeviceInfo.memory_pool`, agent/device.py) and holds the sum of the
-stages a pool's devices carry against the pool's memory, once.
+each device's memory pool (`DeviceInfo.memory_pool`, agent/probing/device.py) and holds the sum of
+the stages a pool's devices carry against the pool's memory, once.
 
 Counted the way the worker really trains (pinned against torch by
 `tests/coordinator/scheduler/test_memory_torch.py`):

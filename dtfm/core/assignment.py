@@ -107,7 +107,7 @@ def checkpoint_routes(layout: Layout, members: Sequence[str],
     would otherwise fetch its checkpoint over that very link, as the move's priced cost
     (`coordinator.replan.copy_seconds`) assumes it does not. A mirrored stage whose holder
     nobody can dial is pushed instead (`received` on the mirror, `pushes` on the holder:
-    agent/checkpointpush.py) when its mirror can be dialled; a stage that still no dialable
+    dtfm/checkpoints/push.py) when its mirror can be dialled; a stage that still no dialable
     agent would hold is pushed by its first holder to the dialable agent it has the best link
     to. In a job without any dialable member, the first holder pushes it to the coordinator
     (`COORDINATOR_PEER`, which every agent dials: the copy of last resort); wherever a member

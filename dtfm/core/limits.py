@@ -22,11 +22,11 @@ MAX_ERROR = 4096  # free-text error strings (worker failures, unreachable links)
 MAX_KIND = 32  # short enum-like strings (error_kind)
 MAX_PING_SPREAD_S = 60.0  # a latency pass's pings to one peer spread over at most this long
 # Pings to one peer start this far apart where a command gives no spread, each at a random
-# point of its slot (agent/linkprobe.py): pings fired together queue in the agents' event loops
-# (on 2 cores, 8 agents pinging 7 peers every 10 ms read 11 ms links 1.7 ms long). The
+# point of its slot (agent/probing/linkprobe.py): pings fired together queue in the agents' event
+# loops (on 2 cores, 8 agents pinging 7 peers every 10 ms read 11 ms links 1.7 ms long). The
 # coordinator paces against it (coordinator/links/measure.py, `Pings.spread_for`).
 PING_SPACING_S = 0.1
-MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/tuning.py checks 5)
+MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/probing/tuning.py checks 5)
 OMITTED_METADATA = "dtfm-agents-omitted"  # GetStatus trailer: agent rows left out
 
 

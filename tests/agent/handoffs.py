@@ -1,4 +1,4 @@
-"""An agent's front and data-plane hand-off for tests (agent/datahandoff.py, dtfm/front.py).
+"""An agent's front and data-plane hand-off for tests (dtfm/net/handoff.py, dtfm/net/front.py).
 
 `LoopAgent` runs them on an event loop thread in the test's process, as the agent daemon
 holds them; `python -m tests.agent.handoffs` runs them in a process of their own under
@@ -19,12 +19,12 @@ from collections.abc import Coroutine
 from datetime import timedelta
 from typing import Any
 
-from agent.datahandoff import DataHandoff
-from agent.server import data_router
+from agent.daemon.server import data_router
 from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
-from dtfm.core import dataplane as dp
-from dtfm.front import Front
+from dtfm.net import dataplane as dp
+from dtfm.net.front import Front
+from dtfm.net.handoff import DataHandoff
 
 SECRET = b"join-token-of-the-handoff-test"
 JOB = "job-a"

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from agent.server import AgentService, registrar
+from agent.daemon.server import AgentService, registrar
 from dtfm import rpc
 from protos.dtfm.v1 import coordinator_pb2_grpc
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from agent import cli
-from agent import local as local_cmd
-from agent.generate import _ids
+from agent.commands import local as local_cmd
+from agent.commands.generate import _ids
 
 
 def _local(tmp_path: Path, *flags: str, capsys: pytest.CaptureFixture) -> tuple[int, str]:

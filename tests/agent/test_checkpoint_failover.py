@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoints import CheckpointCopier, CheckpointStore
-from agent.server import AgentService, registrar
-from agent.statedir import checkpoint_dir
-from agent.supervisor import Supervisor
+from agent.daemon.server import AgentService, registrar
+from agent.daemon.statedir import checkpoint_dir
+from agent.daemon.supervisor import Supervisor
 from dtfm import rpc
+from dtfm.checkpoints.copies import CheckpointCopier, CheckpointStore
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import build_assignments
 from dtfm.core.layout import Layout
@@ -142,7 +142,7 @@ def test_the_only_holder_of_a_stage_dies_and_its_mirror_copy_resumes_it(
                     assert who.worker_steps(order) == [5, 6], who.worker_log(order)
                     assert "resumed at step 4" in who.worker_log(order)
 
-    with caplog.at_level("INFO", logger="agent.checkpoints"):
+    with caplog.at_level("INFO", logger="dtfm.checkpoints.copies"):
         asyncio.run(main())
     assert "copied stage 1 step 4 of job job-failover from 127.0.0.1:" in caplog.text
     assert "fetching steps [2, 4] before the worker starts" in caplog.text

@@ -1,4 +1,4 @@
-"""Checkpoint copies pushed by an agent nobody can dial (agent/checkpointpush.py, issue 32).
+"""Checkpoint copies pushed by an agent nobody can dial (dtfm/checkpoints/push.py, issue 32).
 
 The holder of a one-replica stage sits behind a NAT: it serves no port here at all (nothing
 could dial it), its mirror is a real agent gRPC server (the daemon's own `AgentService`, with
@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.checkpointpush import CheckpointPushes, pusher_of
-from agent.checkpoints import CheckpointCopier, CheckpointStore, entry_of
-from agent.server import AgentService
+from agent.daemon.server import AgentService
 from dtfm import rpc
+from dtfm.checkpoints.copies import CheckpointCopier, CheckpointStore, entry_of
+from dtfm.checkpoints.push import CheckpointPushes, pusher_of
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import build_assignments
 from dtfm.core.checkpoints import FileEntry, Manifest

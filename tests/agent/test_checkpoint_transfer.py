@@ -20,10 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.checkpoints import CHUNK_BYTES, CheckpointCopier, CheckpointStore, Peer, held
-from agent.server import AgentService
-from agent.supervisor import Supervisor
+from agent.daemon.server import AgentService
+from agent.daemon.supervisor import Supervisor
 from dtfm import rpc
+from dtfm.checkpoints.copies import CHUNK_BYTES, CheckpointCopier, CheckpointStore, Peer, held
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import FileEntry, Manifest
 from dtfm.core.presets import get_preset
@@ -157,7 +157,7 @@ def test_the_newest_step_comes_first_and_both_from_the_first_holder_listed(
             await CheckpointCopier(taker, SECURITY).prepare(assignment([first, other]))
             return first, other
 
-    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="dtfm.checkpoints.copies"):
         first, other = asyncio.run(main())
     assert steps_held(taker, 0) == [2, 4]
     newest = caplog.text.index(f"copied stage 0 step 4 of job {JOB} from {first}")
@@ -176,7 +176,7 @@ def test_an_agent_that_holds_the_newest_step_fetches_nothing(
         async with serving(holder) as address:
             await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
 
-    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="dtfm.checkpoints.copies"):
         run(main)
     assert steps_held(taker, 0) == [4]
     assert "holds step 4, no peer holds a newer one" in caplog.text
@@ -213,7 +213,7 @@ def test_a_corrupted_copy_fails_its_checksum_and_is_never_installed(
                 await CheckpointCopier(taker, SECURITY).prepare(
                     assignment([bad_address, good_address]))
 
-    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="dtfm.checkpoints.copies"):
         run(main)
     assert "fails its checksum" in caplog.text and "not copied from 127.0.0.1:" in caplog.text
     assert steps_held(taker, 0) == [4]
@@ -256,7 +256,7 @@ def test_an_interrupted_download_resumes_from_its_offset(
         async with serving(second, Records) as address:
             await CheckpointCopier(taker, SECURITY).prepare(assignment([address]))
 
-    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="dtfm.checkpoints.copies"):
         run(main)
     assert offsets == [CHUNK_BYTES]
     assert "resuming stage 0 step 4" in caplog.text
@@ -341,7 +341,7 @@ def test_a_peer_that_does_not_answer_is_skipped(tmp_path: Path,
             await CheckpointCopier(taker, SECURITY).prepare(
                 assignment([f"127.0.0.1:{rpc.free_port()}", "not an address", address]))
 
-    with caplog.at_level(logging.INFO, logger="agent.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="dtfm.checkpoints.copies"):
         run(main)
     assert steps_held(taker, 0) == [4]
     assert "did not list stage 0" in caplog.text and "skipping peer 'not an address'" in \
@@ -359,7 +359,7 @@ def test_when_no_peer_can_be_dialled_the_log_says_so(
         await CheckpointCopier(taker, SECURITY).prepare(
             assignment([f"127.0.0.1:{rpc.free_port()}", f"127.0.0.1:{rpc.free_port()}"]))
 
-    with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="dtfm.checkpoints.copies"):
         run(main)
     assert steps_held(taker, 0) == []
     assert "none of the 2 peers could be asked for its checkpoints" in caplog.text
@@ -407,7 +407,7 @@ def test_a_peer_declaring_more_than_the_model_holds_is_never_fetched(
             assert copied == []
             await CheckpointCopier(taker, SECURITY).prepare(assignment([lying, address]))
 
-    with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="dtfm.checkpoints.copies"):
         run(main)
     assert Liar.fetched == []
     assert "declares 1,000,000,000,000 bytes for layers [0, 2) of gpt-tiny" in caplog.text
@@ -434,7 +434,7 @@ def test_a_full_disk_ends_the_copy_saying_so_and_frees_its_partial_file(
             await CheckpointCopier(taker, SECURITY).prepare(assignment([a, b]))
 
     with small_disk(tmp_path / "disk", "1m") as taker:  # SIZE is over 2 MiB
-        with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+        with caplog.at_level(logging.WARNING, logger="dtfm.checkpoints.copies"):
             run(lambda: main(taker))
         assert steps_held(taker, 0) == [] and leftovers(taker, 0) == []
     assert len(asked) == 1  # the second peer's copy would not fit either: not asked

@@ -1,5 +1,5 @@
 """Data-plane connections accepted on the agent's one port reach the epoch's worker mesh
-(agent/datahandoff.py, dtfm/front.py): the agent's front and handoff run on an event loop
+(dtfm/net/handoff.py, dtfm/net/front.py): the agent's front and handoff run on an event loop
 thread, the ranks are real `Mesh`es on real sockets, the accepting rank listens nowhere."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dtfm.core import dataplane as dp
+from dtfm.net import dataplane as dp
 from tests.agent.handoffs import JOB, LoopAgent, closed, dial_hello, mesh, wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -72,7 +72,7 @@ def _kill(pid: int) -> None:
 def test_a_sigstopped_worker_fails_its_neighbours_within_the_adaptive_deadline(
     tmp_path: Path,
 ) -> None:
-    cmd = [sys.executable, "-m", "agent.local", "--json", "--threads", "1", *FLAGS,
+    cmd = [sys.executable, "-m", "agent.commands.local", "--json", "--threads", "1", *FLAGS,
            "--timeout", str(CEILING_S), "--workdir", str(tmp_path)]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.parking import Parking
-from dtfm.core import dataplane as dp
+from dtfm.net import dataplane as dp
+from dtfm.net.parking import Parking
 from tests.agent.handoffs import LoopAgent, closed, dial_hello, mesh, wait_for
 
 pytestmark = pytest.mark.timeout(120)

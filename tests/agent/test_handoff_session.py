@@ -1,5 +1,5 @@
 """The agent's session tells its data-plane hand-off each assignment and stop as they arrive
-(agent/session.py, agent/datahandoff.py; issue 41): a peer's connection for the epoch this
+(agent/daemon/session.py, dtfm/net/handoff.py; issue 41): a peer's connection for the epoch this
 agent was just assigned waits for the worker, one for any other epoch is closed at once.
 
 A real gRPC coordinator sends the commands on the Join stream; the supervisor's worker is
@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.datahandoff import DataHandoff
-from agent.session import CoordinatorSession
-from agent.supervisor import Supervisor
+from agent.daemon.session import CoordinatorSession
+from agent.daemon.supervisor import Supervisor
 from dtfm import rpc
-from dtfm.core import dataplane as dp
+from dtfm.net import dataplane as dp
+from dtfm.net.handoff import DataHandoff
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.agent.servers import coordinator_server
 

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from agent import linkprobe
-from agent.linkprobe import CHUNK_BYTES, MAX_WINDOWS, Windows, estimate_rate
-from agent.server import AgentService
+from agent.daemon.server import AgentService
+from agent.probing import linkprobe
+from agent.probing.linkprobe import CHUNK_BYTES, MAX_WINDOWS, Windows, estimate_rate
 from dtfm import rpc
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2
 from tests.agent.servers import serving

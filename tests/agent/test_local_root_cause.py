@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agent.local import Proc, root_failure
+from agent.commands.local import Proc, root_failure
 from dtfm.core import causes
 from dtfm.core.events import FAULT_EXIT_CODE
 from tests.agent.worker.testlib import run_local

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from agent import cli
-from agent import local as local_cmd
+from agent.commands import local as local_cmd
 from dtfm.core import lora
 from dtfm.core.hfdir import spec_from_dir
 from dtfm.core.hfexport import ExportError

@@ -74,7 +74,7 @@ def test_lora_2x2_exports_load_in_peft_and_transformers_with_dtfms_loss(
     # the other export, from the same checkpoints, through the same function agent local calls
     import argparse
 
-    from agent.local import add_arguments, train_config
+    from agent.commands.local import add_arguments, train_config
     from agent.worker.loramerge import write_lora_export
     from dtfm.core.hfdir import resolve_spec
     from dtfm.core.hfexport import local_stage_files

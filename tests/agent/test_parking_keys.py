@@ -1,5 +1,5 @@
-"""What a waiting data-plane connection counts against (agent/parking.py), and the log that
-a stranger cannot flood (dtfm/ratelog.py): pure functions, no sockets."""
+"""What a waiting data-plane connection counts against (dtfm/net/parking.py), and the log that
+a stranger cannot flood (dtfm/net/ratelog.py): pure functions, no sockets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from dtfm.frontlimits import source_of as source_key
-from dtfm.ratelog import RateLog
+from dtfm.net.frontlimits import source_of as source_key
+from dtfm.net.ratelog import RateLog
 
 
 def test_a_source_is_an_ipv4_address_or_an_ipv6_slash_64() -> None:

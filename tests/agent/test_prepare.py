@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from agent.prepare import Options, prepare
-from agent.textinput import PrepareError
+from agent.commands.prepare import Options, prepare
+from agent.commands.textinput import PrepareError
 from agent.worker.data import load_splits
 from dtfm.core.tokenfiles import read_meta, tokenizer_hash
 from tests.smalldisk import small_disk
@@ -129,7 +129,7 @@ def test_txt_and_jsonl_become_each_document_then_end_of_text(tmp_path: Path) -> 
 
 def test_a_long_text_file_is_one_document_in_pieces(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import agent.textinput as textinput
+    import agent.commands.textinput as textinput
 
     monkeypatch.setattr(textinput, "PIECE_CHARS", 64)  # many pieces, and batches of several
     monkeypatch.setattr(textinput, "BATCH_CHARS", 200)
@@ -391,8 +391,8 @@ def trained(kind: str, text: str) -> Tokenizer:
 def test_a_document_cut_into_pieces_encodes_as_the_whole(kind: str) -> None:
     """Each cut lies before a word's leading space, where these pre-tokenizers split anyway:
     the pieces' ids, concatenated, are the whole text's, on prose and code alike."""
-    from agent.prepare import cuts_change_ids
-    from agent.textinput import cut
+    from agent.commands.prepare import cuts_change_ids
+    from agent.commands.textinput import cut
 
     text = realistic_text()
     pieces = list(cut(text, 1500))
@@ -407,7 +407,7 @@ def test_a_document_cut_into_pieces_encodes_as_the_whole(kind: str) -> None:
 
 
 def test_text_without_spaces_is_cut_at_a_newline_else_at_the_limit() -> None:
-    from agent.textinput import cut
+    from agent.commands.textinput import cut
 
     text = "\u4e2d\u6587" * 40 + "\n\u6587" + "\u3002\n" + "\u5b57" * 30
     pieces = list(cut(text, 100))
@@ -422,8 +422,8 @@ def test_a_tokenizer_that_cuts_change_is_named(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A normalizer that prepends U+2581 to every input (older Llama 2 tokenizer.json files)
     gives a cut document other ids: `agent prepare` says so, with how many cuts."""
-    import agent.textinput as textinput
-    from agent.prepare import CUT_PROBE, CUT_PROBE_PIECE, cuts_change_ids
+    import agent.commands.textinput as textinput
+    from agent.commands.prepare import CUT_PROBE, CUT_PROBE_PIECE, cuts_change_ids
 
     probe = list(textinput.cut(CUT_PROBE, CUT_PROBE_PIECE))  # cut by the rule alone
     assert len(probe) > 5 and all(p[0] == " " and not p[1].isspace() for p in probe[1:])
@@ -452,7 +452,7 @@ def test_a_long_jsonl_document_or_parquet_row_is_encoded_in_pieces(
     """One .jsonl line (and one .parquet row) holding a long document reaches the tokenizer
     in pieces of at most PIECE_CHARS characters, as a .txt does, so memory does not grow with
     the document; the ids are those of the whole document, the same as from the .txt."""
-    import agent.textinput as textinput
+    import agent.commands.textinput as textinput
 
     monkeypatch.setattr(textinput, "PIECE_CHARS", 2000)
     monkeypatch.setattr(textinput, "BATCH_CHARS", 9000)
@@ -508,7 +508,7 @@ def test_invalid_utf8_in_jsonl_names_the_file_and_line(tmp_path: Path) -> None:
 
 HOLD_MID_RUN = """
 import sys
-import agent.textinput as textinput
+import agent.commands.textinput as textinput
 from agent.cli import main
 
 reads = textinput.Reader.pieces

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agent.supervisor import Supervisor
+from agent.daemon.supervisor import Supervisor
 from dtfm.core.assignment import build_assignments
 from dtfm.core.layout import Layout
 from dtfm.core.presets import get_preset

@@ -1,10 +1,10 @@
-"""The agent's side of a punch probe (agent/punchprobe.py), where no NAT is needed.
+"""The agent's side of a punch probe (agent/probing/punchprobe.py), where no NAT is needed.
 
 The exchange on the punched connection runs here over a socket pair: each end times its own
 round trips and hears the rate the other received, whether the receiver stopped the
 transfer (its windows agreed) or the sender ran out of bytes first (the two crossed). Through
 a real relay on loopback, an admitted pair gets as far as the punch, which is not tried
-between loopback addresses (dtfm/core/punch.py `on_loopback`), so both ends report a failure
+between loopback addresses (dtfm/net/punch.py `on_loopback`), so both ends report a failure
 with the reason, as a pair behind a symmetric NAT would; a pair the relay did not admit is
 refused. The punch itself across NATs: tests/system/test_wan_punch_links.py.
 """
@@ -20,9 +20,9 @@ import threading
 
 import pytest
 
-from agent.punchprobe import Figures, Link, probe, readable_now
-from dtfm.core import dataplane as dp
-from dtfm.relay import Relay
+from agent.probing.punchprobe import Figures, Link, probe, readable_now
+from dtfm.net import dataplane as dp
+from dtfm.net.relay import Relay
 from protos.dtfm.v1 import coordinator_pb2
 
 JOB = dp.job_digest("linkprobe-test")

@@ -27,10 +27,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from agent.checkpoints import CheckpointStore
-from agent.server import AgentService
+from agent.daemon.server import AgentService
 from coordinator.job.export import export_from_status, job_export_source
 from dtfm import rpc
+from dtfm.checkpoints.copies import CheckpointStore
 from dtfm.core import lora as spec_lora
 from dtfm.core.loraexport import expected_adapters
 from dtfm.core.presets import PRESETS

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoints import CheckpointCopier
+from dtfm.checkpoints.copies import CheckpointCopier
 from dtfm.core.presets import get_preset
 from protos.dtfm.v1 import common_pb2
 from tests.agent.test_checkpoint_transfer import (

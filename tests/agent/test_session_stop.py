@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.session import CoordinatorSession
-from agent.supervisor import Supervisor
+from agent.daemon.session import CoordinatorSession
+from agent.daemon.supervisor import Supervisor
 from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.agent.servers import coordinator_server

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import tuning
-from agent.tuning import Link, TuningCheck, check
+from agent.probing import tuning
+from agent.probing.tuning import Link, TuningCheck, check
 from protos.dtfm.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_the_check_says_each_finding_once_and_reports_it(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = proc_sys(tmp_path, LINUX_DEFAULTS)
     session_check = TuningCheck(root)
-    with caplog.at_level(logging.WARNING, logger="agent.tuning"):
+    with caplog.at_level(logging.WARNING, logger="agent.probing.tuning"):
         session_check.run()
         session_check.run()
     assert len(caplog.records) == 1
@@ -98,7 +98,7 @@ def test_the_check_says_each_finding_once_and_reports_it(
     sample = common_pb2.LinkSample(peer_id="seoul", reachable=True, bandwidth_gbps=0.1)
     session_check.observe(sample, 0.476)
     session_check.observe(common_pb2.LinkSample(peer_id="dead", reachable=False), 0.1)
-    with caplog.at_level(logging.WARNING, logger="agent.tuning"):
+    with caplog.at_level(logging.WARNING, logger="agent.probing.tuning"):
         advice = session_check.run()
     assert len(caplog.records) == 1 and "tcp_slow_start" not in caplog.text
     assert "net.ipv4.tcp_rmem = 4096 131072 67108864" in caplog.text

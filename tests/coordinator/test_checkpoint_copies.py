@@ -23,11 +23,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.checkpointpush import CheckpointPushes, Metadata, push_step, pusher_metadata
-from agent.checkpoints import CheckpointCopier, Peer
 from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from coordinator.daemon.server import CoordinatorService
 from dtfm import rpc
+from dtfm.checkpoints.copies import CheckpointCopier, Peer
+from dtfm.checkpoints.push import CheckpointPushes, Metadata, push_step, pusher_metadata
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import COORDINATOR_PEER
 from dtfm.core.checkpoints import FileEntry, Manifest

@@ -213,7 +213,7 @@ def test_agent_state_dir_and_id_are_private(daemons: Daemons, tmp_path: Path) ->
 def test_state_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
     import os
 
-    from agent.statedir import private_dir
+    from agent.daemon.statedir import private_dir
     from dtfm.core.files import open_private_append, write_private
 
     old = os.umask(0)

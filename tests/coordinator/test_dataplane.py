@@ -11,9 +11,9 @@ from coordinator.job.dataplane import DataPlanes, pair_bytes, peer_table
 from coordinator.links.relayed import direct_dials
 from coordinator.scheduler.relaychoice import NOMINAL_BYTES
 from coordinator.scheduler.steptime import StepShape
-from dtfm import reach
-from dtfm.core import dataplane as dp
 from dtfm.core.layout import Layout
+from dtfm.net import dataplane as dp
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
@@ -80,10 +80,10 @@ def test_missing_relays_are_refused_with_a_reason() -> None:
 
 
 def test_by_default_each_daemon_serves_its_data_plane_on_its_grpc_port() -> None:
-    """One port per daemon (dtfm/front.py): an agent advertises its gRPC port as its data
+    """One port per daemon (dtfm/net/front.py): an agent advertises its gRPC port as its data
     port and the coordinator's relay shares its gRPC port, unless given ports of their own
     (deploy/install.sh numbers a host's agents 7071, 7072, ...: nothing else to collide)."""
-    from agent.config import AgentConfig
+    from agent.daemon.config import AgentConfig
     from coordinator.daemon.config import CoordinatorConfig
 
     grpc = [7071 + n for n in range(8)]

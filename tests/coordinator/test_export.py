@@ -25,10 +25,10 @@ import grpc
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from agent.checkpoints import CheckpointStore
-from agent.server import AgentService
+from agent.daemon.server import AgentService
 from coordinator.job.export import agent_targets, export_from_status, export_job
 from dtfm import rpc
+from dtfm.checkpoints.copies import CheckpointStore
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import FileEntry, Manifest
 from dtfm.core.hfconfig import EMBEDDING_INDEX, HEAD_INDEX, part_tensors
@@ -178,7 +178,7 @@ def test_a_peer_declaring_more_than_the_model_holds_is_never_fetched(
                                      say=lambda line: None)
             return services + both
 
-    with caplog.at_level(logging.WARNING, logger="agent.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="dtfm.checkpoints.copies"):
         alone, liar_svc, honest_svc = asyncio.run(main())
     assert alone.fetched == [] and liar_svc.fetched == []
     assert honest_svc.fetched == [ondisk.weights_name(STEP)]

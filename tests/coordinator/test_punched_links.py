@@ -4,7 +4,7 @@ Agents here are coroutines answering the real `LinkMeasurer` through the real `R
 command queues (as in test_relayed_links.py): probes into the two undialable agents n2 and n3
 fail, every other probe reports made-up site figures, and a punch probe
 (`MEASURE_KIND_PUNCH`) reports the pair's own direct link, `DIRECT`, or fails where the test
-says the punch does not get through. The relay is a real `dtfm.relay.Relay` (not serving:
+says the punch does not get through. The relay is a real `dtfm.net.relay.Relay` (not serving:
 admission is bookkeeping), so what it admits and retires is what a coordinator's would.
 The punch itself and the direct measurement run across emulated NATs in
 tests/system/test_wan_punch_links.py.
@@ -29,8 +29,8 @@ from coordinator.links import punchprobe, relayed
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import PUNCHED, RELAYED, LinkStore, matrix_arrays, matrix_to_json
 from coordinator.scheduler import relay as relay_mask
-from dtfm import reach
-from dtfm.relay import Relay
+from dtfm.net import reach
+from dtfm.net.relay import Relay
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.joined import measured, registry_with, report
 
@@ -151,7 +151,7 @@ def test_a_pair_whose_punch_fails_either_way_is_priced_relayed_as_without_punchi
 def test_a_punched_pair_the_relay_carries_faster_is_priced_relayed_as_the_data_plane_keeps_it(
 ) -> None:
     """At each epoch the pair weighs the punched path against the relay and stays on the
-    relay where that is faster (dtfm/core/pathweigh.py): priced so, not direct."""
+    relay where that is faster (dtfm/net/pathweigh.py): priced so, not direct."""
     relay = Relay(None, port=7700)
     agents, matrix, store = asyncio.run(_measure(Planes(relay), direct=(150.0, 0.01)))
     assert len(agents.punches) == 2  # both got through ...

@@ -1,5 +1,5 @@
 """The reachability checker's bookkeeping: verdicts over dialers, and reports taken only for
-what was asked (coordinator/links/reachability.py, dtfm/reach.py). The dials themselves run
+what was asked (coordinator/links/reachability.py, dtfm/net/reach.py). The dials themselves run
 against real daemons in tests/system/test_reach.py."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import asyncio
 
 import pytest
 
-from agent.server import AgentService, registrar
+from agent.daemon.server import AgentService, registrar
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.job.dataplane import accepts
 from coordinator.links import dataport
 from coordinator.links.reachability import ReachChecker
-from dtfm import reach, rpc
+from dtfm import rpc
+from dtfm.net import reach
 from dtfm.rpc import free_port
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 

@@ -22,8 +22,8 @@ from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import RELAYED, REVERSE, LinkEntry, LinkStore
 from coordinator.scheduler.network import Network
 from coordinator.scheduler.relaychoice import Path
-from dtfm import reach
 from dtfm.core.layout import Layout
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2
 from tests.coordinator.test_job import Cluster, config
 from tests.coordinator.test_relayed_links import SITE, Agents

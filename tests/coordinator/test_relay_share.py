@@ -21,8 +21,8 @@ from coordinator.job.checkpoints import CheckpointTracker
 from coordinator.job.dataplane import DataPlanes
 from coordinator.job.epochplan import EpochPlanner
 from coordinator.scheduler.network import Network
-from dtfm import reach
 from dtfm.core.layout import Layout
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2
 
 IDS = ["a0", "a1", "a2", "a3"]

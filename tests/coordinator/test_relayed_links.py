@@ -17,7 +17,7 @@ from coordinator.daemon.registry import Registry
 from coordinator.links import relayed
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import RELAYED, REVERSE, LinkStore, matrix_to_json
-from dtfm import reach
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.joined import measured, registry_with, report
 

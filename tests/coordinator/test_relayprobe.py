@@ -1,5 +1,5 @@
 """The coordinator answers link probes as the relay: an agent measures its link to it with the
-very code it measures peers with (agent/linkprobe.py), over real gRPC on loopback."""
+very code it measures peers with (agent/probing/linkprobe.py), over real gRPC on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from agent.linkprobe import measure_peer
+from agent.probing.linkprobe import measure_peer
 from coordinator.links import relayprobe
 from coordinator.links.relayed import RELAY
 from dtfm import rpc

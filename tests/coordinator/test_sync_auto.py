@@ -168,7 +168,7 @@ def test_the_flag_takes_auto_or_a_count_and_says_so_otherwise(
 
 def test_agent_local_refuses_auto_it_has_no_measured_links(tmp_path: Path) -> None:
     from agent.cli import build_parser as agent_parser
-    from agent.local import LocalJob
+    from agent.commands.local import LocalJob
 
     args = agent_parser()[1]["local"].parse_args(["--sync-every", "auto", "--replicas", "2"])
     with pytest.raises(ValueError, match="--sync-every auto picks H from the links the "

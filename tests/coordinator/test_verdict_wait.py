@@ -22,7 +22,8 @@ from coordinator.job.membership import Membership
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.reachability import ReachChecker
 from coordinator.links.store import LinkStore
-from dtfm import reach, rpc
+from dtfm import rpc
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The shared port's front (dtfm/front.py): a real gRPC server behind it on loopback, and
+"""The shared port's front (dtfm/net/front.py): a real gRPC server behind it on loopback, and
 raw sockets speaking a dtfm hello, garbage, or nothing."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dtfm import rpc
-from dtfm.core import dataplane as dp
-from dtfm.front import DTFM, GARBAGE, GRPC, H2_PREFACE, H2_SETTINGS, Front, classify, needed
-from dtfm.frontlimits import FrontLimits
+from dtfm.net import dataplane as dp
+from dtfm.net.front import DTFM, GARBAGE, GRPC, H2_PREFACE, H2_SETTINGS, Front, classify, needed
+from dtfm.net.frontlimits import FrontLimits
 from tests.certs import make_ca, make_leaf
 from tests.netstat import listening_tcp_ports
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from tests.dtfm.sourcetree import PACKAGES, ROOT, module_name, sources
 
 OURS = (*PACKAGES, "protos")
-CLI_MODULES = frozenset({"coordinator.cli", "agent.cli", "agent.local", "agent.prepare"})
+CLI_MODULES = frozenset({"coordinator.cli", "agent.cli", "agent.commands.local",
+                         "agent.commands.prepare"})
 COMMAND_PACKAGES = ("coordinator.commands",)  # every module in these is a command
 FORBIDDEN_IN_CORE = ("torch", "grpc", "grpc_health", "grpc_reflection")
 
@@ -141,7 +142,7 @@ def test_the_parser_sees_the_imports_it_should() -> None:
     """Guards the test itself: a resolver that found nothing would pass every rule."""
     pairs = {(i.importer, i.target) for i in IMPORTS}
     assert ("coordinator.__main__", "coordinator.cli") in pairs
-    assert ("agent.cli", "agent.local") in pairs
+    assert ("agent.cli", "agent.commands.local") in pairs
     assert ("dtfm.flags", "dtfm.core.spec") in pairs
     assert ("coordinator.cli", "coordinator.commands.status") in pairs
     assert _is_cli("coordinator.commands.status") and not _is_cli("coordinator.daemon.metrics")

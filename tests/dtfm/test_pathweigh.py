@@ -1,4 +1,4 @@
-"""Weighing a punched path against the relay (dtfm/core/pathweigh.py): both ends
+"""Weighing a punched path against the relay (dtfm/net/pathweigh.py): both ends
 time the same exchange on real sockets and keep whichever path is faster, the direct one
 unless the relay wins by more than the slack; both get one answer with the same figures.
 A path is slowed by a forwarder that holds every chunk it passes on (the same on every
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from dtfm.core import dataplane as dp
-from dtfm.core.pathweigh import (
+from dtfm.net import dataplane as dp
+from dtfm.net.pathweigh import (
     DIRECT_SLACK,
     PROBE_BYTES,
     RELAY_BYTES,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from agent.worker.transport.config import TransportConfig
-from dtfm.core import dataplane as dp
-from dtfm.core.punch import agree, on_loopback, partner_address
+from dtfm.net import dataplane as dp
+from dtfm.net.punch import agree, on_loopback, partner_address
 
 JOB = dp.job_digest("job")
 

@@ -15,9 +15,9 @@ from prometheus_client import generate_latest
 
 from coordinator.commands.status import status_to_json
 from coordinator.daemon.metrics import coordinator_registry
-from dtfm.core import dataplane as dp
-from dtfm.core.punch import partner_address
-from dtfm.relay import Relay
+from dtfm.net import dataplane as dp
+from dtfm.net.punch import partner_address
+from dtfm.net.relay import Relay
 from protos.dtfm.v1 import coordinator_pb2
 from tests.agent.worker.test_transport import _intrude
 from tests.coordinator.test_metrics import _cluster, _samples

@@ -12,8 +12,8 @@ import torch
 
 from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
-from dtfm.core import dataplane as dp
-from dtfm.relay import Relay
+from dtfm.net import dataplane as dp
+from dtfm.net.relay import Relay
 from tests.agent.worker.test_transport import _intrude
 
 EPOCH_SECRET = b"fresh-bytes-of-epoch-1"

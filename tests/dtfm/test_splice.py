@@ -1,4 +1,4 @@
-"""The front's event-loop splice (dtfm/splice.py): bytes arrive whole and in order both ways,
+"""The front's event-loop splice (dtfm/net/splice.py): bytes arrive whole and in order both ways,
 through a slow reader (the source is not read while the destination is full), with fewer
 pipes than directions (the rest copy through user space), and EOF passes on as a half-close."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from dtfm.splice import Joined, LoopSplice, Pipes
+from dtfm.net.splice import Joined, LoopSplice, Pipes
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1 << 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from agent.cli import main
-from agent.config import AgentConfig
+from agent.daemon.config import AgentConfig
 
 if __name__ == "__main__":
     lie = int(sys.argv.pop(1))

@@ -7,7 +7,7 @@ agent. The losses equal the same job's on gloo with every agent reachable, bit f
 
 The relay agent keeps the separate-port mode an operator may choose: its relay and its
 worker's data plane on ports of their own (`--relay-port`, `--data-port`), not on its gRPC
-port (the default, dtfm/front.py; test_wan_relay_agent.py runs that one)."""
+port (the default, dtfm/net/front.py; test_wan_relay_agent.py runs that one)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def test_unreachable_agents_train_over_dtfm_to_gloos_losses(daemons: Daemons) ->
     nat_logs = [t for p, t in worker_logs.items() if p.parts[-3].startswith("nat-")]
     assert any("via gloo" in t or "gloo via" in t for t in open_logs), open_logs[:1]
     assert sum("dtfm via the assignment's peer table" in t for t in nat_logs) == 4, nat_logs
-    # one port per daemon (dtfm/front.py): the relay shares the coordinator's gRPC port, and
+    # one port per daemon (dtfm/net/front.py): the relay shares the coordinator's gRPC port, and
     # the listening agent's worker takes its peers' connections from the agent's gRPC port
     assert "data-plane relay on the gRPC port" in log, log[-3000:]
     assert sum("data plane served on the agent's port" in t for t in nat_logs) == 1, nat_logs

@@ -3,7 +3,7 @@
 Two agents across the emulated WAN, agent 1 behind a NAT (nobody can dial it). A 2-stage,
 1-replica job keeps each stage on two agents: the other stage's agent mirrors it. Agent 0's
 stage is pulled by agent 1 as before (it dials out); agent 1's cannot be pulled, so agent 1
-pushes it to agent 0 (`Agent.PushCheckpoint`, agent/checkpointpush.py). At the end agent 0
+pushes it to agent 0 (`Agent.PushCheckpoint`, dtfm/checkpoints/push.py). At the end agent 0
 holds intact copies of the NATed agent's stage, up to the job's last step.
 
 With both agents behind NATs nobody can take either copy, and each pushes its stage to the
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from agent.statedir import checkpoint_dir
+from agent.daemon.statedir import checkpoint_dir
 from dtfm.core import checkpoints as ondisk
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator

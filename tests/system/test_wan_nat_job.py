@@ -16,7 +16,7 @@ relay, at each epoch, they punch again and keep whichever path timed faster (pat
 the relay where the coordinator's host is free (the emulator's default), the direct path
 where it is 20 ms and 50 Mbit/s away (both cases below).
 
-Ports (dtfm/front.py, docs/operations.md "Ports and reachability"): while the job trains,
+Ports (dtfm/net/front.py, docs/operations.md "Ports and reachability"): while the job trains,
 each host's network namespace listens on exactly one TCP port: the coordinator's host on
 its gRPC port (the relay shares it), each agent's host on the agent's gRPC port (its
 worker's data plane shares it), a NATed agent's too (nobody can reach it, but it still
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from dtfm.core.pathweigh import RELAY_BYTES
+from dtfm.net.pathweigh import RELAY_BYTES
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import AGENT_PORT, COORDINATOR_PORT, WanCluster, measurement_wan
 from tests.netstat import listening_tcp_ports
@@ -99,7 +99,7 @@ def test_a_2x2_job_with_two_agents_behind_nats_trains_to_the_end(tmp_path: Path,
     workers = [p.read_text(errors="replace") for p in tmp_path.glob("agent-*/work/*.log")]
     assert sum("dtfm via the assignment's peer table" in t for t in workers) >= 4, workers[:1]
     # the two NATed agents met at the relay, then punched a direct connection through both
-    # NATs (dtfm/core/punch.py): each saw the other at its NAT's public address
+    # NATs (dtfm/net/punch.py): each saw the other at its NAT's public address
     # and mapped port. They timed both paths (pathweigh.py) and kept the faster: direct, and
     # the relay carried only the two one-byte "got through" frames and the weighing's probes
     # (before hole punching it carried their data-parallel or pipeline traffic); or the

@@ -4,7 +4,7 @@ behind a stateful firewall (public address, inbound dropped), agents 1 and 2 beh
 (a site: the pair punches by hairpinning through the NAT's public address), agent 3 behind a
 NAT of its own. Every pair gets through (the emulator's NATs map endpoint-independently, as
 most home routers do) and every message arrives. Whether a pair then leaves the relay is
-weighed on the spot (dtfm/core/pathweigh.py): with the relay's host 40 ms and
+weighed on the spot (dtfm/net/pathweigh.py): with the relay's host 40 ms and
 20 Mbit/s from everyone, every pair goes direct (10 ms, 100 Mbit/s) and the relay forwards
 nothing of the messages; with the relay's host free of cost (the emulator's default for the
 coordinator), every pair got through yet stays on the relay, which is the faster path.
@@ -45,7 +45,7 @@ def test_ranks_behind_a_firewall_one_site_and_a_nat_punch_through_to_each_other(
                          coordinator_link=relay_link) as wan:
         assert wan.reachability(1) == "firewall" and wan.nat_site(2) == wan.nat_site(3)
         relay_log = open(tmp_path / "relay.log", "w")
-        relay = wan.popen(0, [sys.executable, "-m", "dtfm.relay", "--port", str(RELAY_PORT),
+        relay = wan.popen(0, [sys.executable, "-m", "dtfm.net.relay", "--port", str(RELAY_PORT),
                               "--secret-file", str(secret)], cwd=REPO, stdout=relay_log,
                           stderr=relay_log)
         ranks = []

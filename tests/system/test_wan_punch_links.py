@@ -6,7 +6,7 @@ relay runs, is 20 ms and 50 Mbit/s from everyone. Neither NATed agent can dial t
 before, `coordinator links --measure` priced the pair through the relay: 40 ms, the two
 hops. With hole punching on (the default) both agents meet at the coordinator's relay as a
 pseudo-job admitted for the probe, punch through both NATs and measure the direct
-connection (agent/punchprobe.py, coordinator/links/punchprobe.py): the pair is reported
+connection (agent/probing/punchprobe.py, coordinator/links/punchprobe.py): the pair is reported
 punched at about its own 5 ms, not relayed. With `--hole-punch off` it is relayed, as
 before.
 """

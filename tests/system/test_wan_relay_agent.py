@@ -1,7 +1,7 @@
 """Across emulated hosts, three agents behind NATs of their own meet at a relay agent, not
 the coordinator (issue 32: relays on agents): the coordinator serves no relay
 (`--relay-port 0`), every agent offers one on its one port (`--relay`: the relay shares
-the agent's gRPC port, dtfm/front.py), and only agent 0, found
+the agent's gRPC port, dtfm/net/front.py), and only agent 0, found
 reachable from everywhere, is used. In a 2 x 2 job any three ranks hold a pair that talks,
 so the NATed agents' circuits open at agent 0's relay, dialled at its advertised address
 from behind their NATs."""

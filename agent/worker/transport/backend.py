@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import _DistributedBackendOptions
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.mesh import Mesh
 from agent.worker.transport.work import TransportWork
-from dtfm.core.dataplane import stream_id
+from dtfm.net.dataplane import stream_id
 
 NAME = "dtfm"
 _mesh: Mesh | None = None

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from dtfm.core.dataplane import may_dial, parse_addr
+from dtfm.net.dataplane import may_dial, parse_addr
 
 ENV = "DTFM_TRANSPORT"
 
@@ -39,7 +39,7 @@ class TransportConfig:
     direct: frozenset[tuple[int, int]] = frozenset()
     bind: str | None = None  # listen here instead of this rank's advertised address
     # take accepted connections from the agent's handoff (its abstract Unix socket name:
-    # agent/datahandoff.py) instead of listening: the agent serves them on its one port
+    # dtfm/net/handoff.py) instead of listening: the agent serves them on its one port
     handoff: str | None = None
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)

@@ -2,7 +2,7 @@
 
 A connection per peer, opened on first use by the end that can: a rank that cannot listen
 dials one that can; where neither listens both dial the relay, which pairs them
-(`dtfm/relay.py`), and try to punch a direct connection through their NATs from there
+(`dtfm/net/relay.py`), and try to punch a direct connection through their NATs from there
 (`punch.py`; `TransportConfig.hole_punch`). A rank reachable from some peers only (its
 site's LAN) listens for those the peer table names (`TransportConfig.direct`): they dial it
 directly, every other pair with it goes as if it did not listen (`TransportConfig.mode`, the
@@ -16,7 +16,7 @@ the relay could settle on the relay while its dialer's late direct connection wa
 or the other way round, and the two ends would disagree on the path. The failure ends the
 epoch as a lost worker does; the error says how to make the pair relayed.
 
-Every connection starts with the job-key handshake (`dtfm.core.dataplane.handshake`); a peer
+Every connection starts with the job-key handshake (`dtfm.net.dataplane.handshake`); a peer
 that fails it is closed before any frame is read.
 
 Messages are matched like gloo's: by (source rank, stream, tag), in order. A frame whose
@@ -50,9 +50,9 @@ import torch
 from agent.worker.transport import staging
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.work import TransportWork
-from dtfm.core import dataplane as dp
-from dtfm.core import punch
 from dtfm.core.staleentry import StaleEntry
+from dtfm.net import dataplane as dp
+from dtfm.net import punch
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
@@ -408,7 +408,7 @@ class Mesh:
 
     def _through_relay(self, sock: socket.socket, peer: int) -> socket.socket:
         """A relay circuit to `peer`, or the direct connection a hole punch opened instead
-        (dtfm/core/punch.py)."""
+        (dtfm/net/punch.py)."""
         try:
             observed = punch.partner_address(sock, self.job, self.cfg.epoch, self.rank, peer,
                                              self.cfg.timeout.total_seconds())

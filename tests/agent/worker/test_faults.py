@@ -60,7 +60,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
 def test_killing_the_launcher_kills_its_workers(tmp_path: Path, sig: int) -> None:
-    cmd = [sys.executable, "-m", "agent.local", "--json", "--threads", "1", *FLAGS,
+    cmd = [sys.executable, "-m", "agent.commands.local", "--json", "--threads", "1", *FLAGS,
            "--steps", "100000", "--workdir", str(tmp_path)]
     err = tmp_path / "launcher.err"
     with err.open("w") as f:

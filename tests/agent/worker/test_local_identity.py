@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.local import LocalJob, add_arguments
+from agent.commands.local import LocalJob, add_arguments
 from coordinator.daemon import jobstore
 from dtfm.core import fingerprint as core_fingerprint
 from tests.agent.worker.testlib import local_job_dir, run_local

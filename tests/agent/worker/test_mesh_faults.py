@@ -27,7 +27,7 @@ import torch
 from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
 from agent.worker.transport.work import TransportWork
-from dtfm.core import dataplane as dp
+from dtfm.net import dataplane as dp
 from dtfm.rpc import free_port
 
 SECRET, JOB, EPOCH = b"join-token-of-the-test", "job-a", 1

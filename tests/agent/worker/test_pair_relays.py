@@ -12,7 +12,7 @@ import torch
 
 from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
-from dtfm.relay import Relay
+from dtfm.net.relay import Relay
 from dtfm.rpc import free_port
 
 SECRET = b"epoch-secret-of-the-test"

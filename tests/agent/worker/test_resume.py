@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.supervisor import WorkerProgress
+from agent.daemon.supervisor import WorkerProgress
 from dtfm.core.events import DoneEvent
 from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local, run_workers
 

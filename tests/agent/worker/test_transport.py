@@ -30,8 +30,8 @@ import torch
 
 from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
-from dtfm.core import dataplane as dp
-from dtfm.relay import Relay
+from dtfm.net import dataplane as dp
+from dtfm.net.relay import Relay
 from dtfm.rpc import free_port
 from tests.agent.worker import transport_ranks
 
@@ -64,7 +64,7 @@ def _relay_process(tmp: Path) -> tuple[subprocess.Popen, str]:
     secret_file = tmp / "secret"
     secret_file.write_bytes(SECRET)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dtfm.relay", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "dtfm.net.relay", "--host", "127.0.0.1",
                              "--port", str(port), "--secret-file", str(secret_file)],
                             stdout=subprocess.PIPE, stderr=(tmp / "relay.log").open("w"),
                             text=True)

@@ -180,7 +180,7 @@ def test_assignments_for_the_papers_model_on_5x2() -> None:
 def test_launcher_rejects_bad_flags_before_spawning(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agent.local import main
+    from agent.commands.local import main
 
     assert main(flags) == 2
     assert message in capsys.readouterr().err

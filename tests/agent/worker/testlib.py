@@ -36,7 +36,7 @@ def run_local(
     *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None
 ) -> LocalRun:
     """Run a local job with `--json`; kills the launcher's whole session on any exit path."""
-    cmd = [sys.executable, "-m", "agent.local", "--json", "--threads", "1", *flags]
+    cmd = [sys.executable, "-m", "agent.commands.local", "--json", "--threads", "1", *flags]
     full_env = {**os.environ, "DTFM_LOG_LEVEL": "WARNING", **(env or {})}
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -94,7 +94,7 @@ def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
     with `checkpoint_at`, ask each for a checkpoint after that step as its agent would
     (`dtfm.core.requests`) right after it starts; the last stage's steps, as `agent local`
     reports them (with each step event's `checkpoint_step`)."""
-    from agent.local import add_arguments, train_config
+    from agent.commands.local import add_arguments, train_config
     from dtfm.core.assignment import build_assignments
     from dtfm.core.events import DoneEvent, ErrorEvent, StepEvent
     from dtfm.core.layout import Layout

@@ -3,8 +3,8 @@
 Several agents on one machine each report the whole machine's free memory; before memory
 pools, eight of them on one box passed a check the box could never meet. These tests pin the
 pool arithmetic (`coordinator.scheduler.memory`), what an agent reports as its pool
-(`agent.device.memory_pool`), and that a coordinated job refuses such a plan up front with the
-numbers and what to do (the job is real, its agents are registry entries: no grpc, no workers).
+(`agent.probing.device.memory_pool`), and that a coordinated job refuses such a plan up front with
+the numbers and what to do (the job is real, its agents are registry entries: no grpc, no workers).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from agent import device
+from agent.probing import device
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, Workload, even_is_enough, plan_split
 from coordinator.scheduler.memory import (

@@ -1,6 +1,6 @@
 """Pass bytes between two connected sockets, both ways, inside the kernel (splice(2)).
 
-The one-port front (dtfm/front.py) joins each gRPC connection to the daemon's gRPC server.
+The one-port front (dtfm/net/front.py) joins each gRPC connection to the daemon's gRPC server.
 Copying through Python on the event loop halved a bulk stream's rate on loopback
 (bench/sharedport.py); `splice` moves the bytes socket -> pipe -> socket without them
 entering user space. The event loop drives it (issue 41): a thread per direction and a pipe

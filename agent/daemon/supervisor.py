@@ -28,14 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.checkpointpush import CheckpointPushes
-from agent.checkpoints import CheckpointCopier
-from agent.statedir import checkpoint_dir, private_dir
-from dtfm.core.dataplane import HANDOFF_ENV
+from agent.daemon.statedir import checkpoint_dir, private_dir
+from dtfm.checkpoints.copies import CheckpointCopier
+from dtfm.checkpoints.push import CheckpointPushes
 from dtfm.core.events import DoneEvent, ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
+from dtfm.net.dataplane import HANDOFF_ENV
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class Supervisor:
         self.workdir = workdir
         self.bind_interface = bind_interface
         # the abstract socket the worker takes its data-plane connections from, when the
-        # agent serves them on its gRPC port (agent/datahandoff.py); "": it listens itself
+        # agent serves them on its gRPC port (dtfm/net/handoff.py); "": it listens itself
         self.data_handoff = data_handoff
         # copies stage checkpoints from peers: before a worker starts, and mirrors while it runs
         self.checkpoints = checkpoints

@@ -2,7 +2,7 @@
 yet (issue 41: 1,100 parked hellos used up every file descriptor of an agent).
 
 A peer may dial this agent's port before the worker of their epoch has started; the agent's
-hand-off (agent/datahandoff.py) keeps such a connection here until the worker claims the
+hand-off (dtfm/net/handoff.py) keeps such a connection here until the worker claims the
 epoch, its wait ends, or its dialer gives up. Nothing is proven before the worker's
 handshake, so this lot is what a stranger can make the agent hold open, and it is bounded:
 
@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from dtfm.frontlimits import source_of as source_by_host
+from dtfm.net.frontlimits import source_of as source_by_host
 
 Epoch = tuple[bytes, int]  # (job digest, epoch)
 _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h)
@@ -44,7 +44,7 @@ _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h)
 
 def source_of(sock: socket.socket) -> str:
     """The source a connection counts against: its peer's address, as the front counts it
-    (`dtfm.frontlimits.source_of`)."""
+    (`dtfm.net.frontlimits.source_of`)."""
     try:
         return source_by_host(sock.getpeername()[0])
     except (OSError, IndexError, TypeError):

@@ -1,4 +1,4 @@
-"""How many connections the shared port's front (dtfm/front.py) may hold, in total and per
+"""How many connections the shared port's front (dtfm/net/front.py) may hold, in total and per
 source address, and the refusals' log (issue 41: ~140 silent connections used to exhaust a
 coordinator's 1,024 descriptors).
 

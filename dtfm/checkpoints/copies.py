@@ -56,8 +56,8 @@ from typing import IO, NoReturn
 
 import grpc
 
-from agent import retryloop
 from dtfm import rpc
+from dtfm.checkpoints import retryloop
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import COORDINATOR_PEER
 from dtfm.core.checkpoints import KEEP, FileEntry, Manifest
@@ -552,7 +552,7 @@ class CheckpointCopier:
             return
         for mirror in a.mirrors:
             if mirror.pushed:  # its holder cannot be dialled and pushes it here instead
-                continue  # (agent/checkpointpush.py)
+                continue  # (dtfm/checkpoints/push.py)
             if mirror.stage == a.stage:
                 log.warning("checkpoint: not mirroring stage %d of job %s: this agent runs "
                             "it", mirror.stage, a.job_id)

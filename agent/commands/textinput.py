@@ -24,8 +24,8 @@ is cut elsewhere: at a newline between two letters or digits (a
 split for the byte-level BPEs; a Metaspace tokenizer puts a "▁" before the piece), else after
 PIECE_CHARS characters; only such a cut can change a token. A tokenizer that adds something
 to the start of every input (a normalizer that prepends "▁" unconditionally, as older Llama 2
-tokenizer.json files do) changes a token at every cut: `agent.prepare` tries the tokenizer on
-a cut text first and says so.
+tokenizer.json files do) changes a token at every cut: `agent.commands.prepare` tries the tokenizer
+on a cut text first and says so.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from dtfm.core import dataplane as dp
+from dtfm.net import dataplane as dp
 
 PROBE_BYTES = 256 * 1024
 ROUNDS = 2

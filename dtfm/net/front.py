@@ -5,14 +5,14 @@ The daemon's public port is owned by this front, on the daemon's event loop. For
 accepted connection it looks at the first bytes without consuming them (`MSG_PEEK`) and
 hands the connection on:
 
-- a dtfm data-plane hello (`dtfm.core.dataplane.MAGIC`, then the whole hello, which says
+- a dtfm data-plane hello (`dtfm.net.dataplane.MAGIC`, then the whole hello, which says
   the job, epoch, rank and relay target) goes to `on_data(sock, hello)`: the coordinator's
   relay takes it in-process, an agent passes the socket to its epoch's worker process
-  (agent/datahandoff.py). The socket is untouched: its reader sees the hello exactly as if
+  (dtfm/net/handoff.py). The socket is untouched: its reader sees the hello exactly as if
   it had accepted the connection itself;
 - gRPC is joined to the daemon's gRPC server, which listens only on an abstract Unix socket
   (no second TCP port); the event loop moves the bytes both ways with splice(2), in the
-  kernel (dtfm/splice.py). gRPC is the HTTP/2 preface followed by the header of its first
+  kernel (dtfm/net/splice.py). gRPC is the HTTP/2 preface followed by the header of its first
   frame, a SETTINGS frame, or, only when the daemon serves TLS, a TLS record header of a
   ClientHello (first byte 0x16; without TLS that is garbage);
 - anything else, and a client that has not said enough within `sniff_timeout_s`, is
@@ -21,7 +21,7 @@ hands the connection on:
 
 Issue 41: nothing a peer does may exhaust the daemon. The connections held are bounded in
 total and per source address, both those being sorted and the spliced gRPC ones
-(dtfm/frontlimits.py; by default from the open-file limit); over a bound a connection is
+(dtfm/net/frontlimits.py; by default from the open-file limit); over a bound a connection is
 closed at once and counted (`refused`, `over_limit`). Waiting costs nothing: the socket's
 SO_RCVLOWAT is set to the bytes still needed, so a peer that sends a byte and stops never
 wakes the loop. A spliced connection with no byte either way for `idle_timeout_s` is closed
@@ -40,10 +40,10 @@ import os
 import socket
 from collections.abc import Callable
 
-from dtfm.core import dataplane as dp
-from dtfm.frontlimits import FrontLimits, Tally, source_of
-from dtfm.ratelog import RateLog
-from dtfm.splice import Joined, LoopSplice, Pipes, Splicer
+from dtfm.net import dataplane as dp
+from dtfm.net.frontlimits import FrontLimits, Tally, source_of
+from dtfm.net.ratelog import RateLog
+from dtfm.net.splice import Joined, LoopSplice, Pipes, Splicer
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def backend_address() -> str:
 class Front:
     """The public listener: sniffs each connection and hands it to gRPC or the data plane.
 
-    `limits` bound what it holds (dtfm/frontlimits.py; default: from RLIMIT_NOFILE at
+    `limits` bound what it holds (dtfm/net/frontlimits.py; default: from RLIMIT_NOFILE at
     construction); `sniff_timeout_s` is how long a connection may take to say what it
     speaks; `idle_timeout_s` how long a spliced gRPC connection may move no byte.
     `splicer` joins a gRPC connection to the server (default: `LoopSplice` on this loop,
@@ -286,7 +286,7 @@ class Front:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     async def _splice(self, sock: socket.socket, source: str, peer: str) -> bool:
-        """Join the connection to the gRPC server, both ways, in the kernel (dtfm/splice.py);
+        """Join the connection to the gRPC server, both ways, in the kernel (dtfm/net/splice.py);
         False when a bound refuses it."""
         why = self._grpc.admit(source)
         if why is not None:

@@ -15,7 +15,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from agent.statedir import private_dir
+from agent.daemon.statedir import private_dir
 from dtfm.core.files import write_private
 from dtfm.core.limits import AGENT_ID_RE
 from dtfm.rpc import ConfigError

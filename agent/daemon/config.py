@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.checkpoints import MIRROR_INTERVAL_S
+from dtfm.checkpoints.copies import MIRROR_INTERVAL_S
 from dtfm.core.limits import is_host
 from dtfm.flags import check_directory
-from dtfm.reach import OVERRIDES
+from dtfm.net.reach import OVERRIDES
 from dtfm.rpc import ConfigError, Security, split_hostport
 
 STATE_DIR_ENV = "DTFM_STATE_DIR"
@@ -38,7 +38,7 @@ class AgentConfig:
     # can peers dial --advertise? auto: the coordinator finds out; yes/no: the operator says
     reachable: str = "auto"
     # the port peers dial this agent's dtfm data plane at when they can: 0 (the default) the
-    # gRPC port itself (dtfm/front.py sorts the connections, agent/datahandoff.py passes them
+    # gRPC port itself (dtfm/net/front.py sorts the connections, dtfm/net/handoff.py passes them
     # to the worker); a port: the worker listens there itself
     data_port: int = 0
     # serve a dtfm relay for the job's dial-only pairs (issue 32): on the gRPC port (`relay`),

@@ -1,6 +1,6 @@
 """The data plane's wire: frames, the job key and the handshake (no torch, no grpc).
 
-Shared by the worker's transport (`agent/worker/transport/`) and the relay (`dtfm/relay.py`),
+Shared by the worker's transport (`agent/worker/transport/`) and the relay (`dtfm/net/relay.py`),
 so both speak exactly one format. Everything here is pure or works on a blocking socket; the
 relay reuses the pure parts from asyncio.
 
@@ -44,18 +44,18 @@ ROLE_DIAL = 1
 ROLE_ACCEPT = 2
 ROLE_RELAY = 3
 
-# Control frames on a relay circuit, before any tensor (dtfm/core/punch.py): the
+# Control frames on a relay circuit, before any tensor (dtfm/net/punch.py): the
 # relay tells each end the address it saw the other end dial from (OBSERVED, sent by the
 # relay as from the partner's rank), and each end tells the other whether its hole punch
 # got through (PUNCHED, one byte); where both did, they time both paths (PROBE) and the lower
-# rank says which one they keep (CHOSEN; dtfm/core/pathweigh.py). A stream id no
+# rank says which one they keep (CHOSEN; dtfm/net/pathweigh.py). A stream id no
 # group hashes to (`stream_id` is a hash).
 CONTROL_STREAM = 0xFFFF_FFFF_FFFF_FFFE
 OBSERVED_TAG = 1
 PUNCHED_TAG = 2
 PROBE_TAG = 3
 CHOSEN_TAG = 4
-# On the direct connection a punch probe at link measurement opened (agent/punchprobe.py),
+# On the direct connection a punch probe at link measurement opened (agent/probing/punchprobe.py),
 # never through a relay: round trips (PING), a timed bulk transfer in frames (BULK; an empty
 # one ends it), the receiver's "rate settled, stop" (STOP) and the rate it measured (RATE).
 PING_TAG = 5
@@ -226,7 +226,7 @@ def may_dial(a: int, b: int, listening: Container[int], limited: Container[int],
     return b in listening and (b not in limited or (a, b) in direct)
 
 
-# Handing accepted connections to the worker (agent/datahandoff.py): where an agent serves
+# Handing accepted connections to the worker (dtfm/net/handoff.py): where an agent serves
 # the data plane on its one public port, its front accepts the connection and passes the
 # socket itself (SCM_RIGHTS, no copy) to the epoch's worker over an abstract Unix socket
 # whose name the worker finds in this variable. The worker claims its (job, epoch) first.

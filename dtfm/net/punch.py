@@ -1,6 +1,6 @@
 """Hole punching: two ranks behind NATs open a direct TCP connection and leave the relay.
 
-Two ranks that both only dial out meet at a relay (`dtfm/relay.py`), which costs two hops
+Two ranks that both only dial out meet at a relay (`dtfm/net/relay.py`), which costs two hops
 and a share of the relay's uplink. Most home and office NATs map one private (address, port)
 to one public port whatever the destination ("endpoint-independent mapping", RFC 4787/5382),
 and let packets in from an address and port the host has sent to. So, once both ends are at
@@ -20,7 +20,7 @@ the relay:
 4. both ends time the two paths with the same exchange and keep the direct one only where
    it is not slower than the relay (pathweigh.py): the scheduler priced the pair by the
    path this rule picks on the figures link measurement had (the direct ones from a punch
-   probe, agent/punchprobe.py, where it got through; else the relay's), and a slower path
+   probe, agent/probing/punchprobe.py, where it got through; else the relay's), and a slower path
    than that would make the job slower than planned.
 
 Link measurement uses steps 1-3 too (`punch(..., weigh=False)`): the pair meets at the
@@ -43,8 +43,8 @@ import logging
 import socket
 import time
 
-from dtfm.core import dataplane as dp
-from dtfm.core import pathweigh
+from dtfm.net import dataplane as dp
+from dtfm.net import pathweigh
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def punch(relay: socket.socket, key: bytes, job: str, epoch: int, me: int, peer:
           ) -> socket.socket | None:
     """Try a direct connection to `peer` at `observed` from the relay circuit's local port;
     the authenticated direct socket when both ends got through, None to stay on `relay`.
-    `weigh=False` (link measurement, agent/punchprobe.py: the direct path is what it
+    `weigh=False` (link measurement, agent/probing/punchprobe.py: the direct path is what it
     measures) returns the direct socket without timing it against the relay; both ends must
     pass the same `weigh`."""
     digest = dp.job_digest(job)

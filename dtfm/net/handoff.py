@@ -1,11 +1,11 @@
 """Data-plane connections accepted on the agent's one public port, handed to the epoch's
 worker process without a copy (issue 32: a reachable agent needs one port open).
 
-The agent's front (dtfm/front.py) accepts every connection on the agent's gRPC port and
+The agent's front (dtfm/net/front.py) accepts every connection on the agent's gRPC port and
 sorts them; a dtfm hello naming no relay target is a peer dialling this agent's worker.
 The worker is a child process started per epoch, so the socket itself crosses over: the
 agent listens on an abstract Unix socket (its name in the worker's environment,
-`dtfm.core.dataplane.HANDOFF_ENV`); each worker connects, claims its (job, epoch), and
+`dtfm.net.dataplane.HANDOFF_ENV`); each worker connects, claims its (job, epoch), and
 receives the accepted sockets of that epoch with SCM_RIGHTS (`socket.send_fds`). The worker's
 mesh admits each exactly as if it had accepted it (the hello is still unread; the job-key
 handshake decides, as before). Bytes never pass through the agent. Only a process of this
@@ -22,7 +22,7 @@ made-up epoch, each kept 60 s, used up every file descriptor of an agent):
   the only exception is a later epoch of the job this agent holds, the one assignment that
   may still be on its way here while a faster peer already dials: it waits `ahead_wait_s`;
 - a connection whose epoch's worker has not claimed yet waits in a bounded lot
-  (agent/parking.py: per source address and in all; `evicted` counts what the bounds
+  (dtfm/net/parking.py: per source address and in all; `evicted` counts what the bounds
   closed), at most `wait_s`, and is closed as soon as its dialer gives up (`abandoned`);
 - a connection handed to a worker sits in the worker's queue until the worker takes it. The
   agent sends without blocking into a queue of `worker_queue_bytes` (about 40 connections on
@@ -35,7 +35,7 @@ it is not what bounds a stranger (the epoch filter and the lot are), and a worke
 slowly: a fresh process importing torch on a loaded machine, a checkpoint fetched from a peer
 first. A wait shorter than the dialer's own patience would turn a slow start into a failed
 epoch (issue 40). A connection whose dialer has left is not kept for the rest of the wait.
-Refusals and evictions are logged at a bounded rate (dtfm/ratelog.py); the counters count
+Refusals and evictions are logged at a bounded rate (dtfm/net/ratelog.py); the counters count
 them all.
 """
 
@@ -49,9 +49,9 @@ import socket
 import struct
 import time
 
-from agent.parking import Epoch, Parked, Parking, source_of
-from dtfm.core import dataplane as dp
-from dtfm.ratelog import RateLog
+from dtfm.net import dataplane as dp
+from dtfm.net.parking import Epoch, Parked, Parking, source_of
+from dtfm.net.ratelog import RateLog
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class DataHandoff:
         self.handed = 0  # connections passed to a worker
         self.dropped = 0  # closed waiting: no worker claimed their epoch in time, or it ended
         self.refused = 0  # closed at once: for an epoch this agent neither runs nor starts
-        self.evicted = 0  # closed to keep the parking bounds (agent/parking.py)
+        self.evicted = 0  # closed to keep the parking bounds (dtfm/net/parking.py)
         self.abandoned = 0  # closed waiting, after their dialer closed its end
         self._held: Epoch | None = None  # the epoch this agent runs or starts (None: none)
         self._last: Epoch | None = None  # the last one held, for its job's later epochs

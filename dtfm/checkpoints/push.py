@@ -1,7 +1,7 @@
 """Checkpoint copies pushed by an agent nobody can dial (issue 32).
 
 A stage with one replica is kept by two agents: its holder writes it, and a mirror copies it
-(agent/checkpoints.py pulls over the holder's `Agent` port). An agent behind a NAT or a
+(dtfm/checkpoints/copies.py pulls over the holder's `Agent` port). An agent behind a NAT or a
 firewall accepts no connection, so nobody can pull from it: its stage would have no second
 copy, and losing it would lose the stage's progress. When the coordinator finds the holder
 undialable and the mirror dialable (`dtfm.core.assignment.checkpoint_routes`), it turns the
@@ -40,8 +40,9 @@ from pathlib import Path
 
 import grpc
 
-from agent import retryloop
-from agent.checkpoints import (
+from dtfm import rpc
+from dtfm.checkpoints import retryloop
+from dtfm.checkpoints.copies import (
     CHUNK_BYTES,
     CHUNK_TIMEOUT_S,
     MIRROR_INTERVAL_S,
@@ -55,7 +56,6 @@ from agent.checkpoints import (
     manifest_of,
     open_peer,
 )
-from dtfm import rpc
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import COORDINATOR_PEER
 from dtfm.core.checkpoints import KEEP, Manifest

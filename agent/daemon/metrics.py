@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from agent.session import CoordinatorSession
+from agent.daemon.session import CoordinatorSession
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2
 

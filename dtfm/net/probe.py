@@ -1,7 +1,7 @@
 """The receiving end of a link probe, shared by every program a peer may measure.
 
 A peer measures its link to us by streaming `ProbeChunk`s into `Agent.Probe` and reading
-back, per window of time, how many bytes arrived (agent/linkprobe.py is the sending end).
+back, per window of time, how many bytes arrived (agent/probing/linkprobe.py is the sending end).
 Agents answer it for their peers, and the coordinator answers it too, as the relay: an agent
 nobody can dial measures its link to the relay by dialling out to the coordinator
 (coordinator/links/relayed.py). One implementation, so both ends of every probe agree.

@@ -14,18 +14,19 @@ import random
 
 import grpc
 
-from agent import punchprobe
-from agent.datahandoff import DataHandoff
-from agent.identity import SecretFile
-from agent.linkprobe import measure_peer
-from agent.relayhost import RelayHost
-from agent.supervisor import Supervisor
-from agent.tuning import TuningCheck
-from dtfm import reach, rpc
+from agent.daemon.identity import SecretFile
+from agent.daemon.relayhost import RelayHost
+from agent.daemon.supervisor import Supervisor
+from agent.probing import punchprobe
+from agent.probing.linkprobe import measure_peer
+from agent.probing.tuning import TuningCheck
+from dtfm import rpc
 from dtfm.core.assignment import resolve_relay
 from dtfm.core.limits import MAX_KIND, clip
 from dtfm.core.spec import WorkerState
-from dtfm.relay import Relay
+from dtfm.net import reach
+from dtfm.net.handoff import DataHandoff
+from dtfm.net.relay import Relay
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)

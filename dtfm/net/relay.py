@@ -1,7 +1,7 @@
 """A circuit relay for the data plane: forwards frames between two ranks that cannot dial
 each other (both behind NAT), only between authenticated members of the same job and epoch.
 
-Each end dials the relay, proves it holds the job's key (`dtfm.core.dataplane.handshake`,
+Each end dials the relay, proves it holds the job's key (`dtfm.net.dataplane.handshake`,
 the relay proves it too) and names the rank it wants to reach. The relay pairs the circuit
 (job, epoch, a -> b) with (job, epoch, b -> a) and pumps frames both ways; a circuit whose
 partner does not arrive within `pair_timeout_s` is closed. Each frame's header is checked
@@ -11,7 +11,7 @@ closes the circuit and nothing of it is forwarded.
 Before any frame of theirs, the relay sends each end one control frame
 (`dp.OBSERVED_TAG`): the address and port it saw the other end dial from, which behind a NAT
 is the NAT's public address and the port it mapped. The ends may use it to open a direct
-connection through both NATs (dtfm/core/punch.py) and leave the relay.
+connection through both NATs (dtfm/net/punch.py) and leave the relay.
 
 Bounded buffers and backpressure: a direction of a circuit holds at most one chunk
 (`chunk_bytes`) read from the sender plus the receiver's socket write buffer, which is
@@ -47,8 +47,8 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from dtfm.core import dataplane as dp
 from dtfm.core.assignment import member_address
+from dtfm.net import dataplane as dp
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Relay:
         log.info("relay listens on %s:%d", self.host, self.port)
 
     def accept(self, sock: socket.socket, hello: dp.Hello | None = None) -> None:
-        """Serve a connection another listener accepted (dtfm/front.py: the relay on the
+        """Serve a connection another listener accepted (dtfm/net/front.py: the relay on the
         daemon's one public port), on the running loop, exactly as if `serve` had: the
         hello is still unread in `sock` (`hello`, peeked by the front, is not used)."""
         task = asyncio.get_running_loop().create_task(self._accepted(sock))

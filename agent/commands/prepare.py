@@ -7,7 +7,7 @@ byte-level BPE trained on the same input (`--train-tokenizer VOCAB`).
 - Documents: a `.txt` file is one document; a `.jsonl` line or a `.parquet` row is one
   document, its text in `--text-field`. The tokenizer's end-of-text token follows every
   document. No BOS or other special token is added (`add_special_tokens=False`).
-- Streaming: `agent.textinput` reads the text in pieces (a long document, `.txt`, `.jsonl`
+- Streaming: `agent.commands.textinput` reads the text in pieces (a long document, `.txt`, `.jsonl`
   line or `.parquet` row alike, is cut before a word's leading space, where the usual
   pre-tokenizers split anyway, so the ids are those of the whole document; no end-of-text
   between its pieces; a tokenizer that would encode the cut text differently is named on
@@ -48,7 +48,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from agent.textinput import (
+from agent.commands.textinput import (
     PIECE_CHARS,
     Piece,
     PrepareError,

@@ -16,21 +16,22 @@ from pathlib import Path
 
 import grpc
 
-from agent.checkpointpush import CheckpointPushes
-from agent.checkpoints import CheckpointCopier, CheckpointStore
-from agent.config import AgentConfig
-from agent.datahandoff import DataHandoff
-from agent.device import detect
-from agent.identity import load_or_create_id
-from agent.relayhost import RelayHost
-from agent.session import CoordinatorSession, FatalSessionError
-from agent.statedir import checkpoint_dir
-from agent.supervisor import Supervisor
-from agent.tuning import TuningCheck
-from dtfm import probe, reach, rpc
-from dtfm.core.dataplane import NO_RANK, Hello
+from agent.daemon.config import AgentConfig
+from agent.daemon.identity import load_or_create_id
+from agent.daemon.relayhost import RelayHost
+from agent.daemon.session import CoordinatorSession, FatalSessionError
+from agent.daemon.statedir import checkpoint_dir
+from agent.daemon.supervisor import Supervisor
+from agent.probing.device import detect
+from agent.probing.tuning import TuningCheck
+from dtfm import rpc
+from dtfm.checkpoints.copies import CheckpointCopier, CheckpointStore
+from dtfm.checkpoints.push import CheckpointPushes
 from dtfm.core.spec import WorkerState
-from dtfm.front import DataHandler, Front
+from dtfm.net import probe, reach
+from dtfm.net.dataplane import NO_RANK, Hello
+from dtfm.net.front import DataHandler, Front
+from dtfm.net.handoff import DataHandoff
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     async def Probe(self, request_iterator: AsyncIterator[agent_pb2.ProbeChunk],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ProbeWindow]:
-        """Report arrivals per window of time until the caller half-closes (`dtfm.probe`)."""
+        """Report arrivals per window of time until the caller half-closes (`dtfm.net.probe`)."""
         async for window in probe.windows(request_iterator):
             yield window
 
@@ -80,7 +81,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     async def FetchCheckpoint(self, request: agent_pb2.FetchCheckpointRequest,
                               context: grpc.aio.ServicerContext
                               ) -> AsyncIterator[agent_pb2.CheckpointChunk]:
-        """One file of a complete step, from an offset (agent/checkpoints.py validates)."""
+        """One file of a complete step, from an offset (dtfm/checkpoints/copies.py validates)."""
         if self.checkpoints is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "this agent serves no checkpoints")
             return
@@ -90,7 +91,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     async def PushCheckpoint(self, request_iterator: AsyncIterator[agent_pb2.CheckpointPush],
                              context: grpc.aio.ServicerContext
                              ) -> agent_pb2.CheckpointPushReply:
-        """A step uploaded by a holder nobody can dial (agent/checkpointpush.py validates)."""
+        """A step uploaded by a holder nobody can dial (dtfm/checkpoints/push.py validates)."""
         if self.pushes is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this agent keeps no pushed checkpoint copies")
@@ -112,7 +113,7 @@ async def start_metrics(config: AgentConfig, service: AgentService) -> asyncio.S
     """The Prometheus endpoint of `--metrics-listen`, or None when it is off."""
     if not config.metrics_listen:
         return None
-    from agent.metrics import agent_registry
+    from agent.daemon.metrics import agent_registry
     from dtfm.metrics import serve_metrics
 
     server, _ = await serve_metrics(config.metrics_listen,

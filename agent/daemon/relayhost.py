@@ -15,14 +15,14 @@ from __future__ import annotations
 import logging
 
 from dtfm.core.assignment import member_address
-from dtfm.relay import Relay
+from dtfm.net.relay import Relay
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 
 class RelayHost:
-    """A `dtfm.relay.Relay` on the agent's event loop, admitting the epochs it relays for."""
+    """A `dtfm.net.relay.Relay` on the agent's event loop, admitting the epochs it relays for."""
 
     def __init__(self, bind_host: str, port: int, advertised_host: str,
                  shared: bool = False) -> None:

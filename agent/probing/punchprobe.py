@@ -1,7 +1,7 @@
 """Measures a hole-punched direct path to a peer nobody can dial, at link measurement.
 
 Two agents that can dial neither way (a "stranded pair", coordinator/links/relayed.py) meet
-at a relay at epoch time and try a hole punch (dtfm/core/punch.py). Without knowing the
+at a relay at epoch time and try a hole punch (dtfm/net/punch.py). Without knowing the
 direct path's figures the scheduler could only price such a pair through the relay, an upper
 bound: two NATed agents in one city with a fast direct link were placed as if two relay hops
 apart. So, when the coordinator measures links, it asks both agents of each stranded pair at
@@ -35,7 +35,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from agent.linkprobe import (
+from agent.probing.linkprobe import (
     CHUNK_BYTES,
     MAX_WINDOWS,
     STEADY_WINDOWS,
@@ -44,10 +44,10 @@ from agent.linkprobe import (
     Windows,
     estimate_rate,
 )
-from dtfm.core import dataplane as dp
-from dtfm.core import punch
 from dtfm.core.assignment import relay_at
 from dtfm.core.limits import clip
+from dtfm.net import dataplane as dp
+from dtfm.net import punch
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
