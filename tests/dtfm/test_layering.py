@@ -6,8 +6,12 @@ It parses (with `ast`, importing nothing) each module under `dtfm/`, `coordinato
 - `dtfm.core` imports nothing of ours but `dtfm.core` and the generated `protos.dtfm.v1`
   messages (`*_pb2`, not the `*_pb2_grpc` services), and never torch or grpc;
 - `dtfm` imports nothing from `coordinator` or `agent`;
-- `agent.worker` imports nothing from `coordinator`, nothing of `dtfm` but `dtfm.core`, and
-  nothing of `agent` outside `agent.worker` (the worker is a separate process of torch only);
+- `agent.worker` imports nothing from `coordinator`, nothing of `dtfm` but `dtfm.core` and the
+  network path's torch-side half (`WORKER_NET`: the data plane's wire, punch, path weighing),
+  and nothing of `agent` outside `agent.worker` (the worker is a separate process of torch
+  only); that half imports no grpc and nothing of `dtfm` but `dtfm.core`;
+- the two programs never import each other: what both need lives in `dtfm`;
+- `agent/`'s top holds only the entry points, every other module a concern's package;
 - only entry points import a CLI module (the `cli` modules, every module of
   `coordinator.commands`, the agent's subcommand modules with a `main()`, and every
   `__main__`): library code, the coordinator's daemon and job included, never imports a
@@ -34,6 +38,10 @@ from tests.dtfm.sourcetree import PACKAGES, ROOT, module_name, sources
 OURS = (*PACKAGES, "protos")
 CLI_MODULES = frozenset({"coordinator.cli", "agent.cli", "agent.commands.local",
                          "agent.commands.prepare"})
+# the network package's torch-side half: what the worker's transport builds on (no grpc)
+WORKER_NET = frozenset({"dtfm.net.dataplane", "dtfm.net.punch", "dtfm.net.pathweigh"})
+# the only modules at agent/'s top: the entry points; everything else sits in a concern's package
+AGENT_TOP = frozenset({"agent", "agent.__main__", "agent.cli"})
 COMMAND_PACKAGES = ("coordinator.commands",)  # every module in these is a command
 FORBIDDEN_IN_CORE = ("torch", "grpc", "grpc_health", "grpc_reflection")
 
@@ -172,12 +180,42 @@ def test_the_library_does_not_import_the_programs() -> None:
 def test_the_worker_imports_only_torch_side_code_and_the_core() -> None:
     def bad(i: Import) -> bool:
         return (_top(i.target) in ("coordinator", "grpc")
-                or (_under(i.target, "dtfm") and not _under(i.target, "dtfm.core"))
+                or (_under(i.target, "dtfm") and not _under(i.target, "dtfm.core")
+                    and i.target not in WORKER_NET)
                 or (_under(i.target, "agent") and not _under(i.target, "agent.worker")))
 
     _assert_none([i for i in IMPORTS if _under(i.importer, "agent.worker") and bad(i)],
-                 "agent.worker may import agent.worker, dtfm.core and the generated messages, "
-                 "never coordinator, grpc or the rest of dtfm and agent")
+                 "agent.worker may import agent.worker, dtfm.core, the data plane's wire, punch "
+                 "and path weighing (dtfm.net) and the generated messages, never coordinator, "
+                 "grpc or the rest of dtfm and agent")
+
+
+def test_the_network_half_the_worker_uses_needs_no_grpc_or_torch() -> None:
+    def bad(i: Import) -> bool:
+        if _top(i.target) in FORBIDDEN_IN_CORE:
+            return True
+        return (_top(i.target) in OURS and not _under(i.target, "dtfm.core")
+                and i.target not in WORKER_NET and not _under(i.target, "protos.dtfm.v1"))
+
+    _assert_none([i for i in IMPORTS if i.importer in WORKER_NET and bad(i)],
+                 f"{sorted(WORKER_NET)} run in the worker: they may import dtfm.core and each "
+                 "other, never grpc, torch or the rest of dtfm")
+
+
+def test_the_two_programs_do_not_import_each_other() -> None:
+    _assert_none([i for i in IMPORTS if {_top(i.importer), _top(i.target)}
+                  == {"coordinator", "agent"}],
+                 "coordinator and agent are separate programs: what both need lives in dtfm "
+                 "(checkpoints in dtfm.checkpoints, the network path in dtfm.net)")
+
+
+def test_agents_top_holds_only_the_entry_points() -> None:
+    top = {m for m in sources() if _top(m) == "agent" and m.count(".") <= 1
+           and not (ROOT / m.replace(".", "/")).is_dir()}
+    assert top <= AGENT_TOP, (
+        f"agent/ keeps only its entry points at the top ({sorted(AGENT_TOP)}); put "
+        f"{sorted(top - AGENT_TOP)} in the package of its concern: agent/daemon, "
+        "agent/probing, agent/commands or agent/worker (docs/architecture.md, Layout)")
 
 
 def test_only_entry_points_import_cli_modules() -> None:
