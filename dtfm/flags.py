@@ -21,9 +21,9 @@ import re
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from dtfm.core import lora
 from dtfm.core.codecs import check_setting
@@ -76,14 +76,81 @@ def add_common_args(parser: argparse.ArgumentParser, config_file: bool = True) -
                         choices=["debug", "info", "warning", "error"])
 
 
+# what `action=` an argument was added with, as the layered config sorts them: a boolean
+# switch, a value, or anything else (which DTFM_* and TOML cannot set)
+STORE, STORE_TRUE, STORE_FALSE, OTHER = "store", "store_true", "store_false", "other"
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One argument added to a `Parser`, in the order added, and the kind of its `action=`.
+
+    argparse keeps its list of actions and their classes private; the layered config (DTFM_*
+    and TOML, `layered_defaults`) and `name_origins` read this table instead.
+    """
+
+    action: argparse.Action
+    kind: str  # STORE, STORE_TRUE, STORE_FALSE or OTHER
+
+
+class ArgumentAdder(Protocol):
+    """A parser or one of its groups: what `add_train_arg` adds a flag to."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action: ...
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line naming the flag, then exit 2.
 
-    Its subparsers are Parsers too (argparse builds them with the parent's class).
+    Its subparsers are Parsers too (argparse builds them with the parent's class). It keeps
+    `arguments`, every argument added to it or to its groups (`Argument`).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.arguments: list[Argument] = []  # before argparse adds -h and its groups
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog}: {message} (see `{self.prog} -h`)")
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        return self._record(super().add_argument(*args, **kwargs), kwargs)
+
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recording(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs: Any) -> Any:
+        return self._recording(super().add_mutually_exclusive_group(**kwargs))
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        return self._record(super().add_subparsers(**kwargs), {"action": OTHER})
+
+    def _record(self, action: argparse.Action, kwargs: dict[str, Any]) -> argparse.Action:
+        given = kwargs.get("action", STORE)
+        kind = given if given in (STORE, STORE_TRUE, STORE_FALSE) else OTHER
+        self.arguments.append(Argument(action, kind))
+        return action
+
+    def _recording(self, group: Any) -> Any:
+        """`group` (argparse's, whose class is private) with its adds recorded here too."""
+        add, exclusive = group.add_argument, group.add_mutually_exclusive_group
+
+        def add_argument(*args: Any, **kwargs: Any) -> argparse.Action:
+            return self._record(add(*args, **kwargs), kwargs)
+
+        def add_mutually_exclusive_group(**kwargs: Any) -> Any:
+            return self._recording(exclusive(**kwargs))
+
+        group.add_argument = add_argument
+        group.add_mutually_exclusive_group = add_mutually_exclusive_group
+        return group
+
+
+def arguments_of(parser: argparse.ArgumentParser) -> list[Argument]:
+    """Every argument of `parser`, in the order added; it must be a `Parser` (which keeps them)."""
+    if not isinstance(parser, Parser):
+        raise TypeError(f"layered config needs a dtfm.flags.Parser, got {type(parser).__name__}")
+    return parser.arguments
 
 
 def number(kind: type[int] | type[float], minimum: float | None = 0, *,
@@ -232,7 +299,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         add_train_arg(group, f.name)
 
 
-def add_train_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+def add_train_arg(parser: ArgumentAdder, name: str) -> None:
     """Add the flag of one `TrainConfig` field, exactly as `add_train_args` defines it: for a
     command that does not train but must describe the job the same way (`coordinator plan
     --dtype` sizes messages in what a job would send, with a job's default and choices)."""
@@ -337,17 +404,18 @@ _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a strin
           dict: "a table", list: "an array"}
 
 
-def _convert(action: argparse.Action, raw: Any, origin: str, toml: bool) -> Any:
+def _convert(argument: Argument, raw: Any, origin: str, toml: bool) -> Any:
     """`raw` from the environment or a TOML file, through the flag's own type and choices."""
+    action = argument.action
     where = f"{origin} ({_flag(action)})"
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    if argument.kind in (STORE_TRUE, STORE_FALSE):
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
         if toml or text not in ("1", "0", "true", "false", "yes", "no"):
             raise ConfigError(f"{where}: expected true or false, got {raw!r}")
         return text in ("1", "true", "yes")
-    if not isinstance(action, argparse._StoreAction):
+    if argument.kind != STORE:
         raise ConfigError(f"{where}: this flag cannot be set from a file or the environment")
     wanted = _toml_types(action)
     if toml and (isinstance(raw, bool) or not isinstance(raw, wanted)):
@@ -363,7 +431,7 @@ def _convert(action: argparse.Action, raw: Any, origin: str, toml: bool) -> Any:
     return value
 
 
-def _toml_defaults(path: str, actions: dict[str, argparse.Action],
+def _toml_defaults(path: str, actions: dict[str, Argument],
                    origins: dict[str, str]) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -392,8 +460,9 @@ def layered_defaults(parser: argparse.ArgumentParser, argv: Sequence[str]) -> di
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    actions = {a.dest: a for a in parser._actions  # a hidden old name shares its dest
-               if a.dest not in _SKIP and a.help != argparse.SUPPRESS}
+    # a hidden old name shares its dest (and is left out: its help is SUPPRESS)
+    actions = {a.action.dest: a for a in arguments_of(parser)
+               if a.action.dest not in _SKIP and a.action.help != argparse.SUPPRESS}
     origins: dict[str, str] = {}
     defaults = _toml_defaults(known.config, actions, origins) if known.config else {}
     for dest, action in actions.items():
@@ -412,7 +481,7 @@ def name_origins(message: str, parser: argparse.ArgumentParser, argv: Sequence[s
     `$DTFM_LISTEN (--listen)`: the flag alone sends a person to a command line that does not
     hold the bad value."""
     given = _given_on_command_line(parser, argv)
-    for action in parser._actions:
+    for action in (a.action for a in arguments_of(parser)):
         origin = origins.get(action.dest)
         if origin is None or action.dest in given or not action.option_strings:
             continue
@@ -426,7 +495,7 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str])
     """The dests a flag in `argv` sets: argparse fills in a default only where the namespace
     lacks the dest, so whatever no longer holds the marker was set by `argv`."""
     marker = object()
-    namespace = argparse.Namespace(**{a.dest: marker for a in parser._actions})
+    namespace = argparse.Namespace(**{a.action.dest: marker for a in arguments_of(parser)})
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # an old name's note, said once already
             parser.parse_known_args(list(argv), namespace)

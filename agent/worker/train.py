@@ -59,7 +59,7 @@ ENV_SLOWDOWN_FILE = "DTFM_COMPUTE_SLOWDOWN_FILE"
 def compute_slowdown() -> float:
     """The test and benchmark seam for uneven devices on one machine: forward and backward
     passes take this factor longer (the worker idles for the difference). The factor comes
-    from DTFM_COMPUTE_SLOWDOWN_FILE once that file exists (`WanEmulator.set_compute` writes
+    from DTFM_COMPUTE_SLOWDOWN_FILE once that file exists (`WanEmulator.live.set_compute` writes
     it while the job runs), else from DTFM_COMPUTE_SLOWDOWN."""
     raw = os.environ.get(ENV_SLOWDOWN, "1")
     if path := os.environ.get(ENV_SLOWDOWN_FILE):

@@ -237,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure:
             rows = measure(wan, args.bulk_seconds)
             if args.json:
-                print(json.dumps({"hosts": wan.hosts(), "pairs": rows}, indent=1))
+                print(json.dumps({"hosts": wan.topology.hosts(), "pairs": rows}, indent=1))
             else:
                 _print_table(rows)
         else:
-            for h in wan.hosts():
+            for h in wan.topology.hosts():
                 seen = ("" if h["reachability"] == "public" else
                         f" ({h['reachability']}, peers see {h['public_address']})")
                 print(f"host {h['host']}: {h['address']:<15}{seen} netns {h['namespace']}   "

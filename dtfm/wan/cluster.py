@@ -103,8 +103,8 @@ class WanCluster:
 
     def _spawn(self, host: int, argv: Sequence[str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
-        # the host's workers read their compute factor here: `wan.set_compute` slows them live
-        env = {**self.env(), "DTFM_COMPUTE_SLOWDOWN_FILE": self.wan.compute_file(host)}
+        # the host's workers read their compute factor here: `wan.live.set_compute` slows them live
+        env = {**self.env(), "DTFM_COMPUTE_SLOWDOWN_FILE": self.wan.live.compute_file(host)}
         proc = self.wan.popen(host, [sys.executable, "-m", *argv], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
         log.close()

@@ -2,7 +2,9 @@
 
 Owns the per-packet decision of the forwarder (:mod:`dtfm.wan.emulator`) for a WAN whose hosts
 are not all publicly reachable: where a packet goes, how its addresses and ports are rewritten,
-and whether it is dropped. It does no I/O, so it is tested without root too.
+and whether it is dropped; and where each host sits (`layout`, `Sites`: the addresses, who
+can dial whom), which the harness (:mod:`dtfm.wan.harness`) answers from. It does no I/O,
+so it is tested without root too.
 
 Each host has one of three reachability modes:
 
@@ -373,3 +375,45 @@ def layout(public_addresses: list[str], nat: list[int] | tuple[int, ...] = (),
             HostPlace(FIREWALL if i in walled else PUBLIC, public_addresses[i],
                       public_addresses[i], None)
             for i, p in enumerate(places)]
+
+
+class Sites:
+    """Where every host of one WAN sits (its `HostPlace`, from `layout`), as the harness asks:
+    the address a host binds, the one its peers see, its mode and NAT, and who can dial whom.
+    Hosts are numbered 0..n-1; any other number is an IndexError."""
+
+    def __init__(self, places: list[HostPlace]) -> None:
+        self.places = list(places)
+
+    def index(self, i: int) -> int:
+        """``i``, checked to be one of the hosts."""
+        if not 0 <= i < len(self.places):
+            raise IndexError(f"host {i} out of range [0, {len(self.places)})")
+        return i
+
+    def address(self, i: int) -> str:
+        """Host ``i``'s own address: where it binds (behind a NAT a private one)."""
+        return self.places[self.index(i)].address
+
+    def public_address(self, i: int) -> str:
+        """The address host ``i``'s peers see: its NAT's public address if it is behind a NAT
+        (with a mapped port per connection), else its own."""
+        return self.places[self.index(i)].public_address
+
+    def reachability(self, i: int) -> str:
+        """``"public"``, ``"firewall"`` or ``"nat"``."""
+        return self.places[self.index(i)].reachability
+
+    def nat_site(self, i: int) -> int | None:
+        """Which NAT host ``i`` sits behind (hosts with the same one share a LAN); None if it
+        is not behind a NAT."""
+        return self.places[self.index(i)].site
+
+    def dialable(self, src: int, dst: int) -> bool:
+        """Whether host ``src`` can open a connection to host ``dst`` at ``address(dst)``: a
+        public host from anywhere, a NATed host only from behind the same NAT, a firewalled
+        host from nowhere."""
+        mode = self.reachability(dst)
+        if mode == NAT:
+            return self.nat_site(src) == self.nat_site(dst) and self.index(src) != dst
+        return mode == PUBLIC and self.index(src) != dst

@@ -182,3 +182,22 @@ def test_a_directory_flag_naming_a_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^--state-dir .*/file/sub cannot be made: .*/file "
                        r"is a file"):
         flags.check_directory(str(tmp_path / "file" / "sub"), "--state-dir")
+
+
+def test_the_parsers_table_holds_every_argument_argparse_has() -> None:
+    """The layered config reads `Parser.arguments`, not argparse's private list of actions: the
+    table must miss none (a group's, a mutually exclusive group's, -h) and sort each action as
+    argparse's own class does."""
+    kinds = {argparse._StoreAction: flags.STORE, argparse._StoreTrueAction: flags.STORE_TRUE,
+             argparse._StoreFalseAction: flags.STORE_FALSE}
+    for top, subs in (coordinator_parser(), agent_parser()):
+        for name, parser in [("", top), *subs.items()]:
+            table = flags.arguments_of(parser)
+            assert [a.action for a in table] == parser._actions, name
+            assert [a.kind for a in table] == [kinds.get(type(a.action), flags.OTHER)
+                                              for a in table], name
+
+
+def test_layered_config_refuses_a_parser_that_keeps_no_table() -> None:
+    with pytest.raises(TypeError, match="dtfm.flags.Parser"):
+        flags.layered_defaults(argparse.ArgumentParser(), [])

@@ -43,7 +43,8 @@ def test_ranks_behind_a_firewall_one_site_and_a_nat_punch_through_to_each_other(
     secret.write_bytes(b"punch-secret")
     with measurement_wan(DELAY, RATE, firewall=[0], shared_nat=[[1, 2]], nat=[3],
                          coordinator_link=relay_link) as wan:
-        assert wan.reachability(1) == "firewall" and wan.nat_site(2) == wan.nat_site(3)
+        sites = wan.sites
+        assert sites.reachability(1) == "firewall" and sites.nat_site(2) == sites.nat_site(3)
         relay_log = open(tmp_path / "relay.log", "w")
         relay = wan.popen(0, [sys.executable, "-m", "dtfm.net.relay", "--port", str(RELAY_PORT),
                               "--secret-file", str(secret)], cwd=REPO, stdout=relay_log,

@@ -102,9 +102,9 @@ def test_link_changes_apply_while_it_runs() -> None:
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["delay_ms"][0][1] == pytest.approx(10.0)
         assert _rtt(wan, 0, 1) == pytest.approx(20.0, abs=4.0)
-        wan.set_compute(1, 2.0)
-        assert Path(wan.compute_file(1)).read_text().strip() == "2.0"
-        assert wan.compute == {1: 2.0}
+        wan.live.set_compute(1, 2.0)
+        assert Path(wan.live.compute_file(1)).read_text().strip() == "2.0"
+        assert wan.live.compute == {1: 2.0}
 
 
 def test_set_command_says_what_is_wrong(tmp_path: Path) -> None:
@@ -132,7 +132,7 @@ def test_a_cut_link_carries_nothing_while_both_hosts_reach_the_third() -> None:
         for host in (0, 2):
             probe.start_server(wan, host)
         wan.set_link(1, 2, cut=True, both_ways=True)
-        assert wan.cut == {(1, 2), (2, 1)}
+        assert wan.live.cut == {(1, 2), (2, 1)}
         with pytest.raises((RuntimeError, subprocess.TimeoutExpired)):
             probe.echo_rtts_ms(wan, 1, 2, count=1, timeout=5)
         assert _rtt(wan, 1, 0) == pytest.approx(10.0, abs=4.0)
