@@ -24,6 +24,7 @@ from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
 from dtfm.net import dataplane as dp
 from dtfm.net.front import Front
+from dtfm.net.frontlimits import FrontLimits
 from dtfm.net.handoff import DataHandoff
 
 SECRET = b"join-token-of-the-handoff-test"
@@ -31,16 +32,25 @@ JOB = "job-a"
 SYSTEMD_NOFILE = 1024  # systemd's default soft limit, as deploy/'s units run the daemons
 
 
-class LoopAgent:
-    """A front and a hand-off on their own loop, holding `JOB`'s `epoch` as its assignment."""
+# bounds the front never reaches in the in-process tests, which count what the hand-off does
+# with every connection (the front's own bounds: tests/dtfm/test_front.py)
+ROOMY_FRONT = FrontLimits(grpc=4096, grpc_per_source=4096, sniffing=4096,
+                          sniffing_per_source=4096, pipes=8)
 
-    def __init__(self, epoch: int = 1, **handoff: Any) -> None:
+
+class LoopAgent:
+    """A front and a hand-off on their own loop, holding `JOB`'s `epoch` as its assignment.
+    `front_limits` None: the front's bounds from this process's open-file limit, as the
+    agent daemon's."""
+
+    def __init__(self, epoch: int = 1, front_limits: FrontLimits | None = ROOMY_FRONT,
+                 **handoff: Any) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.handoff = DataHandoff(**{"wait_s": 20.0, "sweep_s": 0.05, **handoff})
         self.loop.call_soon_threadsafe(self.handoff.hold, JOB, epoch)
-        self.front = Front(data_router(self.handoff, None))
+        self.front = Front(data_router(self.handoff, None), limits=front_limits)
         self.call(self.handoff.start())
         self.port = self.call(self.front.start("127.0.0.1", 0, "no-grpc-here"))
 
@@ -100,8 +110,8 @@ def dial_hello(port: int, epoch: int, job: str = JOB, source: str = "127.0.0.1",
 def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(SYSTEMD_NOFILE, hard), hard))
-    agent = LoopAgent(epoch=int(sys.argv[1]) if len(sys.argv) > 1 else 1, wait_s=60.0,
-                      sweep_s=1.0)  # the daemon's own
+    agent = LoopAgent(epoch=int(sys.argv[1]) if len(sys.argv) > 1 else 1, front_limits=None,
+                      wait_s=60.0, sweep_s=1.0)  # the daemon's own
     print(json.dumps({"port": agent.port, "handoff": agent.handoff.name}), flush=True)
     sys.stdin.read()
     agent.close()
