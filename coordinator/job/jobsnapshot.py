@@ -3,8 +3,8 @@ restarted coordinator puts it back (coordinator/daemon/jobstore.py stores it).
 
 Kept apart from the state machine (`coordinator/job/machine.py`) because the snapshot is a
 field-by-field copy of the collaborators' state (the planner's grid and layouts, the
-checkpoints' splits, the recoveries, the re-plans), not a transition; the machine decides
-when to save and what an adopted epoch does next.
+checkpoints' splits, the recoveries, the re-plans, the failed pairs), not a transition; the
+machine decides when to save and what an adopted epoch does next.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, fingerprint
+from coordinator.job.failedpairs import FailedPairs
 from coordinator.job.recovery import Recoveries
 from dtfm.core.layout import Layout
 from dtfm.core.spec import SYNC_AUTO
@@ -54,7 +55,7 @@ def snapshot(job: Job) -> JobSnapshot:
         micro_batches=planner.train.micro_batches,
         wanted_replicas=planner.wanted.replicas if planner.wanted else 0,
         wanted_stages=planner.wanted.stages if planner.wanted else 0,
-        sync_every=planner.sync_every)
+        sync_every=planner.sync_every, failed_pairs=job.failed_pairs.to_json())
 
 
 def restore(job: Job, snap: JobSnapshot) -> None:
@@ -63,6 +64,8 @@ def restore(job: Job, snap: JobSnapshot) -> None:
     job.checkpoints.step = snap.checkpoint_step
     job.recoveries = Recoveries(snap.recoveries)
     job.replan.restore(snap.replans)
+    job.failed_pairs = FailedPairs(snap.failed_pairs)  # not retried after a restart
+    job.dataplane.relay_only = job.failed_pairs.relay_only()
     planner = job.planner
     planner.grid_ids = snap.grid
     if snap.grid:

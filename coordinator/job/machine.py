@@ -18,6 +18,7 @@ state directory's snapshot; it delegates the rest, each to a collaborator beside
   for what it needs through `replan.ReplanHost`, which `Job` implements);
 - `recovery.Recoveries`: the record of each recovery, shown by status;
 - `jobsnapshot`: what the state directory keeps of the job, and putting it back;
+- `failedpairs.FailedPairs`: pairs whose connection failed, relayed or placed apart next time;
 - `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay.
 """
 
@@ -39,7 +40,7 @@ from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, JobStore
 from coordinator.daemon.reconcile import persistence_fields, shutdown_note, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.job import jobsnapshot, rootcause
+from coordinator.job import failedpairs, jobsnapshot, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
 from coordinator.job.dataplane import DataPlanes
 from coordinator.job.epochlinks import EpochLinkSource, NoLinks, avoid_dead_links
@@ -47,7 +48,7 @@ from coordinator.job.epochplan import EpochPlanner
 from coordinator.job.jobsnapshot import STATE_NAMES, job_fingerprint
 from coordinator.job.membership import Membership
 from coordinator.job.prediction import Prediction, agent_flops, device_figures
-from coordinator.job.recovery import Recoveries, layout_text, permanent_failure
+from coordinator.job.recovery import Recoveries, layout_text, out_of_restarts, permanent_failure
 from coordinator.job.replan import Replanner
 from coordinator.links import failure as linkfailure
 from coordinator.links.measure import LinkMeasurer
@@ -105,6 +106,7 @@ class Job:
         self._name_collaborators()
         self.link_source = EpochLinkSource(config, measurer, links, self.planner, self.membership)
         self.recoveries = Recoveries()
+        self.failed_pairs = failedpairs.FailedPairs()  # what recoveries learnt of pairs
         self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
         if store is not None and config.model:
@@ -321,7 +323,8 @@ class Job:
                 self.membership.hold_out(links.hold_out)
             self._set(links.state, links.message)
             return
-        delay, bandwidth, failures = links.delay, links.bandwidth, links.failures
+        delay, bandwidth, failures = failedpairs.keep_apart(  # pairs that failed, relayed
+            links.delay, links.bandwidth, links.failures, ids, self.failed_pairs.apart())
         net = Network.measured(delay, bandwidth)
         layout, train = self.planner.epoch_layout(members, spec.n_layers)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.text} "
@@ -485,16 +488,17 @@ class Job:
             self.link_source.blame_peer_errors(self.planner.grid_ids,
                                                linkfailure.peer_failed(self._progress))
         self._settle_after = self.registry.now()
+        gave_up = (self.failed_pairs.after_epoch(  # relay, or place apart, pairs failed before
+            len(self.recoveries.items), self.members, self._progress, self.dataplane,
+            self.registry) if self._failure_kind == "peer" else "")
         await self._stop_members(f"recovering: {failure}")
         self.restarts += 1
         permanent = self._permanent(failure)
         budget = self.config.max_restarts
-        if permanent:
-            self._set(S.JOB_STATE_FAILED, permanent)
+        if permanent or gave_up:
+            self._set(S.JOB_STATE_FAILED, permanent or f"{failure}; {gave_up}")
         elif self.restarts > budget:
-            self._set(S.JOB_STATE_FAILED,
-                      f"{failure}; gave up after {budget} restarts in a row without a new "
-                      f"checkpoint (raise --max-restarts, or find what keeps failing)")
+            self._set(S.JOB_STATE_FAILED, out_of_restarts(failure, budget))
         else:
             self._set(S.JOB_STATE_RECOVERING,
                       f"{failure}; rescheduling (restart {self.restarts} of {budget} "
