@@ -9,9 +9,11 @@ test_job_states.py (no workers), and the coordinator's real relay on loopback.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
+from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot
 from coordinator.job import failedpairs as fp
 from coordinator.job.dataplane import PeerTable, peer_table
@@ -31,6 +33,11 @@ def reachable(agent: FakeAgent) -> FakeAgent:
     agent.data_port = 7072  # type: ignore[attr-defined]  # AgentRecord's property
     agent.data_port_refused = ""  # type: ignore[attr-defined]
     return agent
+
+
+def scheduled() -> JobConfig:
+    """The job of test_job_states.py placed by the search, so a pair can be placed apart."""
+    return replace(config(max_restarts=10), placement="scheduled", search_seconds=0.2)
 
 
 def table(assignment: common_pb2.Assignment) -> PeerTable:
@@ -110,10 +117,7 @@ def test_a_pair_that_fails_twice_is_relayed_then_placed_apart_then_named(
         for agent_id in pair:
             assert f"{agent_id} at {h.registry.agents[agent_id].info.host}:7072" in h.job.message
         assert "open inbound TCP" in h.job.message
-    cfg = config(max_restarts=10)
-    cfg.placement = "scheduled"
-    cfg.search_seconds = 0.2
-    run(cfg, body)
+    run(scheduled(), body)
 
 
 def test_another_pair_or_no_pair_changes_nothing() -> None:
@@ -144,10 +148,7 @@ def test_a_pair_with_no_relay_is_placed_apart_at_its_second_failure() -> None:
         grid = [list(row.agent_ids) for row in h.job.plan.grid]
         assert pair not in lf.connected_pairs(grid), grid
         assert h.job.dataplane.relay_only == set()
-    cfg = config(max_restarts=10)
-    cfg.placement = "scheduled"
-    cfg.search_seconds = 0.2
-    run(cfg, body)
+    run(scheduled(), body)
 
 
 def test_the_memory_of_failed_pairs_is_kept_with_the_job() -> None:
