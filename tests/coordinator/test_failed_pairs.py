@@ -8,13 +8,15 @@ test_job_states.py (no workers), and the coordinator's real relay on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from coordinator.daemon.config import JobConfig
-from coordinator.daemon.jobstore import JobSnapshot
+from coordinator.daemon.jobstore import JobSnapshot, JobStore
 from coordinator.job import failedpairs as fp
 from coordinator.job.dataplane import PeerTable, peer_table
 from coordinator.links import failure as lf
@@ -169,3 +171,24 @@ def test_no_restart_budget_says_so_rather_than_zero_restarts() -> None:
         assert "not restarted: --max-restarts is 0" in h.job.message
         assert "0 restarts" not in h.job.message
     run(config(max_restarts=0), body)
+
+
+def test_a_restarted_coordinator_keeps_relaying_the_pair(tmp_path: Path) -> None:
+    async def main() -> None:
+        first = Harness(config(max_restarts=10), JobStore(tmp_path))
+        first.registry.add(4)
+        for agent in first.registry.agents.values():
+            reachable(agent)
+        await first.job.dataplane.start_relay("127.0.0.1", 0)
+        task = asyncio.get_running_loop().create_task(first.job.run())
+        await first.running_epoch(1)
+        pair = frozenset(await fail_pair(first, 0, 1))
+        await first.running_epoch(2)
+        await fail_pair(first, 0, 1)
+        await first.running_epoch(3)
+        task.cancel()
+        await first.job.dataplane.close()
+        second = Harness(config(max_restarts=10), JobStore(tmp_path))
+        assert second.job.dataplane.relay_only == {pair}
+        assert second.job.failed_pairs.pairs[pair].failures == 2
+    asyncio.run(main())
