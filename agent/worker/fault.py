@@ -8,7 +8,12 @@ only where given (a job the coordinator recovers then goes on). Modes:
 - `config`: it refuses its own input before the step (a `ValueError`, kind `config`);
 - `corrupt`: from that step on, the values it sends in the per-step norm and loss exchange
   are multiplied by `CORRUPT_SCALE` (-4), as a bad peer's would be, while it keeps its own
-  values: its honest peers must blame it (`globalnorm.py`), not their configuration.
+  values: its honest peers must blame it (`globalnorm.py`), not their configuration;
+- `direct`: before the step, where its path to rank RANK - 1 is direct (gloo or NCCL, or the
+  dtfm peer table lets one of the two dial the other), it fails with that peer's error
+  (`PeerError`: "receive from rank RANK - 1 failed"), as a pair a firewall cuts does; where the
+  pair meets at a relay it trains on. So a test sees a recovery move the pair onto the relay
+  (coordinator/job/failedpairs.py), whatever the epoch.
 
 Kept out of `train.py` (the main loop) so the seam's modes grow without growing it.
 """
@@ -19,13 +24,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from agent.worker.errors import PeerError
 from dtfm.core.events import FAULT_EXIT_CODE
+from dtfm.net.dataplane import may_dial
 
 log = logging.getLogger(__name__)
 
 ENV_FAULT = "DTFM_FAULT"
-MODES = ("exit", "hang", "config", "corrupt")
+MODES = ("exit", "hang", "config", "corrupt", "direct")
 CORRUPT_SCALE = -4.0
 
 
@@ -47,14 +55,24 @@ class Fault:
         mode = parts[2] if len(parts) > 2 else "exit"
         if mode not in MODES:
             raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be one of {', '.join(MODES)}")
+        if mode == "direct" and int(parts[0]) < 1:
+            raise ValueError(f"{ENV_FAULT}={raw!r}: mode direct cuts rank RANK's path to rank "
+                             f"RANK - 1, so RANK must be 1 or more")
         return cls(int(parts[0]), int(parts[1]), mode,
                    int(parts[3]) if len(parts) > 3 else None)
 
-    def maybe_fire(self, rank: int, step: int, epoch: int = 0) -> None:
+    def maybe_fire(self, rank: int, step: int, epoch: int = 0, assignment: Any = None) -> None:
         """Strike before `step` if this is the rank, step and epoch (`corrupt`: see
-        `sent_scale`)."""
+        `sent_scale`; `direct`: only where `assignment` gives the pair a direct path)."""
         if rank != self.rank or step != self.step or self.epoch not in (None, epoch):
             return
+        if self.mode == "direct":
+            peer = rank - 1
+            if assignment is None or not direct_path(assignment, peer):
+                return
+            log.error("fault injection: rank %d's direct path to rank %d drops", rank, peer)
+            raise PeerError(f"receive from rank {peer} failed: fault injection: the direct "
+                            f"path between ranks {peer} and {rank} drops")
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
         if self.mode == "corrupt":
             return
@@ -71,3 +89,15 @@ class Fault:
         corrupt = (self.mode == "corrupt" and rank == self.rank and step >= self.step
                    and self.epoch in (None, epoch))
         return CORRUPT_SCALE if corrupt else 1.0
+
+
+def direct_path(assignment: Any, peer: int) -> bool:
+    """Whether `assignment` gives its rank and `peer` a direct path: always on gloo or NCCL;
+    on dtfm where the peer table lets one of the two dial the other (`may_dial`)."""
+    if (assignment.backend or "gloo") != "dtfm":
+        return True
+    plane, me = assignment.data_plane, assignment.rank
+    listening = {r for r, addr in enumerate(plane.listen) if addr}
+    direct = {(d.dialer, d.listener) for d in plane.direct}
+    return any(may_dial(x, y, listening, set(plane.limited), direct)
+               for x, y in ((me, peer), (peer, me)))

@@ -225,7 +225,7 @@ class Worker:
         wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
         for step in range(start + 1, cfg.steps + 1):
             if self.fault:
-                self.fault.maybe_fire(self.rank, step, a.epoch)
+                self.fault.maybe_fire(self.rank, step, a.epoch, a)
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()

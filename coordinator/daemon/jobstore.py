@@ -65,6 +65,8 @@ class JobSnapshot:
     links: dict[str, Any] = field(default_factory=dict)  # the members' measured matrix
     started_unix_s: float = 0.0
     sync_every: int = 0  # `--sync-every auto`: the H chosen on the first plan (0: not yet)
+    # pairs whose connection failed, and what was tried (coordinator/job/failedpairs.py)
+    failed_pairs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.daemon.registry import AgentRecord, Registry
@@ -135,18 +135,26 @@ class PeerTable:
                 if not self.can_dial(a, b) and not self.can_dial(b, a)]
 
 
-def peer_table(records: Sequence[AgentRecord], direct: set[tuple[str, str]]) -> PeerTable:
+def peer_table(records: Sequence[AgentRecord], direct: set[tuple[str, str]],
+               relay_only: Collection[frozenset[str]] = ()) -> PeerTable:
     """The epoch's peer table from the members' verdicts and `direct` ((dialer, listener)
     agent ids, `relayed.direct_dials`): a member reachable from everywhere listens for all;
     an undialable one that some member of this epoch got through to listens for those only;
-    the rest dial."""
+    the rest dial. The pairs of `relay_only` (agent ids) dial neither way: each listening end
+    becomes `limited`, dialable by every rank but the other end, so the pair meets at a
+    relay and both ends read it so from the one table (coordinator/job/failedpairs.py)."""
     rank = {r.agent_id: k for k, r in enumerate(records)}
     pairs = {(rank[a], rank[b]) for a, b in direct if a in rank and b in rank
              and records[rank[b]].data_port > 0 and not accepts(records[rank[b]])}
     limited = {b for _, b in pairs}
     listen = [member_address(r.info.host, r.data_port) if accepts(r) or k in limited
               else "" for k, r in enumerate(records)]
-    return PeerTable(listen, limited, pairs)
+    cut = {(rank[a], rank[b]) for pair in relay_only if len(pair) == 2 and pair <= rank.keys()
+           for a, b in (sorted(pair), sorted(pair, reverse=True))}
+    for k in {x for p in cut for x in p if listen[x]} - limited:  # open to all until now
+        pairs |= {(d, k) for d in range(len(records)) if d != k}
+        limited.add(k)
+    return PeerTable(listen, limited, pairs - cut)
 
 
 def pair_relays(records: Sequence[AgentRecord], pairs: Sequence[Pair], links: Links | None,
@@ -281,6 +289,10 @@ class DataPlanes:
         self.relay: Relay | None = None
         self.relay_agents = RelayAgentCounts()
         self._front: Front | None = None  # the shared port's front, when the relay is on it
+        # pairs (agent ids) relayed whatever their verdicts: their direct path failed twice
+        # (coordinator/job/failedpairs.py); hole punching is off in epochs that have one
+        self.relay_only: set[frozenset[str]] = set()
+        self.last: EpochPlane | None = None  # the newest epoch's plane (`path_of`)
 
     async def start_relay(self, host: str, port: int) -> int:
         """Serve the relay on this (the coordinator's) event loop; the port it listens on."""
@@ -319,10 +331,38 @@ class DataPlanes:
     def backend(self, records: Sequence[AgentRecord]) -> str:
         """The epoch's backend (see the module's rule)."""
         native = "nccl" if all_gpu(records) else "gloo"
-        if self.transport == DTFM or (self.transport == "auto"
-                                      and any(needs_dtfm(r) for r in records)):
+        if self.transport == DTFM or (self.transport == "auto" and (
+                any(needs_dtfm(r) for r in records) or self._relay_only(records))):
             return DTFM
         return native
+
+    def _relay_only(self, records: Sequence[AgentRecord]) -> set[frozenset[str]]:
+        """The pairs of `relay_only` with both ends among `records`."""
+        ids = {r.agent_id for r in records}
+        return {p for p in self.relay_only if p <= ids}
+
+    def can_relay(self, records: Sequence[AgentRecord]) -> bool:
+        """Whether a pair of `records` could meet at a relay: the coordinator's runs, or one
+        of them serves one (on gloo/NCCL only `--transport gloo` rules it out)."""
+        return self.transport != "gloo" and (
+            self.relay is not None or any(serves_relay(r) for r in records))
+
+    def path_of(self, a: int, b: int) -> str:
+        """The path the newest epoch gave ranks `a` and `b` (failedpairs' words): direct (both
+        could dial, or gloo/NCCL), dial-out (only the one that cannot accept dials), punched
+        (neither dials: they meet at a relay and try to punch through), or relay."""
+        last = self.last
+        if last is None or last.plane is None:
+            return "direct"
+        plane = last.plane
+        table = PeerTable(list(plane.listen), set(plane.limited),
+                          {(d.dialer, d.listener) for d in plane.direct})
+        ab, ba = table.can_dial(a, b), table.can_dial(b, a)
+        if ab and ba:
+            return "direct"
+        if ab or ba:
+            return "dial-out"
+        return "punched" if plane.hole_punch else "relay"
 
     def choose(self, records: Sequence[AgentRecord], pairs: Sequence[Pair],
                links: Links | None, probes: LinkStore | None) -> dict[Pair, str]:
@@ -339,7 +379,8 @@ class DataPlanes:
         dtfm data plane (nothing is relayed)."""
         if self.backend(records) != DTFM:
             return None
-        pairs = peer_table(records, direct_dials(records, probes)).relayed_pairs()
+        pairs = peer_table(records, direct_dials(records, probes),
+                           self._relay_only(records)).relayed_pairs()
         return by_agent(records, self.choose(records, pairs, links, probes))
 
     def router(self, registry: Registry, probes: LinkStore | None) -> Router:
@@ -360,6 +401,12 @@ class DataPlanes:
         coordinator; `probes`: the measured links, whose probes are evidence of direct paths
         to agents reachable from some peers only and give those hops. Tells the relay the
         epoch's secret when it is dtfm."""
+        self.last = self._plan(job_id, epoch, records, links, probes, routes)
+        return self.last
+
+    def _plan(self, job_id: str, epoch: int, records: Sequence[AgentRecord],
+              links: Links | None, probes: LinkStore | None,
+              routes: Mapping[tuple[str, str], str] | None) -> EpochPlane:
         backend = self.backend(records)
         if backend != DTFM:
             return EpochPlane(backend)
@@ -367,8 +414,14 @@ class DataPlanes:
         cut_off = ", ".join(f"{r.agent_id} ({why_dials(r)})"
                             for r in records if not accepts(r)) or "none"
         gpu = all_gpu(records)
-        table = peer_table(records, direct_dials(records, probes))
+        forced = self._relay_only(records)
+        table = peer_table(records, direct_dials(records, probes), forced)
         relayed_pairs = table.relayed_pairs()
+        if forced:
+            log.warning("job %s epoch %d: relaying %s whatever their verdicts (their direct "
+                        "path failed twice), with hole punching off this epoch (it would "
+                        "open the same direct path)", job_id, epoch,
+                        ", ".join("<->".join(sorted(p)) for p in sorted(forced, key=sorted)))
         chosen = (by_rank(records, routes, relayed_pairs, self.relay is not None)
                   if routes is not None else None)
         if chosen is None:
@@ -408,5 +461,5 @@ class DataPlanes:
             listen=table.listen, relay=relay, secret=secret, pair_relays=at_agents,
             limited=sorted(table.limited),
             direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)],
-            hole_punch=self.hole_punch, gpu=gpu)
+            hole_punch=self.hole_punch and not forced, gpu=gpu)
         return EpochPlane(backend, plane, relayed, routes=by_agent(records, chosen))

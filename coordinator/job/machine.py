@@ -17,6 +17,8 @@ state directory's snapshot; it delegates the rest, each to a collaborator beside
 - `replan.Replanner`: the drift watch and re-planning while the job trains (it asks the job
   for what it needs through `replan.ReplanHost`, which `Job` implements);
 - `recovery.Recoveries`: the record of each recovery, shown by status;
+- `jobsnapshot`: what the state directory keeps of the job, and putting it back;
+- `failedpairs.FailedPairs`: pairs whose connection failed, relayed or placed apart next time;
 - `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay.
 """
 
@@ -30,22 +32,23 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
 from coordinator.daemon.config import JobConfig
-from coordinator.daemon.jobstore import JobSnapshot, JobStore, fingerprint
+from coordinator.daemon.jobstore import JobSnapshot, JobStore
 from coordinator.daemon.reconcile import persistence_fields, shutdown_note, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.job import rootcause
+from coordinator.job import failedpairs, jobsnapshot, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
 from coordinator.job.dataplane import DataPlanes
 from coordinator.job.epochlinks import EpochLinkSource, NoLinks, avoid_dead_links
 from coordinator.job.epochplan import EpochPlanner
+from coordinator.job.jobsnapshot import STATE_NAMES, job_fingerprint
 from coordinator.job.membership import Membership
 from coordinator.job.prediction import Prediction, agent_flops, device_figures
-from coordinator.job.recovery import Recoveries, layout_text, permanent_failure
+from coordinator.job.recovery import Recoveries, layout_text, out_of_restarts, permanent_failure
 from coordinator.job.replan import Replanner
 from coordinator.links import failure as linkfailure
 from coordinator.links.measure import LinkMeasurer
@@ -57,29 +60,14 @@ from coordinator.scheduler.compute import Workload
 from coordinator.scheduler.memory import DoesNotFit
 from coordinator.scheduler.placement import Placement
 from dtfm.core.assignment import build_assignments
-from dtfm.core.layout import Layout
 from dtfm.core.spec import SYNC_AUTO, WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 S = coordinator_pb2  # state constants live in the generated module
-STATE_NAMES = {S.JOB_STATE_WAITING: "waiting", S.JOB_STATE_MEASURING: "measuring",
-               S.JOB_STATE_SCHEDULING: "scheduling", S.JOB_STATE_RUNNING: "running",
-               S.JOB_STATE_RECOVERING: "recovering", S.JOB_STATE_DONE: "done",
-               S.JOB_STATE_FAILED: "failed", S.JOB_STATE_IDLE: "idle"}
 ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
 INTERNAL_RETRY_S = 5.0  # before an epoch that hit a coordinator error is planned again
 STEP_WINDOW = 5  # measured step time: the median over the members' last steps
-
-
-def job_fingerprint(cfg: JobConfig) -> str:
-    """What makes a stored job the same job: its model, shape, training and placement flags
-    (not operational ones such as --max-restarts or --min-agents)."""
-    return fingerprint({"model": cfg.model, "agents": cfg.agents, "stages": cfg.stages,
-                        "replicas": cfg.replicas, "train": asdict(cfg.train),
-                        "placement": cfg.placement, "layer_split": cfg.layer_split,
-                        "seed": cfg.seed,
-                        **({"init_hash": cfg.init_hash} if cfg.init_hash else {})})
 
 
 class Job:
@@ -118,6 +106,7 @@ class Job:
         self._name_collaborators()
         self.link_source = EpochLinkSource(config, measurer, links, self.planner, self.membership)
         self.recoveries = Recoveries()
+        self.failed_pairs = failedpairs.FailedPairs()  # what recoveries learnt of pairs
         self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
         if store is not None and config.model:
@@ -152,22 +141,7 @@ class Job:
             return
         self.job_id, self.epoch, self.restarts = snap.job_id, snap.epoch, snap.restarts
         self._name_collaborators()
-        self.checkpoints.step = snap.checkpoint_step
-        self.recoveries = Recoveries(snap.recoveries)
-        self.replan.restore(snap.replans)
-        self.planner.grid_ids = snap.grid
-        if snap.grid:
-            self.planner.wanted = Layout(snap.wanted_stages or len(snap.grid),
-                                  max(snap.wanted_replicas, len(snap.grid[0])))
-            self.planner.layout = Layout(len(snap.grid), len(snap.grid[0]))
-        self.checkpoints.epoch_splits = list(snap.splits)
-        if snap.checkpoint_splits or snap.splits:  # older snapshots: one split for both
-            self.checkpoints.trained_splits = list(snap.checkpoint_splits or snap.splits)
-        self.started_unix_s = snap.started_unix_s
-        if self.planner.sync_every == SYNC_AUTO and snap.sync_every:
-            self.planner.sync_every = snap.sync_every
-            self.planner.sync_note = (f"auto: every {snap.sync_every} steps, chosen on the "
-                                      "first plan")
+        jobsnapshot.restore(self, snap)
         if snap.state == "running" and snap.members:
             self.members = list(snap.members)
             self.planner.train = replace(self.config.train, micro_batches=snap.micro_batches
@@ -184,19 +158,7 @@ class Job:
     def persist(self, finished: bool = False) -> None:
         if self.store is None or not self.config.model:
             return
-        snap = JobSnapshot(
-            job_id=self.job_id, fingerprint=job_fingerprint(self.config),
-            state=STATE_NAMES.get(self.state, "waiting"), epoch=self.epoch,
-            restarts=self.restarts, members=list(self.members), grid=self.planner.grid_ids,
-            splits=list(self.checkpoints.epoch_splits),
-            checkpoint_splits=list(self.checkpoints.trained_splits or []),
-            checkpoint_step=self.checkpoint_step,
-            recoveries=self.recoveries.to_json(), replans=self.replan.to_json(),
-            started_unix_s=self.started_unix_s,
-            micro_batches=self.planner.train.micro_batches,
-            wanted_replicas=self.planner.wanted.replicas if self.planner.wanted else 0,
-            wanted_stages=self.planner.wanted.stages if self.planner.wanted else 0,
-            sync_every=self.planner.sync_every)
+        snap = jobsnapshot.snapshot(self)
         try:
             self.store.save(snap, finished=finished)
         except Exception as exc:  # a full disk must not stop training; say so loudly
@@ -361,7 +323,8 @@ class Job:
                 self.membership.hold_out(links.hold_out)
             self._set(links.state, links.message)
             return
-        delay, bandwidth, failures = links.delay, links.bandwidth, links.failures
+        delay, bandwidth, failures = failedpairs.keep_apart(  # pairs that failed, relayed
+            links.delay, links.bandwidth, links.failures, ids, self.failed_pairs.apart())
         net = Network.measured(delay, bandwidth)
         layout, train = self.planner.epoch_layout(members, spec.n_layers)
         self._set(S.JOB_STATE_SCHEDULING, f"placing {layout.text} "
@@ -525,16 +488,17 @@ class Job:
             self.link_source.blame_peer_errors(self.planner.grid_ids,
                                                linkfailure.peer_failed(self._progress))
         self._settle_after = self.registry.now()
+        gave_up = (self.failed_pairs.after_epoch(  # relay, or place apart, pairs failed before
+            len(self.recoveries.items), self.members, self._progress, self.dataplane,
+            self.registry) if self._failure_kind == "peer" else "")
         await self._stop_members(f"recovering: {failure}")
         self.restarts += 1
         permanent = self._permanent(failure)
         budget = self.config.max_restarts
-        if permanent:
-            self._set(S.JOB_STATE_FAILED, permanent)
+        if permanent or gave_up:
+            self._set(S.JOB_STATE_FAILED, permanent or f"{failure}; {gave_up}")
         elif self.restarts > budget:
-            self._set(S.JOB_STATE_FAILED,
-                      f"{failure}; gave up after {budget} restarts in a row without a new "
-                      f"checkpoint (raise --max-restarts, or find what keeps failing)")
+            self._set(S.JOB_STATE_FAILED, out_of_restarts(failure, budget))
         else:
             self._set(S.JOB_STATE_RECOVERING,
                       f"{failure}; rescheduling (restart {self.restarts} of {budget} "

@@ -69,6 +69,16 @@ class Recoveries:
                 for r in self.items]
 
 
+def out_of_restarts(failure: str, budget: int) -> str:
+    """The job's failure once `failure` needs a restart beyond `--max-restarts` `budget`."""
+    if budget == 0:
+        return (f"{failure}; not restarted: --max-restarts is 0 (raise it to let the job "
+                f"reschedule)")
+    return (f"{failure}; gave up after {budget} restart{'s' if budget > 1 else ''} in a row "
+            f"without a new checkpoint (--max-restarts {budget}: raise it, or find what keeps "
+            f"failing)")
+
+
 def permanent_failure(failure: str, kind: str, steps: int, last: tuple[str, int]) -> str:
     """Why `failure` will repeat the same way on every retry ('' when a retry may help).
 

@@ -295,7 +295,7 @@ def test_the_job_fails_once_restarts_run_out() -> None:
             h.report("agent-0", WorkerState.FAILED, error="peer died", error_kind="peer")
         await until(lambda: h.job.state == FAILED)
         assert h.job.entered.count(RECOVERING) == 1 and h.job.restarts == 2
-        assert h.job.epoch == 2 and "gave up after 1 restarts" in h.job.message
+        assert h.job.epoch == 2 and "gave up after 1 restart in a row" in h.job.message
     run(config(max_restarts=1), body)
 
 
