@@ -112,9 +112,10 @@ function lineChart(series, opts) {
     svg.append(s("line", { x1: L, x2: W - R, y1: Y(v), y2: Y(v), class: "axis" }),
       s("text", { x: L - 6, y: Y(v) + 4, "text-anchor": "end" }, opts.yfmt(v)));
   }
-  for (let i = 0; i <= 4; i++) {
-    const v = x0 + ((x1 - x0) * i) / 4;
-    svg.append(s("text", { x: X(v), y: H - 8, "text-anchor": "middle" }, Math.round(v)));
+  const raw = (x1 - x0) / 5, mag = 10 ** Math.floor(Math.log10(raw));
+  const step = Math.max(1, [1, 2, 5, 10].map((k) => k * mag).find((k) => k >= raw));
+  for (let v = Math.ceil(x0 / step) * step; v <= x1; v += step) {
+    svg.append(s("text", { x: X(v), y: H - 8, "text-anchor": "middle" }, v));
   }
   for (const ser of series) {
     if (!ser.points.length) continue;
@@ -137,7 +138,7 @@ function renderCharts(doc) {
   put("loss-chart", lineChart([{ name: "training loss", color: "#5aa9e6", points: loss }],
     { empty: "no loss reported yet", yfmt: (v) => v.toFixed(2) }));
   document.getElementById("loss-hint").textContent = loss.length
-    ? `${loss.length} steps recorded · validation loss: at the end of the job (agent logs)` : "";
+    ? `${loss.length} steps recorded${doc.history.points.length >= 400 ? " (thinned)" : ""}` : "";
   const step = pts.filter((p) => p.step_s > 0).map((p) => [p.step, p.step_s]);
   const predicted = doc.status.job.predicted_step_s || doc.history.predicted_step_s;
   const series = [{ name: "measured", color: "#3fb950", points: step }];
@@ -216,14 +217,13 @@ function renderLinks(st) {
   };
   const relayed = new Set(m.relayed), punched = new Set(m.punched), down = new Set(m.unreachable);
   const label = Math.min(110, 8 + Math.max(...m.agents.map((a) => a.length)) * 7);
-  const cell = Math.max(14, Math.min(46, Math.floor(520 / n)));
-  const size = label + n * cell + 2;
-  const svg = s("svg", { width: size, height: size, viewBox: `0 0 ${size} ${size}` });
+  const cell = Math.max(14, Math.min(64, Math.floor(560 / n)));
+  const size = label + n * cell + 2, width = size + label / 2;
+  const svg = s("svg", { width, height: size, viewBox: `0 0 ${width} ${size}` });
   m.agents.forEach((id, i) => {
     const short = id.length > 14 ? `…${id.slice(-13)}` : id;
     svg.append(s("text", { x: label - 6, y: label + i * cell + cell / 2 + 4, "text-anchor": "end" }, short));
-    const t = s("text", { x: 0, y: 0, transform: `translate(${label + i * cell + cell / 2 + 4},${label - 6}) rotate(-60)` }, short);
-    svg.append(t);
+    svg.append(s("text", { x: 0, y: 0, transform: `translate(${label + i * cell + cell / 2 + 3},${label - 6}) rotate(-45)` }, short));
   });
   m.agents.forEach((src, i) => m.agents.forEach((dst, j) => {
     if (i === j) return;
@@ -260,12 +260,14 @@ function renderAgents(st) {
     .map((c) => h("th", {}, c)))];
   for (const a of st.agents) {
     const w = a.worker, d = a.device;
-    const dev = `${d.kind}${d.name ? ` ${d.name}` : ""} · ${d.flops ? `${(d.flops / 1e12).toPrecision(3)} TFLOP/s` : "?"}`
+    const speed = !d.flops ? "?" : d.flops >= 1e12 ? `${(d.flops / 1e12).toPrecision(3)} TFLOP/s`
+      : `${(d.flops / 1e9).toPrecision(3)} GFLOP/s`;
+    const dev = `${d.kind} · ${speed}`
       + (d.memory_bytes ? ` · ${(d.memory_bytes / 2 ** 30).toFixed(0)} GiB` : "");
-    const split = w.step_s ? `${w.compute_s.toFixed(2)} + ${w.pp_wait_s.toFixed(2)} + ${w.dp_s.toFixed(2)} s` : "–";
+    const split = w.step_s ? `${w.compute_s.toFixed(2)}+${w.pp_wait_s.toFixed(2)}+${w.dp_s.toFixed(2)} s` : "–";
     rows.push(h("tr", { "data-agent": a.id, "data-state": a.state },
       h("td", { class: "mono" }, a.id), h("td", {}, badge(a.state)),
-      h("td", { title: a.reach.summary || "" }, badge(a.reach.verdict)), h("td", {}, dev),
+      h("td", { title: a.reach.summary || "" }, badge(a.reach.verdict)), h("td", { title: d.name || "" }, dev),
       h("td", { class: "mono" }, a.address.replace(/:\d+$/, "")),
       h("td", { title: w.error || "" }, w.state + (w.error ? ` (${w.error_kind || "error"})` : "")),
       h("td", {}, w.step || "–"), h("td", {}, w.loss ? w.loss.toFixed(3) : "–"),
@@ -280,7 +282,8 @@ function renderAgents(st) {
 
 function renderEvents(events) {
   put("events", events.slice().reverse().map((e) => h("li", { class: e.kind },
-    h("span", { class: "t" }, fmt.clock(e.at)), h("span", { class: "kind" }, e.kind), h("span", {}, e.text))));
+    h("span", { class: "t" }, fmt.clock(e.at)), h("span", { class: "kind" }, e.kind),
+    h("span", { class: "text", title: e.text }, e.text.length > 180 ? `${e.text.slice(0, 180)}…` : e.text))));
 }
 
 // ---- planner ------------------------------------------------------------------------------
