@@ -109,6 +109,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="serve a live web view of the cluster and job at https?://HOST:PORT/ "
                    f"(alone: {DEFAULT_WEB}; default: off); open the URL `coordinator web-url` "
                    "prints: it logs the browser in with the join token once")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write the job's scalars (loss, tokens/s, step time measured and "
+                   "predicted, bytes per step, recoveries, re-plans) as TensorBoard event files "
+                   "in DIR (needs pip install 'dtfm[tensorboard]'; default: off)")
     p.add_argument("--export-dir", default="", metavar="DIR",
                    help="after the last step, write the trained model there as a Hugging Face "
                    "directory, gathered from the agents (as `coordinator export` does); a "
@@ -289,6 +293,7 @@ def _start(args: argparse.Namespace) -> int:
         measure_every_s=args.measure_every,
         metrics_listen=args.metrics_listen,
         web_listen=args.web,
+        tensorboard_dir=args.tensorboard,
         state_dir=args.state_dir,
         relay_port=args.relay_port,
         checkpoint_store_bytes=int(args.checkpoint_store_mib * 2**20),

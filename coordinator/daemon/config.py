@@ -238,6 +238,7 @@ class CoordinatorConfig:
     state_dir: str = ""
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
     web_listen: str = ""  # --web HOST:PORT of the web view (coordinator/web); empty: off
+    tensorboard_dir: str = ""  # --tensorboard DIR: the job's scalars as event files; empty: off
     # --relay-port: the data-plane relay for agents that cannot accept connections; None:
     # on the gRPC port itself (dtfm/front.py sorts the connections); a port: its own
     # listener on the --listen host; 0: off
@@ -253,6 +254,11 @@ class CoordinatorConfig:
             split_hostport(self.metrics_listen, "--metrics-listen")
         if self.web_listen:
             split_hostport(self.web_listen, "--web")
+        if self.tensorboard_dir:
+            from coordinator.daemon.tblog import check_installed
+
+            check_directory(self.tensorboard_dir, "--tensorboard")
+            check_installed()
         self.security.validate()
         for flag, value in (("--heartbeat-interval", self.heartbeat_interval_s),
                             ("--liveness-timeout", self.liveness_timeout_s),

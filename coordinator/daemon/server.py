@@ -48,6 +48,7 @@ from dtfm.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 if TYPE_CHECKING:
+    from coordinator.daemon.tblog import TensorBoardLog
     from coordinator.web.server import WebServer
 
 log = logging.getLogger(__name__)
@@ -429,11 +430,23 @@ async def start_web(service: CoordinatorService) -> WebServer | None:
     return web
 
 
+def start_tensorboard(service: CoordinatorService) -> TensorBoardLog | None:
+    """The event files of `--tensorboard`, or None when it is off."""
+    if not service.config.tensorboard_dir:
+        return None
+    from coordinator.daemon.tblog import TensorBoardLog
+
+    log.info("TensorBoard event files in %s", service.config.tensorboard_dir)
+    return TensorBoardLog(service.config.tensorboard_dir, service.history_answer,
+                          service.status_answer)
+
+
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
     """Run the coordinator until SIGTERM/SIGINT."""
     service = CoordinatorService(config)
     metrics = await start_metrics(service)
     web = await start_web(service)
+    board = start_tensorboard(service)
 
     def register(server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
@@ -470,6 +483,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     tasks = [asyncio.create_task(service.sweep_forever()),
              asyncio.create_task(service.run_job()),
              asyncio.create_task(service.remeasure_forever())]
+    if board is not None:
+        tasks.append(asyncio.create_task(board.run()))
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -489,4 +504,6 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
         metrics.close()
     if web is not None:
         await web.close()
+    if board is not None:
+        board.close()
     log.info("coordinator stopped")
