@@ -206,8 +206,12 @@ class WebServer:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
                 ConnectionError, ssl.SSLError):
             pass  # a client that hangs up, stalls or sends junk gets nothing more
-        except Exception as exc:
-            log.error("web view: a request failed (%s)", type(exc).__name__)
+        except Exception:  # a bug must not take the coordinator down, nor leak a target
+            log.exception("web view: answering a request failed")
+            with contextlib.suppress(Exception):
+                writer.write(response("500 Internal Server Error", "text/plain",
+                                      b"the coordinator could not build this answer; see its "
+                                      b"log\n"))
         finally:
             self.connections -= 1
             await self._finish(writer)
