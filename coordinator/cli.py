@@ -106,9 +106,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.add_argument("--web", nargs="?", const=DEFAULT_WEB, default="", metavar="HOST:PORT",
-                   help="serve a live web view of the cluster and job at https?://HOST:PORT/ "
-                   f"(alone: {DEFAULT_WEB}; default: off); open the URL `coordinator web-url` "
-                   "prints: it logs the browser in with the join token once")
+                   help="serve a live web view of the cluster and job at http://HOST:PORT/ "
+                   f"(https with --tls-cert; alone: {DEFAULT_WEB}; default: off); open the URL "
+                   "`coordinator web-url` prints: it logs the browser in with the join token once")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write the job's scalars (loss, tokens/s, step time measured and "
                    "predicted, bytes per step, recoveries, re-plans) as TensorBoard event files "

@@ -131,5 +131,5 @@ class View:
         history = history_to_json(self._history())
         history["points"] = thin(history["points"])
         return {"status": status, "history": history,
-                "events": list(self.timeline.events)[-100:],
+                "events": sorted(self.timeline.events, key=lambda e: e["at"])[-100:],
                 "plans": list(self.timeline.plans), "server_time": time.time()}

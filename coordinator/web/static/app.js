@@ -133,7 +133,7 @@ function lineChart(series, opts) {
 }
 
 function renderCharts(doc) {
-  const pts = doc.history.points;
+  const pts = doc.history.points.slice().sort((a, b) => a.epoch - b.epoch || a.step - b.step);
   const loss = pts.filter((p) => p.loss > 0).map((p) => [p.step, p.loss]);
   put("loss-chart", lineChart([{ name: "training loss", color: "#5aa9e6", points: loss }],
     { empty: "no loss reported yet", yfmt: (v) => v.toFixed(2) }));
