@@ -56,7 +56,7 @@ function badge(text) { return h("span", { class: `badge ${text}` }, text); }
 function renderHead(st) {
   const j = st.job;
   const head = document.getElementById("job-head");
-  if (!j.model) { head.replaceChildren(`no job: ${j.state}${j.message ? ` (${j.message})` : ""}`); return; }
+  if (!j.model) { head.replaceChildren(j.message || `no job (${j.state})`); return; }
   head.replaceChildren(h("b", {}, `job ${j.id}`), ` · ${j.model} · `, badge(j.state),
     j.message ? ` ${j.message}` : "");
   head.title = j.message || "";
