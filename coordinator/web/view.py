@@ -7,7 +7,9 @@ sets are equal. Beyond it the page gets what status has no room for, built here:
   `MAX_POINTS` points, the newest always kept;
 - `events`: a timeline (joins, losses, returns, job states, recoveries, re-plans with their
   predicted gain, checkpoints, new plans), found by comparing successive status snapshots;
-- `plans`: the plans the job ran before the current one, for the planner tab.
+- `plans`: the plans the job ran before the current one, for the planner tab;
+- `relays`: each relay agent's load (`agent start --relay-port`), which status sums into
+  `job.relay` with the coordinator's own.
 Both lists are bounded (`MAX_EVENTS`, `MAX_PLANS`).
 """
 
@@ -112,6 +114,15 @@ class Timeline:
                   f"{plan['replicas']} replicas, predicted step {plan['predicted_step_s']:.2f} s")
 
 
+def relay_loads(status: coordinator_pb2.ClusterStatus) -> list[dict[str, Any]]:
+    """The relay agents among `status`'s agents and what each forwarded and refused (as its
+    last heartbeat said)."""
+    return [{"agent": a.info.agent_id, "port": a.info.relay_port,
+             "forwarded_bytes": a.progress.relay_forwarded_bytes,
+             "refused_bytes": a.progress.relay_refused_bytes}
+            for a in status.agents if a.info.relay_port]
+
+
 class View:
     """Builds the page's document from the coordinator's live answers, on its event loop."""
 
@@ -120,16 +131,20 @@ class View:
         self._history = history
         self.timeline = Timeline()
 
+    def _answer(self) -> tuple[coordinator_pb2.ClusterStatus, dict[str, Any]]:
+        answer, omitted = self._status()
+        data = status_json(answer, omitted)
+        self.timeline.observe(data)
+        return answer, data
+
     def status(self) -> dict[str, Any]:
         """The `status --json` document; feeds the timeline on the way."""
-        data = status_json(*self._status())
-        self.timeline.observe(data)
-        return data
+        return self._answer()[1]
 
     def page(self) -> dict[str, Any]:
-        status = self.status()
+        answer, status = self._answer()
         history = history_to_json(self._history())
         history["points"] = thin(history["points"])
-        return {"status": status, "history": history,
+        return {"status": status, "history": history, "relays": relay_loads(answer),
                 "events": sorted(self.timeline.events, key=lambda e: e["at"])[-100:],
                 "plans": list(self.timeline.plans), "server_time": time.time()}

@@ -90,3 +90,17 @@ def test_the_timeline_names_what_changed() -> None:
     for i in range(MAX_EVENTS + 10):
         t.observe(_status(20 + i, {f"x{i}": "alive"}))
     assert len(t.events) == MAX_EVENTS
+
+
+def test_each_relay_agents_load_is_listed() -> None:
+    from coordinator.web.view import relay_loads
+    from protos.dtfm.v1 import coordinator_pb2
+
+    status = coordinator_pb2.ClusterStatus()
+    plain = status.agents.add()
+    plain.info.agent_id = "a"
+    relay = status.agents.add()
+    relay.info.agent_id, relay.info.relay_port = "r", 7443
+    relay.progress.relay_forwarded_bytes, relay.progress.relay_refused_bytes = 5000, 7
+    assert relay_loads(status) == [{"agent": "r", "port": 7443, "forwarded_bytes": 5000,
+                                    "refused_bytes": 7}]

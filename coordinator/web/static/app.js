@@ -4,7 +4,7 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const state = { doc: null, metric: "bandwidth", tab: "cluster", pick: -1, relaySeen: null };
+const state = { doc: null, metric: "bandwidth", tab: "cluster", pick: -1, relaySeen: {} };
 
 function h(tag, attrs, ...kids) {
   const el = document.createElement(tag);
@@ -204,7 +204,7 @@ function heat(t) { // 0 (bad) .. 1 (good): red -> amber -> green
   return `rgb(${c[i].map((v, k) => Math.round(v + (c[i + 1][k] - v) * f)).join(",")})`;
 }
 
-function renderLinks(st) {
+function renderLinks(st, doc) {
   const m = st.links;
   if (!m || !m.agents.length) { put("links", h("div", { class: "empty" }, "links not measured yet")); put("relay"); return; }
   const n = m.agents.length, bw = state.metric === "bandwidth";
@@ -243,14 +243,28 @@ function renderLinks(st) {
     `${bw ? "bandwidth" : "one-way delay"}: row = from, column = to; green = ${bw ? fmt.rate(hi) : `${fmt.n(lo)} ms`}, `
     + `red = ${bw ? fmt.rate(lo) : `${fmt.n(hi)} ms`} (log scale) · R relayed · P hole-punched · × unreachable · ~ estimated`));
   document.getElementById("links-hint").textContent = `${n} agents`;
+  renderRelays(st, m, doc.relays || []);
+}
+
+function rateOf(key, now, bytes) { // bytes/s since the previous document, per relay
+  const seen = state.relaySeen[key];
+  if (seen && now === seen[0]) return seen[2]; // the same document drawn again
+  const rate = seen && now > seen[0]
+    ? ` · now ${fmt.bytes(Math.max(0, (bytes - seen[1]) / (now - seen[0])))}/s` : "";
+  state.relaySeen[key] = [now, bytes, rate];
+  return rate;
+}
+
+function renderRelays(st, m, agents) {
   const relay = st.job.relay, now = st.time;
-  let rate = "";
-  if (state.relaySeen && now > state.relaySeen[0]) {
-    rate = ` · now ${fmt.bytes(Math.max(0, (relay.forwarded_bytes - state.relaySeen[1]) / (now - state.relaySeen[0])))}/s`;
+  const lines = [h("div", {}, `relays: ${m.relayed.length} relayed pair(s), ${m.punched.length} hole-punched · `
+    + `all relays forwarded ${fmt.bytes(relay.forwarded_bytes)}${rateOf("all", now, relay.forwarded_bytes)}, `
+    + `refused ${fmt.bytes(relay.refused_bytes)}`)];
+  for (const r of agents) {
+    lines.push(h("div", {}, `relay agent ${r.agent} (port ${r.port}): forwarded ${fmt.bytes(r.forwarded_bytes)}`
+      + `${rateOf(r.agent, now, r.forwarded_bytes)}, refused ${fmt.bytes(r.refused_bytes)}`));
   }
-  state.relaySeen = [now, relay.forwarded_bytes];
-  put("relay", `relays: ${m.relayed.length} relayed pair(s), ${m.punched.length} hole-punched · coordinator relay `
-    + `forwarded ${fmt.bytes(relay.forwarded_bytes)}${rate}, refused ${fmt.bytes(relay.refused_bytes)}`);
+  put("relay", lines);
 }
 
 // ---- agents and events ----------------------------------------------------------------------
@@ -317,7 +331,7 @@ function render(doc) {
   renderCards(st);
   renderCharts(doc);
   renderGrid(st);
-  renderLinks(st);
+  renderLinks(st, doc);
   renderAgents(st);
   renderEvents(doc.events);
   renderPlanner(doc);
@@ -372,7 +386,7 @@ function tabs() {
     b.addEventListener("click", () => {
       state.metric = b.dataset.metric;
       for (const x of document.querySelectorAll(".metric")) x.classList.toggle("active", x === b);
-      if (state.doc) renderLinks(state.doc.status);
+      if (state.doc) renderLinks(state.doc.status, state.doc);
     });
   }
   document.getElementById("plan-pick").addEventListener("change", (ev) => {
