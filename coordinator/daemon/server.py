@@ -337,10 +337,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.JobHistory:
         return self.history_answer()
 
-    def history_answer(self) -> coordinator_pb2.JobHistory:
+    def history_answer(self, limit: int | None = None, tail: int | None = None
+                       ) -> coordinator_pb2.JobHistory:
+        """What GetHistory answers; `limit`: at most that many points, spread (the web
+        view); `tail`: the newest that many (the TensorBoard log)."""
         job = self.config.job
         tokens = job.train.global_batch * job.model_spec().seq_len if job.model else 0
-        return self.history.to_proto(self.job.status(), tokens, self.job.restarts)
+        return self.history.to_proto(self.job.status(), tokens, self.job.restarts, limit, tail)
 
     async def MeasureLinks(
         self, request: coordinator_pb2.MeasureRequest, context: grpc.aio.ServicerContext
@@ -434,11 +437,11 @@ def start_tensorboard(service: CoordinatorService) -> TensorBoardLog | None:
     """The event files of `--tensorboard`, or None when it is off."""
     if not service.config.tensorboard_dir:
         return None
-    from coordinator.daemon.tblog import TensorBoardLog
+    from coordinator.daemon.tblog import TAIL, TensorBoardLog
 
     log.info("TensorBoard event files in %s", service.config.tensorboard_dir)
-    return TensorBoardLog(service.config.tensorboard_dir, service.history_answer,
-                          service.status_answer)
+    return TensorBoardLog(service.config.tensorboard_dir,
+                          lambda: service.history_answer(tail=TAIL), service.status_answer)
 
 
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:

@@ -31,6 +31,7 @@ from protos.dtfm.v1 import coordinator_pb2
 log = logging.getLogger(__name__)
 
 EVERY_S = 2.0
+TAIL = 4096  # history points read per round: the newest (points come about one per heartbeat)
 FINISHED = (coordinator_pb2.JOB_STATE_DONE, coordinator_pb2.JOB_STATE_FAILED)
 
 

@@ -3,8 +3,8 @@
 `status_json` IS the `status --json` document (the same function, `status_to_json`, on the
 same `GetStatus` answer), so the page and the CLI cannot drift apart; tests pin that their key
 sets are equal. Beyond it the page gets what status has no room for, built here:
-- `history`: loss, step time and tokens/s by step (`GetHistory`), thinned to at most
-  `MAX_POINTS` points, the newest always kept;
+- `history`: loss, step time and tokens/s by step (`GetHistory`'s answer, thinned to at most
+  `MAX_POINTS` points before it is built, the newest always kept);
 - `events`: a timeline (joins, losses, returns, job states, recoveries, re-plans with their
   predicted gain, checkpoints, new plans), found by comparing successive status snapshots;
 - `plans`: the plans the job ran before the current one, for the planner tab;
@@ -29,20 +29,12 @@ MAX_EVENTS = 500
 MAX_PLANS = 20
 
 StatusSource = Callable[[], tuple[coordinator_pb2.ClusterStatus, int]]
-HistorySource = Callable[[], coordinator_pb2.JobHistory]
+HistorySource = Callable[[int], coordinator_pb2.JobHistory]  # at most this many points
 
 
 def status_json(status: coordinator_pb2.ClusterStatus, omitted: int) -> dict[str, Any]:
     """Exactly what `coordinator status --json` prints for this answer."""
     return {**status_to_json(status), "agents_omitted": omitted}
-
-
-def thin(points: list[dict[str, Any]], limit: int = MAX_POINTS) -> list[dict[str, Any]]:
-    """At most `limit` points spread evenly over `points`, the first and the newest kept."""
-    if len(points) <= limit:
-        return points
-    stride = (len(points) - 1) / (limit - 1)
-    return [points[round(i * stride)] for i in range(limit)]
 
 
 class Timeline:
@@ -143,8 +135,7 @@ class View:
 
     def page(self) -> dict[str, Any]:
         answer, status = self._answer()
-        history = history_to_json(self._history())
-        history["points"] = thin(history["points"])
+        history = history_to_json(self._history(MAX_POINTS))
         return {"status": status, "history": history, "relays": relay_loads(answer),
                 "events": sorted(self.timeline.events, key=lambda e: e["at"])[-100:],
                 "plans": list(self.timeline.plans), "server_time": time.time()}

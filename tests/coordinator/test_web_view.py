@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from coordinator.daemon.history import thin
 from coordinator.web.server import MAX_HEADERS, BadRequest, base_url, parse_head
 from coordinator.web.sessions import COOKIE, Sessions, cookie_value, login_url
-from coordinator.web.view import MAX_EVENTS, Timeline, thin
+from coordinator.web.view import MAX_EVENTS, Timeline
 
 TOKEN = "test-token-0123456789"
 
@@ -54,6 +55,7 @@ def test_thin_keeps_the_ends_and_the_bound() -> None:
     kept = thin(points, 100)
     assert len(kept) == 100 and kept[0]["step"] == 0 and kept[-1]["step"] == 999
     assert thin(points[:5], 100) == points[:5]
+    assert thin(points, 1) == [points[-1]] and thin(points, 0) == []
 
 
 def _status(now: float, states: dict[str, str], **job: Any) -> dict[str, Any]:
@@ -104,3 +106,19 @@ def test_each_relay_agents_load_is_listed() -> None:
     relay.progress.relay_forwarded_bytes, relay.progress.relay_refused_bytes = 5000, 7
     assert relay_loads(status) == [{"agent": "r", "port": 7443, "forwarded_bytes": 5000,
                                     "refused_bytes": 7}]
+
+
+def test_polling_readers_get_a_bounded_history() -> None:
+    from coordinator.daemon.history import History
+    from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+    history = History()
+    for step in range(1, 5001):
+        history.record("a", coordinator_pb2.ProgressReport(
+            epoch=1, step=step, loss=3.0, step_s=1.0,
+            worker_state=common_pb2.WORKER_STATE_TRAINING))
+    job = coordinator_pb2.JobStatus()
+    assert len(history.to_proto(job, 1, 0).points) == 5000  # GetHistory: all of it
+    page = history.to_proto(job, 1, 0, limit=400).points
+    assert len(page) == 400 and (page[0].step, page[-1].step) == (1, 5000)
+    assert [p.step for p in history.to_proto(job, 1, 0, tail=3).points] == [4998, 4999, 5000]
