@@ -142,6 +142,7 @@ class WebServer:
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._page: tuple[float, bytes] = (0.0, b"")
+        self._closing = asyncio.Event()
 
     async def start(self, listen: str, context: ssl.SSLContext | None) -> int:
         """Listen on `listen` (HOST:PORT; port 0: any free one); returns the port."""
@@ -164,11 +165,16 @@ class WebServer:
         return bound
 
     async def close(self) -> None:
+        """Stop listening, end the event streams and let their connections finish."""
+        self._closing.set()
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
         if self._server is not None:
             self._server.close()
+        deadline = time.monotonic() + WRITE_TIMEOUT_S
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _tick(self) -> None:
         """Keep the timeline's snapshots coming while nobody watches (streams feed it too)."""
@@ -206,6 +212,8 @@ class WebServer:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
                 ConnectionError, ssl.SSLError):
             pass  # a client that hangs up, stalls or sends junk gets nothing more
+        except asyncio.CancelledError:
+            return  # the loop is ending (asyncio's connection callback would log a traceback)
         except Exception:  # a bug must not take the coordinator down, nor leak a target
             log.exception("web view: answering a request failed")
             with contextlib.suppress(Exception):
@@ -270,10 +278,11 @@ class WebServer:
                           f"{SECURITY_HEADERS}Connection: close\r\n\r\nretry: 2000\n\n")
                          .encode("latin-1"))
             deadline = time.monotonic() + STREAM_MAX_S
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._closing.is_set():
                 writer.write(b"data: " + self.page_bytes() + b"\n\n")
                 await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
-                await asyncio.sleep(STREAM_EVERY_S)
+                with contextlib.suppress(TimeoutError):  # the coordinator stopping ends it
+                    await asyncio.wait_for(self._closing.wait(), STREAM_EVERY_S)
         finally:
             self.streams -= 1
 

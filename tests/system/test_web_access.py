@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import ssl
 import time
@@ -153,3 +154,18 @@ def test_tls_where_the_coordinator_has_a_certificate(daemons: Daemons, tmp_path:
     assert "Secure" in flags
     assert get(port, "/api/status", cookie=cookie, context=context)[0] == 200
     assert b"200 OK" not in raw(port, b"GET /api/status HTTP/1.1\r\n\r\n")  # no plaintext
+
+
+def test_the_coordinator_stops_cleanly_with_a_page_open(daemons: Daemons) -> None:
+    web = f"127.0.0.1:{free_port()}"
+    proc, _ = daemons.coordinator("--web", web)
+    port = int(web.rsplit(":", 1)[1])
+    _, cookie = login(daemons, web)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as stream:
+        stream.sendall(f"GET /api/events HTTP/1.1\r\nCookie: {cookie}\r\n\r\n".encode())
+        first = stream.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200") and b"text/event-stream" in first
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    log = daemons.log(proc)
+    assert "coordinator stopped" in log and "Traceback" not in log, log[-2000:]
