@@ -35,6 +35,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from coordinator.daemon.config import JobConfig  # its defaults; `plan` below loads numpy anyway
+    from coordinator.web.server import DEFAULT_WEB
 
     parser = flags.Parser(
         prog="coordinator",
@@ -105,6 +106,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "of measuring; it must cover the job's agents")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    p.add_argument("--web", nargs="?", const=DEFAULT_WEB, default="", metavar="HOST:PORT",
+                   help="serve a live web view of the cluster and job at http://HOST:PORT/ "
+                   f"(https with --tls-cert; alone: {DEFAULT_WEB}; default: off); open the URL "
+                   "`coordinator web-url` prints: it logs the browser in with the join token once")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write the job's scalars (loss, tokens/s, step time measured and "
+                   "predicted, bytes per step, recoveries, re-plans) as TensorBoard event files "
+                   "in DIR (needs pip install 'dtfm[tensorboard]'; default: off)")
     p.add_argument("--export-dir", default="", metavar="DIR",
                    help="after the last step, write the trained model there as a Hugging Face "
                    "directory, gathered from the agents (as `coordinator export` does); a "
@@ -183,6 +192,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "demo", help="a local cluster on loopback (coordinator + agents) training a small GPT")
     demo.add_arguments(p)
 
+    from coordinator.commands import weburl
+
+    p = subs["web-url"] = sub.add_parser(
+        "web-url", help="print the URL that opens the coordinator's web view (--web) logged in")
+    weburl.add_arguments(p, DEFAULT_WEB)
+
     from coordinator.commands import certs
 
     p = subs["certs"] = sub.add_parser(
@@ -218,6 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return certs_cmd.run(args)
 
+    def web_url(args: argparse.Namespace) -> int:
+        from coordinator.commands.weburl import run
+
+        return run(args)
+
     def report(args: argparse.Namespace) -> int:
         from coordinator.commands.report import run
 
@@ -225,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return flags.dispatch(parser, subs, argv, {
         "start": _start, "status": query, "links": query, "plan": plan, "demo": demo,
-        "report": report, "certs": certs, "export": lambda args: flags.run_async(_export(args))})
+        "report": report, "certs": certs, "web-url": web_url,
+        "export": lambda args: flags.run_async(_export(args))})
 
 
 def _add_drift_flags(p: argparse.ArgumentParser) -> None:
@@ -272,6 +293,8 @@ def _start(args: argparse.Namespace) -> int:
         measure_timeout_s=args.measure_timeout,
         measure_every_s=args.measure_every,
         metrics_listen=args.metrics_listen,
+        web_listen=args.web,
+        tensorboard_dir=args.tensorboard,
         state_dir=args.state_dir,
         relay_port=args.relay_port,
         checkpoint_store_bytes=int(args.checkpoint_store_mib * 2**20),

@@ -14,6 +14,8 @@
 # CPU-only hosts: TORCH_SPEC=torch==2.13.0; GPU hosts keep the default (the CUDA build);
 # TORCH_SPEC= (empty) installs no torch (the coordinator does not need it to plan).
 # PYTHON=python3.12 picks the venv's interpreter (default: python3).
+# The coordinator also gets the Grafana dashboard (deploy/grafana/) where /etc/grafana exists;
+# GRAFANA=1 installs it regardless.
 # Agents also get TCP buffer settings for long links (deploy/sysctl.d/); SKIP_SYSCTL=1 skips.
 # DESTDIR=DIR stages every file under DIR instead of / (packaging, tests): no user, no chown,
 # no systemctl, no sysctl, root not needed; the venv is built in place under DIR, so the
@@ -87,6 +89,10 @@ if [ "$role" = coordinator ]; then
   env_file coordinator.env
   unit dtfm-coordinator.service
   units=(dtfm-coordinator)
+  # the dashboard of the coordinator's metrics, where Grafana is installed (or GRAFANA=1)
+  if [ -d "$root/etc/grafana" ] || [ "${GRAFANA:-0}" = 1 ]; then
+    DESTDIR="$root" "$here/deploy/grafana/install-dashboard.sh"
+  fi
 else
   [ ${#gpus[@]} -gt 0 ] || gpus=(0)
   env_file agent.env

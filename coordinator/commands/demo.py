@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from coordinator.commands.status import status_to_json, step_time_line
+from coordinator.web.sessions import login_url
 from dtfm import flags, rpc
 from dtfm.core.words import stages_x_replicas
 from dtfm.procs import terminate_all
@@ -109,6 +110,7 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
         token_file.write_text(secrets.token_hex(16))
         token_file.chmod(0o600)
         address = f"127.0.0.1:{free_port()}"
+        web = f"127.0.0.1:{free_port()}"
         procs: list[subprocess.Popen[bytes]] = []
         stack.callback(terminate_all, procs)
         py = [sys.executable, "-m"]
@@ -120,7 +122,8 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
              "--model", args.model, "--agents", str(args.agents), "--stages", str(args.stages),
              "--replicas", str(args.replicas), "--steps", str(args.steps),
              "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
-             "--search-seconds", "2", "--checkpoint-dir", str(workdir / "checkpoints")],
+             "--search-seconds", "2", "--checkpoint-dir", str(workdir / "checkpoints"),
+             "--web", web],
             stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True))
         for i in range(args.agents):
             log_file = open(workdir / f"agent-{i}.log", "wb")  # noqa: SIM115
@@ -132,6 +135,8 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
         print(f"demo: coordinator on {address}, {args.agents} agents, logs in {workdir}",
               file=sys.stderr)
         security = rpc.Security(token=token_file.read_text())
+        print(f"demo: watch it live in a browser: {login_url(f'http://{web}', security.token)}",
+              file=sys.stderr)
         return flags.run_async(_watch(address, security, procs, args, workdir))
     return 1  # pragma: no cover
 

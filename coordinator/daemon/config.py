@@ -246,6 +246,8 @@ class CoordinatorConfig:
     evict_after_s: float = 600.0  # drop agents lost or left this long from the registry
     state_dir: str = ""
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty: off
+    web_listen: str = ""  # --web HOST:PORT of the web view (coordinator/web); empty: off
+    tensorboard_dir: str = ""  # --tensorboard DIR: the job's scalars as event files; empty: off
     # --relay-port: the data-plane relay for agents that cannot accept connections; None:
     # on the gRPC port itself (dtfm/net/front.py sorts the connections); a port: its own
     # listener on the --listen host; 0: off
@@ -259,6 +261,13 @@ class CoordinatorConfig:
         split_hostport(self.listen, "--listen")
         if self.metrics_listen:
             split_hostport(self.metrics_listen, "--metrics-listen")
+        if self.web_listen:
+            split_hostport(self.web_listen, "--web")
+        if self.tensorboard_dir:
+            from coordinator.daemon.tblog import check_installed
+
+            check_directory(self.tensorboard_dir, "--tensorboard")
+            check_installed()
         self.security.validate()
         for flag, value in (("--heartbeat-interval", self.heartbeat_interval_s),
                             ("--liveness-timeout", self.liveness_timeout_s),

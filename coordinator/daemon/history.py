@@ -16,13 +16,14 @@ import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.job.replanlog import replans_to_json, replans_to_text
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 DEFAULT_LIMIT = 100_000
+T = TypeVar("T")
 
 
 @dataclass
@@ -67,12 +68,31 @@ class History:
             point.step_s[agent_id] = report.step_s
 
     def to_proto(self, job: coordinator_pb2.JobStatus, tokens_per_step: int,
-                 restarts: int) -> coordinator_pb2.JobHistory:
+                 restarts: int, limit: int | None = None, tail: int | None = None
+                 ) -> coordinator_pb2.JobHistory:
+        """The history as `GetHistory` answers it; with `tail`, only the newest `tail` points;
+        with `limit`, at most that many spread evenly (`thin`). Readers that poll (the web
+        view, the TensorBoard log) need no 100,000 points each time: converting them all
+        costs the coordinator's loop most of a second."""
+        points = list(self._points.values())
+        if tail is not None:
+            points = points[-tail:] if tail else []
         return coordinator_pb2.JobHistory(
             job_id=job.job_id, model=job.model, state=job.state, total_steps=job.total_steps,
             predicted_step_s=job.predicted_step_s, restarts=restarts,
-            points=[p.to_proto(tokens_per_step) for p in self._points.values()],
+            points=[p.to_proto(tokens_per_step)
+                    for p in (points if limit is None else thin(points, limit))],
             replans=job.replans)
+
+
+def thin(points: list[T], limit: int) -> list[T]:
+    """At most `limit` of `points` spread evenly over them, the first and the newest kept."""
+    if len(points) <= limit:
+        return points
+    if limit < 2:
+        return points[-limit:] if limit else []
+    stride = (len(points) - 1) / (limit - 1)
+    return [points[round(i * stride)] for i in range(limit)]
 
 
 def history_to_json(history: coordinator_pb2.JobHistory) -> dict[str, Any]:

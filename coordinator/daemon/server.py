@@ -13,7 +13,7 @@ import math
 import signal
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -46,6 +46,10 @@ from dtfm.core.limits import (
 )
 from dtfm.net.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+if TYPE_CHECKING:
+    from coordinator.daemon.tblog import TensorBoardLog
+    from coordinator.web.server import WebServer
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +268,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetStatus(
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
-        rows, omitted = self.registry.status_rows(MAX_STATUS_AGENTS)
+        status, omitted = self.status_answer()
         if omitted:  # the answer must fit a gRPC message at any number of agents
             context.set_trailing_metadata(((OMITTED_METADATA, str(omitted)),))
+        return status
+
+    def status_answer(self) -> tuple[coordinator_pb2.ClusterStatus, int]:
+        """What GetStatus answers (the web view reads it too) and how many agents it left
+        out."""
+        rows, omitted = self.registry.status_rows(MAX_STATUS_AGENTS)
         ids = [a.agent_id for a in rows]
         return coordinator_pb2.ClusterStatus(
             agents=[a.to_proto() for a in rows],
@@ -274,7 +284,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
             now_unix_s=time.time(),
-        )
+        ), omitted
 
     def _job_status(self) -> coordinator_pb2.JobStatus:
         """The job's status with what an export writes beside the weights (token ids,
@@ -325,9 +335,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetHistory(
         self, request: coordinator_pb2.HistoryRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.JobHistory:
+        return self.history_answer()
+
+    def history_answer(self, limit: int | None = None, tail: int | None = None
+                       ) -> coordinator_pb2.JobHistory:
+        """What GetHistory answers; `limit`: at most that many points, spread (the web
+        view); `tail`: the newest that many (the TensorBoard log)."""
         job = self.config.job
         tokens = job.train.global_batch * job.model_spec().seq_len if job.model else 0
-        return self.history.to_proto(self.job.status(), tokens, self.job.restarts)
+        return self.history.to_proto(self.job.status(), tokens, self.job.restarts, limit, tail)
 
     async def MeasureLinks(
         self, request: coordinator_pb2.MeasureRequest, context: grpc.aio.ServicerContext
@@ -405,10 +421,35 @@ async def start_metrics(service: CoordinatorService) -> asyncio.Server | None:
     return server
 
 
+async def start_web(service: CoordinatorService) -> WebServer | None:
+    """The web view of `--web`, or None when it is off."""
+    if not service.config.web_listen:
+        return None
+    from coordinator.web.server import start_web as serve_web
+    from coordinator.web.view import View
+
+    web, _ = await serve_web(service.config.web_listen, service.config.security,
+                             View(service.status_answer, service.history_answer))
+    return web
+
+
+def start_tensorboard(service: CoordinatorService) -> TensorBoardLog | None:
+    """The event files of `--tensorboard`, or None when it is off."""
+    if not service.config.tensorboard_dir:
+        return None
+    from coordinator.daemon.tblog import TAIL, TensorBoardLog
+
+    log.info("TensorBoard event files in %s", service.config.tensorboard_dir)
+    return TensorBoardLog(service.config.tensorboard_dir,
+                          lambda: service.history_answer(tail=TAIL), service.status_answer)
+
+
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
     """Run the coordinator until SIGTERM/SIGINT."""
     service = CoordinatorService(config)
     metrics = await start_metrics(service)
+    web = await start_web(service)
+    board = start_tensorboard(service)
 
     def register(server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
@@ -445,6 +486,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     tasks = [asyncio.create_task(service.sweep_forever()),
              asyncio.create_task(service.run_job()),
              asyncio.create_task(service.remeasure_forever())]
+    if board is not None:
+        tasks.append(asyncio.create_task(board.run()))
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -462,4 +505,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     await server.stop(grace=2.0)
     if metrics is not None:
         metrics.close()
+    if web is not None:
+        await web.close()
+    if board is not None:
+        board.close()
     log.info("coordinator stopped")

@@ -2,10 +2,11 @@
 
 Every agent proves its id with the `agent_secret` of its Welcome, and every volunteer holds the
 join token: an answer any token holder can read (GetStatus, GetPlan, GetHistory, the copies'
-listing, `coordinator status` as JSON or text, `coordinator report`, the metrics) must carry no
-agent's secret, nor the token. Here a real coordinator (a job waiting for a third agent) and
-two real agents heartbeat for a while; then every field of every answer is walked, recursively
-over the protobuf, and every output searched, for any agent's secret.
+listing, `coordinator status` as JSON or text, `coordinator report`, the metrics, the web
+view's JSON) must carry no agent's secret, nor the token. Here a real coordinator (a job
+waiting for a third agent) and two real agents heartbeat for a while; then every field of
+every answer is walked, recursively over the protobuf, and every output searched, for any
+agent's secret.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from google.protobuf.message import Message
 from dtfm import rpc
 from protos.dtfm.v1 import agent_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.daemons import Daemons, free_port, wait_for
+from tests.system.test_web_access import get
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -105,9 +107,9 @@ def _get(url: str) -> str:
 
 def test_no_answer_or_output_carries_an_agents_secret(daemons: Daemons, tmp_path: Path
                                                       ) -> None:
-    metrics = f"127.0.0.1:{free_port()}"
+    metrics, web = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     coordinator, address = daemons.coordinator(
-        "--state-dir", str(tmp_path / "coordinator"), "--metrics-listen", metrics,
+        "--state-dir", str(tmp_path / "coordinator"), "--metrics-listen", metrics, "--web", web,
         "--model", "gpt-tiny", "--agents", "3")  # waits for a third agent: no torch
     for name in ("agent-0", "agent-1"):
         daemons.agent(address, name)
@@ -153,6 +155,12 @@ def test_no_answer_or_output_carries_an_agents_secret(daemons: Daemons, tmp_path
         assert out.returncode == 0, out.stderr
         search(f"coordinator {' '.join(args)}", out.stdout + out.stderr)
     search("the metrics", _get(f"http://{metrics}/metrics"))
+    port = int(web.rsplit(":", 1)[1])
+    cookie = get(port, f"/login?token={daemons.token}")[1]["set-cookie"].split(";", 1)[0]
+    for route in ("/api/status", "/api/view", "/"):
+        status_code, _, body = get(port, route, cookie=cookie)
+        assert status_code == 200, route
+        search(f"the web view's {route}", body.decode())
     search("the coordinator's log", daemons.log(coordinator))
     for path in (tmp_path / "coordinator").rglob("*"):
         if path.is_file():

@@ -43,6 +43,9 @@ def test_demo_trains_a_gpt_and_the_loss_falls(tmp_path: Path) -> None:
     assert "plan cost" in out.stderr
     assert "sudo .venv/bin/coordinator demo --wan world" in out.stderr
     assert '"Running a real cluster"' in out.stderr
+    # the web view is on, and the demo says where (the URL logs the browser in once)
+    assert "demo: watch it live in a browser: http://127.0.0.1:" in out.stderr
+    assert "/login?token=" in out.stderr
 
 
 def _job(daemons: Daemons, address: str) -> dict:
