@@ -14,8 +14,8 @@ from coordinator.daemon.history import traffic_per_step
 from coordinator.daemon.registry import STATE_NAMES
 from coordinator.job.replanlog import replans_to_json
 from coordinator.links.store import matrix_to_json
-from dtfm import reach
 from dtfm.core.spec import WorkerState
+from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
@@ -46,9 +46,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "error_kind": p.error_kind, "step_s": p.step_s,
                        "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s,
                        **traffic_per_step(p)},
-            # whether peers can dial it back (dtfm/reach.py): everywhere, some-peers, nowhere
+            # whether peers can dial it back (dtfm/net/reach.py): everywhere, some-peers, nowhere
             "reach": reach_to_json(a.reach),
-            # kernel settings of its host that slow long links (agent/tuning.py); [] = tuned
+            # kernel settings of its host that slow long links (agent/probing/tuning.py); [] = tuned
             "tuning": [{"setting": t.setting, "current": t.current, "wanted": t.wanted,
                         "why": t.why, "line": f"{t.setting} = {t.wanted}"} for t in p.tuning],
         })
@@ -83,7 +83,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 # saving the job's state in --state-dir (coordinator/reconcile.py)
                 "state_saves": {"failures": j.state_save_failures, "error": j.state_save_error,
                                 "saved_unix_s": j.state_saved_unix_s},
-                # the coordinator's relay since it started (dtfm/relay.py): forwarded for
+                # the coordinator's relay since it started (dtfm/net/relay.py): forwarded for
                 # this job, and read from connections it dropped (never forwarded)
                 "relay": {"forwarded_bytes": j.relayed_bytes,
                           "refused_bytes": j.relay_refused_bytes},
