@@ -29,6 +29,8 @@ from agent.worker.transport import TransportConfig, redial
 from agent.worker.transport.mesh import Mesh
 from dtfm.net import dataplane as dp
 from dtfm.rpc import free_port
+from tests.agent.handoffs import LoopAgent
+from tests.agent.handoffs import mesh as handoff_mesh
 
 SECRET, JOB, EPOCH = b"join-token-of-the-test", "job-a", 1
 KEY = dp.derive_key(SECRET, JOB, EPOCH)
@@ -195,3 +197,33 @@ def test_a_connection_a_frame_crossed_is_not_replaced() -> None:
         assert time.monotonic() - t0 < 5
     finally:
         m0.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_dial_parked_at_the_agent_past_one_handshake_reaches_the_worker_that_starts_late(
+        ) -> None:
+    """The issue's failure end to end: the real front and hand-off park rank 1's dial while
+    rank 0's worker has not started; rank 1's first handshake gives up, the agent sweeps the
+    abandoned connection, and the redial reaches the worker once it claims its epoch."""
+    agent = LoopAgent(epoch=1)
+    try:
+        peers: dict[int, str | None] = {0: f"127.0.0.1:{agent.port}", 1: None}
+        m1 = handoff_mesh(1, peers, None)
+        try:
+            sent = m1.send(0, 0, 7, torch.arange(64, dtype=torch.float32))
+            # rank 0's worker is still starting, past the first try's handshake (10 s): the
+            # dialer's receives used to fail here with "timed out"
+            time.sleep(redial.FIRST_HANDSHAKE_S + 1.5)
+            m0 = handoff_mesh(0, peers, agent.handoff.name)
+            try:
+                got = torch.zeros(64)
+                m0.recv(1, 0, 7, got).wait(WAIT)
+                sent.wait(WAIT)
+                assert torch.equal(got, torch.arange(64, dtype=torch.float32))
+                assert agent.handoff.abandoned + agent.handoff.handed >= 2  # the early tries
+            finally:
+                m0.close()
+        finally:
+            m1.close()
+    finally:
+        agent.close()
