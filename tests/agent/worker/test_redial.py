@@ -205,25 +205,21 @@ def test_a_dial_parked_at_the_agent_past_one_handshake_reaches_the_worker_that_s
     """The issue's failure end to end: the real front and hand-off park rank 1's dial while
     rank 0's worker has not started; rank 1's first handshake gives up, the agent sweeps the
     abandoned connection, and the redial reaches the worker once it claims its epoch."""
-    agent = LoopAgent(epoch=1)
-    try:
+    with contextlib.ExitStack() as stack:  # closes rank 0, rank 1, then the agent
+        agent = LoopAgent(epoch=1)
+        stack.callback(agent.close)
         peers: dict[int, str | None] = {0: f"127.0.0.1:{agent.port}", 1: None}
         m1 = handoff_mesh(1, peers, None)
-        try:
-            sent = m1.send(0, 0, 7, torch.arange(64, dtype=torch.float32))
-            # rank 0's worker is still starting, past the first try's handshake (10 s): the
-            # dialer's receives used to fail here with "timed out"
-            time.sleep(redial.FIRST_HANDSHAKE_S + 1.5)
-            m0 = handoff_mesh(0, peers, agent.handoff.name)
-            try:
-                got = torch.zeros(64)
-                m0.recv(1, 0, 7, got).wait(WAIT)
-                sent.wait(WAIT)
-                assert torch.equal(got, torch.arange(64, dtype=torch.float32))
-                assert agent.handoff.abandoned + agent.handoff.handed >= 2  # the early tries
-            finally:
-                m0.close()
-        finally:
-            m1.close()
-    finally:
-        agent.close()
+        stack.callback(m1.close)
+        sent = m1.send(0, 0, 7, torch.arange(64, dtype=torch.float32))
+        # rank 0's worker is still starting, past the first try's handshake (10 s): the
+        # dialer's receives used to fail here with "timed out"
+        time.sleep(redial.FIRST_HANDSHAKE_S + 1.5)
+        m0 = handoff_mesh(0, peers, agent.handoff.name)
+        stack.callback(m0.close)
+        back = torch.zeros(8)
+        for work in (m1.recv(0, 0, 8, back), m0.send(1, 0, 8, torch.ones(8)), sent,
+                     m0.recv(1, 0, 7, got := torch.zeros(64))):  # a frame each way
+            work.wait(WAIT)
+        assert got.tolist() == list(range(64)) and back.tolist() == [1.0] * 8
+        assert agent.handoff.abandoned + agent.handoff.handed >= 2  # the early tries
