@@ -16,6 +16,13 @@ the relay could settle on the relay while its dialer's late direct connection wa
 or the other way round, and the two ends would disagree on the path. The failure ends the
 epoch as a lost worker does; the error says how to make the pair relayed.
 
+"Fails" means the peer could not be reached until the deadline, not that one connection
+died: a direct connection that dies before its first frame (a listener's agent that parks it
+while the worker starts, closes an early hello, or a handshake that one end finished and the
+other did not) is dialled again with backoff until `TransportConfig.timeout`, and the
+listener takes the new connection in place of one no frame crossed (`redial.py`). A
+connection a frame has crossed is never replaced: its frames cannot be replayed.
+
 Every connection starts with the job-key handshake (`dtfm.net.dataplane.handshake`); a peer
 that fails it is closed before any frame is read.
 
@@ -47,7 +54,7 @@ from typing import Any
 
 import torch
 
-from agent.worker.transport import staging
+from agent.worker.transport import redial, staging
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.work import TransportWork
 from dtfm.core.staleentry import StaleEntry
@@ -91,23 +98,76 @@ class _Peer:
         self.arrived: dict[tuple[int, int], deque[bytearray]] = {}
         self.unclaimed = 0
         self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
+        # whether a frame has begun on the current connection, from the peer and to it
+        self.frames_in = self.frames_out = 0
         mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
 
     def attach(self, sock: socket.socket) -> None:
         """Use `sock` for this peer and start reading it; under the mesh's lock, so a mesh
         closing meanwhile either shuts this socket down and joins its reader, or refuses it."""
         with self.mesh.cond:
-            again = self.sock is not None
-            if not again and not self.mesh.closed:
+            old = self.sock
+            again = old is not None and not self.replaceable()
+            if not again and not self.mesh.closed and self.error is None:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.sock = sock
+                self.sock, self.frames_in, self.frames_out = sock, 0, 0
                 self.connected.set()
                 self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
+                if old is not None:  # its reader sees it is no longer current and ends
+                    log.warning("rank %d: rank %d connected again before any frame crossed "
+                                "its first connection (its dialer gave up on that one): the "
+                                "new connection replaces it", self.mesh.rank, self.rank)
+                    _shut(old)
                 return
         if again:
-            log.warning("rank %d connected again: the new connection is dropped", self.rank)
+            log.warning("rank %d: rank %d connected again after frames crossed its first "
+                        "connection: the new connection is dropped", self.mesh.rank, self.rank)
         sock.close()
+
+    def replaceable(self) -> bool:
+        """Under the mesh's lock: whether the current connection may give way to a new one.
+        Only one that no frame has crossed either way and that is direct (a relay circuit or
+        a punched connection is paired by the relay, which a new dial would not find)."""
+        return (self.frames_in == 0 and self.frames_out == 0 and self.error is None
+                and self.mesh.cfg.mode(self.mesh.rank, self.rank) in ("dial", "accept"))
+
+    def _detach(self, sock: socket.socket, exc: BaseException) -> bool:
+        """`sock` died before any frame crossed it: forget it and, as its dialer, dial again
+        (a listener waits for the redial; its receives keep their own deadline). False
+        when the connection is not `replaceable`: the caller fails the peer."""
+        with self.mesh.cond:
+            if self.sock is not sock:
+                return True  # replaced already: a newer connection carries this peer
+            if self.mesh.closed or not self.replaceable():
+                return False
+            self.sock = None
+            self.connected.clear()
+            dialer = self.mesh.cfg.mode(self.mesh.rank, self.rank) == "dial"
+        sock.close()
+        log.warning("rank %d: the connection with rank %d closed before its first frame (%s); "
+                    "%s", self.mesh.rank, self.rank, exc,
+                    "dialling again" if dialer else "waiting for it to dial again")
+        if dialer:
+            self.mesh.spawn(self._redial, f"dtfm-redial-{self.rank}")
+        return True
+
+    def _redial(self) -> None:
+        try:
+            self.mesh.connect(self)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
+            self.fail(exc)
+
+    def _current(self) -> socket.socket | None:
+        """The connection to send the next frame on, counted as used; None once failed."""
+        while True:
+            self.connected.wait()
+            with self.mesh.cond:
+                if self.error is not None:
+                    return None
+                if self.sock is not None:
+                    self.frames_out += 1
+                    return self.sock
 
     def fail(self, exc: BaseException) -> None:
         with self.mesh.cond:
@@ -123,23 +183,21 @@ class _Peer:
             self.sock.close()
 
     def _send_loop(self) -> None:
-        try:
-            self.mesh.connect(self)
-        except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
-            self.fail(exc)
+        self._redial()
         while True:
             item = self.outbox.get()
             if item is None:
                 return
             header, tensor, work = item
-            if self.error is not None:
+            sock = self._current()
+            if sock is None:
+                assert self.error is not None
                 work.finish(self.error)
                 continue
             try:
-                assert self.sock is not None
-                self.sock.sendall(header)
+                sock.sendall(header)
                 view = byte_view(tensor)
-                self.sock.sendall(view)
+                sock.sendall(view)
                 self.sent_bytes += len(view)
                 work.finish()
             except OSError as exc:
@@ -157,7 +215,16 @@ class _Peer:
         try:
             while True:
                 reading = None
-                h = dp.Header.unpack(dp.recv_exact(sock, dp.HEADER_BYTES))
+                if self.frames_in:
+                    head = dp.recv_exact(sock, dp.HEADER_BYTES)
+                else:  # a frame has begun once its first byte is here (`replaceable`)
+                    first = dp.recv_exact(sock, 1)
+                    with self.mesh.cond:
+                        if self.sock is not sock:
+                            return  # replaced by a newer connection before its first frame
+                        self.frames_in = 1
+                    head = first + dp.recv_exact(sock, dp.HEADER_BYTES - 1)
+                h = dp.Header.unpack(head)
                 h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
                 reading = self._claim(h)
                 if reading is None:  # nothing posted: into the mailbox, whose limit it fits
@@ -180,6 +247,8 @@ class _Peer:
                 dp.recv_into_exact(sock, view)
                 reading.work.finish()
         except (OSError, dp.FrameError) as exc:
+            if self._detach(sock, exc):
+                return
             self._lost(reading, ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
         except BaseException as exc:  # noqa: BLE001 - a dead reader must not leave waiters
             log.exception("rank %d: reading from rank %d failed", self.mesh.rank, self.rank)
@@ -234,6 +303,13 @@ def _gone(sock: socket.socket) -> str:
     except OSError:  # closed here meanwhile (its error says so), or not TCP: nothing known
         return ""
     return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut `sock` down (its reader's recv returns) and close it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _discard(sock: socket.socket, n: int) -> None:
@@ -425,29 +501,41 @@ class Mesh:
         return direct
 
     def _dial(self, addr: str, peer: int, target: int) -> socket.socket:
-        end = time.monotonic() + self.cfg.timeout.total_seconds()
+        """A connection to `addr` that passed the handshake. A direct one that dies before
+        the handshake completes is dialled again until the deadline (`redial.py`)."""
+        tries = redial.Attempts(self.rank, peer, addr, self.cfg.timeout.total_seconds())
+        while True:
+            sock = self._connect(addr, peer, target, tries)
+            sock.settimeout(tries.handshake_timeout())
+            try:
+                theirs = dp.handshake(sock, self.key, self.cfg.job, self.cfg.epoch,
+                                      dp.ROLE_DIAL, self.rank, target)
+                if target == dp.NO_RANK and theirs.rank != peer:
+                    raise StaleEntry(addr, theirs.rank, peer)
+                return sock
+            except BaseException as exc:
+                sock.close()
+                if target != dp.NO_RANK or self._closed or not redial.retryable(exc):
+                    raise
+                if not tries.again(exc):
+                    raise ConnectionError(
+                        f"rank {self.rank} dialled rank {peer} at {addr} {tries.tries} time(s) "
+                        f"until its deadline ({self.cfg.timeout}), and each connection died "
+                        f"before its first frame; last: {exc or type(exc).__name__}") from exc
+
+    def _connect(self, addr: str, peer: int, target: int,
+                 tries: redial.Attempts) -> socket.socket:
         host, port = dp.parse_addr(addr)
         while True:
             try:
-                sock = (socket.create_connection((host, port), timeout=10)
+                return (socket.create_connection((host, port), timeout=10)
                         if target == dp.NO_RANK else punch.dial_reusable(host, port, 10))
-                break
             except OSError as exc:  # not listening yet: it may still be starting
-                if time.monotonic() > end or self._closed:
+                if tries.left() < 0 or self._closed:
                     raise ConnectionError(f"rank {self.rank} cannot reach "
                                           f"{'the relay' if target != dp.NO_RANK else 'rank'} "
                                           f"{addr} for rank {peer}: {exc}") from exc
                 time.sleep(_RETRY_S)
-        try:
-            theirs = dp.handshake(sock, self.key, self.cfg.job, self.cfg.epoch, dp.ROLE_DIAL,
-                                  self.rank, target)
-        except BaseException:
-            sock.close()
-            raise
-        if target == dp.NO_RANK and theirs.rank != peer:
-            sock.close()
-            raise StaleEntry(addr, theirs.rank, peer)
-        return sock
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
