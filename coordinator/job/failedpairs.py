@@ -23,13 +23,14 @@ changes nothing here. The memory is kept in the coordinator's state directory wi
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.daemon.registry import ALIVE, AgentRecord, Registry
 from coordinator.job.dataplane import DataPlanes
 from coordinator.links import failure as linkfailure
 from dtfm.core.assignment import member_address
@@ -106,6 +107,8 @@ class FailedPairs:
 
     def __init__(self, saved: list[dict[str, Any]] | None = None) -> None:
         self.pairs: dict[Pair, PairRecord] = {}
+        # what each recovery changed, to take back when a lost agent explains it (`forget`)
+        self._before: dict[int, dict[Pair, PairRecord | None]] = {}
         for item in saved or []:
             rec = PairRecord(**item)
             self.pairs[frozenset(rec.agents)] = rec
@@ -128,10 +131,12 @@ class FailedPairs:
         left to change ('' otherwise)."""
         ranks = {a: k for k, a in enumerate(members)}
         give_up = []
+        before = self._before.setdefault(recovery, {})
         for pair in sorted(failed, key=sorted):
             a, b = sorted(pair, key=lambda x: ranks[x])
             path = path_of(ranks[a], ranks[b])
             rec = self.pairs.get(pair)
+            before.setdefault(pair, None if rec is None else copy.deepcopy(rec))
             who = pair_text(pair, ranks)
             if rec is None:
                 self.pairs[pair] = PairRecord(sorted(pair), path)
@@ -158,12 +163,27 @@ class FailedPairs:
                 log.error("recovery %d: %s", recovery, give_up[-1])
         return "; ".join(give_up)
 
+    def forget(self, recovery: int) -> None:
+        """Take back what `recovery` learnt: a lost agent explains that epoch's peer errors
+        (its neighbours' connections closed because it died, the registry heard of it only
+        after them), so they say nothing of the pairs they name. Counting them would relay,
+        then separate, honest pairs after every churn."""
+        for pair, rec in self._before.pop(recovery, {}).items():
+            if rec is None:
+                self.pairs.pop(pair, None)
+            else:
+                self.pairs[pair] = rec
+            log.info("recovery %d: a lost agent explains it; %s is not counted", recovery,
+                     " <-> ".join(sorted(pair)))
+
     def after_epoch(self, recovery: int, members: Sequence[str],
                     progress: Mapping[str, coordinator_pb2.ProgressReport],
                     dataplane: DataPlanes, registry: Registry) -> str:
         """`learn` from a failed epoch's reports (`members`: its agent ids by rank), with the
         paths and relays of `dataplane`, which relays the next epochs' `relay_only` pairs."""
         records = {a: registry.get(a) for a in members}
+        if any(r is None or r.state != ALIVE for r in records.values()):
+            return ""  # a member is gone: its loss explains the peer errors (`forget`)
         gave_up = self.learn(recovery, failed_pairs(members, progress), members,
                              dataplane.path_of,
                              dataplane.can_relay([r for r in records.values() if r]), records)

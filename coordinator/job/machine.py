@@ -214,6 +214,8 @@ class Job:
             self._failure_kind = rootcause.LOST
         elif ids and self.state == S.JOB_STATE_RECOVERING:  # the errors it caused came first
             self.recoveries.explain(rootcause.lost_reason(ids, self._failure))
+            self.failed_pairs.forget(len(self.recoveries.items))
+            self.dataplane.relay_only = self.failed_pairs.relay_only()
         self.poke()
 
     def checkpoint_floor(self) -> int:

@@ -192,3 +192,63 @@ def test_a_restarted_coordinator_keeps_relaying_the_pair(tmp_path: Path) -> None
         assert second.job.dataplane.relay_only == {pair}
         assert second.job.failed_pairs.pairs[pair].failures == 2
     asyncio.run(main())
+
+
+class _Plane:
+    """The two things `after_epoch` reads of the epoch's data plane: each pair's path and
+    whether a relay serves the job (the real `DataPlanes` is driven in the tests above)."""
+
+    relay_only: set[fp.Pair] = set()
+
+    @staticmethod
+    def path_of(a: int, b: int) -> str:
+        return fp.DIRECT
+
+    @staticmethod
+    def can_relay(records: object) -> bool:
+        return True
+
+
+class _Records:
+    def __init__(self, states: dict[str, int]) -> None:
+        self.states = states
+
+    def get(self, agent_id: str) -> object:
+        from types import SimpleNamespace
+        return SimpleNamespace(agent_id=agent_id, state=self.states[agent_id], host="h",
+                               port=1, data_port=1)
+
+
+def _peer_failure(low: int) -> coordinator_pb2.ProgressReport:
+    return coordinator_pb2.ProgressReport(worker_state=WorkerState.FAILED.to_wire(),
+                                          error_kind="peer",
+                                          error=f"receive from rank {low} failed: closed")
+
+
+def test_the_peer_errors_a_lost_agent_caused_teach_nothing() -> None:
+    """An agent killed mid-epoch (churn) closes its neighbours' connections, and gloo passes
+    the close on: honest pairs report peer errors, often before the registry hears the agent
+    is gone. Counting them relayed, then separated, honest pairs after every churn (a CI run
+    of test_churn never finished its grown-back epoch). A member found gone at the recovery
+    teaches nothing; one found gone after it (`forget`) takes back what it taught."""
+    members = ["a", "b", "c"]
+    alive = {m: S.AGENT_STATE_ALIVE for m in members}
+    progress = {"b": _peer_failure(0)}
+    pairs = fp.FailedPairs()
+    gone = _Records({**alive, "c": S.AGENT_STATE_LOST})
+    assert pairs.after_epoch(1, members, progress, _Plane(), gone) == ""  # type: ignore[arg-type]
+    assert pairs.pairs == {}
+    # heard of only after the recovery began: what the recovery noted is taken back
+    pairs.after_epoch(2, members, progress, _Plane(), _Records(alive))  # type: ignore[arg-type]
+    assert set(pairs.pairs) == {frozenset("ab")}
+    pairs.forget(2)
+    assert pairs.pairs == {}
+    # a real second failure of the pair still relays it; forgetting a later churn keeps that
+    for n in (3, 4):
+        pairs.after_epoch(n, members, progress, _Plane(), _Records(alive))  # type: ignore[arg-type]
+    assert pairs.relay_only() == {frozenset("ab")}
+    pairs.after_epoch(5, members, progress, _Plane(), _Records(alive))  # type: ignore[arg-type]
+    assert pairs.apart() == {frozenset("ab")}
+    pairs.forget(5)
+    assert pairs.relay_only() == {frozenset("ab")} and pairs.apart() == set()
+    assert pairs.pairs[frozenset("ab")].failures == 2
