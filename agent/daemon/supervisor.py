@@ -31,14 +31,7 @@ from pathlib import Path
 from agent.daemon.statedir import checkpoint_dir, private_dir
 from dtfm.checkpoints.copies import CheckpointCopier
 from dtfm.checkpoints.push import CheckpointPushes
-from dtfm.core.events import (
-    DoneEvent,
-    ErrorEvent,
-    EvalEvent,
-    ProgressEvent,
-    StepEvent,
-    WorkerEnv,
-)
+from dtfm.core.events import DoneEvent, ErrorEvent, EvalEvent, ProgressEvent, StepEvent, WorkerEnv
 from dtfm.core.limits import MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
