@@ -435,6 +435,10 @@ class TrainConfig:
                              "--model NAME:seq=N")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.eval_every and not self.eval_batches:
+            raise ValueError(f"--eval-every {self.eval_every} evaluates nothing with "
+                             "--eval-batches 0: give --eval-batches N (validation batches "
+                             "per evaluation) or leave --eval-every out")
         for name in ("grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")

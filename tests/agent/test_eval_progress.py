@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from agent.daemon.supervisor import WorkerProgress
 from dtfm.core.events import EvalEvent, encode_event, parse_event
 from dtfm.core.limits import MAX_VALIDATIONS
+from dtfm.core.spec import TrainConfig
 
 
 def test_an_eval_event_round_trips_and_an_older_reader_skips_it() -> None:
@@ -29,3 +32,11 @@ def test_the_heartbeat_carries_the_newest_validations() -> None:
         p.apply(EvalEvent(step=step, val_loss=4.0))
     assert len(p.validations) == MAX_VALIDATIONS and p.validations[0] == (5, 4.0)
     assert p.validations[-1] == (4 + MAX_VALIDATIONS, 4.0)
+
+
+def test_eval_every_without_eval_batches_is_refused_naming_both_flags() -> None:
+    TrainConfig(eval_every=5).validate()
+    TrainConfig(eval_batches=0).validate()  # no evaluation at all: fine
+    with pytest.raises(ValueError, match="--eval-every 5 evaluates nothing with "
+                                         "--eval-batches 0"):
+        TrainConfig(eval_every=5, eval_batches=0).validate()
