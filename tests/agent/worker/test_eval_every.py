@@ -12,10 +12,16 @@ FLAGS = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--batch", "
 
 
 @pytest.mark.timeout(300)
-def test_validation_every_n_steps_leaves_training_bit_identical() -> None:
-    plain = run_local(*FLAGS)
+@pytest.mark.parametrize("extra", [
+    (),
+    # local steps (an evaluation in the middle of a round) with error-feedback compression
+    ("--sync-every", "2", "--dp-compress", "int8"),
+], ids=["synchronous", "local-steps-int8"])
+def test_validation_every_n_steps_leaves_training_bit_identical(extra: tuple[str, ...]
+                                                                 ) -> None:
+    plain = run_local(*FLAGS, *extra)
     assert plain.rc == 0, plain.stderr
-    evaluated = run_local(*FLAGS, "--eval-every", "3")
+    evaluated = run_local(*FLAGS, *extra, "--eval-every", "3")
     assert evaluated.rc == 0, evaluated.stderr
     # steps 3 and 6 while training, then 7 after the last step: the final one is the done's
     assert [s for s, _ in evaluated.evals] == [3, 6, 7]
