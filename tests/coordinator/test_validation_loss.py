@@ -108,3 +108,21 @@ def test_tensorboard_gets_a_validation_that_arrives_late(tmp_path: Path) -> None
     got = read(tmp_path)
     assert got["loss/validation"] == [(2, 3.25), (3, 2.5)]
     assert got["loss/train"] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+
+
+def test_the_report_plot_draws_the_validation_points(tmp_path: Path) -> None:
+    from coordinator.commands.plots import plot_history
+    from tests.coordinator.test_report import png_size
+
+    def data(validated: bool) -> dict:
+        points = [{"epoch": 1, "step": s, "loss": 6.0 / (1 + s / 10), "step_s": 0.5,
+                   "tokens_per_s": 2000.0, "unix_s": 0.0} for s in range(1, 41)]
+        for p in points if validated else []:  # an older report's JSON has no val_loss
+            p["val_loss"] = 4.0 if p["step"] % 10 == 0 else 0.0
+        return {"job_id": "j", "model": "gpt-tiny", "state": "done", "total_steps": 40,
+                "predicted_step_s": 0.4, "restarts": 0, "points": points}
+
+    plot_history(data(True), str(tmp_path / "with.png"))
+    plot_history(data(False), str(tmp_path / "without.png"))
+    assert png_size(tmp_path / "with.png") == png_size(tmp_path / "without.png")
+    assert (tmp_path / "with.png").read_bytes() != (tmp_path / "without.png").read_bytes()
