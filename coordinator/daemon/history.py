@@ -27,6 +27,7 @@ from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 DEFAULT_LIMIT = 100_000
+REORDER = 64  # newer points a late point may be put before (`History._point`)
 T = TypeVar("T")
 
 
@@ -48,7 +49,7 @@ class _Point:
 
 
 class History:
-    """Points of one job by (epoch, step), in the order the coordinator first saw them."""
+    """Points of one job by (epoch, step), in step order (within `REORDER` points)."""
 
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         self.limit = limit
@@ -72,9 +73,22 @@ class History:
                 self._point(report.epoch, v.step).val_loss = v.loss
 
     def _point(self, epoch: int, step: int) -> _Point:
-        point = self._points.get((epoch, step))
+        """The point of (epoch, step), made where it belongs in step order if it is new: an
+        evaluation's step, or a lagging member's, may come after newer steps' points. At most
+        `REORDER` newer points move aside for it (a bogus far-future step cannot make every
+        insertion walk the history); past that it goes last."""
+        key = (epoch, step)
+        point = self._points.get(key)
         if point is None:
-            point = self._points[(epoch, step)] = _Point(epoch, step, time.time())
+            newer: list[tuple[tuple[int, int], _Point]] = []
+            while self._points and next(reversed(self._points)) > key:
+                if len(newer) == REORDER:  # too far back: last, the others as they were
+                    self._points.update(reversed(newer))
+                    newer = []
+                    break
+                newer.append(self._points.popitem(last=True))
+            point = self._points[key] = _Point(epoch, step, time.time())
+            self._points.update(reversed(newer))
             while len(self._points) > self.limit:
                 self._points.popitem(last=False)
         return point

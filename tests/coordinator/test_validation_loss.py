@@ -126,3 +126,22 @@ def test_the_report_plot_draws_the_validation_points(tmp_path: Path) -> None:
     plot_history(data(False), str(tmp_path / "without.png"))
     assert png_size(tmp_path / "with.png") == png_size(tmp_path / "without.png")
     assert (tmp_path / "with.png").read_bytes() != (tmp_path / "without.png").read_bytes()
+
+
+def test_a_late_point_takes_its_place_in_step_order() -> None:
+    from coordinator.daemon.history import REORDER
+
+    h = History()
+    h.record("last", report(8, loss=4.0))
+    h.record("last", report(9, ((4, 4.5), (8, 4.25)), loss=3.9))  # step 4: never sampled
+    h.record("first", report(6))  # a lagging member's step
+    job = coordinator_pb2.JobStatus()
+    assert [p.step for p in h.to_proto(job, 1, 0).points] == [4, 6, 8, 9]
+    far = History()  # a bogus step far ahead moves aside; past REORDER newer points, last
+    far.record("a", report(1000))
+    far.record("a", report(5))
+    for step in range(10, 11 + REORDER):
+        far.record("a", report(step))
+    far.record("a", report(7))
+    steps = [p.step for p in far.to_proto(job, 1, 0).points]
+    assert steps[:3] == [5, 10, 11] and steps[-2:] == [1000, 7]
