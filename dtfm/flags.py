@@ -257,6 +257,7 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "dtype": Dtype,
     "checkpoint_every": count,
     "eval_batches": count,
+    "eval_every": count,
     "pp_compress": codec_setting("--pp-compress", topk=False),
     "dp_compress": codec_setting("--dp-compress", topk=True),
     "moments_dtype": MomentsDtype,

@@ -32,13 +32,13 @@ from dtfm.core import checkpoints as ondisk
 from dtfm.core import hfexport, lora
 from dtfm.core.assignment import build_assignments
 from dtfm.core.causes import EXPLAINED_BY_OTHERS, most_telling
-from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, StepEvent
+from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, EvalEvent, StepEvent
 from dtfm.core.fingerprint import is_local_job, local_job_id
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.presets import PRESETS
-from dtfm.core.spec import SYNC_AUTO, TrainConfig
+from dtfm.core.spec import SYNC_AUTO, TrainConfig, fingerprinted
 from dtfm.core.tokenfiles import SPLITS, check_data_path
 from dtfm.core.words import stages_x_replicas
 from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
@@ -176,7 +176,7 @@ class LocalJob:
         layout and its layer split, every training flag (seed, --lr, --steps, which shape the
         schedule, --data...) but where checkpoints go, and the --init-from weights' hash.
         Its fingerprint names the job and so its checkpoint folder (`dtfm.core.fingerprint`)."""
-        train = {k: v for k, v in asdict(self.train).items() if k != "checkpoint_dir"}
+        train = {k: v for k, v in fingerprinted(self.train).items() if k != "checkpoint_dir"}
         return {"model": asdict(self.spec), "stages": self.layout.stages,
                 "replicas": self.layout.replicas, "layer_split": self.splits, "train": train,
                 **({"init_hash": self.init_hash} if self.init_hash else {})}
@@ -332,6 +332,8 @@ class LocalJob:
                         p.error, p.kind = ev.message, ev.kind
                     elif isinstance(ev, DoneEvent):
                         p.done = ev
+                    elif isinstance(ev, EvalEvent) and p.rank == self.report_rank:
+                        self._print_eval(ev)
                     elif isinstance(ev, StepEvent):
                         p.dp_bytes.append(ev.dp_bytes)
                         if p.rank != self.report_rank:
@@ -377,6 +379,13 @@ class LocalJob:
     def _write(self, obj: dict[str, Any]) -> None:
         self.out.write(json.dumps(obj) + "\n")
         self.out.flush()
+
+    def _print_eval(self, ev: EvalEvent) -> None:
+        """A validation evaluation (`--eval-every`, and after the last step)."""
+        if self.args.json:
+            self._write({"val_step": ev.step, "val_loss": ev.val_loss})
+        else:
+            print(f"step {ev.step:>6} | val loss {ev.val_loss:.4f}", file=self.out, flush=True)
 
     def _print_step(self, ev: StepEvent, t0: float, seen: int, last: int) -> int:
         step, total = ev.step, ev.total_steps or self.train.steps

@@ -259,6 +259,8 @@ class CoordinatorSession:
             resumed_step=p.resumed_step if p.resumed_step >= 0 else None,
             checkpoint_step=p.checkpoint_step,
             sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
+            validations=[coordinator_pb2.Validation(step=step, loss=loss)
+                         for step, loss in p.validations],
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
             relay_forwarded_bytes=relay.forwarded(p.job_id) if (relay := self.relay) else 0,
             relay_refused_bytes=relay.refused_bytes if relay else 0,

@@ -25,13 +25,14 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.daemon.statedir import checkpoint_dir, private_dir
 from dtfm.checkpoints.copies import CheckpointCopier
 from dtfm.checkpoints.push import CheckpointPushes
-from dtfm.core.events import DoneEvent, ErrorEvent, ProgressEvent, StepEvent, WorkerEnv
+from dtfm.core.events import DoneEvent, ErrorEvent, EvalEvent, ProgressEvent, StepEvent, WorkerEnv
+from dtfm.core.limits import MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
@@ -64,6 +65,8 @@ class WorkerProgress:
     sync_every: int = 1  # local steps: H, the round of the last step, the last sync's drift
     sync_round: int = 0
     drift: float = 0.0
+    # (step, validation loss) of the worker's newest evaluations, oldest first (--eval-every)
+    validations: list[tuple[int, float]] = field(default_factory=list)
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -84,6 +87,10 @@ class WorkerProgress:
                 value = getattr(event, name)
                 if not math.isnan(value):
                     setattr(self, name, value)
+        elif isinstance(event, EvalEvent):
+            if math.isfinite(event.val_loss) and event.step >= 1:
+                self.validations = [*self.validations, (event.step, event.val_loss)][
+                    -MAX_VALIDATIONS:]
         elif isinstance(event, DoneEvent):  # the state turns DONE once the worker exits 0
             self.step = max(self.step, event.step)
             if event.resumed_step >= 0:

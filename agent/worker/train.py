@@ -35,6 +35,7 @@ from agent.worker.world import join
 from dtfm.core.events import (
     DoneEvent,
     ErrorEvent,
+    EvalEvent,
     ProgressEvent,
     StepEvent,
     WorkerEnv,
@@ -245,9 +246,12 @@ class Worker:
                     saved_s = time.perf_counter() - t0
                 self.deadline.checkpoint(saved_s)
                 self._checkpointed = step
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                self._evaluate(pipe, val_tokens, step)
+                self.deadline.start()  # the next step's time is measured without it
         if cfg.steps == 0 and self.ckpt and self.ckpt.writes(a.replica):
             self._save(0, opt, sampler)  # --steps 0: the initial (imported) weights, to export
-        val = self._evaluate(pipe, val_tokens)
+        val = self._evaluate(pipe, val_tokens, max(start, cfg.steps))
         self.progress.emit(DoneEvent(val_loss=None if math.isnan(val) else val, rank=self.rank,
                                      step=max(start, cfg.steps), resumed_step=start))
         dist.destroy_process_group()
@@ -475,22 +479,30 @@ class Worker:
         log.warning("rank %d: checkpoint %s (step %d) is not used: %s; falling back to an "
                     "older step", self.rank, path, step, reason)
 
-    def _evaluate(self, pipe: Pipeline, val_tokens: Any) -> float:
+    def _evaluate(self, pipe: Pipeline, val_tokens: Any, step: int) -> float:
+        """The validation loss of the weights after `step`, on every rank (NaN: none), reported
+        in an eval event. Every rank calls it at the same step. It draws no random number
+        (fixed batches; `eval()` turns LoRA dropout off) and keeps no gradient, so training
+        after it is exactly what it would have been without it."""
         cfg, a = self.cfg, self.a
         if cfg.eval_batches == 0:
             return float("nan")
         self.stage.eval()
         sampler = Sampler(val_tokens, self.spec.seq_len, cfg.seed)
         total = 0.0
-        for ids in val_batches(val_tokens, self.spec.seq_len, cfg.global_batch, cfg.eval_batches):
-            x, y = sampler.windows(replica_slice(ids, a.replica, a.replicas))
-            total += pipe.eval_step(
-                list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches))
-            )
+        with torch.no_grad():
+            for ids in val_batches(val_tokens, self.spec.seq_len, cfg.global_batch,
+                                   cfg.eval_batches):
+                x, y = sampler.windows(replica_slice(ids, a.replica, a.replicas))
+                total += pipe.eval_step(
+                    list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches))
+                )
         self.stage.train()
         last_total = self.world.pipeline_exchange([total])[-1][0]  # the last stage's
         loss_sum = float(self.world.dp_all_reduce(last_total, dist.ReduceOp.SUM))
-        return loss_sum / (a.replicas * cfg.eval_batches)
+        val = loss_sum / (a.replicas * cfg.eval_batches)
+        self.progress.emit(EvalEvent(step=step, val_loss=val, rank=self.rank))
+        return val
 
 
 def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,

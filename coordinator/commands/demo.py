@@ -123,7 +123,8 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
              "--replicas", str(args.replicas), "--steps", str(args.steps),
              "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
              "--search-seconds", "2", "--checkpoint-dir", str(workdir / "checkpoints"),
-             "--web", web],
+             # a validation curve beside the training loss on the page: four points
+             "--eval-every", str(max(1, args.steps // 4)), "--web", web],
             stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True))
         for i in range(args.agents):
             log_file = open(workdir / f"agent-{i}.log", "wb")  # noqa: SIM115

@@ -101,7 +101,7 @@ def plot_plan(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray,
 def _by_epoch(points: list[dict[str, Any]], key: str) -> dict[int, tuple[list, list]]:
     out: dict[int, tuple[list, list]] = {}
     for p in points:
-        value = p[key]
+        value = p.get(key)  # val_loss: absent from reports older than --eval-every
         if value and math.isfinite(value):
             xs, ys = out.setdefault(p["epoch"], ([], []))
             xs.append(p["step"])
@@ -110,7 +110,8 @@ def _by_epoch(points: list[dict[str, Any]], key: str) -> dict[int, tuple[list, l
 
 
 def plot_history(data: dict[str, Any], path: str) -> None:
-    """Loss (top) and throughput with step time (bottom) by step, one line per epoch.
+    """Loss, training and validation (top), and throughput with step time (bottom) by step,
+    one line per epoch.
 
     `data` is `coordinator report --json`'s object. A dashed line marks the predicted step time.
     """
@@ -120,6 +121,8 @@ def plot_history(data: dict[str, Any], path: str) -> None:
     top, bottom = fig.subplots(2, 1, sharex=True)
     for epoch, (xs, ys) in _by_epoch(data["points"], "loss").items():
         top.plot(xs, ys, marker=".", label=f"epoch {epoch}")
+    for epoch, (xs, ys) in _by_epoch(data["points"], "val_loss").items():
+        top.plot(xs, ys, marker="o", linestyle="--", label=f"validation, epoch {epoch}")
     top.set_ylabel("loss")
     top.grid(alpha=0.3)
     for epoch, (xs, ys) in _by_epoch(data["points"], "tokens_per_s").items():

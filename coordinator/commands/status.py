@@ -61,7 +61,9 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
     if j["model"]:
         lines.append(f"job {j['id']}: {j['state']}  model {j['model']}  epoch {j['epoch']}  "
                      f"step {j['step']}/{j['total_steps']}  loss {j['loss']:.4f}  "
-                     f"{j['tokens_per_s']:.0f} tok/s")
+                     + (f"val loss {j['val_loss']:.4f} (step {j['val_step']})  "
+                        if j["val_step"] else "")
+                     + f"{j['tokens_per_s']:.0f} tok/s")
         if j["predicted_step_s"]:
             lines.append(f"  {step_time_line(data)}")
         if j["message"]:

@@ -45,6 +45,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "tokens_per_s": p.tokens_per_s, "error": p.error,
                        "error_kind": p.error_kind, "step_s": p.step_s,
                        "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s,
+                       **newest_validation(p),
                        **traffic_per_step(p)},
             # whether peers can dial it back (dtfm/net/reach.py): everywhere, some-peers, nowhere
             "reach": reach_to_json(a.reach),
@@ -73,6 +74,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
         "job": {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
                 "agents_wanted": j.agents_wanted, "epoch": j.epoch, "step": j.step,
                 "total_steps": j.total_steps, "loss": j.loss, "tokens_per_s": j.tokens_per_s,
+                **validation(j.job_id, agents),
                 "message": j.message, "placement": j.placement,
                 "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s,
                 "agents_min": j.agents_min, "stages": j.stages, "replicas": j.replicas,
@@ -118,3 +120,19 @@ def local_steps(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | N
             "dp_bytes_per_step": sum(w["dp_bytes_per_step"] for w in workers),
             "pp_bytes_per_step": sum(w["pp_bytes_per_step"] for w in workers),
             "drift": max(w["drift"] for w in workers)}
+
+
+def newest_validation(p: coordinator_pb2.ProgressReport) -> dict[str, Any]:
+    """A worker's newest validation loss and the step it evaluated; 0 and 0 before any."""
+    v = p.validations[-1] if p.validations else coordinator_pb2.Validation()
+    return {"val_loss": v.loss, "val_step": v.step}
+
+
+def validation(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's newest validation loss and the step it evaluated, over its members' reports
+    (`--eval-every`; they agree: every rank reports the one value); 0 and 0 before any."""
+    evaluated = [a["worker"] for a in agents
+                 if job_id and a["worker"]["job_id"] == job_id and a["worker"]["val_step"]]
+    newest = max(evaluated, key=lambda w: (w["epoch"], w["val_step"]), default=None)
+    return {"val_loss": newest["val_loss"] if newest else 0.0,
+            "val_step": newest["val_step"] if newest else 0}

@@ -9,6 +9,8 @@ coordinator). Tags, by the job's step:
 - `loss/train`, `throughput/tokens_per_s`, `step_time/measured_s`: each history point, once
   it is complete (a newer point exists, or the job ended): the loss comes from the last stage
   and may arrive after the first member's step time;
+- `loss/validation`: each point's validation loss (`--eval-every`, and after the last step),
+  as soon as it is known: an evaluation ends after its step's point was written;
 - `step_time/predicted_s`, `traffic/pipeline_bytes_per_step`, `traffic/data_parallel_bytes_per_step`
   (summed over the job's workers), `job/epoch`, `job/recoveries`, `job/replans`: at the newest
   step written, as the job stands then.
@@ -57,6 +59,7 @@ class TensorBoardLog:
         self._history = history
         self._status = status
         self._written: set[tuple[int, int]] = set()
+        self._validated: set[tuple[int, int]] = set()  # points whose validation loss is written
 
     def _scalars(self, step: int, values: dict[str, float], wall: float) -> None:
         self._writer.add_event(self._event(wall_time=wall, step=step, summary=self._summary(
@@ -75,9 +78,16 @@ class TensorBoardLog:
             self._written.add((p.epoch, p.step))
         if new:
             self._scalars(new[-1].step, self._job_values(), time.time())
+        validated = [p for p in history.points
+                     if p.val_loss > 0 and (p.epoch, p.step) not in self._validated]
+        for p in validated:
+            self._scalars(p.step, {"loss/validation": p.val_loss}, time.time())
+            self._validated.add((p.epoch, p.step))
+        if new or validated:
             self._writer.flush()
         present = {(p.epoch, p.step) for p in history.points}
         self._written &= present  # the history drops its oldest points past its limit
+        self._validated &= present
         return len(new)
 
     def _job_values(self) -> dict[str, float]:

@@ -14,6 +14,7 @@ from dtfm.core.limits import (
     MAX_KIND,
     MAX_NAME,
     MAX_TUNING,
+    MAX_VALIDATIONS,
     is_host,
     number_problem,
     text_problem,
@@ -86,6 +87,9 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
                 f"most {MAX_AGENTS}")
     if len(report.tuning) > MAX_TUNING:
         return f"tuning names {len(report.tuning)} settings; the limit is {MAX_TUNING}"
+    if len(report.validations) > MAX_VALIDATIONS:
+        return (f"validations holds {len(report.validations)} losses; the limit is "
+                f"{MAX_VALIDATIONS} (a worker's newest)")
     return _first(
         *(problem for t in report.tuning for problem in (
             text_problem("tuning setting", t.setting, MAX_NAME),
@@ -94,6 +98,8 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
             text_problem(f"tuning {t.setting[:MAX_KIND]}: why", t.why, MAX_ERROR,
                          free_text=True))),
         number_problem("loss", report.loss, None),
+        *(number_problem(f"validation loss of step {v.step}", v.loss)
+          for v in report.validations),
         number_problem("tokens_per_s", report.tokens_per_s),
         *(number_problem(name, getattr(report, name))
           for name in ("step_s", "compute_s", "pp_wait_s", "dp_s", "drift")),

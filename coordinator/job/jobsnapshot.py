@@ -9,7 +9,6 @@ machine decides when to save and what an adopted epoch does next.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from coordinator.daemon.config import JobConfig
@@ -17,7 +16,7 @@ from coordinator.daemon.jobstore import JobSnapshot, fingerprint
 from coordinator.job.failedpairs import FailedPairs
 from coordinator.job.recovery import Recoveries
 from dtfm.core.layout import Layout
-from dtfm.core.spec import SYNC_AUTO
+from dtfm.core.spec import SYNC_AUTO, fingerprinted
 from protos.dtfm.v1 import coordinator_pb2
 
 if TYPE_CHECKING:
@@ -34,7 +33,7 @@ def job_fingerprint(cfg: JobConfig) -> str:
     """What makes a stored job the same job: its model, shape, training and placement flags
     (not operational ones such as --max-restarts or --min-agents)."""
     return fingerprint({"model": cfg.model, "agents": cfg.agents, "stages": cfg.stages,
-                        "replicas": cfg.replicas, "train": asdict(cfg.train),
+                        "replicas": cfg.replicas, "train": fingerprinted(cfg.train),
                         "placement": cfg.placement, "layer_split": cfg.layer_split,
                         "seed": cfg.seed,
                         **({"init_hash": cfg.init_hash} if cfg.init_hash else {})})

@@ -32,6 +32,7 @@ class EventName(StrEnum):
     """The value of a progress line's `"event"` key."""
 
     STEP = "step"  # one optimizer step finished
+    EVAL = "eval"  # a validation evaluation finished (--eval-every, and after the last step)
     DONE = "done"  # training and evaluation finished; the worker exits 0 next
     ERROR = "error"  # the worker failed; it exits non-zero next
 
@@ -93,6 +94,19 @@ class StepEvent:
 
 
 @dataclass(frozen=True)
+class EvalEvent:
+    """The validation loss of the weights after `step` (every rank: the last stage computes
+    it and the ranks share it), every `--eval-every` steps and once after the last step (then
+    also the DoneEvent's `val_loss`). A reader older than this event skips it."""
+
+    NAME: ClassVar[EventName] = EventName.EVAL
+
+    step: int = 0
+    val_loss: float = NAN
+    rank: int = -1
+
+
+@dataclass(frozen=True)
 class DoneEvent:
     """Training finished; `val_loss` is None when no evaluation ran. `step` is the step the
     weights are at (0: not reported): a run that resumed from the last step's checkpoint
@@ -119,10 +133,10 @@ class ErrorEvent:
     phase: str = ""
 
 
-ProgressEvent = StepEvent | DoneEvent | ErrorEvent
+ProgressEvent = StepEvent | EvalEvent | DoneEvent | ErrorEvent
 
-_CLASSES: dict[EventName, type[StepEvent] | type[DoneEvent] | type[ErrorEvent]] = {
-    cls.NAME: cls for cls in (StepEvent, DoneEvent, ErrorEvent)
+_CLASSES: dict[EventName, type[ProgressEvent]] = {
+    cls.NAME: cls for cls in (StepEvent, EvalEvent, DoneEvent, ErrorEvent)
 }
 # field name -> (type, default) per class, resolved once: the parser's whole schema
 _SCHEMA: dict[type, list[tuple[str, object, object]]] = {

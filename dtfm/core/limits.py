@@ -27,6 +27,7 @@ MAX_PING_SPREAD_S = 60.0  # a latency pass's pings to one peer spread over at mo
 # coordinator paces against it (coordinator/links/measure.py, `Pings.spread_for`).
 PING_SPACING_S = 0.1
 MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/probing/tuning.py checks 5)
+MAX_VALIDATIONS = 8  # validation losses one heartbeat carries: its worker's newest
 OMITTED_METADATA = "dtfm-agents-omitted"  # GetStatus trailer: agent rows left out
 
 

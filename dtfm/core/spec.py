@@ -322,6 +322,10 @@ class TrainConfig:
         "after the last step, and keeps its newest 2 (0: no checkpoints at all)")
     eval_batches: int = _option(
         4, "validation batches (of --batch sequences) evaluated after the last step (0: none)")
+    eval_every: int = _option(
+        0, "steps between validation evaluations while training, each reported live like "
+        "the loss (0: only after the last step); evaluating changes neither the weights nor "
+        "the data order")
     pp_compress: str = _option(
         "none", "compress pipeline activations and their gradients: none, int8, int4 (per "
         "block of 128 values), or auto (the coordinator picks per link, where the saving "
@@ -431,6 +435,10 @@ class TrainConfig:
                              "--model NAME:seq=N")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.eval_every and not self.eval_batches:
+            raise ValueError(f"--eval-every {self.eval_every} evaluates nothing with "
+                             "--eval-batches 0: give --eval-batches N (validation batches "
+                             "per evaluation) or leave --eval-every out")
         for name in ("grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -481,13 +489,22 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
+# Fields that change what a run reports, not what it trains: a job's fingerprint
+# (dtfm.core.fingerprint) leaves them out, so a restart with another value resumes, and the
+# fingerprints stored before they existed still match.
+REPORTING_ONLY = ("eval_every",)
+
+
+def fingerprinted(cfg: TrainConfig) -> dict[str, Any]:
+    """`cfg`'s fields as a job's fingerprint takes them: all but `REPORTING_ONLY`."""
+    return {k: v for k, v in asdict(cfg).items() if k not in REPORTING_ONLY}
 _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype,
                                           "moments_dtype": MomentsDtype}
 # Enum fields the wire gained after its first version: unset on the wire means the default.
 _ADDED_LATER = ("moments_dtype",)
 _OUTER = ("sync_every", "outer_lr", "outer_momentum")  # unset on the wire: all their defaults
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches", "seq_len", "sync_every", "lora_rank")
+           "eval_batches", "eval_every", "seq_len", "sync_every", "lora_rank")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:

@@ -2,8 +2,9 @@
 coordinator and four agents on loopback training gpt-tiny.
 
 The page loads with no console error, shows every agent and the grid, its step advances while
-the job trains, a SIGKILLed agent shows as lost within seconds, and its JSON is `coordinator
-status --json` key for key with a plan and links in it. Screenshots go to
+the job trains and the loss chart draws training and validation loss, a SIGKILLed agent shows
+as lost within seconds, and its JSON is `coordinator status --json` key for key with a plan
+and links in it. Screenshots go to
 $DTFM_SCREENSHOTS (default: the test's tmp dir), printed. Skips, saying what to install,
 without playwright (`pip install playwright`) or chromium (`apt-get install chromium`):
 Playwright's own browser download is not used.
@@ -50,7 +51,8 @@ def test_the_page_follows_a_training_job_live(daemons: Daemons, tmp_path: Path) 
     _, address = daemons.coordinator(
         "--web", web, "--model", "gpt-tiny", "--agents", "4", "--stages", "2",
         "--replicas", "2", "--min-agents", "2", "--steps", "400", "--batch", "8",
-        "--micro-batches", "2", "--checkpoint-every", "10", "--search-seconds", "1")
+        "--micro-batches", "2", "--checkpoint-every", "10", "--search-seconds", "1",
+        "--eval-every", "10", "--eval-batches", "1")
     agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}") for i in range(4)}
     out = daemons.cli("coordinator", "web-url", "--web", web)
     assert out.returncode == 0, out.stderr
@@ -83,6 +85,9 @@ def test_the_page_follows_a_training_job_live(daemons: Daemons, tmp_path: Path) 
             page.wait_for_function(f"() => Number(document.getElementById('step-value')"
                                    f".textContent) > {max(before + 2, 20)}", timeout=240_000)
             page.wait_for_selector("#loss-chart svg path", timeout=30_000)
+            # validation (--eval-every 10): a second series, a dot per evaluation
+            page.wait_for_selector('#loss-chart circle[data-series="validation loss"]',
+                                   timeout=60_000)
             page.wait_for_selector("#links svg rect", timeout=60_000)
             page.screenshot(path=str(shots / "web-view.png"), full_page=True)
 

@@ -83,7 +83,8 @@ function renderCards(st) {
       (() => { const bar = h("div", { class: "bar" }, h("div"));
         bar.firstChild.style.width = `${j.total_steps ? (100 * j.step) / j.total_steps : 0}%`;
         return bar; })()),
-    card("loss", j.loss ? j.loss.toFixed(4) : "–", "training, last stage"),
+    card("loss", j.loss ? j.loss.toFixed(4) : "–", "training, last stage"
+      + (j.val_step ? ` · validation ${j.val_loss.toFixed(4)} at step ${j.val_step}` : "")),
     card("tokens/s", j.tokens_per_s ? Math.round(j.tokens_per_s).toLocaleString() : "–", "global, measured"),
     card("step time", fmt.s(j.measured_step_s), `predicted ${fmt.s(j.predicted_step_s)}`
       + (ratio ? ` · ${ratio >= 1 ? "+" : ""}${((ratio - 1) * 100).toFixed(0)} %` : "")),
@@ -121,7 +122,15 @@ function lineChart(series, opts) {
     if (!ser.points.length) continue;
     const d = ser.points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
     svg.append(s("path", { d, fill: "none", stroke: ser.color, "stroke-width": ser.width || 2,
-      "stroke-dasharray": ser.dash || "", "vector-effect": "non-scaling-stroke" }));
+      "stroke-dasharray": ser.dash || "", "vector-effect": "non-scaling-stroke",
+      "data-series": ser.name }));
+    // sparse series (validation: one point per evaluation) get a dot at each point
+    for (const p of ser.dots ? ser.points : []) {
+      const dot = s("circle", { cx: X(p[0]).toFixed(1), cy: Y(p[1]).toFixed(1), r: 3,
+        fill: ser.color, "data-series": ser.name });
+      dot.append(s("title", {}, `step ${p[0]}: ${p[1].toFixed(4)}`));
+      svg.append(dot);
+    }
   }
   let lx = L + 8;
   for (const ser of series) {
@@ -135,10 +144,13 @@ function lineChart(series, opts) {
 function renderCharts(doc) {
   const pts = doc.history.points.slice().sort((a, b) => a.epoch - b.epoch || a.step - b.step);
   const loss = pts.filter((p) => p.loss > 0).map((p) => [p.step, p.loss]);
-  put("loss-chart", lineChart([{ name: "training loss", color: "#5aa9e6", points: loss }],
-    { empty: "no loss reported yet", yfmt: (v) => v.toFixed(2) }));
-  document.getElementById("loss-hint").textContent = loss.length
-    ? `${loss.length} steps recorded${doc.history.points.length >= 400 ? " (thinned)" : ""}` : "";
+  const val = pts.filter((p) => p.val_loss > 0).map((p) => [p.step, p.val_loss]);
+  const lossSeries = [{ name: "training loss", color: "#5aa9e6", points: loss }];
+  if (val.length) lossSeries.push({ name: "validation loss", color: "#f0883e", points: val, dots: true });
+  put("loss-chart", lineChart(lossSeries, { empty: "no loss reported yet", yfmt: (v) => v.toFixed(2) }));
+  document.getElementById("loss-hint").textContent = loss.length || val.length
+    ? `${loss.length} steps recorded${doc.history.points.length >= 400 ? " (thinned)" : ""}`
+      + (val.length ? ` · ${val.length} validations` : "") : "";
   const step = pts.filter((p) => p.step_s > 0).map((p) => [p.step, p.step_s]);
   const predicted = doc.status.job.predicted_step_s || doc.history.predicted_step_s;
   const series = [{ name: "measured", color: "#3fb950", points: step }];

@@ -47,6 +47,8 @@ def test_a_local_job_id_changes_with_what_must_match_to_resume(tmp_path: Path) -
         assert _job(*FLAGS, *change).job_id != base, change
     # where the checkpoints go is not what was trained
     assert _job(*FLAGS, "--checkpoint-dir", str(tmp_path)).job_id == base
+    # nor how often it is evaluated (--eval-every): that trains nothing differently
+    assert _job(*FLAGS, "--eval-every", "2").job_id == base
 
 
 @pytest.mark.timeout(300)
@@ -73,3 +75,21 @@ def test_another_run_starts_fresh_and_a_finished_one_says_so(tmp_path: Path) -> 
     assert again.nothing_to_train == {"nothing_to_train": True, "checkpoint_step": 4,
                                       "checkpoints": str(own)}
     assert "nothing to train" in again.stderr and "--checkpoint-dir" in again.stderr
+
+
+def test_the_coordinators_fingerprint_ignores_how_often_a_job_evaluates() -> None:
+    """A coordinator restarted with another --eval-every adopts its stored job, and the
+    fingerprints stored before the flag existed still match."""
+    from dataclasses import asdict
+
+    from coordinator.daemon.config import JobConfig
+    from coordinator.job.jobsnapshot import job_fingerprint
+    from dtfm.core.spec import TrainConfig
+
+    plain = JobConfig(model="gpt-tiny", agents=2)
+    assert job_fingerprint(plain) == job_fingerprint(
+        JobConfig(model="gpt-tiny", agents=2, train=TrainConfig(eval_every=5)))
+    before = {k: v for k, v in asdict(plain.train).items() if k != "eval_every"}
+    assert job_fingerprint(plain) == core_fingerprint.fingerprint({
+        "model": "gpt-tiny", "agents": 2, "stages": 0, "replicas": 0, "train": before,
+        "placement": plain.placement, "layer_split": plain.layer_split, "seed": plain.seed})

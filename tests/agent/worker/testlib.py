@@ -26,6 +26,7 @@ class LocalRun:
     stderr: str = ""
     stdout: str = ""
     nothing_to_train: dict[str, Any] | None = None  # the run found its last step checkpointed
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, val loss)
 
     @property
     def losses(self) -> list[float]:
@@ -53,6 +54,8 @@ def run_local(
         obj = json.loads(line)
         if "step" in obj:
             run.steps.append(obj)
+        elif "val_step" in obj:
+            run.evals.append((obj["val_step"], obj["val_loss"]))
         elif obj.get("done"):
             run.done = obj
         elif obj.get("nothing_to_train"):
