@@ -32,7 +32,10 @@ def _rows(cluster: WanCluster) -> dict[str, dict[str, Any]] | None:
     status = cluster.status()  # None while the coordinator does not answer
     rows = {a["address"]: a for a in status["agents"] if a["state"] == "alive"} if status else {}
     liar = rows.get(f"{cluster.wan.address(1)}:{LIAR_PORT}")
-    return rows if liar is not None and "is not used" in liar["reach"]["summary"] else None
+    # the refusal shows while the gRPC port's own check still runs ("checking whether peers
+    # can dial", verdict unknown): wait for both
+    settled = liar is not None and liar["reach"]["verdict"] != "unknown"
+    return rows if settled and "is not used" in liar["reach"]["summary"] else None
 
 
 @pytest.mark.timeout(120)
