@@ -13,9 +13,11 @@ push (`Coordinator.PushCheckpoint`, coordinator/job/checkpointcopies.py) is take
 - for a stage the pusher holds in the job's current epoch, a member in that stage's row of the
   grid (FAILED_PRECONDITION: the pusher stops; its next assignment says what to push);
 - for a step the job can have reached: never past the job's steps (INVALID_ARGUMENT), nor
-  more than one checkpoint interval past the newest step its members reported or the newest
-  checkpoint they all hold (OUT_OF_RANGE: a holder whose heartbeat is late sends it again
-  next round).
+  more than one checkpoint interval (plus `HEARTBEAT_LAG_STEPS`) past the newest step its
+  members reported or the newest checkpoint they all hold (OUT_OF_RANGE: a holder whose
+  heartbeat is late sends it again next round). Without the lag allowance a fast job's
+  newest checkpoint was always ahead of its heartbeats (step 20 pushed, 14 reported), every
+  push was refused until the job ended, and the copy of last resort never existed.
 
 All of it is decided from the first message, before a byte is reserved or written, so refused
 pushes cannot fill the store: what it holds is one step per stage of the grid, each pushed by
@@ -36,6 +38,9 @@ from protos.dtfm.v1 import coordinator_pb2
 
 ENDED = (coordinator_pb2.JOB_STATE_DONE, coordinator_pb2.JOB_STATE_FAILED)
 
+
+
+HEARTBEAT_LAG_STEPS = 16  # steps a job may train between a heartbeat and its checkpoint push
 
 class PushGate:
     """The checks a push to the coordinator passes before it is received."""
@@ -68,7 +73,7 @@ class PushGate:
                           f"step {m.step} of stage {m.stage}: job {job_id} trains "
                           f"{train.steps} steps (--steps)")
         reached = max(job.last_step(), job.checkpoint_step)
-        if m.step > reached + (train.checkpoint_every or train.steps):
+        if m.step > reached + (train.checkpoint_every or train.steps) + HEARTBEAT_LAG_STEPS:
             raise Refused(grpc.StatusCode.OUT_OF_RANGE,
                           f"step {m.step} of stage {m.stage}: the members of job {job_id} "
                           f"have reported step {reached} at most; a later round pushes it "
