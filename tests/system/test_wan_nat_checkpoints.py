@@ -73,7 +73,9 @@ def test_a_natted_agents_stage_is_pushed_to_its_mirror(tmp_path: Path) -> None:
 # ---- every agent behind a NAT: the coordinator keeps the copy of last resort ----
 
 EVERY = 4
-LONG = 40
+# long enough that the kill lands mid-run on an idle machine too: at 40, an idle CI run trained
+# all 40 steps before the coordinator held its copy, and epoch 2 resumed with nothing to train
+LONG = 120
 ALL_NAT_JOB = ["--model", "gpt-tiny", "--agents", "2", "--min-agents", "1", "--stages", "2",
                "--replicas", "1", "--steps", str(LONG), "--batch", "8", "--micro-batches", "2",
                "--seed", "5", "--search-seconds", "1", "--eval-batches", "0",
