@@ -131,7 +131,9 @@ class FailedPairs:
         left to change ('' otherwise)."""
         ranks = {a: k for k, a in enumerate(members)}
         give_up = []
-        before = self._before.setdefault(recovery, {})
+        if recovery not in self._before:  # only the newest recovery can still be explained
+            self._before = {recovery: {}}
+        before = self._before[recovery]
         for pair in sorted(failed, key=sorted):
             a, b = sorted(pair, key=lambda x: ranks[x])
             path = path_of(ranks[a], ranks[b])
