@@ -8,8 +8,10 @@ started with `--marionette` it listens on a TCP port and speaks length-prefixed 
 geckodriver itself forwards WebDriver to; this is a client for the few commands the test
 needs, on a plain socket. The page's errors are the one thing Marionette cannot report, so the
 session is opened with `webSocketUrl`, and a minimal WebSocket client (below, no dependency)
-subscribes to BiDi's `log.entryAdded` before the first navigation: every script error and
-console.error of the page, the load included, as Playwright reports them in Chromium.
+subscribes to BiDi's `log.entryAdded` before the first navigation: every uncaught script
+error and console.error call of the page, its load included. (Unlike Chromium, Firefox does
+not log a failed request as a page error; the Chromium test catches those from the same
+server.)
 
 Each `Firefox` is headless, in a fresh profile (`marionette.port` 0 and `--remote-debugging-port
 0`: Firefox picks free ports and says which, so no race for one), in a process group of its own
@@ -37,6 +39,7 @@ from dtfm.procs import wait_for
 
 # a full-page screenshot of the web view is a few MiB of base64; nothing we ask for is larger
 MAX_MESSAGE = 64 << 20
+
 
 def firefox_binary() -> str:
     """$DTFM_FIREFOX, else Debian's firefox-esr, else a `firefox`; "" when there is none."""
