@@ -15,6 +15,7 @@ from coordinator.daemon.statusjson import (  # noqa: F401 - re-exported: the JSO
     reach_to_json,
     status_to_json,
 )
+from coordinator.integrity.status import integrity_lines
 from coordinator.job.prediction import prediction_gap
 from coordinator.job.replanlog import replans_to_text
 from dtfm.core.words import stages_x_replicas
@@ -112,6 +113,7 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         lines.extend(f"  {a['id']}: {a['reach']['summary']}" for a in data["agents"]
                      if a["reach"]["verdict"] in ("nowhere", "some-peers")
                      and a["state"] != "left")
+    lines.extend(integrity_lines(data["agents"]))  # excluded agents, evidence (issue 43)
     lines.extend(_tuning_lines(data["agents"]))
     if data["links"] and data["links"]["estimated"]:
         estimated = data["links"]["estimated"]
