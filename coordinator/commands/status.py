@@ -27,10 +27,11 @@ def _reach_cell(r: dict[str, Any]) -> str:
     """The REACH column: the verdict, how many dialers got through, or the operator's word."""
     if r["overridden"]:
         return f"{r['verdict']} (--reachable)"
-    ok = sum(d["ok"] for d in r["dials"])
+    counted = [d for d in r["dials"] if not d["outvoted"]]  # a lone dissent does not count
+    ok = sum(d["ok"] for d in counted)
     if r["verdict"] == "unknown":
         return "checking" if r["summary"] else "-"
-    return f"{r['verdict']} ({ok}/{len(r['dials'])})"
+    return f"{r['verdict']} ({ok}/{len(counted)})"
 
 
 def _ago(seconds: float) -> str:

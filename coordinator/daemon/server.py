@@ -76,11 +76,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store,
                        reach=self.reach)  # plans only once members' reach verdicts are in
         self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
+        # lies about the network are evidence, recorded only (docs/architecture.md, Integrity)
+        self.reach.evidence = self.measurer.evidence = self._network_evidence
         self.history = History()
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         PushGate(self.registry, self.job).admit)
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None
+
+    def _network_evidence(self, agent_id: str, kind: str, detail: str) -> None:
+        """A report about the network that the coordinator's checks contradict: evidence
+        against its reporter, never enough to exclude on its own."""
+        self.job.integrity.ledger.record(agent_id, kind, 0, detail)
 
     def _changed(self) -> None:
         job = getattr(self, "job", None)
