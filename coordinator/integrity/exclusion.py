@@ -18,8 +18,8 @@ the newest one before the bad step, the next epoch's assignments carry the bound
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from coordinator.daemon.registry import Registry
 from coordinator.integrity import rollback
@@ -29,14 +29,19 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 log = logging.getLogger(__name__)
 
 
+class Checkpoints(Protocol):
+    step: int  # the newest step every member holds a checkpoint of
+
+
 class JobIntegrity:
     """The ledger of one job and its consequences."""
 
-    def __init__(self, registry: Registry, on_rollback: Callable[[int], None],
+    def __init__(self, registry: Registry, checkpoints: Checkpoints,
                  saved: Mapping[str, Any] | None = None) -> None:
-        """`on_rollback(step)`: the job's newest usable checkpoint is now at most `step`."""
+        """`checkpoints`: the job's (`CheckpointTracker`), whose newest step every member
+        holds drops to the one a rollback resumes from."""
         self.registry = registry
-        self.on_rollback = on_rollback
+        self.checkpoints = checkpoints
         self.job_id = ""  # for the stop command; the job sets it
         self.checkpoint_every = 0
         self.sync_every = 1
@@ -59,10 +64,14 @@ class JobIntegrity:
             except KeyError:
                 pass
         if self.ledger.rollback_before:
-            self.on_rollback(rollback.newest_before(self.ledger.rollback_before,
-                                                    self.checkpoint_every, self.sync_every))
+            self._roll_back(self.ledger.rollback_before)
         self.registry.exclude(agent_id, f"excluded for a confirmed integrity fault: "
                                         f"{exclusion.reason}")
+
+    def _roll_back(self, bad_step: int) -> None:
+        """The job's newest usable checkpoint is the newest before `bad_step`."""
+        self.checkpoints.step = min(self.checkpoints.step, rollback.newest_before(
+            bad_step, self.checkpoint_every, self.sync_every))
 
     def admit(self, agent_id: str) -> str:
         """The operator's `coordinator admit`: what was done, in words; raises KeyError when
@@ -83,8 +92,7 @@ class JobIntegrity:
         self.sync_every = max(sync_every, 1)
         self.planned_bound = self.ledger.rollback_before
         if self.planned_bound:
-            self.on_rollback(rollback.newest_before(self.planned_bound, self.checkpoint_every,
-                                                    self.sync_every))
+            self._roll_back(self.planned_bound)
         for a in assignments:
             a.resume_before = self.planned_bound
 

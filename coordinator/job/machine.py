@@ -104,7 +104,7 @@ class Job:
         self.planner = EpochPlanner(config, self.checkpoints,  # layout, grid, split, H
                                     self.dataplane.router(registry, links))  # relay routes
         self.membership = Membership(config, registry, measurer, links, reach)  # usable agents
-        self.integrity = JobIntegrity(registry, self._rolled_back_to)  # evidence, exclusions
+        self.integrity = JobIntegrity(registry, self.checkpoints)  # evidence, exclusions
         self.integrity.checkpoint_every = config.train.checkpoint_every
         self._name_collaborators()
         self.link_source = EpochLinkSource(config, measurer, links, self.planner, self.membership)
@@ -120,10 +120,6 @@ class Job:
         """The collaborators name the job in what they log."""
         self.checkpoints.job_id = self.planner.job_id = self.membership.job_id = self.job_id
         self.integrity.job_id = self.job_id
-
-    def _rolled_back_to(self, step: int) -> None:
-        """A confirmed fault: the newest checkpoint the job may resume from is `step`."""
-        self.checkpoints.step = min(self.checkpoints.step, step)
 
     @property
     def checkpoint_step(self) -> int:
