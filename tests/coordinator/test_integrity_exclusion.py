@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -24,39 +23,17 @@ from prometheus_client import generate_latest
 from coordinator.cli import build_parser
 from coordinator.commands.admit import admit
 from coordinator.commands.status import status_to_json, status_to_text
-from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from coordinator.daemon.metrics import coordinator_registry
-from coordinator.daemon.server import CoordinatorService
 from dtfm import rpc
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.agent.test_checkpoint_transfer import SECURITY
+from tests.coordinator.test_checkpoint_copies import coordinator
 from tests.coordinator.test_job_churn import churn_config, report_all
 from tests.coordinator.test_job_states import Harness, run, until
 
 pytestmark = pytest.mark.timeout(60)
-SECURITY = rpc.Security(token="test-token-0123456789")
 S = coordinator_pb2
-
-
-@contextlib.asynccontextmanager
-async def coordinator(state: Path) -> AsyncIterator[tuple[str, CoordinatorService]]:
-    """A coordinator with a gpt-tiny job (not started) keeping its state in `state`."""
-    svc = CoordinatorService(CoordinatorConfig(
-        security=SECURITY, state_dir=str(state), job=JobConfig(model="gpt-tiny", agents=2)))
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, server)
-        return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
-
-    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test")
-    try:
-        yield f"127.0.0.1:{port}", svc
-    finally:
-        await svc.reach.close()
-        svc.close_streams()
-        await server.stop(None)
-        if svc.store is not None:
-            svc.store.close()
 
 
 async def join(stub: coordinator_pb2_grpc.CoordinatorStub, agent_id: str
