@@ -30,7 +30,7 @@ from coordinator.daemon.validate import (
     validate_link_report,
     validate_progress,
 )
-from coordinator.integrity.status import integrity_status
+from coordinator.integrity.status import excluded_rows, integrity_status
 from coordinator.job.checkpointcopies import CoordinatorCopies
 from coordinator.job.machine import Job
 from coordinator.links import relayprobe
@@ -295,7 +295,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         rows, omitted = self.registry.status_rows(MAX_STATUS_AGENTS)
         ids = [a.agent_id for a in rows]
         return coordinator_pb2.ClusterStatus(
-            agents=[integrity_status(a.to_proto(), self.job.integrity.ledger) for a in rows],
+            agents=[*(integrity_status(a.to_proto(), self.job.integrity.ledger) for a in rows),
+                    *excluded_rows(self.job.integrity.ledger, set(ids))],
             job=self._job_status(),
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),

@@ -54,6 +54,8 @@ class JobIntegrity:
         ledger = IntegrityLedger(saved)
         ledger.on_change, ledger.on_exclude = self.ledger.on_change, self._exclude
         self.ledger = ledger
+        # an adopted epoch planned with the bound lifts it at its own checkpoint, as before
+        self.planned_bound = int(saved.get("planned_bound", 0)) if saved else 0
 
     def _exclude(self, agent_id: str, exclusion: Exclusion) -> None:
         if self.registry.get(agent_id) is not None:
@@ -109,4 +111,4 @@ class JobIntegrity:
                                    self.ledger.rollback_before)
 
     def to_json(self) -> dict[str, Any]:
-        return self.ledger.to_json()
+        return {**self.ledger.to_json(), "planned_bound": self.planned_bound}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.integrity.ledger import Evidence, IntegrityLedger
-from protos.dtfm.v1 import coordinator_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 SHOWN = 8  # pieces of evidence a status row carries (the newest)
 
@@ -33,6 +33,14 @@ def integrity_status(row: coordinator_pb2.AgentStatus, ledger: IntegrityLedger
             reason=exclusion.reason, step=exclusion.step, at_unix_s=exclusion.at_unix_s))
     row.evidence.extend(_evidence(e) for e in ledger.evidence(agent_id)[-SHOWN:])
     return row
+
+
+def excluded_rows(ledger: IntegrityLedger, shown: set[str]) -> list[coordinator_pb2.AgentStatus]:
+    """A row for each excluded agent the registry has none of (a restarted coordinator's,
+    whose excluded agents never got back in), so status lists every exclusion."""
+    return [integrity_status(coordinator_pb2.AgentStatus(
+        info=common_pb2.AgentInfo(agent_id=agent_id)), ledger)
+        for agent_id in ledger.exclusions if agent_id not in shown]
 
 
 def evidence_to_json(e: coordinator_pb2.Evidence) -> dict[str, Any]:

@@ -151,7 +151,7 @@ def summary(status: common_pb2.ReachStatus) -> str:
 def agent_line(status: common_pb2.ReachStatus) -> str:
     """What `agent start` logs when the coordinator's verdict arrives."""
     if status.verdict == NOWHERE and not status.overridden:
-        first = next((d for d in status.dials if not d.ok), None)
+        first = next((d for d in status.dials if not d.ok and not d.outvoted), None)
         why = f" ({first.dialer}: {first.error})" if first is not None else ""
         return (f"not reachable: peers cannot dial {status.address}{why}; this agent's "
                 "workers will dial out and meet unreachable peers at the coordinator's relay "

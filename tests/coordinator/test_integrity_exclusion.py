@@ -100,6 +100,9 @@ def test_an_excluded_agent_is_shown_refused_kept_out_across_a_restart_and_admitt
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             assert "coordinator admit bad" in await refused(join(stub, "bad"))
             assert svc.job.integrity.ledger.evidence("good")  # the evidence outlived it
+            rows = {a["id"]: a for a in status_to_json(
+                await stub.GetStatus(coordinator_pb2.StatusRequest()))["agents"]}
+            assert rows["bad"]["state"] == "excluded" and rows["bad"]["exclusion"]["step"] == 42
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Admit(coordinator_pb2.AdmitRequest(agent_id="good"))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
