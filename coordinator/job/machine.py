@@ -19,7 +19,10 @@ state directory's snapshot; it delegates the rest, each to a collaborator beside
 - `recovery.Recoveries`: the record of each recovery, shown by status;
 - `jobsnapshot`: what the state directory keeps of the job, and putting it back;
 - `failedpairs.FailedPairs`: pairs whose connection failed, relayed or placed apart next time;
-- `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay.
+- `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay;
+- `integrity.exclusion.JobIntegrity`: the evidence ledger, the agents a confirmed fault
+  excluded (lost to the job as a silent agent is) and the rollback bound of the next epoch;
+- `jobstatus`: the `JobStatus` answer read off all of them.
 """
 
 from __future__ import annotations
