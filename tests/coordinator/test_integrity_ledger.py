@@ -66,3 +66,25 @@ def test_a_known_good_checkpoint_is_kept_to_roll_back_to() -> None:
     assert rollback.keep_floor(0, 30, 4, 1, 27) == 24
     assert rollback.newest_before(27, 4) == 24 and rollback.newest_before(4, 4) == 0
     assert rollback.keep_floor(0, 30, 0, 1, 0) == 0  # no checkpoints: no floor
+
+
+def test_a_restarted_coordinator_lifts_the_bound_its_adopted_epoch_was_planned_with() -> None:
+    from coordinator.daemon.registry import Registry
+    from coordinator.integrity.exclusion import JobIntegrity
+    from protos.dtfm.v1 import common_pb2
+
+    class Tracker:
+        step = 12
+
+    first = JobIntegrity(Registry(liveness_timeout_s=10), Tracker())
+    first.checkpoint_every = 4
+    first.ledger.record("bad", "weight_digest", 10, "odd one out", confirmed=True)
+    assignments = [common_pb2.Assignment(), common_pb2.Assignment()]
+    first.plan_epoch(assignments, sync_every=1)
+    assert [a.resume_before for a in assignments] == [10, 10]
+    assert first.checkpoints.step == 8  # the newest checkpoint before step 10
+    again = JobIntegrity(Registry(liveness_timeout_s=10), Tracker())
+    again.restore(first.to_json())  # the adopted epoch's own checkpoint lifts the bound
+    assert again.ledger.rollback_before == 10 and again.refusal("bad")
+    again.checkpointed()
+    assert again.ledger.rollback_before == 0
