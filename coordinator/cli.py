@@ -136,6 +136,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    "--json, print one JSON line per refresh")
     flags.add_common_args(p, config_file=False)
 
+    from coordinator.commands import admit
+
+    p = subs["admit"] = sub.add_parser(
+        "admit", help="let an agent excluded for an integrity fault take part again")
+    _add_client_args(p)
+    admit.add_arguments(p)
+    flags.add_common_args(p, config_file=False)
+
     p = subs["report"] = sub.add_parser(
         "report", help="the job's loss and throughput by step (a table, --json or --plot)")
     _add_client_args(p)
@@ -238,6 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
 
+    def admit_cmd(args: argparse.Namespace) -> int:
+        from coordinator.commands.admit import run
+
+        return run(args)
+
     def report(args: argparse.Namespace) -> int:
         from coordinator.commands.report import run
 
@@ -245,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return flags.dispatch(parser, subs, argv, {
         "start": _start, "status": query, "links": query, "plan": plan, "demo": demo,
-        "report": report, "certs": certs, "web-url": web_url,
+        "report": report, "certs": certs, "web-url": web_url, "admit": admit_cmd,
         "export": lambda args: flags.run_async(_export(args))})
 
 

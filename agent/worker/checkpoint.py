@@ -357,8 +357,11 @@ class SpanFinder(_Steps):
         return all(f.intact(step) for f in self.finders)
 
 
-def agree(finder: Finder | SpanFinder, world_min: Callable[[int], int]) -> int:
-    """The newest step that every rank's stage holds intact (0: none), the same on every rank.
+def agree(finder: Finder | SpanFinder, world_min: Callable[[int], int],
+          below: int = 0) -> int:
+    """The newest step that every rank's stage holds intact (0: none), the same on every rank,
+    and below `below` where that is > 0 (an integrity rollback: steps from the first one
+    proven bad on are never resumed from, `Assignment.resume_before`).
 
     Each rank proposes its newest intact step no newer than the current bound; the bound
     becomes the minimum over all ranks, until it stops moving. A rank whose newest step is
@@ -367,7 +370,9 @@ def agree(finder: Finder | SpanFinder, world_min: Callable[[int], int]) -> int:
     rank sees the same minima, so all leave the loop in the same round; the bound only falls,
     so there are at most as many rounds as steps on disk.
     """
-    bound: int | None = None
+    bound: int | None = below - 1 if below > 0 else None
+    if bound == 0:
+        return 0
     while True:
         agreed = world_min(finder.newest_intact(bound))
         if agreed == 0 or agreed == bound:

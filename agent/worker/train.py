@@ -431,8 +431,8 @@ class Worker:
                                   list(a.checkpoint_splits))
         finder = checkpoint.SpanFinder(loc.dir, srcs, job_id=a.job_id,
                                        on_reject=self._rejected)
-        step = checkpoint.agree(finder, self.world.world_min)
-        mine = finder.newest_intact()
+        step = checkpoint.agree(finder, self.world.world_min, a.resume_before)
+        mine = finder.newest_intact(a.resume_before - 1 if a.resume_before else None)
         held = ", ".join(f"stage {s.stage} (layers {s.layers[0]}-{s.layers[1] - 1})"
                          for s in srcs)
         if step == 0:

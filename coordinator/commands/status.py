@@ -15,6 +15,7 @@ from coordinator.daemon.statusjson import (  # noqa: F401 - re-exported: the JSO
     reach_to_json,
     status_to_json,
 )
+from coordinator.integrity.status import integrity_lines
 from coordinator.job.prediction import prediction_gap
 from coordinator.job.replanlog import replans_to_text
 from dtfm.core.words import stages_x_replicas
@@ -26,10 +27,11 @@ def _reach_cell(r: dict[str, Any]) -> str:
     """The REACH column: the verdict, how many dialers got through, or the operator's word."""
     if r["overridden"]:
         return f"{r['verdict']} (--reachable)"
-    ok = sum(d["ok"] for d in r["dials"])
+    counted = [d for d in r["dials"] if not d["outvoted"]]  # a lone dissent does not count
+    ok = sum(d["ok"] for d in counted)
     if r["verdict"] == "unknown":
         return "checking" if r["summary"] else "-"
-    return f"{r['verdict']} ({ok}/{len(r['dials'])})"
+    return f"{r['verdict']} ({ok}/{len(counted)})"
 
 
 def _ago(seconds: float) -> str:
@@ -112,6 +114,7 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         lines.extend(f"  {a['id']}: {a['reach']['summary']}" for a in data["agents"]
                      if a["reach"]["verdict"] in ("nowhere", "some-peers")
                      and a["state"] != "left")
+    lines.extend(integrity_lines(data["agents"]))  # excluded agents, evidence (issue 43)
     lines.extend(_tuning_lines(data["agents"]))
     if data["links"] and data["links"]["estimated"]:
         estimated = data["links"]["estimated"]

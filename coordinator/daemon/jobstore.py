@@ -67,6 +67,8 @@ class JobSnapshot:
     sync_every: int = 0  # `--sync-every auto`: the H chosen on the first plan (0: not yet)
     # pairs whose connection failed, and what was tried (coordinator/job/failedpairs.py)
     failed_pairs: list[dict[str, Any]] = field(default_factory=list)
+    # evidence against agents, exclusions and the rollback bound (coordinator/integrity/)
+    integrity: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -145,6 +145,25 @@ class CoordinatorCollector(Collector):
         refused.add_metric([], float(status.relay_refused_bytes))
         yield from (relayed, refused)
         yield from self._replans(labels)
+        yield from self._integrity(labels)
+
+    def _integrity(self, labels: list[str]) -> Iterator[Metric]:
+        """Agents excluded for a confirmed integrity fault, and the evidence held, by kind
+        (coordinator/integrity/)."""
+        ledger = self.job.integrity.ledger
+        excluded = CounterMetricFamily("dtfm_integrity_exclusions", "Agents the job excluded "
+                                       "for a confirmed integrity fault since it began",
+                                       labels=["job_id", "model"])
+        excluded.add_metric(labels, float(ledger.total_exclusions))
+        kinds: dict[str, int] = {}
+        for agent_id in ledger.suspects():
+            for e in ledger.evidence(agent_id):
+                kinds[e.kind] = kinds.get(e.kind, 0) + 1
+        held = _gauge("dtfm_integrity_evidence", "Pieces of integrity evidence the "
+                      "coordinator holds against agents, by kind", ["kind"])
+        for kind, count in sorted(kinds.items()):
+            held.add_metric([kind], float(count))
+        yield from (excluded, held)
 
     def _replans(self, labels: list[str]) -> Iterator[Metric]:
         """Every re-plan the job weighed (coordinator/job/replan.py), by outcome; the newest's

@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 ALIVE = coordinator_pb2.AGENT_STATE_ALIVE
 LOST = coordinator_pb2.AGENT_STATE_LOST
 LEFT = coordinator_pb2.AGENT_STATE_LEFT
-STATE_NAMES = {ALIVE: "alive", LOST: "lost", LEFT: "left"}
+# out for a confirmed integrity fault (coordinator/integrity/): never alive again until an
+# operator admits it, never evicted (its row shows why it is out)
+EXCLUDED = coordinator_pb2.AGENT_STATE_EXCLUDED
+STATE_NAMES = {ALIVE: "alive", LOST: "lost", LEFT: "left", EXCLUDED: "excluded"}
 
 
 @dataclass
@@ -194,6 +197,8 @@ class Registry:
         if rec is None:
             return None
         rec.last_seen = self._clock()
+        if rec.state == EXCLUDED:
+            return rec  # its word no longer counts; the server refuses it
         said = {t.setting: t.wanted for t in rec.progress.tuning}
         new = [t for t in report.tuning if said.get(t.setting) != t.wanted]
         if new:
@@ -236,6 +241,29 @@ class Registry:
         self._on_lost([rec])
         return rec
 
+    def exclude(self, agent_id: str, reason: str) -> AgentRecord | None:
+        """Mark an agent excluded for `reason` (coordinator/integrity/exclusion.py): a live one
+        is lost to its job exactly as if its heartbeats had stopped (`on_lost` fires), and it
+        is never alive again until `admit`. None when the id is unknown."""
+        rec = self._agents.get(agent_id)
+        if rec is None or rec.state == EXCLUDED:
+            return rec
+        was_alive = rec.state == ALIVE
+        rec.state, rec.why = EXCLUDED, reason
+        log.warning("agent %s excluded: %s", agent_id, reason)
+        rec.commands.put_nowait(None)  # type: ignore[arg-type]  # ends its command stream
+        self._on_change()
+        if was_alive:
+            self._on_lost([rec])
+        return rec
+
+    def admit(self, agent_id: str) -> None:
+        """An operator admitted an excluded agent: its row counts as lost until it joins."""
+        rec = self._agents.get(agent_id)
+        if rec is not None and rec.state == EXCLUDED:
+            rec.state, rec.why = LOST, "admitted by an operator; waiting for it to join"
+            self._on_change()
+
     def _lose(self, rec: AgentRecord, reason: str) -> None:
         rec.state = LOST
         rec.why = reason
@@ -259,7 +287,8 @@ class Registry:
         """Drop agents lost or left for longer than `evict_after_s`; return their ids."""
         now = self._clock()
         gone = [rec for rec in self._agents.values()
-                if rec.state != ALIVE and now - rec.last_seen > self.evict_after_s]
+                if rec.state not in (ALIVE, EXCLUDED)
+                and now - rec.last_seen > self.evict_after_s]
         for rec in gone:
             del self._agents[rec.agent_id]
             rec.commands.put_nowait(None)  # type: ignore[arg-type]  # ends a stale stream

@@ -30,6 +30,7 @@ from coordinator.daemon.validate import (
     validate_link_report,
     validate_progress,
 )
+from coordinator.integrity.status import excluded_rows, integrity_status
 from coordinator.job.checkpointcopies import CoordinatorCopies
 from coordinator.job.machine import Job
 from coordinator.links import relayprobe
@@ -75,11 +76,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store,
                        reach=self.reach)  # plans only once members' reach verdicts are in
         self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
+        # lies about the network are evidence, recorded only (docs/architecture.md, Integrity)
+        self.reach.evidence = self.measurer.evidence = self._network_evidence
         self.history = History()
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         PushGate(self.registry, self.job).admit)
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None
+
+    def _network_evidence(self, agent_id: str, kind: str, detail: str) -> None:
+        """A report about the network that the coordinator's checks contradict: evidence
+        against its reporter, never enough to exclude on its own."""
+        self.job.integrity.ledger.record(agent_id, kind, 0, detail)
 
     def _changed(self) -> None:
         job = getattr(self, "job", None)
@@ -101,6 +109,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if self.stopping.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down")
+        if refused := self.job.integrity.refusal(request.agent.agent_id):
+            log.warning("refused a Join: %s", refused)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         if self.registry.get(request.agent.agent_id) is None and len(self.registry) >= MAX_AGENTS:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -204,9 +215,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         Its `agent_secret` is cleared once checked: a report is kept (the registry's row, the
         job's progress, the history) and status answers are built from what is kept, so a
-        secret that never outlives this check cannot reach any answer, log or metric."""
+        secret that never outlives this check cannot reach any answer, log or metric. An
+        agent excluded for an integrity fault is refused (PERMISSION_DENIED: its session ends,
+        and its re-join is refused too, until `coordinator admit`)."""
         try:
-            return self.registry.authenticate(request.agent_id, request.agent_secret)
+            rec = self.registry.authenticate(request.agent_id, request.agent_secret)
+            if rec is not None and (refused := self.job.integrity.refusal(rec.agent_id)):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+            return rec
         except IdentityError as exc:
             log.warning("refused a report: %s", exc)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -279,7 +295,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         rows, omitted = self.registry.status_rows(MAX_STATUS_AGENTS)
         ids = [a.agent_id for a in rows]
         return coordinator_pb2.ClusterStatus(
-            agents=[a.to_proto() for a in rows],
+            agents=[*(integrity_status(a.to_proto(), self.job.integrity.ledger) for a in rows),
+                    *excluded_rows(self.job.integrity.ledger, set(ids))],
             job=self._job_status(),
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
@@ -320,6 +337,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         ) or "no relay (--relay-port 0, no relay agent): two of them cannot meet"
         return (f"{len(nowhere)} agent(s) cannot be dialled by their peers: {shown}{more}; "
                 f"their workers dial out (dtfm transport) and are relayed through {via}")
+
+    async def Admit(self, request: coordinator_pb2.AdmitRequest,
+                    context: grpc.aio.ServicerContext) -> coordinator_pb2.AdmitReply:
+        """An operator lets an excluded agent take part again (`coordinator admit`)."""
+        try:
+            return coordinator_pb2.AdmitReply(message=self.job.integrity.admit(request.agent_id))
+        except KeyError:
+            excluded = ", ".join(self.job.integrity.ledger.exclusions) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"agent {request.agent_id[:200]!r} is not excluded (excluded "
+                                f"now: {excluded}); `coordinator status` lists them")
+            raise  # unreachable: abort raises
 
     async def GetPlan(
         self, request: coordinator_pb2.PlanRequest, context: grpc.aio.ServicerContext

@@ -12,6 +12,7 @@ from typing import Any
 
 from coordinator.daemon.history import traffic_per_step
 from coordinator.daemon.registry import STATE_NAMES
+from coordinator.integrity.status import agent_integrity_json
 from coordinator.job.replanlog import replans_to_json
 from coordinator.links.store import matrix_to_json
 from dtfm.core.spec import WorkerState
@@ -52,6 +53,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
             # kernel settings of its host that slow long links (agent/probing/tuning.py); [] = tuned
             "tuning": [{"setting": t.setting, "current": t.current, "wanted": t.wanted,
                         "why": t.why, "line": f"{t.setting} = {t.wanted}"} for t in p.tuning],
+            # integrity (coordinator/integrity/): why it is excluded, and evidence against it
+            **agent_integrity_json(a),
         })
     j = status.job
     plan = None
@@ -79,6 +82,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s,
                 "agents_min": j.agents_min, "stages": j.stages, "replicas": j.replicas,
                 "checkpoint_step": j.checkpoint_step, "restarts": j.restarts,
+                # integrity: agents excluded now; the next epoch resumes before this step
+                "exclusions": j.exclusions, "rollback_before": j.rollback_before,
                 "recoveries": [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
                                for r in j.recoveries],
                 "replans": replans_to_json(j.replans),
@@ -104,7 +109,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
 def reach_to_json(r: common_pb2.ReachStatus) -> dict[str, Any]:
     return {"verdict": reach.NAMES.get(r.verdict, "unknown"), "address": r.address,
             "overridden": r.overridden, "summary": r.summary,
-            "dials": [{"dialer": d.dialer, "ok": d.ok, "error": d.error} for d in r.dials]}
+            "dials": [{"dialer": d.dialer, "ok": d.ok, "error": d.error,
+                       "outvoted": d.outvoted} for d in r.dials]}
 
 
 def local_steps(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -120,7 +120,7 @@ def avoid_dead_links(found: dict[str, Any], failures: linkfailure.LinkFailures,
     grid = linkfailure.avoid(found["grid"], dead) if placement.kind == "scheduled" else None
     if grid is not None:
         return grid
-    bad = blame(ids, [(ids[a], ids[b]) for a, b in map(sorted, crossed)])
+    bad = blame(ids, [failures.reported_way(ids[a], ids[b]) for a, b in map(sorted, crossed)])
     return NoLinks(S.JOB_STATE_WAITING, f"no {placement.label} placement avoids the dead "
                    f"link(s) {linkfailure.describe(failures.dead)}: leaving out "
                    f"{', '.join(bad)}; waiting for others", bad)

@@ -206,4 +206,4 @@ def keep_apart(delay: Any, bandwidth: Any, failures: linkfailure.LinkFailures,
         return delay, bandwidth, failures
     delay, bandwidth = linkfailure.priced(delay, bandwidth, ids, here)
     return delay, bandwidth, linkfailure.LinkFailures(list(failures.leave_out),
-                                                      failures.dead | here)
+                                                      failures.dead | here, failures.reports)

@@ -54,7 +54,8 @@ def snapshot(job: Job) -> JobSnapshot:
         micro_batches=planner.train.micro_batches,
         wanted_replicas=planner.wanted.replicas if planner.wanted else 0,
         wanted_stages=planner.wanted.stages if planner.wanted else 0,
-        sync_every=planner.sync_every, failed_pairs=job.failed_pairs.to_json())
+        sync_every=planner.sync_every, failed_pairs=job.failed_pairs.to_json(),
+        integrity=job.integrity.to_json())
 
 
 def restore(job: Job, snap: JobSnapshot) -> None:
@@ -65,6 +66,7 @@ def restore(job: Job, snap: JobSnapshot) -> None:
     job.replan.restore(snap.replans)
     job.failed_pairs = FailedPairs(snap.failed_pairs)  # not retried after a restart
     job.dataplane.relay_only = job.failed_pairs.relay_only()
+    job.integrity.restore(snap.integrity)  # evidence and exclusions outlive a restart
     planner = job.planner
     planner.grid_ids = snap.grid
     if snap.grid:

@@ -19,7 +19,10 @@ state directory's snapshot; it delegates the rest, each to a collaborator beside
 - `recovery.Recoveries`: the record of each recovery, shown by status;
 - `jobsnapshot`: what the state directory keeps of the job, and putting it back;
 - `failedpairs.FailedPairs`: pairs whose connection failed, relayed or placed apart next time;
-- `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay.
+- `dataplane.DataPlanes`: each epoch's backend and peer table, and the relay;
+- `integrity.exclusion.JobIntegrity`: the evidence ledger, the agents a confirmed fault
+  excluded (lost to the job as a silent agent is) and the rollback bound of the next epoch;
+- `jobstatus`: the `JobStatus` answer read off all of them.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ import numpy as np
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, JobStore
-from coordinator.daemon.reconcile import persistence_fields, shutdown_note, stale_snapshot
+from coordinator.daemon.reconcile import shutdown_note, stale_snapshot
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.job import failedpairs, jobsnapshot, rootcause
+from coordinator.integrity.exclusion import JobIntegrity
+from coordinator.job import failedpairs, jobsnapshot, jobstatus, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
 from coordinator.job.dataplane import DataPlanes
 from coordinator.job.epochlinks import EpochLinkSource, NoLinks, avoid_dead_links
@@ -103,18 +107,22 @@ class Job:
         self.planner = EpochPlanner(config, self.checkpoints,  # layout, grid, split, H
                                     self.dataplane.router(registry, links))  # relay routes
         self.membership = Membership(config, registry, measurer, links, reach)  # usable agents
+        self.integrity = JobIntegrity(registry, self.checkpoints)  # evidence, exclusions
+        self.integrity.checkpoint_every = config.train.checkpoint_every
         self._name_collaborators()
         self.link_source = EpochLinkSource(config, measurer, links, self.planner, self.membership)
         self.recoveries = Recoveries()
         self.failed_pairs = failedpairs.FailedPairs()  # what recoveries learnt of pairs
         self.replan = Replanner(self)  # drift watch and re-planning while training
         self.store = store
+        self.integrity.ledger.on_change = self.persist
         if store is not None and config.model:
             self._adopt(store.unfinished(job_fingerprint(config)))
 
     def _name_collaborators(self) -> None:
         """The collaborators name the job in what they log."""
         self.checkpoints.job_id = self.planner.job_id = self.membership.job_id = self.job_id
+        self.integrity.job_id = self.job_id
 
     @property
     def checkpoint_step(self) -> int:
@@ -132,6 +140,10 @@ class Job:
     def recent_steps(self) -> Mapping[str, Sequence[coordinator_pb2.ProgressReport]]:
         """Each member's last few steady steps' reports."""
         return self._steps
+
+    def progress(self) -> Mapping[str, coordinator_pb2.ProgressReport]:
+        """Each member's newest report this epoch."""
+        return self._progress
 
     # --- the coordinator's state directory ---
     def _adopt(self, snap: JobSnapshot | None) -> None:
@@ -207,7 +219,7 @@ class Job:
             self.poke()
 
     def on_lost(self, lost: list[AgentRecord]) -> None:
-        ids = [r.agent_id for r in lost if r.agent_id in self.members]
+        ids = rootcause.lost_members(lost, self.members)  # an excluded one says why
         if ids and self.state == S.JOB_STATE_RUNNING and (
                 not self._failure or rootcause.outranks(rootcause.LOST, self._failure_kind)):
             self._failure = rootcause.lost_reason(ids, self._failure)
@@ -221,8 +233,9 @@ class Job:
     def checkpoint_floor(self) -> int:
         """The oldest checkpoint step every agent must keep (0: no floor, `write_floor`;
         `CheckpointTracker.floor` says why)."""
-        return self.checkpoints.floor(self.state == S.JOB_STATE_RUNNING, self.planner.train,
-                                      self.planner.layout, self.planner.grid_ids, self._progress)
+        return self.integrity.keep_floor(self.checkpoints.floor(  # and the known-good one
+            self.state == S.JOB_STATE_RUNNING, self.planner.train, self.planner.layout,
+            self.planner.grid_ids, self._progress), self.last_step())
 
     def busy_training(self) -> bool:
         return self.state in (S.JOB_STATE_RUNNING, S.JOB_STATE_SCHEDULING, S.JOB_STATE_MEASURING)
@@ -232,40 +245,8 @@ class Job:
         times = [r.step_s for steps in self._steps.values() for r in steps]
         return statistics.median(times) if times else 0.0
 
-    def _refresh_prediction(self) -> None:
-        """Replace estimated compute by what members measured, once they have."""
-        if self.planner.model is None or self.plan is None:
-            return
-        measured = {a: statistics.median(r.compute_s for r in steps)
-                    for a, steps in self._steps.items() if steps and a in self.members}
-        predicted = self.planner.model.predict(measured)
-        self.plan.predicted_step_s = predicted.step_s
-        self.plan.predicted_compute_s = predicted.compute_s
-
     def status(self) -> coordinator_pb2.JobStatus:
-        reports = list(self._progress.values())
-        step = max((r.step for r in reports), default=0)
-        with_loss = [r for r in reports if r.step == step and r.loss > 0]
-        self._refresh_prediction()
-        measured = self.measured_step_s()
-        tokens = self.config.train.global_batch * self.config.model_spec().seq_len \
-            if self.config.model else 0
-        return coordinator_pb2.JobStatus(
-            job_id=self.job_id, state=self.state, model=self.config.model,
-            model_spec=self.config.model_spec().to_proto() if self.config.model else None,
-            agents_wanted=self.config.agents, epoch=self.epoch, step=step,
-            total_steps=self.config.train.steps,
-            loss=with_loss[0].loss if with_loss else 0.0,
-            tokens_per_s=tokens / measured if measured else 0.0, message=self.message,
-            placement=self.plan.placement if self.plan else "",
-            predicted_step_s=self.plan.predicted_step_s if self.plan else 0.0,
-            measured_step_s=measured,
-            agents_min=self.config.min_agents or self.config.agents,
-            stages=self.planner.layout.stages if self.planner.layout else 0,
-            replicas=self.planner.layout.replicas if self.planner.layout else 0,
-            checkpoint_step=self.checkpoint_step, restarts=self.restarts,
-            recoveries=self.recoveries.items, replans=self.replan.records,
-            **persistence_fields(self.store), **self.dataplane.status_fields(self.job_id))
+        return jobstatus.job_status(self)
 
     # --- the machine ---
     def _set(self, state: int, message: str) -> None:
@@ -412,6 +393,7 @@ class Job:
             member_ids=[r.agent_id for r in records],
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
+        self.integrity.plan_epoch(assignments, train.sync_every)  # a rollback's bound
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()
@@ -519,6 +501,7 @@ class Job:
                                                self.planner.sync_every)
         if fresh:
             self.restarts = 0
+            self.integrity.checkpointed()
         if changed:
             self.persist()
         return fresh

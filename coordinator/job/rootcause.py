@@ -29,14 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.daemon.registry import EXCLUDED, AgentRecord, Registry
 from coordinator.links import dataport
 from dtfm.core import staleentry
 from dtfm.core.assignment import member_address
 from dtfm.core.causes import CAUSES, EXPLAINED_BY_OTHERS, LOST, outranks, rank
 from protos.dtfm.v1 import coordinator_pb2
 
-__all__ = ["CAUSES", "LOST", "MISDIRECTED", "hold_s", "lost_reason", "outranks", "rank",
+__all__ = ["CAUSES", "LOST", "MISDIRECTED", "hold_s", "lost_members", "lost_reason",
+           "outranks", "rank",
            "stale_entry", "worker_failure"]
 
 # a member's advertised data address is another's: the coordinator's kind, not a worker's
@@ -52,6 +53,12 @@ def hold_s(kind: str, since: float, now: float, heartbeat_interval_s: float) -> 
     if kind not in EXPLAINED_BY_OTHERS:
         return 0.0
     return max(0.0, since + heartbeat_interval_s + HOLD_MARGIN_S - now)
+
+
+def lost_members(lost: Sequence[AgentRecord], members: Sequence[str]) -> list[str]:
+    """The ids of the lost records among `members`, an excluded one with why it was."""
+    return [f"{r.agent_id} ({r.why})" if r.state == EXCLUDED else r.agent_id
+            for r in lost if r.agent_id in members]
 
 
 def lost_reason(lost: list[str], seen_first: str = "") -> str:

@@ -57,6 +57,16 @@ class LinkFailures:
 
     leave_out: list[str] = field(default_factory=list)  # agents broken, not their links
     dead: set[frozenset[str]] = field(default_factory=set)  # pairs to plan around
+    # the directed links reported failed among `dead`: (a, b) is a's report
+    reports: frozenset[Link] = frozenset()
+
+    def reported_way(self, a: str, b: str) -> Link:
+        """The dead pair a-b as the one directed link to blame it by (`store.blame`): the
+        direction its only reporter reported, so a tie is never resolved against the end
+        that did not report it; where both ends (or neither) reported it, (b, a) for
+        `a` before `b` in the job's order, whose tie blames the later end, as always."""
+        ways = [w for w in ((a, b), (b, a)) if w in self.reports]
+        return ways[0] if len(ways) == 1 else (b, a)
 
     def indices(self, ids: Sequence[str]) -> set[frozenset[int]]:
         """The dead pairs as indices into `ids` (those with both ends in it)."""
@@ -117,19 +127,25 @@ def partition(ids: Sequence[str], failed: Iterable[Link]) -> LinkFailures:
     The agent that fails to reach the most peers is left out while that is more than
     `tolerated` peers; the failed links that remain lie between agents that reach (nearly)
     everyone else: dead links, each as the pair of its ends, whichever way failed."""
-    pairs = {frozenset(link) for link in failed if link[0] != link[1]}
+    failed = [link for link in failed if link[0] != link[1]]
+    pairs = {frozenset(link) for link in failed}
     out: list[str] = []
     while pairs:
         counts: dict[str, int] = {}
         for pair in pairs:
             for a in pair:
                 counts[a] = counts.get(a, 0) + 1
-        worst = max(counts, key=lambda a: (counts[a], -list(ids).index(a)))
+        # a tie goes against the end that reported more of its links failed, never against
+        # one that did not report them (issue 43: a faked dead link)
+        worst = max(counts, key=lambda a: (counts[a], sum(x == a for x, y in failed
+                                                          if frozenset((x, y)) in pairs),
+                                           -list(ids).index(a)))
         if counts[worst] <= tolerated(len(ids)):
             break
         out.append(worst)
         pairs = {p for p in pairs if worst not in p}
-    return LinkFailures(leave_out=[a for a in ids if a in out], dead=pairs)
+    return LinkFailures(leave_out=[a for a in ids if a in out], dead=pairs,
+                        reports=frozenset(w for w in failed if frozenset(w) in pairs))
 
 
 def priced(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, ids: Sequence[str],

@@ -18,7 +18,10 @@ A report counts only from the agent the command went to (the server checked its 
 the round it was asked, and only for the peers it was asked to probe; a figure no network can
 produce (over MAX_LINK_GBPS), or delays the two ends of a pair contradict each other on (still,
 when the pair is pinged a second time on its own), are logged and the link recorded as failed,
-so one careless or hostile agent cannot pull the scheduler towards links it made up.
+so one careless or hostile agent cannot pull the scheduler towards links it made up. A figure
+its other direction contradicts beyond what honest asymmetry gives (a bandwidth over 100x its
+reverse's, a delay far under its reverse's twice) is discarded and recorded against its
+reporter, as is a dead link only one end reports (coordinator/links/figures.py, `evidence`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.links import punchprobe, relayed
+from coordinator.links import figures, punchprobe, relayed
 from coordinator.links.infer import latency_clusters, sampled_links, to_measure
 from coordinator.links.store import LinkStore, rotation_rounds
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
@@ -95,6 +99,9 @@ class LinkMeasurer:
         # the coordinator's relay and the hole-punch switch (the job's DataPlanes, set by the
         # server): stranded pairs are punch-probed through it (coordinator/links/punchprobe.py)
         self.punching: punchprobe.RelaySource | None = None
+        # (suspect, kind, detail): a figure the other direction contradicts is evidence
+        # against its reporter (coordinator/links/figures.py); the server hands it on
+        self.evidence: Callable[[str, str, str], None] = lambda agent, kind, detail: None
 
     def on_report(self, report: coordinator_pb2.LinkReport) -> str | None:
         """Record a report; or say why it cannot be used (stale, forged, or incomplete)."""
@@ -156,8 +163,13 @@ class LinkMeasurer:
         A pair that disagrees is pinged again, both ways and on its own: a burst of pings on
         busy cores can make one end read a link 100 ms long (a 16-agent job lost 7 agents so),
         and a second, quiet look settles that. A pair that still disagrees (a lie, or a broken
-        agent) is flagged and both directions are dropped, which leaves the pair out of plans."""
+        agent) is flagged and both directions are dropped, which leaves the pair out of plans.
+        A pair whose low end reads far under the other (`figures.deflated_delays`) gets the
+        same second look; still so, its low figure is discarded and recorded against it."""
         pairs = self._contradicting(ids)
+        pairs += [(a, b, f"{a} measured its link to {b} far shorter than {b} measured it back")
+                  for a, b in figures.deflated_delays(self.store, ids)
+                  if not any({a, b} == {x, y} for x, y, _ in pairs)]
         if not pairs:
             return
         log.info("pinging %d pairs again, on their own: their two ends disagreed (%s)",
@@ -173,6 +185,9 @@ class LinkMeasurer:
             log.warning("contradictory link measurement: %s", why)
             self.store.mark_unreachable(a, b, why)
             self.store.mark_unreachable(b, a, why)
+        for a, b in figures.discard_deflated(self.store, ids, self.evidence):
+            log.warning("link %s->%s: its delay, far under %s's measurement back, is "
+                        "discarded (evidence against %s)", a, b, b, a)
 
     async def measure(self, agents: list[AgentRecord], only_missing: bool = False,
                       bandwidth_links: set[tuple[str, str]] | None = None,
@@ -255,7 +270,11 @@ class LinkMeasurer:
                         probe_seconds, max_probes)
         if stands_for:
             self._infer(stands_for)
+        for a, b in figures.inflated_bandwidth(self.store, ids, self.evidence):
+            log.warning("link %s->%s: %s", a, b, self.store.entries[(a, b)].estimate)
         await self._unreachable_ends(run, ids, by_id, silent, probe_seconds)
+        figures.one_sided(self.store, ids, set(ids) - relayed.undialable(list(by_id.values())),
+                          self.evidence)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
                  self.last_seconds)

@@ -25,10 +25,11 @@ import asyncio
 import itertools
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.links import dataport
+from coordinator.links import dataport, dialvotes
 from dtfm import rpc
 from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -62,9 +63,14 @@ class ReachChecker:
         # agent id -> what may still change its verdict: its Join's own check, and the dials
         # of it that later newcomers were asked for (`_backfill`)
         self._checking: dict[str, list[asyncio.Task[None]]] = {}
+        # (suspect, kind, detail): an outvoted dial is evidence against its dialer
+        # (coordinator/links/dialvotes.py); the server hands it to the integrity ledger
+        self.evidence: Callable[[str, str, str], None] = lambda agent, kind, detail: None
+        self._noted: dict[str, set[str]] = {}  # target -> dialers whose dissent was recorded
 
     def on_join(self, rec: AgentRecord) -> None:
         """A (re-)join: forget the old verdict (the address may be new) and check afresh."""
+        self._noted.pop(rec.agent_id, None)
         override = rec.info.reachable
         ports = ([self._spawn(self._check_data_port(rec, rec.stream_generation))]
                  if dataport.needs_check(rec) else [])
@@ -132,7 +138,7 @@ class ReachChecker:
             return
         mine = {d.dialer for d in dials}  # a newcomer's backfill may have come in meanwhile
         dials += [d for d in rec.reach.dials if d.dialer not in mine]
-        self._settle(rec, generation, reach.judged(address, dials))
+        self._settle(rec, generation, self._judged(rec, dials))
 
     async def _check_data_port(self, rec: AgentRecord, generation: int) -> None:
         """Dial `rec`'s own data port (`dataport.check`); refuse it where another agent
@@ -151,7 +157,25 @@ class ReachChecker:
         if not any(d.dialer == reach.COORDINATOR for d in dials):
             rec.reach.dials.append(dials[-1])  # its own check still runs, and will merge this
             return
-        self._settle(rec, generation, reach.judged(rec.address, dials))
+        self._settle(rec, generation, self._judged(rec, dials))
+
+    def _judged(self, rec: AgentRecord, dials: list[common_pb2.DialResult]
+                ) -> common_pb2.ReachStatus:
+        """The verdict over `dials` once a lone dissent is outvoted (`dialvotes`); each
+        outvoted dialer's dissent is recorded as evidence against it, once per Join."""
+        def host_of(agent_id: str) -> str:
+            peer = self.registry.get(agent_id)
+            return peer.info.host if peer is not None else ""
+
+        dials = dialvotes.marked(dials, dialvotes.outvoted(dials, rec.info.host, host_of))
+        noted = self._noted.setdefault(rec.agent_id, set())
+        for d in dials:
+            if d.outvoted and d.dialer not in noted:
+                noted.add(d.dialer)
+                log.warning("reachability of %s: %s %s", rec.agent_id, d.dialer,
+                            dialvotes.why(d, rec.agent_id))
+                self.evidence(d.dialer, dialvotes.DIAL_VOTE, dialvotes.why(d, rec.agent_id))
+        return reach.judged(rec.address, dials)
 
     async def _ask(self, dialer: str, rec: AgentRecord, generation: int) -> str | None:
         """Have `dialer` dial `rec`: "" when it got through, why not otherwise, None when the

@@ -106,7 +106,7 @@ def direct_dials(records: Sequence[AgentRecord], store: LinkStore | None = None
     for rec in records:
         if rec.agent_id not in undialable([rec]) or rec.reach.overridden:
             continue
-        ok = {d.dialer for d in rec.reach.dials if d.ok} & ids
+        ok = {d.dialer for d in rec.reach.dials if d.ok and not d.outvoted} & ids
         if store is not None:
             ok |= {a for a in ids if _probed(store, a, rec.agent_id) is not None}
         out |= {(a, rec.agent_id) for a in ok - {rec.agent_id}}

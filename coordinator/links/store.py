@@ -142,15 +142,22 @@ def estimate_of(sample: common_pb2.LinkSample) -> str:
 def blame(ids: Sequence[str], failed: Iterable[tuple[str, str]]) -> list[str]:
     """Which agents to leave out for these failed (from, to) links, in `ids` order.
 
-    Each failed link blames the side with more failed links (ties: the peer that did not
-    answer), so one dead agent does not exclude every live agent that tried to reach it.
+    Each failed link blames the side with more failed links, so one dead agent does not
+    exclude every live agent that tried to reach it. A tie is never resolved against the end
+    that did not report the failure (issue 43: a liar reported its link to an honest agent as
+    failed, and the honest agent was left out): a link (a, b) is a's report, so a tie blames
+    b only where b reported the link failed too ((b, a) failed: the peer that did not
+    answer, as before), else a.
     """
     failed = list(failed)
+    reported = set(failed)
     counts: dict[str, int] = {}
     for a, b in failed:
         counts[a] = counts.get(a, 0) + 1
         counts[b] = counts.get(b, 0) + 1
-    blamed = {a if counts[a] > counts[b] else b for a, b in failed}
+    blamed = {a if counts[a] > counts[b] or (counts[a] == counts[b]
+                                             and (b, a) not in reported) else b
+              for a, b in failed}
     return [i for i in ids if i in blamed]
 
 

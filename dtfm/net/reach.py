@@ -98,7 +98,9 @@ def result(dialer: str, error: str) -> common_pb2.DialResult:
 
 def verdict(dials: Sequence[common_pb2.DialResult]) -> int:
     """Everywhere when every dialer got through, nowhere when none did, some peers between;
-    unknown without a single dial."""
+    unknown without a single dial. An outvoted dial (`DialResult.outvoted`: the other dialers
+    disagree with it alone, coordinator/links/dialvotes.py) does not count."""
+    dials = [d for d in dials if not d.outvoted]
     ok = sum(d.ok for d in dials)
     if not dials:
         return UNKNOWN
@@ -128,25 +130,28 @@ def summary(status: common_pb2.ReachStatus) -> str:
         word = "yes" if status.verdict == EVERYWHERE else "no"
         return (f"{'reachable' if word == 'yes' else 'not reachable'} at {status.address} "
                 f"(set by the operator: --reachable {word}; not checked)")
-    dials = list(status.dials)
+    dials = [d for d in status.dials if not d.outvoted]
     if status.verdict == UNKNOWN:
         return f"reachability of {status.address or 'this agent'} not checked yet"
     ok = [d.dialer for d in dials if d.ok]
     failed = [d for d in dials if not d.ok]
+    outvoted = [f"{d.dialer} said {'answered' if d.ok else 'refused'}"
+                for d in status.dials if d.outvoted]
+    note = f"; outvoted, alone against the others: {', '.join(outvoted)}" if outvoted else ""
     if status.verdict == EVERYWHERE:
-        return f"reachable from everywhere: {', '.join(ok)} dialled {status.address}"
+        return f"reachable from everywhere: {', '.join(ok)} dialled {status.address}{note}"
     why = f"{failed[0].dialer}: {failed[0].error}"
     if status.verdict == NOWHERE:
         return (f"not reachable: {len(failed)} of {len(dials)} dialer(s) cannot dial "
-                f"{status.address} ({why})")
+                f"{status.address} ({why}){note}")
     return (f"reachable from {len(ok)} of {len(dials)} dialers ({', '.join(ok)}); "
-            f"not from {', '.join(d.dialer for d in failed)} ({why})")
+            f"not from {', '.join(d.dialer for d in failed)} ({why}){note}")
 
 
 def agent_line(status: common_pb2.ReachStatus) -> str:
     """What `agent start` logs when the coordinator's verdict arrives."""
     if status.verdict == NOWHERE and not status.overridden:
-        first = next((d for d in status.dials if not d.ok), None)
+        first = next((d for d in status.dials if not d.ok and not d.outvoted), None)
         why = f" ({first.dialer}: {first.error})" if first is not None else ""
         return (f"not reachable: peers cannot dial {status.address}{why}; this agent's "
                 "workers will dial out and meet unreachable peers at the coordinator's relay "

@@ -87,16 +87,18 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., reachable: _Optional[_Union[ReachOverride, str]] = ..., data_port: _Optional[int] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class DialResult(_message.Message):
-    __slots__ = ("dialer", "ok", "error", "unix_s")
+    __slots__ = ("dialer", "ok", "error", "unix_s", "outvoted")
     DIALER_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OUTVOTED_FIELD_NUMBER: _ClassVar[int]
     dialer: str
     ok: bool
     error: str
     unix_s: float
-    def __init__(self, dialer: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., unix_s: _Optional[float] = ...) -> None: ...
+    outvoted: bool
+    def __init__(self, dialer: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., unix_s: _Optional[float] = ..., outvoted: _Optional[bool] = ...) -> None: ...
 
 class ReachStatus(_message.Message):
     __slots__ = ("verdict", "address", "dials", "overridden", "summary")
@@ -219,7 +221,7 @@ class TrainConfig(_message.Message):
     def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., eval_every: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., init_from: _Optional[str] = ..., seq_len: _Optional[int] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., lora_dropout: _Optional[float] = ..., lora_targets: _Optional[str] = ..., lora_init: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares", "checkpoint_pushes", "init_hash", "data_plane")
+    __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares", "checkpoint_pushes", "init_hash", "data_plane", "resume_before")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,7 @@ class Assignment(_message.Message):
     CHECKPOINT_PUSHES_FIELD_NUMBER: _ClassVar[int]
     INIT_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BEFORE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     master_addr: str
@@ -280,7 +283,8 @@ class Assignment(_message.Message):
     checkpoint_pushes: _containers.RepeatedCompositeFieldContainer[CheckpointMirror]
     init_hash: str
     data_plane: DataPlane
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., checkpoint_pushes: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., init_hash: _Optional[str] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
+    resume_before: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., checkpoint_pushes: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., init_hash: _Optional[str] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., resume_before: _Optional[int] = ...) -> None: ...
 
 class DataPlane(_message.Message):
     __slots__ = ("listen", "relay", "secret", "pair_relays", "limited", "direct", "hole_punch", "gpu")

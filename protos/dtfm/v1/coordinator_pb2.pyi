@@ -22,6 +22,7 @@ class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AGENT_STATE_ALIVE: _ClassVar[AgentState]
     AGENT_STATE_LOST: _ClassVar[AgentState]
     AGENT_STATE_LEFT: _ClassVar[AgentState]
+    AGENT_STATE_EXCLUDED: _ClassVar[AgentState]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_ALIVE: AgentState
 AGENT_STATE_LOST: AgentState
 AGENT_STATE_LEFT: AgentState
+AGENT_STATE_EXCLUDED: AgentState
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_IDLE: JobState
 JOB_STATE_WAITING: JobState
@@ -51,6 +53,44 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_RECOVERING: JobState
 JOB_STATE_DONE: JobState
 JOB_STATE_FAILED: JobState
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("agent_id",)
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    def __init__(self, agent_id: _Optional[str] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class Evidence(_message.Message):
+    __slots__ = ("kind", "step", "detail", "reporter", "at_unix_s", "confirmed")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    step: int
+    detail: str
+    reporter: str
+    at_unix_s: float
+    confirmed: bool
+    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., detail: _Optional[str] = ..., reporter: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., confirmed: _Optional[bool] = ...) -> None: ...
+
+class Exclusion(_message.Message):
+    __slots__ = ("reason", "step", "at_unix_s")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    step: int
+    at_unix_s: float
+    def __init__(self, reason: _Optional[str] = ..., step: _Optional[int] = ..., at_unix_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("agent", "agent_secret")
@@ -290,23 +330,27 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach")
+    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach", "exclusion", "evidence")
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     JOINED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     REACH_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSION_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.AgentInfo
     state: AgentState
     last_seen_unix_s: float
     joined_unix_s: float
     progress: ProgressReport
     reach: _common_pb2.ReachStatus
-    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ...) -> None: ...
+    exclusion: Exclusion
+    evidence: _containers.RepeatedCompositeFieldContainer[Evidence]
+    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ..., exclusion: _Optional[_Union[Exclusion, _Mapping]] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "coordinator_checkpoints", "export_source")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "coordinator_checkpoints", "rollback_before", "exclusions", "export_source")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +378,8 @@ class JobStatus(_message.Message):
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELAY_REFUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIONS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
@@ -362,8 +408,10 @@ class JobStatus(_message.Message):
     relayed_bytes: int
     relay_refused_bytes: int
     coordinator_checkpoints: _containers.RepeatedCompositeFieldContainer[HeldCheckpoint]
+    rollback_before: int
+    exclusions: int
     export_source: ExportSource
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., coordinator_checkpoints: _Optional[_Iterable[_Union[HeldCheckpoint, _Mapping]]] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., coordinator_checkpoints: _Optional[_Iterable[_Union[HeldCheckpoint, _Mapping]]] = ..., rollback_before: _Optional[int] = ..., exclusions: _Optional[int] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
 
 class ExportSource(_message.Message):
     __slots__ = ("config_json", "generation_json", "tokenizer", "lora")

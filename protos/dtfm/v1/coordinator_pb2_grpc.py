@@ -96,6 +96,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/dtfm.v1.Coordinator/Admit',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -193,6 +198,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """An operator lets an agent the job excluded for integrity evidence take part again
+        (`coordinator admit AGENT_ID`; coordinator/integrity/): its re-joins are refused until
+        then. Authenticated by the join token like every call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +269,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.PushCheckpoint,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +600,33 @@ class Coordinator:
             '/dtfm.v1.Coordinator/PushCheckpoint',
             protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPush.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_agent__pb2.CheckpointPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/Admit',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,114 @@
+"""What a confirmed fault does to the job: the agent is stopped and excluded, the job re-plans
+without it, and the next epoch rolls back before the first step proven bad.
+
+The ledger (coordinator/integrity/ledger.py) decides who is excluded; this module carries it
+out for one job, reusing what a lost agent already sets off: the registry marks the row
+`excluded` (`Registry.exclude`), which tells the job as it tells it of a lost agent
+(`Job.on_lost`), so the recovery stops the members and plans again on the live agents, with
+a spare or shrunk within `--min-agents` (coordinator/job/membership.py). The excluded row
+never counts as alive again: its heartbeats are refused, its re-joins too
+(coordinator/daemon/server.py asks `refusal`), until `coordinator admit` lifts it (`admit`).
+
+The rollback (coordinator/integrity/rollback.py): the job's newest checkpoint step drops to
+the newest one before the bad step, the next epoch's assignments carry the bound
+(`plan_epoch`), and once that epoch writes a checkpoint of its own the bound is lifted
+(`checkpointed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from coordinator.daemon.registry import Registry
+from coordinator.integrity import rollback
+from coordinator.integrity.ledger import Exclusion, IntegrityLedger
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints(Protocol):
+    step: int  # the newest step every member holds a checkpoint of
+
+
+class JobIntegrity:
+    """The ledger of one job and its consequences."""
+
+    def __init__(self, registry: Registry, checkpoints: Checkpoints,
+                 saved: Mapping[str, Any] | None = None) -> None:
+        """`checkpoints`: the job's (`CheckpointTracker`), whose newest step every member
+        holds drops to the one a rollback resumes from."""
+        self.registry = registry
+        self.checkpoints = checkpoints
+        self.job_id = ""  # for the stop command; the job sets it
+        self.checkpoint_every = 0
+        self.sync_every = 1
+        self.planned_bound = 0  # the rollback bound this epoch's assignments carry
+        self.ledger = IntegrityLedger(saved)
+        self.ledger.on_exclude = self._exclude
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Put back a restarted coordinator's ledger, keeping the callbacks."""
+        ledger = IntegrityLedger(saved)
+        ledger.on_change, ledger.on_exclude = self.ledger.on_change, self._exclude
+        self.ledger = ledger
+        # an adopted epoch planned with the bound lifts it at its own checkpoint, as before
+        self.planned_bound = int(saved.get("planned_bound", 0)) if saved else 0
+
+    def _exclude(self, agent_id: str, exclusion: Exclusion) -> None:
+        if self.registry.get(agent_id) is not None:
+            try:  # its worker stops now, not when the recovery stops the members
+                self.registry.send(agent_id, coordinator_pb2.Command(
+                    stop=coordinator_pb2.StopCommand(
+                        job_id=self.job_id, reason=f"excluded: {exclusion.reason}")))
+            except KeyError:
+                pass
+        if self.ledger.rollback_before:
+            self._roll_back(self.ledger.rollback_before)
+        self.registry.exclude(agent_id, f"excluded for a confirmed integrity fault: "
+                                        f"{exclusion.reason}")
+
+    def _roll_back(self, bad_step: int) -> None:
+        """The job's newest usable checkpoint is the newest before `bad_step`."""
+        self.checkpoints.step = min(self.checkpoints.step, rollback.newest_before(
+            bad_step, self.checkpoint_every, self.sync_every))
+
+    def admit(self, agent_id: str) -> str:
+        """The operator's `coordinator admit`: what was done, in words; raises KeyError when
+        `agent_id` is not excluded."""
+        exclusion = self.ledger.admit(agent_id)
+        if exclusion is None:
+            raise KeyError(agent_id)
+        self.registry.admit(agent_id)
+        return (f"agent {agent_id} admitted again (was excluded: {exclusion.reason}); it "
+                f"takes part once it joins (restart it: an excluded agent's session ends)")
+
+    def refusal(self, agent_id: str) -> str:
+        return self.ledger.refusal(agent_id)
+
+    def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int) -> None:
+        """Carry the pending rollback bound in the next epoch's assignments (`sync_every`:
+        the epoch's H, where its checkpoints fall)."""
+        self.sync_every = max(sync_every, 1)
+        self.planned_bound = self.ledger.rollback_before
+        if self.planned_bound:
+            self._roll_back(self.planned_bound)
+        for a in assignments:
+            a.resume_before = self.planned_bound
+
+    def checkpointed(self) -> None:
+        """Every member passed a checkpoint this epoch wrote: an epoch planned with the
+        rollback bound has its own, clean checkpoint now."""
+        if self.planned_bound and self.planned_bound == self.ledger.rollback_before:
+            self.ledger.rolled_back()
+        self.planned_bound = 0
+
+    def keep_floor(self, floor: int, last_step: int) -> int:
+        """The agents' keep floor with the known-good checkpoint (`rollback.keep_floor`)."""
+        return rollback.keep_floor(floor, last_step, self.checkpoint_every, self.sync_every,
+                                   self.ledger.rollback_before)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.ledger.to_json(), "planned_bound": self.planned_bound}

@@ -1,0 +1,51 @@
+"""Rollback after a confirmed fault: which checkpoint the stages may resume from, and which
+one every agent must keep so that there is one to roll back to.
+
+A confirmed fault names the first step proven bad (S). Every stage must resume from a
+checkpoint of a step before S, never at or after it: those were trained with the bad
+agent's numbers in them. The bound travels in the next epoch's assignments
+(`Assignment.resume_before`); each worker agrees with the others on the newest step below it
+that every rank holds intact (agent/worker/checkpoint.py `agree`).
+
+Agents keep only their newest `KEEP` (2) complete steps per stage (dtfm/core/checkpoints.py),
+so by the time a fault is proven the last checkpoint before S may be gone. The nearest
+honest thing: keep one known-good copy. A checkpoint is taken as known-good once the job has
+trained `VET_ROUNDS` rounds past it (the detection window the checks are built to meet: every
+attack caught within 10 steps, 10 outer steps with local steps) and no fault was proven; the
+coordinator names it as the agents' keep floor (`Ack.keep_checkpoints_from`), so every
+step from it on is kept (up to `MAX_HELD`). A fault caught later than the window, or proven
+at a step before the known-good copy, finds nothing older to resume from: the stages start
+from step 0 (the workers' agreement finds no step below the bound), which is slow but never
+wrong. Pure functions: the job calls them.
+"""
+
+from __future__ import annotations
+
+from dtfm.core.rounds import newest_checkpoint
+
+VET_ROUNDS = 10  # rounds a checkpoint must be trained past, unchallenged, to be known-good
+
+
+def known_good(last_step: int, checkpoint_every: int, sync_every: int = 1) -> int:
+    """The newest checkpoint step at least VET_ROUNDS rounds (of `sync_every` steps) behind
+    `last_step` (0: none yet, or no checkpoints)."""
+    vetted = last_step - VET_ROUNDS * max(sync_every, 1)
+    if checkpoint_every <= 0 or vetted <= 0:
+        return 0
+    return newest_checkpoint(vetted, checkpoint_every, max(sync_every, 1))
+
+
+def keep_floor(floor: int, last_step: int, checkpoint_every: int, sync_every: int,
+               rollback_before: int) -> int:
+    """The oldest step every agent must keep: the lower of the job's own `floor` (a mirror's,
+    0: none) and the known-good checkpoint, or the one a pending rollback resumes from."""
+    good = known_good(last_step, checkpoint_every, sync_every)
+    if rollback_before:
+        good = newest_before(rollback_before, checkpoint_every, sync_every) or good
+    floors = [f for f in (floor, good) if f > 0]
+    return min(floors) if floors else 0
+
+
+def newest_before(bad_step: int, checkpoint_every: int, sync_every: int = 1) -> int:
+    """The newest checkpoint step before `bad_step` (0: none)."""
+    return newest_checkpoint(bad_step - 1, checkpoint_every, max(sync_every, 1))
