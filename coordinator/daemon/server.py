@@ -30,6 +30,7 @@ from coordinator.daemon.validate import (
     validate_link_report,
     validate_progress,
 )
+from coordinator.integrity.reports import IntegrityReports
 from coordinator.job.checkpointcopies import CoordinatorCopies
 from coordinator.job.machine import Job
 from coordinator.links import relayprobe
@@ -76,6 +77,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                        reach=self.reach)  # plans only once members' reach verdicts are in
         self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
         self.history = History()
+        self.integrity = IntegrityReports()  # what agents' replica checks found (issue 43)
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         PushGate(self.registry, self.job).admit)
         self.stopping = asyncio.Event()
@@ -156,6 +158,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if request.epoch == self.job.epoch:
                 floor = self.job.checkpoint_floor()
                 layout = self.job.planner.layout  # stages the coordinator holds count too
+                if request.integrity and layout is not None:  # evidence, kept and logged
+                    self.integrity.record(rec.agent_id, request, self.job.members,
+                                          layout.stages)
                 if self.job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
                     floor = self.copies.floor(self.job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor)
