@@ -31,7 +31,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> int:
         flat = t.detach().reshape(-1)
         if flat.device.type != "cpu":
             flat = flat.cpu()
-        h.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(flat.contiguous().view(torch.uint8).numpy())  # the buffer: no copy
     return int.from_bytes(h.digest(), "big") >> (64 - DIGEST_BITS)
 
 
