@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agent.daemon.session import evidence_messages
 from agent.daemon.supervisor import WorkerProgress
 from agent.worker import digest, gradscore
 from agent.worker.badpeer import Contributions, attack, drift_
@@ -145,6 +146,12 @@ def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
     for i in range(MAX_EVIDENCE + 3):
         progress.apply(IntegrityEvent(step=i, kind="weights", suspect_rank=5, rank=1))
     assert len(progress.integrity) == MAX_EVIDENCE and progress.integrity[-1].step == 18
+    sent = coordinator_pb2.ProgressReport(
+        agent_id="a1", agent_secret="ab" * 32, integrity=evidence_messages(
+            [*progress.integrity[1:], IntegrityEvent(kind="grad_norm", score=float("inf"),
+                                                     detail="x" * 10_000, suspect_rank=2)]))
+    assert validate_progress(sent) is None  # what an agent sends is always accepted
+    assert sent.integrity[-1].score == 1e300 and sent.integrity[-1].suspect_rank == 2
     report = coordinator_pb2.ProgressReport(
         agent_id="a1", agent_secret="ab" * 32, epoch=2, integrity=[
             coordinator_pb2.IntegrityEvidence(step=7, kind="grad_norm", suspect_rank=5,
