@@ -501,6 +501,7 @@ _FIELDS = {f.name: f for f in fields(TrainConfig)}
 # Fields that change what a run reports, not what it trains: a job's fingerprint
 # (dtfm.core.fingerprint) leaves them out, so a restart with another value resumes, and the
 # fingerprints stored before they existed still match.
+# (`verify` checks without changing the bits, except `robust`'s averaging: a tolerance choice)
 REPORTING_ONLY = ("eval_every", "verify")
 
 
