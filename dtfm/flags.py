@@ -36,6 +36,7 @@ from dtfm.core.spec import (
     Schedule,
     TrainConfig,
 )
+from dtfm.core.verify import Verify
 from dtfm.rpc import ConfigError, Security, load_token
 
 T = TypeVar("T")
@@ -271,6 +272,7 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "lora_dropout": number(float, 0, maximum=0.999),
     "lora_targets": str,
     "lora_init": str,
+    "verify": Verify,
 }
 _TRAIN_METAVARS = {"data_path": "PATH", "checkpoint_dir": "DIR", "lr": "LR", "grad_clip": "NORM",
                    "weight_decay": "X", "pp_compress": "CODEC", "outer_lr": "LR",

@@ -22,7 +22,8 @@ from agent.probing.linkprobe import measure_peer
 from agent.probing.tuning import TuningCheck
 from dtfm import rpc
 from dtfm.core.assignment import resolve_relay
-from dtfm.core.limits import MAX_KIND, clip
+from dtfm.core.events import IntegrityEvent
+from dtfm.core.limits import MAX_KIND, clip, finite
 from dtfm.core.spec import WorkerState
 from dtfm.net import reach
 from dtfm.net.handoff import DataHandoff
@@ -261,6 +262,7 @@ class CoordinatorSession:
             sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
             validations=[coordinator_pb2.Validation(step=step, loss=loss)
                          for step, loss in p.validations],
+            integrity=evidence_messages(p.integrity),
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
             relay_forwarded_bytes=relay.forwarded(p.job_id) if (relay := self.relay) else 0,
             relay_refused_bytes=relay.refused_bytes if relay else 0,
@@ -318,3 +320,11 @@ class CoordinatorSession:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
+
+
+def evidence_messages(events: list[IntegrityEvent]) -> list[coordinator_pb2.IntegrityEvidence]:
+    """The worker's integrity events as a heartbeat carries them, within the wire's limits
+    (texts clipped, a non-finite score clamped: `coordinator/daemon/validate.py`)."""
+    return [coordinator_pb2.IntegrityEvidence(
+        step=e.step, kind=clip(e.kind, MAX_KIND), suspect_rank=e.suspect_rank,
+        score=finite(e.score), detail=clip(e.detail), reporter_rank=e.rank) for e in events]

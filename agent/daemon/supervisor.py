@@ -31,8 +31,16 @@ from pathlib import Path
 from agent.daemon.statedir import checkpoint_dir, private_dir
 from dtfm.checkpoints.copies import CheckpointCopier
 from dtfm.checkpoints.push import CheckpointPushes
-from dtfm.core.events import DoneEvent, ErrorEvent, EvalEvent, ProgressEvent, StepEvent, WorkerEnv
-from dtfm.core.limits import MAX_VALIDATIONS
+from dtfm.core.events import (
+    DoneEvent,
+    ErrorEvent,
+    EvalEvent,
+    IntegrityEvent,
+    ProgressEvent,
+    StepEvent,
+    WorkerEnv,
+)
+from dtfm.core.limits import MAX_EVIDENCE, MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
@@ -67,6 +75,9 @@ class WorkerProgress:
     drift: float = 0.0
     # (step, validation loss) of the worker's newest evaluations, oldest first (--eval-every)
     validations: list[tuple[int, float]] = field(default_factory=list)
+    # the worker's newest failed replica checks (--verify), oldest first: evidence for the
+    # coordinator (each heartbeat carries them all, so none is missed between two)
+    integrity: list[IntegrityEvent] = field(default_factory=list)
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -91,6 +102,8 @@ class WorkerProgress:
             if math.isfinite(event.val_loss) and event.step >= 1:
                 self.validations = [*self.validations, (event.step, event.val_loss)][
                     -MAX_VALIDATIONS:]
+        elif isinstance(event, IntegrityEvent):
+            self.integrity = [*self.integrity, event][-MAX_EVIDENCE:]
         elif isinstance(event, DoneEvent):  # the state turns DONE once the worker exits 0
             self.step = max(self.step, event.step)
             if event.resumed_step >= 0:

@@ -35,6 +35,12 @@ in replica order and replaces its own averaged shard by what its peers will deco
 message, so every replica still steps with identical gradients. The extra scalars then
 travel in a bucket of their own, uncompressed, so the reported loss stays exact. The
 residuals live in memory only: a resumed run starts them at zero.
+
+Two seams for the replica checks (`replicacheck.py`, `--verify`): `inspect`, called at a
+shard's owner with every replica's copy of the shard (replica order, decoded), may score them
+and return the average to use instead of the mean (robust aggregation); `tamper`, called on
+each outgoing contribution before it is encoded, is how a rehearsed bad peer (`fault.py`)
+alters what it sends. Both are None unless set.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +64,9 @@ log = logging.getLogger(__name__)
 
 ENV_BUCKET_MB = "DTFM_DP_BUCKET_MB"
 TAG_SCATTER = 100  # sharded mode: bucket i's shards travel with tag 100 + 2i, averages + 1
+# inspect(bucket index, every replica's copy of my shard) -> the average to use, or None
+Inspect = Callable[[int, list[torch.Tensor]], "torch.Tensor | None"]
+Tamper = Callable[[Hashable, torch.Tensor], torch.Tensor]  # (bucket, destination), tensor
 
 
 @dataclass(eq=False)  # buckets are compared by identity (list.index)
@@ -133,6 +142,8 @@ class GradAverager:
         self._extras = [0.0] * extras
         self.sent_bytes = 0  # this step's bytes to the other replicas
         self.codec_s = 0.0  # this step's compressing and decompressing
+        self.inspect: Inspect | None = None  # the owner's look at its shard's copies
+        self.tamper: Tamper | None = None  # a rehearsed bad peer's hand on what it sends
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         if self.size > 1:
@@ -268,6 +279,8 @@ class GradAverager:
 
     def _launch(self, b: _Bucket) -> None:
         if self.mode == "allreduce":
+            if self.tamper is not None:
+                b.flat.copy_(self.tamper((self.buckets.index(b), -1), b.flat))
             b.works = [self._async(dist.all_reduce(b.flat, dist.ReduceOp.SUM, self.group, True))]
             # gloo's ring: each replica sends 2(R-1)/R of the buffer
             self.sent_bytes += 2 * (self.size - 1) * b.flat.numel() * b.flat.element_size() \
@@ -288,6 +301,8 @@ class GradAverager:
 
     def _message(self, b: _Bucket, k: int, shard: torch.Tensor) -> torch.Tensor:
         """What replica k receives for `shard`: the shard, or its error-compensated message."""
+        if self.tamper is not None:
+            shard = self.tamper((self.buckets.index(b), k), shard)
         if b.codec is None:
             msg = shard.contiguous()
         else:
@@ -332,10 +347,7 @@ class GradAverager:
             if b.codec is not None:
                 self._gather_compressed(b, i, me)
                 continue
-            mine = b.parts[0].clone()
-            for part in b.parts[1:]:
-                mine.add_(part)
-            mine.div_(self.size)
+            mine = self._average(i, b.parts)
             chunks = b.flat.split(b.sizes)
             chunks[me].copy_(mine)
             tag = TAG_SCATTER + 2 * i + 1
@@ -343,6 +355,17 @@ class GradAverager:
                 self._async(dist.isend(chunks[me], self.ranks[k], self.group, tag))
                 for k in range(self.size) if k != me]
             self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
+
+    def _average(self, i: int, copies: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket i's copies of my shard averaged: what `inspect` returns, else their sum in
+        replica order divided by R."""
+        mine = self.inspect(i, copies) if self.inspect is not None else None
+        if mine is None:
+            mine = copies[0].clone()
+            for part in copies[1:]:
+                mine.add_(part)
+            mine.div_(self.size)
+        return mine
 
     def _gather_compressed(self, b: _Bucket, i: int, me: int) -> None:
         """`_gather_shards` for a compressed bucket: decode the copies, sum them in replica
@@ -353,10 +376,7 @@ class GradAverager:
         chunks = b.flat.split(b.sizes)
         n = chunks[me].numel()
         copies = [part if k == me else b.codec.decode(part, n) for k, part in enumerate(b.parts)]
-        mine = copies[0].clone()
-        for part in copies[1:]:
-            mine.add_(part)
-        mine.div_(self.size)
+        mine = self._average(i, copies)
         if b.gather_feedback is None:
             b.gather_feedback = ErrorFeedback(b.codec)
         msg, sent = b.gather_feedback.encode(mine)

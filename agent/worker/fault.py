@@ -13,7 +13,12 @@ only where given (a job the coordinator recovers then goes on). Modes:
   dtfm peer table lets one of the two dial the other), it fails with that peer's error
   (`PeerError`: "receive from rank RANK - 1 failed"), as a pair a firewall cuts does; where the
   pair meets at a relay it trains on. So a test sees a recovery move the pair onto the relay
-  (coordinator/job/failedpairs.py), whatever the epoch.
+  (coordinator/job/failedpairs.py), whatever the epoch;
+- bad-peer modes (`badpeer.py` holds their arithmetic), from step STEP on: `scale` (x10),
+  `flip` (x-4), `noise` (+1 sigma), `zero` and `stale` (a copy of the step before STEP's)
+  alter every data-parallel contribution the rank sends (`contributions`); `drift` moves one
+  of its own weights after the optimizer step of STEP (`drifts`). The replica checks
+  (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
 Kept out of `train.py` (the main loop) so the seam's modes grow without growing it.
 """
@@ -26,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from agent.worker.badpeer import CONTRIBUTION_ATTACKS, WEIGHT_ATTACKS, Contributions
 from agent.worker.errors import PeerError
 from dtfm.core.events import FAULT_EXIT_CODE
 from dtfm.net.dataplane import may_dial
@@ -33,7 +39,8 @@ from dtfm.net.dataplane import may_dial
 log = logging.getLogger(__name__)
 
 ENV_FAULT = "DTFM_FAULT"
-MODES = ("exit", "hang", "config", "corrupt", "direct")
+MODES = ("exit", "hang", "config", "corrupt", "direct", *CONTRIBUTION_ATTACKS,
+         *WEIGHT_ATTACKS)
 CORRUPT_SCALE = -4.0
 
 
@@ -74,7 +81,7 @@ class Fault:
             raise PeerError(f"receive from rank {peer} failed: fault injection: the direct "
                             f"path between ranks {peer} and {rank} drops")
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
-        if self.mode == "corrupt":
+        if self.mode == "corrupt" or self.mode in CONTRIBUTION_ATTACKS + WEIGHT_ATTACKS:
             return
         if self.mode == "hang":
             while True:
@@ -89,6 +96,19 @@ class Fault:
         corrupt = (self.mode == "corrupt" and rank == self.rank and step >= self.step
                    and self.epoch in (None, epoch))
         return CORRUPT_SCALE if corrupt else 1.0
+
+
+    def contributions(self, rank: int, epoch: int = 0) -> Contributions | None:
+        """This rank's attack on its data-parallel contributions (a bad-peer mode), else None."""
+        if (self.mode in CONTRIBUTION_ATTACKS and rank == self.rank
+                and self.epoch in (None, epoch)):
+            return Contributions(self.mode, self.step, seed=rank)
+        return None
+
+    def drifts(self, rank: int, step: int, epoch: int = 0) -> bool:
+        """Whether this rank's weights drift after the optimizer step of `step`."""
+        return (self.mode in WEIGHT_ATTACKS and rank == self.rank and step == self.step
+                and self.epoch in (None, epoch))
 
 
 def direct_path(assignment: Any, peer: int) -> bool:

@@ -30,6 +30,7 @@ from agent.worker.fault import Fault
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
 from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
+from agent.worker.replicacheck import ReplicaChecks
 from agent.worker.stage import Stage
 from agent.worker.world import join
 from dtfm.core.events import (
@@ -46,6 +47,7 @@ from dtfm.core.layout import Layout, layer_ranges
 from dtfm.core.requests import CheckpointRequests
 from dtfm.core.rounds import round_of
 from dtfm.core.spec import ModelSpec, TrainConfig
+from dtfm.core.verify import resolve
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -209,6 +211,10 @@ class Worker:
         self.links, self.dp_group = world.links, world.dp_group
         self.phase = errors.TRAIN
         pipe, averager = self._build_comm()
+        self.checks = ReplicaChecks(  # --verify: evidence against a bad peer (replicacheck.py)
+            resolve(cfg.verify, cfg.dp_mode), world=world, averager=averager, model=self.stage,
+            dp_ranks=self.dp_ranks, rank=self.rank, sync_every=cfg.sync_every,
+            emit=self.progress.emit, fault=self.fault, epoch=a.epoch)
         start = self._resumed = self._resume(opt, sampler)
         if cfg.init_from and (start == 0 or cfg.lora_rank):  # LoRA checkpoints hold no base
             self._import(cfg.init_from)
@@ -321,6 +327,7 @@ class Worker:
         a, cfg, last = self.a, self.cfg, self.stage.is_last
         outer = self.outer
         t0 = time.perf_counter()
+        self.checks.begin_step(step)
         ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
         x, y = sampler.windows(ids)
         lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
@@ -350,6 +357,7 @@ class Worker:
         if outer and outer.due(step, cfg.steps):
             self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
             synced = outer.sync(step)
+        self.checks.end_step(step, cfg.steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,

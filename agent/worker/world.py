@@ -125,6 +125,19 @@ class World:
                        dist.get_process_group_ranks(self.dp_group))
         return t.item()
 
+    def dp_gather(self, values: list[float]) -> list[list[float]]:
+        """Every replica's `values` (the same length on each), in dp-group order: one sum of
+        one-hot rows, exact in float64 (so integers below 2**53 arrive exact)."""
+        if self.dp_group is None:
+            return [list(values)]
+        ranks = dist.get_process_group_ranks(self.dp_group)
+        rows = torch.zeros(len(ranks), len(values), dtype=torch.float64, device=self.device)
+        rows[ranks.index(self.rank)] = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
+        assert work is not None
+        self._wait([work], "gather over its data-parallel group", ranks)
+        return rows.tolist()
+
     def world_min(self, value: int) -> int:
         """The minimum over every rank: over the pipeline, then over the replicas."""
         lowest = min(int(row[0]) for row in self.pipeline_exchange([float(value)]))

@@ -11,6 +11,7 @@ from dtfm.core.limits import (
     AGENT_ID_RE,
     MAX_AGENTS,
     MAX_ERROR,
+    MAX_EVIDENCE,
     MAX_KIND,
     MAX_NAME,
     MAX_TUNING,
@@ -90,7 +91,15 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
     if len(report.validations) > MAX_VALIDATIONS:
         return (f"validations holds {len(report.validations)} losses; the limit is "
                 f"{MAX_VALIDATIONS} (a worker's newest)")
+    if len(report.integrity) > MAX_EVIDENCE:
+        return (f"integrity holds {len(report.integrity)} records; the limit is "
+                f"{MAX_EVIDENCE} (a worker's newest)")
     return _first(
+        *(problem for e in report.integrity for problem in (
+            text_problem("integrity kind", e.kind, MAX_KIND),
+            text_problem(f"integrity {e.kind[:MAX_KIND]}: detail", e.detail, MAX_ERROR,
+                         free_text=True),
+            number_problem(f"integrity {e.kind[:MAX_KIND]}: score", e.score, None))),
         *(problem for t in report.tuning for problem in (
             text_problem("tuning setting", t.setting, MAX_NAME),
             text_problem(f"tuning {t.setting[:MAX_KIND]}: current", t.current, MAX_NAME),

@@ -62,6 +62,9 @@ class Workload:
     sync_every: int = 1  # local steps: the data-parallel exchange every this many steps
     lora_rank: int = 0  # LoRA: only the adapters are exchanged and hold optimizer state
     lora_targets: str = ""
+    # replica checks (--verify) priced into the step; "off" until the coordinator passes the
+    # job's level (coordinator/job/machine.py builds this Workload)
+    verify: str = "off"
 
     @property
     def micro_size(self) -> int:
@@ -71,7 +74,7 @@ class Workload:
         return step_shape(self.spec, self.stages, self.replicas, self.global_batch,
                           self.micro_batches, self.schedule, self.act_dtype, splits,
                           self.dp_mode, self.compression, self.sync_every,
-                          self.lora_rank, self.lora_targets)
+                          self.lora_rank, self.lora_targets, self.verify)
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,

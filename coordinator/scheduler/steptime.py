@@ -30,7 +30,12 @@ the two against each other:
   pseudo-gradients (the same bytes and exchange as a gradient average, not hidden behind
   backward). The step is priced as its average over the round: the step without data-parallel
   traffic plus 1/H of the slowest group's exchange, so the polish and the placement weigh the
-  pipelines more the larger H is.
+  pipelines more the larger H is;
+- with replica checks (`StepShape.verify_s`, from `--verify`: `dtfm.core.verify`), each stage's
+  data-parallel group pays its checks after averaging: the owner's scoring of the copies it
+  holds (a few passes over the stage's gradient bytes at `SCORE_GBPS`) and, amortized over
+  `DIGEST_EVERY` steps, the weights digest (one pass over the stage's weights at
+  `DIGEST_GBPS`, a host copy included). Their bytes (R float64 per digest) are not priced.
 
 Pure numpy, like the rest of the scheduler.
 """
@@ -53,6 +58,12 @@ from dtfm.core.codecs import NONE, Codec, parse_codec
 from dtfm.core.layout import layer_ranges, pipeline_ops
 from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, check_batch
+from dtfm.core.verify import DIGEST_EVERY, Verify, resolve, scores
+
+# Replica checks' throughput, bytes per second (bench/integrity.py, one CPU thread, gpt-mini:
+# scoring 5.1 MB of copies in 1.7 ms; the digest 5.1 MB in 20-80 ms on a loaded machine)
+SCORE_GBPS = 3.0
+DIGEST_GBPS = 0.25
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,8 @@ class StepShape:
     sync_every: int = 1  # local steps: replicas exchange once every this many steps
     # per stage: forward's part of its compute (empty: 1/3 everywhere, full fine-tuning)
     forward_share: tuple[float, ...] = ()
+    # per stage: seconds of replica checks per step (`verify_seconds`; empty: --verify off)
+    verify_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
@@ -249,6 +262,8 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
 
     last_b = np.array([pipeline(k) for k in range(r)]).T  # (stage, replica)
     dp = np.array([dp_group(j) for j in range(s)])
+    if shape.verify_s and r > 1:
+        dp = dp + np.asarray(shape.verify_s)
     if shape.sync_every > 1:  # the step without data-parallel traffic, plus 1/H of it
         inner = _finish(g, last_b, np.zeros(s), net)
         exchange = float(dp.max())
@@ -306,7 +321,7 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
                splits: Sequence[int] | None = None, dp_mode: str = "sharded",
                compression: Compression | None = None, sync_every: int = 1,
-               lora_rank: int = 0, lora_targets: str = "") -> StepShape:
+               lora_rank: int = 0, lora_targets: str = "", verify: str = "off") -> StepShape:
     """The messages of one step of `spec` as the runtime sends them (fp32 gradients: of the
     adapters only under LoRA, `lora_rank` > 0, whose stages also spend a larger part of their
     compute forward: a frozen base's backward costs about one forward, not two), how they are
@@ -322,7 +337,24 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
                      grad_bytes=grads, schedule=schedule, dp_mode=dp_mode,
                      compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype],
-                     sync_every=sync_every, forward_share=forward)
+                     sync_every=sync_every, forward_share=forward,
+                     verify_s=verify_seconds(verify, dp_mode, grads, [
+                         spec.stage_params(b, e) * DTYPE_BYTES["fp32"] for b, e in ranges],
+                         sync_every))
+
+
+def verify_seconds(verify: str, dp_mode: str, grad_bytes: Sequence[float],
+                   weight_bytes: Sequence[float], sync_every: int = 1) -> tuple[float, ...]:
+    """Per stage, the replica checks' seconds per step at `--verify` level `verify`: scoring
+    (a handful of passes over the gradient bytes the owners hold, synchronous steps only) and
+    the weights digest every `DIGEST_EVERY` steps (with local steps: every sync point)."""
+    level = resolve(verify, dp_mode)
+    if level == Verify.OFF:
+        return ()
+    every = sync_every if sync_every > 1 else DIGEST_EVERY
+    return tuple((g / (SCORE_GBPS * 1e9) if scores(level) and sync_every == 1 else 0.0)
+                 + w / (DIGEST_GBPS * 1e9) / every
+                 for g, w in zip(grad_bytes, weight_bytes, strict=True))
 
 
 def placed_step_s(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,

@@ -35,6 +35,7 @@ class EventName(StrEnum):
     EVAL = "eval"  # a validation evaluation finished (--eval-every, and after the last step)
     DONE = "done"  # training and evaluation finished; the worker exits 0 next
     ERROR = "error"  # the worker failed; it exits non-zero next
+    INTEGRITY = "integrity"  # a replica check failed (--verify): evidence against a peer
 
 
 class WorkerEnv(StrEnum):
@@ -133,10 +134,26 @@ class ErrorEvent:
     phase: str = ""
 
 
-ProgressEvent = StepEvent | EvalEvent | DoneEvent | ErrorEvent
+@dataclass(frozen=True)
+class IntegrityEvent:
+    """A replica check (`agent/worker/replicacheck.py`) that failed at `step`: `kind` says
+    which, `suspect_rank` whom it names (-1: undecided, R = 2), `score` its number, `rank`
+    the reporting rank. Carried to the coordinator as `dtfm.v1.IntegrityEvidence`."""
+
+    NAME: ClassVar[EventName] = EventName.INTEGRITY
+
+    step: int = 0
+    kind: str = ""
+    suspect_rank: int = -1
+    score: float = NAN
+    detail: str = ""
+    rank: int = -1
+
+
+ProgressEvent = StepEvent | EvalEvent | DoneEvent | ErrorEvent | IntegrityEvent
 
 _CLASSES: dict[EventName, type[ProgressEvent]] = {
-    cls.NAME: cls for cls in (StepEvent, EvalEvent, DoneEvent, ErrorEvent)
+    cls.NAME: cls for cls in (StepEvent, EvalEvent, DoneEvent, ErrorEvent, IntegrityEvent)
 }
 # field name -> (type, default) per class, resolved once: the parser's whole schema
 _SCHEMA: dict[type, list[tuple[str, object, object]]] = {

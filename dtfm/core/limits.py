@@ -28,12 +28,19 @@ MAX_PING_SPREAD_S = 60.0  # a latency pass's pings to one peer spread over at mo
 PING_SPACING_S = 0.1
 MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/probing/tuning.py checks 5)
 MAX_VALIDATIONS = 8  # validation losses one heartbeat carries: its worker's newest
+MAX_EVIDENCE = 16  # integrity evidence records one heartbeat carries: its worker's newest
 OMITTED_METADATA = "dtfm-agents-omitted"  # GetStatus trailer: agent rows left out
 
 
 def clip(text: str, limit: int = MAX_ERROR) -> str:
     """`text` cut to `limit` characters, keeping its end (where a traceback says what broke)."""
     return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
+def finite(value: float, bound: float = 1e300) -> float:
+    """`value` clamped into [-bound, bound], NaN as 0: a number the wire's checks accept
+    (a score of infinity, say, still reads as huge)."""
+    return 0.0 if math.isnan(value) else max(-bound, min(bound, value))
 
 
 def is_host(host: str) -> bool:

@@ -26,6 +26,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from dtfm.core.verify import Verify
+from dtfm.core.verify import check as check_verify
 from dtfm.core.words import counted
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # what the cost model can size
@@ -376,6 +378,12 @@ class TrainConfig:
         "", "a peft adapter directory whose adapters training starts from (on every "
         "worker's machine; its base is --init-from); set for you when --init-from names an "
         "adapter directory (adapter_config.json), with its rank, alpha and targets")
+    verify: Verify = _option(
+        Verify.AUTO, "replica checks against a faulty or hostile peer (docs/architecture.md, "
+        "Integrity: replica checks): off, digest (the replicas' weights are compared every "
+        "few steps), full (digest, and each gradient copy is scored at its shard's owner; "
+        "needs --dp-mode sharded), robust (full, averaged with CenteredClip) or auto (full "
+        "under sharded, else digest)")
 
     def outer_mu(self) -> float:
         """The outer momentum the worker applies: the flag's, or auto's by the round length."""
@@ -407,6 +415,7 @@ class TrainConfig:
         self._check_ranges()
         check_batch(self.global_batch, self.micro_batches, replicas)
         self._check_compression()
+        check_verify(self.verify, self.dp_mode)
 
     def _check_compression(self) -> None:
         from dtfm.core.codecs import check_setting
@@ -492,16 +501,17 @@ _FIELDS = {f.name: f for f in fields(TrainConfig)}
 # Fields that change what a run reports, not what it trains: a job's fingerprint
 # (dtfm.core.fingerprint) leaves them out, so a restart with another value resumes, and the
 # fingerprints stored before they existed still match.
-REPORTING_ONLY = ("eval_every",)
+# (`verify` checks without changing the bits, except `robust`'s averaging: a tolerance choice)
+REPORTING_ONLY = ("eval_every", "verify")
 
 
 def fingerprinted(cfg: TrainConfig) -> dict[str, Any]:
     """`cfg`'s fields as a job's fingerprint takes them: all but `REPORTING_ONLY`."""
     return {k: v for k, v in asdict(cfg).items() if k not in REPORTING_ONLY}
 _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype,
-                                          "moments_dtype": MomentsDtype}
+                                          "moments_dtype": MomentsDtype, "verify": Verify}
 # Enum fields the wire gained after its first version: unset on the wire means the default.
-_ADDED_LATER = ("moments_dtype",)
+_ADDED_LATER = ("moments_dtype", "verify")
 _OUTER = ("sync_every", "outer_lr", "outer_momentum")  # unset on the wire: all their defaults
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
            "eval_batches", "eval_every", "seq_len", "sync_every", "lora_rank")

@@ -1,0 +1,70 @@
+"""What a bad peer does to the numbers it sends: the attacks `DTFM_FAULT`'s bad-peer modes
+rehearse, and the held-out tests inject from outside the product.
+
+Owns the arithmetic of each attack on one outgoing data-parallel contribution (a shard copy
+or a ring buffer) and on a replica's own weights, so the rehearsal seam (`fault.py`) and the
+tests' own hook (tests/agent/worker/badpeer_hook.py) cannot disagree on what "scaled" or
+"stale" means:
+
+- `scale`: the contribution times 10; `flip`: times -4 (a sign flip that also grows it);
+- `noise`: plus Gaussian noise of the contribution's own standard deviation (about 1 sigma);
+- `zero`: all zeros; `stale`: a copy of the contribution this peer sent for the same
+  destination at the step before the attack began (recorded as it trains honestly);
+- `drift`: after the optimizer step, one weight of the stage moves by 1e-2 (silent data
+  corruption in the optimizer step or in memory: no error, just different bits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+CONTRIBUTION_ATTACKS = ("scale", "flip", "noise", "zero", "stale")
+WEIGHT_ATTACKS = ("drift",)
+SCALES = {"scale": 10.0, "flip": -4.0}
+DRIFT = 1e-2  # what `drift` adds to one weight
+
+
+class Contributions:
+    """One peer's attack on its outgoing contributions, from step `onset` on.
+
+    `__call__` is the averager's `tamper` hook: it sees every outgoing contribution (`key`
+    names the bucket and destination) and returns what goes on the wire."""
+
+    def __init__(self, mode: str, onset: int, seed: int = 0) -> None:
+        if mode not in CONTRIBUTION_ATTACKS:
+            raise ValueError(f"unknown contribution attack {mode!r}; one of "
+                             f"{', '.join(CONTRIBUTION_ATTACKS)}")
+        self.mode, self.onset, self.step = mode, onset, 0
+        self._held: dict[Hashable, torch.Tensor] = {}  # stale: the last honest copies
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
+        if self.step < self.onset:
+            if self.mode == "stale":
+                self._held[key] = t.detach().clone()
+            return t
+        return attack(self.mode, t, self._held.get(key), self._gen)
+
+
+def attack(mode: str, t: torch.Tensor, held: torch.Tensor | None = None,
+           gen: torch.Generator | None = None) -> torch.Tensor:
+    """`t` as the attack `mode` sends it (a new tensor; `held`: stale's older copy)."""
+    if mode in SCALES:
+        return t * SCALES[mode]
+    if mode == "zero":
+        return torch.zeros_like(t)
+    if mode == "noise":
+        sigma = float(t.float().std()) if t.numel() > 1 else 1.0
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t)
+        return t + noise * sigma
+    if mode == "stale":
+        return held.clone() if held is not None and held.shape == t.shape else t
+    raise ValueError(f"unknown contribution attack {mode!r}")
+
+
+def drift_(params: Sequence[torch.Tensor]) -> None:
+    """Silent data corruption: move one weight of the first parameter by `DRIFT`."""
+    with torch.no_grad():
+        params[0].view(-1)[0] += DRIFT

@@ -1,0 +1,222 @@
+"""Scoring every replica's copy of a gradient shard at its owner, and robust averages of them.
+
+Owns the numbers behind `--verify full` (docs/architecture.md, "Integrity: replica checks"):
+in `sharded` mode a shard's owner holds each replica's copy of its shard before it averages
+them (`data_parallel.GradAverager.inspect`). Honest replicas see different data, so honest
+copies differ; what they share is a scale, a direction and a shape. Over a step's buckets the
+owner accumulates each copy's squared norm, the copies' pairwise dot products, and per bucket
+each copy's norm and shape against the median copy's (one bad copy cannot move a median when
+R >= 3). Per step, each copy gets
+
+- `norm_ratio`: per bucket, its norm over the median of the copies' norms; the median of that
+  over the buckets (an honest copy is large in a few buckets, a scaled one in all);
+- `cosine`: its best cosine with any other copy, over the whole shard. With at most one bad
+  copy among R >= 3 an honest copy always has an honest partner, whose cosine is positive;
+  a sign-flipped copy has none. (The issue's cosine against the coordinate-wise median was
+  measured too: honest copies went down to 0.24 and x-4 copies up to 0.32, overlapping.)
+- `shape`: per bucket, its L1 / (sqrt(n) L2) over the median copy's, worst bucket. Gradients
+  are heavy-tailed (a low ratio); Gaussian noise of their own sigma flattens them (higher);
+- `stale`: its squared norm and sum bit-identical to what the same replica sent at one of
+  the last `STALE_STEPS` steps (honest gradients of fresh data never repeat; a replayed copy
+  does, exactly);
+  `zero`: all zeros (no honest gradient of a touched shard is).
+
+`judge` turns scores into `Finding`s with the thresholds below, measured on honest training
+(bench/integrity.py --scores; the numbers are in docs/architecture.md). With R = 2 nobody can
+be named from a disagreement of the two copies (either may be the bad one): the finding is
+`grad_disagree` with replica -1 and the coordinator settles it; a zero or stale copy names
+its sender at any R, since no honest replica sends one.
+
+Robust aggregation (`--verify robust`): `centered_clip` (Karimireddy et al., 2021) from the
+coordinate-wise median, clipping each copy's distance to the median distance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+# Thresholds, from honest training at the smallest batch a replica trains on (gpt-tiny, 2
+# sequences per replica, R = 3: the widest honest spread measured; bench/integrity.py
+# --scores; the table is in docs/architecture.md). Honest range -> threshold -> attacks:
+NORM_HIGH = 3.0  # norm ratio: honest 0.48..1.75; x10 gives >= 3.8
+NORM_LOW = 0.05  # honest >= 0.245 beside a x10 copy (gpt-mini); all zeros: `grad_zero`
+COSINE_MIN = 0.0  # best cosine with another copy: honest >= 0.137; x-4 gives <= -0.087
+SHAPE_HIGH = 2.5  # L1/L2 shape ratio, worst bucket: honest <= 2.16; 1 sigma noise 1.4..4.3
+STALE_STEPS = 8  # a copy equal to one of the same replica's last 8 is stale
+# R = 2: a copy SHAPE_HIGH x its partner's shape is this much over the two's mean
+PAIR_SHAPE = 2 * SHAPE_HIGH / (1 + SHAPE_HIGH)
+
+
+@dataclass(frozen=True)
+class CopyScore:
+    """One replica's copy of the owner's shard, scored over one step."""
+
+    replica: int  # its index in the dp group
+    norm_ratio: float
+    cosine: float
+    stale: bool = False
+    zero: bool = False
+    shape: float = 1.0  # its L1 / (sqrt(n) L2) over the median copy's (noise raises it)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A copy that failed a check: `replica` is its index in the dp group (-1: undecided)."""
+
+    replica: int
+    kind: str  # grad_norm, grad_cosine, grad_noise, grad_zero, grad_stale, grad_disagree
+    score: float
+    detail: str
+
+
+def median(values: list[float]) -> float:
+    """The median of `values` (even count: the middle two's mean)."""
+    v, n = sorted(values), len(values)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def coordinate_median(copies: list[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median of equally shaped copies (even R: the middle two's mean)."""
+    x = torch.stack([c.float() for c in copies])
+    r = x.shape[0]
+    if r <= 2:
+        return x.mean(0)
+    s = x.sort(0).values
+    return s[r // 2] if r % 2 else (s[r // 2 - 1] + s[r // 2]) / 2
+
+
+def centered_clip(copies: list[torch.Tensor], iters: int = 3) -> torch.Tensor:
+    """CenteredClip from the coordinate-wise median: each step moves the centre by the mean
+    of the copies' offsets, each offset clipped to the median offset's length, so one copy
+    of any size moves the result by at most tau / R a step."""
+    v = coordinate_median(copies)
+    for _ in range(iters):
+        offsets = [c.float() - v for c in copies]
+        lengths = torch.stack([o.norm() for o in offsets])
+        tau = float(lengths.median())
+        if tau == 0.0:
+            break
+        v = v + sum(o * min(1.0, tau / max(float(n), 1e-30))
+                    for o, n in zip(offsets, lengths, strict=True)) / len(copies)
+    return v.to(copies[0].dtype)
+
+
+@dataclass
+class ShardScorer:
+    """Accumulates one step's buckets at their owner; `scores` closes the step."""
+
+    size: int
+    sq: list[float] = field(default_factory=list)  # each copy's squared norm, all buckets
+    dots: list[list[float]] = field(default_factory=list)  # pairwise dot products
+    norm_ratios: list[list[float]] = field(default_factory=list)  # per bucket, per copy
+    shape_ratios: list[list[float]] = field(default_factory=list)
+    # (bucket, replica) -> fingerprints of its copies at the last STALE_STEPS steps
+    _last: dict[tuple[int, int], deque[tuple[float, float]]] = field(default_factory=dict)
+    _stale: set[int] = field(default_factory=set)
+    _seen: bool = False
+
+    def __post_init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        r = self.size
+        self.sq, self.dots = [0.0] * r, [[0.0] * r for _ in range(r)]
+        self.norm_ratios, self.shape_ratios = [[] for _ in range(r)], [[] for _ in range(r)]
+        self._stale, self._seen = set(), False
+
+    def add(self, bucket: int, copies: list[torch.Tensor]) -> None:
+        """Score one bucket's copies of the owner's shard (replica order)."""
+        flat = [c.detach().reshape(-1).float() for c in copies]  # views: no copy
+        r, n = self.size, flat[0].numel()
+        gram = [[0.0] * r for _ in range(r)]
+        for i in range(r):
+            for j in range(i, r):
+                gram[i][j] = gram[j][i] = float(torch.dot(flat[i], flat[j]))
+        l1 = [float(torch.linalg.vector_norm(f, 1)) for f in flat]
+        totals = [float(f.sum()) for f in flat]
+        norms = [math.sqrt(max(gram[k][k], 0.0)) for k in range(r)]
+        shapes = [a / (math.sqrt(n) * nk) if nk else 0.0 for a, nk in zip(l1, norms, strict=True)]
+        mnorm, mshape = median(norms), median(shapes)
+        for k in range(self.size):
+            self.sq[k] += gram[k][k]
+            for j in range(self.size):
+                self.dots[k][j] += gram[k][j]
+            if mnorm > 0 and mshape > 0:  # a bucket nobody's batch touched says nothing
+                self.norm_ratios[k].append(norms[k] / mnorm)
+                self.shape_ratios[k].append(shapes[k] / mshape)
+            fingerprint = (gram[k][k], totals[k])
+            held = self._last.setdefault((bucket, k), deque(maxlen=STALE_STEPS))
+            if gram[k][k] and fingerprint in held:
+                self._stale.add(k)
+            held.append(fingerprint)
+        self._seen = True
+
+    def scores(self) -> list[CopyScore]:
+        """This step's score of each copy (empty: the owner held no shard), then a new step."""
+        if not self._seen:
+            return []
+        out = []
+        for k in range(self.size):
+            cosines = [self.dots[k][j] / math.sqrt(self.sq[k] * self.sq[j])
+                       for j in range(self.size) if j != k and self.sq[k] and self.sq[j]]
+            out.append(CopyScore(
+                k, median(self.norm_ratios[k]) if self.norm_ratios[k] else 1.0,
+                max(cosines) if cosines else 0.0, stale=k in self._stale,
+                zero=self.sq[k] == 0.0,
+                shape=max(self.shape_ratios[k]) if self.shape_ratios[k] else 1.0))
+        self._reset()
+        return out
+
+
+def judge(scores: list[CopyScore]) -> list[Finding]:
+    """The findings of one step's scores, with the module's thresholds."""
+    out: list[Finding] = []
+    for s in scores:  # self-evident at any R: no honest replica sends these
+        if s.zero:
+            out.append(Finding(s.replica, "grad_zero", 0.0, "its copy of the shard is all "
+                               "zeros"))
+        elif s.stale:
+            out.append(Finding(s.replica, "grad_stale", 1.0, "its copy repeats, bit for bit, "
+                               f"one it sent in the last {STALE_STEPS} steps"))
+    if out or len(scores) < 2:
+        return out
+    if len(scores) == 2:
+        return _pair(*scores)
+    for s in scores:
+        if not NORM_LOW <= s.norm_ratio <= NORM_HIGH:
+            out.append(Finding(s.replica, "grad_norm", s.norm_ratio,
+                               f"its norm is {s.norm_ratio:.3g}x the median copy's (honest: "
+                               f"{NORM_LOW}..{NORM_HIGH})"))
+        elif s.cosine < COSINE_MIN:
+            out.append(Finding(s.replica, "grad_cosine", s.cosine,
+                               f"its best cosine with any other copy is {s.cosine:.3g} "
+                               f"(honest: >= {COSINE_MIN})"))
+        elif s.shape > SHAPE_HIGH:
+            out.append(Finding(s.replica, "grad_noise", s.shape,
+                               f"its L1/L2 shape is {s.shape:.3g}x the median copy's in one "
+                               f"bucket (honest: <= {SHAPE_HIGH}; added noise flattens a "
+                               f"gradient's heavy tails)"))
+    return out
+
+
+def _pair(a: CopyScore, b: CopyScore) -> list[Finding]:
+    """R = 2: each check against the other copy; a failure names nobody."""
+    ratio = max(a.norm_ratio, b.norm_ratio) / max(min(a.norm_ratio, b.norm_ratio), 1e-30)
+    shape = max(a.shape, b.shape)  # against the two copies' mean
+    why = ""
+    if ratio > NORM_HIGH:
+        why, score = f"one copy's norm is {ratio:.3g}x the other's (limit {NORM_HIGH})", ratio
+    elif a.cosine < COSINE_MIN:
+        why, score = (f"the copies' cosine is {a.cosine:.3g} (limit {COSINE_MIN})",
+                      a.cosine)
+    elif shape > PAIR_SHAPE:
+        why, score = (f"one copy's L1/L2 shape is {shape:.3g}x their mean's (limit "
+                      f"{PAIR_SHAPE:.3g})", shape)
+    if not why:
+        return []
+    return [Finding(-1, "grad_disagree", score, f"{why}; with 2 replicas either may be the "
+                    f"wrong one")]

@@ -1,0 +1,136 @@
+"""The worker's replica checks (`--verify`): what it scores, when, and the evidence it emits.
+
+Owns wiring the checks into a training step, apart from `train.py` (the main loop), so the
+checks grow without growing it:
+
+- at a shard's owner (`--verify full` / `robust`, synchronous steps): every replica's copy of
+  its shard is scored (`gradscore.py`, through `GradAverager.inspect`); `robust` also averages
+  with CenteredClip. With `--sync-every H` the owner sees pseudo-gradients (H AdamW steps each,
+  whose honest spread the gradient thresholds were not measured on): only the self-evident
+  checks (a zero or a replayed copy) run there, the weights digest carries the rest;
+- the weights digest (`digest.py`, every level but `off`): every `DIGEST_EVERY` synchronous
+  steps, at every sync point with `--sync-every`, and after the last step, the stage's
+  replicas exchange it (`World.dp_gather`) and the odd one out is named (R >= 3), or the
+  disagreement reported undecided (R = 2);
+- the rehearsal seam's bad-peer modes (`fault.py`): its attack on outgoing contributions is
+  armed as the averager's `tamper` during the step, and `drift` moves a weight after it.
+
+Each failed check is an `IntegrityEvent` (evidence, for the coordinator to weigh); nothing
+here stops training. `DTFM_VERIFY_TRACE=FILE` appends every copy's scores as JSON lines
+(bench/integrity.py measures the honest distribution with it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from agent.worker import badpeer, digest, gradscore
+from agent.worker.data_parallel import GradAverager
+from agent.worker.fault import Fault
+from agent.worker.world import World
+from dtfm.core.events import IntegrityEvent
+from dtfm.core.rounds import sync_due
+from dtfm.core.verify import DIGEST_EVERY, Verify, scores
+
+log = logging.getLogger(__name__)
+
+ENV_TRACE = "DTFM_VERIFY_TRACE"
+
+
+class ReplicaChecks:
+    """One rank's replica checks over a run."""
+
+    def __init__(self, level: Verify, *, world: World, averager: GradAverager,
+                 model: nn.Module, dp_ranks: list[int], rank: int, sync_every: int,
+                 emit: Callable[[IntegrityEvent], None], fault: Fault | None = None,
+                 epoch: int = 0) -> None:
+        self.level, self.world, self.averager, self.model = level, world, averager, model
+        self.dp_ranks, self.rank, self.sync_every, self.emit = dp_ranks, rank, sync_every, emit
+        size = len(dp_ranks)
+        self.scorer = gradscore.ShardScorer(size) if scores(level) and size > 1 else None
+        self.fault, self.epoch = fault, epoch
+        self.attack = fault.contributions(rank, epoch) if fault else None
+        self._trace = os.environ.get(ENV_TRACE, "")
+
+    def begin_step(self, step: int) -> None:
+        """Arm this step's exchange: scoring at the owner, and a rehearsed attack."""
+        if self.scorer is not None:
+            self.averager.inspect = self._inspect
+        if self.attack is not None:
+            self.attack.step = step
+            self.averager.tamper = self.attack
+
+    def end_step(self, step: int, last: int) -> None:
+        """After the optimizer (and outer) step: disarm, judge, and digest when due."""
+        self.averager.inspect = self.averager.tamper = None
+        if self.fault is not None and self.fault.drifts(self.rank, step, self.epoch):
+            log.error("fault injection: rank %d's weights drift after step %d", self.rank, step)
+            badpeer.drift_([p for p in self.model.parameters()])
+        if self.scorer is not None:
+            self._judge(step)
+        if self.level != Verify.OFF and len(self.dp_ranks) > 1 and self._digest_due(step, last):
+            self.check_weights(step)
+
+    # ---- gradient copies at their owner ----
+    def _inspect(self, bucket: int, copies: list[torch.Tensor]) -> torch.Tensor | None:
+        assert self.scorer is not None
+        self.scorer.add(bucket, copies)
+        return gradscore.centered_clip(copies) if self.level == Verify.ROBUST else None
+
+    def _judge(self, step: int) -> None:
+        assert self.scorer is not None
+        found = self.scorer.scores()
+        if not found:
+            return
+        if self._trace:
+            with open(self._trace, "a", encoding="utf-8") as f:
+                for s in found:
+                    f.write(json.dumps({"step": step, "owner": self.rank,
+                                        "rank": self.dp_ranks[s.replica],
+                                        "norm_ratio": s.norm_ratio, "cosine": s.cosine,
+                                        "shape": s.shape,
+                                        "sync_every": self.sync_every}) + "\n")
+        findings = gradscore.judge(found)
+        if self.sync_every > 1:  # pseudo-gradients: only the self-evident checks
+            findings = [f for f in findings if f.kind in ("grad_zero", "grad_stale")]
+        for f in findings:
+            suspect = self.dp_ranks[f.replica] if f.replica >= 0 else -1
+            who = f"rank {suspect}'s copy" if suspect >= 0 else \
+                f"ranks {self.dp_ranks}' copies"
+            self._evidence(step, f.kind, suspect, f.score,
+                           f"{who} of the gradient shard rank {self.rank} owns: {f.detail}")
+
+    # ---- the weights digest ----
+    def _digest_due(self, step: int, last: int) -> bool:
+        if self.sync_every > 1:
+            return sync_due(step, self.sync_every, last)
+        return step % DIGEST_EVERY == 0 or step == last
+
+    def check_weights(self, step: int) -> None:
+        """Exchange this stage's weights digest with its replicas and report the odd one out."""
+        mine = digest.weights_digest(self.model.parameters())
+        digests = [int(row[0]) for row in self.world.dp_gather([float(mine)])]
+        odd, decided = digest.odd_ones(digests)
+        listed = ", ".join(f"rank {r}: {d:012x}" for r, d in zip(self.dp_ranks, digests,
+                                                                  strict=True))
+        if odd and decided:
+            for k in odd:
+                self._evidence(step, "weights", self.dp_ranks[k], float(len(digests) - len(odd)),
+                               f"rank {self.dp_ranks[k]}'s weights differ from the "
+                               f"{len(digests) - len(odd)} replicas that agree ({listed})")
+        elif odd:
+            self._evidence(step, "weights_disagree", -1, float(len(set(digests))),
+                           f"the replicas' weights differ with no majority ({listed}): a "
+                           f"third party must settle which is wrong")
+
+    def _evidence(self, step: int, kind: str, suspect: int, score: float, detail: str) -> None:
+        log.warning("rank %d: integrity check %s at step %d names rank %s: %s", self.rank,
+                    kind, step, suspect if suspect >= 0 else "nobody (undecided)", detail)
+        self.emit(IntegrityEvent(step=step, kind=kind, suspect_rank=suspect, score=score,
+                                 detail=detail, rank=self.rank))

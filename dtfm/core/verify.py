@@ -1,0 +1,56 @@
+"""The `--verify` levels: which replica checks a worker runs, and which dp mode each needs.
+
+Owned here, apart from `spec.py`, because the worker, the flag table, the scheduler's step
+model and the job validation all read the same rule: a gradient copy can be scored only where
+one replica (the shard's owner) holds every replica's copy, which `--dp-mode sharded` does and
+a ring all-reduce (which sums in flight) does not. Pure Python.
+
+- `off`: no checks.
+- `digest`: every `DIGEST_EVERY` synchronous steps (and at every sync point with
+  `--sync-every`, and after the last step) the replicas of a stage exchange a hash of their
+  weights, which must be bit-identical; the odd one out is named (R >= 3).
+- `full`: `digest`, and each shard owner scores every replica's copy of its shard (norm
+  against the median norm, cosine against the coordinate-wise median, an exact repeat of the
+  previous step's copy). Needs `--dp-mode sharded`.
+- `robust`: `full`, and the owner averages with CenteredClip instead of the plain mean, so
+  one bad copy moves the average by a bounded amount even before it is caught (the average
+  then differs from the exact mean on honest steps too: an option, not the default).
+- `auto` (the default): `full` under `--dp-mode sharded`, `digest` under `allreduce`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+DIGEST_EVERY = 10  # synchronous steps between two weight digests (cost: bench/integrity.py)
+
+
+class Verify(enum.StrEnum):
+    AUTO = "auto"
+    OFF = "off"
+    DIGEST = "digest"
+    FULL = "full"
+    ROBUST = "robust"
+
+
+def scores(level: Verify) -> bool:
+    """Whether `level` scores gradient copies at their owner."""
+    return level in (Verify.FULL, Verify.ROBUST)
+
+
+def resolve(verify: str, dp_mode: str) -> Verify:
+    """The level a worker runs: `auto` made concrete for `dp_mode`."""
+    level = Verify(verify or Verify.AUTO)
+    if level == Verify.AUTO:
+        return Verify.FULL if dp_mode == "sharded" else Verify.DIGEST
+    return level
+
+
+def check(verify: str, dp_mode: str) -> None:
+    """Raise ValueError, naming the flags, for a level the dp mode cannot give."""
+    if verify in (Verify.FULL, Verify.ROBUST) and dp_mode != "sharded":
+        raise ValueError(
+            f"--verify {verify} scores each replica's gradient copy where its shard's owner "
+            f"receives every copy, and --dp-mode {dp_mode} has no owner (a ring all-reduce "
+            f"sums in flight): use --dp-mode sharded (the default), or --verify digest to "
+            f"check only the replicas' weights")

@@ -1,0 +1,98 @@
+"""A bad peer made from outside the product, for the replica checks' held-out tests.
+
+`DTFM_TEST_BAD_PEER="RANK:STEP=ATTACK,STEP=ATTACK,..."` makes worker RANK alter, at each
+listed step, every data-parallel shard it sends (`torch.distributed.isend` on the sharded
+scatter's tags; attacks as `agent.worker.badpeer.attack`: scale, flip, noise, zero, stale,
+where stale replays the message it sent for the same destination one step earlier, as sent), or, for
+`drift`, move one of its weights after that step's optimizer step. It patches torch, not the
+worker: the product's own rehearsal seam (`DTFM_FAULT`) stays out of it, so the tests check
+the mechanism, not the rehearsal mode. `install` runs from badpeer_site/sitecustomize.py
+and waits for torch.distributed to be imported by the worker before patching anything.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+ENV = "DTFM_TEST_BAD_PEER"
+TAG_SCATTER, MAX_BUCKETS = 100, 10_000  # agent/worker/data_parallel.py's scatter tags
+
+
+def parse(raw: str) -> tuple[int, dict[int, str]]:
+    rank, _, plan = raw.partition(":")
+    steps = dict(item.split("=") for item in plan.split(",") if item)
+    return int(rank), {int(s): a for s, a in steps.items()}
+
+
+class _Patch:
+    def __init__(self, rank: int, plan: dict[int, str]) -> None:
+        self.rank, self.plan, self.done = rank, plan, 0  # optimizer steps finished
+        self.sent: dict[tuple[int, int], Any] = {}  # this step's messages, for stale
+        self.before: dict[tuple[int, int], Any] = {}
+        self.keep: list[Any] = []  # tampered tensors stay alive until their step ends
+
+    def apply(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from agent.worker.badpeer import attack, drift_
+
+        original = dist.isend
+        gen = torch.Generator().manual_seed(self.rank)
+
+        def isend(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0,
+                  **kw: Any) -> Any:
+            scatter = TAG_SCATTER <= tag < TAG_SCATTER + 2 * MAX_BUCKETS and tag % 2 == 0
+            if scatter and dist.get_rank() == self.rank:
+                key = (tag, int(dst))
+                mode = self.plan.get(self.done + 1, "")
+                if mode and mode != "drift":
+                    tensor = attack(mode, tensor, self.before.get(key), gen)
+                    self.keep.append(tensor)
+                self.sent[key] = tensor.detach().clone()  # what it sent, tampered or not
+            return original(tensor, dst, group, tag, **kw)
+
+        def after_step(opt: Any, args: Any, kwargs: Any) -> None:
+            self.done += 1
+            self.before, self.sent, self.keep = self.sent, {}, []
+            if self.plan.get(self.done) == "drift" and dist.get_rank() == self.rank:
+                drift_(opt.param_groups[0]["params"])
+
+        dist.isend = isend
+        register_optimizer_step_post_hook(after_step)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches torch once the worker's averaging module is imported (it imports torch)."""
+
+    def __init__(self, patch: _Patch) -> None:
+        self.patch = patch
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "agent.worker.data_parallel":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        assert spec is not None and spec.loader is not None
+        loader, patch = spec.loader, self.patch
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                patch.apply()
+
+        spec.loader = _Loader()
+        return spec
+
+
+def install() -> None:
+    rank, plan = parse(os.environ[ENV])
+    sys.meta_path.insert(0, _Finder(_Patch(rank, plan)))

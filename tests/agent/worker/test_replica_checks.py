@@ -1,0 +1,79 @@
+"""Real gloo workers with a bad peer injected from outside the product (issue 43, items 1, 4
+and 9): the replica checks name it (R = 3) or report the disagreement (R = 2), and name
+nobody honest. The bad peer is made by tests/agent/worker/badpeer_hook.py (a torch patch
+loaded through badpeer_site/sitecustomize.py), not by the product's DTFM_FAULT, except where
+a test says it rehearses that seam."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.agent.worker.testlib import REPO, run_local
+
+SITE = Path(__file__).resolve().parent / "badpeer_site"
+FLAGS = ("--model", "gpt-tiny", "--stages", "1", "--micro-batches", "1", "--eval-batches",
+         "0", "--checkpoint-every", "0", "--timeout", "30")
+
+
+def evidence(workdir: Path) -> list[dict[str, Any]]:
+    return [e for p in sorted(workdir.glob("*.progress.jsonl"))
+            for line in p.read_text().splitlines()
+            if (e := json.loads(line))["event"] == "integrity"]
+
+
+def bad_peer_env(plan: str, **extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(SITE), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path, "DTFM_TEST_BAD_PEER": plan, **extra}
+
+
+@pytest.mark.timeout(120)
+def test_three_replicas_name_the_bad_rank_for_every_attack_and_nobody_honest(
+        tmp_path: Path) -> None:
+    """One run, the attacks in sequence on rank 2: scaled, sign-flipped, noised (three steps:
+    a 1-sigma noise at 2 sequences per replica is caught on most steps, not all), stale (step
+    7's message again) and zeroed gradient copies, then a weight that drifts after step 10
+    (the weights digest runs after step 10, the last). Steps 1 and 3 are honest: nothing is
+    reported there, and nothing ever names an honest rank."""
+    attacks = {2: "scale", 4: "flip", 5: "noise", 6: "noise", 7: "noise", 8: "stale",
+               9: "zero", 10: "drift"}
+    plan = "2:" + ",".join(f"{s}={a}" for s, a in attacks.items())
+    work = tmp_path / "work"
+    run = run_local(*FLAGS, "--replicas", "3", "--batch", "6", "--steps", "10",
+                    "--workdir", str(work), timeout=110, env=bad_peer_env(plan))
+    assert run.rc == 0, run.stderr
+    found = evidence(work)
+    assert found and {e["suspect_rank"] for e in found} == {2}, found  # nobody honest
+    by_step: dict[int, set[str]] = {}
+    for e in found:
+        by_step.setdefault(e["step"], set()).add(e["kind"])
+        assert e["rank"] != 2 or e["kind"] == "weights", e  # the bad rank's own shard: honest
+    assert "grad_norm" in by_step[2], by_step
+    assert by_step[4] & {"grad_cosine", "grad_norm"}, by_step
+    assert any(by_step.get(s) for s in (5, 6, 7)), by_step
+    assert by_step[8] == {"grad_stale"} and by_step[9] == {"grad_zero"}, by_step
+    assert by_step[10] == {"weights"}, by_step  # all three replicas' digests: 2 is odd
+    assert {e["rank"] for e in found if e["kind"] == "weights"} == {0, 1, 2}, found
+    assert not set(by_step) & {1, 3}, by_step
+
+
+@pytest.mark.timeout(120)
+def test_two_replicas_report_the_disagreement_undecided(tmp_path: Path) -> None:
+    """R = 2: copies scaled x10 from step 2 on (the product's rehearsal seam, DTFM_FAULT, so
+    its `tamper` path runs too) and a weight that drifts after step 3 (the test's hook) are
+    reported, naming nobody (-1): either replica may be wrong."""
+    work = tmp_path / "work"
+    run = run_local(*FLAGS, "--replicas", "2", "--batch", "4", "--steps", "4",
+                    "--workdir", str(work), timeout=110,
+                    env=bad_peer_env("1:3=drift", DTFM_FAULT="1:2:scale"))
+    assert run.rc == 0, run.stderr
+    found = evidence(work)
+    assert {e["suspect_rank"] for e in found} == {-1}, found
+    kinds = {(e["step"], e["kind"]) for e in found}
+    assert {(s, "grad_disagree") for s in (2, 3, 4)} <= kinds, found
+    assert (4, "weights_disagree") in kinds, found
+    assert not {s for s, _ in kinds} & {1}, found
