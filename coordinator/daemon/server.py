@@ -30,6 +30,7 @@ from coordinator.daemon.validate import (
     validate_link_report,
     validate_progress,
 )
+from coordinator.integrity.corroborate import Corroboration
 from coordinator.integrity.reports import IntegrityReports
 from coordinator.integrity.status import excluded_rows, integrity_status
 from coordinator.job.checkpointcopies import CoordinatorCopies
@@ -81,6 +82,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.reach.evidence = self.measurer.evidence = self._network_evidence
         self.history = History()
         self.integrity = IntegrityReports()  # what agents' replica checks found (issue 43)
+        self.corroboration = Corroboration()  # ... and when two of them confirm a fault
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         PushGate(self.registry, self.job).admit)
         self.stopping = asyncio.Event()
@@ -170,8 +172,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 floor = self.job.checkpoint_floor()
                 layout = self.job.planner.layout  # stages the coordinator holds count too
                 if request.integrity and layout is not None:  # evidence, kept and logged
-                    self.integrity.record(rec.agent_id, request, self.job.members,
-                                          layout.stages)
+                    self.corroboration.feed(self.integrity.record(
+                        rec.agent_id, request, self.job.members, layout.stages),
+                        self.job.integrity.ledger)
                 if self.job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
                     floor = self.copies.floor(self.job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor)

@@ -321,7 +321,8 @@ class Job:
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
                             dp_mode=cfg.train.dp_mode,
-                            device_kinds=[m.info.device.kind for m in members]))
+                            device_kinds=[m.info.device.kind for m in members]),
+                        verify=cfg.train.verify)  # replica checks priced into the step
         flops = agent_flops(members, cfg.train.dtype)
         try:
             warm = self.planner.warm_grid(layout, ids, placement,

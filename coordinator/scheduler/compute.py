@@ -62,8 +62,8 @@ class Workload:
     sync_every: int = 1  # local steps: the data-parallel exchange every this many steps
     lora_rank: int = 0  # LoRA: only the adapters are exchanged and hold optimizer state
     lora_targets: str = ""
-    # replica checks (--verify) priced into the step; "off" until the coordinator passes the
-    # job's level (coordinator/job/machine.py builds this Workload)
+    # replica checks (--verify) priced into the step (coordinator/job/machine.py passes the
+    # job's level)
     verify: str = "off"
 
     @property

@@ -23,9 +23,11 @@ TAG_SCATTER, MAX_BUCKETS = 100, 10_000  # agent/worker/data_parallel.py's scatte
 
 
 def parse(raw: str) -> tuple[int, dict[int, str]]:
+    """RANK (or `*`: whatever rank this worker gets, for a daemon whose ranks the coordinator
+    assigns; -1) and the attack by step."""
     rank, _, plan = raw.partition(":")
     steps = dict(item.split("=") for item in plan.split(",") if item)
-    return int(rank), {int(s): a for s, a in steps.items()}
+    return (-1 if rank == "*" else int(rank)), {int(s): a for s, a in steps.items()}
 
 
 class _Patch:
@@ -43,12 +45,12 @@ class _Patch:
         from agent.worker.badpeer import attack, drift_
 
         original = dist.isend
-        gen = torch.Generator().manual_seed(self.rank)
+        gen = torch.Generator().manual_seed(max(self.rank, 0))
 
         def isend(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0,
                   **kw: Any) -> Any:
             scatter = TAG_SCATTER <= tag < TAG_SCATTER + 2 * MAX_BUCKETS and tag % 2 == 0
-            if scatter and dist.get_rank() == self.rank:
+            if scatter and self.rank in (-1, dist.get_rank()):
                 key = (tag, int(dst))
                 mode = self.plan.get(self.done + 1, "")
                 if mode and mode != "drift":
@@ -60,7 +62,7 @@ class _Patch:
         def after_step(opt: Any, args: Any, kwargs: Any) -> None:
             self.done += 1
             self.before, self.sent, self.keep = self.sent, {}, []
-            if self.plan.get(self.done) == "drift" and dist.get_rank() == self.rank:
+            if self.plan.get(self.done) == "drift" and self.rank in (-1, dist.get_rank()):
                 drift_(opt.param_groups[0]["params"])
 
         dist.isend = isend

@@ -1,0 +1,53 @@
+"""Replica-check evidence confirms a fault only when two agents other than the suspect name it
+within a window of steps (coordinator/integrity/corroborate.py)."""
+
+from __future__ import annotations
+
+from coordinator.integrity.corroborate import WINDOW_STEPS, Corroboration
+from coordinator.integrity.ledger import IntegrityLedger
+from coordinator.integrity.reports import EvidenceRecord
+
+
+def rec(suspect: str, reporter: str, step: int, epoch: int = 1,
+        kind: str = "grad_norm") -> EvidenceRecord:
+    return EvidenceRecord(agent_id=suspect, kind=kind, step=step, detail="norm 10x the median",
+                          reporter=reporter, suspect_rank=2 if suspect else -1, score=10.0,
+                          epoch=epoch, candidates=(suspect,) if suspect else ("a", "b"))
+
+
+def test_two_reporters_confirm_and_the_first_bad_step_is_the_earliest_named() -> None:
+    c = Corroboration()
+    assert c.weigh(rec("bad", "a", 9)) == (False, 9)
+    assert c.weigh(rec("bad", "a", 10)) == (False, 10)  # the same reporter again: not enough
+    assert c.weigh(rec("bad", "b", 11)) == (True, 9)
+
+
+def test_one_liar_cannot_confirm_nor_can_the_suspect_itself() -> None:
+    c = Corroboration()
+    for step in range(1, 30):
+        assert c.weigh(rec("honest", "liar", step))[0] is False
+        assert c.weigh(rec("honest", "honest", step))[0] is False  # weights: all report
+
+
+def test_reports_far_apart_or_in_other_epochs_do_not_agree() -> None:
+    c = Corroboration()
+    assert not c.weigh(rec("x", "a", 5))[0]
+    assert not c.weigh(rec("x", "b", 5 + WINDOW_STEPS + 1))[0]
+    assert not c.weigh(rec("x", "a", 40, epoch=2))[0]  # a new epoch starts afresh
+    c2 = Corroboration()
+    c2.weigh(rec("x", "a", 5, epoch=1))
+    assert not c2.weigh(rec("x", "b", 6, epoch=2))[0]
+
+
+def test_feed_records_evidence_and_excludes_on_confirmation_only() -> None:
+    ledger = IntegrityLedger()
+    c = Corroboration()
+    c.feed([rec("", "a", 3, kind="grad_disagree")], ledger)  # undecided: nobody is named
+    assert ledger.suspects() == []
+    c.feed([rec("bad", "a", 8)], ledger)
+    assert ledger.excluded("bad") is None and [e.step for e in ledger.evidence("bad")] == [8]
+    c.feed([rec("bad", "b", 9)], ledger)
+    exclusion = ledger.excluded("bad")
+    assert exclusion is not None and exclusion.step == 8
+    assert ledger.rollback_before == 8
+    assert ledger.excluded("a") is None and ledger.excluded("b") is None

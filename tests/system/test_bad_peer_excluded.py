@@ -1,0 +1,61 @@
+"""A volunteer that multiplies the gradients it sends by 10 is caught, named, excluded, and what
+it touched is rolled back; the job finishes on the honest agents (issue 43).
+
+Real coordinator and agents on loopback; one agent's workers are made bad from outside the
+product (tests/agent/worker/badpeer_hook.py through badpeer_site/sitecustomize.py, whatever
+rank the coordinator gives it), not by the rehearsal mode. Three replicas of one stage in
+`sharded` mode: the two honest owners score the bad copies of their shards, their two
+reports confirm the fault (coordinator/integrity/corroborate.py), the agent is excluded, the
+job shrinks to two replicas within --min-agents and resumes from a checkpoint before the first
+step proven bad.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.daemons import Daemons, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[2]
+SITE = REPO / "tests" / "agent" / "worker" / "badpeer_site"
+ATTACK_AT = 8  # the bad worker's 8th optimizer step and every one after it
+STEPS = 30
+
+
+def test_a_peer_sending_scaled_gradients_is_excluded_and_the_job_rolls_back(
+        daemons: Daemons) -> None:
+    _, address = daemons.coordinator(
+        "--model", "gpt-tiny", "--agents", "3", "--min-agents", "2", "--stages", "1",
+        "--replicas", "3", "--steps", str(STEPS), "--batch", "6", "--micro-batches", "1",
+        "--checkpoint-every", "4", "--search-seconds", "1", "--no-measure",
+        "--dp-mode", "sharded", "--verify", "full")
+    bad_env = daemons.env(DTFM_TEST_BAD_PEER="*:" + ",".join(
+        f"{s}=scale" for s in range(ATTACK_AT, STEPS + 1)),
+        PYTHONPATH=os.pathsep.join([str(SITE), str(REPO)]))
+    daemons.agent(address, "agent-0")
+    daemons.agent(address, "agent-1")
+    daemons.agent(address, "bad", env=bad_env)
+    bad = wait_for(lambda: (p := daemons.tmp / "bad" / "agent-id").exists()
+                   and p.read_text().strip(), 60, "the bad agent's id")
+
+    done = wait_for(lambda: (j := daemons.status(address)["job"])["state"] in ("done", "failed")
+                    and j, 240, "the job to finish", interval=0.5)
+    status = daemons.status(address)
+    rows = {a["id"]: a for a in status["agents"]}
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    assert rows[bad]["state"] == "excluded", rows[bad]
+    exclusion = rows[bad]["exclusion"]
+    assert exclusion["step"] >= ATTACK_AT, exclusion  # nothing before the attack is blamed
+    assert exclusion["step"] <= ATTACK_AT + 10, exclusion  # caught within 10 steps
+    assert [a for a, r in rows.items() if r["state"] == "excluded"] == [bad], rows
+    honest = [a for a in rows if a != bad]
+    assert all(not rows[a].get("evidence") for a in honest), {a: rows[a] for a in honest}
+    first = done["recoveries"][0]
+    assert first["layout_before"] == "1x3" and first["layout_after"] == "1x2", first
+    # rolled back to a checkpoint taken before the first step proven bad
+    assert 0 < first["resumed_step"] < exclusion["step"], (first, exclusion)
+    assert bad not in {a for row in status["plan"]["grid"] for a in row}
