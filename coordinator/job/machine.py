@@ -238,9 +238,7 @@ class Job:
             return
         measured = {a: statistics.median(r.compute_s for r in steps)
                     for a, steps in self._steps.items() if steps and a in self.members}
-        predicted = self.planner.model.predict(measured)
-        self.plan.predicted_step_s = predicted.step_s
-        self.plan.predicted_compute_s = predicted.compute_s
+        self.planner.model.refresh(self.plan, measured)
 
     def status(self) -> coordinator_pb2.JobStatus:
         reports = list(self._progress.values())

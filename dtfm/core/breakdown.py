@@ -32,6 +32,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 
+from protos.dtfm.v1 import common_pb2
+
 MEASURED = ("compute", "pipeline_wait", "norm_wait", "sync_wait", "codec", "other")
 PREDICTED = ("compute", "transfer", "latency_bubble", "sync_wait", "codec", "other")
 
@@ -65,6 +67,16 @@ class Breakdown:
 
     def to_json(self) -> dict[str, float]:
         return {k: round(v, 6) for k, v in asdict(self).items()}
+
+    def to_proto(self) -> common_pb2.StepBreakdown:
+        return common_pb2.StepBreakdown(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.StepBreakdown) -> Breakdown:
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+FIELDS = tuple(f.name for f in fields(Breakdown))  # the step and every part, by name
 
 
 def _num(value: object) -> float:
