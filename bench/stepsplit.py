@@ -52,6 +52,17 @@ def free_prediction(events: list[dict[str, Any]], model: str, stages: int, repli
     return step_breakdown(free, grid, shape, per_micro)
 
 
+def cores_bound(events: list[dict[str, Any]], cores: int) -> float | None:
+    """The least step the job's CPU time allows when every rank shares this machine's `cores`:
+    the mean over steps >= 2 of the ranks' summed CPU seconds (`cpu_s`) over the cores. The
+    step model prices each device as a processor of its own; here they are not."""
+    per_step: dict[int, float] = {}
+    for e in events:
+        if e.get("event") == "step" and e["step"] >= 2 and isinstance(e.get("cpu_s"), float):
+            per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["cpu_s"]
+    return statistics.fmean(per_step.values()) / cores if per_step else None
+
+
 def _cells(b: Breakdown | None, names: tuple[str, ...]) -> str:
     return "".join(f"{getattr(b, c):>9.3f}" if b is not None and c in names else f"{'-':>9}"
                    for c in COLUMNS)

@@ -247,9 +247,12 @@ def loopback_ceiling(args: argparse.Namespace, agents: int, h: int) -> dict[str,
         tokens = args.batch * get_preset(args.model).seq_len
         files = set(Path(wd).glob("**/*.progress.jsonl"))
         out = figures(files, tokens)
+        events = progress_events(files)
         out["split_predicted"] = stepsplit.free_prediction(
-            progress_events(files), args.model, args.headline_stages,
+            events, args.model, args.headline_stages,
             agents // args.headline_stages, args.batch, args.micro_batches, h).to_json()
+        out["cores"] = os.cpu_count() or 1
+        out["cores_bound_s"] = stepsplit.cores_bound(events, out["cores"])
         return out
 
 
@@ -334,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                **breakdown_only(args)}
         print(out["breakdown"]["table"])
         print(f"network-free / everything on: {out['breakdown']['ratio']:.2f}x the step")
+        if (bound := out["ceiling"]["cores_bound_s"]) is not None:
+            print(f"network removed: the ranks' CPU time over {out['ceiling']['cores']} cores "
+                  f"bounds its step at {bound:.3f} s")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         return 0

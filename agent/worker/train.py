@@ -320,7 +320,7 @@ class Worker:
         replicas (`outer.OuterSync.sync`)."""
         a, cfg, last = self.a, self.cfg, self.stage.is_last
         outer = self.outer
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
         x, y = sampler.windows(ids)
         lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
@@ -354,6 +354,7 @@ class Worker:
             outer_s = time.perf_counter() - t2
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        times.cpu_s = time.process_time() - cpu0  # every thread's: the cores it held
         self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
                         dp_s, sync_s, synced, outer_s)
 
@@ -381,7 +382,7 @@ class Worker:
             recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
             stored_peak=times.peak_stored, pp_bytes=times.sent_bytes,
             dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s, pp_codec_s=times.codec_s,
-            codec_hidden_s=hidden_s,
+            codec_hidden_s=hidden_s, cpu_s=times.cpu_s,
             resumed_step=self._resumed, sync_every=cfg.sync_every,
             checkpoint_step=self._checkpointed, **outer,
         ))

@@ -55,6 +55,7 @@ def test_the_breakdown_of_real_steps_arrives_in_the_report(tmp_path: Path) -> No
         assert b.step_s == pytest.approx(last["step_s"])
         assert b.total() == pytest.approx(b.step_s)
         assert b.compute > 0 and b.codec > 0  # every rank compresses something
+        assert 0 < last["cpu_s"] and last["codec_hidden_s"] >= 0 and last["pp_codec_s"] > 0
         assert min(b.compute, b.pipeline_wait, b.norm_wait, b.sync_wait, b.codec) >= 0
         agents.append(coordinator_pb2.AgentStatus(info=common_pb2.AgentInfo(agent_id=f"a{rank}"),
                                                   progress=report))
