@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "show where the step goes, measured and predicted (issue 44)")
     p.add_argument("--breakdown-flags", default="--pp-compress auto --dp-compress auto "
                    "--sync-every auto", help="everything on's flags for --breakdown")
+    p.add_argument("--breakdown-micro-batches", default="4",
+                   help="--breakdown: micro-batches per replica, comma-separated to compare")
     p.add_argument("--timeout", type=float, default=7200.0, help="per job, seconds")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
@@ -267,21 +269,27 @@ def split_report(on: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
 def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
     """`--breakdown`: everything on (`--breakdown-flags`) on the `--headline-per-city` world,
     then the same job on loopback, uncompressed (`--ceiling`'s run, with the H the job ran):
-    where each step's time goes, and what the network costs, part by part."""
-    sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages})
+    where each step's time goes, and what the network costs, part by part. With several
+    `--breakdown-micro-batches`, the pair runs once per count, each pair back to back on the
+    same measured links (the first count's is the headline)."""
     tokens = args.batch * get_preset(args.model).seq_len
+    pairs = []
     with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
                                                                               _):
-        before = files_under(cluster.workdir, ".progress.jsonl")
-        on = run_job(cluster, sub, "scheduled", links, [
-            *args.breakdown_flags.split(), "--outer-lr", str(args.outer_lr), "--outer-momentum",
-            str(args.outer_momentum), "--seed", str(args.seed), "--checkpoint-every", "0"],
-            label="everything on")
-        on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
+        for m in [int(x) for x in args.breakdown_micro_batches.split(",") if x]:
+            sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages,
+                                        "micro_batches": m})
+            before = files_under(cluster.workdir, ".progress.jsonl")
+            on = run_job(cluster, sub, "scheduled", links, [
+                *args.breakdown_flags.split(), "--outer-lr", str(args.outer_lr),
+                "--outer-momentum", str(args.outer_momentum), "--seed", str(args.seed),
+                "--checkpoint-every", "0"], label=f"everything on, {m} micro-batches")
+            on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
+            ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"])
+            pairs.append({"micro_batches": m, "everything_on": on, "ceiling": ceiling,
+                          "breakdown": split_report(on, ceiling)})
         agents = cluster.agents
-    ceiling = loopback_ceiling(args, agents, on["sync_every_run"])
-    return {"agents": agents, "everything_on": on, "ceiling": ceiling,
-            "breakdown": split_report(on, ceiling)}
+    return {"agents": agents, **pairs[0], "pairs": pairs}
 
 
 def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
@@ -335,11 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
                **breakdown_only(args)}
-        print(out["breakdown"]["table"])
-        print(f"network-free / everything on: {out['breakdown']['ratio']:.2f}x the step")
-        if (bound := out["ceiling"]["cores_bound_s"]) is not None:
-            print(f"network removed: the ranks' CPU time over {out['ceiling']['cores']} cores "
-                  f"bounds its step at {bound:.3f} s")
+        for pair in out["pairs"]:
+            print(f"{pair['micro_batches']} micro-batches:\n{pair['breakdown']['table']}")
+            print(f"network-free / everything on: {pair['breakdown']['ratio']:.2f}x the step; "
+                  f"everything on {pair['everything_on']['tokens_per_s']:.0f} tok/s, network "
+                  f"removed {pair['ceiling']['tokens_per_s']:.0f} tok/s")
+            if (bound := pair["ceiling"]["cores_bound_s"]) is not None:
+                print(f"network removed: the ranks' CPU time over {pair['ceiling']['cores']} "
+                      f"cores bounds its step at {bound:.3f} s")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         return 0
