@@ -28,6 +28,12 @@ nothing compressed, `agent local`: with the network free, its tokens/s is what t
 cores allow, and rank order against it is the most part 2's ratio can show here (the emulated
 devices all share the machine's cores; real ones each have their own).
 
+`--breakdown` (issue 44) runs only everything on (`--breakdown-flags`, default the `auto`
+flags a new user gives) on the `--headline-per-city` world and, back to back, the same job
+with the network removed, and prints where the step goes in each, measured by the workers and
+predicted by the step model, and the network's cost part by part (`stepsplit.py`);
+`--breakdown-micro-batches 4,8` repeats the pair per micro-batch count on the same links.
+
 The issue's targets: data-parallel bytes per step >= 100x below synchronous uncompressed with
 validation loss within 3 %; tokens/s >= 1.5x the best synchronous variant, the step model
 within 15 % of every measured variant; everything on >= 10x the tokens/s of rank order,
