@@ -28,6 +28,12 @@ nothing compressed, `agent local`: with the network free, its tokens/s is what t
 cores allow, and rank order against it is the most part 2's ratio can show here (the emulated
 devices all share the machine's cores; real ones each have their own).
 
+`--breakdown` (issue 44) runs only everything on (`--breakdown-flags`, default the `auto`
+flags a new user gives) on the `--headline-per-city` world and, back to back, the same job
+with the network removed, and prints where the step goes in each, measured by the workers and
+predicted by the step model, and the network's cost part by part (`stepsplit.py`);
+`--breakdown-micro-batches 4,8` repeats the pair per micro-batch count on the same links.
+
 The issue's targets: data-parallel bytes per step >= 100x below synchronous uncompressed with
 validation loss within 3 %; tokens/s >= 1.5x the best synchronous variant, the step model
 within 15 % of every measured variant; everything on >= 10x the tokens/s of rank order,
@@ -53,9 +59,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import stepsplit
 from compress import files_under, progress_events  # bench/ is not a package: run as bench/sync.py
 from wan import add_world_arguments, emulator_missing, measured_world, run_job
 
+from dtfm.core.breakdown import Breakdown
 from dtfm.core.presets import get_preset
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
@@ -95,6 +103,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="after part 2, run everything on's job once more on loopback, "
                    "uncompressed (`agent local`): with the network free, what is left is "
                    "this machine's compute, so rank order against it bounds part 2's ratio")
+    p.add_argument("--breakdown", action="store_true",
+                   help="run only everything on (--breakdown-flags) on the "
+                   "--headline-per-city world and the same job with the network removed, and "
+                   "show where the step goes, measured and predicted (issue 44)")
+    p.add_argument("--breakdown-flags", default="--pp-compress auto --dp-compress auto "
+                   "--sync-every auto", help="everything on's flags for --breakdown")
+    p.add_argument("--breakdown-micro-batches", default="4",
+                   help="--breakdown: micro-batches per replica, comma-separated to compare")
     p.add_argument("--timeout", type=float, default=7200.0, help="per job, seconds")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs here")
@@ -125,7 +141,8 @@ def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str) -> list[str]:
 def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
     """Bytes per step (summed over ranks, averaged over every step), the mean step time and
     tokens/s (steps >= 2: the first holds the start-up), the validation loss and the drift
-    at the last sync point, from the workers' own progress files."""
+    at the last sync point, and where the mean step went (`stepsplit.measured_split`), from
+    the workers' own progress files."""
     events = progress_events(progress)
     steps = [e for e in events if e.get("event") == "step"]
     count = len({e["step"] for e in steps}) or 1
@@ -140,6 +157,8 @@ def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
         "mean_step_s": mean_step, "tokens_per_s": tokens_per_step / mean_step,
         "val_loss": statistics.median(done) if done else None,
         "drift_last": drifts[-1] if drifts else None,
+        "split": stepsplit.measured_split(events).to_json(),
+        "sync_every_run": max((e.get("sync_every", 1) for e in steps), default=1),
     }
 
 
@@ -234,7 +253,49 @@ def loopback_ceiling(args: argparse.Namespace, agents: int, h: int) -> dict[str,
         if done.returncode != 0:
             raise RuntimeError(f"the loopback ceiling run failed: {done.stderr[-2000:]}")
         tokens = args.batch * get_preset(args.model).seq_len
-        return figures(set(Path(wd).glob("**/*.progress.jsonl")), tokens)
+        files = set(Path(wd).glob("**/*.progress.jsonl"))
+        out = figures(files, tokens)
+        events = progress_events(files)
+        out["split_predicted"] = stepsplit.free_prediction(
+            events, args.model, args.headline_stages,
+            agents // args.headline_stages, args.batch, args.micro_batches, h).to_json()
+        out["cores"] = os.cpu_count() or 1
+        out["cores_bound_s"] = stepsplit.cores_bound(events, out["cores"])
+        return out
+
+
+def split_report(on: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """Everything on against the same job with the network removed, part by part."""
+    predicted = on.get("predicted_breakdown")
+    return stepsplit.report(Breakdown(**on["split"]), Breakdown(**predicted) if predicted
+                            else None, Breakdown(**ceiling["split"]),
+                            Breakdown(**ceiling["split_predicted"]))
+
+
+def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
+    """`--breakdown`: everything on (`--breakdown-flags`) on the `--headline-per-city` world,
+    then the same job on loopback, uncompressed (`--ceiling`'s run, with the H the job ran):
+    where each step's time goes, and what the network costs, part by part. With several
+    `--breakdown-micro-batches`, the pair runs once per count, each pair back to back on the
+    same measured links (the first count's is the headline)."""
+    tokens = args.batch * get_preset(args.model).seq_len
+    pairs = []
+    with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
+                                                                              _):
+        for m in [int(x) for x in args.breakdown_micro_batches.split(",") if x]:
+            sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages,
+                                        "micro_batches": m})
+            before = files_under(cluster.workdir, ".progress.jsonl")
+            on = run_job(cluster, sub, "scheduled", links, [
+                *args.breakdown_flags.split(), "--outer-lr", str(args.outer_lr),
+                "--outer-momentum", str(args.outer_momentum), "--seed", str(args.seed),
+                "--checkpoint-every", "0"], label=f"everything on, {m} micro-batches")
+            on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
+            ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"])
+            pairs.append({"micro_batches": m, "everything_on": on, "ceiling": ceiling,
+                          "breakdown": split_report(on, ceiling)})
+        agents = cluster.agents
+    return {"agents": agents, **pairs[0], "pairs": pairs}
 
 
 def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
@@ -254,6 +315,8 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
                                                        pp, dp or pp)])[0]
         agents = cluster.agents
     ceiling = loopback_ceiling(args, agents, h) if args.ceiling else None
+    if ceiling:
+        on["breakdown"] = split_report(on, ceiling)
     speedup = on["tokens_per_s"] / blind["tokens_per_s"]
     over_sync = on["tokens_per_s"] / best_sync["tokens_per_s"]
     errors = {r["variant"]: r["prediction_err_pct"] for r in (blind, on, best_sync)}
@@ -283,6 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if emulator_missing():
         return 2
+    if args.breakdown:
+        out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+               **breakdown_only(args)}
+        for pair in out["pairs"]:
+            print(f"{pair['micro_batches']} micro-batches:\n{pair['breakdown']['table']}")
+            print(f"network-free / everything on: {pair['breakdown']['ratio']:.2f}x the step; "
+                  f"everything on {pair['everything_on']['tokens_per_s']:.0f} tok/s, network "
+                  f"removed {pair['ceiling']['tokens_per_s']:.0f} tok/s")
+            if (bound := pair["ceiling"]["cores_bound_s"]) is not None:
+                print(f"network removed: the ranks' CPU time over {pair['ceiling']['cores']} "
+                      f"cores bounds its step at {bound:.3f} s")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        return 0
     if not args.variants and not args.headline:
         raise SystemExit("--no-variants --no-headline leaves nothing to run")
     rows: list[dict[str, Any]] = []
@@ -324,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"loss {'n/a' if pct is None else f'{pct:+.2f} %'}, step model "
                   f"{r['prediction_err_pct']:+.1f} %")
         if top["ceiling"]:
+            print(top["everything_on"]["breakdown"]["table"])
             print(f"the same job on loopback, uncompressed (the network free, this machine's "
                   f"cores the limit): {top['ceiling']['tokens_per_s']:.0f} tok/s, "
                   f"{top['ceiling_speedup']:.2f}x rank order: the most part 2 can show here")

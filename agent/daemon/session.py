@@ -260,6 +260,7 @@ class CoordinatorSession:
             resumed_step=p.resumed_step if p.resumed_step >= 0 else None,
             checkpoint_step=p.checkpoint_step,
             sync_every=p.sync_every, sync_round=p.sync_round, drift=p.drift,
+            breakdown=p.breakdown.to_proto() if p.breakdown.step_s > 0 else None,
             validations=[coordinator_pb2.Validation(step=step, loss=loss)
                          for step, loss in p.validations],
             integrity=evidence_messages(p.integrity),

@@ -25,12 +25,13 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agent.daemon.statedir import checkpoint_dir, private_dir
 from dtfm.checkpoints.copies import CheckpointCopier
 from dtfm.checkpoints.push import CheckpointPushes
+from dtfm.core.breakdown import Breakdown, measured
 from dtfm.core.events import (
     DoneEvent,
     ErrorEvent,
@@ -78,6 +79,8 @@ class WorkerProgress:
     # the worker's newest failed replica checks (--verify), oldest first: evidence for the
     # coordinator (each heartbeat carries them all, so none is missed between two)
     integrity: list[IntegrityEvent] = field(default_factory=list)
+    # the last step split into parts that add up to it (dtfm/core/breakdown.py)
+    breakdown: Breakdown = field(default_factory=Breakdown)
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -98,6 +101,8 @@ class WorkerProgress:
                 value = getattr(event, name)
                 if not math.isnan(value):
                     setattr(self, name, value)
+            if math.isfinite(event.step_s):
+                self.breakdown = measured(asdict(event))
         elif isinstance(event, EvalEvent):
             if math.isfinite(event.val_loss) and event.step >= 1:
                 self.validations = [*self.validations, (event.step, event.val_loss)][

@@ -144,6 +144,7 @@ class GradAverager:
         self.codec_s = 0.0  # this step's compressing and decompressing
         self.inspect: Inspect | None = None  # the owner's look at its shard's copies
         self.tamper: Tamper | None = None  # a rehearsed bad peer's hand on what it sends
+        self.finish_codec_s = 0.0  # the part of codec_s spent in `finish` (not in backward)
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         if self.size > 1:
@@ -234,7 +235,7 @@ class GradAverager:
         """
         if self.size == 1:
             return 0.0, list(self._extras)
-        t0 = time.perf_counter()
+        t0, codec_before = time.perf_counter(), self.codec_s
         self._armed = False
         for p in self.params:
             if p.grad is None:
@@ -243,6 +244,7 @@ class GradAverager:
             self._copy_in(b)
         self._launch_ready()
         self._complete()
+        self.finish_codec_s = self.codec_s - codec_before
         last = self.buckets[-1]
         extras = last.flat[last.numel : last.numel + self.n_extras].tolist()
         return time.perf_counter() - t0, [float(v) for v in extras]

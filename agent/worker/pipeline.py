@@ -108,6 +108,7 @@ class Timings:
     peak_stored: int = 0
     codec_s: float = 0.0  # compressing and decompressing messages
     sent_bytes: int = 0  # bytes this rank put on its pipeline links
+    cpu_s: float = 0.0  # the whole step's CPU time, every thread of the process (train.py)
 
     def add(self, other: Timings) -> None:
         self.compute_s += other.compute_s

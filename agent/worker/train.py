@@ -326,7 +326,7 @@ class Worker:
         replicas (`outer.OuterSync.sync`)."""
         a, cfg, last = self.a, self.cfg, self.stage.is_last
         outer = self.outer
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         self.checks.begin_step(step)
         ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
         x, y = sampler.windows(ids)
@@ -353,26 +353,32 @@ class Worker:
         sync_s = time.perf_counter() - t1
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
-        synced = None
+        synced, outer_s = None, 0.0
         if outer and outer.due(step, cfg.steps):
             self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
+            t2 = time.perf_counter()
             synced = outer.sync(step)
+            outer_s = time.perf_counter() - t2
         self.checks.end_step(step, cfg.steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        times.cpu_s = time.process_time() - cpu0  # every thread's: the cores it held
         self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
-                        dp_s, sync_s, synced)
+                        dp_s, sync_s, synced, outer_s)
 
     def _emit_step(
         self, step: int, loss: float, norm: float, lr: float, dt: float, times: Timings,
-        dp_s: float, sync_s: float, synced: SyncResult | None = None,
+        dp_s: float, sync_s: float, synced: SyncResult | None = None, outer_s: float = 0.0,
     ) -> None:
         a, cfg = self.a, self.cfg
         dp_bytes, codec_s = self._averager.sent_bytes, self._averager.codec_s
+        # the data-parallel codec work its hooks did inside backward (so inside compute_s)
+        hidden_s = codec_s - self._averager.finish_codec_s
         outer: dict[str, Any] = {}
         if self.outer is not None:  # local steps: only a sync point exchanges anything
             dp_bytes, codec_s = (synced.dp_bytes, synced.codec_s) if synced else (0, 0.0)
-            outer = {"sync_round": round_of(step, self.outer.every)}
+            hidden_s = 0.0  # nothing is averaged in backward: the sync point does it all
+            outer = {"sync_round": round_of(step, self.outer.every), "outer_s": outer_s}
             if synced:
                 dp_s = synced.dp_s
                 outer.update(drift=synced.drift, param_checksum=synced.checksum)
@@ -383,7 +389,8 @@ class Worker:
             pp_wait_s=times.recv_wait_s + times.send_wait_s, dp_s=dp_s, sync_s=sync_s,
             recv_wait_s=times.recv_wait_s, send_wait_s=times.send_wait_s,
             stored_peak=times.peak_stored, pp_bytes=times.sent_bytes,
-            dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s,
+            dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s, pp_codec_s=times.codec_s,
+            codec_hidden_s=hidden_s, cpu_s=times.cpu_s,
             resumed_step=self._resumed, sync_every=cfg.sync_every,
             checkpoint_step=self._checkpointed, **outer,
         ))

@@ -18,6 +18,8 @@ from coordinator.daemon.statusjson import (  # noqa: F401 - re-exported: the JSO
 from coordinator.integrity.status import integrity_lines
 from coordinator.job.prediction import prediction_gap
 from coordinator.job.replanlog import replans_to_text
+from dtfm.core.breakdown import Breakdown
+from dtfm.core.breakdown import line as breakdown_line
 from dtfm.core.words import stages_x_replicas
 from dtfm.rpc import is_loopback
 from protos.dtfm.v1 import coordinator_pb2
@@ -40,11 +42,26 @@ def _ago(seconds: float) -> str:
 
 
 def _split(worker: dict[str, Any]) -> str:
-    """Where a worker's last step went: compute, waiting on neighbours, data-parallel sync."""
+    """Where a worker's last step went (`dtfm.core.breakdown`; an older agent: compute,
+    waiting on neighbours, data-parallel sync)."""
     if not worker["step_s"]:
         return "-"
+    if worker.get("breakdown"):
+        return breakdown_line(Breakdown(**worker["breakdown"]))
     return (f"{worker['step_s']:.2f}s = compute {worker['compute_s']:.2f} + pipeline wait "
             f"{worker['pp_wait_s']:.2f} + dp sync {worker['dp_s']:.2f}")
+
+
+def breakdown_lines(data: dict[str, Any]) -> list[str]:
+    """The job's step, measured (the mean of its workers' last steps) and predicted, split
+    into the same parts: where the time goes, for an operator deciding what to fix."""
+    lines = []
+    if m := data.get("breakdown"):
+        lines.append(f"step split, measured (mean of the workers' last steps): "
+                     f"{breakdown_line(Breakdown(**m))}")
+    if p := (data["plan"] or {}).get("predicted_breakdown"):
+        lines.append(f"step split, predicted: {breakdown_line(Breakdown(**p), predicted=True)}")
+    return lines
 
 
 def _device(device: dict[str, Any]) -> str:
@@ -68,6 +85,7 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
                      + f"{j['tokens_per_s']:.0f} tok/s")
         if j["predicted_step_s"]:
             lines.append(f"  {step_time_line(data)}")
+        lines.extend(f"  {line}" for line in breakdown_lines(data))
         if j["message"]:
             lines.append(f"  {j['message']}")
         saves = j["state_saves"]

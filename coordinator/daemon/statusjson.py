@@ -15,6 +15,7 @@ from coordinator.daemon.registry import STATE_NAMES
 from coordinator.integrity.status import agent_integrity_json
 from coordinator.job.replanlog import replans_to_json
 from coordinator.links.store import matrix_to_json
+from dtfm.core.breakdown import Breakdown, mean
 from dtfm.core.spec import WorkerState
 from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
@@ -46,6 +47,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        "tokens_per_s": p.tokens_per_s, "error": p.error,
                        "error_kind": p.error_kind, "step_s": p.step_s,
                        "compute_s": p.compute_s, "pp_wait_s": p.pp_wait_s, "dp_s": p.dp_s,
+                       # its last step in parts that add up to it (None: an older agent)
+                       "breakdown": Breakdown.from_proto(p.breakdown).to_json()
+                       if p.HasField("breakdown") else None,
                        **newest_validation(p),
                        **traffic_per_step(p)},
             # whether peers can dial it back (dtfm/net/reach.py): everywhere, some-peers, nowhere
@@ -71,6 +75,9 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "predicted_compute_s": status.plan.predicted_compute_s,
                 "layer_splits": list(status.plan.layer_splits),
                 "sync_every": status.plan.sync_every or 1,
+                "predicted_breakdown": Breakdown.from_proto(
+                    status.plan.predicted_breakdown).to_json()
+                if status.plan.HasField("predicted_breakdown") else None,
                 "sync_note": status.plan.sync_note}
     return {
         "agents": agents,
@@ -101,6 +108,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                     for c in j.coordinator_checkpoints]},
         "plan": plan,
         "local_steps": local_steps(status.job.job_id, agents),
+        "breakdown": job_breakdown(status.job.job_id, agents),
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
     }
@@ -126,6 +134,14 @@ def local_steps(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | N
             "dp_bytes_per_step": sum(w["dp_bytes_per_step"] for w in workers),
             "pp_bytes_per_step": sum(w["pp_bytes_per_step"] for w in workers),
             "drift": max(w["drift"] for w in workers)}
+
+
+def job_breakdown(job_id: str, agents: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The mean of the job's training workers' last-step breakdowns (each adds up to its
+    step, so the mean adds up to the mean step); None before any reported one."""
+    splits = [Breakdown(**a["worker"]["breakdown"]) for a in agents
+              if job_id and a["worker"]["job_id"] == job_id and a["worker"]["breakdown"]]
+    return mean(splits).to_json() if splits else None
 
 
 def newest_validation(p: coordinator_pb2.ProgressReport) -> dict[str, Any]:

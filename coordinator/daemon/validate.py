@@ -7,6 +7,7 @@ Nothing here touches the registry: these are checks on one message alone.
 
 from __future__ import annotations
 
+from dtfm.core.breakdown import FIELDS as BREAKDOWN_FIELDS
 from dtfm.core.limits import (
     AGENT_ID_RE,
     MAX_AGENTS,
@@ -112,6 +113,10 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
         number_problem("tokens_per_s", report.tokens_per_s),
         *(number_problem(name, getattr(report, name))
           for name in ("step_s", "compute_s", "pp_wait_s", "dp_s", "drift")),
+        # its parts: finite; `other` is what no timer held, a hair below 0 from rounding
+        *(number_problem(f"breakdown.{name}", getattr(report.breakdown, name),
+                         None if name == "other" else 0.0)
+          for name in BREAKDOWN_FIELDS),
         text_problem("job_id", report.job_id, MAX_NAME),
         text_problem("error", report.error, MAX_ERROR, free_text=True),
         text_problem("error_kind", report.error_kind, MAX_KIND),

@@ -24,9 +24,7 @@ def refresh_prediction(job: Job) -> None:
         return
     measured = {a: statistics.median(r.compute_s for r in steps)
                 for a, steps in job.recent_steps().items() if steps and a in job.members}
-    predicted = job.planner.model.predict(measured)
-    job.plan.predicted_step_s = predicted.step_s
-    job.plan.predicted_compute_s = predicted.compute_s
+    job.planner.model.refresh(job.plan, measured)  # step, compute and their breakdown
 
 
 def job_status(job: Job) -> coordinator_pb2.JobStatus:

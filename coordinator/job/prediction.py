@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from coordinator.daemon.registry import AgentRecord
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Devices, Workload, tasklet_seconds
-from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step
+from coordinator.scheduler.steptime import StepShape, StepTime, simulate_step, step_breakdown
+from protos.dtfm.v1 import common_pb2
 
 
 def agent_flops(records: list[AgentRecord], dtype: str) -> list[float]:
@@ -58,15 +59,27 @@ class Prediction:
             self._comm = simulate_step(self.net, self.grid, self.shape)
         return self._comm.step_s
 
-    def predict(self, compute_per_step: dict[str, float]) -> StepTime:
-        """`compute_per_step[agent]`: its measured compute seconds per step, where known."""
+    def _compute(self, compute_per_step: dict[str, float]) -> list[list[float]]:
         m = self.work.micro_batches
         known = [f if f > 0 else math.inf for f in self.flops]  # unknown speed: no estimate
         estimate = tasklet_seconds(self.work, self.grid, known, self.splits)
-        compute = [[compute_per_step[self.agents[d]] / m if self.agents[d] in compute_per_step
-                    else float(estimate[j, k]) for k, d in enumerate(row)]
-                   for j, row in enumerate(self.grid)]
-        return simulate_step(self.net, self.grid, self.shape, compute)
+        return [[compute_per_step[self.agents[d]] / m if self.agents[d] in compute_per_step
+                 else float(estimate[j, k]) for k, d in enumerate(row)]
+                for j, row in enumerate(self.grid)]
+
+    def predict(self, compute_per_step: dict[str, float]) -> StepTime:
+        """`compute_per_step[agent]`: its measured compute seconds per step, where known."""
+        return simulate_step(self.net, self.grid, self.shape, self._compute(compute_per_step))
+
+    def refresh(self, plan: common_pb2.Plan, compute_per_step: dict[str, float]) -> None:
+        """Set `plan`'s predicted step, its compute and its breakdown (`step_breakdown`) from
+        the compute the members measured (`predict`)."""
+        compute = self._compute(compute_per_step)
+        predicted = simulate_step(self.net, self.grid, self.shape, compute)
+        plan.predicted_step_s = predicted.step_s
+        plan.predicted_compute_s = predicted.compute_s
+        plan.predicted_breakdown.CopyFrom(
+            step_breakdown(self.net, self.grid, self.shape, compute).to_proto())
 
 
 # The measured step this far from the plan's prediction (either way) is worth a word.

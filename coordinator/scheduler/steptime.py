@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from coordinator.scheduler.compression import TOPK_COST, Compression
 from coordinator.scheduler.dpshares import group_links, group_shares
 from coordinator.scheduler.flops import FULL_FORWARD_SHARE, stage_flops_by_pass
 from coordinator.scheduler.network import Network
+from dtfm.core.breakdown import Breakdown
 from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.codecs import NONE, Codec, parse_codec
 from dtfm.core.layout import layer_ranges, pipeline_ops
@@ -223,6 +224,21 @@ def _dp_seconds(net: Network, group: Sequence[int], grad_bytes: float, mode: str
     return end
 
 
+def _grid_and_compute(grid: Sequence[Sequence[int]], shape: StepShape,
+                      compute_s: Sequence[Sequence[float]] | None) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+    g = np.asarray(grid, dtype=np.int64)
+    if g.ndim != 2 or g.size == 0:
+        raise ValueError("a grid must be a non-empty list of equally long rows")
+    s, r = g.shape
+    if len(shape.grad_bytes) != s:
+        raise ValueError(f"{len(shape.grad_bytes)} gradient sizes for {s} stages")
+    comp = np.zeros((s, r)) if compute_s is None else np.asarray(compute_s, dtype=float)
+    if comp.shape != (s, r) or not (np.isfinite(comp).all() and (comp >= 0).all()):
+        raise ValueError(f"compute_s must be a {s}x{r} grid of seconds >= 0")
+    return g, comp
+
+
 def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
                   compute_s: Sequence[Sequence[float]] | None = None,
                   memo: dict[tuple[object, ...], object] | None = None) -> StepTime:
@@ -233,33 +249,65 @@ def simulate_step(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
     the same `net` and `shape` (a search's), remembering each pipeline's and each
     data-parallel group's time, since a swap changes at most two of each.
     """
-    g = np.asarray(grid, dtype=np.int64)
-    if g.ndim != 2 or g.size == 0:
-        raise ValueError("a grid must be a non-empty list of equally long rows")
+    g, comp = _grid_and_compute(grid, shape, compute_s)
+    return _simulate(net, net, g, shape, comp, _codecs(net, g, shape),
+                     {} if memo is None else memo)
+
+
+def step_breakdown(net: Network, grid: Sequence[Sequence[int]], shape: StepShape,
+                   compute_s: Sequence[Sequence[float]] | None = None) -> Breakdown:
+    """`simulate_step`'s prediction split as `dtfm.core.breakdown` splits a measured step,
+    each part the step time it costs, taken away in turn with the codecs this grid gets on
+    `net` held fixed: `codec` is what compressing costs (the step with free codecs), then
+    `transfer` what the pipeline links' bandwidth costs (every pipeline link unbounded, its
+    delay kept), then `sync_wait` what the data-parallel exchange costs (none at all);
+    `compute` is the mean tasklet's compute in a step, and `latency_bubble` the rest: delays,
+    the pipeline filling and draining (idle devices) and the norm exchange. The parts add up
+    to the predicted step; `other` is 0 (nothing else is priced)."""
+    g, comp = _grid_and_compute(grid, shape, compute_s)
+    codecs = _codecs(net, g, shape)
+    free = shape if shape.compression is None else replace(
+        shape, compression=replace(shape.compression, codec_s_per_gb=0.0))
+    wide = Network(net.delay_ms, np.full_like(net.bandwidth_gbps, UNBOUNDED_GBPS))
+    full = _simulate(net, net, g, shape, comp, codecs, {}).step_s
+    no_codec = _simulate(net, net, g, free, comp, codecs, {}).step_s
+    no_transfer = _simulate(wide, net, g, free, comp, codecs, {}).step_s
+    no_sync = _simulate(wide, net, g, free, comp, codecs, {}, dp_free=True).step_s
+    compute = float(comp.mean()) * shape.micro_batches
+    return Breakdown(step_s=full, compute=compute, codec=full - no_codec,
+                     transfer=no_codec - no_transfer, sync_wait=no_transfer - no_sync,
+                     latency_bubble=no_sync - compute)
+
+
+UNBOUNDED_GBPS = 1e12  # a link whose bytes take no time: `step_breakdown`'s "no transfer"
+
+
+def _simulate(pp_net: Network, dp_net: Network, g: np.ndarray, shape: StepShape,
+              comp: np.ndarray, codecs: tuple[list[list[Codec]], list[Codec]],
+              memo: dict[tuple[object, ...], object], dp_free: bool = False) -> StepTime:
+    """`simulate_step` with the pipelines on `pp_net`, the data-parallel groups on `dp_net`
+    (`dp_free`: none at all) and the codecs given."""
     s, r = g.shape
-    if len(shape.grad_bytes) != s:
-        raise ValueError(f"{len(shape.grad_bytes)} gradient sizes for {s} stages")
-    comp = np.zeros((s, r)) if compute_s is None else np.asarray(compute_s, dtype=float)
-    if comp.shape != (s, r) or not (np.isfinite(comp).all() and (comp >= 0).all()):
-        raise ValueError(f"compute_s must be a {s}x{r} grid of seconds >= 0")
-    pp_codecs, dp_codecs = _codecs(net, g, shape)
-    memo = {} if memo is None else memo
+    pp_codecs, dp_codecs = codecs
 
     def pipeline(k: int) -> list[float]:
         devices, work, codecs = g[:, k].tolist(), comp[:, k].tolist(), [row[k] for row in pp_codecs]
         key = ("pp", *devices, *work, *codecs)
         if key not in memo:
-            memo[key] = _pipeline(net, devices, shape, work, codecs)
+            memo[key] = _pipeline(pp_net, devices, shape, work, codecs)
         return memo[key]  # type: ignore[return-value]
 
     def dp_group(j: int) -> float:
+        if dp_free:
+            return 0.0
         key = ("dp", j, *g[j].tolist(), dp_codecs[j])
         if key not in memo:
-            memo[key] = _dp_seconds(net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode,
+            memo[key] = _dp_seconds(dp_net, g[j].tolist(), shape.grad_bytes[j], shape.dp_mode,
                                     dp_codecs[j],
                                     _codec_s(shape, dp_codecs[j], shape.grad_bytes[j], 4))
         return memo[key]  # type: ignore[return-value]
 
+    net = dp_net  # the norm exchange's delays: the same on both
     last_b = np.array([pipeline(k) for k in range(r)]).T  # (stage, replica)
     dp = np.array([dp_group(j) for j in range(s)])
     if shape.verify_s and r > 1:

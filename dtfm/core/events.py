@@ -92,6 +92,13 @@ class StepEvent:
     sync_round: int = 0  # the round this step belongs to: 1 for steps 1..H
     drift: float = NAN  # at a sync point: the norm of this stage's pseudo-gradient, this replica
     param_checksum: float = NAN  # at a sync point: a sum of the synced parameters (replicas agree)
+    # The timers `dtfm.core.breakdown.measured` needs to split the step into disjoint parts:
+    pp_codec_s: float = NAN  # the pipeline's part of codec_s
+    codec_hidden_s: float = NAN  # data-parallel codec work in backward's hooks (inside compute_s)
+    outer_s: float = NAN  # local steps: the whole sync point (its dp_s inside); 0 off them
+    # CPU seconds the step used, every thread of the worker's process: on a machine whose
+    # cores several workers share, their sum over the cores bounds the step from below
+    cpu_s: float = NAN
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,7 @@ class WanCluster:
             "dp_shares": plan.get("dp_shares"), "cost": plan.get("cost"),
             "dp_cost": plan.get("dp_cost"), "pp_cost": plan.get("pp_cost"),
             "predicted_step_s": job["predicted_step_s"],
+            "predicted_breakdown": plan.get("predicted_breakdown"),
             "predicted_comm_s": plan.get("predicted_comm_s"),
             "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
             "loss": job["loss"], "worker_split_median": split, **traffic,
