@@ -40,10 +40,8 @@ fails every receive waiting on that peer at once, naming it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
-import os
 import queue
 import socket
 import threading
@@ -54,8 +52,9 @@ from typing import Any
 
 import torch
 
-from agent.worker.transport import redial, staging
+from agent.worker.transport import redial, sockio, staging
 from agent.worker.transport.config import TransportConfig
+from agent.worker.transport.sockio import byte_view
 from agent.worker.transport.work import TransportWork
 from dtfm.core.staleentry import StaleEntry
 from dtfm.net import dataplane as dp
@@ -63,20 +62,7 @@ from dtfm.net import punch
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
-_DISCARD_CHUNK = 1 << 20
 _PARKED_POLL_S = 0.25  # how often a reader parked by a full mailbox checks its peer is there
-_TCP_ESTABLISHED = 1  # tcp_info's tcpi_state (linux/tcp_states.h)
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes (any dtype, bfloat16 included)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"the dtfm transport sends contiguous CPU tensors: got {t.device} "
-                         f"{'contiguous' if t.is_contiguous() else 'non-contiguous'}")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 class _Recv:
@@ -118,7 +104,7 @@ class _Peer:
                     log.warning("rank %d: rank %d connected again before any frame crossed "
                                 "its first connection (its dialer gave up on that one): the "
                                 "new connection replaces it", self.mesh.rank, self.rank)
-                    _shut(old)
+                    sockio.shut(old)
                 return
         if again:
             log.warning("rank %d: rank %d connected again after frames crossed its first "
@@ -233,7 +219,7 @@ class _Peer:
                     with self.mesh.cond:
                         late = self._deliver((h.stream, h.tag), buf)
                     if late is not None:
-                        _copy_in(late, buf, self.rank)
+                        sockio.copy_in(late.tensor, late.work, buf, self.rank)
                     continue
                 view = byte_view(reading.tensor)
                 if len(view) != h.length:  # refused before a byte of it is held
@@ -242,7 +228,7 @@ class _Peer:
                         f"of {len(view)} bytes: the two ends disagree on the tensor's shape "
                         f"or dtype"))
                     reading = None
-                    _discard(sock, h.length)
+                    sockio.discard(sock, h.length)
                     continue
                 dp.recv_into_exact(sock, view)
                 reading.work.finish()
@@ -260,14 +246,15 @@ class _Peer:
         """The receive posted for frame `h` (taken out of `posted`), or None once the mailbox
         has room for its payload; until then the reader waits (backpressure). A frame larger
         than the whole mailbox waits for its receive: nothing is allocated for a length the
-        peer merely claims. A peer that goes meanwhile is noticed (`_gone`), though nothing
+        peer merely claims. A peer that goes meanwhile is noticed (`sockio.gone`), though nothing
         reads its socket: its receives fail then, not at the group's timeout."""
         m, key = self.mesh, (h.stream, h.tag)
         with m.cond:
             while not self.posted.get(key) and self.error is None and \
                     self.unclaimed + h.length > m.cfg.mailbox_bytes:
                 # read on when a receive claims a message or is posted
-                if not m.cond.wait(_PARKED_POLL_S) and self.sock and (why := _gone(self.sock)):
+                if not m.cond.wait(_PARKED_POLL_S) and self.sock and \
+                        (why := sockio.gone(self.sock)):
                     raise ConnectionError(f"{why} while its {h.length}-byte message (tag "
                                           f"{h.tag}) waited for a receive")
             if self.error is not None:
@@ -290,51 +277,6 @@ class _Peer:
         self.arrived.setdefault(key, deque()).append(buf)
         self.unclaimed += len(buf)
         return None
-
-
-def _gone(sock: socket.socket) -> str:
-    """Why `sock`'s peer is gone ('' while the connection stands), without reading it: the
-    kernel's TCP state shows a peer's FIN even behind unread bytes."""
-    try:
-        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            return f"the connection failed: {os.strerror(err)}"
-        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
-    except OSError:  # closed here meanwhile (its error says so), or not TCP: nothing known
-        return ""
-    return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
-
-
-def _shut(sock: socket.socket) -> None:
-    """Shut `sock` down (its reader's recv returns) and close it."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
-def _discard(sock: socket.socket, n: int) -> None:
-    """Read and drop `n` payload bytes a chunk at a time, so a frame refused for its length
-    costs no memory of that length."""
-    chunk = memoryview(bytearray(min(n, _DISCARD_CHUNK)))
-    while n > 0:
-        k = min(n, len(chunk))
-        dp.recv_into_exact(sock, chunk[:k])
-        n -= k
-
-
-def _copy_in(r: _Recv, buf: bytearray, src: int) -> None:
-    """A mailbox message into its receive's tensor, outside the mesh's lock and with torch's
-    copy, which releases the GIL: a plain memoryview copy of a large message holds the GIL
-    (and the lock) for its whole length and stalls every other transport thread meanwhile."""
-    n = r.tensor.numel() * r.tensor.element_size()
-    if n != len(buf):
-        r.work.finish(RuntimeError(f"rank {src} sent {len(buf)} bytes for a receive of "
-                                   f"{n} bytes: the ends disagree on shape or dtype"))
-        return
-    if n:
-        dst = torch.frombuffer(byte_view(r.tensor), dtype=torch.uint8)
-        dst.copy_(torch.frombuffer(buf, dtype=torch.uint8))
-    r.work.finish()
 
 
 class Mesh:
@@ -398,7 +340,7 @@ class Mesh:
                 p.posted.setdefault((stream, tag), deque()).append(r)
                 self.cond.notify_all()
         if buf is not None:
-            _copy_in(r, buf, src)
+            sockio.copy_in(r.tensor, r.work, buf, src)
         return work
 
     def peer(self, rank: int) -> _Peer:
