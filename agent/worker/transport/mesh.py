@@ -58,7 +58,7 @@ from agent.worker.transport.sockio import byte_view
 from agent.worker.transport.work import TransportWork
 from dtfm.core.staleentry import StaleEntry
 from dtfm.net import dataplane as dp
-from dtfm.net import punch
+from dtfm.net import framemac, punch
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
@@ -86,6 +86,8 @@ class _Peer:
         self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
         # whether a frame has begun on the current connection, from the peer and to it
         self.frames_in = self.frames_out = 0
+        # this pair's frames each way, sealed and checked with its key (framemac.py)
+        self.tx, self.rx = mesh.direction(mesh.rank, rank), mesh.direction(rank, mesh.rank)
         mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
 
     def attach(self, sock: socket.socket) -> None:
@@ -181,9 +183,8 @@ class _Peer:
                 work.finish(self.error)
                 continue
             try:
-                sock.sendall(header)
                 view = byte_view(tensor)
-                sock.sendall(view)
+                self.tx.send(sock, header, view)
                 self.sent_bytes += len(view)
                 work.finish()
             except OSError as exc:
@@ -212,26 +213,31 @@ class _Peer:
                     head = first + dp.recv_exact(sock, dp.HEADER_BYTES - 1)
                 h = dp.Header.unpack(head)
                 h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
+                self.rx.receive_head(sock, head)  # its length is the sender's from here
                 reading = self._claim(h)
                 if reading is None:  # nothing posted: into the mailbox, whose limit it fits
-                    buf = bytearray(h.length)
+                    buf = bytearray(self.rx.rest(h.length))
                     dp.recv_into_exact(sock, memoryview(buf))
+                    buf = self.rx.open_buffer(head, buf)
                     with self.mesh.cond:
                         late = self._deliver((h.stream, h.tag), buf)
                     if late is not None:
                         sockio.copy_in(late.tensor, late.work, buf, self.rank)
                     continue
                 view = byte_view(reading.tensor)
-                if len(view) != h.length:  # refused before a byte of it is held
+                if len(view) != h.length - self.rx.overhead:  # refused before a byte is held
                     reading.work.finish(RuntimeError(
-                        f"rank {self.rank} sent {h.length} bytes (tag {h.tag}) for a receive "
-                        f"of {len(view)} bytes: the two ends disagree on the tensor's shape "
-                        f"or dtype"))
+                        f"rank {self.rank} sent {h.length - self.rx.overhead} bytes (tag "
+                        f"{h.tag}) for a receive of {len(view)} bytes: the two ends disagree "
+                        f"on the tensor's shape or dtype"))
                     reading = None
-                    sockio.discard(sock, h.length)
+                    sockio.discard(sock, self.rx.rest(h.length))
+                    self.rx.skip()
                     continue
-                dp.recv_into_exact(sock, view)
+                self.rx.receive_into(sock, head, view)
                 reading.work.finish()
+        except framemac.FrameRefused as exc:  # the pair's key does not vouch for it
+            self._lost(reading, self.mesh.refused(self.rank, str(exc)))
         except (OSError, dp.FrameError) as exc:
             if self._detach(sock, exc):
                 return
@@ -286,6 +292,9 @@ class Mesh:
         self.cfg, self.rank = cfg, rank
         self.job = dp.job_digest(cfg.job)
         self.key = dp.derive_key(cfg.secret, cfg.job, cfg.epoch)
+        for peer in cfg.peers:  # a missing pair key fails here, naming the pair
+            if peer != rank:
+                self.direction(rank, peer)
         self.cond = threading.Condition()
         self.peers: dict[int, _Peer] = {}
         self.rejected = 0  # connections that failed the handshake
@@ -311,12 +320,27 @@ class Mesh:
     def closed(self) -> bool:
         return self._closed
 
+    def direction(self, src: int, dst: int) -> framemac.Direction:
+        """The frames from `src` to `dst` (one end is this rank), with their pair's key."""
+        peer = dst if src == self.rank else src
+        return framemac.Direction(self.cfg.frames, self.cfg.pair_keys.get(peer, b""), src, dst)
+
+    def refused(self, peer: int, frame: str) -> framemac.FrameRefused:
+        """The error of `frame` ("frame N") from `peer` refused: it names the relay the pair
+        goes through (the culprit: only the two ends hold the key), or the direct path."""
+        relayed = self.cfg.mode(self.rank, peer) == "relay" and peer not in self.punched
+        relay = (self.cfg.relay_for(self.rank, peer) or "") if relayed else ""
+        seq = int(frame.rpartition(" ")[2])
+        return framemac.FrameRefused(framemac.refusal_message(framemac.Refusal(
+            seq, peer, self.rank, self.cfg.frames, relay)))
+
     def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
         """Send `tensor`'s value now (a GPU or strided one is staged: `staging.outgoing`)."""
         wire = staging.outgoing(tensor)  # a tensor it cannot send fails here, in the caller
         work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor, wire])
         header = dp.Header(self.job, self.cfg.epoch, self.rank, dst, stream, tag,
-                           wire.numel() * wire.element_size()).pack()
+                           wire.numel() * wire.element_size()
+                           + framemac.overhead(self.cfg.frames)).pack()
         self.peer(dst).outbox.put((header, wire, work))
         return work
 
