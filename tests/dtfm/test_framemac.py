@@ -187,6 +187,7 @@ def test_frames_that_wait_in_the_mailbox_are_checked_and_delivered(frames: str) 
     addr = relay.start_in_thread()
     a, b = _meshes(addr, frames)
     try:
+        b.peer(0)  # connects (to the relay), with no receive posted yet
         for tag in (1, 2):  # sent before any receive is posted: they wait in the mailbox
             a.send(1, 5, tag, torch.full((300,), float(tag))).wait(timedelta(seconds=8))
         got = [torch.zeros(300), torch.zeros(300)]
