@@ -99,7 +99,7 @@ class Job:
         self._adopt_deadline = 0.0
         self._first_steps: dict[str, int] = {}  # each member's first step this epoch
         self.checkpoints = CheckpointTracker(config)  # what the checkpoints hold
-        self.dataplane = DataPlanes(config.transport, config.hole_punch)  # data plane, relay
+        self.dataplane = DataPlanes(config.transport, config.hole_punch, config.frames)
         self.planner = EpochPlanner(config, self.checkpoints,  # layout, grid, split, H
                                     self.dataplane.router(registry, links))  # relay routes
         self.membership = Membership(config, registry, measurer, links, reach)  # usable agents

@@ -7,7 +7,8 @@ forwards afterwards: it could flip bits of an activation or a gradient and nobod
 
 Keys: the coordinator, which is trusted, draws a fresh random master per epoch and gives each
 rank, inside its own assignment only, the key it shares with each other rank
-(`DataPlane.pair_keys`, `keys_for`): key(a, b) = HMAC-SHA256(master, label | a | b), a < b.
+(`DataPlane.pair_keys`, dtfm/core/pairkeys.py): key(a, b) = HMAC-SHA256(master, label | a |
+b), a < b.
 The master never leaves the coordinator's memory (nothing keeps it: an epoch's keys are not
 needed after its assignments are sent). A relay agent is a member and gets its own row
 (the keys of its own pairs); the pairs it relays are never its own (both their ends only
@@ -52,7 +53,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-import secrets
 import socket
 import struct
 from dataclasses import dataclass
@@ -61,11 +61,11 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from dtfm.core.pairkeys import KEY_BYTES
 from dtfm.net.dataplane import recv_exact, recv_into_exact
 
 MAC, ENCRYPT, OFF = "mac", "encrypt", "off"
 MODES = (MAC, ENCRYPT, OFF)
-KEY_BYTES = 32
 TAG_BYTES = 16
 _CHUNK = 4 << 20  # Poly1305 holds the GIL per call: other threads run between chunks
 _PAIR = struct.Struct("!II")
@@ -74,22 +74,6 @@ _SEQ = struct.Struct("!Q")
 
 class FrameRefused(ConnectionError):
     """A frame failed its check: altered, replayed, reordered or spliced on the way."""
-
-
-def new_master() -> bytes:
-    """A fresh random master for one epoch's pair keys (the coordinator's only)."""
-    return secrets.token_bytes(KEY_BYTES)
-
-
-def pair_key(master: bytes, a: int, b: int) -> bytes:
-    """The key ranks `a` and `b` share (either order)."""
-    lo, hi = sorted((a, b))
-    return hmac.new(master, b"dtfm-pair-v1\0" + _PAIR.pack(lo, hi), hashlib.sha256).digest()
-
-
-def keys_for(master: bytes, rank: int, world: int) -> list[bytes]:
-    """`rank`'s row: per rank in rank order the key it shares with it (b"" for itself)."""
-    return [b"" if r == rank else pair_key(master, rank, r) for r in range(world)]
 
 
 def overhead(mode: str) -> int:

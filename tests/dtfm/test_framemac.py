@@ -12,12 +12,13 @@ import torch
 
 from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
+from dtfm.core import pairkeys
 from dtfm.net import dataplane as dp
 from dtfm.net import framemac as fm
 from dtfm.net.relay import Relay
 
 MASTER = bytes(range(32))
-KEY = fm.pair_key(MASTER, 0, 1)
+KEY = pairkeys.pair_key(MASTER, 0, 1)
 HEADER = dp.Header(dp.job_digest("j"), 1, 0, 1, 7, 3, 64 + 32).pack()
 
 
@@ -81,18 +82,19 @@ def test_replayed_reordered_or_spliced_frames_are_refused(mode: str) -> None:
 def test_another_pairs_key_or_the_other_direction_is_refused(mode: str) -> None:
     wire = _sealed(mode, [b"x" * 64])[0]
     with pytest.raises(fm.FrameRefused):  # a relay's own keys are of other pairs
-        _open(fm.Direction(mode, fm.pair_key(MASTER, 0, 2), 0, 1), wire)
+        _open(fm.Direction(mode, pairkeys.pair_key(MASTER, 0, 2), 0, 1), wire)
     with pytest.raises(fm.FrameRefused):  # reflected back at its sender
         _open(fm.Direction(mode, KEY, 1, 0), wire)
 
 
 def test_keys_rows_give_each_rank_its_own_pairs_only() -> None:
-    rows = [fm.keys_for(MASTER, r, 4) for r in range(4)]
+    rows = [pairkeys.keys_for(MASTER, r, 4) for r in range(4)]
     assert [len(k) for k in rows[1]] == [32, 0, 32, 32]
-    assert rows[0][3] == rows[3][0] == fm.pair_key(MASTER, 3, 0)
+    assert rows[0][3] == rows[3][0] == pairkeys.pair_key(MASTER, 3, 0)
     held_by_2 = set(rows[2])
-    assert fm.pair_key(MASTER, 0, 1) not in held_by_2  # rank 2 relaying 0-1 lacks its key
-    assert fm.pair_key(fm.new_master(), 0, 1) != fm.pair_key(MASTER, 0, 1)  # per epoch
+    assert pairkeys.pair_key(MASTER, 0, 1) not in held_by_2  # rank 2 relaying 0-1 lacks its key
+    fresh = pairkeys.new_master()  # the next epoch's
+    assert pairkeys.pair_key(fresh, 0, 1) != pairkeys.pair_key(MASTER, 0, 1)
 
 
 def test_a_refusal_reads_back_with_its_relay() -> None:
@@ -122,7 +124,7 @@ class FlippingRelay(Relay):
 
 
 def _meshes(relay: str, frames: str) -> tuple[Mesh, Mesh]:
-    keys = fm.keys_for(MASTER, 0, 2), fm.keys_for(MASTER, 1, 2)
+    keys = pairkeys.keys_for(MASTER, 0, 2), pairkeys.keys_for(MASTER, 1, 2)
     return tuple(Mesh(TransportConfig(  # type: ignore[return-value]
         "job-t", 1, b"epoch", {0: None, 1: None}, relay=relay, timeout=timedelta(seconds=8),
         frames=frames, pair_keys=dict(enumerate(keys[r]))), r) for r in (0, 1))
