@@ -1,9 +1,11 @@
 """The dtfm transport against gloo on loopback: send/recv latency and throughput, all_reduce.
 
 Two ranks in real processes. Cases: gloo; dtfm direct (rank 0 listens, rank 1 dials);
-dtfm relayed (neither listens: both dial a `dtfm.net.relay.Relay` in its own process). Prints a
+dtfm relayed (neither listens: both dial a `dtfm.net.relay.Relay` in its own process); each
+dtfm case with its frames unprotected (`--frames off`), with the per-pair MAC (`mac`, the
+default) and encrypted (`encrypt`), side by side in one run (dtfm/net/framemac.py). Prints a
 table and writes bench/results/transport.json. Loopback only: it measures the transport's
-own cost (Python framing and threads), not a WAN; a couple of minutes at most.
+own cost (Python framing, threads, the MAC), not a WAN; a few minutes at most.
 
     .venv/bin/python bench/transport.py [--mib 16] [--reps 5]
 """
@@ -23,6 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.worker.transport import TransportConfig, register  # noqa: E402
+from dtfm.core.pairkeys import new_master, pair_key  # noqa: E402
+from dtfm.net.framemac import MODES  # noqa: E402
 from dtfm.net.relay import Relay  # noqa: E402
 from dtfm.rpc import free_port  # noqa: E402
 
@@ -100,18 +104,34 @@ def main() -> None:
     relay_proc = mp.get_context("spawn").Process(target=_serve_relay, args=(relay_addr,),
                                                  daemon=True)
     relay_proc.start()
-    direct = TransportConfig("bench", 1, SECRET, {0: f"127.0.0.1:{free_port()}", 1: None})
-    relayed = TransportConfig("bench", 1, SECRET, {0: None, 1: None}, relay=relay_addr)
+    key = pair_key(new_master(), 0, 1)  # both ranks' key for their one pair
+    cases: list[tuple[str, TransportConfig | None]] = [("gloo", None)]
+    for frames in MODES[::-1]:  # off, encrypt, mac
+        keys = {0: key, 1: key}
+        cases += [(f"dtfm direct {frames}", TransportConfig(
+            "bench", 1, SECRET, {0: f"127.0.0.1:{free_port()}", 1: None}, frames=frames,
+            pair_keys=keys)), (f"dtfm relayed {frames}", TransportConfig(
+                "bench", 1, SECRET, {0: None, 1: None}, relay=relay_addr, frames=frames,
+                pair_keys=keys))]
     rows = []
     try:
-        for case, cfg in (("gloo", None), ("dtfm direct", direct), ("dtfm relayed", relayed)):
+        for case, cfg in cases:
             rows.append(_run(case, cfg, args.mib, args.reps))
     finally:
         relay_proc.kill()
-    print(f"{'case':<14}{'rtt us':>10}{'p2p MB/s':>12}{f'all_reduce {args.mib} MiB ms':>26}")
+    print(f"{'case':<22}{'rtt us':>10}{'p2p MB/s':>12}{f'all_reduce {args.mib} MiB ms':>26}")
     for r in rows:
-        print(f"{r['case']:<14}{r['rtt_us']:>10.0f}{r['p2p_mb_s']:>12.0f}"
+        print(f"{r['case']:<22}{r['rtt_us']:>10.0f}{r['p2p_mb_s']:>12.0f}"
               f"{r['allreduce_ms']:>26.1f}")
+    by = {r["case"]: r for r in rows}
+    print(f"\n{'frames vs off':<22}{'rtt':>10}{'p2p':>12}{'all_reduce':>26}")
+    for path in ("direct", "relayed"):
+        off = by[f"dtfm {path} off"]
+        for frames in ("mac", "encrypt"):
+            r = by[f"dtfm {path} {frames}"]
+            print(f"{path + ' ' + frames:<22}{r['rtt_us'] / off['rtt_us']:>10.2f}"
+                  f"{r['p2p_mb_s'] / off['p2p_mb_s']:>12.2f}"
+                  f"{r['allreduce_ms'] / off['allreduce_ms']:>26.2f}")
     Path(args.out).write_text(json.dumps({"loopback": True, "rows": rows}, indent=1))
 
 
