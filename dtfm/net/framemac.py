@@ -67,7 +67,9 @@ from dtfm.net.dataplane import recv_exact, recv_into_exact
 MAC, ENCRYPT, OFF = "mac", "encrypt", "off"
 MODES = (MAC, ENCRYPT, OFF)
 TAG_BYTES = 16
-_CHUNK = 4 << 20  # Poly1305 holds the GIL per call: other threads run between chunks
+# MACed (and, on a socket, sent or received) a chunk at a time: Poly1305 holds the GIL per
+# call, so other threads run between chunks, and a chunk is MACed while still in cache
+_CHUNK = 1 << 20
 _PAIR = struct.Struct("!II")
 _SEQ = struct.Struct("!Q")
 
@@ -131,11 +133,15 @@ class Direction:
         seq, self.seq = self.seq, self.seq + 1
         return b"\0" * 4 + _SEQ.pack(seq)
 
+    def _mac(self, header: bytes) -> Poly1305:
+        """The next frame's payload MAC, fed its header so far (and count the frame)."""
+        mac = Poly1305(hmac.new(self._key, b"body\0" + self._nonce(), hashlib.sha256).digest())
+        mac.update(header)
+        return mac
+
     def _tag(self, header: bytes, payload: memoryview) -> bytes:
         """The next frame's payload MAC (and count it)."""
-        otk = hmac.new(self._key, b"body\0" + self._nonce(), hashlib.sha256).digest()
-        mac = Poly1305(otk)
-        mac.update(header)
+        mac = self._mac(header)
         for i in range(0, len(payload), _CHUNK):
             mac.update(payload[i:i + _CHUNK])
         return mac.finalize()
@@ -178,11 +184,12 @@ class Direction:
         if self.mode == OFF:
             recv_into_exact(sock, out)
             return
-        if self._aead is None:
-            recv_into_exact(sock, out)
-            tag = recv_exact(sock, TAG_BYTES)
-            seq = self.seq
-            if not hmac.compare_digest(self._tag(header, out), tag):
+        if self._aead is None:  # each chunk MACed as it lands, while the next one arrives
+            seq, mac = self.seq, self._mac(header)
+            for i in range(0, len(out), _CHUNK):
+                recv_into_exact(sock, out[i:i + _CHUNK])
+                mac.update(out[i:i + _CHUNK])
+            if not hmac.compare_digest(mac.finalize(), recv_exact(sock, TAG_BYTES)):
                 raise FrameRefused(f"frame {seq}")
             return
         sealed = memoryview(bytearray(len(out) + TAG_BYTES))
@@ -202,7 +209,16 @@ class Direction:
         return out
 
     def send(self, sock: socket.socket, header: bytes, payload: memoryview) -> None:
-        """Send `header`, then the sealed `payload`."""
+        """Send `header`, then the sealed `payload` (in `mac` mode each chunk MACed just
+        before it is sent: the MAC overlaps the transfer and reads bytes still in cache)."""
+        if self.mode == MAC:
+            sock.sendall(header + self.head_tag(header))
+            mac = self._mac(header)
+            for i in range(0, len(payload), _CHUNK):
+                mac.update(payload[i:i + _CHUNK])
+                sock.sendall(payload[i:i + _CHUNK])
+            sock.sendall(mac.finalize())
+            return
         parts = self.seal(header, payload)
         sock.sendall(header)
         for part in parts:

@@ -4,6 +4,7 @@ forwards, between two real meshes on loopback: the receive fails naming the rela
 
 from __future__ import annotations
 
+import socket
 import threading
 from datetime import timedelta
 
@@ -201,3 +202,35 @@ def test_frames_that_wait_in_the_mailbox_are_checked_and_delivered(frames: str) 
         a.close()
         b.close()
         relay.stop()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flip", [None, (5 << 20) // 2])  # a bit in the third chunk
+def test_a_frame_of_many_chunks_streams_through_the_mac(flip: int | None) -> None:
+    """`send` and `receive_into` MAC a chunk at a time as it crosses the socket: a frame of
+    several chunks arrives whole, and a bit flipped in a later chunk is refused."""
+    payload = memoryview(bytearray(range(256)) * (5 << 12))  # 5 MiB
+    a, b = socket.socketpair()
+    wire = bytearray()
+    sender = threading.Thread(target=fm.Direction(fm.MAC, KEY, 0, 1).send,
+                              args=(a, HEADER, payload))
+    sender.start()
+    while len(wire) < len(payload) + 52 + 2 * fm.TAG_BYTES:
+        wire += b.recv(1 << 20)
+    sender.join()
+    if flip is not None:
+        wire[52 + fm.TAG_BYTES + flip] ^= 4
+    c, d = socket.socketpair()
+    threading.Thread(target=c.sendall, args=(bytes(wire[52:]),), daemon=True).start()
+    rx, out = fm.Direction(fm.MAC, KEY, 0, 1), memoryview(bytearray(len(payload)))
+    try:
+        rx.receive_head(d, bytes(wire[:52]))
+        if flip is None:
+            rx.receive_into(d, bytes(wire[:52]), out)
+            assert out == payload
+        else:
+            with pytest.raises(fm.FrameRefused, match="frame 0"):
+                rx.receive_into(d, bytes(wire[:52]), out)
+    finally:
+        for s in (a, b, c, d):
+            s.close()
