@@ -84,6 +84,7 @@ class AgentRecord:
             joined_unix_s=self.joined,
             progress=self.progress,
             reach=self.reach,
+            relay_distrusted=self.relay_distrusted,
         )
 
 

@@ -190,9 +190,8 @@ class ReachChecker:
         if not self._current(rec, generation):
             return  # it re-joined meanwhile: that Join's own check decides
         before = rec.reach.verdict
-        for why in (rec.data_port_refused, rec.relay_distrusted):
-            if why and why not in status.summary:
-                status.summary += f"; {why}"
+        if rec.data_port_refused and rec.data_port_refused not in status.summary:
+            status.summary += f"; {rec.data_port_refused}"
         rec.reach = status
         if status.verdict != before:
             level = logging.WARNING if status.verdict == reach.NOWHERE else logging.INFO

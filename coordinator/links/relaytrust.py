@@ -8,7 +8,8 @@ relay's address (`framemac.refusal_message`). Here the coordinator reads that er
 (`blame`): where the address is a relay agent's, that agent is the culprit. It is distrusted
 (`AgentRecord.relay_distrusted`): `relayed.serves_relay` no longer offers it, so the next
 epoch routes every pair it relayed through another relay (a relay agent, or the
-coordinator's); its reachability line says so in `coordinator status`, and the coordinator
+coordinator's); `coordinator status` says why under the agents (`--json`:
+`agents[].relay_distrusted`), and the coordinator
 logs a warning that begins with `RELAY_TAMPERED`, the event an evidence ledger takes it from.
 
 The worker's word is taken against the relay and not against an end: a worker could lie to
@@ -46,7 +47,6 @@ def distrust(rec: AgentRecord, why: str) -> bool:
     if rec.relay_distrusted:
         return False
     rec.relay_distrusted = why
-    rec.reach.summary += f"; {why}"
     log.warning("%s: %s", RELAY_TAMPERED, why)
     return True
 

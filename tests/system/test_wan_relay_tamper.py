@@ -65,9 +65,8 @@ def test_a_relay_agent_that_flips_a_bit_is_named_and_routed_around(tmp_path: Pat
     assert log.count("relay tampered:") == 1, log[-4000:]  # nobody else is blamed
     assert "frames mac" in log, log[-4000:]
     agents = {a["id"]: a for a in status["agents"]}
-    assert "relays for this job no more" in agents[ids[0]]["reach"]["summary"], agents[ids[0]]
-    assert not any("relays for this job no more" in agents[i]["reach"]["summary"]
-                   for i in ids[1:])
+    assert agents[ids[0]]["relay_distrusted"].startswith(f"relay agent {ids[0]} at {relay}")
+    assert not any(agents[i]["relay_distrusted"] for i in ids[1:])
     # the first epoch met at agent 0's relay; the one after the refusal at the coordinator's
     epochs = [line for line in log.splitlines() if "dial-only pairs meet at relay agents" in line]
     assert len(epochs) == 1 and relay in epochs[0], epochs
