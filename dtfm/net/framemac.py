@@ -62,7 +62,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from dtfm.core.pairkeys import KEY_BYTES
-from dtfm.net.dataplane import recv_exact, recv_into_exact
+from dtfm.net.dataplane import FrameError, recv_exact, recv_into_exact
 
 MAC, ENCRYPT, OFF = "mac", "encrypt", "off"
 MODES = (MAC, ENCRYPT, OFF)
@@ -110,8 +110,14 @@ class Direction:
         return overhead(self.mode)
 
     def rest(self, length: int) -> int:
-        """Bytes of a frame whose header says `length` that follow its header tag."""
-        return length - TAG_BYTES if self.mode != OFF else length
+        """Bytes of a frame whose header says `length` that follow its header tag
+        (`FrameError` where that is too short to hold the payload's tag)."""
+        if self.mode == OFF:
+            return length
+        if length < self.overhead:
+            raise FrameError(f"a frame from rank {self.src} claims {length} bytes, fewer than "
+                             f"its {self.overhead} bytes of tags: dropped, connection closed")
+        return length - TAG_BYTES
 
     def skip(self) -> None:
         """Count a frame read past unchecked (refused for its length, its header checked)."""

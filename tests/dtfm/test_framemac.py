@@ -63,6 +63,9 @@ def test_a_changed_header_is_refused_before_its_length_is_trusted(mode: str) -> 
     longer = dp.Header(dp.job_digest("j"), 1, 0, 1, 7, 3, 1 << 30).pack()
     with pytest.raises(fm.FrameRefused):
         fm.Direction(mode, KEY, 0, 1).check_head(longer, wire[:fm.TAG_BYTES])
+    with pytest.raises(dp.FrameError, match="fewer than its 32 bytes of tags"):
+        fm.Direction(mode, KEY, 0, 1).rest(31)  # a keyed peer's own lie: no room for tags
+    assert fm.Direction(mode, KEY, 0, 1).rest(32) == fm.TAG_BYTES
 
 
 @pytest.mark.parametrize("mode", [fm.MAC, fm.ENCRYPT])
