@@ -217,6 +217,10 @@ class Direction:
     def send(self, sock: socket.socket, header: bytes, payload: memoryview) -> None:
         """Send `header`, then the sealed `payload` (in `mac` mode each chunk MACed just
         before it is sent: the MAC overlaps the transfer and reads bytes still in cache)."""
+        if self.mode == MAC and len(payload) <= _CHUNK:  # one write: one segment, one wake-up
+            head = self.head_tag(header)
+            sock.sendall(b"".join((header, head, payload, self._tag(header, payload))))
+            return
         if self.mode == MAC:
             sock.sendall(header + self.head_tag(header))
             mac = self._mac(header)
