@@ -187,7 +187,7 @@ class _Peer:
                 self.tx.send(sock, header, view)
                 self.sent_bytes += len(view)
                 work.finish()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: too large to encrypt
                 err = ConnectionError(f"sending to rank {self.rank} failed: {exc}")
                 work.finish(err)
                 self.fail(err)
