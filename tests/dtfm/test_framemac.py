@@ -237,3 +237,25 @@ def test_a_frame_of_many_chunks_streams_through_the_mac(flip: int | None) -> Non
     finally:
         for s in (a, b, c, d):
             s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_header_tag_changed_by_the_relay_is_named_as_tampering() -> None:
+    """The relay flips a bit of frame 0's header tag, the first bytes after the header: the
+    receive names the relay (the header is checked before its length is trusted)."""
+    relay = FlippingRelay(at=0)
+    relay.outgoing = lambda h, chunk: (  # type: ignore[method-assign]
+        bytes([chunk[0] ^ 1]) + chunk[1:] if h.stream != dp.CONTROL_STREAM else chunk)
+    relay.admit("job-t", 1, b"epoch", world_size=2)
+    addr = relay.start_in_thread()
+    a, b = _meshes(addr, fm.MAC)
+    try:
+        work = b.recv(0, 5, 1, torch.zeros(8))
+        a.send(1, 5, 1, torch.ones(8))
+        with pytest.raises(RuntimeError) as err:
+            work.wait(timedelta(seconds=8))
+        assert fm.refusal(str(err.value)) == fm.Refusal(0, 0, 1, fm.MAC, addr), str(err.value)
+    finally:
+        a.close()
+        b.close()
+        relay.stop()

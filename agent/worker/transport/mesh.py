@@ -212,8 +212,10 @@ class _Peer:
                         self.frames_in = 1
                     head = first + dp.recv_exact(sock, dp.HEADER_BYTES - 1)
                 h = dp.Header.unpack(head)
+                # the header's tag first: a header a relay changed is its tampering (named),
+                # not a peer's wrong frame; from here the header, its length too, is the peer's
+                self.rx.receive_head(sock, head)
                 h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
-                self.rx.receive_head(sock, head)  # its length is the sender's from here
                 reading = self._claim(h)
                 if reading is None:  # nothing posted: into the mailbox, whose limit it fits
                     buf = bytearray(self.rx.rest(h.length))
