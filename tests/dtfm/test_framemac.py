@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -134,14 +136,26 @@ def _meshes(relay: str, frames: str) -> tuple[Mesh, Mesh]:
         frames=frames, pair_keys=dict(enumerate(keys[r]))), r) for r in (0, 1))
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("frames", [fm.MAC, fm.ENCRYPT])
-def test_a_bit_flipped_by_the_relay_fails_the_receive_naming_the_relay(frames: str) -> None:
-    relay = FlippingRelay(at=1)
+@contextmanager
+def _through(relay: Relay, frames: str) -> Iterator[tuple[Mesh, Mesh, str]]:
+    """Ranks 0 and 1 of job-t meeting at `relay` (started here, stopped after), with
+    `frames`: (rank 0's mesh, rank 1's, the relay's address)."""
     relay.admit("job-t", 1, b"epoch", world_size=2)
     addr = relay.start_in_thread()
     a, b = _meshes(addr, frames)
     try:
+        yield a, b, addr
+    finally:
+        a.close()
+        b.close()
+        relay.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("frames", [fm.MAC, fm.ENCRYPT])
+def test_a_bit_flipped_by_the_relay_fails_the_receive_naming_the_relay(frames: str) -> None:
+    relay = FlippingRelay(at=1)
+    with _through(relay, frames) as (a, b, addr):
         first, second = torch.zeros(256), torch.zeros(256)
         works = [b.recv(0, 5, 1, first), b.recv(0, 5, 2, second)]
         a.send(1, 5, 1, torch.arange(256.0)).wait(timedelta(seconds=8))
@@ -153,29 +167,18 @@ def test_a_bit_flipped_by_the_relay_fails_the_receive_naming_the_relay(frames: s
         assert relay.flipped.is_set()
         refusal = fm.refusal(str(err.value))
         assert refusal == fm.Refusal(1, 0, 1, frames, addr), str(err.value)
-    finally:
-        a.close()
-        b.close()
-        relay.stop()
 
 
 @pytest.mark.timeout(60)
 def test_without_protection_the_flipped_bit_arrives_unnoticed() -> None:
     """What the MAC is for: with `off`, the altered frame is delivered as sent."""
     relay = FlippingRelay(at=0)
-    relay.admit("job-t", 1, b"epoch", world_size=2)
-    addr = relay.start_in_thread()
-    a, b = _meshes(addr, fm.OFF)
-    try:
+    with _through(relay, fm.OFF) as (a, b, addr):
         got = torch.zeros(4, dtype=torch.uint8)
         work = b.recv(0, 5, 1, got)
         a.send(1, 5, 1, torch.tensor([8, 8, 8, 8], dtype=torch.uint8))
         work.wait(timedelta(seconds=8))
         assert got.tolist() == [9, 8, 8, 8]
-    finally:
-        a.close()
-        b.close()
-        relay.stop()
 
 
 def test_a_mesh_without_its_pair_key_refuses_to_start() -> None:
@@ -189,10 +192,7 @@ def test_a_mesh_without_its_pair_key_refuses_to_start() -> None:
 @pytest.mark.parametrize("frames", [fm.MAC, fm.ENCRYPT])
 def test_frames_that_wait_in_the_mailbox_are_checked_and_delivered(frames: str) -> None:
     relay = FlippingRelay(at=1 << 30)  # honest
-    relay.admit("job-t", 1, b"epoch", world_size=2)
-    addr = relay.start_in_thread()
-    a, b = _meshes(addr, frames)
-    try:
+    with _through(relay, frames) as (a, b, addr):
         b.peer(0)  # connects (to the relay), with no receive posted yet
         for tag in (1, 2):  # sent before any receive is posted: they wait in the mailbox
             a.send(1, 5, tag, torch.full((300,), float(tag))).wait(timedelta(seconds=8))
@@ -201,10 +201,6 @@ def test_frames_that_wait_in_the_mailbox_are_checked_and_delivered(frames: str) 
             b.recv(0, 5, tag, t).wait(timedelta(seconds=8))
         assert [t[0].item() for t in got] == [1.0, 2.0]
         assert relay.forwarded_bytes == 2 * (1200 + fm.overhead(frames))
-    finally:
-        a.close()
-        b.close()
-        relay.stop()
 
 
 @pytest.mark.timeout(30)
@@ -246,16 +242,9 @@ def test_a_header_tag_changed_by_the_relay_is_named_as_tampering() -> None:
     relay = FlippingRelay(at=0)
     relay.outgoing = lambda h, chunk: (  # type: ignore[method-assign]
         bytes([chunk[0] ^ 1]) + chunk[1:] if h.stream != dp.CONTROL_STREAM else chunk)
-    relay.admit("job-t", 1, b"epoch", world_size=2)
-    addr = relay.start_in_thread()
-    a, b = _meshes(addr, fm.MAC)
-    try:
+    with _through(relay, fm.MAC) as (a, b, addr):
         work = b.recv(0, 5, 1, torch.zeros(8))
         a.send(1, 5, 1, torch.ones(8))
         with pytest.raises(RuntimeError) as err:
             work.wait(timedelta(seconds=8))
         assert fm.refusal(str(err.value)) == fm.Refusal(0, 0, 1, fm.MAC, addr), str(err.value)
-    finally:
-        a.close()
-        b.close()
-        relay.stop()
