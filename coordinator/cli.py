@@ -75,6 +75,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="two agents that meet at a relay first try a direct connection "
                    "through their NATs (TCP simultaneous open) and keep the relay only where "
                    "that fails (default on; off: always the relay)")
+    p.add_argument("--frames", default="mac", choices=["mac", "encrypt", "off"],
+                   help="how the dtfm data plane protects each frame between two ranks: mac "
+                   "(default) = a per-pair MAC, so a relay cannot alter, replay or reorder "
+                   "what it forwards unnoticed; encrypt = AES-256-GCM, the relay cannot read "
+                   "it either; off = neither (docs/operations.md)")
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
                    metavar="PORT", help="a port of its own for the data-plane relay for agents "
                    "that cannot accept connections, on the --listen host (default: the relay "
@@ -320,7 +325,8 @@ def _start(args: argparse.Namespace) -> int:
                       layer_split=args.layer_split, export_dir=args.export_dir,
                       export_merged=args.export_merged,
                       drift=_drift_config(args), sync_overhead=args.sync_overhead,
-                      transport=args.transport, hole_punch=args.hole_punch == "on"),
+                      transport=args.transport, hole_punch=args.hole_punch == "on",
+                      frames=args.frames),
     )
     config.validate()
     flags.run_async(serve(config))

@@ -18,6 +18,9 @@ The worker's `error` progress event carries `kind` and `phase`:
   wait by the adaptive deadline of `deadline.py`, and says how long it waited and why).
 - `bad_value`: a peer sent a value no honest worker computes (`globalnorm.BadPeerValue`,
   naming the sender): a peer fault, retried, whose report names who is at fault.
+- `tampered`: a frame from a peer failed its per-pair MAC on its way through a relay
+  (dtfm/net/framemac.py): the message names the relay, the coordinator blames it. One that
+  failed on a direct connection is the sender's doing: `bad_value`.
 - `internal`: anything else (a bug), including arithmetic on a bad number that Python raises
   as a ValueError (`numeric_slip`: "math domain error"); a peer's impossible value is caught
   where it arrives (`bad_value`).
@@ -47,9 +50,10 @@ import torch.distributed as dist
 
 from agent.worker.deadline import Deadline
 from dtfm.core import causes
+from dtfm.net import framemac
 
 CONFIG, RENDEZVOUS, PEER, INTERNAL = "config", "rendezvous", "peer", "internal"
-BAD_VALUE = causes.BAD_VALUE
+BAD_VALUE, TAMPERED = causes.BAD_VALUE, causes.TAMPERED
 JOIN, TRAIN = "join", "train"
 
 
@@ -150,6 +154,9 @@ def _storage_refused(exc: BaseException) -> bool:
 
 def classify(exc: BaseException, phase: str) -> str:
     """The `kind` of a failure raised in `phase` ("join" or "train")."""
+    refused = next((r for e in _chain(exc) if (r := framemac.refusal(str(e)))), None)
+    if refused is not None:  # a frame the pair's key does not vouch for
+        return TAMPERED if refused.relay else BAD_VALUE
     if isinstance(exc, PeerError):
         return exc.kind
     if numeric_slip(exc):

@@ -58,6 +58,7 @@ from agent.worker.store import GroupAddressStore, rendezvous_store
 from agent.worker.transport import TransportConfig, register
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
+from dtfm.core.pairkeys import frames_name
 from dtfm.net.dataplane import HANDOFF_ENV
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,8 @@ def transport_config(a: Any, choice: netbind.BindChoice,
         pair_relays={(min(p.rank_a, p.rank_b), max(p.rank_a, p.rank_b)): p.relay
                      for p in plane.pair_relays},
         limited=frozenset(plane.limited),
-        direct=frozenset((d.dialer, d.listener) for d in plane.direct))
+        direct=frozenset((d.dialer, d.listener) for d in plane.direct),
+        frames=frames_name(plane.frames), pair_keys=dict(enumerate(plane.pair_keys)))
 
 
 def _member_group(ranks: list[int], timeout: timedelta,

@@ -132,6 +132,8 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         lines.extend(f"  {a['id']}: {a['reach']['summary']}" for a in data["agents"]
                      if a["reach"]["verdict"] in ("nowhere", "some-peers")
                      and a["state"] != "left")
+        lines.extend(f"  {a['id']}: {a['relay_distrusted']}" for a in data["agents"]
+                     if a.get("relay_distrusted"))
     lines.extend(integrity_lines(data["agents"]))  # excluded agents, evidence (issue 43)
     lines.extend(_tuning_lines(data["agents"]))
     if data["links"] and data["links"]["estimated"]:

@@ -75,6 +75,8 @@ class JobConfig:
     # --hole-punch: dial-only pairs at a relay try a direct connection through their NATs
     # first (dtfm/net/punch.py); off: they always stay on the relay
     hole_punch: bool = True
+    # --frames: how the dtfm data plane protects each frame (dtfm/net/framemac.py)
+    frames: str = "mac"
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
     def model_spec(self) -> ModelSpec:

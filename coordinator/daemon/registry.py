@@ -57,6 +57,9 @@ class AgentRecord:
     # why its advertised data port is not handed to peers ("": it is): another agent
     # answered there (coordinator/links/dataport.py); cleared by a re-join, which checks again
     data_port_refused: str = ""
+    # why its relay is offered no more ("": it is): a frame it forwarded failed its MAC
+    # (coordinator/links/relaytrust.py); a re-join does not clear it
+    relay_distrusted: str = ""
 
     def proves(self, secret: str) -> bool:
         """Whether `secret` is this agent's (constant time, so it cannot be guessed bytewise)."""
@@ -84,6 +87,7 @@ class AgentRecord:
             joined_unix_s=self.joined,
             progress=self.progress,
             reach=self.reach,
+            relay_distrusted=self.relay_distrusted,
         )
 
 

@@ -54,6 +54,8 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                        **traffic_per_step(p)},
             # whether peers can dial it back (dtfm/net/reach.py): everywhere, some-peers, nowhere
             "reach": reach_to_json(a.reach),
+            # why its relay is used no more: it altered a frame it forwarded ("": it is not)
+            "relay_distrusted": a.relay_distrusted,
             # kernel settings of its host that slow long links (agent/probing/tuning.py); [] = tuned
             "tuning": [{"setting": t.setting, "current": t.current, "wanted": t.wanted,
                         "why": t.why, "line": f"{t.setting} = {t.wanted}"} for t in p.tuning],

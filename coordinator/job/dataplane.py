@@ -73,6 +73,7 @@ from coordinator.scheduler.relaychoice import NOMINAL_BYTES, Pair, Path, choose
 from coordinator.scheduler.steptime import StepShape
 from dtfm.core.assignment import member_address
 from dtfm.core.layout import Layout
+from dtfm.core.pairkeys import FRAMES
 from dtfm.net import dataplane as dp
 from dtfm.net import reach
 from dtfm.net.front import Front
@@ -281,10 +282,14 @@ class RelayAgentCounts:
 class DataPlanes:
     """The job's data-plane choice (`--transport`) and the coordinator's relay."""
 
-    def __init__(self, transport: str = "auto", hole_punch: bool = True) -> None:
+    def __init__(self, transport: str = "auto", hole_punch: bool = True,
+                 frames: str = "mac") -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"--transport must be {', '.join(TRANSPORTS)}, got {transport!r}")
+        if frames not in FRAMES:
+            raise ValueError(f"--frames must be {', '.join(FRAMES)}, got {frames!r}")
         self.transport = transport
+        self.frames = frames  # each frame's protection (the pair keys: dtfm/core/assignment)
         self.hole_punch = hole_punch
         self.relay: Relay | None = None
         self.relay_agents = RelayAgentCounts()
@@ -442,9 +447,10 @@ class DataPlanes:
         if self.relay is not None:
             self.relay.admit(job_id, epoch, secret, len(records))
             self.relay.retire(job_id, before_epoch=epoch)
-        log.info("job %s epoch %d: dtfm data plane%s, %d of %d members dial out only (%s)%s",
-                 job_id, epoch, " (GPUs, messages staged through host memory)" if gpu else "",
-                 len(relayed), len(records), cut_off,
+        log.info("job %s epoch %d: dtfm data plane%s, %d of %d members dial out only (%s), "
+                 "frames %s%s", job_id, epoch,
+                 " (GPUs, messages staged through host memory)" if gpu else "",
+                 len(relayed), len(records), cut_off, self.frames,
                  f", relay on port {self.relay.port}" if self.relay is not None else "")
         at_agents = [common_pb2.PairRelay(rank_a=a, rank_b=b, relay=addr)
                     for (a, b), addr in sorted(chosen.items()) if addr != COORDINATOR]
@@ -461,5 +467,5 @@ class DataPlanes:
             listen=table.listen, relay=relay, secret=secret, pair_relays=at_agents,
             limited=sorted(table.limited),
             direct=[common_pb2.DirectDial(dialer=a, listener=b) for a, b in sorted(table.direct)],
-            hole_punch=self.hole_punch and not forced, gpu=gpu)
+            hole_punch=self.hole_punch and not forced, gpu=gpu, frames=FRAMES[self.frames])
         return EpochPlane(backend, plane, relayed, routes=by_agent(records, chosen))

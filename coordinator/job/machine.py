@@ -103,7 +103,7 @@ class Job:
         self._adopt_deadline = 0.0
         self._first_steps: dict[str, int] = {}  # each member's first step this epoch
         self.checkpoints = CheckpointTracker(config)  # what the checkpoints hold
-        self.dataplane = DataPlanes(config.transport, config.hole_punch)  # data plane, relay
+        self.dataplane = DataPlanes(config.transport, config.hole_punch, config.frames)
         self.planner = EpochPlanner(config, self.checkpoints,  # layout, grid, split, H
                                     self.dataplane.router(registry, links))  # relay routes
         self.membership = Membership(config, registry, measurer, links, reach)  # usable agents
@@ -211,8 +211,11 @@ class Job:
                 steps.append(report)  # step 1 carries warm-up; later ones are steady
                 self.replan.observe(rec.agent_id, report)
             failed = WorkerState.from_wire(report.worker_state) is WorkerState.FAILED
-            why, kind = (rootcause.worker_failure(rec.agent_id, report, self.members,
-                                                  self.registry) if failed else ("", ""))
+            why, kind = (rootcause.worker_failure(
+                rec.agent_id, report, self.members, self.registry,
+                lambda culprit, why: self.integrity.ledger.record(
+                    culprit, "tampered_frame", report.step, why, reporter=rec.agent_id))
+                if failed else ("", ""))
             if failed and (not self._failure or rootcause.outranks(kind, self._failure_kind)):
                 self._failure_at = self._failure_at if self._failure else time.monotonic()
                 self._failure, self._failure_kind = why, kind

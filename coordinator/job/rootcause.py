@@ -22,18 +22,21 @@ the real error failed the job; a lost agent showed as a survivor's gloo error. S
   agent A holds. Where the coordinator's own records bear that out (W's data address is one
   of A's), the failure names W's agent (`MISDIRECTED`, acted on at once, never permanent) and
   W's data port is refused (coordinator/links/dataport.py), so the next epoch's workers dial
-  W's rank never again at A's port; it only dials out (`worker_failure`, `stale_entry`).
+  W's rank never again at A's port; it only dials out (`worker_failure`, `stale_entry`);
+- a worker that refused a frame its pair's MAC does not vouch for (`tampered`) names the relay
+  the pair went through: that relay agent is blamed and relays no more
+  (coordinator/links/relaytrust.py), not the reporter nor the sender, acted on at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from coordinator.daemon.registry import EXCLUDED, AgentRecord, Registry
-from coordinator.links import dataport
+from coordinator.links import dataport, relaytrust
 from dtfm.core import staleentry
 from dtfm.core.assignment import member_address
-from dtfm.core.causes import CAUSES, EXPLAINED_BY_OTHERS, LOST, outranks, rank
+from dtfm.core.causes import CAUSES, EXPLAINED_BY_OTHERS, LOST, TAMPERED, outranks, rank
 from protos.dtfm.v1 import coordinator_pb2
 
 __all__ = ["CAUSES", "LOST", "MISDIRECTED", "hold_s", "lost_members", "lost_reason",
@@ -92,10 +95,15 @@ def stale_entry(error: str, members: Sequence[str], registry: Registry
 
 
 def worker_failure(agent_id: str, report: coordinator_pb2.ProgressReport,
-                   members: Sequence[str], registry: Registry) -> tuple[str, str]:
+                   members: Sequence[str], registry: Registry,
+                   evidence: Callable[[str, str], object] = lambda culprit, why: None
+                   ) -> tuple[str, str]:
     """(the failure in words, its kind) of agent `agent_id`'s failed worker. A stale peer-table
     entry the records bear out (`stale_entry`) is blamed on the entry's member, whose data
-    port is refused here, not on the worker that reported it."""
+    port is refused here, not on the worker that reported it. `evidence(culprit, why)`: a
+    tampering relay agent's record in the integrity ledger (`relaytrust.blame`)."""
+    if report.error_kind == TAMPERED:  # a relay altered a frame: named, and used no more
+        return relaytrust.blame(agent_id, report.error, members, registry, evidence), TAMPERED
     blamed = stale_entry(report.error, members, registry)
     if blamed is None:
         return (f"worker on {agent_id} failed: {report.error or 'no reason'}",

@@ -57,8 +57,10 @@ RELAY = reach.COORDINATOR  # the relay's peer id in a MeasureLinksCommand and in
 
 def serves_relay(rec: AgentRecord) -> bool:
     """Whether this agent may relay for pairs nobody can dial: peers can dial it, and it
-    serves a relay (`agent start --relay-port`, `AgentInfo.relay_port`)."""
-    return rec.reach.verdict == reach.EVERYWHERE and rec.info.relay_port > 0
+    serves a relay (`agent start --relay-port`, `AgentInfo.relay_port`), and it has not
+    been caught altering a frame it forwarded (`relaytrust`)."""
+    return (rec.reach.verdict == reach.EVERYWHERE and rec.info.relay_port > 0
+            and not rec.relay_distrusted)
 
 
 def _ok(store: LinkStore, a: str, b: str) -> LinkEntry | None:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dtfm.core import lora
+from dtfm.core import lora, pairkeys
 from dtfm.core.buckets import check_shares
 from dtfm.core.codecs import LinkCodecs
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
@@ -213,7 +213,9 @@ def build_assignments(
     `init_hash`: `dtfm.core.hfdir.dir_hash` of `train.init_from` where it was planned; every
     worker checks its own copy against it.
     `data_plane`: with `backend` "dtfm", the peer table (one listen address per rank), relay
-    and epoch secret every rank gets (coordinator/job/dataplane.py).
+    and epoch secret every rank gets (coordinator/job/dataplane.py); unless its frames are
+    unprotected, each rank's copy also gets its own row of this epoch's pair keys
+    (`pairkeys.keys_for`, from a master drawn here and dropped: no one else keeps it).
     """
     if (backend == "dtfm") != (data_plane is not None):
         raise ValueError("the dtfm backend needs a data plane (peer table, relay, secret), "
@@ -245,6 +247,8 @@ def build_assignments(
     if members is not None and not train.checkpoint_dir and train.checkpoint_every:
         routes = checkpoint_routes(layout, [member_address(h, p) for h, p in members],
                                    member_gbps, ids=member_ids, dialable=member_dialable)
+    master = (pairkeys.new_master() if data_plane is not None
+              and data_plane.frames != common_pb2.FRAMES_OFF else None)
     out = []
     for rank in range(layout.world_size):
         stage, replica = layout.coords(rank)
@@ -266,6 +270,8 @@ def build_assignments(
             dp_shares=dp_shares[stage] if dp_shares is not None else [],
             init_hash=init_hash, data_plane=data_plane,
         ))
+        if master is not None:
+            out[-1].data_plane.pair_keys[:] = pairkeys.keys_for(master, rank, layout.world_size)
         if routes is not None:
             out[-1].checkpoint_peers.extend(routes[rank].peers)
             out[-1].mirrors.extend(common_pb2.CheckpointMirror(stage=s, peer=p)

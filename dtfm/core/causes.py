@@ -9,6 +9,9 @@ ranked, most telling first:
 - `config`: the worker refused its own input; retrying the same assignment fails the same way;
 - `lost`: an agent stopped answering (only the coordinator sees this one);
 - `internal`: the worker's own failure that is none of the others (a bug, an unknown kind);
+- `tampered`: a frame failed its per-pair MAC on its way through a relay, which the report
+  names (dtfm/net/framemac.py): acted on at once (the relay's own failure explains nothing of
+  it), the relay is used no more (coordinator/links/relaytrust.py);
 - `bad_value`: a peer sent a value no honest worker computes (a negative squared gradient
   norm), and the worker that received it names the sender: more telling than the sender's
   own `peer` error when it fell over next, less than the sender's `config` error where it
@@ -25,7 +28,8 @@ from typing import TypeVar
 
 CONFIG, LOST, INTERNAL, RENDEZVOUS, PEER = "config", "lost", "internal", "rendezvous", "peer"
 BAD_VALUE = "bad_value"
-CAUSES = (CONFIG, LOST, INTERNAL, BAD_VALUE, RENDEZVOUS, PEER)  # most telling first
+TAMPERED = "tampered"
+CAUSES = (CONFIG, LOST, INTERNAL, TAMPERED, BAD_VALUE, RENDEZVOUS, PEER)  # most telling first
 EXPLAINED_BY_OTHERS = (BAD_VALUE, RENDEZVOUS, PEER)
 
 T = TypeVar("T")

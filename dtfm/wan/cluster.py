@@ -21,8 +21,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from dtfm.procs import terminate_all
@@ -77,13 +78,16 @@ def _agent_host(agent: int, agents: int) -> int:
 
 class WanCluster:
     def __init__(self, wan: WanEmulator, workdir: Path, agents: int,
-                 coordinator_args: Sequence[str] = (), agent_args: Sequence[str] = ()) -> None:
+                 coordinator_args: Sequence[str] = (), agent_args: Sequence[str] = (),
+                 agent_modules: Mapping[int, str] = MappingProxyType({})) -> None:
         self.wan = wan
         self.workdir = workdir
         self.agents = agents
         self.token = secrets.token_hex(16)
         self.coordinator_args = list(coordinator_args)
         self.agent_args = list(agent_args)  # extra `agent start` flags, for every agent
+        # agent i runs `python -m MODULE start ...` instead of `agent` (a test's patched one)
+        self.agent_modules = dict(agent_modules)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.agent_procs: list[subprocess.Popen[bytes]] = []
         self.coordinator_proc: subprocess.Popen[bytes] | None = None
@@ -145,7 +149,8 @@ class WanCluster:
         for i in range(self.agents):
             host = i + 1
             self.agent_procs.append(self._spawn(host, [
-                "agent", "start", "--coordinator", self.coordinator_address,
+                self.agent_modules.get(i, "agent"), "start",
+                "--coordinator", self.coordinator_address,
                 "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
                 "--state-dir", str(self.workdir / f"agent-{i}"),
                 *([] if prewarm else ["--no-prewarm"]), *self.agent_args], f"agent-{i}"))

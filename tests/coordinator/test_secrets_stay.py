@@ -12,6 +12,7 @@ agent's secret.
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,14 @@ import pytest
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
+from coordinator.daemon.registry import AgentRecord
+from coordinator.job.dataplane import DataPlanes
 from dtfm import rpc
-from protos.dtfm.v1 import agent_pb2, coordinator_pb2, coordinator_pb2_grpc
+from dtfm.core.assignment import build_assignments
+from dtfm.core.layout import Layout
+from dtfm.core.spec import ModelSpec, TrainConfig
+from dtfm.net import reach
+from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.daemons import Daemons, free_port, wait_for
 from tests.system.test_web_access import get
 
@@ -95,9 +102,59 @@ def test_no_answer_has_room_for_a_secret_but_the_stripped_one() -> None:
     answers = {m.output_type for m in service.methods if m.name != "Join"}
     assert {a.name for a in answers} >= {"ClusterStatus", "Plan", "JobHistory",
                                           "CheckpointList", "CheckpointChunk"}
-    secret_like = {f for a in answers for f in answers_reach(a)
-                   if {"secret", "token", "key", "password"} & set(f.split(".")[1].split("_"))}
+    secret_like = {f for a in answers for f in answers_reach(a) if secret_named(f)}
     assert secret_like == {"ProgressReport.agent_secret"}
+
+
+# "tokens" is not among them: it counts text (`tokens_per_s`)
+SECRET_WORDS = {"secret", "secrets", "token", "key", "keys", "password"}
+
+
+def secret_named(field: str) -> bool:
+    """Whether `Message.field` is named for a secret (a plural too: `pair_keys`)."""
+    return bool(SECRET_WORDS & set(field.split(".")[1].split("_")))
+
+
+def test_the_name_check_sees_every_secret_an_assignment_holds() -> None:
+    """The schema check above would catch the data plane's secrets in an answer: the epoch's
+    secret and the per-pair frame keys (issue 43), which only assignments carry."""
+    held = {f for f in answers_reach(common_pb2.Assignment.DESCRIPTOR) if secret_named(f)}
+    assert {"DataPlane.secret", "DataPlane.pair_keys"} <= held
+
+
+def test_each_rank_gets_its_own_pair_keys_and_a_relay_agent_none_of_the_pairs_it_relays(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Frame keys (issue 43, item 5): agent a0 relays for a1..a3, which all only dial; each
+    rank's assignment holds its own row, the two ends of a pair the same key, and neither the
+    relay agent's assignment, the plane every rank shares, nor the coordinator's log holds a
+    relayed pair's key."""
+    recs = [AgentRecord(common_pb2.AgentInfo(
+        agent_id=f"a{i}", host=f"10.0.0.{i}", port=7071, data_port=7072,
+        relay_port=7171 if i == 0 else 0), 0.0, 0.0,
+        reach=common_pb2.ReachStatus(verdict=reach.EVERYWHERE if i == 0 else reach.NOWHERE))
+        for i in range(4)]
+    routes = {(f"a{x}", f"a{y}"): "a0" for x, y in ((1, 2), (1, 3), (2, 3))}
+    with caplog.at_level(logging.DEBUG):
+        plane = DataPlanes().plan("job-k", 1, recs, routes=routes).plane
+        assert plane is not None and len(plane.pair_relays) == 3 and not plane.pair_keys
+        out = build_assignments(
+            job_id="job-k", epoch=1, layout=Layout(stages=2, replicas=2),
+            spec=ModelSpec("t", vocab_size=256, n_layers=4, d_model=32, n_heads=4, seq_len=16),
+            train=TrainConfig(global_batch=8, micro_batches=2), master_addr="10.0.0.0",
+            master_port=1, backend="dtfm", data_plane=plane)
+    rows = [list(a.data_plane.pair_keys) for a in out]
+    assert [[len(k) for k in row] for row in rows] == [
+        [0 if r == c else 32 for c in range(4)] for r in range(4)]
+    assert all(rows[a][b] == rows[b][a] for a in range(4) for b in range(4))
+    relayed = {rows[x][y] for x, y in ((1, 2), (1, 3), (2, 3))}
+    assert len(relayed) == 3
+    seen = {"the relay agent's assignment": out[0].SerializeToString(),
+            "the shared plane": plane.SerializeToString(),
+            "the coordinator's log": caplog.text.encode()}
+    found = [f"{where}: a relayed pair's key" for where, raw in seen.items()
+             for k in relayed if k in raw or k.hex().encode() in raw]
+    assert not found, found
+    assert all(rows[1][2] in out[r].SerializeToString() for r in (1, 2))  # the search works
 
 
 def _get(url: str) -> str:

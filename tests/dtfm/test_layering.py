@@ -39,7 +39,8 @@ OURS = (*PACKAGES, "protos")
 CLI_MODULES = frozenset({"coordinator.cli", "agent.cli", "agent.commands.local",
                          "agent.commands.prepare"})
 # the network package's torch-side half: what the worker's transport builds on (no grpc)
-WORKER_NET = frozenset({"dtfm.net.dataplane", "dtfm.net.punch", "dtfm.net.pathweigh"})
+WORKER_NET = frozenset({"dtfm.net.dataplane", "dtfm.net.punch", "dtfm.net.pathweigh",
+                        "dtfm.net.framemac"})
 # the only modules at agent/'s top: the entry points; everything else sits in a concern's package
 AGENT_TOP = frozenset({"agent", "agent.__main__", "agent.cli"})
 COMMAND_PACKAGES = ("coordinator.commands",)  # every module in these is a command

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from dtfm.net.dataplane import may_dial, parse_addr
+from dtfm.net.framemac import MODES, OFF
 
 ENV = "DTFM_TRANSPORT"
 
@@ -44,8 +45,16 @@ class TransportConfig:
     mailbox_bytes: int = 64 << 20  # unclaimed bytes buffered per peer before reading stops
     timeout: timedelta = timedelta(seconds=300)
     hole_punch: bool = False  # pairs at a relay try a direct connection first (punch.py)
+    # how each frame is protected (dtfm/net/framemac.py): "mac", "encrypt" or "off", and
+    # per peer rank the key this rank shares with it (the assignment's `pair_keys`; a relay
+    # never holds it). The assignment's data plane turns "mac" on by default
+    # (agent/worker/world.py); a config made by hand (tests, benchmarks) has it off
+    frames: str = OFF
+    pair_keys: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.frames not in MODES:
+            raise ValueError(f"frames must be one of {', '.join(MODES)}: got {self.frames!r}")
         for rank, addr in self.peers.items():
             if addr is not None:
                 parse_addr(addr)  # a bad address fails here, naming it

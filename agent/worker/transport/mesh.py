@@ -40,10 +40,8 @@ fails every receive waiting on that peer at once, naming it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
-import os
 import queue
 import socket
 import threading
@@ -54,29 +52,17 @@ from typing import Any
 
 import torch
 
-from agent.worker.transport import redial, staging
+from agent.worker.transport import redial, sockio, staging
 from agent.worker.transport.config import TransportConfig
+from agent.worker.transport.sockio import byte_view
 from agent.worker.transport.work import TransportWork
 from dtfm.core.staleentry import StaleEntry
 from dtfm.net import dataplane as dp
-from dtfm.net import punch
+from dtfm.net import framemac, punch
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
-_DISCARD_CHUNK = 1 << 20
 _PARKED_POLL_S = 0.25  # how often a reader parked by a full mailbox checks its peer is there
-_TCP_ESTABLISHED = 1  # tcp_info's tcpi_state (linux/tcp_states.h)
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes (any dtype, bfloat16 included)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"the dtfm transport sends contiguous CPU tensors: got {t.device} "
-                         f"{'contiguous' if t.is_contiguous() else 'non-contiguous'}")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 class _Recv:
@@ -100,6 +86,8 @@ class _Peer:
         self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
         # whether a frame has begun on the current connection, from the peer and to it
         self.frames_in = self.frames_out = 0
+        # this pair's frames each way, sealed and checked with its key (framemac.py)
+        self.tx, self.rx = mesh.direction(mesh.rank, rank), mesh.direction(rank, mesh.rank)
         mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
 
     def attach(self, sock: socket.socket) -> None:
@@ -118,7 +106,7 @@ class _Peer:
                     log.warning("rank %d: rank %d connected again before any frame crossed "
                                 "its first connection (its dialer gave up on that one): the "
                                 "new connection replaces it", self.mesh.rank, self.rank)
-                    _shut(old)
+                    sockio.shut(old)
                 return
         if again:
             log.warning("rank %d: rank %d connected again after frames crossed its first "
@@ -195,12 +183,11 @@ class _Peer:
                 work.finish(self.error)
                 continue
             try:
-                sock.sendall(header)
                 view = byte_view(tensor)
-                sock.sendall(view)
+                self.tx.send(sock, header, view)
                 self.sent_bytes += len(view)
                 work.finish()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: too large to encrypt
                 err = ConnectionError(f"sending to rank {self.rank} failed: {exc}")
                 work.finish(err)
                 self.fail(err)
@@ -225,27 +212,34 @@ class _Peer:
                         self.frames_in = 1
                     head = first + dp.recv_exact(sock, dp.HEADER_BYTES - 1)
                 h = dp.Header.unpack(head)
+                # the header's tag first: a header a relay changed is its tampering (named),
+                # not a peer's wrong frame; from here the header, its length too, is the peer's
+                self.rx.receive_head(sock, head)
                 h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
                 reading = self._claim(h)
                 if reading is None:  # nothing posted: into the mailbox, whose limit it fits
-                    buf = bytearray(h.length)
+                    buf = bytearray(self.rx.rest(h.length))
                     dp.recv_into_exact(sock, memoryview(buf))
+                    buf = self.rx.open_buffer(head, buf)
                     with self.mesh.cond:
                         late = self._deliver((h.stream, h.tag), buf)
                     if late is not None:
-                        _copy_in(late, buf, self.rank)
+                        sockio.copy_in(late.tensor, late.work, buf, self.rank)
                     continue
                 view = byte_view(reading.tensor)
-                if len(view) != h.length:  # refused before a byte of it is held
+                if len(view) != h.length - self.rx.overhead:  # refused before a byte is held
                     reading.work.finish(RuntimeError(
-                        f"rank {self.rank} sent {h.length} bytes (tag {h.tag}) for a receive "
-                        f"of {len(view)} bytes: the two ends disagree on the tensor's shape "
-                        f"or dtype"))
+                        f"rank {self.rank} sent {h.length - self.rx.overhead} bytes (tag "
+                        f"{h.tag}) for a receive of {len(view)} bytes: the two ends disagree "
+                        f"on the tensor's shape or dtype"))
                     reading = None
-                    _discard(sock, h.length)
+                    sockio.discard(sock, self.rx.rest(h.length))
+                    self.rx.skip()
                     continue
-                dp.recv_into_exact(sock, view)
+                self.rx.receive_into(sock, head, view)
                 reading.work.finish()
+        except framemac.FrameRefused as exc:  # the pair's key does not vouch for it
+            self._lost(reading, self.mesh.refused(self.rank, str(exc)))
         except (OSError, dp.FrameError) as exc:
             if self._detach(sock, exc):
                 return
@@ -260,14 +254,15 @@ class _Peer:
         """The receive posted for frame `h` (taken out of `posted`), or None once the mailbox
         has room for its payload; until then the reader waits (backpressure). A frame larger
         than the whole mailbox waits for its receive: nothing is allocated for a length the
-        peer merely claims. A peer that goes meanwhile is noticed (`_gone`), though nothing
+        peer merely claims. A peer that goes meanwhile is noticed (`sockio.gone`), though nothing
         reads its socket: its receives fail then, not at the group's timeout."""
         m, key = self.mesh, (h.stream, h.tag)
         with m.cond:
             while not self.posted.get(key) and self.error is None and \
                     self.unclaimed + h.length > m.cfg.mailbox_bytes:
                 # read on when a receive claims a message or is posted
-                if not m.cond.wait(_PARKED_POLL_S) and self.sock and (why := _gone(self.sock)):
+                if not m.cond.wait(_PARKED_POLL_S) and self.sock and \
+                        (why := sockio.gone(self.sock)):
                     raise ConnectionError(f"{why} while its {h.length}-byte message (tag "
                                           f"{h.tag}) waited for a receive")
             if self.error is not None:
@@ -292,51 +287,6 @@ class _Peer:
         return None
 
 
-def _gone(sock: socket.socket) -> str:
-    """Why `sock`'s peer is gone ('' while the connection stands), without reading it: the
-    kernel's TCP state shows a peer's FIN even behind unread bytes."""
-    try:
-        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            return f"the connection failed: {os.strerror(err)}"
-        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
-    except OSError:  # closed here meanwhile (its error says so), or not TCP: nothing known
-        return ""
-    return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
-
-
-def _shut(sock: socket.socket) -> None:
-    """Shut `sock` down (its reader's recv returns) and close it."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
-def _discard(sock: socket.socket, n: int) -> None:
-    """Read and drop `n` payload bytes a chunk at a time, so a frame refused for its length
-    costs no memory of that length."""
-    chunk = memoryview(bytearray(min(n, _DISCARD_CHUNK)))
-    while n > 0:
-        k = min(n, len(chunk))
-        dp.recv_into_exact(sock, chunk[:k])
-        n -= k
-
-
-def _copy_in(r: _Recv, buf: bytearray, src: int) -> None:
-    """A mailbox message into its receive's tensor, outside the mesh's lock and with torch's
-    copy, which releases the GIL: a plain memoryview copy of a large message holds the GIL
-    (and the lock) for its whole length and stalls every other transport thread meanwhile."""
-    n = r.tensor.numel() * r.tensor.element_size()
-    if n != len(buf):
-        r.work.finish(RuntimeError(f"rank {src} sent {len(buf)} bytes for a receive of "
-                                   f"{n} bytes: the ends disagree on shape or dtype"))
-        return
-    if n:
-        dst = torch.frombuffer(byte_view(r.tensor), dtype=torch.uint8)
-        dst.copy_(torch.frombuffer(buf, dtype=torch.uint8))
-    r.work.finish()
-
-
 class Mesh:
     """This rank's data plane: `send` and `recv` of tensors, by peer, stream and tag."""
 
@@ -344,6 +294,9 @@ class Mesh:
         self.cfg, self.rank = cfg, rank
         self.job = dp.job_digest(cfg.job)
         self.key = dp.derive_key(cfg.secret, cfg.job, cfg.epoch)
+        for peer in cfg.peers:  # a missing pair key fails here, naming the pair
+            if peer != rank:
+                self.direction(rank, peer)
         self.cond = threading.Condition()
         self.peers: dict[int, _Peer] = {}
         self.rejected = 0  # connections that failed the handshake
@@ -369,12 +322,27 @@ class Mesh:
     def closed(self) -> bool:
         return self._closed
 
+    def direction(self, src: int, dst: int) -> framemac.Direction:
+        """The frames from `src` to `dst` (one end is this rank), with their pair's key."""
+        peer = dst if src == self.rank else src
+        return framemac.Direction(self.cfg.frames, self.cfg.pair_keys.get(peer, b""), src, dst)
+
+    def refused(self, peer: int, frame: str) -> framemac.FrameRefused:
+        """The error of `frame` ("frame N") from `peer` refused: it names the relay the pair
+        goes through (the culprit: only the two ends hold the key), or the direct path."""
+        relayed = self.cfg.mode(self.rank, peer) == "relay" and peer not in self.punched
+        relay = (self.cfg.relay_for(self.rank, peer) or "") if relayed else ""
+        seq = int(frame.rpartition(" ")[2])
+        return framemac.FrameRefused(framemac.refusal_message(framemac.Refusal(
+            seq, peer, self.rank, self.cfg.frames, relay)))
+
     def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
         """Send `tensor`'s value now (a GPU or strided one is staged: `staging.outgoing`)."""
         wire = staging.outgoing(tensor)  # a tensor it cannot send fails here, in the caller
         work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor, wire])
         header = dp.Header(self.job, self.cfg.epoch, self.rank, dst, stream, tag,
-                           wire.numel() * wire.element_size()).pack()
+                           wire.numel() * wire.element_size()
+                           + framemac.overhead(self.cfg.frames)).pack()
         self.peer(dst).outbox.put((header, wire, work))
         return work
 
@@ -398,7 +366,7 @@ class Mesh:
                 p.posted.setdefault((stream, tag), deque()).append(r)
                 self.cond.notify_all()
         if buf is not None:
-            _copy_in(r, buf, src)
+            sockio.copy_in(r.tensor, r.work, buf, src)
         return work
 
     def peer(self, rank: int) -> _Peer:

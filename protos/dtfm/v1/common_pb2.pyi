@@ -20,6 +20,12 @@ class Reachability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REACHABILITY_SOME_PEERS: _ClassVar[Reachability]
     REACHABILITY_NOWHERE: _ClassVar[Reachability]
 
+class FrameProtection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FRAMES_MAC: _ClassVar[FrameProtection]
+    FRAMES_ENCRYPT: _ClassVar[FrameProtection]
+    FRAMES_OFF: _ClassVar[FrameProtection]
+
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
@@ -37,6 +43,9 @@ REACHABILITY_UNKNOWN: Reachability
 REACHABILITY_EVERYWHERE: Reachability
 REACHABILITY_SOME_PEERS: Reachability
 REACHABILITY_NOWHERE: Reachability
+FRAMES_MAC: FrameProtection
+FRAMES_ENCRYPT: FrameProtection
+FRAMES_OFF: FrameProtection
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_MEASURING: WorkerState
@@ -289,7 +298,7 @@ class Assignment(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp_group_ranks: _Optional[_Iterable[int]] = ..., prev_rank: _Optional[int] = ..., next_rank: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., backend: _Optional[str] = ..., layer_splits: _Optional[_Iterable[int]] = ..., bind_addr: _Optional[str] = ..., pp_compress_prev: _Optional[str] = ..., pp_compress_next: _Optional[str] = ..., dp_compress: _Optional[str] = ..., checkpoint_peers: _Optional[_Iterable[str]] = ..., mirrors: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., checkpoint_splits: _Optional[_Iterable[int]] = ..., dp_shares: _Optional[_Iterable[float]] = ..., checkpoint_pushes: _Optional[_Iterable[_Union[CheckpointMirror, _Mapping]]] = ..., init_hash: _Optional[str] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ..., resume_before: _Optional[int] = ...) -> None: ...
 
 class DataPlane(_message.Message):
-    __slots__ = ("listen", "relay", "secret", "pair_relays", "limited", "direct", "hole_punch", "gpu")
+    __slots__ = ("listen", "relay", "secret", "pair_relays", "limited", "direct", "hole_punch", "gpu", "frames", "pair_keys")
     LISTEN_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +307,8 @@ class DataPlane(_message.Message):
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     HOLE_PUNCH_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PAIR_KEYS_FIELD_NUMBER: _ClassVar[int]
     listen: _containers.RepeatedScalarFieldContainer[str]
     relay: str
     secret: bytes
@@ -306,7 +317,9 @@ class DataPlane(_message.Message):
     direct: _containers.RepeatedCompositeFieldContainer[DirectDial]
     hole_punch: bool
     gpu: bool
-    def __init__(self, listen: _Optional[_Iterable[str]] = ..., relay: _Optional[str] = ..., secret: _Optional[bytes] = ..., pair_relays: _Optional[_Iterable[_Union[PairRelay, _Mapping]]] = ..., limited: _Optional[_Iterable[int]] = ..., direct: _Optional[_Iterable[_Union[DirectDial, _Mapping]]] = ..., hole_punch: _Optional[bool] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    frames: FrameProtection
+    pair_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, listen: _Optional[_Iterable[str]] = ..., relay: _Optional[str] = ..., secret: _Optional[bytes] = ..., pair_relays: _Optional[_Iterable[_Union[PairRelay, _Mapping]]] = ..., limited: _Optional[_Iterable[int]] = ..., direct: _Optional[_Iterable[_Union[DirectDial, _Mapping]]] = ..., hole_punch: _Optional[bool] = ..., gpu: _Optional[bool] = ..., frames: _Optional[_Union[FrameProtection, str]] = ..., pair_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DirectDial(_message.Message):
     __slots__ = ("dialer", "listener")

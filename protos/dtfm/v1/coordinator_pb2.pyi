@@ -350,13 +350,14 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach", "exclusion", "evidence")
+    __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach", "relay_distrusted", "exclusion", "evidence")
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     JOINED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     REACH_FIELD_NUMBER: _ClassVar[int]
+    RELAY_DISTRUSTED_FIELD_NUMBER: _ClassVar[int]
     EXCLUSION_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.AgentInfo
@@ -365,9 +366,10 @@ class AgentStatus(_message.Message):
     joined_unix_s: float
     progress: ProgressReport
     reach: _common_pb2.ReachStatus
+    relay_distrusted: str
     exclusion: Exclusion
     evidence: _containers.RepeatedCompositeFieldContainer[Evidence]
-    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ..., exclusion: _Optional[_Union[Exclusion, _Mapping]] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
+    def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ..., relay_distrusted: _Optional[str] = ..., exclusion: _Optional[_Union[Exclusion, _Mapping]] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "coordinator_checkpoints", "rollback_before", "exclusions", "export_source")

@@ -1,0 +1,76 @@
+"""Socket and byte helpers of the mesh's connections (agent/worker/transport/mesh.py): a
+tensor's bytes as a writable view, whether a connection's peer is gone, shutting a socket
+down, dropping a refused payload and filling a receive from the mailbox. Moved out of the mesh
+so that module stays about connections and frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+
+import torch
+
+from agent.worker.transport.work import TransportWork
+from dtfm.net import dataplane as dp
+
+DISCARD_CHUNK = 1 << 20
+_TCP_ESTABLISHED = 1  # tcp_info's tcpi_state (linux/tcp_states.h)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (any dtype, bfloat16 included)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"the dtfm transport sends contiguous CPU tensors: got {t.device} "
+                         f"{'contiguous' if t.is_contiguous() else 'non-contiguous'}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def gone(sock: socket.socket) -> str:
+    """Why `sock`'s peer is gone ('' while the connection stands), without reading it: the
+    kernel's TCP state shows a peer's FIN even behind unread bytes."""
+    try:
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            return f"the connection failed: {os.strerror(err)}"
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except OSError:  # closed here meanwhile (its error says so), or not TCP: nothing known
+        return ""
+    return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
+
+
+def shut(sock: socket.socket) -> None:
+    """Shut `sock` down (its reader's recv returns) and close it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    """Read and drop `n` payload bytes a chunk at a time, so a frame refused for its length
+    costs no memory of that length."""
+    chunk = memoryview(bytearray(min(n, DISCARD_CHUNK)))
+    while n > 0:
+        k = min(n, len(chunk))
+        dp.recv_into_exact(sock, chunk[:k])
+        n -= k
+
+
+def copy_in(tensor: torch.Tensor, work: TransportWork, buf: bytearray, src: int) -> None:
+    """A mailbox message into its receive's tensor, outside the mesh's lock and with torch's
+    copy, which releases the GIL: a plain memoryview copy of a large message holds the GIL
+    (and the lock) for its whole length and stalls every other transport thread meanwhile."""
+    n = tensor.numel() * tensor.element_size()
+    if n != len(buf):
+        work.finish(RuntimeError(f"rank {src} sent {len(buf)} bytes for a receive of "
+                                   f"{n} bytes: the ends disagree on shape or dtype"))
+        return
+    if n:
+        dst = torch.frombuffer(byte_view(tensor), dtype=torch.uint8)
+        dst.copy_(torch.frombuffer(buf, dtype=torch.uint8))
+    work.finish()
