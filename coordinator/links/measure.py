@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.links import punchprobe, relayed
 from coordinator.links.infer import latency_clusters, sampled_links, to_measure
-from coordinator.links.store import LinkStore, rotation_rounds
+from coordinator.links.store import LinkStore, in_rotation
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -157,7 +157,7 @@ class LinkMeasurer:
         busy cores can make one end read a link 100 ms long (a 16-agent job lost 7 agents so),
         and a second, quiet look settles that. A pair that still disagrees (a lie, or a broken
         agent) is flagged and both directions are dropped, which leaves the pair out of plans."""
-        pairs = self._contradicting(ids)
+        pairs = await asyncio.to_thread(self._contradicting, ids)  # N^2/2 pairs
         if not pairs:
             return
         log.info("pinging %d pairs again, on their own: their two ends disagreed (%s)",
@@ -169,7 +169,7 @@ class LinkMeasurer:
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
                         [_Probe(a, tuple(p)) for a, p in peers.items()], by_id, silent,
                         probe_seconds, pings=pings)
-        for a, b, why in self._contradicting(ids):
+        for a, b, why in await asyncio.to_thread(self._contradicting, ids):
             log.warning("contradictory link measurement: %s", why)
             self.store.mark_unreachable(a, b, why)
             self.store.mark_unreachable(b, a, why)
@@ -238,9 +238,11 @@ class LinkMeasurer:
         else:  # while a job trains, its traffic makes pings disagree: no pair is dropped
             wanted &= bandwidth_links
         stands_for = dict(infer or {})
-        if sampled:
-            clusters = latency_clusters(ids, self._delay)
-            stands_for = sampled_links(clusters)
+        if sampled:  # seconds of Python at 1,000 agents: off the event loop (heartbeats)
+            clusters = await asyncio.to_thread(latency_clusters, ids, self._delay)
+            stands_for = await asyncio.to_thread(sampled_links, clusters)
+            if only_missing:  # links measured before keep their figures
+                stands_for = {link: s for link, s in stands_for.items() if link in wanted}
             wanted &= to_measure(stands_for)
             log.info("%d latency clusters (%s): probing the bandwidth of %d links, inferring "
                      "the rest", len(clusters), " ".join(str(len(c)) for c in clusters),
@@ -250,11 +252,11 @@ class LinkMeasurer:
         # link is never measured while its reverse is (its acknowledgements would queue).
         bandwidth = [_Probe(a, (b,), frozenset((f"send {a}", f"receive {b}",
                                                 f"pair {min(a, b)} {max(a, b)}")))
-                     for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
+                     for a, b in in_rotation(ids, wanted)]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent,
                         probe_seconds, max_probes)
         if stands_for:
-            self._infer(stands_for)
+            await asyncio.to_thread(self._infer, stands_for)
         await self._unreachable_ends(run, ids, by_id, silent, probe_seconds)
         self.last_seconds = time.monotonic() - started
         log.info("measured %d links of %d agents in %.1f s", len(wanted), len(ids),
@@ -277,7 +279,10 @@ class LinkMeasurer:
         try:
             while pending or running:
                 for probe in list(pending):
-                    quiet = sorted({probe.measurer, *probe.peers} & silent)
+                    # a probe holds N peers in a latency pass: no set of them per look, or
+                    # each completion costs O(N) per pending probe (O(N^3) per pass)
+                    quiet = sorted(({probe.measurer, *probe.peers} & silent) if silent and (
+                        probe.measurer in silent or not silent.isdisjoint(probe.peers)) else ())
                     if quiet:
                         pending.remove(probe)
                         for peer in probe.peers:
