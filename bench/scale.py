@@ -201,7 +201,7 @@ def timed_status(stub: Stub, address: str,
 
 
 def run_one(n: int, seed: int, processes: int, tmp: Path,
-            profile: Path | None = None) -> dict[str, Any]:
+            profile: Path | None = None, own_relay_port: bool = False) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
     env.update(DTFM_TOKEN=TOKEN, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     address, metrics = f"127.0.0.1:{rpc.free_port()}", f"127.0.0.1:{rpc.free_port()}"
@@ -210,9 +210,11 @@ def run_one(n: int, seed: int, processes: int, tmp: Path,
             "--steps", "1000000", "--stages", str(STAGES), "--batch", str(batch(n)),
             "--checkpoint-every", "0",
             "--eval-batches", "0", "--state-dir", str(tmp / "state"),
-            "--metrics-listen", metrics, "--log-level", "info"]
+            "--metrics-listen", metrics, "--log-level", "info",
+            *(("--relay-port", str(rpc.free_port())) if own_relay_port else ())]
     world = World.draw(seed, n)
     out: dict[str, Any] = {"agents": n, "seed": seed, "sites": len(world.sites),
+                           "relay": "own port" if own_relay_port else "shares the gRPC port",
                            "processes": processes, "cores": os.cpu_count()}
     coord = Coordinator(args, tmp / "coordinator.log", env,
                         profile / f"coordinator-{n}.prof" if profile else None)
@@ -223,7 +225,7 @@ def run_one(n: int, seed: int, processes: int, tmp: Path,
         raise RuntimeError(f"the coordinator exited: {(tmp / 'coordinator.log').read_text()}")
     channel = grpc.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
     stub = Stub(coordinator_pb2_grpc.CoordinatorStub(channel))
-    swarms = Swarms(address, n, seed, processes, env=env, log=tmp / "swarms.log")
+    swarms = Swarms(address, n, seed, processes, env=env, log=tmp / "swarms.log", nice=10)
     try:
         say(f"N={n}: {processes} swarm processes started; waiting for joins")
         swarms.wait(lambda s: len(s.welcomed) >= n, 300, f"{n} agents to join")
@@ -320,6 +322,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7, help="draws the world of sites")
     parser.add_argument("--processes", type=int, default=4,
                         help="swarm processes of simulated agents")
+    parser.add_argument("--own-relay-port", action="store_true",
+                        help="give the coordinator's relay a port of its own (--relay-port), "
+                        "so gRPC is served without the shared port's front")
     parser.add_argument("--profile", type=Path,
                         help="write the first coordinator's cProfile to this directory")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
@@ -328,7 +333,8 @@ def main() -> None:
     for n in args.agents:
         with tempfile.TemporaryDirectory(prefix=f"scale-{n}-") as tmp:
             try:
-                rows.append(run_one(n, args.seed, args.processes, Path(tmp), args.profile))
+                rows.append(run_one(n, args.seed, args.processes, Path(tmp), args.profile,
+                                    args.own_relay_port))
             except Exception as exc:  # noqa: BLE001 - a figure that failed is a result too
                 say(f"N={n}: failed: {exc!r}; coordinator log tail:")
                 print((Path(tmp) / "coordinator.log").read_text()[-3000:], flush=True)

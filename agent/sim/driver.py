@@ -25,8 +25,9 @@ from dtfm.procs import terminate_all, wait_for
 class Swarms:
     def __init__(self, coordinator: str, agents: int, world_seed: int, processes: int = 4,
                  time_scale: float = 1.0, env: dict[str, str] | None = None,
-                 log: Path | None = None) -> None:
-        """`env` must carry the join token ($DTFM_TOKEN); the swarms' logs go to `log`."""
+                 log: Path | None = None, nice: int = 0) -> None:
+        """`env` must carry the join token ($DTFM_TOKEN); the swarms' logs go to `log`;
+        `nice`: their niceness (a benchmark leaves the CPU to the coordinator it measures)."""
         self.agents = agents
         self._lock = threading.Lock()
         self.welcomed: dict[int, float] = {}  # agent -> its latest welcome (unix s)
@@ -46,7 +47,8 @@ class Swarms:
                  "--time-scale", str(time_scale)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 stderr=self._log if self._log is not None else subprocess.DEVNULL,
-                env=env or dict(os.environ), start_new_session=True)
+                env=env or dict(os.environ), start_new_session=True,
+                preexec_fn=(lambda: os.nice(nice)) if nice else None)
             self.procs.append(proc)
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         self._owner = [k for k, (a, b) in enumerate(itertools.pairwise(bounds))

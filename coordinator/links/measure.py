@@ -87,6 +87,9 @@ class LinkMeasurer:
         self.probe_seconds = probe_seconds
         self.probe_max_bytes = probe_max_bytes
         self._pending: dict[tuple[str, str], _Pending] = {}
+        # `_target`'s: by agent id, the AgentInfo it was made from and the message
+        self._targets: dict[str, tuple[common_pb2.AgentInfo | None,
+                                       coordinator_pb2.PeerTarget]] = {}
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._seq = itertools.count()
@@ -220,6 +223,7 @@ class LinkMeasurer:
                        ) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
+        self._targets = {a: t for a, t in self._targets.items() if a in by_id}
         wanted = self.missing_links(ids) if only_missing else {
             (a, b) for a in ids for b in ids if a != b}
         run = next(self._ids)
@@ -231,7 +235,8 @@ class LinkMeasurer:
         if latency:
             await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
                             [_Probe(a, peers) for a in ids
-                             if (peers := tuple(b for b in ids if (a, b) in wanted))],
+                             if (peers := tuple(b for b in ids if b != a and (
+                                 not only_missing or (a, b) in wanted)))],
                             by_id, silent, probe_seconds, pings=pings)
         if bandwidth_links is None:
             await self._check_reverse_delays(run, ids, by_id, silent, probe_seconds, pings)
@@ -384,6 +389,19 @@ class LinkMeasurer:
                  " ".join(f"{a}-{b}" for a, b in direct[:6]) or "none")
         return direct
 
+    def _target(self, peer: str, by_id: dict[str, AgentRecord]
+                ) -> coordinator_pb2.PeerTarget:
+        """Whom a command names: one message per agent, kept while its address holds (a
+        latency pass of 1,000 agents names a million peers; building each anew blocked the
+        event loop for half a minute, and every heartbeat waited behind it)."""
+        rec = by_id.get(peer)
+        info = rec.info if rec is not None else None
+        kept = self._targets.get(peer)
+        if kept is None or kept[0] is not info:  # a re-join replaces the info
+            kept = self._targets[peer] = (info, coordinator_pb2.PeerTarget(
+                agent_id=peer, address=rec.address if rec is not None else ""))
+        return kept[1]
+
     def _delay(self, a: str, b: str) -> float | None:
         entry = self.store.entries.get((a, b))
         return entry.delay_ms if entry is not None and entry.reachable else None
@@ -418,9 +436,7 @@ class LinkMeasurer:
             round_id=round_id,
             # the relay (the coordinator) has no address here: the agent dials the one it
             # joined at
-            peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address
-                                              if p in by_id else "")
-                   for p in peers],
+            peers=[self._target(p, by_id) for p in peers],
             ping_count=count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
             ping_spread_s=spread_s,
