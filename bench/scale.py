@@ -200,8 +200,9 @@ def timed_status(stub: Stub, address: str,
             "metrics_bytes": size}
 
 
-def run_one(n: int, seed: int, processes: int, tmp: Path,
-            profile: Path | None = None, own_relay_port: bool = False) -> dict[str, Any]:
+def run_one(n: int, seed: int, processes: int, tmp: Path, profile: Path | None = None,
+            own_relay_port: bool = False, heartbeat: tuple[float, float] | None = None
+            ) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
     env.update(DTFM_TOKEN=TOKEN, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     address, metrics = f"127.0.0.1:{rpc.free_port()}", f"127.0.0.1:{rpc.free_port()}"
@@ -211,10 +212,14 @@ def run_one(n: int, seed: int, processes: int, tmp: Path,
             "--checkpoint-every", "0",
             "--eval-batches", "0", "--state-dir", str(tmp / "state"),
             "--metrics-listen", metrics, "--log-level", "info",
-            *(("--relay-port", str(rpc.free_port())) if own_relay_port else ())]
+            *(("--relay-port", str(rpc.free_port())) if own_relay_port else ()),
+            *(("--heartbeat-interval", str(heartbeat[0]), "--liveness-timeout",
+               str(heartbeat[1])) if heartbeat else ())]
     world = World.draw(seed, n)
     out: dict[str, Any] = {"agents": n, "seed": seed, "sites": len(world.sites),
                            "relay": "own port" if own_relay_port else "shares the gRPC port",
+                           "heartbeat_interval_s": heartbeat[0] if heartbeat else 1.0,
+                           "liveness_timeout_s": heartbeat[1] if heartbeat else 15.0,
                            "processes": processes, "cores": os.cpu_count()}
     coord = Coordinator(args, tmp / "coordinator.log", env,
                         profile / f"coordinator-{n}.prof" if profile else None)
@@ -325,6 +330,9 @@ def main() -> None:
     parser.add_argument("--own-relay-port", action="store_true",
                         help="give the coordinator's relay a port of its own (--relay-port), "
                         "so gRPC is served without the shared port's front")
+    parser.add_argument("--heartbeat", type=float, nargs=2, metavar=("INTERVAL", "TIMEOUT"),
+                        help="the coordinator's --heartbeat-interval and --liveness-timeout "
+                        "(default: its defaults, 1 s and 15 s)")
     parser.add_argument("--profile", type=Path,
                         help="write the first coordinator's cProfile to this directory")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
@@ -334,7 +342,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"scale-{n}-") as tmp:
             try:
                 rows.append(run_one(n, args.seed, args.processes, Path(tmp), args.profile,
-                                    args.own_relay_port))
+                                    args.own_relay_port, args.heartbeat))
             except Exception as exc:  # noqa: BLE001 - a figure that failed is a result too
                 say(f"N={n}: failed: {exc!r}; coordinator log tail:")
                 print((Path(tmp) / "coordinator.log").read_text()[-3000:], flush=True)

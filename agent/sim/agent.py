@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
+
 from agent.daemon.session import CoordinatorSession
 from agent.daemon.supervisor import Supervisor, WorkerProgress
 from agent.sim.world import World
@@ -120,21 +122,52 @@ class SimSession(CoordinatorSession):
             self.on_assign(command.assign)
         super()._handle(command)
 
+    async def _measure(self, cmd: coordinator_pb2.MeasureLinksCommand) -> None:
+        """A latency pass pings every peer at once: here one sleep as long as the slowest
+        peer's pings, and the samples made at once, not a task per peer (a swarm of 250
+        agents held 250,000 of them, and its own heartbeats waited behind them). Bandwidth
+        probes go through the real session, one peer at a time."""
+        if cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY:
+            await super()._measure(cmd)
+            return
+        self.state = WorkerState.MEASURING
+        try:
+            await asyncio.sleep(max((probe_seconds(cmd.kind, cmd, self._rtt_s(p.agent_id))
+                                     for p in cmd.peers), default=0.0) * self.time_scale)
+            report = coordinator_pb2.LinkReport(
+                agent_id=self.info.agent_id, round_id=cmd.round_id, agent_secret=self.secret,
+                samples=[self._sample(cmd.kind, p.agent_id) for p in cmd.peers])
+            if self._stub is not None:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self._stub.ReportLinks(report, timeout=10.0)
+        finally:
+            self.state = WorkerState.IDLE
+
+    def _rtt_s(self, peer_id: str) -> float:
+        other = agent_index(peer_id)
+        if other is None or other >= len(self.world):
+            return 1.0
+        return 2 * self.world.delay_ms(self.index, other) / 1000
+
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:
-        other = agent_index(peer.agent_id)
+        await asyncio.sleep(probe_seconds(cmd.kind, cmd, self._rtt_s(peer.agent_id)) *
+                            self.time_scale)
+        return self._sample(cmd.kind, peer.agent_id)
+
+    def _sample(self, kind: int, peer_id: str) -> common_pb2.LinkSample:
+        """The world's figures for the link to `peer_id`, read as a probe reads them."""
+        other = agent_index(peer_id)
         if other is None or other >= len(self.world):
-            await asyncio.sleep(1.0 * self.time_scale)
-            return common_pb2.LinkSample(peer_id=peer.agent_id, reachable=False,
+            return common_pb2.LinkSample(peer_id=peer_id, reachable=False,
                                          error="no such peer in the simulated world",
                                          measured_unix_s=time.time())
-        delay = self.world.delay_ms(self.index, other)
-        await asyncio.sleep(probe_seconds(cmd.kind, cmd, 2 * delay / 1000) * self.time_scale)
-        sample = common_pb2.LinkSample(peer_id=peer.agent_id, reachable=True,
+        sample = common_pb2.LinkSample(peer_id=peer_id, reachable=True,
                                        measured_unix_s=time.time())
-        if cmd.kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH:
-            sample.delay_ms = delay * (1.0 + 0.02 * random.random())  # pings read high, never low
-        if cmd.kind != coordinator_pb2.MEASURE_KIND_LATENCY:
+        if kind != coordinator_pb2.MEASURE_KIND_BANDWIDTH:
+            sample.delay_ms = self.world.delay_ms(self.index, other) * (
+                1.0 + 0.02 * random.random())  # pings read high, never low
+        if kind != coordinator_pb2.MEASURE_KIND_LATENCY:
             sample.bandwidth_gbps = self.world.bandwidth_gbps(self.index, other) * (
                 1.0 + random.gauss(0.0, 0.03))
         return sample
