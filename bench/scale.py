@@ -65,7 +65,7 @@ MODEL, STAGES = "gpt-tiny", 4  # its 4 layers, one a stage
 HEARTBEAT_WINDOW_S = 20.0
 LOST_SHARE = 0.05
 KEYS = ("join_s", "heartbeat_cpu", "measure_s", "plan_s", "plan_vs_rank", "assign_s",
-        "status_s", "metrics_s", "recover_s", "restart_s", "rss_mib")
+        "status_s", "metrics_s", "recover_s", "replan_s", "restart_s", "rss_mib")
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -270,6 +270,9 @@ def run_one(n: int, seed: int, processes: int, tmp: Path, profile: Path | None =
         alive = [agent_index(a) for row in new.grid for a in row.agent_ids]
         swarms.wait(lambda s: len(s.trained[new.epoch]) >= len(alive), 600, "recovery")
         out["recover_s"] = max(swarms.trained[new.epoch].values()) - t_lost
+        noticed = log.first(r"job \S+: recovering", t_lost) or t_lost
+        out["notice_s"] = noticed - t_lost  # the liveness timeout, mostly
+        out["replan_s"] = out["recover_s"] - out["notice_s"]
         out["recover_layout"] = f"{new.stages}x{new.replicas}"
         say(f"N={n}: lost {len(lost)}, training again on {out['recover_layout']} after "
             f"{out['recover_s']:.1f} s; restarting the coordinator")

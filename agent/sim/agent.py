@@ -132,7 +132,7 @@ class SimSession(CoordinatorSession):
             return
         self.state = WorkerState.MEASURING
         try:
-            await asyncio.sleep(max((probe_seconds(cmd.kind, cmd, self._rtt_s(p.agent_id))
+            await asyncio.sleep(max((probe_seconds(cmd.kind, cmd, self._model_rtt_s(p.agent_id))
                                      for p in cmd.peers), default=0.0) * self.time_scale)
             report = coordinator_pb2.LinkReport(
                 agent_id=self.info.agent_id, round_id=cmd.round_id, agent_secret=self.secret,
@@ -143,7 +143,7 @@ class SimSession(CoordinatorSession):
         finally:
             self.state = WorkerState.IDLE
 
-    def _rtt_s(self, peer_id: str) -> float:
+    def _model_rtt_s(self, peer_id: str) -> float:
         other = agent_index(peer_id)
         if other is None or other >= len(self.world):
             return 1.0
@@ -151,7 +151,7 @@ class SimSession(CoordinatorSession):
 
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:
-        await asyncio.sleep(probe_seconds(cmd.kind, cmd, self._rtt_s(peer.agent_id)) *
+        await asyncio.sleep(probe_seconds(cmd.kind, cmd, self._model_rtt_s(peer.agent_id)) *
                             self.time_scale)
         return self._sample(cmd.kind, peer.agent_id)
 
