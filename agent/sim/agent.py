@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import random
 import time
@@ -23,11 +24,13 @@ import grpc
 from agent.daemon.session import CoordinatorSession
 from agent.daemon.supervisor import Supervisor, WorkerProgress
 from agent.sim.world import World
+from dtfm import rpc
 from dtfm.core.events import StepEvent
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
 from dtfm.core.spec import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
+log = logging.getLogger(__name__)
 # (predicted step s, predicted compute s) of a job's epoch, as its plan says
 Pace = Callable[[common_pb2.Assignment], Awaitable[tuple[float, float]]]
 STEP_NOISE = 0.05  # each step's time varies this much (a lognormal's sigma)
@@ -138,8 +141,9 @@ class SimSession(CoordinatorSession):
                 agent_id=self.info.agent_id, round_id=cmd.round_id, agent_secret=self.secret,
                 samples=[self._sample(cmd.kind, p.agent_id) for p in cmd.peers])
             if self._stub is not None:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self._stub.ReportLinks(report, timeout=10.0)
+                await self._stub.ReportLinks(report, timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
         finally:
             self.state = WorkerState.IDLE
 

@@ -87,7 +87,9 @@ class Job:
         self.epoch = 0
         self.plan: common_pb2.Plan | None = None
         self.message = "" if config.model else "no job: start with --model and --agents"
-        self.members = []
+        self.members: list[str] = []
+        # `members` as a set, for the list it was made of: each report asks "a member?"
+        self._member_set: tuple[list[str], frozenset[str]] = (self.members, frozenset())
         self.restarts = 0
         self._wake = asyncio.Event()
         self._waited = 0.0  # when `_wait` last returned (monotonic)
@@ -116,15 +118,6 @@ class Job:
         self.store = store
         if store is not None and config.model:
             self._adopt(store.unfinished(job_fingerprint(config)))
-
-    @property
-    def members(self) -> list[str]:
-        """This epoch's members' ids, in grid order."""
-        return self._members
-
-    @members.setter
-    def members(self, ids: list[str]) -> None:
-        self._members, self._member_set = ids, frozenset(ids)  # each report asks "a member?"
 
     def _name_collaborators(self) -> None:
         """The collaborators name the job in what they log."""
@@ -197,8 +190,10 @@ class Job:
             self.members = list(dict.fromkeys([*self.members, rec.agent_id]))  # to stop
             self._failure, self._failure_kind = stale, "stale"
             self.poke()
+        if self._member_set[0] is not self.members:  # a new epoch's (members is replaced)
+            self._member_set = (self.members, frozenset(self.members))
         if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
-                and rec.agent_id in self._member_set):
+                and rec.agent_id in self._member_set[1]):
             self._progress[rec.agent_id] = report
             self.dataplane.observe(rec.agent_id, report)
             if report.step > 0:
