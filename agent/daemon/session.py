@@ -196,15 +196,18 @@ class CoordinatorSession:
             if self.tuning is not None and cmd.kind in (coordinator_pb2.MEASURE_KIND_BOTH,
                                                         coordinator_pb2.MEASURE_KIND_BANDWIDTH):
                 self.tuning.run()  # the buffers against the bandwidth-delay products just seen
-            report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
-                                                round_id=cmd.round_id, samples=samples,
-                                                agent_secret=self.secret)
-            if self._stub is not None:
-                await self._stub.ReportLinks(report, timeout=10.0)
+            await self.report_links(cmd.round_id, samples)
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
         finally:
             self.state = WorkerState.IDLE
+
+    async def report_links(self, round_id: str, samples: list[common_pb2.LinkSample]) -> None:
+        """Send one measurement round's samples (raises the RPC's error)."""
+        if self._stub is not None:
+            await self._stub.ReportLinks(coordinator_pb2.LinkReport(
+                agent_id=self.info.agent_id, round_id=round_id, samples=samples,
+                agent_secret=self.secret), timeout=10.0)
 
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:

@@ -137,13 +137,11 @@ class SimSession(CoordinatorSession):
         try:
             await asyncio.sleep(max((probe_seconds(cmd.kind, cmd, self._model_rtt_s(p.agent_id))
                                      for p in cmd.peers), default=0.0) * self.time_scale)
-            report = coordinator_pb2.LinkReport(
-                agent_id=self.info.agent_id, round_id=cmd.round_id, agent_secret=self.secret,
-                samples=[self._sample(cmd.kind, p.agent_id) for p in cmd.peers])
-            if self._stub is not None:
-                await self._stub.ReportLinks(report, timeout=10.0)
+            await self.report_links(cmd.round_id,
+                                    [self._sample(cmd.kind, p.agent_id) for p in cmd.peers])
         except grpc.aio.AioRpcError as exc:
-            log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
+            log.warning("could not report links (a latency pass): %s",
+                        rpc.describe_rpc_error(exc, self.target))
         finally:
             self.state = WorkerState.IDLE
 

@@ -48,6 +48,11 @@ REVERSE_DELAY_SLACK = (3.0, 50.0)
 # (a tenth of a second apart, all peers at once) sent 150 a second and had the two ends of 7
 # pairs contradict each other by 100 ms before a 16-agent job, which then left 7 agents out.
 PING_RATE = 20.0
+# A latency pass of N agents delivers N(N-1) samples at once, as the spread ends, and the
+# coordinator records each on its loop: a report's deadline allows this long per sample of
+# such a pass on top of the probe timeout (a million samples on a tenth of a busy core
+# outlasted the 30 s of slack, and the late reports were refused: bench/scale.py).
+INGEST_S_PER_SAMPLE = 50e-6
 
 
 @dataclass(frozen=True)
@@ -432,6 +437,7 @@ class LinkMeasurer:
         count = pings.count or self.ping_count
         spread_s = (pings.spread_for(count, len(peers)) if kind in (
             coordinator_pb2.MEASURE_KIND_LATENCY, coordinator_pb2.MEASURE_KIND_BOTH) else 0.0)
+        ingest_s = INGEST_S_PER_SAMPLE * len(peers) * (len(peers) + 1) if spread_s else 0.0
         command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
             round_id=round_id,
             # the relay (the coordinator) has no address here: the agent dials the one it
@@ -456,7 +462,8 @@ class LinkMeasurer:
                 return
             try:
                 # a latency pass's pings take their spread before the report comes
-                await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s + spread_s)
+                await asyncio.wait_for(asyncio.shield(future),
+                                       self.probe_timeout_s + spread_s + ingest_s)
             except TimeoutError:
                 silent.add(measurer)
                 for peer in peers:
