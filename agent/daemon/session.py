@@ -32,6 +32,7 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+REPORT_S_PER_SAMPLE = 0.05  # a link report's deadline: 10 s and this per sample it carries
 FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
                grpc.StatusCode.PERMISSION_DENIED)
 
@@ -197,15 +198,21 @@ class CoordinatorSession:
             if self.tuning is not None and cmd.kind in (coordinator_pb2.MEASURE_KIND_BOTH,
                                                         coordinator_pb2.MEASURE_KIND_BANDWIDTH):
                 self.tuning.run()  # the buffers against the bandwidth-delay products just seen
-            report = coordinator_pb2.LinkReport(agent_id=self.info.agent_id,
-                                                round_id=cmd.round_id, samples=samples,
-                                                agent_secret=self.secret)
-            if self._stub is not None:
-                await self._stub.ReportLinks(report, timeout=10.0)
+            await self.report_links(cmd.round_id, samples)
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
         finally:
             self.state = WorkerState.IDLE
+
+    async def report_links(self, round_id: str, samples: list[common_pb2.LinkSample]) -> None:
+        """Send one measurement round's samples (raises the RPC's error). The deadline
+        grows with them: a latency pass of N agents reports N-1 samples from each at once,
+        and the coordinator records them one after another (1,000 agents' reports outlasted
+        a fixed 10 s on a loaded core, and every late one was lost: bench/scale.py)."""
+        if self._stub is not None:
+            await self._stub.ReportLinks(coordinator_pb2.LinkReport(
+                agent_id=self.info.agent_id, round_id=round_id, samples=samples,
+                agent_secret=self.secret), timeout=10.0 + REPORT_S_PER_SAMPLE * len(samples))
 
     async def _measure_peer(self, cmd: coordinator_pb2.MeasureLinksCommand,
                             peer: coordinator_pb2.PeerTarget) -> common_pb2.LinkSample:

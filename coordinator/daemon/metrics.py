@@ -23,6 +23,10 @@ from protos.dtfm.v1 import coordinator_pb2
 
 JOB_STATES = [n.removeprefix("JOB_STATE_").lower() for n in coordinator_pb2.JobState.keys()
               if n != "JOB_STATE_UNSPECIFIED"]
+# Per-link series go up to this many links (64 agents, all pairs); past it a scrape would carry
+# N^2 series (4 of them per link: 260,000 lines and 20 s at 256 agents, bench/scale.py), so
+# only the counts by state are exported and `coordinator links --json` has the matrix.
+MAX_LINK_SERIES = 64 * 63
 STEP_PARTS = (("total", "step_s"), ("compute", "compute_s"), ("pipeline_wait", "pp_wait_s"),
               ("data_parallel", "dp_s"))
 
@@ -209,6 +213,14 @@ class CoordinatorCollector(Collector):
         yield from (member, cost, predicted)
 
     def _links(self) -> Iterator[Metric]:
+        entries = self.links.entries
+        counts = _gauge("dtfm_links", "Measured directed links, by state", ["state"])
+        counts.add_metric(["reachable"], sum(e.reachable for e in entries.values()))
+        counts.add_metric(["unreachable"], sum(not e.reachable for e in entries.values()))
+        counts.add_metric(["estimated"], sum(bool(e.estimate) for e in entries.values()))
+        yield counts
+        if len(entries) > MAX_LINK_SERIES:
+            return
         delay = _gauge("dtfm_link_delay_seconds", "Measured one-way delay of a directed link",
                        ["src", "dst"])
         bandwidth = _gauge("dtfm_link_bandwidth_bytes_per_second", "Measured bandwidth of a "

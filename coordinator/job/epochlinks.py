@@ -30,6 +30,11 @@ from coordinator.scheduler.placement import Placement
 from protos.dtfm.v1 import coordinator_pb2
 
 S = coordinator_pb2
+# Above this many members a job's measurement is sampled (coordinator/links/infer.py): every
+# pair is pinged, but bandwidth is probed for representatives of latency clusters only. All
+# pairs' bandwidth is N(N-1) probes, each device in one at a time: 132 s for 64 simulated
+# agents (bench/scale.py), hours for 1,000, where sampling probes a few per pair of sites.
+SAMPLED_ABOVE = 16
 
 
 @dataclass
@@ -98,8 +103,11 @@ class EpochLinkSource:
             matrix = await self.measurer.measure(members, bandwidth_links=suspects)
         else:
             missing = len(self.measurer.missing_links(ids)) if epoch else wanted * (wanted - 1)
-            announce(S.JOB_STATE_MEASURING, f"measuring {missing} links")
-            matrix = await self.measurer.measure(members, only_missing=bool(epoch))
+            sampled = wanted > SAMPLED_ABOVE
+            announce(S.JOB_STATE_MEASURING, f"measuring {missing} links" + (
+                " (bandwidth sampled per pair of latency clusters)" if sampled else ""))
+            matrix = await self.measurer.measure(members, only_missing=bool(epoch),
+                                                 sampled=sampled)
         self.planner.relayed = list(matrix.relayed)  # priced per grid by the planner
         failures = linkfailure.partition(ids, linkfailure.failed_links(self.links, ids))
         if bad := failures.leave_out:

@@ -72,6 +72,10 @@ S = coordinator_pb2  # state constants live in the generated module
 ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
 INTERNAL_RETRY_S = 5.0  # before an epoch that hit a coordinator error is planned again
 STEP_WINDOW = 5  # measured step time: the median over the members' last steps
+# Every join and heartbeat pokes the job; its loops (each pass O(agents)) run at most this
+# often, or a thousand agents' joins and heartbeats cost O(N^2) a second: bench/scale.py's
+# coordinator answered heartbeats too late and marked every agent lost.
+FOLLOW_EVERY_S = 0.1
 
 
 class Job:
@@ -88,8 +92,11 @@ class Job:
         self.plan: common_pb2.Plan | None = None
         self.message = "" if config.model else "no job: start with --model and --agents"
         self.members: list[str] = []
+        # `members` as a set, for the list it was made of: each report asks "a member?"
+        self._member_set: tuple[list[str], frozenset[str]] = (self.members, frozenset())
         self.restarts = 0
         self._wake = asyncio.Event()
+        self._waited = 0.0  # when `_wait` last returned (monotonic)
         self._progress: dict[str, coordinator_pb2.ProgressReport] = {}
         self._failure: str = ""
         self._failure_kind: str = ""
@@ -195,8 +202,10 @@ class Job:
             self.members = list(dict.fromkeys([*self.members, rec.agent_id]))  # to stop
             self._failure, self._failure_kind = stale, "stale"
             self.poke()
+        if self._member_set[0] is not self.members:  # a new epoch's (members is replaced)
+            self._member_set = (self.members, frozenset(self.members))
         if (report.job_id and report.job_id == self.job_id and report.epoch == self.epoch
-                and rec.agent_id in self.members):
+                and rec.agent_id in self._member_set[1]):
             self._progress[rec.agent_id] = report
             self.dataplane.observe(rec.agent_id, report)
             if report.step > 0:
@@ -262,11 +271,15 @@ class Job:
                  message)
 
     async def _wait(self, timeout: float = 1.0) -> None:
+        """Until poked (or `timeout`), and at least FOLLOW_EVERY_S after the last wait."""
         self._wake.clear()
         try:
             await asyncio.wait_for(self._wake.wait(), timeout)
         except TimeoutError:
             pass
+        if (rest := self._waited + FOLLOW_EVERY_S - time.monotonic()) > 0:
+            await asyncio.sleep(rest)
+        self._waited = time.monotonic()
 
     async def run(self) -> None:
         if not self.config.model:

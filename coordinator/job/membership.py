@@ -132,8 +132,8 @@ class Membership:
 
     def spares(self, members: list[str]) -> list[AgentRecord]:
         """Live agents outside the job that a recovery or a grow-back could use."""
-        now = time.monotonic()
-        return [a for a in self.registry.alive() if a.agent_id not in members
+        now, inside = time.monotonic(), set(members)
+        return [a for a in self.registry.alive() if a.agent_id not in inside
                 and self.unreachable.get(a.agent_id, 0.0) <= now]
 
     def measure_spares(self, members: list[str], poke: Callable[[], None]) -> None:

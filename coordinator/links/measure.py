@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.links import figures, punchprobe, relayed
 from coordinator.links.infer import latency_clusters, sampled_links, to_measure
-from coordinator.links.store import LinkStore, rotation_rounds
+from coordinator.links.store import LinkStore, in_rotation
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -52,6 +52,11 @@ REVERSE_DELAY_SLACK = (3.0, 50.0)
 # (a tenth of a second apart, all peers at once) sent 150 a second and had the two ends of 7
 # pairs contradict each other by 100 ms before a 16-agent job, which then left 7 agents out.
 PING_RATE = 20.0
+# A latency pass of N agents delivers N(N-1) samples at once, as the spread ends, and the
+# coordinator records each on its loop: a report's deadline allows this long per sample of
+# such a pass on top of the probe timeout (a million samples on a tenth of a busy core
+# outlasted the 30 s of slack, and the late reports were refused: bench/scale.py).
+INGEST_S_PER_SAMPLE = 50e-6
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ class LinkMeasurer:
         self.probe_seconds = probe_seconds
         self.probe_max_bytes = probe_max_bytes
         self._pending: dict[tuple[str, str], _Pending] = {}
+        # `_target`'s: by agent id, the AgentInfo it was made from and the message
+        self._targets: dict[str, tuple[common_pb2.AgentInfo | None,
+                                       coordinator_pb2.PeerTarget]] = {}
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._seq = itertools.count()
@@ -166,9 +174,10 @@ class LinkMeasurer:
         agent) is flagged and both directions are dropped, which leaves the pair out of plans.
         A pair whose low end reads far under the other (`figures.deflated_delays`) gets the
         same second look; still so, its low figure is discarded and recorded against it."""
-        pairs = self._contradicting(ids)
+        pairs = await asyncio.to_thread(self._contradicting, ids)  # N^2/2 pairs
         pairs += [(a, b, f"{a} measured its link to {b} far shorter than {b} measured it back")
-                  for a, b in figures.deflated_delays(self.store, ids)
+                  for a, b in await asyncio.to_thread(
+                      lambda: list(figures.deflated_delays(self.store, ids)))
                   if not any({a, b} == {x, y} for x, y, _ in pairs)]
         if not pairs:
             return
@@ -181,7 +190,7 @@ class LinkMeasurer:
         await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
                         [_Probe(a, tuple(p)) for a, p in peers.items()], by_id, silent,
                         probe_seconds, pings=pings)
-        for a, b, why in self._contradicting(ids):
+        for a, b, why in await asyncio.to_thread(self._contradicting, ids):
             log.warning("contradictory link measurement: %s", why)
             self.store.mark_unreachable(a, b, why)
             self.store.mark_unreachable(b, a, why)
@@ -235,6 +244,7 @@ class LinkMeasurer:
                        ) -> common_pb2.LinkMatrix:
         by_id = {a.agent_id: a for a in agents}
         ids = list(by_id)
+        self._targets = {a: t for a, t in self._targets.items() if a in by_id}
         wanted = self.missing_links(ids) if only_missing else {
             (a, b) for a in ids for b in ids if a != b}
         run = next(self._ids)
@@ -246,16 +256,19 @@ class LinkMeasurer:
         if latency:
             await self._run(run, coordinator_pb2.MEASURE_KIND_LATENCY,
                             [_Probe(a, peers) for a in ids
-                             if (peers := tuple(b for b in ids if (a, b) in wanted))],
+                             if (peers := tuple(b for b in ids if b != a and (
+                                 not only_missing or (a, b) in wanted)))],
                             by_id, silent, probe_seconds, pings=pings)
         if bandwidth_links is None:
             await self._check_reverse_delays(run, ids, by_id, silent, probe_seconds, pings)
         else:  # while a job trains, its traffic makes pings disagree: no pair is dropped
             wanted &= bandwidth_links
         stands_for = dict(infer or {})
-        if sampled:
-            clusters = latency_clusters(ids, self._delay)
-            stands_for = sampled_links(clusters)
+        if sampled:  # seconds of Python at 1,000 agents: off the event loop (heartbeats)
+            clusters = await asyncio.to_thread(latency_clusters, ids, self._delay)
+            stands_for = await asyncio.to_thread(sampled_links, clusters)
+            if only_missing:  # links measured before keep their figures
+                stands_for = {link: s for link, s in stands_for.items() if link in wanted}
             wanted &= to_measure(stands_for)
             log.info("%d latency clusters (%s): probing the bandwidth of %d links, inferring "
                      "the rest", len(clusters), " ".join(str(len(c)) for c in clusters),
@@ -265,11 +278,11 @@ class LinkMeasurer:
         # link is never measured while its reverse is (its acknowledgements would queue).
         bandwidth = [_Probe(a, (b,), frozenset((f"send {a}", f"receive {b}",
                                                 f"pair {min(a, b)} {max(a, b)}")))
-                     for links in rotation_rounds(ids) for a, b in links if (a, b) in wanted]
+                     for a, b in in_rotation(ids, wanted)]
         await self._run(run, coordinator_pb2.MEASURE_KIND_BANDWIDTH, bandwidth, by_id, silent,
                         probe_seconds, max_probes)
         if stands_for:
-            self._infer(stands_for)
+            await asyncio.to_thread(self._infer, stands_for)
         for a, b in figures.inflated_bandwidth(self.store, ids, self.evidence):
             log.warning("link %s->%s: %s", a, b, self.store.entries[(a, b)].estimate)
         await self._unreachable_ends(run, ids, by_id, silent, probe_seconds)
@@ -296,7 +309,10 @@ class LinkMeasurer:
         try:
             while pending or running:
                 for probe in list(pending):
-                    quiet = sorted({probe.measurer, *probe.peers} & silent)
+                    # a probe holds N peers in a latency pass: no set of them per look, or
+                    # each completion costs O(N) per pending probe (O(N^3) per pass)
+                    quiet = sorted(({probe.measurer, *probe.peers} & silent) if silent and (
+                        probe.measurer in silent or not silent.isdisjoint(probe.peers)) else ())
                     if quiet:
                         pending.remove(probe)
                         for peer in probe.peers:
@@ -398,6 +414,19 @@ class LinkMeasurer:
                  " ".join(f"{a}-{b}" for a, b in direct[:6]) or "none")
         return direct
 
+    def _target(self, peer: str, by_id: dict[str, AgentRecord]
+                ) -> coordinator_pb2.PeerTarget:
+        """Whom a command names: one message per agent, kept while its address holds (a
+        latency pass of 1,000 agents names a million peers; building each anew blocked the
+        event loop for half a minute, and every heartbeat waited behind it)."""
+        rec = by_id.get(peer)
+        info = rec.info if rec is not None else None
+        kept = self._targets.get(peer)
+        if kept is None or kept[0] is not info:  # a re-join replaces the info
+            kept = self._targets[peer] = (info, coordinator_pb2.PeerTarget(
+                agent_id=peer, address=rec.address if rec is not None else ""))
+        return kept[1]
+
     def _delay(self, a: str, b: str) -> float | None:
         entry = self.store.entries.get((a, b))
         return entry.delay_ms if entry is not None and entry.reachable else None
@@ -428,13 +457,12 @@ class LinkMeasurer:
         count = pings.count or self.ping_count
         spread_s = (pings.spread_for(count, len(peers)) if kind in (
             coordinator_pb2.MEASURE_KIND_LATENCY, coordinator_pb2.MEASURE_KIND_BOTH) else 0.0)
+        ingest_s = INGEST_S_PER_SAMPLE * len(peers) * (len(peers) + 1) if spread_s else 0.0
         command = coordinator_pb2.Command(measure=coordinator_pb2.MeasureLinksCommand(
             round_id=round_id,
             # the relay (the coordinator) has no address here: the agent dials the one it
             # joined at
-            peers=[coordinator_pb2.PeerTarget(agent_id=p, address=by_id[p].address
-                                              if p in by_id else "")
-                   for p in peers],
+            peers=[self._target(p, by_id) for p in peers],
             ping_count=count, probe_seconds=probe_seconds,
             probe_max_bytes=self.probe_max_bytes, kind=kind,  # type: ignore[arg-type]
             ping_spread_s=spread_s,
@@ -454,7 +482,8 @@ class LinkMeasurer:
                 return
             try:
                 # a latency pass's pings take their spread before the report comes
-                await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s + spread_s)
+                await asyncio.wait_for(asyncio.shield(future),
+                                       self.probe_timeout_s + spread_s + ingest_s)
             except TimeoutError:
                 silent.add(measurer)
                 for peer in peers:
