@@ -39,7 +39,11 @@ class Daemons:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
-        env.update({"DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}, **extra)
+        # one compute thread per worker, as WanCluster and `coordinator demo` give theirs: a
+        # test's several agents share this machine's cores, and N workers with a thread per core
+        # each oversubscribe them, their OpenMP threads spinning on cores the others need
+        env.update({"DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1", "DTFM_NUM_THREADS": "1",
+                    "OMP_NUM_THREADS": "1"}, **extra)
         return env
 
     def spawn(self, args: Sequence[str], name: str, env: dict[str, str] | None = None
