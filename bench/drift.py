@@ -89,13 +89,6 @@ def job_flags(args: argparse.Namespace, agents: int, extra: list[str]) -> list[s
             "--heartbeat-interval", "0.5", "--max-restarts", "0", *extra]
 
 
-def _status(cluster: WanCluster) -> dict[str, Any] | None:
-    try:
-        return cluster.cli("status", "--json", timeout=15)
-    except RuntimeError:
-        return None
-
-
 def degrade(wan: WanEmulator, hosts_a: list[int], hosts_b: list[int],
             args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every link between the two cities' hosts, both ways: bandwidth / factor, delay + ms."""
@@ -137,7 +130,7 @@ def run(wan: WanEmulator, root: Path, name: str, args: argparse.Namespace,
         ids = cluster.start(timeout=180, prewarm=args.prewarm)
         city_of = {a: cities[i] for i, a in enumerate(ids)}
         if degrade_mid_run:
-            status = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"]
+            status = wait_for(lambda: (s := cluster.status()) and s["job"]["step"]
                               >= args.degrade_at and s, args.timeout,
                               f"[{name}] step {args.degrade_at}", 1.0)
             planned = status["plan"]["grid"]
@@ -253,12 +246,12 @@ def steady(wan: WanEmulator, root: Path, args: argparse.Namespace, cities: list[
                          coordinator_args=job_flags(args, n, []))
     try:
         cluster.start(timeout=180, prewarm=args.prewarm)
-        first = wait_for(lambda: (s := _status(cluster)) and s["job"]["step"] >= 1 and s,
+        first = wait_for(lambda: (s := cluster.status()) and s["job"]["step"] >= 1 and s,
                          args.timeout, "[steady] the first step", 1.0)
         started, status = time.monotonic(), first
         while time.monotonic() - started < 60 * args.steady_minutes:
             time.sleep(10.0)
-            status = _status(cluster) or status
+            status = cluster.status() or status
             job = status["job"]
             print(f"  [steady] {(time.monotonic() - started) / 60:5.1f} min {job['state']:<10}"
                   f" step {job['step']:>5}/{job['total_steps']} {job['measured_step_s']:.2f} "

@@ -16,7 +16,6 @@ from dtfm.core.limits import (
     MAX_AGENTS,
     MAX_PING_SPREAD_S,
     MAX_STATUS_AGENTS,
-    OMITTED_METADATA,
 )
 
 if TYPE_CHECKING:
@@ -352,7 +351,7 @@ async def _export(args: argparse.Namespace) -> int:
 
 
 async def _query(args: argparse.Namespace) -> int:
-    from coordinator.commands.status import status_to_json, status_to_text
+    from coordinator.commands.status import omitted_agents, status_to_json, status_to_text
     from coordinator.links.store import matrix_to_json
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -379,7 +378,7 @@ async def _query(args: argparse.Namespace) -> int:
             call = stub.GetStatus(coordinator_pb2.StatusRequest(),
                                   timeout=args.timeout or 10.0)
             status = await call
-            omitted = _omitted(await call.trailing_metadata())
+            omitted = omitted_agents(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     if args.json:
@@ -387,14 +386,6 @@ async def _query(args: argparse.Namespace) -> int:
     else:
         print(status_to_text(status) + (f"\n({omitted} more agents not shown: a status "
                                         f"lists at most {MAX_STATUS_AGENTS})" if omitted else ""))
-    return 0
-
-
-def _omitted(trailers: object) -> int:
-    """Agent rows the coordinator left out of a GetStatus answer (its trailing metadata)."""
-    for key, value in trailers or ():  # type: ignore[attr-defined]
-        if key == OMITTED_METADATA and str(value).isdigit():
-            return int(value)
     return 0
 
 

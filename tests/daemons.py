@@ -1,12 +1,15 @@
 """Real coordinator and agent processes on loopback for tests, always reaped.
 
 Tests talk to the daemons only through their real interfaces (the CLI and gRPC), so what they
-pin is what a person sees.
+pin is what a person sees. `Daemons.status` asks GetStatus over gRPC from the test's own process
+and shapes the answer with the CLI's own `status_to_json`: the same RPC and the same JSON as
+`coordinator status --json`, without starting a Python per poll (tests poll every 0.2-0.5 s, and
+a CLI per poll took half a core of CI's two away from the daemons under test). The CLI's own
+printing keeps its tests (tests/system/test_wire_limits.py, test_cluster.py, test_reach.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,8 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from coordinator.commands.status import omitted_agents, status_to_json
 from dtfm.procs import terminate_all, wait_for
-from dtfm.rpc import free_port, listening
+from dtfm.rpc import CHANNEL_OPTIONS, free_port, listening
+from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = ["Daemons", "free_port", "wait_for"]
 
@@ -28,10 +35,15 @@ class Daemons:
         self.token = token
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: dict[int, Path] = {}
+        self.channels: dict[str, grpc.Channel] = {}
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DTFM_")}
-        env.update({"DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}, **extra)
+        # one compute thread per worker, as WanCluster and `coordinator demo` give theirs: a
+        # test's several agents share this machine's cores, and N workers with a thread per core
+        # each oversubscribe them, their OpenMP threads spinning on cores the others need
+        env.update({"DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1", "DTFM_NUM_THREADS": "1",
+                    "OMP_NUM_THREADS": "1"}, **extra)
         return env
 
     def spawn(self, args: Sequence[str], name: str, env: dict[str, str] | None = None
@@ -70,12 +82,24 @@ class Daemons:
                               env=env or self.env(), timeout=timeout)
 
     def status(self, address: str) -> dict[str, Any]:
-        out = self.cli("coordinator", "status", "--coordinator", address, "--json")
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
+        """`coordinator status --coordinator ADDRESS --json`, asked from this process."""
+        if address not in self.channels:
+            self.channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = coordinator_pb2_grpc.CoordinatorStub(self.channels[address])
+        try:
+            status, call = stub.GetStatus.with_call(
+                coordinator_pb2.StatusRequest(), timeout=10.0,
+                metadata=(("authorization", f"Bearer {self.token}"),))
+        except grpc.RpcError as exc:
+            raise AssertionError(f"GetStatus on {address} failed: {exc.code()}: "
+                                 f"{exc.details()}") from exc
+        return {**status_to_json(status), "agents_omitted": omitted_agents(
+            call.trailing_metadata())}
 
     def agents_in(self, address: str, state: str) -> list[dict[str, Any]]:
         return [a for a in self.status(address)["agents"] if a["state"] == state]
 
     def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
         terminate_all(self.procs)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import shutil
 import statistics
@@ -27,6 +28,7 @@ import grpc
 from coordinator.commands.status import status_to_json, step_time_line
 from coordinator.web.sessions import login_url
 from dtfm import flags, rpc
+from dtfm.core.events import WorkerEnv
 from dtfm.core.words import stages_x_replicas
 from dtfm.procs import terminate_all
 from dtfm.progressline import ProgressLine
@@ -103,6 +105,14 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def agents_env(agents: int) -> dict[str, str]:
+    """The demo's agents share one machine: each worker computes on its share of the cores.
+    Left to torch, every worker takes a thread per core, and N of them oversubscribe the
+    machine N times over, their OpenMP threads spinning on cores the others need."""
+    threads = str(max(1, (os.cpu_count() or 1) // max(agents, 1)))
+    return {**os.environ, WorkerEnv.THREADS: threads, "OMP_NUM_THREADS": threads}
+
+
 def _run_in(workdir: Path, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -126,13 +136,14 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
              # a validation curve beside the training loss on the page: four points
              "--eval-every", str(max(1, args.steps // 4)), "--web", web],
             stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True))
+        env = agents_env(args.agents)
         for i in range(args.agents):
             log_file = open(workdir / f"agent-{i}.log", "wb")  # noqa: SIM115
             stack.callback(log_file.close)
             procs.append(subprocess.Popen(
                 [*py, "agent", "start", "--coordinator", address, "--listen", "127.0.0.1:0",
                  "--state-dir", str(workdir / f"agent-{i}"), "--device", "cpu", *common],
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env))
         print(f"demo: coordinator on {address}, {args.agents} agents, logs in {workdir}",
               file=sys.stderr)
         security = rpc.Security(token=token_file.read_text())

@@ -20,9 +20,18 @@ from coordinator.job.prediction import prediction_gap
 from coordinator.job.replanlog import replans_to_text
 from dtfm.core.breakdown import Breakdown
 from dtfm.core.breakdown import line as breakdown_line
+from dtfm.core.limits import OMITTED_METADATA
 from dtfm.core.words import stages_x_replicas
 from dtfm.rpc import is_loopback
 from protos.dtfm.v1 import coordinator_pb2
+
+
+def omitted_agents(trailers: object) -> int:
+    """Agent rows the coordinator left out of a GetStatus answer (its trailing metadata)."""
+    for key, value in trailers or ():  # type: ignore[attr-defined]
+        if key == OMITTED_METADATA and str(value).isdigit():
+            return int(value)
+    return 0
 
 
 def _reach_cell(r: dict[str, Any]) -> str:

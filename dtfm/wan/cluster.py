@@ -28,6 +28,7 @@ from typing import Any
 
 from dtfm.procs import terminate_all
 from dtfm.wan.harness import WanEmulator
+from dtfm.wan.statuswatch import StatusWatch
 
 COORDINATOR_PORT = 7070
 AGENT_PORT = 7071
@@ -91,6 +92,8 @@ class WanCluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.agent_procs: list[subprocess.Popen[bytes]] = []
         self.coordinator_proc: subprocess.Popen[bytes] | None = None
+        self.watch = StatusWatch(lambda argv, **kw: wan.popen(0, argv, **kw),
+                                 ["--coordinator", self.coordinator_address], self.env())
 
     @property
     def coordinator_address(self) -> str:
@@ -159,9 +162,8 @@ class WanCluster:
         """Agent ids in host order once every agent has joined."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                status = self.cli("status", "--json", timeout=15)
-            except (RuntimeError, subprocess.TimeoutExpired):
+            status = self.status()
+            if status is None:
                 time.sleep(0.5)
                 continue
             alive = {a["id"] for a in status["agents"] if a["state"] == "alive"}
@@ -184,6 +186,7 @@ class WanCluster:
     def stop(self) -> None:
         """Stop the coordinator and agents (their workers die with them); the WAN stays up,
         and agents started again with the same work dir keep their ids."""
+        self.watch.close()
         terminate_all(self.procs, grace_s=15.0, group=False)
         self.procs.clear()
         self.agent_procs.clear()
@@ -199,12 +202,10 @@ class WanCluster:
             self.stop()
 
     def status(self) -> dict[str, Any] | None:
-        """`coordinator status --json`, or None while the coordinator does not answer (not
-        listening yet, restarting, or slow under load)."""
-        try:
-            return self.cli("status", "--json", timeout=15)
-        except (RuntimeError, subprocess.TimeoutExpired):
-            return None
+        """`coordinator status --json` (from a watcher kept running on host 0: `StatusWatch`),
+        or None while the coordinator does not answer (not listening yet, restarting, or slow
+        under load)."""
+        return self.watch.status(timeout=15)
 
     def wait_job(self, timeout: float, on_status: Any = None) -> dict[str, Any]:
         """Poll `coordinator status` until the job is done or failed; return the last status.

@@ -98,7 +98,7 @@ def test_a_spare_on_another_host_takes_a_dead_replica_with_the_outer_state(
         try:
             ids = cluster.start(timeout=90)
             running = wait_for(
-                lambda: (s := cluster.cli("status", "--json", timeout=15))["job"]["step"] >= 10
+                lambda: (s := cluster.status()) and s["job"]["step"] >= 10
                 and s, 240, f"training to pass step 10 (logs in {tmp_path})", 0.3)
             job_id, grid = running["job"]["id"], running["plan"]["grid"]
             members = {a for row in grid for a in row}

@@ -108,8 +108,8 @@ def test_with_every_agent_natted_a_killed_stage_resumes_from_the_coordinators_co
             seen: dict[str, Any] = {}
 
             def copy_held() -> int:
-                s = cluster.cli("status", "--json", timeout=15)
-                if s["job"]["state"] != "running" or not s["plan"]:
+                s = cluster.status()
+                if not s or s["job"]["state"] != "running" or not s["plan"]:
                     return 0
                 seen.update(s)
                 victim_stage = 1

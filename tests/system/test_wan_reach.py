@@ -26,10 +26,10 @@ DELAY = [[0, 10, 10, 10], [10, 0, 20, 20], [10, 20, 0, 20], [10, 20, 20, 0]]
 
 
 def _verdicts(cluster: WanCluster) -> dict[str, dict[str, Any]] | None:
-    try:
-        agents = cluster.cli("status", "--json", timeout=15)["agents"]
-    except (RuntimeError, subprocess.TimeoutExpired):
+    status = cluster.status()
+    if status is None:
         return None
+    agents = status["agents"]
     rows = {a["address"]: a for a in agents if a["state"] == "alive"}
     if len(rows) < 2 or any(len(a["reach"]["dials"]) < 2 for a in rows.values()):
         return None
