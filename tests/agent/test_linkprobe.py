@@ -130,9 +130,11 @@ def test_a_peer_that_moves_nothing_is_unreachable() -> None:
 
 class _BurstyService(AgentService):
     """A peer whose link is busy with a job's burst for BURST_S after the first ping: every
-    ping answered in it waits behind the burst (QUEUE_S), as one behind training traffic."""
+    ping answered in it waits behind the burst (QUEUE_S), as one behind training traffic.
+    BURST_S leaves room for five bunched pings on a busy machine (whose event loops run late)
+    and ends well before a 2 s spread's last ping."""
 
-    BURST_S, QUEUE_S = 0.7, 0.2
+    BURST_S, QUEUE_S = 1.3, 0.2
 
     def __init__(self, info: common_pb2.AgentInfo) -> None:
         super().__init__(info)

@@ -124,7 +124,9 @@ def _assert_refused(exc: grpc.aio.AioRpcError, what: str) -> None:
 
 def test_status_is_capped_and_departed_agents_are_evicted(daemons: Daemons) -> None:
     joins = MAX_STATUS_AGENTS + 44
-    _, address = daemons.coordinator("--evict-after", "5")  # liveness 3 s, heartbeat 0.5 s
+    # liveness 3 s, heartbeat 0.5 s; eviction 12 s later, so that the two CLI calls below see
+    # every row even when each takes seconds to start on a busy machine
+    _, address = daemons.coordinator("--evict-after", "12")
     metadata = (("authorization", f"Bearer {daemons.token}"),)
 
     async def flood() -> tuple[int, int, int]:
