@@ -219,6 +219,7 @@ async def serve(config: AgentConfig) -> int:
         elif exc is not None:
             raise exc
     log.info("agent %s shutting down", agent_id)
+    session.stop_rejoining()
     await health.enter_graceful_shutdown()
     await supervisor.close("agent shutting down")
     await session.say_goodbye()

@@ -68,6 +68,7 @@ class CoordinatorSession:
         self._rtt_s: dict[tuple[str, str], float] = {}  # from the last latency pass
         # whether peers can dial us, as the coordinator last said (agent status shows it)
         self.reach = common_pb2.ReachStatus()
+        self._stopping = False
 
     async def run(self) -> None:
         """Join and serve commands until cancelled; raises FatalSessionError on refusal."""
@@ -90,6 +91,8 @@ class CoordinatorSession:
                             heartbeat = asyncio.create_task(self._heartbeats(stream))
                     else:
                         self._handle(command)
+                if self._stopping:  # the agent is shutting down: nothing to rejoin for
+                    return
                 log.warning("coordinator %s closed the session; rejoining", self.target)
             except grpc.aio.AioRpcError as exc:
                 task = asyncio.current_task()
@@ -97,6 +100,8 @@ class CoordinatorSession:
                     # grpc turns our own cancellation (the agent is stopping) into a CANCELLED
                     # RPC error; swallowing it would rejoin and retry forever
                     raise asyncio.CancelledError from exc
+                if self._stopping:
+                    return
                 if exc.code() in FATAL_CODES:
                     raise FatalSessionError(rpc.describe_rpc_error(exc, self.target)) from exc
                 if exc.code() != grpc.StatusCode.CANCELLED or self.connected:
@@ -308,6 +313,11 @@ class CoordinatorSession:
         for channel in self._peer_channels.values():
             await channel.close()
         self._peer_channels.clear()
+
+    def stop_rejoining(self) -> None:
+        """The agent is shutting down: a session the coordinator ends from now on (it may be
+        stopping too) is not joined again, and says no "retrying"."""
+        self._stopping = True
 
     async def say_goodbye(self, reason: str = "agent shutting down") -> None:
         """Tell the coordinator we are leaving on purpose, so it marks us left, not lost.

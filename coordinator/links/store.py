@@ -98,10 +98,17 @@ class LinkStore:
                                                    judged=True)
 
     def unreachable_agents(self, ids: Iterable[str]) -> list[str]:
-        """Agents to leave out of a plan because links to or from them failed."""
+        """Agents to leave out of a plan because links to or from them failed. A link that
+        failed one way while the other way was probed fine leaves nobody out: both ends can
+        be reached, and its one failed probe (a busy peer's transient error, or a lie, kept
+        as evidence by `figures.one_sided`) is no reason to hold an agent out of the job for
+        minutes; should the pair fail in training, the recovery relays it or places it
+        apart (coordinator/job/failedpairs.py)."""
         ids = list(ids)
+        members = set(ids)
         failed = [(a, b) for (a, b), e in self.entries.items()
-                  if not e.reachable and a in ids and b in ids]
+                  if not e.reachable and a in members and b in members
+                  and not ((back := self.entries.get((b, a))) is not None and back.reachable)]
         return blame(ids, failed)
 
     def matrix(self, ids: Sequence[str]) -> common_pb2.LinkMatrix:

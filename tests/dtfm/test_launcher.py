@@ -74,7 +74,7 @@ def test_the_wire_form_is_what_readers_grep_for() -> None:
     # tests/system/test_end_to_end.py and bench/runtime.py read progress files as text
     line = encode_event(StepEvent(step=1, loss=2.0))
     assert '"event": "step"' in line and "\n" not in line
-    assert {e.value for e in EventName} == {"step", "eval", "done", "error"}
+    assert {e.value for e in EventName} == {"step", "eval", "done", "error", "integrity"}
 
 
 def test_a_nan_loss_survives_the_trip() -> None:

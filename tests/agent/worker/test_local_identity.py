@@ -84,12 +84,12 @@ def test_the_coordinators_fingerprint_ignores_how_often_a_job_evaluates() -> Non
 
     from coordinator.daemon.config import JobConfig
     from coordinator.job.jobsnapshot import job_fingerprint
-    from dtfm.core.spec import TrainConfig
+    from dtfm.core.spec import REPORTING_ONLY, TrainConfig
 
     plain = JobConfig(model="gpt-tiny", agents=2)
     assert job_fingerprint(plain) == job_fingerprint(
         JobConfig(model="gpt-tiny", agents=2, train=TrainConfig(eval_every=5)))
-    before = {k: v for k, v in asdict(plain.train).items() if k != "eval_every"}
+    before = {k: v for k, v in asdict(plain.train).items() if k not in REPORTING_ONLY}
     assert job_fingerprint(plain) == core_fingerprint.fingerprint({
         "model": "gpt-tiny", "agents": 2, "stages": 0, "replicas": 0, "train": before,
         "placement": plain.placement, "layer_split": plain.layer_split, "seed": plain.seed})
