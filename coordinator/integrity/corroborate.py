@@ -23,6 +23,12 @@ from coordinator.integrity.reports import EvidenceRecord
 
 AGREEING = 2  # distinct reporters, none of them the suspect
 WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onset
+# Kinds that may confirm a fault. The gradient's direction and shape (grad_cosine, grad_noise)
+# are kept as evidence only: two honest owners both read a negative best cosine for the agent
+# that had just joined a grown-back job (tests/system/test_churn.py, 2 sequences per replica),
+# and an honest volunteer excluded is worse than a noisy one caught a few steps later by its
+# norm. Scaled, zeroed, replayed copies and drifted weights have no honest look-alike.
+CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights"})
 
 
 @dataclass
@@ -42,7 +48,7 @@ class Corroboration:
         """Whether `rec` confirms a fault against `rec.agent_id`, and the first bad step."""
         if rec.epoch != self.epoch:
             self.epoch, self._named = rec.epoch, {}
-        if not rec.agent_id or rec.reporter == rec.agent_id:
+        if not rec.agent_id or rec.reporter == rec.agent_id or rec.kind not in CONFIRMING:
             return False, rec.step
         by = self._named.setdefault(rec.agent_id, {})
         seen = by.get(rec.reporter)

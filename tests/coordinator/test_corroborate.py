@@ -39,6 +39,13 @@ def test_reports_far_apart_or_in_other_epochs_do_not_agree() -> None:
     assert not c2.weigh(rec("x", "b", 6, epoch=2))[0]
 
 
+def test_a_gradients_direction_alone_never_confirms() -> None:
+    c = Corroboration()
+    assert not c.weigh(rec("x", "a", 5, kind="grad_cosine"))[0]
+    assert not c.weigh(rec("x", "b", 5, kind="grad_cosine"))[0]
+    assert not c.weigh(rec("x", "b", 6, kind="grad_noise"))[0]
+
+
 def test_feed_records_evidence_and_excludes_on_confirmation_only() -> None:
     ledger = IntegrityLedger()
     c = Corroboration()

@@ -32,16 +32,17 @@ def test_demo_trains_a_gpt_and_the_loss_falls(tmp_path: Path) -> None:
     for state in ("measuring", "scheduling", "running", "done"):
         assert f": {state} — " in log, f"the job never went through {state}: {states}"
     losses = [u["loss"] for u in updates if u["step"] > 0]
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert losses[-1] < losses[0], losses
     # every step's loss, as the workers wrote it (the demo's once-a-second look may first
     # see a step well past the first)
     job_id = next(tmp_path.glob("agent-*/work/*.progress.jsonl")).name.rsplit("-e", 1)[0]
     by_step = job_losses(tmp_path, job_id)
     assert sorted(by_step) == list(range(1, 41)), sorted(by_step)
     assert by_step[1] > 5.0  # a byte-level model starts near ln(256) = 5.55
+    assert by_step[40] < by_step[1] - 1.0, by_step
     # the last update sums it up: where the loss went, how long it took, what to try next
     summary = updates[-1]["summary"]
-    assert summary["last_loss"] < summary["first_loss"] - 1.0
+    assert summary["last_loss"] < summary["first_loss"]
     assert summary["first_step"] < summary["last_step"] <= 40 == summary["steps"]
     assert summary["seconds"] > 0 and summary["step_s"] > 0
     assert (f"loss {summary['first_loss']:.3f} at step {summary['first_step']} -> "
