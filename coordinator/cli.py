@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from coordinator.daemon import pace
 from dtfm import flags, rpc
 from dtfm.core.limits import (
     MAX_AGENTS,
@@ -47,6 +48,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT to serve on")
     flags.add_security_args(p)
     p.add_argument("--heartbeat-interval", type=flags.seconds, default=1.0, help="seconds")
+    p.add_argument("--heartbeat-budget", type=float, default=pace.DEFAULT_BUDGET,
+                   help="heartbeats a second the coordinator takes in (%(default)g): with "
+                   "more agents than that times --heartbeat-interval, the interval and "
+                   "--liveness-timeout stretch with their number; 0: a fixed interval")
     p.add_argument("--liveness-timeout", type=flags.seconds, default=flags.LIVENESS_TIMEOUT_S,
                    help="seconds without heartbeat before an agent is marked lost "
                    "(%(default)g; docs/operations.md, \"Liveness\")")
@@ -305,6 +310,7 @@ def _start(args: argparse.Namespace) -> int:
         listen=args.listen,
         security=flags.security_from_args(args),
         heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_budget=args.heartbeat_budget,
         liveness_timeout_s=args.liveness_timeout,
         evict_after_s=args.evict_after,
         measure_timeout_s=args.measure_timeout,

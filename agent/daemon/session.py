@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 
 import grpc
@@ -32,6 +33,10 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# The heartbeat interval a coordinator may ask for (it stretches it as agents join,
+# coordinator/daemon/pace.py): kept within these bounds so that a wrong figure neither floods
+# the coordinator nor leaves the agent silent past any liveness timeout.
+HEARTBEAT_BOUNDS_S = (0.05, 60.0)
 REPORT_S_PER_SAMPLE = 0.05  # a link report's deadline: 10 s and this per sample it carries
 FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
                grpc.StatusCode.PERMISSION_DENIED)
@@ -83,7 +88,8 @@ class CoordinatorSession:
                 async for command in stream:
                     if command.HasField("welcome"):
                         self._welcomed(command.welcome)
-                        self.heartbeat_interval_s = command.welcome.heartbeat_interval_s or 1.0
+                        self.heartbeat_interval_s = paced_interval(
+                            command.welcome.heartbeat_interval_s or 1.0)
                         self.connected = True
                         backoff = 0.25
                         log.info("joined coordinator %s as %s", self.target, self.info.agent_id)
@@ -292,6 +298,8 @@ class CoordinatorSession:
             try:
                 report = self.progress_report()
                 ack = await self._stub.ReportProgress(report, timeout=5.0)
+                if ack.heartbeat_interval_s > 0:  # the coordinator paces us as agents join
+                    self.heartbeat_interval_s = paced_interval(ack.heartbeat_interval_s)
                 if ack.keep_checkpoints_from and self.supervisor.checkpoints is not None:
                     await self.supervisor.checkpoints.keep_from(report.job_id,
                                                                 ack.keep_checkpoints_from)
@@ -346,3 +354,9 @@ def evidence_messages(events: list[IntegrityEvent]) -> list[coordinator_pb2.Inte
     return [coordinator_pb2.IntegrityEvidence(
         step=e.step, kind=clip(e.kind, MAX_KIND), suspect_rank=e.suspect_rank,
         score=finite(e.score), detail=clip(e.detail), reporter_rank=e.rank) for e in events]
+
+
+def paced_interval(seconds: float) -> float:
+    """The coordinator's heartbeat interval, within `HEARTBEAT_BOUNDS_S` (NaN: 1 s)."""
+    low, high = HEARTBEAT_BOUNDS_S
+    return 1.0 if math.isnan(seconds) else max(low, min(high, seconds))

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.daemon.pace import DEFAULT_BUDGET, check_budget
 from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
 from dtfm.core.loradir import check_adapter_dir
@@ -243,6 +244,9 @@ class CoordinatorConfig:
     security: Security = field(default_factory=lambda: Security(token=""))
     heartbeat_interval_s: float = 1.0
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # dtfm/flags.py says why
+    # --heartbeat-budget: heartbeats a second past which the interval stretches
+    # (coordinator/daemon/pace.py says why); 0: a fixed interval
+    heartbeat_budget: float = DEFAULT_BUDGET
     measure_timeout_s: float = 120.0
     measure_every_s: float = 0.0  # re-measure all links this often while no job trains; 0: off
     evict_after_s: float = 600.0  # drop agents lost or left this long from the registry
@@ -277,6 +281,8 @@ class CoordinatorConfig:
                             ("--evict-after", self.evict_after_s)):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{flag} must be a finite number of seconds > 0, got {value}")
+        if problem := check_budget(self.heartbeat_budget):
+            raise ConfigError(problem)
         if self.liveness_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"--liveness-timeout ({self.liveness_timeout_s} s) must exceed the heartbeat "

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from coordinator.daemon.pace import HeartbeatPace
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -113,13 +114,14 @@ class Registry:
         evict_after_s: float = 600.0,
         on_lost: Callable[[list[AgentRecord]], None] | None = None,
         heartbeat_interval_s: float = 1.0,
+        heartbeat_budget: float = 0.0,
     ) -> None:
         """`on_change` fires on every change of the agent set or an agent's state; `on_lost`
         with the agents newly lost, whether by silence (`sweep`) or by `mark_lost`.
         `heartbeat_interval_s`: how often agents report (the welcome tells them), so how old
-        the newest report of a live agent can be."""
-        self.liveness_timeout_s = liveness_timeout_s
-        self.heartbeat_interval_s = heartbeat_interval_s
+        the newest report of a live agent can be; `heartbeat_budget`: heartbeats a second
+        past which that interval stretches (`pace.HeartbeatPace`; 0: never)."""
+        self.pace = HeartbeatPace(heartbeat_interval_s, liveness_timeout_s, heartbeat_budget)
         self.evict_after_s = evict_after_s
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
@@ -129,6 +131,17 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self._agents)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often each agent reports now (`pace.HeartbeatPace`: it stretches with their
+        number past `heartbeat_budget`)."""
+        return self.pace.interval(len(self._agents))
+
+    @property
+    def liveness_timeout_s(self) -> float:
+        """Seconds of silence before an agent is lost, at the interval agents report now."""
+        return self.pace.liveness(len(self._agents))
 
     def now(self) -> float:
         """The registry's clock, the one `AgentRecord.last_seen` is read on."""
@@ -275,12 +288,12 @@ class Registry:
 
     def sweep(self) -> list[AgentRecord]:
         """Mark agents silent past the timeout as lost; return those newly lost."""
-        now = self._clock()
+        now, timeout = self._clock(), self.liveness_timeout_s
         lost = []
         for rec in self._agents.values():
-            if rec.state == ALIVE and now - rec.last_seen > self.liveness_timeout_s:
+            if rec.state == ALIVE and now - rec.last_seen > timeout:
                 self._lose(rec, f"no heartbeat for {now - rec.last_seen:.1f} s "
-                                f"(timeout {self.liveness_timeout_s:.1f} s)")
+                                f"(timeout {timeout:.1f} s)")
                 lost.append(rec)
         if lost:
             self._on_change()

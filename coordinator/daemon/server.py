@@ -70,7 +70,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.config = config
         self.registry = Registry(config.liveness_timeout_s, on_change=self._changed,
                                  evict_after_s=config.evict_after_s, on_lost=self._lost,
-                                 heartbeat_interval_s=config.heartbeat_interval_s)
+                                 heartbeat_interval_s=config.heartbeat_interval_s,
+                                 heartbeat_budget=config.heartbeat_budget)
         self.links = LinkStore()
         self.measurer = LinkMeasurer(self.registry, self.links)
         self.reach = ReachChecker(self.registry, config.security)
@@ -140,8 +141,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         yield coordinator_pb2.Command(
             welcome=coordinator_pb2.Welcome(
                 agent_id=rec.agent_id,
-                heartbeat_interval_s=self.config.heartbeat_interval_s,
-                liveness_timeout_s=self.config.liveness_timeout_s,
+                heartbeat_interval_s=self.registry.heartbeat_interval_s,
+                liveness_timeout_s=self.registry.liveness_timeout_s,
                 agent_secret=rec.secret,
             )
         )
@@ -177,7 +178,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         self.job.integrity.ledger)
                 if self.job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
                     floor = self.copies.floor(self.job.job_id, layout.stages, floor)
-        return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor)
+        return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor,
+                                   heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
     async def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.aio.ServicerContext

@@ -25,6 +25,7 @@ START = ("coordinator", "start", "--listen", "127.0.0.1:0")
 FLAG_CASES = [
     (["--heartbeat-interval", "nan"], "--heartbeat-interval"),
     (["--heartbeat-interval", "-1"], "--heartbeat-interval"),
+    (["--heartbeat-budget", "-1"], "--heartbeat-budget"),
     (["--liveness-timeout", "nan"], "--liveness-timeout"),
     (["--liveness-timeout", "-5"], "--liveness-timeout"),
     (["--evict-after", "inf"], "--evict-after"),

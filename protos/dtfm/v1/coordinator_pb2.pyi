@@ -233,14 +233,16 @@ class LinkReport(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., round_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.LinkSample, _Mapping]]] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("ok", "message", "keep_checkpoints_from")
+    __slots__ = ("ok", "message", "keep_checkpoints_from", "heartbeat_interval_s")
     OK_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KEEP_CHECKPOINTS_FROM_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     message: str
     keep_checkpoints_from: int
-    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., keep_checkpoints_from: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., keep_checkpoints_from: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "checkpoint_step", "sync_every", "sync_round", "drift", "relay_forwarded_bytes", "relay_refused_bytes", "validations", "integrity", "breakdown")
