@@ -51,6 +51,7 @@ import grpc  # noqa: E402
 from agent.sim.agent import agent_index  # noqa: E402
 from agent.sim.driver import Swarms  # noqa: E402
 from agent.sim.world import World  # noqa: E402
+from coordinator.daemon.pace import HeartbeatPace  # noqa: E402
 from coordinator.daemon.statusjson import status_to_json  # noqa: E402
 from coordinator.scheduler import Network  # noqa: E402
 from coordinator.scheduler.costmodel import comm_gb, plan_cost  # noqa: E402
@@ -216,10 +217,14 @@ def run_one(n: int, seed: int, processes: int, tmp: Path, profile: Path | None =
             *(("--heartbeat-interval", str(heartbeat[0]), "--liveness-timeout",
                str(heartbeat[1])) if heartbeat else ())]
     world = World.draw(seed, n)
+    pace = HeartbeatPace(*heartbeat) if heartbeat else HeartbeatPace()
     out: dict[str, Any] = {"agents": n, "seed": seed, "sites": len(world.sites),
                            "relay": "own port" if own_relay_port else "shares the gRPC port",
                            "heartbeat_interval_s": heartbeat[0] if heartbeat else 1.0,
                            "liveness_timeout_s": heartbeat[1] if heartbeat else 15.0,
+                           # as the coordinator paces N agents (coordinator/daemon/pace.py)
+                           "paced_interval_s": pace.interval(n), "paced_liveness_s":
+                           pace.liveness(n),
                            "processes": processes, "cores": os.cpu_count()}
     coord = Coordinator(args, tmp / "coordinator.log", env,
                         profile / f"coordinator-{n}.prof" if profile else None)

@@ -61,6 +61,9 @@ class AgentRecord:
     # why its relay is offered no more ("": it is): a frame it forwarded failed its MAC
     # (coordinator/links/relaytrust.py); a re-join does not clear it
     relay_distrusted: str = ""
+    # the registry's deaf seconds (`Registry.deafened`) when it was last seen: those that
+    # pass after it do not count as its silence
+    deaf_mark: float = 0.0
 
     def proves(self, secret: str) -> bool:
         """Whether `secret` is this agent's (constant time, so it cannot be guessed bytewise)."""
@@ -128,6 +131,7 @@ class Registry:
         self._seq = 0
         self._on_change = on_change or (lambda: None)
         self._on_lost = on_lost or (lambda lost: None)
+        self._deaf_s = 0.0  # seconds the coordinator could not take in heartbeats, in all
 
     def __len__(self) -> int:
         return len(self._agents)
@@ -170,7 +174,7 @@ class Registry:
         if rec is not None and not rec.proves(secret):
             raise IdentityError(clash_message(info.agent_id))
         if rec is None:
-            rec = AgentRecord(info=info, joined=now, last_seen=now)
+            rec = AgentRecord(info=info, joined=now, last_seen=now, deaf_mark=self._deaf_s)
             self._agents[info.agent_id] = rec
             log.info("agent %s joined from %s (%s)", info.agent_id, rec.address, info.device.kind)
         else:
@@ -178,7 +182,7 @@ class Registry:
                 log.info("agent %s is back (was %s: %s)", info.agent_id,
                          STATE_NAMES[rec.state], rec.why)
             rec.info = info
-            rec.last_seen = now
+            rec.last_seen, rec.deaf_mark = now, self._deaf_s
             rec.state = ALIVE
             rec.why = ""
             rec.data_port_refused = ""
@@ -213,7 +217,7 @@ class Registry:
         rec = self._agents.get(report.agent_id)
         if rec is None:
             return None
-        rec.last_seen = self._clock()
+        rec.last_seen, rec.deaf_mark = self._clock(), self._deaf_s
         if rec.state == EXCLUDED:
             return rec  # its word no longer counts; the server refuses it
         said = {t.setting: t.wanted for t in rec.progress.tuning}
@@ -286,14 +290,28 @@ class Registry:
         rec.why = reason
         log.warning("agent %s lost: %s", rec.agent_id, reason)
 
+    def deafened(self, seconds: float) -> None:
+        """The coordinator could not take in heartbeats for `seconds` (its event loop was
+        held: a long status answer, a starved core). Heartbeats sent meanwhile wait in its
+        sockets, unread, and the sweep that runs first after such a stall would take every
+        agent for silent (1,000 simulated agents were all marked lost after a 7 s stall), so
+        that time does not count as anyone's silence."""
+        self._deaf_s += max(0.0, seconds)
+
+    def silence_s(self, rec: AgentRecord, now: float) -> float:
+        """How long `rec` has been silent while the coordinator could hear it."""
+        return now - rec.last_seen - (self._deaf_s - rec.deaf_mark)
+
     def sweep(self) -> list[AgentRecord]:
         """Mark agents silent past the timeout as lost; return those newly lost."""
         now, timeout = self._clock(), self.liveness_timeout_s
         lost = []
         for rec in self._agents.values():
-            if rec.state == ALIVE and now - rec.last_seen > timeout:
-                self._lose(rec, f"no heartbeat for {now - rec.last_seen:.1f} s "
-                                f"(timeout {timeout:.1f} s)")
+            if rec.state == ALIVE and (silent := self.silence_s(rec, now)) > timeout:
+                deaf = now - rec.last_seen - silent
+                self._lose(rec, f"no heartbeat for {silent:.1f} s (timeout {timeout:.1f} s"
+                                + (f"; not counting {deaf:.1f} s the coordinator was held)"
+                                   if deaf >= 0.05 else ")"))
                 lost.append(rec)
         if lost:
             self._on_change()

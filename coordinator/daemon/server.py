@@ -422,10 +422,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def sweep_forever(self) -> None:
         period = max(0.05, min(self.config.heartbeat_interval_s,
                                self.config.liveness_timeout_s / 4))
+        loop = asyncio.get_running_loop()
         while not self.stopping.is_set():
             self.registry.sweep()  # tells the job through on_lost
             self.links.forget(self.registry.evict())
+            slept = loop.time()
             await asyncio.sleep(period)
+            # woken late: the loop was held, and heartbeats sent meanwhile are still unread
+            self.registry.deafened(loop.time() - slept - period)
 
     async def remeasure_forever(self) -> None:
         """Refresh the link matrix every `measure_every_s` while no job is training."""
