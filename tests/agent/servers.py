@@ -1,16 +1,22 @@
 """Real gRPC services on loopback for tests: an agent's (`serving(service)` yields its
-address) and a stand-in coordinator's (`coordinator_server(servicer)`)."""
+address) and a stand-in coordinator's (`coordinator_server(servicer)`), and the real agent
+session that talks to one (`session_to(port, tmp)`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
 from agent.daemon.server import AgentService, registrar
+from agent.daemon.session import CoordinatorSession
+from agent.daemon.supervisor import Supervisor
 from dtfm import rpc
-from protos.dtfm.v1 import coordinator_pb2_grpc
+from protos.dtfm.v1 import common_pb2, coordinator_pb2_grpc
+
+TOKEN = "test-token-0123456789abcdef"
 
 
 @contextlib.asynccontextmanager
@@ -33,3 +39,12 @@ async def coordinator_server(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
+
+
+def session_to(port: int, tmp: Path) -> CoordinatorSession:
+    """The real agent session (no worker pre-warmed, quick re-join backoff) of an agent
+    `vm-test` to a stand-in coordinator on 127.0.0.1:`port`, its state in `tmp`."""
+    return CoordinatorSession(
+        common_pb2.AgentInfo(agent_id="vm-test", host="127.0.0.1", port=1),
+        f"127.0.0.1:{port}", rpc.Security(token=TOKEN),
+        Supervisor(tmp / "work", prewarm=False), max_backoff_s=0.1, state_dir=str(tmp))

@@ -17,14 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.daemon.session import HEARTBEAT_BOUNDS_S, CoordinatorSession, paced_interval
-from agent.daemon.supervisor import Supervisor
-from dtfm import rpc
-from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.agent.servers import coordinator_server
+from agent.daemon.session import HEARTBEAT_BOUNDS_S, paced_interval
+from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.agent.servers import coordinator_server, session_to
 
 pytestmark = pytest.mark.timeout(60)
-TOKEN = "test-token-0123456789abcdef"
 
 
 class PacingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -51,11 +48,7 @@ def test_the_session_beats_at_the_interval_each_answer_gives(tmp_path: Path) -> 
     async def main() -> None:
         servicer = PacingCoordinator([0.05, 0.4, 0.4, 1e9, float("nan"), 0.0])
         server, port = await coordinator_server(servicer)
-        session = CoordinatorSession(
-            common_pb2.AgentInfo(agent_id="vm-test", host="127.0.0.1", port=1),
-            f"127.0.0.1:{port}", rpc.Security(token=TOKEN),
-            Supervisor(tmp_path / "work", prewarm=False), max_backoff_s=0.1,
-            state_dir=str(tmp_path))
+        session = session_to(port, tmp_path)
         task = asyncio.create_task(session.run())
         try:
             for _ in range(200):
@@ -66,6 +59,10 @@ def test_the_session_beats_at_the_interval_each_answer_gives(tmp_path: Path) -> 
             assert len(beats) >= 4, "the session sent fewer than 4 heartbeats in 10 s"
             # answers 2 and 3 asked for 0.4 s: the beats after them came no sooner
             assert beats[2] - beats[1] >= 0.4 and beats[3] - beats[2] >= 0.4
+            for _ in range(100):  # the 4th answer (1e9 s) reaches the session after the beat
+                if session.heartbeat_interval_s != 0.4:
+                    break
+                await asyncio.sleep(0.02)
             assert session.heartbeat_interval_s == HEARTBEAT_BOUNDS_S[1]  # 1e9 s, held
         finally:
             task.cancel()

@@ -18,14 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.daemon.session import CoordinatorSession
-from agent.daemon.supervisor import Supervisor
-from dtfm import rpc
-from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.agent.servers import coordinator_server
+from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.agent.servers import coordinator_server, session_to
 
 pytestmark = pytest.mark.timeout(60)
-TOKEN = "test-token-0123456789abcdef"
 
 
 class HoldingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -48,11 +44,7 @@ def test_a_cancelled_session_ends_instead_of_rejoining(tmp_path: Path,
     async def main() -> None:
         servicer = HoldingCoordinator()
         server, port = await coordinator_server(servicer)
-        session = CoordinatorSession(
-            common_pb2.AgentInfo(agent_id="vm-test", host="127.0.0.1", port=1),
-            f"127.0.0.1:{port}", rpc.Security(token=TOKEN),
-            Supervisor(tmp_path / "work", prewarm=False), max_backoff_s=0.1,
-            state_dir=str(tmp_path))
+        session = session_to(port, tmp_path)
         task = asyncio.create_task(session.run())
         for _ in range(200):
             if session.connected:

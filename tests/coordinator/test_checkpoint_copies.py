@@ -23,7 +23,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from coordinator.daemon.server import CoordinatorService
 from dtfm import rpc
 from dtfm.checkpoints.copies import CheckpointCopier, Peer
@@ -40,6 +39,7 @@ from tests.agent.test_checkpoint_transfer import (
     payload,
     write_step,
 )
+from tests.coordinator.served import served, tiny_config
 
 pytestmark = pytest.mark.timeout(60)
 # grpc.aio may report a client stream the server refused early, while the client still
@@ -52,19 +52,8 @@ OR_RACE = (grpc.StatusCode.INTERNAL,)
 async def coordinator(state: Path, cap_bytes: int = 2**30
                       ) -> AsyncIterator[tuple[str, CoordinatorService]]:
     """A coordinator with a gpt-tiny job (not started), served on loopback."""
-    svc = CoordinatorService(CoordinatorConfig(
-        security=SECURITY, state_dir=str(state), checkpoint_store_bytes=cap_bytes,
-        job=JobConfig(model="gpt-tiny", agents=2)))
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, server)
-        return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
-
-    server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test")
-    try:
-        yield f"127.0.0.1:{port}", svc
-    finally:
-        await server.stop(0)
+    async with served(tiny_config(state, 2, checkpoint_store_bytes=cap_bytes)) as (address, svc):
+        yield address, svc
 
 
 async def joined(address: str, agent_id: str) -> str:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from coordinator.daemon.pace import MAX_INTERVAL_S, HeartbeatPace, check_budget
 from coordinator.daemon.registry import ALIVE, LOST, Registry
-from coordinator.daemon.server import CoordinatorService
 from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.agent.test_checkpoint_transfer import SECURITY
+from tests.coordinator.served import served, tiny_config
 from tests.coordinator.test_registry import Clock
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,37 +59,27 @@ def test_a_stretched_interval_stretches_the_liveness_timeout() -> None:
 def test_the_daemon_paces_agents_in_the_welcome_and_each_heartbeats_answer(
         tmp_path: Path) -> None:
     async def main() -> None:
-        svc = CoordinatorService(CoordinatorConfig(
-            security=SECURITY, state_dir=str(tmp_path), heartbeat_interval_s=0.5,
-            liveness_timeout_s=3.0, heartbeat_budget=2.0,
-            job=JobConfig(model="gpt-tiny", agents=8)))
-
-        def register(server: object) -> list[str]:
-            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, server)
-            return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
-
-        server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test")
-        try:
-            async with rpc.open_channel(f"127.0.0.1:{port}", SECURITY) as channel:
-                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                welcomes, calls = [], []
-                for i in range(3):
-                    call = stub.Join(coordinator_pb2.JoinRequest(agent=common_pb2.AgentInfo(
-                        agent_id=f"a{i}", host="127.0.0.1", port=9,
-                        device=common_pb2.DeviceInfo(kind="cpu"),
-                        reachable=common_pb2.REACH_OVERRIDE_YES)))
-                    welcomes.append((await call.read()).welcome)
-                    calls.append(call)
-                # 1 agent at 2 a second: 0.5 s as configured; 3 of them: 1.5 s, lost after 4 s
-                assert welcomes[0].heartbeat_interval_s == 0.5
-                assert welcomes[0].liveness_timeout_s == 3.0
-                assert welcomes[2].heartbeat_interval_s == 1.5
-                assert welcomes[2].liveness_timeout_s == 4.0
-                ack = await stub.ReportProgress(coordinator_pb2.ProgressReport(
-                    agent_id="a0", agent_secret=welcomes[0].agent_secret))
-                assert ack.ok and ack.heartbeat_interval_s == 1.5  # the first one learns it
-                for call in calls:
-                    call.cancel()
-        finally:
-            await server.stop(0)
+        config = tiny_config(tmp_path, heartbeat_interval_s=0.5, liveness_timeout_s=3.0,
+                             heartbeat_budget=2.0)
+        async with served(config) as (address, _), \
+                rpc.open_channel(address, SECURITY) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            welcomes, calls = [], []
+            for i in range(3):
+                call = stub.Join(coordinator_pb2.JoinRequest(agent=common_pb2.AgentInfo(
+                    agent_id=f"a{i}", host="127.0.0.1", port=9,
+                    device=common_pb2.DeviceInfo(kind="cpu"),
+                    reachable=common_pb2.REACH_OVERRIDE_YES)))
+                welcomes.append((await call.read()).welcome)
+                calls.append(call)
+            # 1 agent at 2 a second: 0.5 s as configured; 3 of them: 1.5 s, lost after 4 s
+            assert welcomes[0].heartbeat_interval_s == 0.5
+            assert welcomes[0].liveness_timeout_s == 3.0
+            assert welcomes[2].heartbeat_interval_s == 1.5
+            assert welcomes[2].liveness_timeout_s == 4.0
+            ack = await stub.ReportProgress(coordinator_pb2.ProgressReport(
+                agent_id="a0", agent_secret=welcomes[0].agent_secret))
+            assert ack.ok and ack.heartbeat_interval_s == 1.5  # the first one learns it
+            for call in calls:
+                call.cancel()
     asyncio.run(main())

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.daemon.config import CoordinatorConfig, JobConfig
 from coordinator.daemon.registry import ALIVE, LOST, Registry
-from coordinator.daemon.server import CoordinatorService
 from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.agent.test_checkpoint_transfer import SECURITY
+from tests.coordinator.served import served, tiny_config
 from tests.coordinator.test_registry import Clock
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,19 +49,12 @@ def test_the_daemons_sweeper_counts_a_held_loop_as_nobodys_silence(tmp_path: Pat
     # held 3 s right after it joined must not make that happen at once, only 1 s of heard
     # silence later.
     async def main() -> None:
-        svc = CoordinatorService(CoordinatorConfig(
-            security=SECURITY, state_dir=str(tmp_path), heartbeat_interval_s=0.1,
-            liveness_timeout_s=1.0, heartbeat_budget=0.0,
-            job=JobConfig(model="gpt-tiny", agents=8)))
-
-        def register(server: object) -> list[str]:
-            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(svc, server)
-            return [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
-
-        server, port, _ = await rpc.start_server("127.0.0.1:0", SECURITY, register, "test")
-        sweeper = asyncio.create_task(svc.sweep_forever())
-        try:
-            async with rpc.open_channel(f"127.0.0.1:{port}", SECURITY) as channel:
+        config = tiny_config(tmp_path, heartbeat_interval_s=0.1, liveness_timeout_s=1.0,
+                             heartbeat_budget=0.0)
+        async with served(config) as (address, svc), \
+                rpc.open_channel(address, SECURITY) as channel:
+            sweeper = asyncio.create_task(svc.sweep_forever())
+            try:
                 call = coordinator_pb2_grpc.CoordinatorStub(channel).Join(
                     coordinator_pb2.JoinRequest(agent=common_pb2.AgentInfo(
                         agent_id="a0", reachable=common_pb2.REACH_OVERRIDE_YES, **INFO)))
@@ -79,7 +71,6 @@ def test_the_daemons_sweeper_counts_a_held_loop_as_nobodys_silence(tmp_path: Pat
                     await asyncio.sleep(0.1)
                 assert rec.state == LOST and "not counting" in rec.why, rec.why
                 call.cancel()
-        finally:
-            sweeper.cancel()
-            await server.stop(0)
+            finally:
+                sweeper.cancel()
     asyncio.run(main())
