@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -98,6 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a fault may take to recover before the run stops")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the uninterrupted runs (seed, seed + 1)")
+    p.add_argument("--job-flags", default="",
+                   help="more `coordinator start` flags for every run, one string (the "
+                   "integrity false-positive run: \"--pp-compress int4 --sync-every 8\")")
+    p.add_argument("--slow-agent", type=float, default=1.0,
+                   help="agent-0 computes this many times slower (DTFM_COMPUTE_SLOWDOWN): "
+                   "slow is not wrong, so integrity must not exclude it")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--workdir", default="", help="keep the daemons' logs and state here")
     args = p.parse_args(argv)
@@ -137,13 +144,14 @@ class Cluster:
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     # --- processes ---
-    def spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
         with open(self.work / f"{name}.log", "ab") as log:
             log.write(f"===== {time.strftime('%H:%M:%S')} bench/chaos.py starts {name}\n"
                       .encode())
             log.flush()
             proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT, env=_env(),
+                                    stderr=subprocess.STDOUT, env={**_env(), **(env or {})},
                                     start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -160,6 +168,7 @@ class Cluster:
                  "--liveness-timeout", str(a.liveness_timeout),
                  "--heartbeat-interval", str(a.heartbeat_interval),
                  "--state-dir", str(self.work / "coordinator-state")]
+        flags += shlex.split(a.job_flags)
         return flags if a.measure else [*flags, "--no-measure"]
 
     def start_coordinator(self) -> None:
@@ -170,9 +179,11 @@ class Cluster:
             raise RuntimeError(f"the coordinator exited: see {self.work / 'coordinator.log'}")
 
     def start_agent(self, name: str) -> None:
+        slow = ({"DTFM_COMPUTE_SLOWDOWN": str(self.args.slow_agent)}
+                if name == "agent-0" and self.args.slow_agent != 1.0 else {})
         self.agents[name] = self.spawn(
             ["agent", "start", "--coordinator", self.address, "--state-dir",
-             str(self.work / name), "--device", "cpu"], name)
+             str(self.work / name), "--device", "cpu"], name, slow)
 
     def agent_id(self, name: str) -> str:
         path = self.work / name / "agent-id"
@@ -597,7 +608,13 @@ def summarize(args: argparse.Namespace, chaos: dict[str, Any],
             s["noise_seed_val"] = (abs(other["val_loss"] - base["val_loss"])
                                    if other["val_loss"] and base["val_loss"] else None)
     noise = s.get("noise_seed_val") or s.get("noise_step_to_step_std")
+    # integrity (issue 43): honest faults, a slow agent and lossy links exclude nobody
+    rows = chaos["final"].get("agents", [])
+    s["excluded"] = [a["id"] for a in rows if a.get("exclusion")]
+    s["evidence"] = {a["id"]: [e["kind"] for e in a.get("evidence", [])] for a in rows
+                     if a.get("evidence")}
     s["targets"] = {
+        "nobody excluded": not s["excluded"],
         "20 faults": len(faults) >= 20,
         "every fault recovered": len(rec) == len(faults) and job["state"] == "done",
         "0 corrupt or lost checkpoints": ck["corrupt"] == 0 and s["lost_checkpoints"] == 0,
@@ -633,6 +650,7 @@ def summary_text(s: dict[str, Any]) -> str:
         f"over {s.get('curve_steps_compared', 0)} steps; noise: seed+1 val "
         f"{f('noise_seed_val', '.4f')}, train {f('noise_seed_train', '.4f')}, step-to-step "
         f"std {f('noise_step_to_step_std', '.4f')}",
+        f"integrity: excluded {s['excluded'] or 'nobody'}; evidence {s['evidence'] or 'none'}",
         "targets: " + "; ".join(f"{k}: {'not measured' if v is None else 'met' if v else 'MISSED'}"
                                 for k, v in s["targets"].items()),
     ]
