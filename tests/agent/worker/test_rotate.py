@@ -93,10 +93,11 @@ def test_rotation_spreads_an_outlier_over_its_tile() -> None:
 def test_int4h_loses_less_than_int4_on_outlier_channels(seed: int) -> None:
     x = _activations(seed=seed)
     int4, int4h, int8 = (_rel_error(c, x) for c in ("int4", "int4h", "int8"))
-    # measured (share of the message's energy lost): int4 0.004-0.013, int4h 0.3x that
+    # measured (share of the message's energy lost): int4 0.004-0.010, int4h 0.3x that
     assert int4h < int4 / 2
     assert int8 < int4h  # 8 bits stay better; the rotation does not pretend otherwise
-    # the ordinary channels, which int4 rounds against an outlier's scale: 5x less error
+    # the ordinary channels, which int4 rounds against an outlier's scale: measured 31 % of
+    # their energy lost, int4h 10 %
     normal = torch.ones(512, 256, dtype=torch.bool)
     normal[:, [3, 77, 130, 201]] = False
     normal = normal.reshape(-1)
@@ -104,7 +105,7 @@ def test_int4h_loses_less_than_int4_on_outlier_channels(seed: int) -> None:
     for name in ("int4", "int4h"):
         y = _codec(name).decode(_codec(name).encode(x), x.numel())
         errs[name] = float(((y - x)[normal] ** 2).sum() / (x[normal] ** 2).sum())
-    assert errs["int4h"] < errs["int4"] / 3
+    assert errs["int4h"] < errs["int4"] / 2.5
     # stochastic rounding (gradients) pays 2-3.4x nearest's error (measured) to be unbiased
     assert _rel_error("int4h", x, key=9) < 4 * int4h
 
