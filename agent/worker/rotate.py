@@ -72,13 +72,16 @@ def _whole(flat: torch.Tensor) -> int:
 
 
 def _apply(flat: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Every whole tile of `flat` times `m`, in float32 even inside autocast (a bf16 product
+    would lose more than the 4-bit grid it feeds)."""
     whole = _whole(flat)
-    if whole == flat.numel():
-        return (flat.view(-1, TILE) @ m).reshape(-1)
-    out = flat.clone()
-    if whole:
-        out[:whole] = (flat[:whole].view(-1, TILE) @ m).reshape(-1)
-    return out
+    with torch.autocast(flat.device.type, enabled=False):
+        if whole == flat.numel():
+            return (flat.view(-1, TILE) @ m).reshape(-1)
+        out = flat.clone()
+        if whole:
+            out[:whole] = (flat[:whole].view(-1, TILE) @ m).reshape(-1)
+        return out
 
 
 def rotate(flat: torch.Tensor) -> torch.Tensor:

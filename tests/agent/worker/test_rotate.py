@@ -82,6 +82,13 @@ def test_rotation_is_orthogonal_and_undone_exactly() -> None:
             assert torch.allclose(r[:whole].norm(), x[:whole].norm(), rtol=1e-5)
 
 
+def test_rotation_stays_float32_under_autocast() -> None:
+    x = torch.randn(4 * rotate.TILE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = rotate.rotate(x)
+    assert r.dtype == torch.float32 and torch.equal(r, rotate.rotate(x))
+
+
 def test_rotation_spreads_an_outlier_over_its_tile() -> None:
     x = torch.zeros(rotate.TILE)
     x[17] = 64.0
