@@ -15,8 +15,8 @@ rotates). Latency is the same under every codec, so it takes no part in the choi
 since every term is proportional to the bytes, the choice does not depend on the message
 size, only on the link and the device (a GPU compresses ~100x faster than a CPU core). A
 lossier codec is taken only when it cuts the link's time per GB by at least `MIN_GAIN` over
-the less lossy one chosen so far (`none`, then `int8`, then for pipeline links `int4h`, for
-data-parallel groups `int4` and then `int3`, which only their error feedback makes usable),
+the less lossy one chosen so far (`none`, then `int8`, then `int4`, and for data-parallel
+groups then `int3`, which only their error feedback makes usable),
 so a link gives up precision only for a real saving: fast links (a data centre's, or
 loopback under a CPU's slow codec) stay exact. (int3 sends 15 % fewer bytes than int4, short
 of `MIN_GAIN`, so under this rule `auto` never takes it: it is there for jobs that ask for
@@ -24,12 +24,12 @@ it, `--dp-compress int3`, and for `auto` should the rule change.) A data-paralle
 one codec for all its members (its replicas must decode the same averaged gradients), so its
 choice compares the group's cost, `max over d of sum over d'` of the per-pair times.
 
-Pipeline links take int4h where they go to 4 bits: int4's bytes, rotated first, for about
-int8's loss where plain int4 lost 1.6 % (docs/benchmarks.md). Its rotation doubles the
-codec's time, which the ladder counts, so on a CPU-bound link whose saving plain int4 would
-only just have justified, the link stays on int8 rather than take int4's loss; on a GPU the
-codec's time is small and nearly every link where int4 would have paid gets int4h. `coordinator
-plan` prints the bandwidths below which each rung pays (`pp_thresholds_gbps`).
+A pipeline link may also ask for int4h (int4's bytes after a block Hadamard rotation): its
+rotation and noise cost about twice the quantizers' time (`ROTATE_COST`), which the ladder and
+the step model count. `auto` does not take it yet (`dtfm.core.codecs.PP_LOSSINESS` says why);
+were it on the ladder in int4's place, a CPU-bound link whose saving plain int4 only just
+justified would stay on int8. `coordinator plan` prints the bandwidths below which each rung
+pays (`pp_thresholds_gbps`).
 
 `Compression` is the job's setting as the cost model (`costmodel.CostModel`, `plan_cost`) and
 the step model (`steptime`) see it; `Compression.choose` gives the codec of every link of one

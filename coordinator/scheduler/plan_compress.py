@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-compress", default="none", metavar="CODEC",
                    type=flags.codec_setting("--pp-compress", topk=False),
                    help="pipeline activations and gradients: none, int8, int4, int4h (int4's "
-                   "bytes after a Hadamard rotation: about int8's loss) or auto (per link, "
-                   "where the saving beats the time to compress; 4 bits as int4h)")
+                   "bytes after a Hadamard rotation of each block) or auto (per link, where "
+                   "the saving beats the time to compress)")
     g.add_argument("--dp-compress", default="none", metavar="CODEC",
                    type=flags.codec_setting("--dp-compress", topk=True),
                    help="data-parallel gradients: none, int8, int4, int3 (3 bits, 9.1x), "
@@ -85,8 +85,8 @@ def format_lines(out: dict[str, Any]) -> list[str]:
                         f"{c} {'never' if g == 0 else 'always'}"
                         for c, g in comp["pp_thresholds_gbps"].items())
         lines.append(f"why: auto takes each pipeline link's codec by its bandwidth: {why} "
-                     f"(each must cut the link's seconds per GB by a quarter, codec time "
-                     f"counted; int4h's rotation doubles int4's)")
+                     f"(each must cut the link's seconds per GB by a quarter over the one "
+                     f"before, its codec time counted)")
     lines.append("data-parallel groups: "
                  + ", ".join(f"stage {j} {c}" for j, c in enumerate(comp["dp_groups"])))
     return lines

@@ -19,7 +19,6 @@ from coordinator.scheduler import Network, compression, plan_cost, scenarios, se
 from coordinator.scheduler.compression import (
     CODEC_S_PER_GB,
     MIN_GAIN,
-    ROTATE_COST,
     Compression,
     codec_seconds_per_gb,
 )
@@ -99,13 +98,13 @@ def test_auto_compresses_slow_links_and_leaves_fast_ones_exact() -> None:
     net = two_sites()
     comp = Compression("auto", "auto", codec_s_per_gb=CODEC_S_PER_GB["cpu"])
     # pipelines cross the slow link; data-parallel groups stay inside a site
-    assert comp.choose(net, [[0, 1], [2, 3]]) == LinkCodecs(pp=[["int4h", "int4h"]],
+    assert comp.choose(net, [[0, 1], [2, 3]]) == LinkCodecs(pp=[["int4", "int4"]],
                                                             dp=["none", "none"])
     # pipelines inside a site; data-parallel groups span the slow link
     assert comp.choose(net, [[0, 2], [1, 3]]) == LinkCodecs(pp=[["none", "none"]],
                                                             dp=["int4", "int4"])
     # one pipeline inside a site, the other across: per link
-    assert comp.choose(net, [[0, 1], [3, 2]]).pp == [["int4h", "int4h"]]
+    assert comp.choose(net, [[0, 1], [3, 2]]).pp == [["int4", "int4"]]
     assert comp.choose(net, [[0, 2], [1, 3]]).pp == [["none", "none"]]
 
 
@@ -120,7 +119,7 @@ def test_int3_is_counted_for_data_parallel_groups_only() -> None:
         Compression("int3", "none")
     auto = Compression("auto", "auto")
     assert [c.name for c in auto.dp_options] == ["none", "int8", "int4", "int3"]
-    assert [c.name for c in auto.pp_options] == ["none", "int8", "int4h"]
+    assert [c.name for c in auto.pp_options] == ["none", "int8", "int4"]
 
 
 def test_auto_keeps_int4_since_int3_saves_under_min_gain(monkeypatch: pytest.MonkeyPatch) \
@@ -133,7 +132,7 @@ def test_auto_keeps_int4_since_int3_saves_under_min_gain(monkeypatch: pytest.Mon
     assert comp.choose(net, [[0, 2], [1, 3]]).dp == ["int4", "int4"]
     monkeypatch.setattr(compression, "MIN_GAIN", 0.1)
     assert comp.choose(net, [[0, 2], [1, 3]]).dp == ["int3", "int3"]
-    assert comp.choose(net, [[0, 1], [2, 3]]).pp == [["int4h", "int4h"]]  # never int3
+    assert comp.choose(net, [[0, 1], [2, 3]]).pp == [["int4", "int4"]]  # never int3
 
 
 def test_auto_weighs_the_codecs_time_against_the_saving() -> None:
@@ -143,12 +142,11 @@ def test_auto_weighs_the_codecs_time_against_the_saving() -> None:
     slow_codec = Compression("auto", "none", codec_s_per_gb=10.0)
     assert slow_codec.choose(net, grid).pp == [["none"]]
     fast_codec = Compression("auto", "none", codec_s_per_gb=0.02)
-    assert fast_codec.choose(net, grid).pp == [["int4h"]]
-    # int4h only when it cuts int8's time by MIN_GAIN: w4 + 2k <= (1 - MIN_GAIN) (w8 + k),
-    # its rotation doubling the codec's time k
+    assert fast_codec.choose(net, grid).pp == [["int4"]]
+    # int4 only when it cuts int8's time by MIN_GAIN: w4 + k <= (1 - MIN_GAIN) (w8 + k)
     w8, w4 = 8 * INT8 / 2.0, 8 * INT4 / 2.0
-    limit = ((1 - MIN_GAIN) * w8 - w4) / (ROTATE_COST - (1 - MIN_GAIN))
-    for k, want in ((limit - 0.05, "int4h"), (limit + 0.05, "int8")):
+    limit = ((1 - MIN_GAIN) * w8 - w4) / MIN_GAIN
+    for k, want in ((limit - 0.05, "int4"), (limit + 0.05, "int8")):
         comp = Compression("auto", "none", codec_s_per_gb=k)
         assert comp.choose(net, grid).pp == [[want]], k
 
