@@ -13,6 +13,11 @@ aligned:
 
 - int8 / int4: `[bf16 scale per block | int8 per element or two int4 per byte]`; a block's
   scale is its largest magnitude over 127 (or 7), values are rounded to nearest.
+- int4h (pipeline only): int4's message of the blocks after a fixed Hadamard rotation
+  (`rotate.py`), undone by the receiver. A message sent with a `key` (the pipeline's
+  gradients going back) is rounded stochastically, with noise seeded by the codec's `seed`
+  and the key, so it is unbiased and a seeded run repeats exactly; its scale is rounded up to
+  the next bf16 so that no value needs clamping, which would bias it.
 - int3 (data-parallel only): `[bf16 scale per block of 32 | eight 3-bit codes per three
   bytes]`; the scale is the block's largest magnitude and the codes index a fixed grid of
   eight levels, `+-INT3_LEVELS` times the scale: the 8-level Lloyd-Max quantizer of a normal
@@ -41,6 +46,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from agent.worker import rotate
 from dtfm.core.codecs import (
     BLOCK,
     INT3_BLOCK,
@@ -65,10 +71,11 @@ _INT3_EDGES = (_INT3_GRID[1:] + _INT3_GRID[:-1]) / 2  # midpoints between adjace
 class TensorCodec:
     """The torch side of one lossy `Codec`: `encode` to bytes, `decode` back to float32."""
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, seed: int = 0) -> None:
         if codec.lossless:
             raise ValueError("'none' sends tensors as they are; it has no TensorCodec")
         self.codec = codec
+        self.seed = seed  # int4h's stochastic rounding: noise from (seed, the message's key)
 
     @property
     def name(self) -> str:
@@ -78,12 +85,16 @@ class TensorCodec:
         return self.codec.wire_bytes(n)
 
     @torch.no_grad()
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, key: int | None = None) -> torch.Tensor:
         """The message for `x` (any shape; flattened): a 1-D uint8 tensor of
-        `wire_bytes(x.numel())` bytes on `x`'s device."""
+        `wire_bytes(x.numel())` bytes on `x`'s device. int4h with a `key` (unique per message
+        of this codec, e.g. from step and micro-batch) rounds stochastically; other codecs
+        ignore it."""
         flat = x.detach().reshape(-1).float()
         if self.codec.kind == "topk":
             return _encode_topk(flat, self.codec.topk_per_block)
+        if self.codec.kind == "int4h":
+            return _encode_rotated(flat, None if key is None else (self.seed, key))
         return _encode_quant(flat, self.codec.kind)
 
     @torch.no_grad()
@@ -94,13 +105,16 @@ class TensorCodec:
                              f"bytes, got {msg.numel()}")
         if self.codec.kind == "topk":
             return _decode_topk(msg, n, self.codec.topk_per_block)
+        if self.codec.kind == "int4h":
+            return rotate.unrotate(_decode_quant(msg, n, "int4"))
         return _decode_quant(msg, n, self.codec.kind)
 
 
-def make_codec(name: str | Codec) -> TensorCodec | None:
-    """The torch codec for a name from the assignment (`""` and `none`: None, send as is)."""
+def make_codec(name: str | Codec, seed: int = 0) -> TensorCodec | None:
+    """The torch codec for a name from the assignment (`""` and `none`: None, send as is);
+    `seed`: int4h's stochastic rounding (the job's seed and the rank)."""
     codec = name if isinstance(name, Codec) else parse_codec(name or "none")
-    return None if codec.lossless else TensorCodec(codec)
+    return None if codec.lossless else TensorCodec(codec, seed)
 
 
 def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -141,11 +155,29 @@ def _encode_quant(flat: torch.Tensor, kind: str) -> torch.Tensor:
     qmax = _QMAX[kind]
     scale, s = _scales(amax, qmax)
     q = torch.round(b / s[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:n]
+    return _message(scale, q, kind)
+
+
+def _message(scale: torch.Tensor, q: torch.Tensor, kind: str) -> torch.Tensor:
+    """int8 / int4: the bf16 scales, then the codes `q` (int8, -qmax..qmax) as bytes."""
     if kind == "int8":
         payload = q.view(torch.uint8)
     else:
         payload = _pack((q + 8).to(torch.uint8), 4, pad=8)  # 1..15; the pad is a zero
     return torch.cat([scale.view(torch.uint8), payload])
+
+
+def _encode_rotated(flat: torch.Tensor, noise: tuple[int, int] | None) -> torch.Tensor:
+    """int4's message of `rotate(flat)`: rounded to nearest, or with `noise` = (seed, key)
+    stochastically under a scale rounded up (1 + 2^-7 covers bf16's rounding)."""
+    if noise is None:
+        return _encode_quant(rotate.rotate(flat), "int4")
+    n = flat.numel()
+    b = _blocks(rotate.rotate(flat), BLOCK)
+    scale, s = _scales(b.abs().amax(dim=1) * (1.0 + 2.0 ** -7), _QMAX["int4"])
+    u = rotate.noise(b.shape, b.device, *noise)
+    q = rotate.round_stochastic(b / s[:, None], u).to(torch.int8).reshape(-1)[:n]
+    return _message(scale, q, "int4")
 
 
 def _group(bits: int) -> tuple[int, int]:

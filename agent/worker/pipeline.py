@@ -137,6 +137,7 @@ class _StepState:
     bwd_recvs: list[_Recv | None] = field(default_factory=list)
     stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
     loss_sum: float = 0.0
+    step: int = 0  # keys the stochastic rounding of gradients sent back (int4h)
 
 
 @dataclass
@@ -201,7 +202,7 @@ class Pipeline:
 
     def _send(
         self, x: torch.Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int,
-        t: Timings, codec: TensorCodec | None = None,
+        t: Timings, codec: TensorCodec | None = None, key: int | None = None,
     ) -> None:
         if dst is None:
             return
@@ -210,7 +211,7 @@ class Pipeline:
             msg = x.detach().to(self.comm_dtype).contiguous()
         else:
             t0 = time.perf_counter()
-            msg = codec.encode(x)
+            msg = codec.encode(x, key)
             t.codec_s += time.perf_counter() - t0
         t.sent_bytes += msg.numel() * msg.element_size()
         self._sends.append(dist.isend(msg, dst, group, tag))
@@ -238,16 +239,19 @@ class Pipeline:
         inputs: list[torch.Tensor],
         targets: list[torch.Tensor],
         before_last_backward: Callable[[float], None] | None = None,
+        step: int = 0,
     ) -> tuple[float, Timings]:
         """Forward+backward of every micro-batch; gradients accumulate in the stage.
 
         `before_last_backward(loss)` runs just before the step's last backward pass, when the
         loss (micro-batch-averaged on the last stage; 0.0 elsewhere) is already known: the
-        data-parallel averager arms its gradient hooks there. Returns the loss and timings.
+        data-parallel averager arms its gradient hooks there. `step` keys the stochastic
+        rounding of the gradients sent back (int4h), so a seeded run repeats, resumed or not.
+        Returns the loss and timings.
         """
         micro = len(inputs)
         ln = self.links
-        st = _StepState(inputs, targets, Timings())
+        st = _StepState(inputs, targets, Timings(), step=step)
         # Every receive of the step is posted up front: gloo sends a message only once it
         # knows the receiver is ready, so a receive posted late costs a one-way delay more.
         st.fwd_recvs = [self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT, self.codec_prev)
@@ -302,7 +306,8 @@ class Pipeline:
         self._computed(t, t0)
         if x_in is not None:
             assert x_in.grad is not None
-            self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD, t, self.codec_prev)
+            self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD, t, self.codec_prev,
+                       key=(st.step << 20) + i)
 
     @torch.no_grad()
     def eval_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:

@@ -146,7 +146,8 @@ class Worker:
         self.amp = autocast_dtype(self.cfg.dtype, self.device)
         self.fault = Fault.from_env()
         # this rank's link codecs (pipeline prev, next, data-parallel): a bad name is a config error
-        self.codecs = (make_codec(a.pp_compress_prev), make_codec(a.pp_compress_next),
+        seed = hash((self.cfg.seed, self.rank))  # int4h's stochastic rounding, per rank
+        self.codecs = (make_codec(a.pp_compress_prev, seed), make_codec(a.pp_compress_next, seed),
                        make_codec(a.dp_compress))
         self.phase = errors.JOIN
         self.ckpt = checkpoint.locate(self.cfg.checkpoint_dir, a.job_id,
@@ -341,6 +342,7 @@ class Worker:
             cfg.schedule, list(x.chunk(cfg.micro_batches)), list(y.chunk(cfg.micro_batches)),
             before_last_backward=None if outer else (
                 lambda loss: averager.arm([loss] if last else [])),
+            step=step,
         )
         dp_s, extras = averager.finish() if outer is None else (0.0, [local_loss])
         t1 = time.perf_counter()

@@ -9,19 +9,27 @@ its bytes fastest, counting the time to compress and decompress them:
     seconds per uncompressed GB on link (d, d') under codec c
         = 8 * ratio(c) / beta(d, d')  +  codec_s_per_gb   (the second term: lossy codecs only)
 
-where `ratio(c)` is the codec's wire bytes over the uncompressed bytes. Latency is the same
-under every codec, so it takes no part in the choice; and since every term is proportional to
-the bytes, the choice does not depend on the message size, only on the link and the device
-(a GPU compresses ~100x faster than a CPU core). A lossier codec is taken only when it cuts
-the link's time per GB by at least `MIN_GAIN` over the less lossy one chosen so far (`none`,
-then `int8`, then `int4`, and for data-parallel groups then `int3`, which only their error
-feedback makes usable), so a link gives up precision only for a real saving: fast links
-(a data centre's, or loopback under a CPU's slow codec) stay exact. (int3 sends 15 % fewer
-bytes than int4, short of `MIN_GAIN`, so under this rule `auto` never takes it: it is there
-for jobs that ask for it, `--dp-compress int3`, and for `auto` should the rule change.) A
-data-parallel group uses one codec for all its members (its replicas must decode the same
-averaged gradients), so its choice compares the group's cost, `max over d of sum over d'` of
-the per-pair times.
+where `ratio(c)` is the codec's wire bytes over the uncompressed bytes, and the codec's time
+is the quantizers' (`CODEC_S_PER_GB`) times its `relative_cost` (top-k sorts; int4h
+rotates). Latency is the same under every codec, so it takes no part in the choice; and
+since every term is proportional to the bytes, the choice does not depend on the message
+size, only on the link and the device (a GPU compresses ~100x faster than a CPU core). A
+lossier codec is taken only when it cuts the link's time per GB by at least `MIN_GAIN` over
+the less lossy one chosen so far (`none`, then `int8`, then `int4`, and for data-parallel
+groups then `int3`, which only their error feedback makes usable),
+so a link gives up precision only for a real saving: fast links (a data centre's, or
+loopback under a CPU's slow codec) stay exact. (int3 sends 15 % fewer bytes than int4, short
+of `MIN_GAIN`, so under this rule `auto` never takes it: it is there for jobs that ask for
+it, `--dp-compress int3`, and for `auto` should the rule change.) A data-parallel group uses
+one codec for all its members (its replicas must decode the same averaged gradients), so its
+choice compares the group's cost, `max over d of sum over d'` of the per-pair times.
+
+A pipeline link may also ask for int4h (int4's bytes after a block Hadamard rotation): its
+rotation and noise cost about twice the quantizers' time (`ROTATE_COST`), which the ladder and
+the step model count. `auto` does not take it yet (`dtfm.core.codecs.PP_LOSSINESS` says why);
+were it on the ladder in int4's place, a CPU-bound link whose saving plain int4 only just
+justified would stay on int8. `coordinator plan` prints the bandwidths below which each rung
+pays (`pp_thresholds_gbps`).
 
 `Compression` is the job's setting as the cost model (`costmodel.CostModel`, `plan_cost`) and
 the step model (`steptime`) see it; `Compression.choose` gives the codec of every link of one
@@ -57,6 +65,16 @@ MIN_GAIN = 0.25  # a lossier codec must cut a link's seconds per GB by at least 
 # of traffic per element at ~1.5 TB/s, plus launches); no GPU has measured it yet.
 CODEC_S_PER_GB = {"cpu": 3.0, "cuda": 0.02}
 TOPK_COST = 1.5  # top-k also sorts each block: about half again the quantizers' time
+# int4h also rotates every block both ways and draws noise for the gradients' stochastic
+# rounding: 2.0x int4's time, forward and backward together, measured on one CPU core
+# (bench/codec_cost.py, docs/benchmarks.md)
+ROTATE_COST = 2.0
+
+
+def relative_cost(codec: Codec) -> float:
+    """A codec's compute over the plain quantizers' (int8 / int4), which `codec_s_per_gb`
+    quotes."""
+    return {"topk": TOPK_COST, "int4h": ROTATE_COST}.get(codec.kind, 1.0)
 
 
 def codec_seconds_per_gb(kinds: Iterable[str]) -> float:
@@ -118,7 +136,7 @@ class Compression:
         wire = 8.0 * codec.ratio_to(raw_bytes) / bandwidth_gbps
         if codec.lossless:
             return wire
-        return wire + self.codec_s_per_gb * (TOPK_COST if codec.kind == "topk" else 1.0)
+        return wire + self.codec_s_per_gb * relative_cost(codec)
 
     @staticmethod
     def ladder(times: Sequence[np.ndarray]) -> np.ndarray:
@@ -139,6 +157,33 @@ class Compression:
                  for c in self.pp_options]
         chosen = self.ladder(times)
         return chosen, np.choose(chosen, times)
+
+    def pp_thresholds_gbps(self) -> list[tuple[str, float]]:
+        """(codec, link bandwidth in Gbit/s below which `auto` takes it or a lossier one) for
+        each lossy pipeline option: the reason `coordinator plan` gives, found by bisection
+        on the bandwidth. Below it the link always takes that codec or a lossier one. (The
+        ladder compares each rung with the choice so far, so just under the first threshold
+        it may jump straight to 4 bits, skipping int8 in a window a few per cent wide: the
+        threshold printed for 4 bits is the one below which they hold all the way down.)
+        inf: at any bandwidth (free codecs); 0: never."""
+        def rungs(gbps: np.ndarray) -> np.ndarray:
+            return self.ladder([self.per_gb(c, gbps, self.act_raw_bytes)
+                                for c in self.pp_options])
+
+        grid = np.geomspace(1e-9, 1e9, 1801)  # Gbit/s, 2.3 % apart: a modem's to past a NIC's
+        chosen = rungs(grid)
+        out = []
+        for o in range(1, len(self.pp_options)):
+            below = np.flatnonzero(chosen < o)  # where the link keeps a less lossy codec
+            if below.size == 0 or below[0] == 0:
+                out.append((self.pp_options[o].name, float("inf") if below.size == 0 else 0.0))
+                continue
+            lo, hi = grid[below[0] - 1], grid[below[0]]  # the lowest change, then bisect it
+            for _ in range(40):
+                mid = (lo * hi) ** 0.5
+                lo, hi = (mid, hi) if rungs(np.array([mid]))[0] >= o else (lo, mid)
+            out.append((self.pp_options[o].name, float(lo)))
+        return out
 
     def pp_link_cost(self, net: Network, pp_gb: float) -> np.ndarray:
         """The paper's pipeline link cost `alpha + 8 S / beta`, for compressed bytes."""

@@ -23,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("compression")
     g.add_argument("--pp-compress", default="none", metavar="CODEC",
                    type=flags.codec_setting("--pp-compress", topk=False),
-                   help="pipeline activations and gradients: none, int8, int4 or auto (per "
-                   "link, where the saving beats the time to compress)")
+                   help="pipeline activations and gradients: none, int8, int4, int4h (int4's "
+                   "bytes after a Hadamard rotation of each block) or auto (per link, where "
+                   "the saving beats the time to compress)")
     g.add_argument("--dp-compress", default="none", metavar="CODEC",
                    type=flags.codec_setting("--dp-compress", topk=True),
                    help="data-parallel gradients: none, int8, int4, int3 (3 bits, 9.1x), "
@@ -57,7 +58,12 @@ def describe(comp: Compression, net: Network, grid: list[list[int]], dp_gb: floa
     return {"compression": {"pp": comp.pp, "dp": comp.dp,
                             "codec_s_per_gb": comp.codec_s_per_gb,
                             "pp_links": chosen.pp, "dp_groups": chosen.dp,
-                            "summary": chosen.summary()},
+                            "summary": chosen.summary(),
+                            # null: always (a free codec); JSON has no infinity
+                            "pp_thresholds_gbps": {
+                                c: g if g < float("inf") else None
+                                for c, g in comp.pp_thresholds_gbps()}
+                            if comp.pp == "auto" else {}},
             "uncompressed": {"cost": cost, "dp_cost": dp, "pp_cost": pp}}
 
 
@@ -74,6 +80,13 @@ def format_lines(out: dict[str, Any]) -> list[str]:
         lines.append("pipeline links (stage j -> j+1, one column per pipeline):")
         lines += [f"  {j:>2} -> {j + 1:<2} " + " ".join(f"{c:>{width}}" for c in row)
                   for j, row in enumerate(comp["pp_links"])]
+    if comp.get("pp_thresholds_gbps"):
+        why = ", ".join(f"{c} below {g:.3g} Gbit/s" if g else
+                        f"{c} {'never' if g == 0 else 'always'}"
+                        for c, g in comp["pp_thresholds_gbps"].items())
+        lines.append(f"why: auto takes each pipeline link's codec by its bandwidth: {why} "
+                     f"(each must cut the link's seconds per GB by a quarter over the one "
+                     f"before, its codec time counted)")
     lines.append("data-parallel groups: "
                  + ", ".join(f"stage {j} {c}" for j, c in enumerate(comp["dp_groups"])))
     return lines

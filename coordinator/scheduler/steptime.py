@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from coordinator.scheduler.compression import TOPK_COST, Compression
+from coordinator.scheduler.compression import Compression, relative_cost
 from coordinator.scheduler.dpshares import group_links, group_shares
 from coordinator.scheduler.flops import FULL_FORWARD_SHARE, stage_flops_by_pass
 from coordinator.scheduler.network import Network
@@ -125,8 +125,7 @@ def _codec_s(shape: StepShape, codec: Codec, raw_bytes: float, raw_size: int) ->
     if codec.lossless or shape.compression is None:
         return 0.0
     fp32_gb = raw_bytes / raw_size * 4 / 1e9  # the codec's cost is quoted per GB of fp32
-    return fp32_gb * shape.compression.codec_s_per_gb * (
-        TOPK_COST if codec.kind == "topk" else 1.0)
+    return fp32_gb * shape.compression.codec_s_per_gb * relative_cost(codec)
 
 
 def _act_message(shape: StepShape, codec: Codec) -> tuple[float, float]:

@@ -12,6 +12,16 @@ A codec is one of:
 - `int8`: blocks of `BLOCK` elements, each scaled by its largest magnitude to -127..127,
   one byte per element plus one bf16 scale per block;
 - `int4`: the same with -7..7, two elements per byte;
+- `int4h`: int4's bytes exactly, each block first rotated by a fixed, signed
+  Hadamard transform (`agent/worker/rotate.py`). A transformer's activations have a few
+  outlier channels; in plain int4 one outlier sets its block's scale and the other 127 values
+  round to a handful of levels. The rotation spreads every block's energy evenly over its 128
+  values, so the scale follows the block's typical magnitude (TAH-Quant, QuaRot). The receiver
+  undoes the rotation after dequantising. Gradients going back are rounded stochastically,
+  so they are unbiased. No extra byte: the same block and scale as int4, which
+  `wire_bytes` pins. Made for pipeline links (`--pp-compress int4h`; `auto` does not take
+  it yet, see `PP_LOSSINESS`); a data-parallel group may ask for it too (rounded to
+  nearest, under error feedback);
 - `int3` (data-parallel only): blocks of `INT3_BLOCK` elements, each as eight levels (a
   fixed, non-uniform grid, fractions of the block's largest magnitude) in 3 bits, eight
   elements to three bytes, plus one bf16 scale per block: 9.14x fewer bytes than fp32, the one
@@ -43,14 +53,18 @@ BLOCK = 128  # elements per scale for int8 / int4: small enough to follow local 
 INT3_BLOCK = 32
 TOPK_BLOCK = 256  # elements per top-k block: a position fits in one byte
 SCALE_BYTES = 2  # one bf16 scale per block: fp32's range (gradients are tiny), half the bytes
-KINDS = ("none", "int8", "int4", "int3", "topk")
-QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}  # bits per element of the block quantizers
+KINDS = ("none", "int8", "int4", "int4h", "int3", "topk")
+# bits per element of the block quantizers
+QUANT_BITS = {"int8": 8, "int4": 4, "int4h": 4, "int3": 3}
 AUTO = "auto"
-PP_SETTINGS = ("none", "int8", "int4", AUTO)  # --pp-compress
-DP_SETTINGS = ("none", "int8", "int4", "int3", "topk:RATIO", AUTO)  # --dp-compress
+PP_SETTINGS = ("none", "int8", "int4", "int4h", AUTO)  # --pp-compress
+DP_SETTINGS = ("none", "int8", "int4", "int4h", "int3", "topk:RATIO", AUTO)  # --dp-compress
 # The codecs `auto` may consider, least lossy first. Data-parallel groups also int3 (error
 # feedback makes up for it); top-k never: it changes convergence too much (docs/benchmarks.md)
-# to choose silently.
+# to choose silently. Not int4h either, yet: on gpt-mini trained from scratch it trailed int4
+# by 0.2-0.4 % in validation loss on three paired runs, for twice the codec time
+# (docs/benchmarks.md, "int4h"); it is there for jobs that ask for it, and `auto` prices it
+# should it join this list.
 PP_LOSSINESS = ("none", "int8", "int4")
 DP_LOSSINESS = ("none", "int8", "int4", "int3")
 
@@ -65,7 +79,7 @@ class Codec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown codec {self.kind!r}; use one of none, int8, int4, "
-                             f"int3, topk:RATIO")
+                             f"int4h, int3, topk:RATIO")
         if self.kind == "topk" and not (0.0 < self.ratio <= 1.0):
             raise ValueError(f"topk ratio must be in (0, 1], got {self.ratio}")
 
@@ -123,7 +137,7 @@ def parse_codec(text: str, *, topk: bool = True, what: str = "codec") -> Codec:
     rely on error feedback, which pipeline messages do not have (each carries a different
     micro-batch). The keyword is older than int3."""
     text = (text or "none").strip()
-    if text in ("none", "int8", "int4"):
+    if text in ("none", "int8", "int4", "int4h"):
         return Codec(text)
     if text == "int3":
         if not topk:
@@ -141,7 +155,7 @@ def parse_codec(text: str, *, topk: bool = True, what: str = "codec") -> Codec:
             raise ValueError(f"{what} {text!r}: the ratio after 'topk:' must be a number in "
                              f"(0, 1], e.g. topk:0.1 (send a tenth of each block)")
         return Codec("topk", ratio)
-    allowed = "none, int8, int4" + (", int3, topk:RATIO" if topk else "")
+    allowed = "none, int8, int4, int4h" + (", int3, topk:RATIO" if topk else "")
     raise ValueError(f"{what} {text!r} is not a codec: use one of {allowed}")
 
 

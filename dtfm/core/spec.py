@@ -330,8 +330,9 @@ class TrainConfig:
         "the data order")
     pp_compress: str = _option(
         "none", "compress pipeline activations and their gradients: none, int8, int4 (per "
-        "block of 128 values), or auto (the coordinator picks per link, where the saving "
-        "beats the time to compress; agent local: none)")
+        "block of 128 values), int4h (int4's bytes after a Hadamard rotation of each block, "
+        "gradients rounded stochastically), or auto (the coordinator picks per link, where "
+        "the saving beats the time to compress; agent local: none)")
     dp_compress: str = _option(
         "none", "compress data-parallel gradients, with error feedback: none, int8, int4, "
         "int3 (3 bits, 9.1x; data-parallel only), topk:RATIO (the largest RATIO of each "
