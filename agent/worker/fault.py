@@ -16,7 +16,10 @@ only where given (a job the coordinator recovers then goes on). Modes:
   (coordinator/job/failedpairs.py), whatever the epoch;
 - bad-peer modes (`badpeer.py` holds their arithmetic), from step STEP on: `scale` (x10),
   `flip` (x-4), `noise` (+1 sigma), `zero` and `stale` (a copy of the step before STEP's)
-  alter every data-parallel contribution the rank sends (`contributions`); `drift` moves one
+  alter every data-parallel contribution the rank sends (`contributions`); `avg_scale`,
+  `avg_flip`, `avg_noise`, `avg_zero` and `avg_stale` alter, the same way, the averaged
+  shards it sends back as an owner in `sharded` mode (`contributions(averages=True)`,
+  caught by the receivers: `avgcheck.py`); `drift` moves one
   of its own weights after the optimizer step of STEP (`drifts`). The replica checks
   (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
@@ -31,7 +34,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agent.worker.badpeer import CONTRIBUTION_ATTACKS, WEIGHT_ATTACKS, Contributions
+from agent.worker.badpeer import (
+    AVERAGE_ATTACKS,
+    CONTRIBUTION_ATTACKS,
+    WEIGHT_ATTACKS,
+    Contributions,
+)
 from agent.worker.errors import PeerError
 from dtfm.core.events import FAULT_EXIT_CODE
 from dtfm.net.dataplane import may_dial
@@ -40,7 +48,7 @@ log = logging.getLogger(__name__)
 
 ENV_FAULT = "DTFM_FAULT"
 MODES = ("exit", "hang", "config", "corrupt", "direct", *CONTRIBUTION_ATTACKS,
-         *WEIGHT_ATTACKS)
+         *AVERAGE_ATTACKS, *WEIGHT_ATTACKS)
 CORRUPT_SCALE = -4.0
 
 
@@ -81,7 +89,8 @@ class Fault:
             raise PeerError(f"receive from rank {peer} failed: fault injection: the direct "
                             f"path between ranks {peer} and {rank} drops")
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
-        if self.mode == "corrupt" or self.mode in CONTRIBUTION_ATTACKS + WEIGHT_ATTACKS:
+        if self.mode == "corrupt" or self.mode in (*CONTRIBUTION_ATTACKS, *AVERAGE_ATTACKS,
+                                                   *WEIGHT_ATTACKS):
             return
         if self.mode == "hang":
             while True:
@@ -98,10 +107,13 @@ class Fault:
         return CORRUPT_SCALE if corrupt else 1.0
 
 
-    def contributions(self, rank: int, epoch: int = 0) -> Contributions | None:
-        """This rank's attack on its data-parallel contributions (a bad-peer mode), else None."""
-        if (self.mode in CONTRIBUTION_ATTACKS and rank == self.rank
-                and self.epoch in (None, epoch)):
+    def contributions(self, rank: int, epoch: int = 0, *,
+                      averages: bool = False) -> Contributions | None:
+        """This rank's attack on its data-parallel contributions (a bad-peer mode), or with
+        `averages` on the averaged shards it sends back as an owner (`avg_` modes), else
+        None."""
+        modes = AVERAGE_ATTACKS if averages else CONTRIBUTION_ATTACKS
+        if self.mode in modes and rank == self.rank and self.epoch in (None, epoch):
             return Contributions(self.mode, self.step, seed=rank)
         return None
 
