@@ -32,24 +32,11 @@ def run(model: str, replicas: int, per: int, steps: int, onset: int) -> dict[str
 
     from agent.worker.avgcheck import AverageChecker, judge
     from agent.worker.badpeer import attack
-    from agent.worker.data import Sampler, load_splits
-    from agent.worker.data_parallel import bucket_bytes_for, plan_buckets
-    from agent.worker.stage import Stage, lm_loss
-    from dtfm.core.presets import get_preset
+    from bench.integrity import Trainer
 
     torch.manual_seed(0)
-    spec = get_preset(model)
-    stage = Stage(spec, 0, spec.n_layers, 0)
-    opt = torch.optim.AdamW(stage.parameters(), 1e-3)
-    sampler = Sampler(load_splits("", spec.vocab_size, "")[0], spec.seq_len, 0)
-    params = [p for p in stage.parameters()][::-1]
-    plan = plan_buckets(params, bucket_bytes_for(params))
-
-    def grads(ids: Any) -> list[Any]:
-        stage.zero_grad()
-        x, y = sampler.windows(ids)
-        lm_loss(stage(x), y).backward()
-        return [torch.cat([p.grad.reshape(-1) for p in b]) for b in plan]  # type: ignore
+    t = Trainer(model)
+    sampler, plan, grads = t.sampler, t.plan, t.grads
 
     r = replicas
     checkers = {(m, j): AverageChecker(r, j) for m in MODES for j in range(r)}
@@ -88,10 +75,7 @@ def run(model: str, replicas: int, per: int, steps: int, onset: int) -> dict[str
                 elif step >= onset and j != 0:
                     judged[mode] += 1
                     flagged[mode] += any(f.replica == 0 for f in findings)
-        opt.zero_grad()
-        x, y = sampler.windows(sampler.next_global(r * per))
-        lm_loss(stage(x), y).backward()
-        opt.step()
+        t.step(sampler.next_global(r * per))
     return {"honest": {k: (min(v), max(v)) for k, v in ranges.items()},
             "flagged": {m: flagged[m] / max(judged[m], 1) for m in MODES}}
 

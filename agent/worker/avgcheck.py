@@ -152,27 +152,41 @@ def judge(scores: list[AverageScore], *, inputs_suspect: bool = False,
     `statistics` (local steps: the averages are of pseudo-gradients, not measured)."""
     out: list[Finding] = []
     for s in scores:
-        if s.zero:
-            out.append(Finding(s.owner, "avg_zero", 0.0, "the averaged shard it sent back "
-                               "is all zeros, and my own copy of it is not"))
-        elif s.stale:
-            out.append(Finding(s.owner, "avg_stale", 1.0, "the averaged shard it sent back "
-                               f"repeats, bit for bit, one of its last {STALE_STEPS}"))
-        elif inputs_suspect or not statistics:
-            continue
-        elif s.cosine < COSINE_MIN:
-            out.append(Finding(s.owner, "avg_cosine", s.cosine,
-                               f"the averaged shard's cosine with my own copy is "
-                               f"{s.cosine:.3g} (honest: >= {COSINE_MIN}; an honest mean "
-                               f"holds my copy with weight 1/R)"))
-        elif not NORM_LOW <= s.norm <= NORM_HIGH and not math.isnan(s.norm):
-            out.append(Finding(s.owner, "avg_norm", s.norm,
-                               f"the averaged shard's RMS against the other owners' is "
-                               f"{s.norm:.3g}x what it was in its last steps (honest: "
-                               f"{NORM_LOW}..{NORM_HIGH})"))
-        elif s.shape > SHAPE_HIGH:
-            out.append(Finding(s.owner, "avg_noise", s.shape,
-                               f"the averaged shard's L1/L2 shape against the other "
-                               f"owners' is {s.shape:.3g}x what it was in its last steps "
-                               f"(honest: <= {SHAPE_HIGH}; added noise flattens it)"))
+        if (found := _exact(s)) is not None:
+            out.append(found)
+        elif not inputs_suspect and statistics and (found := _statistic(s)) is not None:
+            out.append(found)
     return out
+
+
+Check = tuple[bool, str, float, str]  # failed, kind, score, detail
+
+
+def _first(owner: int, checks: tuple[Check, ...]) -> Finding | None:
+    return next((Finding(owner, kind, score, detail)
+                 for failed, kind, score, detail in checks if failed), None)
+
+
+def _exact(s: AverageScore) -> Finding | None:
+    """A zeroed or replayed average, as a finding, else None."""
+    return _first(s.owner, (
+        (s.zero, "avg_zero", 0.0, "the averaged shard it sent back is all zeros, and my own "
+         "copy of it is not"),
+        (s.stale, "avg_stale", 1.0, "the averaged shard it sent back repeats, bit for bit, "
+         f"one of its last {STALE_STEPS}"),
+    ))
+
+
+def _statistic(s: AverageScore) -> Finding | None:
+    """The first of the three statistics `s` fails, as a finding, else None."""
+    return _first(s.owner, (
+        (s.cosine < COSINE_MIN, "avg_cosine", s.cosine,
+         f"the averaged shard's cosine with my own copy is {s.cosine:.3g} (honest: >= "
+         f"{COSINE_MIN}; an honest mean holds my copy with weight 1/R)"),
+        (not NORM_LOW <= s.norm <= NORM_HIGH and not math.isnan(s.norm), "avg_norm", s.norm,
+         f"the averaged shard's RMS against the other owners' is {s.norm:.3g}x what it was "
+         f"in its last steps (honest: {NORM_LOW}..{NORM_HIGH})"),
+        (s.shape > SHAPE_HIGH, "avg_noise", s.shape,
+         f"the averaged shard's L1/L2 shape against the other owners' is {s.shape:.3g}x "
+         f"what it was in its last steps (honest: <= {SHAPE_HIGH}; added noise flattens it)"),
+    ))
