@@ -18,13 +18,14 @@ from tests.agent.worker.testlib import run_local
 def test_receivers_name_the_owner_that_alters_its_average(tmp_path: Path) -> None:
     """Rank 2 owns a third of every bucket; steps 1-3 are honest (the receivers' reference),
     then it sends back its averages scaled x10 (4, 5), sign-flipped x-4 (6, 7), replayed
-    (8: step 7's again) and zeroed (9)."""
-    attacks = {4: "avg_scale", 5: "avg_scale", 6: "avg_flip", 7: "avg_flip", 8: "avg_stale",
-               9: "avg_zero"}
+    (8: step 7's again), and zeroed at step 9 through the product's rehearsal seam
+    (`DTFM_FAULT=2:9:avg_zero`, its `tamper_average` path)."""
+    attacks = {4: "avg_scale", 5: "avg_scale", 6: "avg_flip", 7: "avg_flip", 8: "avg_stale"}
     plan = "2:" + ",".join(f"{s}={a}" for s, a in attacks.items())
     work = tmp_path / "work"
     run = run_local(*FLAGS, "--replicas", "3", "--batch", "6", "--steps", "9",
-                    "--workdir", str(work), timeout=110, env=bad_peer_env(plan))
+                    "--workdir", str(work), timeout=110,
+                    env=bad_peer_env(plan, DTFM_FAULT="2:9:avg_zero"))
     assert run.rc == 0, run.stderr
     found = evidence(work)
     assert found and {e["suspect_rank"] for e in found} == {2}, found  # nobody honest
