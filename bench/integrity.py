@@ -68,30 +68,55 @@ def quantiles(values: list[float]) -> list[float]:
     return [v[0], v[len(v) // 20], v[-1 - len(v) // 20], v[-1]]
 
 
+class Trainer:
+    """One model's whole stage on the bundled corpus, cut into the worker's buckets
+    (`data_parallel.plan_buckets`): gradients of any batch, and an AdamW step."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+
+        from agent.worker.data import Sampler, load_splits
+        from agent.worker.data_parallel import bucket_bytes_for, plan_buckets
+        from agent.worker.stage import Stage
+        from dtfm.core.presets import get_preset
+
+        torch.set_num_threads(1)
+        spec = get_preset(model)
+        self.stage = Stage(spec, 0, spec.n_layers, 0)
+        self.opt = torch.optim.AdamW(self.stage.parameters(), 1e-3)
+        self.sampler = Sampler(load_splits("", spec.vocab_size, "")[0], spec.seq_len, 0)
+        params = [p for p in self.stage.parameters()][::-1]
+        self.plan = plan_buckets(params, bucket_bytes_for(params))
+
+    def _backward(self, ids: Any) -> None:
+        from agent.worker.stage import lm_loss
+
+        x, y = self.sampler.windows(ids)
+        lm_loss(self.stage(x), y).backward()
+
+    def grads(self, ids: Any) -> list[Any]:
+        """Each bucket's gradient of the batch `ids`, flat."""
+        import torch
+
+        self.stage.zero_grad()
+        self._backward(ids)
+        return [torch.cat([p.grad.reshape(-1) for p in b]) for b in self.plan]  # type: ignore
+
+    def step(self, ids: Any) -> None:
+        """An AdamW step on the batch `ids`."""
+        self.opt.zero_grad()
+        self._backward(ids)
+        self.opt.step()
+
+
 def scores(model: str, replicas: int, per: int, steps: int) -> dict[str, Any]:
     import torch
 
     from agent.worker.badpeer import attack
-    from agent.worker.data import Sampler, load_splits
-    from agent.worker.data_parallel import bucket_bytes_for, plan_buckets
     from agent.worker.gradscore import ShardScorer, judge
-    from agent.worker.stage import Stage, lm_loss
-    from dtfm.core.presets import get_preset
 
-    torch.set_num_threads(1)
-    spec = get_preset(model)
-    stage = Stage(spec, 0, spec.n_layers, 0)
-    opt = torch.optim.AdamW(stage.parameters(), 1e-3)
-    sampler = Sampler(load_splits("", spec.vocab_size, "")[0], spec.seq_len, 0)
-    params = [p for p in stage.parameters()][::-1]
-    plan = plan_buckets(params, bucket_bytes_for(params))
-
-    def grads(ids: Any) -> list[Any]:
-        stage.zero_grad()
-        x, y = sampler.windows(ids)
-        lm_loss(stage(x), y).backward()
-        return [torch.cat([p.grad.reshape(-1) for p in b]) for b in plan]  # type: ignore
-
+    t = Trainer(model)
+    sampler, plan, grads = t.sampler, t.plan, t.grads
     modes = ("honest", *ATTACKS)
     scorers = {(m, o): ShardScorer(replicas) for m in modes for o in range(replicas)}
     seen: dict[str, dict[str, list[float]]] = {}
@@ -120,10 +145,7 @@ def scores(model: str, replicas: int, per: int, steps: int) -> dict[str, Any]:
                     row = seen.setdefault(f"{mode}/{who}", {})
                     for k in ("norm_ratio", "cosine", "shape"):
                         row.setdefault(k, []).append(getattr(s, k))
-        opt.zero_grad()
-        x, y = sampler.windows(ids)
-        lm_loss(stage(x), y).backward()
-        opt.step()
+        t.step(ids)
     return {"model": model, "replicas": replicas, "per_replica": per, "steps": steps,
             "quantiles": {key: {k: quantiles(v) for k, v in row.items()}
                           for key, row in seen.items()},

@@ -10,6 +10,9 @@ tests' own hook (tests/agent/worker/badpeer_hook.py) cannot disagree on what "sc
 - `noise`: plus Gaussian noise of the contribution's own standard deviation (about 1 sigma);
 - `zero`: all zeros; `stale`: a copy of the contribution this peer sent for the same
   destination at the step before the attack began (recorded as it trains honestly);
+- `avg_scale`, `avg_flip`, `avg_noise`, `avg_zero`, `avg_stale`: the same arithmetic on
+  the averaged shard an owner sends back in `sharded` mode (it steps with it too, so every
+  replica applies the same wrong update and the weights digest agrees);
 - `drift`: after the optimizer step, one weight of the stage moves by 1e-2 (silent data
   corruption in the optimizer step or in memory: no error, just different bits).
 """
@@ -21,6 +24,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 CONTRIBUTION_ATTACKS = ("scale", "flip", "noise", "zero", "stale")
+AVERAGE_ATTACKS = tuple(f"avg_{m}" for m in CONTRIBUTION_ATTACKS)
 WEIGHT_ATTACKS = ("drift",)
 SCALES = {"scale": 10.0, "flip": -4.0}
 DRIFT = 1e-2  # what `drift` adds to one weight
@@ -30,9 +34,11 @@ class Contributions:
     """One peer's attack on its outgoing contributions, from step `onset` on.
 
     `__call__` is the averager's `tamper` hook: it sees every outgoing contribution (`key`
-    names the bucket and destination) and returns what goes on the wire."""
+    names the bucket and destination) and returns what goes on the wire; for an `avg_` mode
+    it is the `tamper_average` hook, on the averages the peer sends back as an owner."""
 
     def __init__(self, mode: str, onset: int, seed: int = 0) -> None:
+        mode = mode.removeprefix("avg_")
         if mode not in CONTRIBUTION_ATTACKS:
             raise ValueError(f"unknown contribution attack {mode!r}; one of "
                              f"{', '.join(CONTRIBUTION_ATTACKS)}")

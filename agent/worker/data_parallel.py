@@ -36,11 +36,15 @@ message, so every replica still steps with identical gradients. The extra scalar
 travel in a bucket of their own, uncompressed, so the reported loss stays exact. The
 residuals live in memory only: a resumed run starts them at zero.
 
-Two seams for the replica checks (`replicacheck.py`, `--verify`): `inspect`, called at a
+Seams for the replica checks (`replicacheck.py`, `--verify`): `inspect`, called at a
 shard's owner with every replica's copy of the shard (replica order, decoded), may score them
-and return the average to use instead of the mean (robust aggregation); `tamper`, called on
-each outgoing contribution before it is encoded, is how a rehearsed bad peer (`fault.py`)
-alters what it sends. Both are None unless set.
+and return the average to use instead of the mean (robust aggregation); `check`, called at
+every replica once a bucket's averaged shards have all arrived and before the means are
+written back to the gradients, with each owner's averaged shard and this replica's own copy
+of it (`avgcheck.py`: the receivers' check of the owners); `tamper` and `tamper_average`,
+called on each outgoing contribution before it is encoded and on the average an owner sends
+back, are how a rehearsed bad peer (`fault.py`) alters what it sends. All are None unless
+set.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ TAG_SCATTER = 100  # sharded mode: bucket i's shards travel with tag 100 + 2i, a
 # inspect(bucket index, every replica's copy of my shard) -> the average to use, or None
 Inspect = Callable[[int, list[torch.Tensor]], "torch.Tensor | None"]
 Tamper = Callable[[Hashable, torch.Tensor], torch.Tensor]  # (bucket, destination), tensor
+# check(owner's index, its averaged shard, my own copy of it or None where I am the owner)
+Check = Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
 
 
 @dataclass(eq=False)  # buckets are compared by identity (list.index)
@@ -144,6 +150,8 @@ class GradAverager:
         self.codec_s = 0.0  # this step's compressing and decompressing
         self.inspect: Inspect | None = None  # the owner's look at its shard's copies
         self.tamper: Tamper | None = None  # a rehearsed bad peer's hand on what it sends
+        self.tamper_average: Tamper | None = None  # ... on the averages it sends back
+        self.check: Check | None = None  # a receiver's look at the owners' averages
         self.finish_codec_s = 0.0  # the part of codec_s spent in `finish` (not in backward)
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
@@ -331,6 +339,8 @@ class GradAverager:
             self._wait(b.works)
             if b.gathered:
                 self._decode_gathered(b)
+            if self.check is not None and self.mode == "sharded":
+                self._check(b, self.check)
             if self.mode == "allreduce":
                 b.flat.div_(self.size)
             for p, off in zip(b.params, b.offsets, strict=True):
@@ -367,7 +377,23 @@ class GradAverager:
             for part in copies[1:]:
                 mine.add_(part)
             mine.div_(self.size)
+        if self.tamper_average is not None:
+            mine = self.tamper_average((i, "average"), mine)
         return mine
+
+    def _check(self, b: _Bucket, check: Check) -> None:
+        """Hand `check` each owner's averaged shard of `b` with my copy of it, still in the
+        parameters' gradients (the padding and the extra scalars are left out)."""
+        if not b.numel:
+            return
+        me = self.ranks.index(dist.get_rank())
+        mine = torch.cat([p.grad.reshape(-1) for p in b.params])  # type: ignore[union-attr]
+        start = 0
+        for k, chunk in enumerate(b.flat.split(b.sizes)):
+            end = min(start + chunk.numel(), b.numel)
+            if end > start:
+                check(k, chunk[: end - start], None if k == me else mine[start:end])
+            start += chunk.numel()
 
     def _gather_compressed(self, b: _Bucket, i: int, me: int) -> None:
         """`_gather_shards` for a compressed bucket: decode the copies, sum them in replica

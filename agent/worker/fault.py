@@ -1,7 +1,9 @@
 """The worker's fault-injection seam (`DTFM_FAULT`), which tests use to fail a rank on cue.
 
 "RANK:STEP[:MODE[:EPOCH]]": that rank misbehaves from step STEP (1-based), in epoch EPOCH
-only where given (a job the coordinator recovers then goes on). Modes:
+only where given (a job the coordinator recovers then goes on). RANK `*` is whatever rank the
+worker gets: set on one agent's environment, it makes that agent's workers the bad ones,
+wherever the coordinator places them (`coordinator demo --bad-peer`). Modes:
 
 - `exit` (the default): the process ends before the step, with `FAULT_EXIT_CODE`;
 - `hang`: it stops before the step, sockets open, as a frozen host does;
@@ -16,7 +18,10 @@ only where given (a job the coordinator recovers then goes on). Modes:
   (coordinator/job/failedpairs.py), whatever the epoch;
 - bad-peer modes (`badpeer.py` holds their arithmetic), from step STEP on: `scale` (x10),
   `flip` (x-4), `noise` (+1 sigma), `zero` and `stale` (a copy of the step before STEP's)
-  alter every data-parallel contribution the rank sends (`contributions`); `drift` moves one
+  alter every data-parallel contribution the rank sends (`contributions`); `avg_scale`,
+  `avg_flip`, `avg_noise`, `avg_zero` and `avg_stale` alter, the same way, the averaged
+  shards it sends back as an owner in `sharded` mode (`contributions(averages=True)`,
+  caught by the receivers: `avgcheck.py`); `drift` moves one
   of its own weights after the optimizer step of STEP (`drifts`). The replica checks
   (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
@@ -31,7 +36,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agent.worker.badpeer import CONTRIBUTION_ATTACKS, WEIGHT_ATTACKS, Contributions
+from agent.worker.badpeer import (
+    AVERAGE_ATTACKS,
+    CONTRIBUTION_ATTACKS,
+    WEIGHT_ATTACKS,
+    Contributions,
+)
 from agent.worker.errors import PeerError
 from dtfm.core.events import FAULT_EXIT_CODE
 from dtfm.net.dataplane import may_dial
@@ -40,18 +50,22 @@ log = logging.getLogger(__name__)
 
 ENV_FAULT = "DTFM_FAULT"
 MODES = ("exit", "hang", "config", "corrupt", "direct", *CONTRIBUTION_ATTACKS,
-         *WEIGHT_ATTACKS)
+         *AVERAGE_ATTACKS, *WEIGHT_ATTACKS)
 CORRUPT_SCALE = -4.0
+ANY_RANK = -1  # RANK `*`
 
 
 @dataclass(frozen=True)
 class Fault:
     """Where and how this job's one injected fault strikes."""
 
-    rank: int
+    rank: int  # ANY_RANK: every rank this process runs as
     step: int
     mode: str = "exit"
     epoch: int | None = None
+
+    def _mine(self, rank: int) -> bool:
+        return self.rank in (ANY_RANK, rank)
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -62,16 +76,17 @@ class Fault:
         mode = parts[2] if len(parts) > 2 else "exit"
         if mode not in MODES:
             raise ValueError(f"{ENV_FAULT}={raw!r}: mode must be one of {', '.join(MODES)}")
-        if mode == "direct" and int(parts[0]) < 1:
+        rank = ANY_RANK if parts[0] == "*" else int(parts[0])
+        if mode == "direct" and rank < 1:
             raise ValueError(f"{ENV_FAULT}={raw!r}: mode direct cuts rank RANK's path to rank "
                              f"RANK - 1, so RANK must be 1 or more")
-        return cls(int(parts[0]), int(parts[1]), mode,
+        return cls(rank, int(parts[1]), mode,
                    int(parts[3]) if len(parts) > 3 else None)
 
     def maybe_fire(self, rank: int, step: int, epoch: int = 0, assignment: Any = None) -> None:
         """Strike before `step` if this is the rank, step and epoch (`corrupt`: see
         `sent_scale`; `direct`: only where `assignment` gives the pair a direct path)."""
-        if rank != self.rank or step != self.step or self.epoch not in (None, epoch):
+        if not self._mine(rank) or step != self.step or self.epoch not in (None, epoch):
             return
         if self.mode == "direct":
             peer = rank - 1
@@ -81,7 +96,8 @@ class Fault:
             raise PeerError(f"receive from rank {peer} failed: fault injection: the direct "
                             f"path between ranks {peer} and {rank} drops")
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
-        if self.mode == "corrupt" or self.mode in CONTRIBUTION_ATTACKS + WEIGHT_ATTACKS:
+        if self.mode == "corrupt" or self.mode in (*CONTRIBUTION_ATTACKS, *AVERAGE_ATTACKS,
+                                                   *WEIGHT_ATTACKS):
             return
         if self.mode == "hang":
             while True:
@@ -93,21 +109,24 @@ class Fault:
     def sent_scale(self, rank: int, step: int, epoch: int = 0) -> float:
         """What this rank's exchanged values are multiplied by on the wire at `step` (1.0
         unless it is a `corrupt` rank at or after its step)."""
-        corrupt = (self.mode == "corrupt" and rank == self.rank and step >= self.step
+        corrupt = (self.mode == "corrupt" and self._mine(rank) and step >= self.step
                    and self.epoch in (None, epoch))
         return CORRUPT_SCALE if corrupt else 1.0
 
 
-    def contributions(self, rank: int, epoch: int = 0) -> Contributions | None:
-        """This rank's attack on its data-parallel contributions (a bad-peer mode), else None."""
-        if (self.mode in CONTRIBUTION_ATTACKS and rank == self.rank
-                and self.epoch in (None, epoch)):
+    def contributions(self, rank: int, epoch: int = 0, *,
+                      averages: bool = False) -> Contributions | None:
+        """This rank's attack on its data-parallel contributions (a bad-peer mode), or with
+        `averages` on the averaged shards it sends back as an owner (`avg_` modes), else
+        None."""
+        modes = AVERAGE_ATTACKS if averages else CONTRIBUTION_ATTACKS
+        if self.mode in modes and self._mine(rank) and self.epoch in (None, epoch):
             return Contributions(self.mode, self.step, seed=rank)
         return None
 
     def drifts(self, rank: int, step: int, epoch: int = 0) -> bool:
         """Whether this rank's weights drift after the optimizer step of `step`."""
-        return (self.mode in WEIGHT_ATTACKS and rank == self.rank and step == self.step
+        return (self.mode in WEIGHT_ATTACKS and self._mine(rank) and step == self.step
                 and self.epoch in (None, epoch))
 
 

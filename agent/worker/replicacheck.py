@@ -12,6 +12,10 @@ checks grow without growing it:
   steps, at every sync point with `--sync-every`, and after the last step, the stage's
   replicas exchange it (`World.dp_gather`) and the odd one out is named (R >= 3), or the
   disagreement reported undecided (R = 2);
+- at every replica of such a step, each owner's averaged shard as it arrives, against this
+  replica's own copy and the other owners' averages (`avgcheck.py`, through
+  `GradAverager.check`): an owner that alters the mean it sends back is named by its
+  receivers;
 - the rehearsal seam's bad-peer modes (`fault.py`): its attack on outgoing contributions is
   armed as the averager's `tamper` during the step, and `drift` moves a weight after it.
 
@@ -30,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from agent.worker import badpeer, digest, gradscore
+from agent.worker import avgcheck, badpeer, digest, gradscore
 from agent.worker.data_parallel import GradAverager
 from agent.worker.fault import Fault
 from agent.worker.world import World
@@ -54,26 +58,36 @@ class ReplicaChecks:
         self.dp_ranks, self.rank, self.sync_every, self.emit = dp_ranks, rank, sync_every, emit
         size = len(dp_ranks)
         self.scorer = gradscore.ShardScorer(size) if scores(level) and size > 1 else None
+        self.averages = avgcheck.AverageChecker(size, dp_ranks.index(rank)) \
+            if self.scorer is not None else None
         self.fault, self.epoch = fault, epoch
         self.attack = fault.contributions(rank, epoch) if fault else None
+        self.avg_attack = fault.contributions(rank, epoch, averages=True) if fault else None
         self._trace = os.environ.get(ENV_TRACE, "")
 
     def begin_step(self, step: int) -> None:
         """Arm this step's exchange: scoring at the owner, and a rehearsed attack."""
         if self.scorer is not None:
             self.averager.inspect = self._inspect
+        if self.averages is not None:
+            self.averager.check = self.averages.add
         if self.attack is not None:
             self.attack.step = step
             self.averager.tamper = self.attack
+        if self.avg_attack is not None:
+            self.avg_attack.step = step
+            self.averager.tamper_average = self.avg_attack
 
     def end_step(self, step: int, last: int) -> None:
         """After the optimizer (and outer) step: disarm, judge, and digest when due."""
         self.averager.inspect = self.averager.tamper = None
+        self.averager.check = self.averager.tamper_average = None
         if self.fault is not None and self.fault.drifts(self.rank, step, self.epoch):
             log.error("fault injection: rank %d's weights drift after step %d", self.rank, step)
             badpeer.drift_([p for p in self.model.parameters()])
         if self.scorer is not None:
-            self._judge(step)
+            inputs_suspect = self._judge(step)
+            self._judge_averages(step, inputs_suspect)
         if self.level != Verify.OFF and len(self.dp_ranks) > 1 and self._digest_due(step, last):
             self.check_weights(step)
 
@@ -83,11 +97,12 @@ class ReplicaChecks:
         self.scorer.add(bucket, copies)
         return gradscore.centered_clip(copies) if self.level == Verify.ROBUST else None
 
-    def _judge(self, step: int) -> None:
+    def _judge(self, step: int) -> bool:
+        """Judge this step's copies of my shard; whether any was found bad."""
         assert self.scorer is not None
         found = self.scorer.scores()
         if not found:
-            return
+            return False
         if self._trace:
             with open(self._trace, "a", encoding="utf-8") as f:
                 for s in found:
@@ -105,6 +120,18 @@ class ReplicaChecks:
                 f"ranks {self.dp_ranks}' copies"
             self._evidence(step, f.kind, suspect, f.score,
                            f"{who} of the gradient shard rank {self.rank} owns: {f.detail}")
+        return bool(findings)
+
+    # ---- the owners' averages at their receivers ----
+    def _judge_averages(self, step: int, inputs_suspect: bool) -> None:
+        assert self.averages is not None
+        found = avgcheck.judge(self.averages.scores(), inputs_suspect=inputs_suspect,
+                               statistics=self.sync_every <= 1)
+        for f in found:
+            owner = self.dp_ranks[f.replica]
+            self._evidence(step, f.kind, owner, f.score,
+                           f"rank {owner}, the owner of a gradient shard, as its receiver "
+                           f"rank {self.rank} saw it: {f.detail}")
 
     # ---- the weights digest ----
     def _digest_due(self, step: int, last: int) -> bool:

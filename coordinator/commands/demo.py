@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from coordinator.commands import demo_badpeer
 from coordinator.commands.status import status_to_json, step_time_line
 from coordinator.web.sessions import login_url
 from dtfm import flags, rpc
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "inbound connection; two of them share one site when N >= 2)")
     p.add_argument("--scale", type=float, default=25.0,
                    help="emulated Mbit/s per Gbit/s of the paper's bandwidths (--wan)")
+    demo_badpeer.add_argument(p)
     p.add_argument("--workdir", default="", help="keep logs and state here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
     p.add_argument("--json", action="store_true", help="print one JSON object per update")
@@ -69,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _resolve_defaults(args: argparse.Namespace) -> str:
     """Fill the flags left out; an error message where --wan fixes a flag given otherwise."""
     wan = args.wan is not None
+    if args.bad_peer is not None and (wrong := demo_badpeer.resolve(args)):
+        return wrong
     if wan and args.agents is not None and args.agents != 8 * args.per_city:
         return (f"--agents {args.agents}: the --wan world demo runs 8 x --per-city agents "
                 f"({8 * args.per_city} with --per-city {args.per_city}); set --per-city "
@@ -134,18 +138,24 @@ def _run_in(workdir: Path, args: argparse.Namespace) -> int:
              "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
              "--search-seconds", "2", "--checkpoint-dir", str(workdir / "checkpoints"),
              # a validation curve beside the training loss on the page: four points
-             "--eval-every", str(max(1, args.steps // 4)), "--web", web],
+             "--eval-every", str(max(1, args.steps // 4)), "--web", web,
+             *(demo_badpeer.coordinator_flags(args) if args.bad_peer else [])],
             stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True))
         env = agents_env(args.agents)
         for i in range(args.agents):
             log_file = open(workdir / f"agent-{i}.log", "wb")  # noqa: SIM115
             stack.callback(log_file.close)
+            bad = args.bad_peer and i == args.agents - 1  # the last agent, with --bad-peer
             procs.append(subprocess.Popen(
                 [*py, "agent", "start", "--coordinator", address, "--listen", "127.0.0.1:0",
                  "--state-dir", str(workdir / f"agent-{i}"), "--device", "cpu", *common],
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                env=demo_badpeer.bad_env(env, args.bad_peer) if bad else env))
         print(f"demo: coordinator on {address}, {args.agents} agents, logs in {workdir}",
               file=sys.stderr)
+        if args.bad_peer:
+            print(f"demo: agent-{args.agents - 1} is the bad peer: its workers send "
+                  f"{args.bad_peer} values from step {demo_badpeer.ONSET} on", file=sys.stderr)
         security = rpc.Security(token=token_file.read_text())
         print(f"demo: watch it live in a browser: {login_url(f'http://{web}', security.token)}",
               file=sys.stderr)
@@ -216,7 +226,8 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
     async with rpc.open_channel(address, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         while time.monotonic() < deadline:
-            dead = [p for p in procs if p.poll() is not None]
+            # an excluded agent exits (its re-join is refused): the bad peer may
+            dead = [p for p in procs[:len(procs) - bool(args.bad_peer)] if p.poll() is not None]
             if dead:
                 progress.finish()
                 return flags.fail(f"a demo process exited early (code {dead[0].returncode}); "
@@ -237,6 +248,10 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
                 eta = f"  ETA {max(0.0, (job.total_steps - job.step) / rate):.0f}s"
             done = job.state == coordinator_pb2.JOB_STATE_DONE
             closing = await _summary(stub, status, started) if done else None
+            if closing is not None and args.bad_peer:  # what the rehearsal showed
+                closing["bad_peer"] = demo_badpeer.outcome(
+                    status_to_json(status), demo_badpeer.agent_id(
+                        workdir / f"agent-{args.agents - 1}"), args.bad_peer)
             if args.json:
                 update = {"state": state, "agents_alive": alive, "step": job.step,
                           "total_steps": job.total_steps, "loss": job.loss,
@@ -255,7 +270,10 @@ async def _watch(address: str, security: rpc.Security, procs: list[subprocess.Po
             if closing is not None:
                 progress.finish()
                 sys.stderr.write(summary_text(closing))
-                return 0
+                if not args.bad_peer:
+                    return 0
+                sys.stderr.write(demo_badpeer.outcome_text(closing["bad_peer"]))
+                return 0 if closing["bad_peer"]["excluded"] else 1
             if job.state == coordinator_pb2.JOB_STATE_FAILED:
                 progress.finish()
                 return flags.fail(f"job failed: {job.message}; see logs in {workdir}", 1)

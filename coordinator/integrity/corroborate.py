@@ -28,7 +28,11 @@ WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onse
 # that had just joined a grown-back job (tests/system/test_churn.py, 2 sequences per replica),
 # and an honest volunteer excluded is worse than a noisy one caught a few steps later by its
 # norm. Scaled, zeroed, replayed copies and drifted weights have no honest look-alike.
-CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights"})
+# An owner's averaged shard (agent/worker/avgcheck.py) confirms only when zeroed or replayed,
+# which no bad input can cause; its norm, cosine and shape move with a bad contributor's copy
+# as much as with a bad owner, and two honest receivers would then name an honest owner.
+CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights", "avg_zero",
+                        "avg_stale"})
 
 
 @dataclass

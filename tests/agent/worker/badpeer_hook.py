@@ -4,10 +4,13 @@
 listed step, every data-parallel shard it sends (`torch.distributed.isend` on the sharded
 scatter's tags; attacks as `agent.worker.badpeer.attack`: scale, flip, noise, zero, stale,
 where stale replays the message it sent for the same destination one step earlier, as sent), or, for
-`drift`, move one of its weights after that step's optimizer step. It patches torch, not the
-worker: the product's own rehearsal seam (`DTFM_FAULT`) stays out of it, so the tests check
-the mechanism, not the rehearsal mode. `install` runs from badpeer_site/sitecustomize.py
-and waits for torch.distributed to be imported by the worker before patching anything.
+`drift`, move one of its weights after that step's optimizer step, or, for `avg_` + an
+attack, alter the averaged shard it sends back as an owner (the gather's tags), in place
+before its first send, so that it steps with the altered average too, as every peer does.
+It patches torch, not the worker: the product's own rehearsal seam (`DTFM_FAULT`) stays
+out of it, so the tests check the mechanism, not the rehearsal mode. `install` runs from
+badpeer_site/sitecustomize.py and waits for torch.distributed to be imported by the worker
+before patching anything.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class _Patch:
         self.sent: dict[tuple[int, int], Any] = {}  # this step's messages, for stale
         self.before: dict[tuple[int, int], Any] = {}
         self.keep: list[Any] = []  # tampered tensors stay alive until their step ends
+        self.altered: set[int] = set()  # this step's averages, altered once each
 
     def apply(self) -> None:
         import torch
@@ -49,11 +53,17 @@ class _Patch:
 
         def isend(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0,
                   **kw: Any) -> Any:
-            scatter = TAG_SCATTER <= tag < TAG_SCATTER + 2 * MAX_BUCKETS and tag % 2 == 0
+            ours = TAG_SCATTER <= tag < TAG_SCATTER + 2 * MAX_BUCKETS
+            mode = self.plan.get(self.done + 1, "")
+            if ours and tag % 2 and self.rank in (-1, dist.get_rank()):
+                if mode.startswith("avg_") and tag not in self.altered:
+                    tensor.copy_(attack(mode[4:], tensor, self.before.get((tag, -1)), gen))
+                self.altered.add(tag)
+                self.sent[(tag, -1)] = tensor.detach().clone()
+            scatter = ours and tag % 2 == 0
             if scatter and self.rank in (-1, dist.get_rank()):
                 key = (tag, int(dst))
-                mode = self.plan.get(self.done + 1, "")
-                if mode and mode != "drift":
+                if mode and mode != "drift" and not mode.startswith("avg_"):
                     tensor = attack(mode, tensor, self.before.get(key), gen)
                     self.keep.append(tensor)
                 self.sent[key] = tensor.detach().clone()  # what it sent, tampered or not
@@ -61,7 +71,7 @@ class _Patch:
 
         def after_step(opt: Any, args: Any, kwargs: Any) -> None:
             self.done += 1
-            self.before, self.sent, self.keep = self.sent, {}, []
+            self.before, self.sent, self.keep, self.altered = self.sent, {}, [], set()
             if self.plan.get(self.done) == "drift" and self.rank in (-1, dist.get_rank()):
                 drift_(opt.param_groups[0]["params"])
 
