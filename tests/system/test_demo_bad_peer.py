@@ -1,6 +1,9 @@
-"""`coordinator demo --bad-peer` (issue 43, item 9): one of three agents sends its gradients
-x10 from step 8 on; the demo shows it caught by the other two, excluded, the job rolled back
-to a checkpoint before the attack and finishing on the honest two, and says so."""
+"""`coordinator demo --bad-peer avg_zero` (issue 43, items 2 and 9): one of three agents,
+owner of a third of every gradient, sends back an all-zero average of its shard from step 8
+on; the demo shows it caught by the two receivers, excluded, the job rolled back to a
+checkpoint before the attack and finishing on the honest two, and says so. The mode is the
+averaged shard's, end to end through the real daemons: a bad contributor's gradients (x10)
+are shown end to end by tests/system/test_bad_peer_excluded.py."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ STEPS = 20
 @pytest.mark.timeout(600)
 def test_demo_bad_peer_shows_the_agent_caught_excluded_and_rolled_back(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator", "demo", "--bad-peer", "--steps", str(STEPS),
+        [sys.executable, "-m", "coordinator", "demo", "--bad-peer", "avg_zero", "--steps",
+         str(STEPS),
          "--json", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=560)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -35,7 +39,7 @@ def test_demo_bad_peer_shows_the_agent_caught_excluded_and_rolled_back(tmp_path:
     rollback = bad["rollback"]
     assert rollback["layout_before"] == "1x3" and rollback["layout_after"] == "1x2", rollback
     assert rollback["resumed_step"] < bad["proven_from_step"], bad
-    assert f"demo: bad peer {bad['agent']}: scale from step {ONSET}" in out.stderr
+    assert f"demo: bad peer {bad['agent']}: avg_zero from step {ONSET}" in out.stderr
     assert "nobody honest was excluded" in out.stderr
 
 
