@@ -117,6 +117,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--plot", metavar="FILE.png", default="",
                    help="also draw loss and throughput by step into this PNG (needs matplotlib: "
                    "pip install 'dtfm[plot]')")
+    p.add_argument("--job", default="", metavar="ID",
+                   help="a job `coordinator jobs` lists: the running one (default) or one of "
+                   "the newest ended ones")
     flags.add_common_args(p, config_file=False)
 
     p = subs["export"] = sub.add_parser(

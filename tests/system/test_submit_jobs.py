@@ -70,6 +70,16 @@ def test_queued_jobs_run_in_turn_and_the_second_trains_as_alone(daemons: Daemons
     alone, after = job_losses(daemons.tmp, first), job_losses(daemons.tmp, second)
     assert sorted(alone) == [1, 2, 3, 4] and after == alone, (alone, after)
     assert not list(daemons.tmp.glob(f"*/work/{queued}-*"))
+    # each job keeps its own history (`coordinator report --job`)
+    auth = (("authorization", f"Bearer {daemons.token}"),)
+    history = _stub(daemons, address).GetHistory(
+        coordinator_pb2.HistoryRequest(job_id=first), timeout=10, metadata=auth)
+    assert history.job_id == first and history.state == coordinator_pb2.JOB_STATE_DONE
+    assert {p.loss for p in history.points} <= set(alone.values()), history
+    with pytest.raises(grpc.RpcError) as missing:
+        _stub(daemons, address).GetHistory(coordinator_pb2.HistoryRequest(job_id="job-none"),
+                                           timeout=10, metadata=auth)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
     text = daemons.cli("coordinator", "status", "--all", "--coordinator", address)
     assert text.returncode == 0 and queued in text.stdout and "cancelled" in text.stdout
 
