@@ -13,8 +13,7 @@ coordinator read or write files there. The operator's `start` may name them.
 from __future__ import annotations
 
 import argparse
-import tomllib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from coordinator.daemon.config import DriftConfig, JobConfig
 from dtfm import flags
@@ -136,19 +135,17 @@ def job_parser(prog: str = "coordinator submit") -> flags.Parser:
     return p
 
 
-def toml_args(path: str, parser: argparse.ArgumentParser) -> list[str]:
+def toml_args(path: str, parser: argparse.ArgumentParser,
+              ignore: Collection[str] = ()) -> list[str]:
     """The words a TOML file of job flags (keys named like the flags) stands for, to go
-    before the command line's (which win). ConfigError naming the file and key when bad."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"job file {path} is not valid TOML: {exc}") from None
+    before the command line's (which win); keys in `ignore` (dests: the command's own flags,
+    such as `coordinator`) are left out. ConfigError naming the file and key when bad."""
+    data = flags.load_toml(path, "job file")
     known = {a.action.dest: a for a in flags.arguments_of(parser) if a.action.option_strings}
     words: list[str] = []
     for key, value in data.items():
+        if key.replace("-", "_") in ignore:
+            continue
         argument = known.get(key.replace("-", "_"))
         if argument is None:
             raise ConfigError(f"job file {path}: unknown key {key!r}; the keys are the job "

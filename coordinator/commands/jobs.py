@@ -33,7 +33,8 @@ def job_words(argv: Sequence[str], client: argparse.ArgumentParser) -> list[str]
     """The job flags among `submit`'s words (those `client`, the command's own flags, does
     not take), after the words of its --config TOML file (so the command line wins)."""
     known, words = client.parse_known_args(list(argv))
-    return [*(toml_args(known.config, job_parser()) if known.config else []), *words]
+    return [*(toml_args(known.config, job_parser(), set(vars(known))) if known.config else []),
+            *words]
 
 
 def client_parser() -> argparse.ArgumentParser:

@@ -115,3 +115,13 @@ def test_the_archive_is_bounded() -> None:
     assert len(archive.entries) == MAX_ENDED and len(archive.histories) == HISTORIES_KEPT
     assert archive.entries[-1].job_id == f"job-{MAX_ENDED + 4}"
     assert f"job-{MAX_ENDED + 4}" in archive.histories
+
+
+def test_submit_sends_the_job_flags_after_the_files_and_keeps_its_own(tmp_path: Path) -> None:
+    from coordinator.commands.jobs import client_parser, job_words
+
+    path = tmp_path / "job.toml"
+    path.write_text('coordinator = "10.0.0.1:7070"\nmodel = "gpt-tiny"\nagents = 2\n')
+    words = job_words(["--coordinator", "127.0.0.1:1", "--config", str(path), "--json",
+                       "--steps", "7", "--timeout", "3"], client_parser())
+    assert words == ["--model", "gpt-tiny", "--agents", "2", "--steps", "7"]
