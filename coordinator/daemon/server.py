@@ -265,7 +265,11 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         job = Job(submitted.config, self.registry, self.measurer, self.links,
                   store=self.store, reach=self.reach, job_id=submitted.job_id)
         job.dataplane.share_relay_of(self.job.dataplane)
-        self.measurer.punching = self._gate.job = self.job = job
+        excluded = self.job.integrity.ledger.to_json()["exclusions"]
+        if excluded and not job.epoch:  # a new job: who a confirmed fault excluded stays out
+            job.integrity.restore({"exclusions": excluded})
+        self._gate.job = self.job = job
+        self.measurer.punching = job.dataplane  # stranded pairs punch through its relay
         self.history, self._export_source = History(), None
         log.info("job %s: starting (%s), submitted with %s", job.job_id, job.config.model,
                  " ".join(submitted.args))
