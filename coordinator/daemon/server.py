@@ -386,8 +386,8 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         if self.job.plan is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "no plan yet: start the coordinator with --model and --agents, and wait for "
-                "the agents to join",
+                "no plan yet: give the coordinator a job (`coordinator submit --model ... "
+                "--agents N`, or start it with them), and wait for the agents to join",
             )
         return self.job.plan
 

@@ -94,7 +94,7 @@ class Job:
         self.job_id = job_id or (f"job-{uuid.uuid4().hex[:8]}" if config.model else "")
         self.epoch = 0
         self.plan: common_pb2.Plan | None = None
-        self.message = "" if config.model else "no job: start with --model and --agents"
+        self.message = "" if config.model else "no job: `coordinator submit --model ...` queues one"
         self.members: list[str] = []
         # `members` as a set, for the list it was made of: each report asks "a member?"
         self._member_set: tuple[list[str], frozenset[str]] = (self.members, frozenset())
