@@ -50,8 +50,9 @@ class JobCalls:
         while not self.stopping.is_set():
             await self.run_job()
             if self.job.job_id:
-                self.archive.add(entry(self.job.status(), self.queue.running),
-                                 self.history_of_job())
+                status = self.job_status()  # what `coordinator export --job` reads
+                self.archive.add(entry(status, self.queue.running), self.history_of_job(),
+                                 status)
                 self.queue.ended(self.job.job_id)
             self.use_job(await self.queue.next())
 

@@ -160,10 +160,14 @@ class Archive:
     def __init__(self) -> None:
         self.entries: deque[coordinator_pb2.JobEntry] = deque(maxlen=MAX_ENDED)
         self.histories: OrderedDict[str, History] = OrderedDict()
+        self.statuses: dict[str, coordinator_pb2.JobStatus] = {}  # the same jobs' last status
 
-    def add(self, row: coordinator_pb2.JobEntry, history: History | None = None) -> None:
+    def add(self, row: coordinator_pb2.JobEntry, history: History | None = None,
+            status: coordinator_pb2.JobStatus | None = None) -> None:
         self.entries.append(row)
         if history is not None:
             self.histories[row.job_id] = history
+            if status is not None:
+                self.statuses[row.job_id] = status
             while len(self.histories) > HISTORIES_KEPT:
-                self.histories.popitem(last=False)
+                self.statuses.pop(self.histories.popitem(last=False)[0], None)

@@ -315,6 +315,14 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
         status, omitted = self.status_answer()
+        if request.job_id and request.job_id != status.job.job_id:
+            if (ended := self.archive.statuses.get(request.job_id)) is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"job {request.job_id[:100]!r} is neither the current job "
+                                    f"nor one of the newest ended ones "
+                                    f"({', '.join(self.archive.statuses) or 'none'})")
+            status = coordinator_pb2.ClusterStatus(agents=status.agents, job=ended,
+                                                   now_unix_s=status.now_unix_s)
         if omitted:  # the answer must fit a gRPC message at any number of agents
             context.set_trailing_metadata(((OMITTED_METADATA, str(omitted)),))
         return status

@@ -80,6 +80,10 @@ def test_queued_jobs_run_in_turn_and_the_second_trains_as_alone(daemons: Daemons
         _stub(daemons, address).GetHistory(coordinator_pb2.HistoryRequest(job_id="job-none"),
                                            timeout=10, metadata=auth)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    # ... and its own export, gathered from the agents after the next job ran on them
+    out = daemons.tmp / "first-model"
+    exported = _cli(daemons, address, "export", "--job", first, "--out", str(out))
+    assert exported["step"] == 4 and (out / "config.json").is_file(), exported
     text = daemons.cli("coordinator", "status", "--all", "--coordinator", address)
     assert text.returncode == 0 and queued in text.stdout and "cancelled" in text.stdout
 

@@ -414,8 +414,10 @@ class LeaveRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_secret: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class AgentStatus(_message.Message):
     __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach", "relay_distrusted", "exclusion", "evidence")
