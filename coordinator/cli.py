@@ -7,20 +7,15 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 
 from coordinator.daemon import pace
 from dtfm import flags, rpc
 from dtfm.core.limits import (
-    MAX_AGENTS,
     MAX_PING_SPREAD_S,
     MAX_STATUS_AGENTS,
 )
-
-if TYPE_CHECKING:
-    from coordinator.daemon.config import DriftConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
@@ -34,7 +29,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    from coordinator.daemon.config import JobConfig  # its defaults; `plan` below loads numpy anyway
+    from coordinator.jobflags import add_job_args  # `plan` below loads numpy anyway
     from coordinator.web.server import DEFAULT_WEB
 
     parser = flags.Parser(
@@ -62,28 +57,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="seconds a whole link measurement may take")
     p.add_argument("--measure-every", type=flags.seconds_or_off, default=0.0,
                    help="re-measure all links this often (s) while no job trains; 0: off")
-    p.add_argument("--model", default="", help="model preset to train (empty: no job)")
-    p.add_argument("--agents", type=flags.number(int, 0, maximum=MAX_AGENTS), default=0,
-                   help="agents the job waits for")
-    p.add_argument("--stages", type=flags.count, default=0, help="pipeline stages (0: choose)")
-    p.add_argument("--replicas", type=flags.count, default=0,
-                   help="data-parallel replicas (0: choose)")
-    flags.add_search_seconds(p, JobConfig.search_seconds)
-    _add_drift_flags(p)
-    p.add_argument("--no-measure", action="store_true",
-                   help="skip link measurement (plan as if all links were equal)")
-    p.add_argument("--transport", default="auto", choices=["auto", "gloo", "dtfm"],
-                   help="the workers' data plane: auto = gloo (CPU) / NCCL (GPU) when every "
-                   "member accepts connections, else dtfm (dials out, relays; CPU only)")
-    p.add_argument("--hole-punch", default="on", choices=["on", "off"],
-                   help="two agents that meet at a relay first try a direct connection "
-                   "through their NATs (TCP simultaneous open) and keep the relay only where "
-                   "that fails (default on; off: always the relay)")
-    p.add_argument("--frames", default="mac", choices=["mac", "encrypt", "off"],
-                   help="how the dtfm data plane protects each frame between two ranks: mac "
-                   "(default) = a per-pair MAC, so a relay cannot alter, replay or reorder "
-                   "what it forwards unnoticed; encrypt = AES-256-GCM, the relay cannot read "
-                   "it either; off = neither (docs/operations.md)")
+    add_job_args(p)  # --model, --agents, ... and the training flags (jobflags.py)
     p.add_argument("--relay-port", type=flags.number(int, 0, maximum=65535), default=None,
                    metavar="PORT", help="a port of its own for the data-plane relay for agents "
                    "that cannot accept connections, on the --listen host (default: the relay "
@@ -92,27 +66,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    metavar="MIB", help="the most disk the coordinator gives to copies of "
                    "stage checkpoints when no agent of the job can be dialled (their holders "
                    "push them here, the newest step of each stage; 0: keep none)")
-    p.add_argument("--max-restarts", type=flags.count, default=3,
-                   help="reschedules in a row without progress (a new checkpoint) before the "
-                   "job fails; progress refills the budget")
-    p.add_argument("--min-agents", type=flags.count, default=0,
-                   help="when agents are lost and no spare is alive, continue on fewer "
-                   "replicas down to this many agents (0: --agents, i.e. wait for a spare); "
-                   "the job grows back at a checkpoint when agents join")
     p.add_argument("--state-dir", default="", metavar="DIR",
                    help="keep the job's identity, plan and recoveries here (sqlite), so a "
                    "restarted coordinator continues the job from the agents' checkpoints")
-    p.add_argument("--placement", default="scheduled",
-                   help="scheduled (the paper's search, default), rank-order (network-blind, "
-                   "agents in address order), random[:SEED], or a plan file written by "
-                   "`coordinator plan --json` (pinned)")
-    p.add_argument("--layer-split", default="auto", metavar="auto|even|N,N,...",
-                   help="layers per stage: auto (faster devices get more layers, and no stage "
-                   "may outgrow its devices' memory; even when the devices are alike), even, "
-                   "or explicit counts in stage order")
-    p.add_argument("--links", default="", metavar="FILE",
-                   help="plan on this matrix (as `coordinator links --json` writes it) instead "
-                   "of measuring; it must cover the job's agents")
     p.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     p.add_argument("--web", nargs="?", const=DEFAULT_WEB, default="", metavar="HOST:PORT",
@@ -123,19 +79,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="write the job's scalars (loss, tokens/s, step time measured and "
                    "predicted, bytes per step, recoveries, re-plans) as TensorBoard event files "
                    "in DIR (needs pip install 'dtfm[tensorboard]'; default: off)")
-    p.add_argument("--export-dir", default="", metavar="DIR",
-                   help="after the last step, write the trained model there as a Hugging Face "
-                   "directory, gathered from the agents (as `coordinator export` does); a "
-                   "LoRA job's is a peft adapter directory")
-    p.add_argument("--export-merged", action="store_true",
-                   help="with --export-dir and --lora-rank: write the base with the adapters "
-                   "merged in (needs torch on the coordinator's machine) instead")
-    p.add_argument("--sync-overhead", type=flags.number(float, 0, above=True, maximum=1.0),
-                   default=JobConfig.sync_overhead, metavar="FRACTION",
-                   help="with --sync-every auto: the share of a step the data-parallel "
-                   "exchange, amortised over H steps, may cost; auto takes the smallest H "
-                   "within it (default: %(default)s)")
-    flags.add_train_args(p)  # --seed among them: it also seeds the placement search
     flags.add_common_args(p)
 
     p = subs["status"] = sub.add_parser("status", help="show agents, job and plan")
@@ -143,6 +86,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--watch", type=flags.seconds, nargs="?", const=2.0, default=None,
                    metavar="SECONDS", help="redraw every SECONDS (default 2) until Ctrl-C; with "
                    "--json, print one JSON line per refresh")
+    p.add_argument("--all", action="store_true",
+                   help="also list every job: ended, running and queued (`coordinator jobs`)")
+    flags.add_common_args(p, config_file=False)
+
+    from coordinator.commands import jobs
+
+    p = subs["submit"] = sub.add_parser(
+        "submit", help="queue a job on the running coordinator: the job flags of `start` "
+        "(--model, --agents, the training flags), or --config FILE.toml holding them")
+    _add_client_args(p)
+    add_job_args(p)
+    flags.add_common_args(p)
+    p = subs["jobs"] = sub.add_parser(
+        "jobs", help="list the coordinator's jobs: ended, running and queued")
+    _add_client_args(p)
+    flags.add_common_args(p, config_file=False)
+    p = subs["cancel"] = sub.add_parser(
+        "cancel", help="cancel a queued job, or stop the running one (the next one starts)")
+    _add_client_args(p)
+    jobs.add_cancel_arguments(p)
     flags.add_common_args(p, config_file=False)
 
     from coordinator.commands import admit
@@ -159,6 +122,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--plot", metavar="FILE.png", default="",
                    help="also draw loss and throughput by step into this PNG (needs matplotlib: "
                    "pip install 'dtfm[plot]')")
+    p.add_argument("--job", default="", metavar="ID",
+                   help="a job `coordinator jobs` lists: the running one (default) or one of "
+                   "the newest ended ones")
     flags.add_common_args(p, config_file=False)
 
     p = subs["export"] = sub.add_parser(
@@ -226,6 +192,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser, subs = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)  # `submit` sends its job's words
 
     def plan(args: argparse.Namespace) -> int:
         from coordinator.commands import plan as plan_cmd
@@ -265,46 +232,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args)
 
-    return flags.dispatch(parser, subs, argv, {
+    from coordinator.commands import jobs
+
+    return flags.dispatch(parser, subs, words, {
+        "submit": lambda args: jobs.submit(args, words[1:]), "jobs": jobs.list_jobs,
+        "cancel": jobs.cancel,
         "start": _start, "status": query, "links": query, "plan": plan, "demo": demo,
         "report": report, "certs": certs, "web-url": web_url, "admit": admit_cmd,
         "export": lambda args: flags.run_async(_export(args))})
 
 
-def _add_drift_flags(p: argparse.ArgumentParser) -> None:
-    """Watching the running job for drift and re-planning it (coordinator/job/drift.py,
-    coordinator/job/replan.py); defaults from `DriftConfig`."""
-    from coordinator.daemon.config import DriftConfig
-
-    d = DriftConfig()
-    p.add_argument("--no-replan", action="store_true",
-                   help="watch the running job for network or device drift and report it, "
-                   "but never move it to a new plan")
-    p.add_argument("--drift-threshold", type=float, default=d.threshold,
-                   help="a step this fraction slower than the plan's expected step is drift "
-                   f"(default {d.threshold}: 30 %% slower)")
-    p.add_argument("--drift-window", type=flags.count, default=d.window,
-                   help="... when it lasts this many steps in a row; a shorter blip is "
-                   f"ignored (default {d.window})")
-    p.add_argument("--replan-margin", type=float, default=d.margin,
-                   help="move to a new plan only when its predicted gain over the remaining "
-                   f"steps exceeds this many times the cost of moving (default {d.margin})")
-    p.add_argument("--remeasure-probe-seconds", type=flags.seconds, default=d.probe_seconds,
-                   help="each bandwidth probe of the background re-measurement lasts about "
-                   f"this long (default {d.probe_seconds} s)")
-
-
-def _drift_config(args: argparse.Namespace) -> DriftConfig:
-    from coordinator.daemon.config import DriftConfig
-
-    return DriftConfig(replan=not args.no_replan, threshold=args.drift_threshold,
-                       window=args.drift_window, margin=args.replan_margin,
-                       probe_seconds=args.remeasure_probe_seconds)
-
-
 def _start(args: argparse.Namespace) -> int:
-    from coordinator.daemon.config import CoordinatorConfig, JobConfig
+    from coordinator.daemon.config import CoordinatorConfig
     from coordinator.daemon.server import serve
+    from coordinator.jobflags import job_config
 
     config = CoordinatorConfig(
         listen=args.listen,
@@ -321,17 +262,7 @@ def _start(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         relay_port=args.relay_port,
         checkpoint_store_bytes=int(args.checkpoint_store_mib * 2**20),
-        job=JobConfig(model=args.model, agents=args.agents, stages=args.stages,
-                      replicas=args.replicas, train=flags.train_config_from_args(args),
-                      measure_links=not args.no_measure, search_seconds=args.search_seconds,
-                      seed=args.seed, max_restarts=args.max_restarts,
-                      min_agents=args.min_agents,
-                      placement=args.placement, links_file=args.links,
-                      layer_split=args.layer_split, export_dir=args.export_dir,
-                      export_merged=args.export_merged,
-                      drift=_drift_config(args), sync_overhead=args.sync_overhead,
-                      transport=args.transport, hole_punch=args.hole_punch == "on",
-                      frames=args.frames),
+        job=job_config(args),
     )
     config.validate()
     flags.run_async(serve(config))
@@ -357,6 +288,7 @@ async def _export(args: argparse.Namespace) -> int:
 
 
 async def _query(args: argparse.Namespace) -> int:
+    from coordinator.commands.jobs import jobs_to_json, jobs_to_text
     from coordinator.commands.status import omitted_agents, status_to_json, status_to_text
     from coordinator.links.store import matrix_to_json
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -385,13 +317,18 @@ async def _query(args: argparse.Namespace) -> int:
                                   timeout=args.timeout or 10.0)
             status = await call
             omitted = omitted_agents(await call.trailing_metadata())
+            jobs = (jobs_to_json(await stub.ListJobs(coordinator_pb2.ListJobsRequest(),
+                                                     timeout=args.timeout or 10.0))
+                    if args.all else None)
         except grpc.aio.AioRpcError as exc:
             return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     if args.json:
-        print(json.dumps({**status_to_json(status), "agents_omitted": omitted}))
+        print(json.dumps({**status_to_json(status), "agents_omitted": omitted,
+                          **({"jobs": jobs} if jobs is not None else {})}))
     else:
         print(status_to_text(status) + (f"\n({omitted} more agents not shown: a status "
-                                        f"lists at most {MAX_STATUS_AGENTS})" if omitted else ""))
+                                        f"lists at most {MAX_STATUS_AGENTS})" if omitted else "")
+              + (f"\n\njobs:\n{jobs_to_text(jobs)}" if jobs is not None else ""))
     return 0
 
 

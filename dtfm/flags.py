@@ -434,15 +434,20 @@ def _convert(argument: Argument, raw: Any, origin: str, toml: bool) -> Any:
     return value
 
 
-def _toml_defaults(path: str, actions: dict[str, Argument],
-                   origins: dict[str, str]) -> dict[str, Any]:
+def load_toml(path: str, what: str = "config file") -> dict[str, Any]:
+    """The TOML file at `path`; ConfigError naming it (as `what`) when unreadable or bad."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
+
+
+def _toml_defaults(path: str, actions: dict[str, Argument],
+                   origins: dict[str, str]) -> dict[str, Any]:
+    data = load_toml(path)
     defaults: dict[str, Any] = {}
     for key, value in data.items():
         dest = key.replace("-", "_")

@@ -22,7 +22,7 @@ async def fetch(args: argparse.Namespace) -> coordinator_pb2.JobHistory | str:
     async with rpc.open_channel(args.coordinator, flags.security_from_args(args)) as channel:
         try:
             return await coordinator_pb2_grpc.CoordinatorStub(channel).GetHistory(
-                coordinator_pb2.HistoryRequest(), timeout=args.timeout or 10.0)
+                coordinator_pb2.HistoryRequest(job_id=args.job), timeout=args.timeout or 10.0)
         except grpc.aio.AioRpcError as exc:
             return rpc.describe_rpc_error(exc, args.coordinator)
 

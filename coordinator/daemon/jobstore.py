@@ -38,6 +38,12 @@ CREATE TABLE IF NOT EXISTS job (
     finished INTEGER NOT NULL DEFAULT 0,
     updated_unix_s REAL NOT NULL,
     snapshot TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS queue (
+    job_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    args TEXT NOT NULL,
+    submitted_unix_s REAL NOT NULL
 )
 """
 
@@ -90,7 +96,7 @@ class JobStore:
             self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute(SCHEMA)
+            self._db.executescript(SCHEMA)
         except (OSError, sqlite3.Error) as exc:
             raise OSError(f"--state-dir {state_dir}: cannot open {self.path}: {exc}; give a "
                           f"writable directory on local disk") from exc
@@ -130,6 +136,29 @@ class JobStore:
             log.info("state dir %s holds an unfinished job with other flags; not adopting it",
                      self.path.parent)
         return None
+
+    def unfinished_job(self, job_id: str) -> JobSnapshot | None:
+        """The unfinished job of this id, if the state directory holds it."""
+        row = self._db.execute("SELECT snapshot FROM job WHERE finished = 0 AND job_id = ?",
+                               (job_id,)).fetchone()
+        return JobSnapshot.from_json(row[0]) if row else None
+
+    # --- submitted jobs (coordinator/daemon/jobs.py): queued or running, until they end ---
+    def queue_put(self, job_id: str, seq: int, args: list[str], submitted_unix_s: float
+                  ) -> None:
+        with self._db:
+            self._db.execute("INSERT OR REPLACE INTO queue VALUES (?, ?, ?, ?)",
+                             (job_id, seq, json.dumps(args), submitted_unix_s))
+
+    def queue_remove(self, job_id: str) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM queue WHERE job_id = ?", (job_id,))
+
+    def queue_rows(self) -> list[tuple[str, int, list[str], float]]:
+        """(job_id, seq, args, submitted_unix_s) of every submitted job not ended, in order."""
+        rows = self._db.execute(
+            "SELECT job_id, seq, args, submitted_unix_s FROM queue ORDER BY seq").fetchall()
+        return [(job_id, seq, json.loads(args), at) for job_id, seq, args, at in rows]
 
     def close(self) -> None:
         self._db.close()

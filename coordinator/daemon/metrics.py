@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -38,10 +38,16 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 class CoordinatorCollector(Collector):
     """Reads the coordinator's live objects on every scrape."""
 
-    def __init__(self, registry: Registry, job: Job, links: LinkStore) -> None:
+    def __init__(self, registry: Registry, job: Job | Callable[[], Job],
+                 links: LinkStore) -> None:
         self.registry = registry
-        self.job = job
+        # the daemon's: the job running now (a coordinator runs one after another)
+        self._current = job
         self.links = links
+
+    @property
+    def job(self) -> Job:
+        return self._current() if callable(self._current) else self._current
 
     def collect(self) -> Iterator[Metric]:
         yield from self._agents()
@@ -240,7 +246,8 @@ class CoordinatorCollector(Collector):
         yield from (delay, bandwidth, reachable, when)
 
 
-def coordinator_registry(registry: Registry, job: Job, links: LinkStore) -> CollectorRegistry:
+def coordinator_registry(registry: Registry, job: Job | Callable[[], Job], links: LinkStore
+                         ) -> CollectorRegistry:
     """A registry of its own (not the process-global default), so tests can run several."""
     out = CollectorRegistry()
     out.register(CoordinatorCollector(registry, job, links))

@@ -36,7 +36,8 @@ from dtfm.core.checkpoints import Manifest
 from dtfm.core.spec import ModelSpec
 from protos.dtfm.v1 import coordinator_pb2
 
-ENDED = (coordinator_pb2.JOB_STATE_DONE, coordinator_pb2.JOB_STATE_FAILED)
+ENDED = (coordinator_pb2.JOB_STATE_DONE, coordinator_pb2.JOB_STATE_FAILED,
+         coordinator_pb2.JOB_STATE_CANCELLED)
 
 
 

@@ -18,9 +18,15 @@ number the agents had already used. So:
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from protos.dtfm.v1 import coordinator_pb2
+
+log = logging.getLogger(__name__)
+ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
 
 
 class _Saves(Protocol):
@@ -46,6 +52,27 @@ def stale_snapshot(job_id: str, epoch: int, report: coordinator_pb2.ProgressRepo
             f"members' newest checkpoints instead of trusting the stale state")
 
 
+def adopt_deadline() -> float:
+    """When an epoch adopted now gives up on members that have not reported (monotonic)."""
+    return time.monotonic() + ADOPT_WAIT_S
+
+
+def adopted_silence(job_id: str, epoch: int, members: Sequence[str],
+                    progress: Mapping[str, object], deadline: float) -> tuple[float, str]:
+    """The adoption `deadline` left (0: no longer waiting) and, once it has passed with
+    members silent, why the adopted epoch fails ('' otherwise)."""
+    if not deadline:
+        return 0.0, ""
+    silent = [a for a in members if a not in progress]
+    if not silent:
+        log.info("job %s: every member of epoch %d reported after the restart", job_id, epoch)
+        return 0.0, ""
+    if time.monotonic() > deadline:
+        return 0.0, (f"member(s) {', '.join(silent)} did not report within "
+                     f"{ADOPT_WAIT_S:.0f} s of the coordinator's restart")
+    return deadline, ""
+
+
 def save_line(failures: int, error: str, saved_unix_s: float, now_unix_s: float) -> str:
     """A status line about failed saves ('' when the newest save worked)."""
     if not failures:
@@ -59,6 +86,6 @@ def save_line(failures: int, error: str, saved_unix_s: float, now_unix_s: float)
 def shutdown_note(state: str, path: object) -> str:
     """What a coordinator stopping with a state directory leaves behind, for its log: a job
     still under way is left to the next coordinator; a `done` or `failed` one has ended."""
-    if state in ("done", "failed"):
+    if state in ("done", "failed", "cancelled"):
         return f"{state}: the job has ended, nothing runs on (its record stays in {path})"
     return f"left running for the next coordinator (state in {path})"

@@ -12,13 +12,16 @@ import logging
 import math
 import signal
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
 
 import grpc
 
 from coordinator.daemon.config import CoordinatorConfig
 from coordinator.daemon.history import History
+from coordinator.daemon.jobcalls import JobCalls
+from coordinator.daemon.jobs import ENDED, Archive, JobQueue, Submitted
 from coordinator.daemon.jobstore import JobStore
 from coordinator.daemon.pushgate import PushGate
 from coordinator.daemon.registry import LEFT, AgentRecord, IdentityError, Registry
@@ -50,10 +53,6 @@ from dtfm.core.limits import (
 from dtfm.net.front import Front
 from protos.dtfm.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-if TYPE_CHECKING:
-    from coordinator.daemon.tblog import TensorBoardLog
-    from coordinator.web.server import WebServer
-
 log = logging.getLogger(__name__)
 
 # job states in which it waits for usable agents: where an undialable one is worth a word
@@ -65,7 +64,7 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
-class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.registry = Registry(config.liveness_timeout_s, on_change=self._changed,
@@ -84,8 +83,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.history = History()
         self.integrity = IntegrityReports()  # what agents' replica checks found (issue 43)
         self.corroboration = Corroboration()  # ... and when two of them confirm a fault
+        self._gate = PushGate(self.registry, self.job)
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
-                                        PushGate(self.registry, self.job).admit)
+                                        self._gate.admit)
+        self.queue = JobQueue(self.store)  # submitted jobs (coordinator/daemon/jobs.py)
+        self.archive = Archive()  # ... and what is kept of ended ones
+        self.driving: asyncio.Future[None] | None = None  # the task driving `job`
         self.stopping = asyncio.Event()
         self._export_source: coordinator_pb2.ExportSource | None = None
 
@@ -259,20 +262,39 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return await self.copies.push(request_iterator, context)
 
     # --- people and scripts ---
+    def use_job(self, submitted: Submitted) -> None:
+        """Make `submitted` the job this coordinator drives (the one before it has ended)."""
+        job = Job(submitted.config, self.registry, self.measurer, self.links,
+                  store=self.store, reach=self.reach, job_id=submitted.job_id)
+        job.dataplane.share_relay_of(self.job.dataplane)
+        excluded = self.job.integrity.ledger.to_json()["exclusions"]
+        if excluded and not job.epoch:  # a new job: who a confirmed fault excluded stays out
+            job.integrity.restore({"exclusions": excluded})
+        self._gate.job = self.job = job
+        self.measurer.punching = job.dataplane  # stranded pairs punch through its relay
+        self.history, self._export_source = History(), None
+        log.info("job %s: starting (%s), submitted with %s", job.job_id, job.config.model,
+                 " ".join(submitted.args))
+
     async def run_job(self) -> None:
-        """Drive the job (and its export); the coordinator's checkpoint copies of the job
-        go when it ends (kept while it is unfinished: a restarted coordinator continues it)."""
+        """Drive the job (and its export) until it ends or is cancelled; the coordinator's
+        checkpoint copies of the job go when it ends (kept while it is unfinished: a
+        restarted coordinator continues it)."""
         if self.job.job_id:
             await self.copies.keep_only(self.job.job_id)
-        await self._run_and_export()
-        if self.job.job_id and self.job.state in (coordinator_pb2.JOB_STATE_DONE,
-                                                  coordinator_pb2.JOB_STATE_FAILED):
+        self.driving = asyncio.ensure_future(self._run_and_export())
+        try:
+            await self.driving
+        except asyncio.CancelledError:
+            if self.job.state != coordinator_pb2.JOB_STATE_CANCELLED:
+                raise  # the coordinator stops
+        if self.job.job_id and self.job.state in ENDED:
             await self.copies.remove(self.job.job_id, "the job ended")
 
     async def _run_and_export(self) -> None:
         """Drive the job; after its last step, write --export-dir when given."""
         await self.job.run()
-        job = self.config.job
+        job = self.job.config
         if not (job.export_dir and self.job.state == coordinator_pb2.JOB_STATE_DONE):
             return
         from coordinator.job.export import export_from_status
@@ -280,7 +302,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         status = coordinator_pb2.ClusterStatus(
             agents=[a.to_proto() for a in self.registry.status_rows(MAX_AGENTS)[0]],
-            job=self._job_status())
+            job=self.job_status())
         try:
             step, out = await export_from_status(status, self.config.security,
                                                  job.export_dir, merged=job.export_merged,
@@ -295,6 +317,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
         status, omitted = self.status_answer()
+        if request.job_id and request.job_id != status.job.job_id:
+            if (ended := self.archive.statuses.get(request.job_id)) is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"job {request.job_id[:100]!r} is neither the current job "
+                                    f"nor one of the newest ended ones "
+                                    f"({', '.join(self.archive.statuses) or 'none'})")
+            status = coordinator_pb2.ClusterStatus(agents=status.agents, job=ended,
+                                                   now_unix_s=status.now_unix_s)
         if omitted:  # the answer must fit a gRPC message at any number of agents
             context.set_trailing_metadata(((OMITTED_METADATA, str(omitted)),))
         return status
@@ -307,13 +337,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ClusterStatus(
             agents=[*(integrity_status(a.to_proto(), self.job.integrity.ledger) for a in rows),
                     *excluded_rows(self.job.integrity.ledger, set(ids))],
-            job=self._job_status(),
+            job=self.job_status(),
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
             now_unix_s=time.time(),
         ), omitted
 
-    def _job_status(self) -> coordinator_pb2.JobStatus:
+    def job_status(self) -> coordinator_pb2.JobStatus:
         """The job's status with what an export writes beside the weights (token ids,
         tokenizer, a LoRA job's settings: `coordinator.job.export.job_export_source`, read
         once)."""
@@ -321,11 +351,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         status.coordinator_checkpoints.extend(self.copies.held(status.job_id))
         if line := self.unreachable_line(status.state):
             status.message = f"{status.message}; {line}" if status.message else line
-        if self.config.job.model:
+        if self.job.config.model:
             if self._export_source is None:
                 from coordinator.job.export import job_export_source
 
-                self._export_source = job_export_source(self.config.job.train)
+                self._export_source = job_export_source(self.job.config.train)
             status.export_source.CopyFrom(self._export_source)
         return status
 
@@ -366,23 +396,37 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.job.plan is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "no plan yet: start the coordinator with --model and --agents, and wait for "
-                "the agents to join",
+                "no plan yet: give the coordinator a job (`coordinator submit --model ... "
+                "--agents N`, or start it with them), and wait for the agents to join",
             )
         return self.job.plan
 
     async def GetHistory(
         self, request: coordinator_pb2.HistoryRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.JobHistory:
+        if request.job_id and request.job_id != self.job.job_id:
+            if (ended := self.archive.histories.get(request.job_id)) is None:
+                kept = ", ".join(self.archive.histories) or "none"
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"no history of job {request.job_id[:100]!r}: the "
+                                    f"coordinator keeps the running job's and the newest ended "
+                                    f"jobs' ({kept}); `coordinator jobs` lists the jobs")
+                raise  # unreachable: abort raises
+            return ended()
         return self.history_answer()
 
     def history_answer(self, limit: int | None = None, tail: int | None = None
                        ) -> coordinator_pb2.JobHistory:
         """What GetHistory answers; `limit`: at most that many points, spread (the web
         view); `tail`: the newest that many (the TensorBoard log)."""
-        job = self.config.job
+        return self.history_of_job()(limit, tail)
+
+    def history_of_job(self) -> Callable[..., coordinator_pb2.JobHistory]:
+        """The running job's history answer as it stands, kept when the job ends."""
+        job = self.job.config
         tokens = job.train.global_batch * job.model_spec().seq_len if job.model else 0
-        return self.history.to_proto(self.job.status(), tokens, self.job.restarts, limit, tail)
+        return partial(self.history.to_proto, self.job.status(), tokens, self.job.restarts)
+
 
     async def MeasureLinks(
         self, request: coordinator_pb2.MeasureRequest, context: grpc.aio.ServicerContext
@@ -452,43 +496,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             rec.commands.put_nowait(None)  # type: ignore[arg-type]
 
 
-async def start_metrics(service: CoordinatorService) -> asyncio.Server | None:
-    """The Prometheus endpoint of `--metrics-listen`, or None when it is off."""
-    if not service.config.metrics_listen:
-        return None
-    from coordinator.daemon.metrics import coordinator_registry
-    from dtfm.metrics import serve_metrics
-
-    registry = coordinator_registry(service.registry, service.job, service.links)
-    server, _ = await serve_metrics(service.config.metrics_listen, registry)
-    return server
-
-
-async def start_web(service: CoordinatorService) -> WebServer | None:
-    """The web view of `--web`, or None when it is off."""
-    if not service.config.web_listen:
-        return None
-    from coordinator.web.server import start_web as serve_web
-    from coordinator.web.view import View
-
-    web, _ = await serve_web(service.config.web_listen, service.config.security,
-                             View(service.status_answer, service.history_answer))
-    return web
-
-
-def start_tensorboard(service: CoordinatorService) -> TensorBoardLog | None:
-    """The event files of `--tensorboard`, or None when it is off."""
-    if not service.config.tensorboard_dir:
-        return None
-    from coordinator.daemon.tblog import TAIL, TensorBoardLog
-
-    log.info("TensorBoard event files in %s", service.config.tensorboard_dir)
-    return TensorBoardLog(service.config.tensorboard_dir,
-                          lambda: service.history_answer(tail=TAIL), service.status_answer)
-
-
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
     """Run the coordinator until SIGTERM/SIGINT."""
+    from coordinator.daemon.sidecars import start_metrics, start_tensorboard, start_web
+
     service = CoordinatorService(config)
     metrics = await start_metrics(service)
     web = await start_web(service)
@@ -527,7 +538,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(service.sweep_forever()),
-             asyncio.create_task(service.run_job()),
+             asyncio.create_task(service.run_jobs()),
              asyncio.create_task(service.remeasure_forever())]
     if board is not None:
         tasks.append(asyncio.create_task(board.run()))

@@ -318,6 +318,11 @@ class DataPlanes:
         self._front = front
         return self.relay
 
+    def share_relay_of(self, other: DataPlanes) -> None:
+        """The coordinator's relay outlives a job: the next job's planes use the one running
+        (coordinator/daemon/jobs.py)."""
+        self.relay, self._front = other.relay, other._front
+
     def status_fields(self, job_id: str) -> dict[str, int]:
         """What the relays forwarded for `job_id` and refused from non-members: the
         coordinator's since it started (the bytes of connections the shared port's front

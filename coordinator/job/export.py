@@ -109,10 +109,13 @@ def _has_weights(m: Manifest) -> bool:
     return any(f.name == ondisk.weights_name(m.step) for f in m.files)
 
 
-async def job_status(address: str, security: rpc.Security) -> coordinator_pb2.ClusterStatus:
+async def job_status(address: str, security: rpc.Security, job_id: str = ""
+                     ) -> coordinator_pb2.ClusterStatus:
+    """The cluster's status with `job_id`'s (an ended one's too; default: the current job)."""
     async with rpc.open_channel(address, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        return await stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+        return await stub.GetStatus(coordinator_pb2.StatusRequest(job_id=job_id),
+                                    timeout=STATUS_TIMEOUT_S)
 
 
 def agent_targets(status: coordinator_pb2.ClusterStatus) -> list[tuple[str, str]]:
@@ -218,7 +221,7 @@ async def export_job(coordinator: str, security: rpc.Security, out: str | Path, 
     """The whole `coordinator export`: returns the step exported and the directory."""
     check_inputs(out, force, tokenizer)
     try:
-        status = await job_status(coordinator, security)
+        status = await job_status(coordinator, security, job_id)
     except grpc.aio.AioRpcError as e:
         raise ExportError(rpc.describe_rpc_error(e, coordinator)) from None
     return await export_from_status(status, security, out, job_id=job_id, force=force,

@@ -26,7 +26,8 @@ S = coordinator_pb2  # state constants live in the generated module
 STATE_NAMES = {S.JOB_STATE_WAITING: "waiting", S.JOB_STATE_MEASURING: "measuring",
                S.JOB_STATE_SCHEDULING: "scheduling", S.JOB_STATE_RUNNING: "running",
                S.JOB_STATE_RECOVERING: "recovering", S.JOB_STATE_DONE: "done",
-               S.JOB_STATE_FAILED: "failed", S.JOB_STATE_IDLE: "idle"}
+               S.JOB_STATE_FAILED: "failed", S.JOB_STATE_IDLE: "idle",
+               S.JOB_STATE_CANCELLED: "cancelled"}
 
 
 def job_fingerprint(cfg: JobConfig) -> str:

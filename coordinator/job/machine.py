@@ -41,7 +41,12 @@ import numpy as np
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, JobStore
-from coordinator.daemon.reconcile import shutdown_note, stale_snapshot
+from coordinator.daemon.reconcile import (
+    adopt_deadline,
+    adopted_silence,
+    shutdown_note,
+    stale_snapshot,
+)
 from coordinator.daemon.registry import AgentRecord, Registry
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.job import failedpairs, jobsnapshot, jobstatus, rootcause
@@ -69,7 +74,6 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 S = coordinator_pb2  # state constants live in the generated module
-ADOPT_WAIT_S = 60.0  # how long an adopted job waits for its members to report again
 INTERNAL_RETRY_S = 5.0  # before an epoch that hit a coordinator error is planned again
 STEP_WINDOW = 5  # measured step time: the median over the members' last steps
 # Every join and heartbeat pokes the job; its loops (each pass O(agents)) run at most this
@@ -81,16 +85,16 @@ FOLLOW_EVERY_S = 0.1
 class Job:
     def __init__(self, config: JobConfig, registry: Registry, measurer: LinkMeasurer,
                  links: LinkStore, store: JobStore | None = None,
-                 reach: ReachChecker | None = None) -> None:
+                 reach: ReachChecker | None = None, job_id: str = "") -> None:
         self.config = config
         self.registry = registry
         self.measurer = measurer
         self.links = links
         self.state = S.JOB_STATE_WAITING if config.model else S.JOB_STATE_IDLE
-        self.job_id = f"job-{uuid.uuid4().hex[:8]}" if config.model else ""
+        self.job_id = job_id or (f"job-{uuid.uuid4().hex[:8]}" if config.model else "")
         self.epoch = 0
         self.plan: common_pb2.Plan | None = None
-        self.message = "" if config.model else "no job: start with --model and --agents"
+        self.message = "" if config.model else "no job: `coordinator submit --model ...` queues one"
         self.members: list[str] = []
         # `members` as a set, for the list it was made of: each report asks "a member?"
         self._member_set: tuple[list[str], frozenset[str]] = (self.members, frozenset())
@@ -124,7 +128,8 @@ class Job:
         self.store = store
         self.integrity.ledger.on_change = self.persist
         if store is not None and config.model:
-            self._adopt(store.unfinished(job_fingerprint(config)))
+            self._adopt(store.unfinished_job(job_id) if job_id
+                        else store.unfinished(job_fingerprint(config)))
 
     def _name_collaborators(self) -> None:
         """The collaborators name the job in what they log."""
@@ -169,7 +174,7 @@ class Job:
                 stages=len(snap.grid), replicas=len(snap.grid[0]), epoch=self.epoch,
                 grid=[common_pb2.PlanStage(agent_ids=row) for row in snap.grid],
                 placement="adopted", layer_splits=snap.splits)
-            self._adopt_deadline = time.monotonic() + ADOPT_WAIT_S
+            self._adopt_deadline = adopt_deadline()
         log.info("job %s: adopted from the state directory after a coordinator restart "
                  "(epoch %d, %s, newest checkpoint step %d)", self.job_id, self.epoch,
                  snap.state, self.checkpoint_step)
@@ -466,7 +471,8 @@ class Job:
                 return
             self.membership.measure_spares(self.members, self.poke)
             self.replan.tick()
-            if fresh_checkpoint and (grow := self._grow_reason() or self.replan.move_reason()):
+            if fresh_checkpoint and (grow := self.membership.grow_reason(  # onto more agents
+                    self.members, self.planner, self.checkpoint_step) or self.replan.move_reason()):
                 self.recoveries.begin(grow, self.planner.layout_text(), self.last_step(),
                                       planned=True)
                 await self._stop_members(f"recovering: {grow}")
@@ -506,10 +512,6 @@ class Job:
                       f"without progress)")
         self.persist(finished=self.state == S.JOB_STATE_FAILED)
 
-    def _grow_reason(self) -> str:
-        """Why to stop at this checkpoint and grow onto more agents (`Membership`)."""
-        return self.membership.grow_reason(self.members, self.planner, self.checkpoint_step)
-
     def _note_checkpoint(self) -> bool:
         """Whether every member has just passed a new checkpoint step this epoch wrote
         (`CheckpointTracker.note`). Progress refills the restart budget: faults days apart on
@@ -525,18 +527,10 @@ class Job:
 
     def _check_adopted(self) -> None:
         """An adopted epoch goes on only if its members report again in time."""
-        if not self._adopt_deadline:
-            return
-        silent = [a for a in self.members if a not in self._progress]
-        if not silent:
-            self._adopt_deadline = 0.0
-            log.info("job %s: every member of epoch %d reported after the restart",
-                     self.job_id, self.epoch)
-        elif time.monotonic() > self._adopt_deadline:
-            self._adopt_deadline = 0.0
-            if not self._failure:
-                self._failure = (f"member(s) {', '.join(silent)} did not report within "
-                                 f"{ADOPT_WAIT_S:.0f} s of the coordinator's restart")
+        self._adopt_deadline, silence = adopted_silence(
+            self.job_id, self.epoch, self.members, self._progress, self._adopt_deadline)
+        if silence and not self._failure:
+            self._failure = silence
 
     def _permanent(self, failure: str) -> str:
         """Why `failure` will repeat the same way on every retry ('' when a retry may help;
@@ -552,6 +546,15 @@ class Job:
             if rec is not None and rec.state == S.AGENT_STATE_ALIVE:
                 self.registry.send(agent_id, coordinator_pb2.Command(
                     stop=coordinator_pb2.StopCommand(job_id=self.job_id, reason=reason)))
+
+    async def cancel(self, reason: str) -> None:
+        """`coordinator cancel`: stop the members and end the job as cancelled (the caller
+        stops the task that drives it)."""
+        self.membership.cancel_spare_measurement()
+        self.replan.cancel()
+        await self._stop_members(f"cancelled: {reason}")
+        self._set(S.JOB_STATE_CANCELLED, reason)
+        self.persist(finished=True)
 
     async def shutdown(self) -> None:
         """Stop the members, unless the job is kept in a state directory: then the workers

@@ -35,6 +35,8 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_RECOVERING: _ClassVar[JobState]
     JOB_STATE_DONE: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
 MEASURE_KIND_BOTH: MeasureKind
 MEASURE_KIND_LATENCY: MeasureKind
 MEASURE_KIND_BANDWIDTH: MeasureKind
@@ -53,6 +55,72 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_RECOVERING: JobState
 JOB_STATE_DONE: JobState
 JOB_STATE_FAILED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_CANCELLED: JobState
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("args",)
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, args: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job_id", "position", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    position: int
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., position: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobEntry(_message.Message):
+    __slots__ = ("job_id", "state", "model", "agents", "step", "total_steps", "loss", "message", "submitted_unix_s", "args")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    model: str
+    agents: int
+    step: int
+    total_steps: int
+    loss: float
+    message: str
+    submitted_unix_s: float
+    args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., message: _Optional[str] = ..., submitted_unix_s: _Optional[float] = ..., args: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobEntry]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobEntry, _Mapping]]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelJobReply(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("agent_id",)
@@ -348,8 +416,10 @@ class LeaveRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_secret: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class AgentStatus(_message.Message):
     __slots__ = ("info", "state", "last_seen_unix_s", "joined_unix_s", "progress", "reach", "relay_distrusted", "exclusion", "evidence")
@@ -596,8 +666,10 @@ class MeasureRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ..., sampled: _Optional[bool] = ..., ping_spread_s: _Optional[float] = ...) -> None: ...
 
 class HistoryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class HistoryPoint(_message.Message):
     __slots__ = ("epoch", "step", "loss", "step_s", "tokens_per_s", "unix_s", "val_loss")

@@ -101,6 +101,21 @@ class CoordinatorStub:
                 request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitReply.FromString,
                 _registered_method=True)
+        self.SubmitJob = channel.unary_unary(
+                '/dtfm.v1.Coordinator/SubmitJob',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.SubmitJobReply.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/dtfm.v1.Coordinator/ListJobs',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobList.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/dtfm.v1.Coordinator/CancelJob',
+                request_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.CancelJobReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -207,6 +222,27 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitJob(self, request, context):
+        """Jobs submitted to the running coordinator (`coordinator submit`, `jobs`, `cancel`):
+        queued in order, each run on the live agents once the one before it ends
+        (coordinator/daemon/jobs.py). Authenticated by the join token (or mTLS) like every call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +310,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitRequest.FromString,
                     response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitReply.SerializeToString,
+            ),
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.SubmitJobRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.SubmitJobReply.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.ListJobsRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobList.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.CancelJobRequest.FromString,
+                    response_serializer=protos_dot_dtfm_dot_v1_dot_coordinator__pb2.CancelJobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -627,6 +678,87 @@ class Coordinator:
             '/dtfm.v1.Coordinator/Admit',
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
             protos_dot_dtfm_dot_v1_dot_coordinator__pb2.AdmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/SubmitJob',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.SubmitJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/ListJobs',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtfm.v1.Coordinator/CancelJob',
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
+            protos_dot_dtfm_dot_v1_dot_coordinator__pb2.CancelJobReply.FromString,
             options,
             channel_credentials,
             insecure,
