@@ -44,6 +44,7 @@ from dtfm.core.files import open_private_append, write_private
 from dtfm.core.hfexport import ExportError
 from dtfm.core.mergerequest import EXPORT_ERROR_EXIT, MergeRequest
 from dtfm.procs import terminate_all, terminate_all_async
+from dtfm.spareprio import raise_to_mine
 from protos.dtfm.v1 import common_pb2
 
 FOLLOW_POLL_S = 0.25
@@ -187,6 +188,7 @@ class Spare:
             self.popen.stdin.close()
         except OSError:  # BrokenPipeError: it died since poll()
             return None
+        raise_to_mine(self.popen.pid)  # not left to the spare: dtfm/spareprio.py says why
         return WorkerProcess(files, self.popen)
 
     def _close_stdin(self) -> None:

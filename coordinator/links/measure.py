@@ -9,10 +9,11 @@ pair that can dial neither way is hole-punched and measured direct where the pun
 through (`coordinator.links.punchprobe`), else priced as relayed through the coordinator
 (`coordinator.links.relayed`). A peer that does
 not answer ends up as an unreachable link, never a hang: every probe has a deadline, and an
-agent that stays silent past it is recorded as a failed link and not asked again. A sample
-marked `estimated` (its probe moved data but never settled on a rate, as a 2 Mbit/s link
-171 ms away may not) is a measured link like any other: logged, and kept with its mark so
-`coordinator links` and `status` show it; only a peer that moved nothing is unreachable.
+agent that stays silent past it, or that the registry loses meanwhile, is recorded as a failed
+link and not asked again. A sample marked `estimated` (its probe moved data but never settled
+on a rate, as a 2 Mbit/s link 171 ms away may not) is a measured link like any other: logged,
+and kept with its mark so `coordinator links` and `status` show it; only a peer that moved
+nothing is unreachable.
 
 A report counts only from the agent the command went to (the server checked its secret), for
 the round it was asked, and only for the peers it was asked to probe; a figure no network can
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.daemon.registry import ALIVE, AgentRecord, Registry
 from coordinator.links import figures, punchprobe, relayed
 from coordinator.links.infer import latency_clusters, sampled_links, to_measure
 from coordinator.links.store import LinkStore, in_rotation
@@ -57,6 +58,8 @@ PING_RATE = 20.0
 # such a pass on top of the probe timeout (a million samples on a tenth of a busy core
 # outlasted the 30 s of slack, and the late reports were refused: bench/scale.py).
 INGEST_S_PER_SAMPLE = 50e-6
+# how often a wait for a report looks whether the registry still counts its measurer alive
+LIVENESS_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -480,19 +483,32 @@ class LinkMeasurer:
                     self.store.mark_unreachable(
                         measurer, peer, f"agent {measurer} left before it could measure")
                 return
-            try:
-                # a latency pass's pings take their spread before the report comes
-                await asyncio.wait_for(asyncio.shield(future),
-                                       self.probe_timeout_s + spread_s + ingest_s)
-            except TimeoutError:
+            # a latency pass's pings take their spread before the report comes
+            if why := await self._await_report(future, measurer,
+                                               self.probe_timeout_s + spread_s + ingest_s):
                 silent.add(measurer)
                 for peer in peers:
-                    self.store.mark_unreachable(
-                        measurer, peer, f"agent {measurer} did not report its probe of {peer} "
-                                        f"within {self.probe_timeout_s:.0f} s")
+                    self.store.mark_unreachable(measurer, peer, f"agent {measurer} {why} "
+                                                                f"(its probe of {peer})")
         finally:
             self._pending.pop((round_id, measurer), None)
             future.cancel()
+
+    async def _await_report(self, future: asyncio.Future[None], measurer: str,
+                            timeout_s: float) -> str:
+        """Wait for `measurer`'s report: "" once it came, else why it will not. The registry
+        losing the measurer (silent past the liveness timeout, or gone) ends the wait early:
+        a frozen agent would otherwise hold the round up for the whole probe deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not future.done():
+            record = self.registry.get(measurer)
+            if record is None or record.state != ALIVE:
+                return "was lost before it reported"
+            if (left := deadline - loop.time()) <= 0:
+                return f"did not report within {self.probe_timeout_s:.0f} s"
+            await asyncio.wait({future}, timeout=min(left, LIVENESS_POLL_S))
+        return ""
 
 
 @dataclass(frozen=True)

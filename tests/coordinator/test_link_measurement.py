@@ -84,7 +84,8 @@ def test_a_dead_peer_is_reported_unreachable_and_left_out(tmp_path: Path) -> Non
     with measurement_wan(delay, bw) as wan:
         cluster = WanCluster(wan, tmp_path, agents=n)
         ids = cluster.start()
-        # freeze agent 2: its heartbeats stop too late to matter, and its peers' probes hang
+        # freeze agent 2: its peers' probes of it hang until their deadline, and the round
+        # stops waiting for its own report once its silence has the coordinator lose it
         cluster.agent_procs[2].send_signal(signal.SIGSTOP)
         try:
             measured = cluster.measure(timeout=300)

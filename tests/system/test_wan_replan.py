@@ -42,7 +42,13 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
 
 
 def _run(wan: WanEmulator, workdir: Path, degrade: bool) -> dict[str, Any]:
-    cluster = WanCluster(wan, workdir, agents=4, coordinator_args=JOB)
+    # no spares: a spare imports torch at idle priority, and one still importing when it was
+    # assigned finished its import 65 s after its peers on a loaded machine (its hand-over to
+    # full priority waits for the import's GIL), stretching the first step to 72 s and the
+    # move's estimated cost with it; spares are not what this test is about, and without
+    # them the two runs import torch 12 times instead of 20
+    cluster = WanCluster(wan, workdir, agents=4, coordinator_args=JOB,
+                         agent_args=["--no-prewarm"])
     try:
         ids = cluster.start(timeout=90)
         degraded: list[tuple[int, int]] = []
