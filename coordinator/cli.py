@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -337,12 +339,26 @@ WATCH_FATAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 
 
 async def _watch(args: argparse.Namespace) -> int:
-    """`status --watch`: redraw until Ctrl-C; keep retrying while the coordinator is away."""
+    """`status --watch`: redraw until Ctrl-C; keep retrying while the coordinator is away.
+
+    Ctrl-C is the loop's own signal handler: it ends the redraw in flight (a status call or
+    the sleep) and the channel's close is bounded, so the command exits at once however busy
+    the machine or the coordinator (a watch on a loaded CI machine once outlived 10 s after
+    its Ctrl-C)."""
     from coordinator.commands.status import status_to_json, status_to_text, watch_frame
     from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    body = ""
-    async with rpc.open_channel(args.coordinator, flags.security_from_args(args)) as channel:
+    body, main = "", asyncio.current_task()
+    stopped = asyncio.Event()
+
+    def stop() -> None:
+        stopped.set()
+        if main is not None:
+            main.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop)
+    channel = rpc.open_channel(args.coordinator, flags.security_from_args(args))
+    try:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         while True:
             error = ""
@@ -361,6 +377,13 @@ async def _watch(args: argparse.Namespace) -> int:
                 sys.stdout.write(watch_frame(body, args.watch, args.coordinator, error))
                 sys.stdout.flush()
             await asyncio.sleep(args.watch)
+    except asyncio.CancelledError:
+        if not stopped.is_set():
+            raise
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(channel.close(grace=None), 2.0)
 
 
 def _links_text(data: dict) -> str:

@@ -128,7 +128,8 @@ def test_status_watch_redraws_until_ctrl_c(daemons: Daemons) -> None:
     _, address = daemons.coordinator()
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--coordinator",
                              address, "--watch", "0.2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=daemons.env())
+                            stderr=subprocess.PIPE,
+                            env={**daemons.env(), "PYTHONFAULTHANDLER": "1"})
     seen = b""
     try:
         # Ctrl-C only once it has drawn twice: a fixed sleep sent it mid-import on a loaded
@@ -141,7 +142,13 @@ def test_status_watch_redraws_until_ctrl_c(daemons: Daemons) -> None:
             seen += chunk
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=10)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired as hung:  # where it hangs: faulthandler's stacks
+            proc.send_signal(signal.SIGABRT)
+            stdout, stderr = proc.communicate(timeout=10)
+            raise AssertionError(f"still running 10 s after Ctrl-C: {stderr.decode()[-4000:]}"
+                                 ) from hung
     finally:
         if proc.poll() is None:
             proc.kill()
