@@ -12,8 +12,9 @@ import json
 
 import grpc
 
+from coordinator.commands.unary import call
 from dtfm import flags, rpc
-from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from protos.dtfm.v1 import coordinator_pb2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,14 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def admit(args: argparse.Namespace) -> int:
-    security = flags.security_from_args(args)
-    async with rpc.open_channel(args.coordinator, security) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        try:
-            reply = await stub.Admit(coordinator_pb2.AdmitRequest(agent_id=args.agent_id),
-                                     timeout=args.timeout or 10.0)
-        except grpc.aio.AioRpcError as exc:
-            return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
+    try:
+        reply = await call(args, "Admit", coordinator_pb2.AdmitRequest(agent_id=args.agent_id))
+    except grpc.aio.AioRpcError as exc:
+        return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     print(json.dumps({"agent": args.agent_id, "message": reply.message}) if args.json
           else reply.message)
     return 0

@@ -18,10 +18,11 @@ from typing import Any
 
 import grpc
 
+from coordinator.commands.unary import call
 from coordinator.daemon.statusjson import job_state_name
 from coordinator.jobflags import job_parser, parse_submitted, toml_args
 from dtfm import flags, rpc
-from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from protos.dtfm.v1 import coordinator_pb2
 
 
 def add_cancel_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,17 +49,11 @@ def client_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
-    async with rpc.open_channel(args.coordinator, flags.security_from_args(args)) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        return await getattr(stub, method)(request, timeout=args.timeout or 10.0)
-
-
 def submit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     words = job_words(argv, client_parser())
     parse_submitted(words)  # ConfigError naming the flag, before anything is sent
     try:
-        reply = flags.run_async(_call(args, "SubmitJob",
+        reply = flags.run_async(call(args, "SubmitJob",
                                       coordinator_pb2.SubmitJobRequest(args=words)))
     except grpc.aio.AioRpcError as exc:
         return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
@@ -69,7 +64,7 @@ def submit(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def cancel(args: argparse.Namespace) -> int:
     try:
-        reply = flags.run_async(_call(args, "CancelJob", coordinator_pb2.CancelJobRequest(
+        reply = flags.run_async(call(args, "CancelJob", coordinator_pb2.CancelJobRequest(
             job_id=args.job_id, reason=args.reason)))
     except grpc.aio.AioRpcError as exc:
         return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
@@ -80,7 +75,7 @@ def cancel(args: argparse.Namespace) -> int:
 
 def list_jobs(args: argparse.Namespace) -> int:
     try:
-        reply = flags.run_async(_call(args, "ListJobs", coordinator_pb2.ListJobsRequest()))
+        reply = flags.run_async(call(args, "ListJobs", coordinator_pb2.ListJobsRequest()))
     except grpc.aio.AioRpcError as exc:
         return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     rows = jobs_to_json(reply)
