@@ -17,6 +17,7 @@ honest average flagged. The numbers behind `avgcheck`'s thresholds (docs/archite
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -88,17 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-replica", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--onset", type=int, default=10)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
+                                        / "avgcheck.json"))
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
+    rows = []
     for model in args.models.split(","):
         for r in (int(v) for v in args.replicas.split(",")):
             out = run(model, r, args.per_replica, args.steps, args.onset)
+            rows.append({"model": model, "replicas": r, **out})
             ranges = "  ".join(f"{k} {lo:.3g}..{hi:.3g}" for k, (lo, hi) in
                                sorted(out["honest"].items()))
             rates = ", ".join(f"{m} {v:.0%}" for m, v in out["flagged"].items())
             print(f"{model} R={r}: honest {ranges}\n    flagged per receiver-step: {rates}")
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -13,8 +13,10 @@ Run: `python bench/codec_cost.py [--device cuda] [--mb 16] [--threads 1]` (secon
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -72,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=float, default=16.0, help="message size, MB of fp32")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (a worker uses 1)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
+                                        / "codec_cost.json"))
     args = p.parse_args(argv)
-    print(table(costs(args.device, args.mb, args.repeats, args.threads)))
+    rows = costs(args.device, args.mb, args.repeats, args.threads)
+    print(table(rows))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "s_per_mb": rows}, indent=1)
+                              + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 
