@@ -293,10 +293,10 @@ class Supervisor:
             )
         # "failed in step 6" after step events up to 5: a rank its peers finished a step
         # without (they checkpoint it, the recovery resumes after it; ErrorEvent says more)
-        where = self.progress.failed_step
-        log.info("worker pid %d ended: %s%s %s (its last step event: %d)", worker.pid,
-                 self.progress.state, f" {failed_at(where)}:" if where >= 0 else "",
-                 self.progress.error, self.progress.step)
+        p = self.progress
+        log.info("worker pid %d ended: %s%s (its last step: %d)%s", worker.pid, p.state,
+                 f" {failed_at(p.failed_step)}" if p.failed_step >= 0 else "", p.step,
+                 f": {p.error}" if p.error else "")
         self._started(worker)
         self.on_change()
 
