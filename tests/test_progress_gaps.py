@@ -101,3 +101,12 @@ def test_the_error_events_step_round_trips_and_defaults_to_0() -> None:
     assert parse(encode_event(ev)) == ev
     old = parse('{"event": "error", "message": "x", "rank": 7, "kind": "peer"}')
     assert isinstance(old, ErrorEvent) and old.step == 0
+
+
+def test_a_line_being_written_is_skipped_not_raised(tmp_path: Path) -> None:
+    # test_wan_nat8 polls these files while 8 workers append to them: a read may end inside
+    # a line (a write crossing a page), and a poll that raised would fail the test
+    _recovered(tmp_path)
+    path = tmp_path / "agent-0" / "work" / f"{JOB}-e2-r0.progress.jsonl"
+    path.write_text(path.read_text() + encode_event(StepEvent(step=13, loss=1.0))[:40])
+    assert max(step_losses(tmp_path, JOB)[0]) == STEPS
