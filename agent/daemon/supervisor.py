@@ -40,6 +40,7 @@ from dtfm.core.events import (
     ProgressEvent,
     StepEvent,
     WorkerEnv,
+    failed_at,
 )
 from dtfm.core.limits import MAX_EVIDENCE, MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
@@ -62,6 +63,7 @@ class WorkerProgress:
     tokens_per_s: float = 0.0
     error: str = ""
     error_kind: str = ""  # config, rendezvous, peer, internal (see the worker's error event)
+    failed_step: int = -1  # the step its error event says it failed at (-1: no error event)
     step_s: float = 0.0  # the last step's time and its split
     compute_s: float = 0.0
     pp_wait_s: float = 0.0
@@ -117,6 +119,7 @@ class WorkerProgress:
             self.state = WorkerState.FAILED
             self.error = event.message or "unknown error"
             self.error_kind = event.kind
+            self.failed_step = event.step
 
 
 STARTUP_PREFIX = "worker start-up: "  # the agent log line bench/startup.py parses
@@ -288,8 +291,12 @@ class Supervisor:
                 self.progress.error
                 or f"worker exited with code {worker.returncode}: {worker.log_tail()}"
             )
-        log.info("worker pid %d ended: %s %s", worker.pid, self.progress.state,
-                 self.progress.error)
+        # "failed in step 6" after step events up to 5: a rank its peers finished a step
+        # without (they checkpoint it, the recovery resumes after it; ErrorEvent says more)
+        p = self.progress
+        log.info("worker pid %d ended: %s%s (its last step: %d)%s", worker.pid, p.state,
+                 f" {failed_at(p.failed_step)}" if p.failed_step >= 0 else "", p.step,
+                 f": {p.error}" if p.error else "")
         self._started(worker)
         self.on_change()
 

@@ -41,6 +41,7 @@ from dtfm.core.events import (
     StepEvent,
     WorkerEnv,
     encode_event,
+    failed_at,
 )
 from dtfm.core.hfdir import model_tokenizer_hash
 from dtfm.core.layout import Layout, layer_ranges
@@ -130,6 +131,7 @@ class Worker:
         # extra checkpoints the agent asks for while this worker trains (dtfm.core.requests)
         self.requests = requests or CheckpointRequests(None)
         self._checkpointed = 0  # the newest step this run checkpointed, for step events
+        self.at_step = 0  # the step it trains (or checkpoints, evaluates): its error event's
         self.spec = ModelSpec.from_proto(a.model)
         self.cfg = TrainConfig.from_proto(a.train)
         self.cfg.validate(a.replicas)
@@ -232,6 +234,7 @@ class Worker:
         self.deadline.start()
         wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
         for step in range(start + 1, cfg.steps + 1):
+            self.at_step = step
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, a.epoch, a)
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
@@ -561,13 +564,16 @@ def run_assignment(a: common_pb2.Assignment, progress_path: str | None,
         worker.run()
     except BaseException as e:
         phase = worker.phase if worker is not None else errors.JOIN
+        step = worker.at_step if worker is not None else 0
         progress.emit(ErrorEvent(
             message=errors.describe(e), rank=a.rank,
-            kind=errors.classify(e, phase), phase=phase,
+            kind=errors.classify(e, phase), phase=phase, step=step,
         ))
+        what = f"worker rank {a.rank} failed {failed_at(step)}"
         if isinstance(e, errors.PeerError):
             progress.close()
-            errors.exit_now(e, f"worker rank {a.rank} failed")
+            errors.exit_now(e, what)
+        e.add_note(what)  # the traceback the worker's entry point logs names the step
         raise
     finally:
         progress.close()

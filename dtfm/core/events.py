@@ -131,7 +131,13 @@ class DoneEvent:
 @dataclass(frozen=True)
 class ErrorEvent:
     """The worker failed. `kind` says whether a retry can help (config, rendezvous, peer,
-    internal; see agent/worker/errors.py) and `phase` where it failed (join, train)."""
+    internal; see agent/worker/errors.py) and `phase` where it failed (join, train).
+
+    `step` is the step it was at: the one it was training (its last step event is the one
+    before), or the one whose weights it was checkpointing or evaluating; 0 before its first.
+    A peer or relay lost in a step's last exchange can let the peers finish that step and
+    checkpoint it while this rank does not: the recovery resumes after it, and no run of this
+    rank ever reports that step's loss (its peers' step events carry it)."""
 
     NAME: ClassVar[EventName] = EventName.ERROR
 
@@ -139,6 +145,13 @@ class ErrorEvent:
     rank: int = -1
     kind: str = "internal"
     phase: str = ""
+    step: int = 0
+
+
+def failed_at(step: int) -> str:
+    """Where a worker whose error event holds `step` failed, for the log lines of the worker
+    and its supervisor: "in step 6", or "before its first step"."""
+    return f"in step {step}" if step > 0 else "before its first step"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import pytest
 from dtfm.procs import wait_for
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster, measurement_wan
-from tests.progress import step_losses
+from tests.progress import assert_same_losses, cut_off, step_losses
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -126,9 +126,15 @@ def test_8_agents_3_behind_nat_train_to_the_reachable_losses_and_survive_the_rel
     # the site's two reach each other (one LAN): "some-peers"; the lone one "nowhere"
     assert all(verdicts[i] in ("nowhere", "some-peers") for i in behind), verdicts
     got = _losses(nat_dir, job["id"])
-    assert sorted(got) == sorted(ref) and len(ref) >= STEPS, (sorted(got), sorted(ref))
-    assert got == ref  # bit for bit, before the kill and after the recovery
-    print(f"\nreachable job {ref_job['id']} and NAT'd job {job['id']}: {len(ref)} (step, rank) "
-          f"losses equal; relay forwarded {job['relay']['forwarded_bytes']} bytes after the "
-          f"restart; killed at step {killed_at}, epochs {job['epoch']}; "
-          f"{time.monotonic() - started:.0f} s in all")
+    assert len(ref) == STEPS * AGENTS, sorted(ref)
+    # bit for bit, before the kill and after the recovery. The kill may land in a step's last
+    # exchange: the relay passed a NAT'd rank's part to its peers but not theirs to it, so they
+    # finished the step and checkpointed it and the new epoch resumed after it, while that rank
+    # failed in it (a CI run: rank 7 in step 6). Its loss of that step exists in no run; the
+    # peers' step events carry the step's loss. Only such gaps are excused (`cut_off`).
+    cut = cut_off(nat_dir, job["id"])
+    assert_same_losses(got, ref, cut)
+    print(f"\nreachable job {ref_job['id']} and NAT'd job {job['id']}: {len(got)} (step, rank) "
+          f"losses equal, {len(cut)} cut off by the kill {sorted(cut)}; relay forwarded "
+          f"{job['relay']['forwarded_bytes']} bytes after the restart; killed at step "
+          f"{killed_at}, epochs {job['epoch']}; {time.monotonic() - started:.0f} s in all")

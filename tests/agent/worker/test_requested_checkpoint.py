@@ -32,6 +32,9 @@ def test_a_requested_checkpoint_is_written_reported_and_resumed_from(tmp_path: P
     asked = run_workers(FLAGS, 2, ckpt, tmp_path / "asked", fault="1:6", checkpoint_at=3)
     assert [s["step"] for s in asked.steps] == [1, 2, 3, 4, 5], asked.stderr
     assert [s["checkpoint_step"] for s in asked.steps] == [0, 0, 0, 3, 3]
+    # rank 0 was in step 6 (its activations sent, its gradients awaited) when rank 1 died;
+    # its error event says so: a step its peers may finish and checkpoint without it
+    assert asked.failed_at == {0: 6}, asked.stderr
 
     resumed = run_workers(FLAGS, 2, ckpt, tmp_path / "resumed")
     assert_resumed(resumed, full, after=3, rel=1e-5)

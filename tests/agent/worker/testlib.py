@@ -27,6 +27,7 @@ class LocalRun:
     stdout: str = ""
     nothing_to_train: dict[str, Any] | None = None  # the run found its last step checkpointed
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, val loss)
+    failed_at: dict[int, int] = field(default_factory=dict)  # rank -> its error event's step
 
     @property
     def losses(self) -> list[float]:
@@ -139,6 +140,8 @@ def run_workers(flags: Sequence[str], stages: int, ckpt: Path, workdir: Path,
                             "resumed_step": ev.resumed_step}
             elif isinstance(ev, ErrorEvent):
                 run.stderr += ev.message
+        run.failed_at = {ev.rank: ev.step for w in workers for ev in w.read_events()
+                         if isinstance(ev, ErrorEvent)}
         run.rc = max(abs(w.returncode or 0) for w in workers)
         run.stderr += " | ".join(w.log_tail(20) for w in workers)
     finally:
