@@ -9,10 +9,13 @@ With `prewarm` (the agent's default) it keeps one spare worker (`dtfm.launcher.S
 has already imported python, torch and the worker's modules, and hands it the next
 assignment instead of starting a process then: that import was the largest part of the time
 from an assignment to the first step on a busy machine, and every recovery pays it again.
-A new spare is started once the worker it became has trained its first step (or ended), so
-its import does not compete with that worker's start. The spare is in its own session like
-a worker, dies with the agent (parent-death signal, and end of its stdin), and `close`
-ends it.
+Once warm the spare is a zygote (agent/worker/zygote.py): it forks each assignment's worker,
+already warm, and stays for the next, so a recovery or a move costs no import at all. A spare
+handed an assignment before it is warm becomes that worker instead, and a new spare is
+started once that worker has trained its first step (or ended), so its import does not
+compete with that worker's start. The spare is in its own session like a worker, dies with
+the agent (parent-death signal, and end of its stdin), and `close` ends it; its forked
+workers die with it.
 """
 
 from __future__ import annotations
@@ -178,6 +181,11 @@ class Supervisor:
         spare = self._spare
         return spare.pid if spare is not None and spare.popen.poll() is None else None
 
+    @property
+    def spare_warm(self) -> bool:
+        """The spare is warm and forks the next assignment's worker (a zygote)."""
+        return self._spare is not None and self._spare.ready
+
     def _env(self) -> dict[str, str]:
         """The worker's environment: the same for a fresh worker and a spare started now."""
         env = worker_env(bind_interface=self.bind_interface)
@@ -216,7 +224,14 @@ class Supervisor:
         (a new one comes later)."""
         env, spare, self._spare = self._env(), self._spare, None
         if spare is not None:
-            if spare.fits(env, self.python):
+            if spare.fits(env, self.python) and spare.ready:
+                worker = spare.fork(assignment, files, assigned_at)
+                if worker is not None:
+                    self._spare = spare  # a zygote: it stays for the next assignment
+                    return worker, True
+                log.warning("the warm spare (pid %d) did not fork a worker (see %s); "
+                            "starting a fresh one", spare.pid, self.workdir / SPARE_LOG)
+            elif spare.fits(env, self.python):
                 worker = spare.take(assignment, files, assigned_at)
                 if worker is not None:
                     return worker, True
