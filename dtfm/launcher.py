@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -161,13 +162,14 @@ class Spare:
 
     @classmethod
     def start(cls, workdir: Path, env: Mapping[str, str], *, python: str = sys.executable,
-              cwd: Path | None = None, zygote: bool = True) -> Spare:
+              cwd: Path | None = None, zygote: bool = True, idle: bool = True) -> Spare:
         """Start a spare; its output goes to `workdir/spare.log` until it takes a job.
 
         `zygote`: once warm it forks each assignment's worker and stays (`fork`), instead of
         becoming the one worker it is handed (`take`, still what a spare not yet warm does).
+        `idle`: it imports at idle priority (beside a training worker); otherwise at ours.
         """
-        argv = [python, "-m", "agent.worker", "--spare"]
+        argv = [python, "-m", "agent.worker", "--spare", *([] if idle else ["--full-priority"])]
         read_fd, write_fd = os.pipe() if zygote else (-1, -1)
         try:
             with open_private_append(workdir / SPARE_LOG) as log:
@@ -255,6 +257,24 @@ class Spare:
         """`stop` without blocking the event loop."""
         self._close_stdin()
         await terminate_all_async([self.popen], grace_s, group=True)
+
+
+def start_zygote(workdir: Path, env: Mapping[str, str], *, timeout_s: float = 300.0,
+                 python: str = sys.executable) -> Spare | None:
+    """A warm zygote for workers that all get `env`, started at our priority and waited for
+    (its import is what each worker would have paid); None, with its log's tail printed, if
+    it did not get warm within `timeout_s` (the caller spawns the workers instead)."""
+    spare = Spare.start(workdir, env, python=python, idle=False)
+    deadline = time.monotonic() + timeout_s
+    while not spare.ready and spare.popen.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if spare.ready:
+        return spare
+    spare.stop(grace_s=0.0)
+    tail = (workdir / SPARE_LOG).read_text(errors="replace").strip().splitlines()[-3:]
+    print(f"the warm spare did not start ({' | '.join(tail) or 'no output'}); starting each "
+          f"worker on its own", file=sys.stderr)
+    return None
 
 
 class ProgressTail:

@@ -155,7 +155,7 @@ HANDOVER: Handover | None = None
 if __name__ == "__main__":
     die_with_supervisor()
     if "--spare" in sys.argv[1:]:
-        HANDOVER = Handover(idle_priority())
+        HANDOVER = Handover(None if "--full-priority" in sys.argv[1:] else idle_priority())
         HANDOVER.start()
 
 import argparse  # noqa: E402
@@ -185,6 +185,8 @@ def make_parser() -> argparse.ArgumentParser:
                         help="wall-clock time the agent received the assignment (timing)")
     parser.add_argument("--spare", action="store_true",
                         help="import everything, then read the other flags from stdin")
+    parser.add_argument("--full-priority", action="store_true",
+                        help="with --spare: import at the launcher's priority, not idle")
     parser.add_argument("--reply-fd", type=int, default=None,
                         help="with --spare: stay a zygote that forks a worker per request "
                              "and answers on this descriptor (agent/worker/zygote.py)")
