@@ -7,17 +7,22 @@ coordinator failed the job as the user's configuration and nobody was named. A v
 sends that breaks an invariant is that peer's fault (DEVELOPERS), so the averager
 (`data_parallel.GradAverager`) screens what it receives, at no extra message:
 
-- the owner of a shard checks every replica's copy of it (one pass over the copies, one
-  device sync per bucket) and averages with each non-finite copy as zeros, so an honest owner
-  never sends a non-finite average back (its receivers would blame it);
-- each replica checks every averaged shard it receives (one pass over the bucket), and the
-  copies of its own gradient it sends (one pass, no sync until the step's exchange is over);
+Each check is a sum in fp32 (`total`: a NaN or infinity makes it non-finite; one read, no
+allocation), and an exact look only where a sum is not finite:
+
+- the owner of a shard checks every replica's copy of it (one device sync per bucket) and
+  averages with each non-finite copy as zeros, so an honest owner never sends a non-finite
+  average back (its receivers would blame it);
+- each replica checks every averaged shard of the bucket (one sync per bucket), its own
+  among them, and the copies of its own gradient it sends (one sync a step);
 - once the exchange is over (nothing left in flight), `verdict` decides:
   - this replica's own copy held a non-finite value: its own fault (diverged, or NaN
     starting weights), not a peer's. Its own gradients are left as they were, so the step's
     norm check fails with `NonFiniteLoss` (`config`) as before, and it blames nobody;
   - else a contributor's non-finite copy of my shard: `NonFinitePeerValue` naming it
     (`grad_nonfinite`);
+  - else my own average of finite copies came out non-finite (a faulty device, or a sum at
+    fp32's overflow): `OwnAverageNotFinite`, kind `internal`, this agent's own fault;
   - else a non-finite average from an owner: `NonFinitePeerValue` naming the owner
     (`avg_nonfinite`); an honest owner zeroes bad copies, so only a bad owner sends one.
 
@@ -100,11 +105,22 @@ def failure(me: int, group: Sequence[int], found: Blame, step: int) -> errors.Pe
     return NonFinitePeerValue(me, group[found.peer], found, group, step)
 
 
+def total(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s sum in fp32, not finite if any value of `t` is not (a NaN stays NaN, an infinity
+    stays one or makes NaN) or, rarely, where finite values overflow it. A sum reads `t`
+    once and allocates nothing: 30x cheaper than `isfinite(t).all()` on a CPU (5.5 ms
+    against 160 ms for 16 MB, one thread)."""
+    return t.sum(dtype=torch.float32)
+
+
 def finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Whether each of `tensors` holds only finite values (one device sync for all)."""
+    """Whether each of `tensors` holds only finite values (one device sync for all; an
+    exact look only at one whose sum is not finite)."""
     if not tensors:
         return []
-    return [bool(v) for v in torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()]
+    sums = torch.isfinite(torch.stack([total(t) for t in tensors])).tolist()
+    return [bool(ok) or bool(torch.isfinite(t).all()) for ok, t in zip(sums, tensors,
+                                                                       strict=True)]
 
 
 def blame(kind: str, peer: int, t: torch.Tensor) -> Blame:
@@ -130,13 +146,14 @@ class Screen:
     `copies` while the shards go out, `own_finite` once they have, `averages` as the
     averaged shards arrive, `close` once nothing is left in flight."""
 
-    sent_flags: list[torch.Tensor] = field(default_factory=list)  # the copies I sent
+    sent_flags: list[torch.Tensor] = field(default_factory=list)  # sums of copies I sent
     own_copy: bool = True  # my own copy of the shards I own
     found: list[Blame] = field(default_factory=list)
 
     def sent(self, shard: torch.Tensor) -> None:
-        """Note whether my copy of a peer's shard is finite (no device sync)."""
-        self.sent_flags.append(torch.isfinite(shard).all())
+        """Note whether my copy of a peer's shard is finite (its sum: no device sync; one so
+        large that its sum overflows counts as not finite, as the norm check will)."""
+        self.sent_flags.append(total(shard))
 
     def copies(self, copies: list[torch.Tensor], me: int) -> list[torch.Tensor]:
         """Every replica's copy of my shard, a non-finite one as zeros (noted)."""
@@ -153,7 +170,8 @@ class Screen:
     def own_finite(self) -> bool:
         """Whether every copy of my own gradient, sent or owned, was finite (one sync)."""
         if self.sent_flags:
-            self.own_copy = self.own_copy and bool(torch.stack(self.sent_flags).all())
+            self.own_copy = self.own_copy and bool(torch.isfinite(
+                torch.stack(self.sent_flags)).all())
             self.sent_flags = []
         return self.own_copy
 

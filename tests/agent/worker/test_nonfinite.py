@@ -20,6 +20,7 @@ from agent.worker.nonfinite import (
     Screen,
     blame,
     failure,
+    finite,
     verdict,
 )
 from coordinator.integrity.corroborate import CONFIRMING
@@ -39,6 +40,15 @@ def test_verdict_blames_a_peer_only_where_my_own_copy_was_finite() -> None:
     assert verdict(False, [copy, average]) is None  # my own NaN: my NonFiniteLoss says so
     own = Blame(0, OWN_AVERAGE, 1, math.nan)
     assert verdict(True, [average, own]) == own and verdict(True, [own, copy]) == copy
+
+
+def test_finite_is_exact_where_a_sum_of_finite_values_overflows() -> None:
+    big = torch.full((4,), 3e38)  # finite, but their fp32 sum is not
+    half = torch.tensor([1.0, math.inf], dtype=torch.float16)
+    assert finite([OK, NAN, INF, big, half, big.half()]) == [True, False, False, True, False,
+                                                             False]
+    assert finite([torch.full((8,), 6e4, dtype=torch.float16)]) == [True]  # summed in fp32
+    assert finite([]) == []
 
 
 def test_the_owner_averages_a_peers_non_finite_copy_as_zeros_and_names_it() -> None:
