@@ -161,6 +161,7 @@ class GradAverager:
         self.check: Check | None = None  # a receiver's look at the owners' averages
         self.screen = nonfinite.Screen()  # sharded: a peer's NaN or infinity, told from my own
         self.step = 0  # the training step averaged, which a peer's bad value is blamed at
+        self._own_finite = True  # this step's own copies: False leaves the gradients mine
         self.finish_codec_s = 0.0  # the part of codec_s spent in `finish` (not in backward)
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
@@ -263,7 +264,8 @@ class GradAverager:
         self._complete()
         self.finish_codec_s = self.codec_s - codec_before
         last = self.buckets[-1]
-        extras = last.flat[last.numel : last.numel + self.n_extras].tolist()
+        extras = last.flat[last.numel : last.numel + self.n_extras].tolist() \
+            if self._own_finite else self._extras  # my own, as my own gradients are
         return time.perf_counter() - t0, [float(v) for v in extras]
 
     def average_(self, extras: Sequence[float] = ()) -> tuple[float, list[float]]:
@@ -343,11 +345,11 @@ class GradAverager:
 
     def _complete(self) -> None:
         self._posted = False  # this step's receives are used up
-        sharded, write = self.mode == "sharded", True
+        sharded, self._own_finite = self.mode == "sharded", True
         if sharded:
             self._gather_shards()
             # my own gradient not finite: it stays, so the step's norm check says so
-            write = self.screen.own_finite()
+            self._own_finite = self.screen.own_finite()
         for b in self.buckets:
             self._wait(b.works)
             if b.gathered:
@@ -358,7 +360,7 @@ class GradAverager:
                 self._check(b, self.check)
             if self.mode == "allreduce":
                 b.flat.div_(self.size)
-            if write:
+            if self._own_finite:
                 self._write_back(b)
         if sharded and (found := self.screen.close()) is not None:  # nothing is in flight
             raise nonfinite.failure(dist.get_rank(), self.ranks, found, self.step)

@@ -19,10 +19,11 @@ ONSET = 2
 GROUP = "replica 2 of data-parallel ranks [0, 1, 2]"
 
 
-def _run(tmp_path: Path, env: dict[str, str]) -> tuple[LocalRun, list[dict[str, Any]]]:
+def _run(tmp_path: Path, env: dict[str, str], *flags: str
+         ) -> tuple[LocalRun, list[dict[str, Any]]]:
     work = tmp_path / "work"
     run = run_local(*FLAGS, "--replicas", "3", "--batch", "6", "--steps", "3",
-                    "--workdir", str(work), timeout=110, env=env)
+                    "--workdir", str(work), *flags, timeout=110, env=env)
     events = [json.loads(line) for p in sorted(work.glob("*.progress.jsonl"))
               for line in p.read_text().splitlines()]
     return run, events
@@ -64,3 +65,17 @@ def test_the_receivers_name_an_owner_that_sends_back_a_nan_average(tmp_path: Pat
     assert failed[2]["kind"] == "internal" and "rank 2: its own average" in \
         failed[2]["message"], failed
     assert "rank 2: its own average" in run.stderr, run.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_diverges_still_fails_as_its_configuration(tmp_path: Path) -> None:
+    """Every replica's own gradient is NaN at step 2 (--lr 1e30): each says so itself
+    (`NonFiniteLoss`, `config`, with its own NaN loss) and nobody blames a peer, though each
+    owner zeroed the others' NaN copies."""
+    run, events = _run(tmp_path, {}, "--lr", "1e30", "--warmup-steps", "0", "--grad-clip", "0")
+    assert run.rc != 0, run.stderr
+    failed = [e for e in events if e["event"] == "error"]
+    assert {e["rank"] for e in failed} == {0, 1, 2}, failed
+    assert all(e["kind"] == "config" and "NonFiniteLoss: the loss of step 2 is nan" in
+               e["message"] for e in failed), failed
+    assert not [e for e in events if e["event"] == "integrity"], events
