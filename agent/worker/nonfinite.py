@@ -4,10 +4,9 @@ Owns telling a peer's NaN or infinity from this replica's own. Before, a contrib
 sent a NaN copy of a shard made its owner's mean NaN, the owner sent that to every replica,
 each computed a NaN gradient norm and failed with `errors.NonFiniteLoss`, kind `config`: the
 coordinator failed the job as the user's configuration and nobody was named. A value a peer
-sends that breaks an invariant is that peer's fault (DEVELOPERS), so the averager
-(`data_parallel.GradAverager`) screens what it receives, at no extra message:
-
-Each check is a sum in fp32 (`total`: a NaN or infinity makes it non-finite; one read, no
+sends that breaks an invariant is that peer's fault, never the user's configuration, so the
+averager (`data_parallel.GradAverager`) screens what it handles, at no extra message. Each
+check is a sum in fp32 (`total`: a NaN or infinity makes it non-finite; one read, no
 allocation), and an exact look only where a sum is not finite:
 
 - the owner of a shard checks every replica's copy of it (one device sync per bucket) and
@@ -35,8 +34,11 @@ name it, and two agreeing reporters confirm the fault and exclude it
 
 A replica that diverges alone (its own gradient non-finite while its peers' are finite) is
 named by the owners its copies went to as well: its own `config` report outranks their
-`bad_value` (dtfm/core/causes.py), so the job still fails as a configuration to fix.
-`allreduce` mode has no owner to check the copies: a non-finite sum stays `config` there.
+`bad_value` (dtfm/core/causes.py), so the job still fails as a configuration to fix, but at
+R >= 3 their evidence also excludes its agent (`coordinator admit` lets it back): the owners
+cannot tell a lone divergence from a bad peer, and with the same weights on every replica a
+lone divergence is rare. `allreduce` mode has no owner to check the copies: a non-finite
+sum stays `config` there.
 """
 
 from __future__ import annotations
