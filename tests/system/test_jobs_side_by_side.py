@@ -2,7 +2,7 @@
 (coordinator/daemon/jobcalls.py, share.py, jobsplit.py): real coordinator and agent
 processes on loopback, real gRPC. Each job trains exactly as it would alone; a job that ends
 or is cancelled hands its agents to the next queued one without restarting them; a restarted
-coordinator keeps its queue and the jobs that ran."""
+coordinator keeps its queue and the jobs that ran; callers without the token are refused."""
 
 from __future__ import annotations
 
@@ -59,6 +59,15 @@ def test_two_jobs_side_by_side_a_restart_and_a_cancel_each_trains_as_alone(
         daemons: Daemons) -> None:
     state = str(daemons.tmp / "state")
     proc, address = daemons.coordinator("--state-dir", state)
+    # no token: refused like every other call
+    stub = coordinator_pb2_grpc.CoordinatorStub(
+        grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    for call, request in ((stub.SubmitJob, coordinator_pb2.SubmitJobRequest(args=JOB)),
+                          (stub.ListJobs, coordinator_pb2.ListJobsRequest()),
+                          (stub.CancelJob, coordinator_pb2.CancelJobRequest(job_id="x"))):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     agents = [daemons.agent(address, f"agent-{i}") for i in range(4)]
     # three queued: the first two run side by side on 2 agents each, the third waits
     long, short = _submit(daemons, address, 500), _submit(daemons, address, 3)
