@@ -12,7 +12,10 @@ A job holds the agents the scheduler assigned it when it started and, always, it
 (the agents its epoch runs on: an adopted job after a coordinator restart holds its
 snapshot's members). A job running alone holds nothing exclusively: it sees every live agent,
 as a coordinator of one job always did, so its spares, recoveries and growing back work as
-before. Agents no job holds are idle spares; the next job to start takes its share of them.
+before. Agents no job holds are idle spares: the oldest running job sees them too (it may
+replace a lost member with one, or grow onto them), the others only their own; the next job
+to start takes its share of them. The daemon starts no job while another is still picking its
+agents (coordinator/daemon/jobcalls.py), so no two jobs ever pick the same idle agent.
 """
 
 from __future__ import annotations
@@ -54,10 +57,15 @@ class AgentShare:
         return len(self._pool.shares) <= 1
 
     def alive(self) -> list[AgentRecord]:
-        """The live agents this job may use: all of them when it runs alone, else its own."""
+        """The live agents this job may use: all of them when it runs alone, else its own,
+        and for the oldest running job the free ones too (its spares)."""
         if self.alone():
             return self.registry.alive()
         held = self.held()
+        if next(iter(self._pool.shares.values())) is self:
+            others = self._pool.held(but=self.job_id)
+            return [a for a in self.registry.alive()
+                    if a.agent_id in held or a.agent_id not in others]
         return [a for a in self.registry.alive() if a.agent_id in held]
 
 
@@ -78,9 +86,9 @@ class AgentPool:
         """The job ended: its agents are free for the next one (they keep running)."""
         self.shares.pop(job_id, None)
 
-    def held(self) -> set[str]:
-        """Agents some running job holds."""
-        return set().union(*(s.held() for s in self.shares.values()))
+    def held(self, but: str = "") -> set[str]:
+        """Agents some running job (other than `but`) holds."""
+        return set().union(*(s.held() for j, s in self.shares.items() if j != but))
 
     def free(self) -> list[AgentRecord]:
         """Live agents no running job holds, in address order."""

@@ -48,7 +48,7 @@ def test_a_job_alone_sees_every_agent_and_side_by_side_only_its_own() -> None:
     first.members = lambda: members
     assert [a.agent_id for a in pool.free()] == ["a0", "a1", "a2"]
     second = pool.share("j2", ["a0", "a1"])
-    assert [a.agent_id for a in first.alive()] == members
+    assert [a.agent_id for a in first.alive()] == ["a2", *members]  # the oldest: spares too
     assert [a.agent_id for a in second.alive()] == ["a0", "a1"]
     assert [a.agent_id for a in pool.free()] == ["a2"]  # idle: held by no job
     assert pool.holder("a4") == "j1" and pool.holder("a0") == "j2" and pool.holder("a2") == ""

@@ -77,6 +77,11 @@ def test_two_jobs_side_by_side_a_restart_and_a_cancel_each_trains_as_alone(
     rows = _rows(daemons, address)
     assert "holds 2 agent(s): 2 agent(s) of 2 wanted" in rows[short].message, rows[short]
     assert f"beside {long}" in rows[short].message, rows[short]
+    # status shows the first job; the other by its id
+    status = _call(daemons, address, "GetStatus", coordinator_pb2.StatusRequest())
+    other = _call(daemons, address, "GetStatus", coordinator_pb2.StatusRequest(job_id=short))
+    assert status.job.job_id == long and other.job.job_id == short
+    assert other.job.state in (coordinator_pb2.JOB_STATE_RUNNING, coordinator_pb2.JOB_STATE_DONE)
     assert _state(daemons, address, later) == "queued"
     # a restart with a queue: the queue stays, the running jobs are adopted
     wait_for(lambda: _rows(daemons, address)[long].step >= 1, 90, "the long job to train")
