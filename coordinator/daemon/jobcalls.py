@@ -88,10 +88,8 @@ class JobCalls:
                   note: str) -> RunningJob:
         """Make `job` (over `share`) one of the running jobs; the oldest is the primary one
         (`job`: what status, the web view and the metrics show first)."""
-        share.job_id, share.why = job.job_id, note
-        share.members = lambda: job.members
-        self.pool.shares.pop("", None)
-        self.pool.shares[job.job_id] = share
+        share.why = note
+        self.pool.bind(share, job.job_id, lambda: job.members)
         run = RunningJob(job, share, submitted)
         self.runs[job.job_id] = run
         self._primary()

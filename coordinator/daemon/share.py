@@ -82,6 +82,14 @@ class AgentPool:
         self.shares[job_id] = share
         return share
 
+    def bind(self, share: AgentShare, job_id: str, members: Callable[[], list[str]]) -> None:
+        """`share` is the running job `job_id`'s (its id known once the job is built: an
+        adopted job takes its snapshot's), with `members` its members as they stand."""
+        if self.shares.get(share.job_id) is share:
+            del self.shares[share.job_id]
+        share.job_id, share.members = job_id, members
+        self.shares[job_id] = share
+
     def release(self, job_id: str) -> None:
         """The job ended: its agents are free for the next one (they keep running)."""
         self.shares.pop(job_id, None)
