@@ -90,6 +90,8 @@ class JobCalls:
         (`job`: what status, the web view and the metrics show first)."""
         share.why = note
         self.pool.bind(share, job.job_id, lambda: job.members)
+        job.planner.taken_ports = lambda: {r.job.planner.port for r in self.runs.values()
+                                           if r.job is not job}  # rank 0s may share a host
         run = RunningJob(job, share, submitted)
         self.runs[job.job_id] = run
         self._primary()

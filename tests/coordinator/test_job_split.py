@@ -84,6 +84,12 @@ def test_two_queued_jobs_start_side_by_side_split_by_cost_each_seeing_only_its_a
             assert "holds 4 agent(s): 4 agent(s) of 4 wanted (at least 2)" in \
                 rows[big.job_id].message and "75 %" in rows[big.job_id].message
             assert svc.job is svc.runs[small.job_id].job  # the first is the one status shows
+            # their rank 0s may share a host: neither draws the other's rendezvous port
+            first, second = svc.runs[small.job_id].job, svc.runs[big.job_id].job
+            port = second.planner.rendezvous_port(1)
+            assert first.planner.taken_ports() == {port}
+            first.planner.taken_ports = lambda: set(range(29500, 30500, 2)) - {29998}
+            assert first.planner.rendezvous_port(1) == 29998
         finally:
             for run in svc.runs.values():
                 assert run.driving is not None
