@@ -116,12 +116,9 @@ class JobCalls:
             first = next(iter(self.runs.values()))
             self.job, self.history = first.job, first.history
 
-    def run_of(self, job_id: str = "", agent_id: str = "") -> RunningJob | None:
-        """The running job of this id, else the one holding `agent_id`, else None."""
-        if job_id and (run := self.runs.get(job_id)) is not None:
-            return run
-        holder = self.pool.holder(agent_id) if agent_id and len(self.runs) > 1 else ""
-        return self.runs.get(holder) if holder else None
+    def run_of(self, job_id: str) -> RunningJob | None:
+        """The running job of this id (None: none runs by it)."""
+        return self.runs.get(job_id) if job_id else None
 
     def jobs_now(self) -> list[Job]:
         """Every job running now (the primary one when none runs)."""
@@ -224,7 +221,8 @@ class JobCalls:
             for n, line in zip(counts, lines, strict=True):
                 assigned = [a.agent_id for a in free[taken:taken + n]]
                 taken += n
-                note = f"{line}: {', '.join(assigned)}" + (
+                more = f" and {len(assigned) - 8} more" if len(assigned) > 8 else ""
+                note = f"{line}: {', '.join(assigned[:8])}{more}" + (
                     f"; beside {', '.join(self.runs)}" if self.runs else "")
                 run = self.use_job(self.queue.take(), assigned, note)
                 self._launch(run)

@@ -185,7 +185,9 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"agent {request.agent_id!r} has not joined: call Join first",
             )
-        run = self.run_of(request.job_id, rec.agent_id)  # the job holding it
+        # the job the report is of: a report of none (an idle agent's) changes no job, and
+        # finding its holder would cost O(agents) per heartbeat
+        run = self.run_of(request.job_id)
         job, history = (self.job, self.history) if run is None else (run.job, run.history)
         job.on_progress(rec, request)
         floor = 0

@@ -102,7 +102,3 @@ class AgentPool:
         """Live agents no running job holds, in address order."""
         held = self.held()
         return by_address(a for a in self.registry.alive() if a.agent_id not in held)
-
-    def holder(self, agent_id: str) -> str:
-        """The id of the running job holding `agent_id` ('' when none does)."""
-        return next((j for j, s in self.shares.items() if agent_id in s.held()), "")

@@ -51,7 +51,6 @@ def test_a_job_alone_sees_every_agent_and_side_by_side_only_its_own() -> None:
     assert [a.agent_id for a in first.alive()] == ["a2", *members]  # the oldest: spares too
     assert [a.agent_id for a in second.alive()] == ["a0", "a1"]
     assert [a.agent_id for a in pool.free()] == ["a2"]  # idle: held by no job
-    assert pool.holder("a4") == "j1" and pool.holder("a0") == "j2" and pool.holder("a2") == ""
     # everything else is the registry's own
     assert second.get("a3") is registry.get("a3") and len(second) == 5
     assert second.heartbeat_interval_s == registry.heartbeat_interval_s
