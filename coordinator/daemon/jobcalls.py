@@ -5,7 +5,9 @@ A part of `CoordinatorService` (coordinator/daemon/server.py), kept in a module 
 the service's module stays one screenful of routing; the queue itself and what is kept of
 ended jobs live in coordinator/daemon/jobs.py, who holds which agents in
 coordinator/daemon/share.py and how many each job gets in coordinator/daemon/jobsplit.py.
-Like every call these pass the join token (or mTLS) check of `dtfm.rpc` before they run.
+Like every call these pass the join token (or mTLS) check of `dtfm.rpc` before they run;
+`SubmitJob` and `CancelJob` also need the operator token when the coordinator has one
+(coordinator/daemon/operator.py): the join token is every volunteer's.
 
 The scheduler starts the queue's next job as soon as the free agents (those no running job
 holds) meet its need, beside the jobs running already; when none runs, the first job starts
@@ -38,6 +40,7 @@ from coordinator.daemon.jobs import (
     queued_entry,
 )
 from coordinator.daemon.jobsplit import ask_of, split, why
+from coordinator.daemon.operator import OperatorGate
 from coordinator.daemon.registry import Registry
 from coordinator.daemon.share import AgentPool, AgentShare
 from coordinator.job.checkpointcopies import CoordinatorCopies
@@ -76,6 +79,7 @@ class JobCalls:
 
     config: CoordinatorConfig
     registry: Registry
+    operator: OperatorGate
     copies: CoordinatorCopies
 
     def new_job(self, submitted: Submitted, registry: Registry) -> Job: ...
@@ -233,6 +237,7 @@ class JobCalls:
     # --- the calls ---
     async def SubmitJob(self, request: coordinator_pb2.SubmitJobRequest,
                         context: grpc.aio.ServicerContext) -> coordinator_pb2.SubmitJobReply:
+        await self.operator.check(context, "SubmitJob")
         try:
             job = self.queue.submit(request.args)
         except ConfigError as exc:
@@ -264,6 +269,7 @@ class JobCalls:
 
     async def CancelJob(self, request: coordinator_pb2.CancelJobRequest,
                         context: grpc.aio.ServicerContext) -> coordinator_pb2.CancelJobReply:
+        await self.operator.check(context, "CancelJob")
         job_id, reason = request.job_id[:100], request.reason[:200] or "`coordinator cancel`"
         if (run := self.runs.get(job_id)) is not None and run.job.state not in ENDED:
             await run.job.cancel(reason)

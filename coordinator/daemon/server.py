@@ -23,6 +23,7 @@ from coordinator.daemon.history import History
 from coordinator.daemon.jobcalls import JobCalls, RunningJob
 from coordinator.daemon.jobs import Archive, JobQueue, Submitted
 from coordinator.daemon.jobstore import JobStore
+from coordinator.daemon.operator import OperatorGate
 from coordinator.daemon.pushgate import PushGate
 from coordinator.daemon.registry import LEFT, AgentRecord, IdentityError, Registry
 from coordinator.daemon.share import AgentPool
@@ -93,6 +94,7 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         self.integrity = IntegrityReports()  # what agents' replica checks found (issue 43)
         self.corroboration = Corroboration()  # ... and when two of them confirm a fault
         self._gate = PushGate(self.registry, self.job_for)
+        self.operator = OperatorGate(config.operator_token)  # SubmitJob, CancelJob, Admit
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         self._gate.admit)
         self.queue = JobQueue(self.store)  # submitted jobs (coordinator/daemon/jobs.py)
@@ -370,6 +372,7 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
     async def Admit(self, request: coordinator_pb2.AdmitRequest,
                     context: grpc.aio.ServicerContext) -> coordinator_pb2.AdmitReply:
         """An operator lets an excluded agent take part again (`coordinator admit`)."""
+        await self.operator.check(context, "Admit")
         for job in self.jobs_now():
             if request.agent_id in job.integrity.ledger.exclusions:
                 return coordinator_pb2.AdmitReply(message=job.integrity.admit(request.agent_id))
@@ -516,6 +519,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     )
     log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
              "TLS" if config.security.tls else "plaintext")
+    service.operator.announce()
     if config.relay_shared:
         assert front is not None
         relay = service.job.dataplane.share_relay(port, front)
