@@ -31,6 +31,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from coordinator.daemon.operator import add_operator_arg
     from coordinator.jobflags import add_job_args  # `plan` below loads numpy anyway
     from coordinator.web.server import DEFAULT_WEB
 
@@ -44,6 +45,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = subs["start"] = sub.add_parser("start", help="run the coordinator daemon")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT to serve on")
     flags.add_security_args(p)
+    add_operator_arg(p, server=True)
     p.add_argument("--heartbeat-interval", type=flags.seconds, default=1.0, help="seconds")
     p.add_argument("--heartbeat-budget", type=float, default=pace.DEFAULT_BUDGET,
                    help="heartbeats a second the coordinator takes in (%(default)g): with "
@@ -98,6 +100,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "submit", help="queue a job on the running coordinator: the job flags of `start` "
         "(--model, --agents, the training flags), or --config FILE.toml holding them")
     _add_client_args(p)
+    add_operator_arg(p, server=False)
     add_job_args(p)
     flags.add_common_args(p)
     p = subs["jobs"] = sub.add_parser(
@@ -107,6 +110,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = subs["cancel"] = sub.add_parser(
         "cancel", help="cancel a queued job, or stop the running one (the next one starts)")
     _add_client_args(p)
+    add_operator_arg(p, server=False)
     jobs.add_cancel_arguments(p)
     flags.add_common_args(p, config_file=False)
 
@@ -115,6 +119,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = subs["admit"] = sub.add_parser(
         "admit", help="let an agent excluded for an integrity fault take part again")
     _add_client_args(p)
+    add_operator_arg(p, server=False)
     admit.add_arguments(p)
     flags.add_common_args(p, config_file=False)
 
@@ -246,12 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _start(args: argparse.Namespace) -> int:
     from coordinator.daemon.config import CoordinatorConfig
+    from coordinator.daemon.operator import load_operator_token
     from coordinator.daemon.server import serve
     from coordinator.jobflags import job_config
 
     config = CoordinatorConfig(
         listen=args.listen,
         security=flags.security_from_args(args),
+        operator_token=load_operator_token(args.operator_token_file),
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_budget=args.heartbeat_budget,
         liveness_timeout_s=args.liveness_timeout,

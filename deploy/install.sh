@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Install dtfm as system services: a `dtfm` user, a venv in /opt/dtfm, units, env files and a
-# token. Run as root from a checkout:
+# token (and on the coordinator an operator token). Run as root from a checkout:
 #   deploy/install.sh coordinator [--make-certs [--name HOST] [--advertise ADDR]...]
 #   deploy/install.sh agent N... [--make-certs [--name HOST] [--advertise ADDR]...]
-# Running it again upgrades in place: the token, every env file and TLS file already there
+# Running it again upgrades in place: the tokens, every env file and TLS file already there
 # are kept.
+# The coordinator also gets /etc/dtfm/operator-token, which `coordinator submit/cancel/admit`
+# need on top of the join token (--operator-token-file): unlike the join token it never leaves
+# this machine, so an agent (a volunteer) cannot cancel jobs or admit an excluded agent.
 # --make-certs: make this machine's TLS certificate in /etc/dtfm/tls (node.pem, node.key,
 # ca.pem; `coordinator certs`), signed by the cluster CA there (ca.pem + ca.key), which it
 # makes first when neither file exists (the first machine). SANs: --name (default
@@ -86,7 +89,17 @@ unit() {  # deploy/$1 as the system's unit, running the venv installed above
   chmod 0644 "$root/etc/systemd/system/$1"
 }
 if [ "$role" = coordinator ]; then
+  if [ ! -s "$etc/operator-token" ]; then
+    (umask 077 && head -c 32 /dev/urandom | base64 > "$etc/operator-token")
+    echo "install.sh: wrote an operator token to $etc/operator-token; keep it on this machine" \
+      "(coordinator submit/cancel/admit --operator-token-file $etc/operator-token, as root)"
+  fi
+  [ -n "$root" ] || chown dtfm:dtfm "$etc/operator-token"  # the coordinator reads it, and root
+  chmod 0600 "$etc/operator-token"
   env_file coordinator.env
+  grep -q '^DTFM_OPERATOR_TOKEN_FILE=' "$etc/coordinator.env" || echo "install.sh:" \
+    "$etc/coordinator.env (kept) does not name the operator token: add" \
+    "DTFM_OPERATOR_TOKEN_FILE=/etc/dtfm/operator-token, or any agent can cancel jobs" >&2
   unit dtfm-coordinator.service
   units=(dtfm-coordinator)
   # the dashboard of the coordinator's metrics, where Grafana is installed (or GRAFANA=1)

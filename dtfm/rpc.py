@@ -95,34 +95,38 @@ class Security:
         return Path(path).read_bytes() if path else None
 
 
-def check_token(token: str) -> None:
-    """Refuse a token that is short or would corrupt the `authorization` header.
+def check_token(token: str, what: str = f"the join token (--token-file or ${TOKEN_ENV})"
+                ) -> None:
+    """Refuse a token that is short or would corrupt the `authorization` header (or any call
+    metadata); `what` names the token and where it came from.
 
     The message never shows the token itself.
     """
     size = len(token.encode())
     if size < MIN_TOKEN_BYTES:
-        raise ConfigError(f"the join token (--token-file or ${TOKEN_ENV}) is {size} bytes; "
+        raise ConfigError(f"{what} is {size} bytes; "
                           f"use at least {MIN_TOKEN_BYTES} random ones, for example "
                           f"`{MAKE_TOKEN}`")
     for i, c in enumerate(token):
         if not " " <= c <= "~":
-            raise ConfigError(f"the join token (--token-file or ${TOKEN_ENV}) has {c!r} at "
+            raise ConfigError(f"{what} has {c!r} at "
                               f"position {i}: use printable ASCII "
                               f"only (no control characters), for example `{MAKE_TOKEN}`")
 
 
-def _warn_if_readable(token_file: str, st: os.stat_result) -> None:
+def _warn_if_readable(token_file: str, st: os.stat_result, grants: str) -> None:
     """Warn when the token file's group or others can read it (`install.sh` makes it 0600)."""
     mode = stat.S_IMODE(st.st_mode)
     if mode & (stat.S_IRGRP | stat.S_IROTH):
-        log.warning("token file %s is readable by %s (mode %04o): whoever reads it can join "
-                    "the cluster; run `chmod 600 %s`", token_file,
-                    "others" if mode & stat.S_IROTH else "its group", mode, token_file)
+        log.warning("token file %s is readable by %s (mode %04o): whoever reads it can %s; "
+                    "run `chmod 600 %s`", token_file,
+                    "others" if mode & stat.S_IROTH else "its group", mode, grants, token_file)
 
 
-def load_token(token_file: str | None) -> str:
-    """The token from `token_file`, else from $DTFM_TOKEN, else ''."""
+def load_token(token_file: str | None, env: str = TOKEN_ENV,
+               grants: str = "join the cluster") -> str:
+    """The token from `token_file`, else from $`env` (default $DTFM_TOKEN), else ''.
+    `grants`: what whoever reads the file can do, for the warning about a readable one."""
     if token_file:
         try:
             token = Path(token_file).read_text().strip()
@@ -131,10 +135,10 @@ def load_token(token_file: str | None) -> str:
             reason = getattr(exc, "strerror", None) or "not UTF-8 text"
             raise ConfigError(f"cannot read token file {token_file}: {reason}") from exc
         if not token:
-            raise ConfigError(f"token file {token_file} is empty; put the cluster's token in it")
-        _warn_if_readable(token_file, st)
+            raise ConfigError(f"token file {token_file} is empty; put the token in it")
+        _warn_if_readable(token_file, st, grants)
         return token
-    return os.environ.get(TOKEN_ENV, "").strip()
+    return os.environ.get(env, "").strip()
 
 
 def split_hostport(value: str, what: str = "address") -> tuple[str, int]:

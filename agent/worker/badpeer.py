@@ -10,20 +10,23 @@ tests' own hook (tests/agent/worker/badpeer_hook.py) cannot disagree on what "sc
 - `noise`: plus Gaussian noise of the contribution's own standard deviation (about 1 sigma);
 - `zero`: all zeros; `stale`: a copy of the contribution this peer sent for the same
   destination at the step before the attack began (recorded as it trains honestly);
-- `avg_scale`, `avg_flip`, `avg_noise`, `avg_zero`, `avg_stale`: the same arithmetic on
-  the averaged shard an owner sends back in `sharded` mode (it steps with it too, so every
-  replica applies the same wrong update and the weights digest agrees);
+- `nan`: its first value NaN and its last infinite, the rest honest (a flipped exponent bit:
+  what a bad ALU or memory cell makes of a float);
+- `avg_scale`, `avg_flip`, `avg_noise`, `avg_zero`, `avg_stale`, `avg_nan`: the same
+  arithmetic on the averaged shard an owner sends back in `sharded` mode (it steps with it
+  too, so every replica applies the same wrong update and the weights digest agrees);
 - `drift`: after the optimizer step, one weight of the stage moves by 1e-2 (silent data
   corruption in the optimizer step or in memory: no error, just different bits).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
 
-CONTRIBUTION_ATTACKS = ("scale", "flip", "noise", "zero", "stale")
+CONTRIBUTION_ATTACKS = ("scale", "flip", "noise", "zero", "stale", "nan")
 AVERAGE_ATTACKS = tuple(f"avg_{m}" for m in CONTRIBUTION_ATTACKS)
 WEIGHT_ATTACKS = ("drift",)
 SCALES = {"scale": 10.0, "flip": -4.0}
@@ -67,6 +70,12 @@ def attack(mode: str, t: torch.Tensor, held: torch.Tensor | None = None,
         return t + noise * sigma
     if mode == "stale":
         return held.clone() if held is not None and held.shape == t.shape else t
+    if mode == "nan":
+        out = t.clone()
+        flat = out.view(-1)
+        flat[-1] = math.inf
+        flat[0] = math.nan  # where there is one value only: NaN
+        return out
     raise ValueError(f"unknown contribution attack {mode!r}")
 
 

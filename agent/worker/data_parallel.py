@@ -45,6 +45,12 @@ of it (`avgcheck.py`: the receivers' check of the owners); `tamper` and `tamper_
 called on each outgoing contribution before it is encoded and on the average an owner sends
 back, are how a rehearsed bad peer (`fault.py`) alters what it sends. All are None unless
 set.
+
+NaN and infinities (`sharded` only, always on: `nonfinite.py`): the owner averages a
+replica's non-finite copy as zeros, every replica screens the averages it receives and its
+own copies, and once the step's exchange is over a peer's non-finite value is raised as a
+`bad_value` naming it; this replica's own non-finite gradient is left in place, so the step's
+norm check fails as `config`, as before.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agent.worker import nonfinite
 from agent.worker.compress import ErrorFeedback, TensorCodec
 from agent.worker.deadline import DEFAULT_CEILING_S, Deadline
 from agent.worker.errors import wait_all
@@ -152,6 +159,9 @@ class GradAverager:
         self.tamper: Tamper | None = None  # a rehearsed bad peer's hand on what it sends
         self.tamper_average: Tamper | None = None  # ... on the averages it sends back
         self.check: Check | None = None  # a receiver's look at the owners' averages
+        self.screen = nonfinite.Screen()  # sharded: a peer's NaN or infinity, told from my own
+        self.step = 0  # the training step averaged, which a peer's bad value is blamed at
+        self._own_finite = True  # this step's own copies: False leaves the gradients mine
         self.finish_codec_s = 0.0  # the part of codec_s spent in `finish` (not in backward)
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
@@ -254,7 +264,8 @@ class GradAverager:
         self._complete()
         self.finish_codec_s = self.codec_s - codec_before
         last = self.buckets[-1]
-        extras = last.flat[last.numel : last.numel + self.n_extras].tolist()
+        extras = last.flat[last.numel : last.numel + self.n_extras].tolist() \
+            if self._own_finite else self._extras  # my own, as my own gradients are
         return time.perf_counter() - t0, [float(v) for v in extras]
 
     def average_(self, extras: Sequence[float] = ()) -> tuple[float, list[float]]:
@@ -311,6 +322,7 @@ class GradAverager:
 
     def _message(self, b: _Bucket, k: int, shard: torch.Tensor) -> torch.Tensor:
         """What replica k receives for `shard`: the shard, or its error-compensated message."""
+        self.screen.sent(shard)
         if self.tamper is not None:
             shard = self.tamper((self.buckets.index(b), k), shard)
         if b.codec is None:
@@ -333,19 +345,37 @@ class GradAverager:
 
     def _complete(self) -> None:
         self._posted = False  # this step's receives are used up
-        if self.mode == "sharded":
+        sharded, self._own_finite = self.mode == "sharded", True
+        if sharded:
             self._gather_shards()
+            # my own gradient not finite: it stays, so the step's norm check says so
+            self._own_finite = self.screen.own_finite()
         for b in self.buckets:
             self._wait(b.works)
             if b.gathered:
                 self._decode_gathered(b)
-            if self.check is not None and self.mode == "sharded":
+            if sharded:
+                self._screen_averages(b)
+            if self.check is not None and sharded:
                 self._check(b, self.check)
             if self.mode == "allreduce":
                 b.flat.div_(self.size)
-            for p, off in zip(b.params, b.offsets, strict=True):
-                assert p.grad is not None
-                p.grad.copy_(b.flat[off : off + p.numel()].view_as(p.grad))
+            if self._own_finite:
+                self._write_back(b)
+        if sharded and (found := self.screen.close()) is not None:  # nothing is in flight
+            raise nonfinite.failure(dist.get_rank(), self.ranks, found, self.step)
+
+    @staticmethod
+    def _write_back(b: _Bucket) -> None:
+        for p, off in zip(b.params, b.offsets, strict=True):
+            assert p.grad is not None
+            p.grad.copy_(b.flat[off : off + p.numel()].view_as(p.grad))
+
+    def _screen_averages(self, b: _Bucket) -> None:
+        """Screen every owner's averaged shard of `b`, mine among them (`nonfinite.py`)."""
+        chunks = b.flat.split(b.sizes)
+        self.screen.averages([(k, chunks[k]) for k in range(self.size) if b.sizes[k]],
+                             self.ranks.index(dist.get_rank()))
 
     def _gather_shards(self) -> None:
         """Sum my shard's copies in replica order (the same bits wherever it is summed),
@@ -359,7 +389,7 @@ class GradAverager:
             if b.codec is not None:
                 self._gather_compressed(b, i, me)
                 continue
-            mine = self._average(i, b.parts)
+            mine = self._average(i, b.parts, me)
             chunks = b.flat.split(b.sizes)
             chunks[me].copy_(mine)
             tag = TAG_SCATTER + 2 * i + 1
@@ -368,9 +398,10 @@ class GradAverager:
                 for k in range(self.size) if k != me]
             self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
 
-    def _average(self, i: int, copies: list[torch.Tensor]) -> torch.Tensor:
+    def _average(self, i: int, copies: list[torch.Tensor], me: int) -> torch.Tensor:
         """Bucket i's copies of my shard averaged: what `inspect` returns, else their sum in
-        replica order divided by R."""
+        replica order divided by R; a non-finite copy counts as zeros (`Screen.copies`)."""
+        copies = self.screen.copies(copies, me)
         mine = self.inspect(i, copies) if self.inspect is not None else None
         if mine is None:
             mine = copies[0].clone()
@@ -404,7 +435,7 @@ class GradAverager:
         chunks = b.flat.split(b.sizes)
         n = chunks[me].numel()
         copies = [part if k == me else b.codec.decode(part, n) for k, part in enumerate(b.parts)]
-        mine = self._average(i, copies)
+        mine = self._average(i, copies, me)
         if b.gather_feedback is None:
             b.gather_feedback = ErrorFeedback(b.codec)
         msg, sent = b.gather_feedback.encode(mine)

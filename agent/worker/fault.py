@@ -17,12 +17,13 @@ wherever the coordinator places them (`coordinator demo --bad-peer`). Modes:
   pair meets at a relay it trains on. So a test sees a recovery move the pair onto the relay
   (coordinator/job/failedpairs.py), whatever the epoch;
 - bad-peer modes (`badpeer.py` holds their arithmetic), from step STEP on: `scale` (x10),
-  `flip` (x-4), `noise` (+1 sigma), `zero` and `stale` (a copy of the step before STEP's)
-  alter every data-parallel contribution the rank sends (`contributions`); `avg_scale`,
-  `avg_flip`, `avg_noise`, `avg_zero` and `avg_stale` alter, the same way, the averaged
-  shards it sends back as an owner in `sharded` mode (`contributions(averages=True)`,
-  caught by the receivers: `avgcheck.py`); `drift` moves one
-  of its own weights after the optimizer step of STEP (`drifts`). The replica checks
+  `flip` (x-4), `noise` (+1 sigma), `zero`, `stale` (a copy of the step before STEP's) and
+  `nan` (a NaN and an infinity) alter every data-parallel contribution the rank sends
+  (`contributions`); `avg_scale`, `avg_flip`, `avg_noise`, `avg_zero`, `avg_stale` and
+  `avg_nan` alter, the same way, the averaged shards it sends back as an owner in `sharded`
+  mode (`contributions(averages=True)`, caught by the receivers: `avgcheck.py`, and for
+  `nan` `nonfinite.py`); `drift` moves one of its own weights after the optimizer step of
+  STEP (`drifts`). The replica checks
   (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
 Kept out of `train.py` (the main loop) so the seam's modes grow without growing it.

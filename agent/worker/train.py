@@ -27,6 +27,7 @@ from agent.worker.data import Position, Sampler, load_splits, replica_slice, val
 from agent.worker.data_parallel import GradAverager
 from agent.worker.deadline import Deadline, measure_flops
 from agent.worker.fault import Fault
+from agent.worker.nonfinite import NonFinitePeerValue
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
 from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
@@ -332,6 +333,7 @@ class Worker:
         outer = self.outer
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.checks.begin_step(step)
+        averager.step = step  # a peer's NaN in it is blamed at this step (nonfinite.py)
         ids = replica_slice(sampler.next_global(cfg.global_batch), a.replica, a.replicas)
         x, y = sampler.windows(ids)
         lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, cfg.steps)
@@ -565,6 +567,8 @@ def run_assignment(a: common_pb2.Assignment, progress_path: str | None,
     except BaseException as e:
         phase = worker.phase if worker is not None else errors.JOIN
         step = worker.at_step if worker is not None else 0
+        if isinstance(e, NonFinitePeerValue):  # evidence for the ledger, not only a failure
+            progress.emit(e.evidence)
         progress.emit(ErrorEvent(
             message=errors.describe(e), rank=a.rank,
             kind=errors.classify(e, phase), phase=phase, step=step,

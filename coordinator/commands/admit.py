@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def admit(args: argparse.Namespace) -> int:
     try:
-        reply = await call(args, "Admit", coordinator_pb2.AdmitRequest(agent_id=args.agent_id))
+        reply = await call(args, "Admit", coordinator_pb2.AdmitRequest(agent_id=args.agent_id),
+                           operator=True)
     except grpc.aio.AioRpcError as exc:
         return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     print(json.dumps({"agent": args.agent_id, "message": reply.message}) if args.json

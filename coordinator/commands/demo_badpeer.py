@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 # The bad-peer modes the checks confirm (coordinator/integrity/corroborate.py): a scaled,
-# zeroed or replayed gradient copy, a drifted weight, a zeroed or replayed averaged shard.
-# flip and noise are caught as evidence; confirming them is not guaranteed within the demo.
-MODES = ("scale", "zero", "stale", "drift", "avg_zero", "avg_stale")
+# zeroed, replayed or NaN gradient copy, a drifted weight, a zeroed, replayed or NaN averaged
+# shard. flip and noise are caught as evidence; confirming them is not guaranteed within the
+# demo.
+MODES = ("scale", "zero", "stale", "nan", "drift", "avg_zero", "avg_stale", "avg_nan")
 DEFAULT_MODE = "scale"
 ONSET = 8  # the bad workers' first bad step: two checkpoints (every 4) are taken before it
 CHECKPOINT_EVERY = 4

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from coordinator.commands.unary import call
+from coordinator.daemon.operator import OPERATOR_FLAG
 from coordinator.daemon.statusjson import job_state_name
 from coordinator.jobflags import job_parser, parse_submitted, toml_args
 from dtfm import flags, rpc
@@ -42,7 +43,7 @@ def client_parser() -> argparse.ArgumentParser:
     """`submit`'s own flags (where to send it, how to print), apart from the job's."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--coordinator")
-    for flag in ("--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--timeout",
+    for flag in ("--token-file", OPERATOR_FLAG, "--tls-cert", "--tls-key", "--tls-ca", "--timeout",
                  "--log-level", "--config"):
         p.add_argument(flag)
     p.add_argument("--json", action="store_true")
@@ -54,7 +55,8 @@ def submit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     parse_submitted(words)  # ConfigError naming the flag, before anything is sent
     try:
         reply = flags.run_async(call(args, "SubmitJob",
-                                      coordinator_pb2.SubmitJobRequest(args=words)))
+                                      coordinator_pb2.SubmitJobRequest(args=words),
+                                      operator=True))
     except grpc.aio.AioRpcError as exc:
         return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     print(json.dumps({"job_id": reply.job_id, "position": reply.position,
@@ -65,7 +67,7 @@ def submit(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def cancel(args: argparse.Namespace) -> int:
     try:
         reply = flags.run_async(call(args, "CancelJob", coordinator_pb2.CancelJobRequest(
-            job_id=args.job_id, reason=args.reason)))
+            job_id=args.job_id, reason=args.reason), operator=True))
     except grpc.aio.AioRpcError as exc:
         return flags.fail(rpc.describe_rpc_error(exc, args.coordinator), 1)
     print(json.dumps({"job_id": args.job_id, "message": reply.message}) if args.json

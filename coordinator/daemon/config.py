@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.daemon.operator import check_operator_token
 from coordinator.daemon.pace import DEFAULT_BUDGET, check_budget
 from coordinator.scheduler.placement import Placement
 from dtfm.core import lora
@@ -242,6 +243,9 @@ class JobConfig:
 class CoordinatorConfig:
     listen: str = "127.0.0.1:7070"
     security: Security = field(default_factory=lambda: Security(token=""))
+    # --operator-token-file: what SubmitJob, CancelJob and Admit need on top of the join
+    # token (coordinator/daemon/operator.py); empty: none, the join token suffices
+    operator_token: str = ""
     heartbeat_interval_s: float = 1.0
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # dtfm/flags.py says why
     # --heartbeat-budget: heartbeats a second past which the interval stretches
@@ -275,6 +279,7 @@ class CoordinatorConfig:
             check_directory(self.tensorboard_dir, "--tensorboard")
             check_installed()
         self.security.validate()
+        check_operator_token(self.operator_token, self.security.token)
         for flag, value in (("--heartbeat-interval", self.heartbeat_interval_s),
                             ("--liveness-timeout", self.liveness_timeout_s),
                             ("--measure-timeout", self.measure_timeout_s),

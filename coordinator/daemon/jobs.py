@@ -2,15 +2,15 @@
 
 A coordinator used to run the one job its `start` flags described; a second job meant
 restarting it. `coordinator submit` (`Coordinator.SubmitJob`) now queues a job described by
-the same job flags (coordinator/jobflags.py); the daemon runs them one after another, each on
-the live agents once the job before it has ended (done, failed or cancelled), without
-restarting the agents (coordinator/daemon/server.py, `run_jobs`). Each job keeps its own id,
-its state directory row, its checkpoints (keyed by its id) and its history.
+the same job flags (coordinator/jobflags.py); the daemon's scheduler starts them in order, side
+by side where the agents suffice (coordinator/daemon/jobcalls.py, `run_jobs`), each on live
+agents that no other running job holds, without restarting the agents. Each job keeps its own
+id, its state directory row, its checkpoints (keyed by its id) and its history.
 
-`JobQueue` holds the jobs waiting, in the order submitted, and the submitted job running now.
+`JobQueue` holds the jobs waiting, in the order submitted, and the submitted jobs running now.
 With `--state-dir` every submitted job that has not ended has a row in the store
 (`JobStore.queue_*`), written before the submitter hears its id, so a restarted coordinator
-keeps the queue and continues the job that was running (its `job` row, by id).
+keeps the queue and continues the jobs that were running (their `job` rows, by id).
 
 What a submitter can make the daemon hold is bounded: `MAX_QUEUED_JOBS` waiting, each
 submission's words (`jobflags.size_problem`), `MAX_ENDED` ended jobs listed and
@@ -35,7 +35,7 @@ from protos.dtfm.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_JOBS = 32  # jobs waiting behind the running one
+MAX_QUEUED_JOBS = 32  # jobs waiting (those running are bounded by the agents they hold)
 MAX_ENDED = 64  # ended jobs `coordinator jobs` still lists (the newest)
 HISTORIES_KEPT = 8  # ended jobs whose per-step history `coordinator report --job` still has
 ENDED = (coordinator_pb2.JOB_STATE_DONE, coordinator_pb2.JOB_STATE_FAILED,
@@ -59,13 +59,13 @@ class Submitted:
 
 @dataclass
 class JobQueue:
-    """Submitted jobs in order: `waiting`, then `running` once `next` hands it out."""
+    """Submitted jobs in order: `waiting`, then `running` once `take` hands them out."""
 
     store: JobStore | None = None
     limit: int = MAX_QUEUED_JOBS
     parse: Callable[[Sequence[str]], JobConfig] = parse_submitted
     waiting: list[Submitted] = field(default_factory=list)
-    running: Submitted | None = None
+    running: dict[str, Submitted] = field(default_factory=dict)  # by id, as started
     _seq: int = 0
     _added: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -102,9 +102,8 @@ class JobQueue:
         return job
 
     def position(self, job_id: str) -> int:
-        """Jobs ahead of `job_id` in the queue (the running one counts)."""
-        ids = [s.job_id for s in self.waiting]
-        return ids.index(job_id) + (self.running is not None)
+        """Jobs ahead of `job_id` in the queue (the running ones not counted)."""
+        return [s.job_id for s in self.waiting].index(job_id)
 
     def cancel(self, job_id: str) -> Submitted | None:
         """Take a waiting job out of the queue (None: none waits by that id)."""
@@ -116,20 +115,23 @@ class JobQueue:
                 return job
         return None
 
+    def take(self) -> Submitted:
+        """The first job waiting (there is one); it is `running` from then on."""
+        job = self.waiting.pop(0)
+        self.running[job.job_id] = job
+        return job
+
     async def next(self) -> Submitted:
-        """The first job waiting, once there is one; it is `running` from then on."""
+        """The first job waiting, once there is one (`take`)."""
         while not self.waiting:
             self._added.clear()
             await self._added.wait()
-        self.running = self.waiting.pop(0)
-        return self.running
+        return self.take()
 
     def ended(self, job_id: str) -> None:
-        """The running submitted job ended: its row goes (the job's own row stays)."""
-        if self.running is not None and self.running.job_id == job_id:
-            self.running = None
-            if self.store is not None:
-                self.store.queue_remove(job_id)
+        """A running submitted job ended: its row goes (the job's own row stays)."""
+        if self.running.pop(job_id, None) is not None and self.store is not None:
+            self.store.queue_remove(job_id)
 
 
 def entry(status: coordinator_pb2.JobStatus, submitted: Submitted | None

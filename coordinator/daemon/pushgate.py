@@ -26,6 +26,8 @@ that stage's own holder. Every refusal is logged with its reason (`answer_push`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from coordinator.daemon.registry import IdentityError, Registry
@@ -46,7 +48,8 @@ HEARTBEAT_LAG_STEPS = 16  # steps a job may train between a heartbeat and its ch
 class PushGate:
     """The checks a push to the coordinator passes before it is received."""
 
-    def __init__(self, registry: Registry, job: Job) -> None:
+    def __init__(self, registry: Registry, job: Callable[[str], Job]) -> None:
+        """`job`: the job of an id the coordinator runs (its primary job for any other)."""
         self.registry = registry
         self.job = job
 
@@ -54,7 +57,7 @@ class PushGate:
         """The model of the job `m` is pushed for, when `pusher` may push step `m` of it;
         Refused (with the status for the pusher) otherwise."""
         agent_id = self._prove(pusher)
-        job = self.job
+        job = self.job(job_id)
         if not job.job_id or job.state in ENDED or job.job_id != job_id:
             running = job.job_id if job.job_id and job.state not in ENDED else "none now"
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,

@@ -20,11 +20,13 @@ import grpc
 
 from coordinator.daemon.config import CoordinatorConfig
 from coordinator.daemon.history import History
-from coordinator.daemon.jobcalls import JobCalls
-from coordinator.daemon.jobs import ENDED, Archive, JobQueue, Submitted
+from coordinator.daemon.jobcalls import JobCalls, RunningJob
+from coordinator.daemon.jobs import Archive, JobQueue, Submitted
 from coordinator.daemon.jobstore import JobStore
+from coordinator.daemon.operator import OperatorGate
 from coordinator.daemon.pushgate import PushGate
 from coordinator.daemon.registry import LEFT, AgentRecord, IdentityError, Registry
+from coordinator.daemon.share import AgentPool
 from coordinator.daemon.validate import (
     secret_problem,
     validate_agent_info,
@@ -75,22 +77,29 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         self.measurer = LinkMeasurer(self.registry, self.links)
         self.reach = ReachChecker(self.registry, config.security)
         self.store = JobStore(config.state_dir) if config.state_dir else None
-        self.job = Job(config.job, self.registry, self.measurer, self.links, store=self.store,
-                       reach=self.reach)  # plans only once members' reach verdicts are in
+        self.pool = AgentPool(self.registry)  # which running job holds which agents
+        self.runs: dict[str, RunningJob] = {}  # the jobs driven now, the oldest first
+        self.wake = asyncio.Event()  # the scheduler looks again (coordinator/daemon/jobcalls.py)
+        share = self.pool.share("")
+        self.job = Job(config.job, share, self.measurer, self.links,  # type: ignore[arg-type]
+                       store=self.store, reach=self.reach)  # plans once reach verdicts are in
+        self.history = History()
+        if config.job.model:  # `start`'s own job, driven first
+            self.adopt_run(self.job, share, None, "alone: every live agent is its to use")
+        else:
+            self.pool.release("")
         self.measurer.punching = self.job.dataplane  # stranded pairs punch through its relay
         # lies about the network are evidence, recorded only (docs/architecture.md, Integrity)
         self.reach.evidence = self.measurer.evidence = self._network_evidence
-        self.history = History()
         self.integrity = IntegrityReports()  # what agents' replica checks found (issue 43)
         self.corroboration = Corroboration()  # ... and when two of them confirm a fault
-        self._gate = PushGate(self.registry, self.job)
+        self._gate = PushGate(self.registry, self.job_for)
+        self.operator = OperatorGate(config.operator_token)  # SubmitJob, CancelJob, Admit
         self.copies = CoordinatorCopies(config.state_dir, config.checkpoint_store_bytes,
                                         self._gate.admit)
         self.queue = JobQueue(self.store)  # submitted jobs (coordinator/daemon/jobs.py)
         self.archive = Archive()  # ... and what is kept of ended ones
-        self.driving: asyncio.Future[None] | None = None  # the task driving `job`
         self.stopping = asyncio.Event()
-        self._export_source: coordinator_pb2.ExportSource | None = None
 
     def _network_evidence(self, agent_id: str, kind: str, detail: str) -> None:
         """A report about the network that the coordinator's checks contradict: evidence
@@ -98,15 +107,24 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         self.job.integrity.ledger.record(agent_id, kind, 0, detail)
 
     def _changed(self) -> None:
-        job = getattr(self, "job", None)
-        if job is not None:
+        for job in self.jobs_now():
             job.poke()
+        self.wake.set()  # free agents may let the next job start
 
     def _lost(self, lost: list[AgentRecord]) -> None:
-        """The registry lost agents (silent, or unreachable as the job found): tell the job."""
-        job = getattr(self, "job", None)
-        if job is not None:
+        """The registry lost agents (silent, or unreachable as a job found): tell the jobs
+        (each looks for its own members)."""
+        for job in self.jobs_now():
             job.on_lost(lost)
+
+    def job_for(self, job_id: str) -> Job:
+        """The running job of this id, else the primary one."""
+        run = self.run_of(job_id)
+        return self.job if run is None else run.job
+
+    def refusal(self, agent_id: str) -> str:
+        """Why `agent_id` is refused (an integrity exclusion in any running job), or ''."""
+        return next((r for job in self.jobs_now() if (r := job.integrity.refusal(agent_id))), "")
 
     # --- agents ---
     async def Join(
@@ -117,7 +135,7 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if self.stopping.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down")
-        if refused := self.job.integrity.refusal(request.agent.agent_id):
+        if refused := self.refusal(request.agent.agent_id):
             log.warning("refused a Join: %s", refused)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         if self.registry.get(request.agent.agent_id) is None and len(self.registry) >= MAX_AGENTS:
@@ -140,7 +158,8 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         # on it as "not checked" and its verdict came in a moment later. Their commands queue
         # behind the welcome.
         self.reach.on_join(rec)  # dials it back; the verdict follows on this stream
-        self.job.on_join(rec)
+        for job in self.jobs_now():
+            job.on_join(rec)
         yield coordinator_pb2.Command(
             welcome=coordinator_pb2.Welcome(
                 agent_id=rec.agent_id,
@@ -168,19 +187,23 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"agent {request.agent_id!r} has not joined: call Join first",
             )
-        self.job.on_progress(rec, request)
+        # the job the report is of: a report of none (an idle agent's) changes no job, and
+        # finding its holder would cost O(agents) per heartbeat
+        run = self.run_of(request.job_id)
+        job, history = (self.job, self.history) if run is None else (run.job, run.history)
+        job.on_progress(rec, request)
         floor = 0
-        if request.job_id and request.job_id == self.job.job_id:
-            self.history.record(rec.agent_id, request)
-            if request.epoch == self.job.epoch:
-                floor = self.job.checkpoint_floor()
-                layout = self.job.planner.layout  # stages the coordinator holds count too
+        if request.job_id and request.job_id == job.job_id:
+            history.record(rec.agent_id, request)
+            if request.epoch == job.epoch:
+                floor = job.checkpoint_floor()
+                layout = job.planner.layout  # stages the coordinator holds count too
                 if request.integrity and layout is not None:  # evidence, kept and logged
                     self.corroboration.feed(self.integrity.record(
-                        rec.agent_id, request, self.job.members, layout.stages),
-                        self.job.integrity.ledger)
-                if self.job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
-                    floor = self.copies.floor(self.job.job_id, layout.stages, floor)
+                        rec.agent_id, request, job.members, layout.stages),
+                        job.integrity.ledger)
+                if job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
+                    floor = self.copies.floor(job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor,
                                    heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
@@ -233,7 +256,7 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         and its re-join is refused too, until `coordinator admit`)."""
         try:
             rec = self.registry.authenticate(request.agent_id, request.agent_secret)
-            if rec is not None and (refused := self.job.integrity.refusal(rec.agent_id)):
+            if rec is not None and (refused := self.refusal(rec.agent_id)):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
             return rec
         except IdentityError as exc:
@@ -262,63 +285,26 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         return await self.copies.push(request_iterator, context)
 
     # --- people and scripts ---
-    def use_job(self, submitted: Submitted) -> None:
-        """Make `submitted` the job this coordinator drives (the one before it has ended)."""
-        job = Job(submitted.config, self.registry, self.measurer, self.links,
+    def new_job(self, submitted: Submitted, registry: Registry) -> Job:
+        """The `Job` of `submitted` over `registry` (its share of the agents): it keeps the
+        coordinator's relay, and who a confirmed fault excluded stays out of it."""
+        job = Job(submitted.config, registry, self.measurer, self.links,
                   store=self.store, reach=self.reach, job_id=submitted.job_id)
         job.dataplane.share_relay_of(self.job.dataplane)
         excluded = self.job.integrity.ledger.to_json()["exclusions"]
         if excluded and not job.epoch:  # a new job: who a confirmed fault excluded stays out
             job.integrity.restore({"exclusions": excluded})
-        self._gate.job = self.job = job
         self.measurer.punching = job.dataplane  # stranded pairs punch through its relay
-        self.history, self._export_source = History(), None
-        log.info("job %s: starting (%s), submitted with %s", job.job_id, job.config.model,
-                 " ".join(submitted.args))
-
-    async def run_job(self) -> None:
-        """Drive the job (and its export) until it ends or is cancelled; the coordinator's
-        checkpoint copies of the job go when it ends (kept while it is unfinished: a
-        restarted coordinator continues it)."""
-        if self.job.job_id:
-            await self.copies.keep_only(self.job.job_id)
-        self.driving = asyncio.ensure_future(self._run_and_export())
-        try:
-            await self.driving
-        except asyncio.CancelledError:
-            if self.job.state != coordinator_pb2.JOB_STATE_CANCELLED:
-                raise  # the coordinator stops
-        if self.job.job_id and self.job.state in ENDED:
-            await self.copies.remove(self.job.job_id, "the job ended")
-
-    async def _run_and_export(self) -> None:
-        """Drive the job; after its last step, write --export-dir when given."""
-        await self.job.run()
-        job = self.job.config
-        if not (job.export_dir and self.job.state == coordinator_pb2.JOB_STATE_DONE):
-            return
-        from coordinator.job.export import export_from_status
-        from dtfm.core.hfexport import ExportError
-
-        status = coordinator_pb2.ClusterStatus(
-            agents=[a.to_proto() for a in self.registry.status_rows(MAX_AGENTS)[0]],
-            job=self.job_status())
-        try:
-            step, out = await export_from_status(status, self.config.security,
-                                                 job.export_dir, merged=job.export_merged,
-                                                 say=log.info)
-        except ExportError as exc:
-            log.error("export to %s failed: %s (run `coordinator export` to try again)",
-                      job.export_dir, exc)
-            return
-        log.info("exported step %d of job %s to %s", step, self.job.job_id, out)
+        return job
 
     async def GetStatus(
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
         status, omitted = self.status_answer()
         if request.job_id and request.job_id != status.job.job_id:
-            if (ended := self.archive.statuses.get(request.job_id)) is None:
+            run = self.run_of(request.job_id)  # another running job
+            if (ended := self.job_status(run) if run is not None
+                    else self.archive.statuses.get(request.job_id)) is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"job {request.job_id[:100]!r} is neither the current job "
                                     f"nor one of the newest ended ones "
@@ -343,20 +329,25 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
             now_unix_s=time.time(),
         ), omitted
 
-    def job_status(self) -> coordinator_pb2.JobStatus:
-        """The job's status with what an export writes beside the weights (token ids,
-        tokenizer, a LoRA job's settings: `coordinator.job.export.job_export_source`, read
-        once)."""
-        status = self.job.status()
+    def job_status(self, run: RunningJob | None = None) -> coordinator_pb2.JobStatus:
+        """The status of the job `run` drives (the primary one by default) with what an
+        export writes beside the weights (token ids, tokenizer, a LoRA job's settings:
+        `coordinator.job.export.job_export_source`, read once)."""
+        job = self.job if run is None else run.job
+        status = job.status()
         status.coordinator_checkpoints.extend(self.copies.held(status.job_id))
         if line := self.unreachable_line(status.state):
             status.message = f"{status.message}; {line}" if status.message else line
-        if self.job.config.model:
-            if self._export_source is None:
+        if job.config.model:
+            run = run or self.runs.get(job.job_id)
+            source = run.export_source if run is not None else None
+            if source is None:
                 from coordinator.job.export import job_export_source
 
-                self._export_source = job_export_source(self.job.config.train)
-            status.export_source.CopyFrom(self._export_source)
+                source = job_export_source(job.config.train)
+                if run is not None:
+                    run.export_source = source
+            status.export_source.CopyFrom(source)
         return status
 
     def unreachable_line(self, state: int) -> str:
@@ -381,6 +372,10 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
     async def Admit(self, request: coordinator_pb2.AdmitRequest,
                     context: grpc.aio.ServicerContext) -> coordinator_pb2.AdmitReply:
         """An operator lets an excluded agent take part again (`coordinator admit`)."""
+        await self.operator.check(context, "Admit")
+        for job in self.jobs_now():
+            if request.agent_id in job.integrity.ledger.exclusions:
+                return coordinator_pb2.AdmitReply(message=job.integrity.admit(request.agent_id))
         try:
             return coordinator_pb2.AdmitReply(message=self.job.integrity.admit(request.agent_id))
         except KeyError:
@@ -404,6 +399,8 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
     async def GetHistory(
         self, request: coordinator_pb2.HistoryRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.JobHistory:
+        if (run := self.run_of(request.job_id)) is not None:
+            return self.history_of_job(run)()
         if request.job_id and request.job_id != self.job.job_id:
             if (ended := self.archive.histories.get(request.job_id)) is None:
                 kept = ", ".join(self.archive.histories) or "none"
@@ -421,11 +418,14 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         view); `tail`: the newest that many (the TensorBoard log)."""
         return self.history_of_job()(limit, tail)
 
-    def history_of_job(self) -> Callable[..., coordinator_pb2.JobHistory]:
-        """The running job's history answer as it stands, kept when the job ends."""
-        job = self.job.config
-        tokens = job.train.global_batch * job.model_spec().seq_len if job.model else 0
-        return partial(self.history.to_proto, self.job.status(), tokens, self.job.restarts)
+    def history_of_job(self, run: RunningJob | None = None
+                       ) -> Callable[..., coordinator_pb2.JobHistory]:
+        """A running job's history answer (the primary one's by default) as it stands, kept
+        when the job ends."""
+        job, history = (self.job, self.history) if run is None else (run.job, run.history)
+        cfg = job.config
+        tokens = cfg.train.global_batch * cfg.model_spec().seq_len if cfg.model else 0
+        return partial(history.to_proto, job.status(), tokens, job.restarts)
 
 
     async def MeasureLinks(
@@ -444,7 +444,7 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"need at least 2 live agents to measure links, have {len(agents)}",
             )
-        if self.job.busy_training():
+        if any(job.busy_training() for job in self.jobs_now()):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "a training job is running: measuring now would disturb it",
@@ -481,7 +481,8 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         while every > 0 and not self.stopping.is_set():
             await asyncio.sleep(every)
             agents = self.registry.alive()
-            if len(agents) < 2 or self.job.busy_training() or self.measurer.running:
+            if len(agents) < 2 or self.measurer.running or any(
+                    job.busy_training() for job in self.jobs_now()):
                 continue
             try:
                 await asyncio.wait_for(self.measurer.measure(agents),
@@ -518,6 +519,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     )
     log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
              "TLS" if config.security.tls else "plaintext")
+    service.operator.announce()
     if config.relay_shared:
         assert front is not None
         relay = service.job.dataplane.share_relay(port, front)
@@ -547,7 +549,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
     await stop.wait()
     log.info("coordinator shutting down")
     await health.enter_graceful_shutdown()
-    await service.job.shutdown()
+    for job in service.jobs_now():
+        await job.shutdown()
     await service.job.dataplane.close()
     await service.reach.close()
     service.close_streams()

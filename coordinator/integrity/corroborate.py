@@ -31,8 +31,11 @@ WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onse
 # An owner's averaged shard (agent/worker/avgcheck.py) confirms only when zeroed or replayed,
 # which no bad input can cause; its norm, cosine and shape move with a bad contributor's copy
 # as much as with a bad owner, and two honest receivers would then name an honest owner.
+# A NaN or infinite copy or average (agent/worker/nonfinite.py) confirms: an honest owner
+# averages a non-finite copy as zeros, and a replica whose own gradient is not finite names
+# nobody (it fails as `config` itself, which outranks its owners' reports).
 CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights", "avg_zero",
-                        "avg_stale"})
+                        "avg_stale", "grad_nonfinite", "avg_nonfinite"})
 
 
 @dataclass

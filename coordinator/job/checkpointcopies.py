@@ -160,10 +160,11 @@ class CoordinatorCopies:
             log.info("checkpoint: removed the coordinator's copies of job %s (%d stages): %s",
                      job_id, len(gone), why)
 
-    async def keep_only(self, job_id: str) -> None:
-        """Delete the copies of every job but `job_id` (an earlier run's, left in the
-        --state-dir): the coordinator runs one job."""
-        for other in await asyncio.to_thread(ondisk.other_jobs, self.root, job_id):
+    async def keep_only(self, *job_ids: str) -> None:
+        """Delete the copies of every job but `job_ids` (an earlier run's, left in the
+        --state-dir): those of the jobs the coordinator runs now stay."""
+        others = [set(await asyncio.to_thread(ondisk.other_jobs, self.root, j)) for j in job_ids]
+        for other in sorted(set.intersection(*others)) if others else []:
             for k in [k for k in self._held if k[0] == other]:
                 del self._held[k]
             await asyncio.to_thread(shutil.rmtree, self.root / other, True)

@@ -19,7 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -104,6 +104,8 @@ class EpochPlanner:
         self.grid_ids: list[list[str]] = []  # this epoch's grid, stage x replica -> agent id
         self.model: Prediction | None = None  # this epoch's step-time model
         self._port_epoch, self._port = -1, 0
+        # rendezvous ports not to draw: the daemon's other running jobs' (jobcalls.py)
+        self.taken_ports: Callable[[], Collection[int]] = tuple
         # "from->to" links of the members that go through a relay (LinkMatrix.relayed), as
         # the epoch's links were gathered (coordinator/job/epochlinks.py): `place` prices each
         # relay's uplink shared among the grid's flows it carries (coordinator/scheduler/relay.py)
@@ -134,9 +136,17 @@ class EpochPlanner:
     def rendezvous_port(self, epoch: int) -> int:
         """Rank 0's store port for this epoch: drawn per epoch from 29500-30498 (even ports;
         the store's neighbour is left free), so a stranger cannot know it in advance; the
-        assignment carries it."""
+        assignment carries it. Never one `taken_ports` names (another job's running beside
+        this one, whose rank 0 may share a host with this one's)."""
         if self._port_epoch != epoch:
-            self._port_epoch, self._port = epoch, 29500 + 2 * secrets.randbelow(500)
+            taken = set(self.taken_ports())
+            free = [p for p in range(29500, 30500, 2) if p not in taken] or [29500]
+            self._port_epoch, self._port = epoch, free[secrets.randbelow(len(free))]
+        return self._port
+
+    @property
+    def port(self) -> int:
+        """The rendezvous port of the newest epoch (0 before any)."""
         return self._port
 
     def layout_text(self) -> str:

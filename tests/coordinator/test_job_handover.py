@@ -32,6 +32,11 @@ def test_the_next_job_keeps_the_relay_the_exclusions_and_the_metrics_follow_it(
                                                  reporter="good", confirmed=True)
             scrape = coordinator_registry(svc.registry, lambda: svc.job, svc.links)
             args = ["--model", "gpt-tiny", "--agents", "2", "--steps", "3"]
+            ended = asyncio.get_running_loop().create_future()
+            ended.set_result(None)  # the first job's drive is over: it goes to the archive
+            svc.runs[first.job_id].driving = ended
+            svc.reap()
+            assert not svc.runs and not svc.pool.shares and svc.job is first
             svc.use_job(Submitted("job-next", parse_submitted(args), args, 0.0))
             job = svc.job
             assert job is not first and job.job_id == "job-next"

@@ -29,8 +29,8 @@ def test_jobs_come_out_in_the_order_submitted_and_a_cancelled_one_never() -> Non
     assert len({a.job_id, b.job_id, c.job_id}) == 3
     assert [queue.position(j.job_id) for j in (a, b, c)] == [0, 1, 2]
     assert queue.cancel(b.job_id) is b and queue.cancel(b.job_id) is None
-    assert asyncio.run(queue.next()) is a and queue.running is a
-    assert queue.position(c.job_id) == 1  # the running one is ahead of it
+    assert asyncio.run(queue.next()) is a and queue.running == {a.job_id: a}
+    assert queue.position(c.job_id) == 0  # first in the queue, behind the running one
     queue.ended(a.job_id)
     assert asyncio.run(queue.next()) is c and c.config.seed == 2
 

@@ -63,6 +63,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     _install(root, "agent", "0")
     etc = root / "etc" / "dtfm"
     first = {"token": (etc / "token").read_text(), "agent-0": (etc / "agent-0.env").read_text(),
+             "operator-token": (etc / "operator-token").read_text(),
              **{f.name: f.read_bytes() for f in (etc / "tls").iterdir()}}
     with open(etc / "coordinator.env", "a") as f:
         f.write("# edited by the operator\n")
@@ -77,6 +78,12 @@ def test_install_twice_keeps_token_and_env_files(staged: dict) -> None:
     assert (etc / "token").read_text() == staged["first"]["token"]
     assert len(staged["first"]["token"].strip()) >= 40
     assert (etc / "token").stat().st_mode & 0o777 == 0o600
+    operator = etc / "operator-token"  # the coordinator's alone: submit, cancel, admit
+    assert operator.read_text() == staged["first"]["operator-token"] != staged["first"]["token"]
+    assert len(operator.read_text().strip()) >= 40 and operator.stat().st_mode & 0o777 == 0o600
+    assert "DTFM_OPERATOR_TOKEN_FILE=/etc/dtfm/operator-token" in (
+        etc / "coordinator.env").read_text()
+    assert "does not name the operator token" not in staged["again"]
     assert "# edited by the operator" in (etc / "coordinator.env").read_text()
     assert (etc / "agent-0.env").read_text() == staged["first"]["agent-0"]
     for unit in UNITS:  # as shipped, but running the venv the installer built
@@ -188,6 +195,14 @@ def test_installed_entry_points_run_from_the_env_files(staged: dict) -> None:
         assert (root / "var/lib/dtfm/agent-0").is_dir()  # the unit's DTFM_STATE_DIR
         with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as reply:
             assert b'dtfm_cluster_agents{state="alive"} 1.0' in reply.read()
+        # the env file names the operator token: the join token alone may not cancel
+        for env, answer in (({k: v for k, v in coordinator_env.items()
+                              if k != "DTFM_OPERATOR_TOKEN_FILE"}, "PERMISSION_DENIED"),
+                            (coordinator_env, "NOT_FOUND")):
+            out = subprocess.run([str(bin_dir / "coordinator"), "cancel", "job-none",
+                                  "--coordinator", address], env=env, capture_output=True,
+                                 text=True, timeout=30, cwd=root)
+            assert out.returncode == 1 and answer in out.stderr, out.stderr
     finally:
         terminate_all(procs)
     assert [p.returncode for p in procs] == [0, 0], [

@@ -4,8 +4,6 @@ coordinator and agent processes on loopback, real gRPC, the CLI as a person runs
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import grpc
 import pytest
@@ -86,40 +84,3 @@ def test_queued_jobs_run_in_turn_and_the_second_trains_as_alone(daemons: Daemons
     assert exported["step"] == 4 and (out / "config.json").is_file(), exported
     text = daemons.cli("coordinator", "status", "--all", "--coordinator", address)
     assert text.returncode == 0 and queued in text.stdout and "cancelled" in text.stdout
-
-
-@pytest.mark.timeout(180)
-def test_a_restarted_coordinator_keeps_its_queue_a_cancel_starts_the_next_and_outsiders_are_refused(
-        daemons: Daemons) -> None:
-    state = str(daemons.tmp / "state")
-    proc, address = daemons.coordinator("--state-dir", state)
-    # no token: refused like every other call
-    stub = coordinator_pb2_grpc.CoordinatorStub(
-        grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-    for call, request in ((stub.SubmitJob, coordinator_pb2.SubmitJobRequest(args=JOB)),
-                          (stub.ListJobs, coordinator_pb2.ListJobsRequest()),
-                          (stub.CancelJob, coordinator_pb2.CancelJobRequest(job_id="x"))):
-        with pytest.raises(grpc.RpcError) as refused:
-            call(request, timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    for i in range(2):
-        daemons.agent(address, f"agent-{i}")
-    running = _submit(daemons, address, *JOB, "--steps", "500")
-    waiting = _submit(daemons, address, *JOB, "--steps", "3")
-    wait_for(lambda: _jobs(daemons, address).get(running, {}).get("step", 0) >= 1, 90,
-             "the first job to train")
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
-    _, address = daemons.coordinator("--state-dir", state, port=int(address.rsplit(":")[1]))
-    jobs = _jobs(daemons, address)
-    assert jobs[waiting]["state"] == "queued" and running in jobs, jobs
-    wait_for(lambda: _state(daemons, address, running) == "running", 60,
-             "the running job to be adopted")
-    # cancelled in the middle: its members stop, and the next job starts on them
-    _stub(daemons, address).CancelJob(coordinator_pb2.CancelJobRequest(job_id=running),
-                                      timeout=10, metadata=(("authorization",
-                                                             f"Bearer {daemons.token}"),))
-    wait_for(lambda: _state(daemons, address, waiting) == "done", 90, "the queued job to run")
-    jobs = _jobs(daemons, address)
-    assert jobs[running]["state"] == "cancelled" and jobs[running]["step"] < 500, jobs
-    assert sorted(job_losses(daemons.tmp, waiting)) == [1, 2, 3]
