@@ -34,10 +34,9 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--sync-every", "4", "--checkpoint-every", "4", "--search-seconds", "1",
        "--no-measure", "--eval-batches", "1", "--heartbeat-interval", "0.5",
        "--layer-split", "even"]  # a split measured per run would change the bits
-# agents without spare workers (the "spare" below is a spare agent): a recovery handed to
-# spare workers still importing at idle priority waits on a loaded machine, and the unused
-# ones cost CPU; tests/agent/test_prewarm.py pins them
-NO_SPARES = ["--no-prewarm"]
+# agents keep their spare worker (the "spare" below is a spare agent, not this): it forks
+# each epoch's worker, one torch import per agent instead of one per worker start
+NO_SPARES: list[str] = []
 FAULT = "3:10:exit:1"  # rank 3 (stage 1, replica 1) exits before step 10, in epoch 1 only
 
 

@@ -51,9 +51,9 @@ JOB = ["--model", "gpt-tiny", "--agents", str(AGENTS), "--stages", "4", "--repli
        "--checkpoint-every", str(EVERY), "--search-seconds", "1", "--no-measure",
        "--eval-batches", "0", "--heartbeat-interval", "0.5", "--layer-split", "even",
        "--placement", "rank-order"]
-# No spare workers: each agent would start one after each epoch's first step, 24 torch
-# imports in all, 16 of them never used; spares are not what this test is about.
-NO_SPARES = ["--no-prewarm"]
+# Agents keep their spare worker: it forks each epoch's worker, one torch import per agent
+# (without it every epoch's start imported torch on every rank)
+NO_SPARES: list[str] = []
 KILL_AT = 5  # past the checkpoint of step 3: the new epoch resumes from there or later
 
 
