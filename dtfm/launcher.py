@@ -20,7 +20,9 @@ A worker may also be started before its assignment exists (`Spare`): the same co
 `--spare` imports python, torch and the worker's modules (seconds, most of a cold start on a
 busy machine) and then waits for one line on its stdin, the JSON list of exactly the flags a
 fresh worker gets on its command line (`worker_flags`), so the two paths share one mapping.
-A spare is used only when its environment is the one a fresh worker would get now.
+A spare is used only when its environment is the one a fresh worker would get now. Once warm
+a spare is a zygote (agent/worker/zygote.py, `Spare.fork`): it forks each worker, already
+warm, and stays; `dtfm.forked` gives the launcher those children's exit statuses.
 
 No torch and no grpc here: the daemons import this, and the worker itself imports only
 `dtfm.core`.
@@ -34,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -43,12 +46,14 @@ from dtfm.core.events import ProgressEvent, WorkerEnv, parse_event
 from dtfm.core.files import open_private_append, write_private
 from dtfm.core.hfexport import ExportError
 from dtfm.core.mergerequest import EXPORT_ERROR_EXIT, MergeRequest
+from dtfm.forked import ForkedChild, Replies
 from dtfm.procs import terminate_all, terminate_all_async
 from dtfm.spareprio import raise_to_mine
 from protos.dtfm.v1 import common_pb2
 
 FOLLOW_POLL_S = 0.25
 STOP_GRACE_S = 10.0
+FORK_TIMEOUT_S = 10.0  # a warm zygote answers a fork in milliseconds
 SPARE_LOG = "spare.log"  # a spare's output until it takes an assignment (then that one's log)
 
 
@@ -149,21 +154,67 @@ class Spare:
     """
 
     def __init__(self, popen: subprocess.Popen[bytes], env: Mapping[str, str],
-                 python: str) -> None:
+                 python: str, replies: Replies | None = None) -> None:
         self.popen = popen
         self.env = dict(env)
         self.python = python
+        self.replies = replies
 
     @classmethod
     def start(cls, workdir: Path, env: Mapping[str, str], *, python: str = sys.executable,
-              cwd: Path | None = None) -> Spare:
-        """Start a spare; its output goes to `workdir/spare.log` until it takes a job."""
-        with open_private_append(workdir / SPARE_LOG) as log:
-            popen = subprocess.Popen(
-                [python, "-m", "agent.worker", "--spare"], stdin=subprocess.PIPE, stdout=log,
-                stderr=log, env=dict(env), cwd=cwd, start_new_session=True,
-            )
-        return cls(popen, env, python)
+              cwd: Path | None = None, zygote: bool = True, idle: bool = True) -> Spare:
+        """Start a spare; its output goes to `workdir/spare.log` until it takes a job.
+
+        `zygote`: once warm it forks each assignment's worker and stays (`fork`), instead of
+        becoming the one worker it is handed (`take`, still what a spare not yet warm does).
+        `idle`: it imports at idle priority (beside a training worker); otherwise at ours.
+        """
+        argv = [python, "-m", "agent.worker", "--spare", *([] if idle else ["--full-priority"])]
+        read_fd, write_fd = os.pipe() if zygote else (-1, -1)
+        try:
+            with open_private_append(workdir / SPARE_LOG) as log:
+                popen = subprocess.Popen(
+                    [*argv, "--reply-fd", str(write_fd)] if zygote else argv,
+                    stdin=subprocess.PIPE, stdout=log, stderr=log, env=dict(env), cwd=cwd,
+                    start_new_session=True, pass_fds=(write_fd,) if zygote else (),
+                )
+        except BaseException:
+            for fd in (read_fd, write_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        replies = None
+        if zygote:
+            os.close(write_fd)
+            replies = Replies(read_fd)
+            replies.start()
+        return cls(popen, env, python, replies)
+
+    @property
+    def ready(self) -> bool:
+        """Warm, alive and forking: `fork` hands it an assignment without a wait."""
+        return (self.replies is not None and self.replies.is_ready and not self.replies.ended
+                and self.popen.poll() is None)
+
+    def fork(self, assignment: common_pb2.Assignment, files: WorkerFiles,
+             assigned_at: float | None = None,
+             timeout_s: float = FORK_TIMEOUT_S) -> WorkerProcess | None:
+        """A worker for `assignment` forked from this warm spare, which stays for the next;
+        None if it is not ready or did not answer within `timeout_s` (the caller then stops
+        it and launches a fresh worker)."""
+        if not self.ready or self.replies is None or self.popen.stdin is None:
+            return None
+        _write_files(assignment, files)
+        flags = worker_flags(files, assigned_at=assigned_at, log=True)
+        try:
+            self.popen.stdin.write((json.dumps({"fork": flags}) + "\n").encode())
+            self.popen.stdin.flush()
+        except OSError:  # BrokenPipeError: it died since `ready`
+            return None
+        pid = self.replies.next_pid(timeout_s)
+        if pid is None:
+            return None
+        return WorkerProcess(files, ForkedChild(pid, self.replies))
 
     @property
     def pid(self) -> int:
@@ -185,6 +236,7 @@ class Spare:
         line = json.dumps(worker_flags(files, assigned_at=assigned_at, log=True)) + "\n"
         try:  # a few hundred bytes: the pipe takes them at once
             self.popen.stdin.write(line.encode())
+            self.popen.stdin.flush()
             self.popen.stdin.close()
         except OSError:  # BrokenPipeError: it died since poll()
             return None
@@ -205,6 +257,24 @@ class Spare:
         """`stop` without blocking the event loop."""
         self._close_stdin()
         await terminate_all_async([self.popen], grace_s, group=True)
+
+
+def start_zygote(workdir: Path, env: Mapping[str, str], *, timeout_s: float = 300.0,
+                 python: str = sys.executable) -> Spare | None:
+    """A warm zygote for workers that all get `env`, started at our priority and waited for
+    (its import is what each worker would have paid); None, with its log's tail printed, if
+    it did not get warm within `timeout_s` (the caller spawns the workers instead)."""
+    spare = Spare.start(workdir, env, python=python, idle=False)
+    deadline = time.monotonic() + timeout_s
+    while not spare.ready and spare.popen.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if spare.ready:
+        return spare
+    spare.stop(grace_s=0.0)
+    tail = (workdir / SPARE_LOG).read_text(errors="replace").strip().splitlines()[-3:]
+    print(f"the warm spare did not start ({' | '.join(tail) or 'no output'}); starting each "
+          f"worker on its own", file=sys.stderr)
+    return None
 
 
 class ProgressTail:
@@ -231,9 +301,11 @@ class ProgressTail:
 
 
 class WorkerProcess:
-    """A started worker: its files, its process, its progress so far."""
+    """A started worker: its files, its process (spawned, or forked by a zygote), its
+    progress so far."""
 
-    def __init__(self, files: WorkerFiles, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, files: WorkerFiles,
+                 popen: subprocess.Popen[bytes] | ForkedChild) -> None:
         self.files = files
         self.popen = popen
         self._tail = ProgressTail(files.progress)

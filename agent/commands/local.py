@@ -41,7 +41,15 @@ from dtfm.core.presets import PRESETS
 from dtfm.core.spec import SYNC_AUTO, TrainConfig, fingerprinted
 from dtfm.core.tokenfiles import SPLITS, check_data_path
 from dtfm.core.words import stages_x_replicas
-from dtfm.launcher import WorkerFiles, WorkerProcess, launch, stop_all, worker_env
+from dtfm.launcher import (
+    Spare,
+    WorkerFiles,
+    WorkerProcess,
+    launch,
+    start_zygote,
+    stop_all,
+    worker_env,
+)
 from dtfm.procs import TERMINATED_STATUS, Terminated, sigterm_unwinds
 from dtfm.rpc import free_port
 
@@ -167,6 +175,7 @@ class LocalJob:
         self.backend = "nccl" if args.device == "cuda" else "gloo"
         self.gpus = self._check_gpus() if args.device == "cuda" else 0
         self.procs: list[Proc] = []
+        self.zygote: Spare | None = None  # forks the workers (spawn); stopped by kill_all
         self.report_rank = self.layout.rank(self.layout.stages - 1, 0)
         self._first_step: tuple[int, float] | None = None
 
@@ -298,15 +307,23 @@ class LocalJob:
             splits=self.splits, init_hash=self.init_hash,
         )
         threads = a.threads or max(1, (os.cpu_count() or 1) // self.layout.world_size)
-        for msg in assignments:
-            r = msg.rank
-            env = worker_env(threads=threads, timeout_s=a.timeout,
-                             local_rank=r % self.gpus if self.gpus else None)
-            worker = launch(msg, WorkerFiles.in_dir(workdir, f"rank{r}"), env)
-            self.procs.append(Proc(r, worker))
+        envs = [worker_env(threads=threads, timeout_s=a.timeout,
+                           local_rank=msg.rank % self.gpus if self.gpus else None)
+                for msg in assignments]
+        # one warm process forks every worker: S x R imports of torch become one
+        if len(envs) > 1 and all(env == envs[0] for env in envs):
+            self.zygote = start_zygote(workdir, envs[0])
+        for msg, env in zip(assignments, envs, strict=True):
+            files = WorkerFiles.in_dir(workdir, f"rank{msg.rank}")
+            worker = self.zygote.fork(msg, files) if self.zygote is not None else None
+            if worker is None:
+                worker = launch(msg, files, env)
+            self.procs.append(Proc(msg.rank, worker))
 
     def kill_all(self) -> None:
         stop_all([p.worker for p in self.procs], KILL_GRACE_S)
+        if self.zygote is not None:
+            self.zygote.stop(grace_s=1.0)
 
     def describe(self, p: Proc) -> str:
         stage, replica = self.layout.coords(p.rank)

@@ -9,10 +9,14 @@ With `prewarm` (the agent's default) it keeps one spare worker (`dtfm.launcher.S
 has already imported python, torch and the worker's modules, and hands it the next
 assignment instead of starting a process then: that import was the largest part of the time
 from an assignment to the first step on a busy machine, and every recovery pays it again.
-A new spare is started once the worker it became has trained its first step (or ended), so
-its import does not compete with that worker's start. The spare is in its own session like
-a worker, dies with the agent (parent-death signal, and end of its stdin), and `close`
-ends it.
+The spare is a zygote (agent/worker/zygote.py): once warm it forks each assignment's worker,
+already warm, and stays for the next, so a recovery, a move or the next job costs no import
+at all. An assignment that finds it still importing raises it to the agent's priority and
+waits for it (what a fresh worker would pay from scratch). Only a spare that is gone or
+started with another environment is replaced, after the worker's first step, so its import
+does not compete with that worker's start. The spare is in its own session like a worker,
+dies with the agent (parent-death signal, and end of its stdin), and `close` ends it; its
+forked workers die with it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
 from dtfm.net.dataplane import HANDOFF_ENV
+from dtfm.spareprio import raise_to_mine
 from protos.dtfm.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -122,6 +127,8 @@ class WorkerProgress:
             self.failed_step = event.step
 
 
+WARM_WAIT_S = 300.0  # how long an assignment waits for a spare still importing
+WARM_POLL_S = 0.05
 STARTUP_PREFIX = "worker start-up: "  # the agent log line bench/startup.py parses
 
 
@@ -178,6 +185,11 @@ class Supervisor:
         spare = self._spare
         return spare.pid if spare is not None and spare.popen.poll() is None else None
 
+    @property
+    def spare_warm(self) -> bool:
+        """The spare is warm and forks the next assignment's worker (a zygote)."""
+        return self._spare is not None and self._spare.ready
+
     def _env(self) -> dict[str, str]:
         """The worker's environment: the same for a fresh worker and a spare started now."""
         env = worker_env(bind_interface=self.bind_interface)
@@ -211,24 +223,39 @@ class Supervisor:
 
     def _launch(self, assignment: common_pb2.Assignment, files: WorkerFiles,
                 assigned_at: float) -> tuple[WorkerProcess, bool]:
-        """The assignment's worker, and whether the spare became it (it does when it fits:
-        alive, same environment), else a fresh process. A spare that does not fit is ended
-        (a new one comes later)."""
+        """The assignment's worker, and whether the spare forked it (it does when it fits:
+        warm, alive, same environment), else a fresh process. A spare that does not fit is
+        ended (a new one comes later)."""
         env, spare, self._spare = self._env(), self._spare, None
         if spare is not None:
-            if spare.fits(env, self.python):
-                worker = spare.take(assignment, files, assigned_at)
-                if worker is not None:
-                    return worker, True
-                log.warning("the spare worker (pid %d) is gone (exit status %s); starting a "
-                            "fresh one", spare.pid, spare.popen.returncode)
-            else:
+            if not spare.fits(env, self.python):
                 log.info("the spare worker (pid %d) was started with another environment; "
                          "starting a fresh one", spare.pid)
-            # SIGKILL at once (it never ran a job), synchronously: an await here would let a
-            # stop() run between the checkpoint fetch and this worker's start, and miss it
+            elif (worker := spare.fork(assignment, files, assigned_at)) is not None:
+                self._spare = spare  # it stays for the next assignment
+                return worker, True
+            else:
+                log.warning("the spare worker (pid %d) did not fork a worker (exit status %s; "
+                            "see %s); starting a fresh one", spare.pid, spare.popen.poll(),
+                            self.workdir / SPARE_LOG)
+            # SIGKILL at once (it runs no worker: the last one was stopped), synchronously:
+            # an await here would let a stop() run between the checkpoint fetch and this
+            # worker's start, and miss it
             spare.stop(grace_s=0.0)
         return launch(assignment, files, env, python=self.python, assigned_at=assigned_at), False
+
+    async def _warm_spare(self) -> None:
+        """Wait (bounded) for a spare still importing: raised to this process's priority, it
+        finishes the import a fresh worker would start only now, and then forks this worker
+        and every later one."""
+        spare = self._spare
+        if spare is None or spare.ready or not spare.fits(self._env(), self.python):
+            return
+        raise_to_mine(spare.pid)
+        deadline = time.monotonic() + WARM_WAIT_S
+        while (not spare.ready and spare.popen.poll() is None
+               and time.monotonic() < deadline):
+            await asyncio.sleep(WARM_POLL_S)
 
     async def start(self, assignment: common_pb2.Assignment) -> None:
         assigned_at = time.time()
@@ -258,11 +285,12 @@ class Supervisor:
 
     async def _prepare(self, assignment: common_pb2.Assignment) -> bool:
         """Fetch the stage's checkpoint from a peer when this agent lacks it (see
-        `CheckpointCopier.prepare`); False when a stop or a newer assignment cancelled the
-        fetch, so this worker must not start."""
-        if self.checkpoints is None:
-            return True
-        task = asyncio.ensure_future(self.checkpoints.prepare(assignment))
+        `CheckpointCopier.prepare`) while a spare still importing gets warm; False when a stop
+        or a newer assignment cancelled them, so this worker must not start."""
+        steps = [self._warm_spare()]
+        if self.checkpoints is not None:
+            steps.append(self.checkpoints.prepare(assignment))
+        task = asyncio.ensure_future(asyncio.gather(*steps))
         self._preparing = task
         try:
             await task

@@ -24,6 +24,7 @@ import time
 STARTED_AT = time.time()  # before the imports below, which are most of a cold start
 
 import os  # noqa: E402
+import queue  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -127,33 +128,41 @@ def restore_priority(niceness: int | None) -> None:
 class Handover(threading.Thread):
     """A spare's ear on stdin while its main thread imports and warms up: the moment the
     assignment's line arrives the whole process gets its launcher's priority back, so the
-    rest of the import runs at full priority instead of finishing below the peers."""
+    rest of the import runs at full priority instead of finishing below the peers. Every
+    line read goes to `lines` ("" at end of input): a zygote (agent/worker/zygote.py) reads
+    its fork requests from there."""
 
     def __init__(self, priority: int | None) -> None:
         super().__init__(name="spare-handover", daemon=True)
         self.priority = priority
-        self.line = ""
-        self.arrived = threading.Event()
+        self.lines: queue.Queue[str] = queue.Queue()
 
     def run(self) -> None:
+        restored = False
         try:
-            self.line = sys.stdin.readline()
+            while line := sys.stdin.readline():
+                if not restored:
+                    restore_priority(self.priority)
+                    restored = True
+                self.lines.put(line)
         finally:
-            restore_priority(self.priority)
-            self.arrived.set()
+            if not restored:
+                restore_priority(self.priority)
+            self.lines.put("")
 
 
 HANDOVER: Handover | None = None
 if __name__ == "__main__":
     die_with_supervisor()
     if "--spare" in sys.argv[1:]:
-        HANDOVER = Handover(idle_priority())
+        HANDOVER = Handover(None if "--full-priority" in sys.argv[1:] else idle_priority())
         HANDOVER.start()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 
+from agent.worker import zygote  # noqa: E402
 from agent.worker.train import read_assignment, run_assignment  # noqa: E402
 
 IMPORTED_AT = time.time()
@@ -176,6 +185,11 @@ def make_parser() -> argparse.ArgumentParser:
                         help="wall-clock time the agent received the assignment (timing)")
     parser.add_argument("--spare", action="store_true",
                         help="import everything, then read the other flags from stdin")
+    parser.add_argument("--full-priority", action="store_true",
+                        help="with --spare: import at the launcher's priority, not idle")
+    parser.add_argument("--reply-fd", type=int, default=None,
+                        help="with --spare: stay a zygote that forks a worker per request "
+                             "and answers on this descriptor (agent/worker/zygote.py)")
     return parser
 
 
@@ -196,25 +210,34 @@ def warm_up() -> None:
               file=sys.stderr)
 
 
-def await_assignment(parser: argparse.ArgumentParser) -> argparse.Namespace | None:
-    """A spare's wait: one line on stdin, the JSON list of a fresh worker's flags.
+def await_assignment(parser: argparse.ArgumentParser,
+                     reply_fd: int | None = None) -> argparse.Namespace | None:
+    """A spare's wait: the flags of the worker this process is to run, read from stdin.
 
+    A plain spare reads one line, the JSON list of a fresh worker's flags. With `reply_fd`
+    the spare is a zygote (agent/worker/zygote.py): it forks a worker per request and this
+    returns in each forked child with its flags (and in the zygote for a "become" line).
     None at end of input (the agent discarded this spare, or died). A malformed line is the
     launcher's bug, so it ends the process with a message (exit 2) rather than a guess.
     """
-    if HANDOVER is None:  # main() called with --spare other than as `python -m`
-        line = sys.stdin.readline()
-    else:
-        HANDOVER.arrived.wait()
-        line = HANDOVER.line
-    if not line:
-        return None
+    handover = HANDOVER
+    if handover is None:  # main() called with --spare other than as `python -m`
+        handover = Handover(None)
+        handover.start()
     try:
-        flags = json.loads(line)
-    except ValueError:
-        flags = None
-    if not (isinstance(flags, list) and all(isinstance(f, str) for f in flags)):
-        parser.error(f"a spare expects one JSON list of flags on stdin, got {line[:200]!r}")
+        if reply_fd is not None:
+            restore_priority(handover.priority)  # warm and idle: forked workers run at ours
+            flags = zygote.serve(handover.lines, reply_fd)
+        elif line := handover.lines.get():
+            kind, flags = zygote.parse_request(line)
+            if kind != "become":
+                raise zygote.ZygoteError("a spare started without --reply-fd cannot fork")
+        else:
+            flags = None
+    except zygote.ZygoteError as exc:
+        parser.error(str(exc))
+    if flags is None:
+        return None
     args = parser.parse_args(flags)
     if args.spare:
         parser.error("the flags a spare reads cannot ask for another spare (--spare)")
@@ -246,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.spare:
         warm_up()
         warm_at = time.time()
-        taken = await_assignment(parser)
+        taken = await_assignment(parser, args.reply_fd)
         if taken is None:
             return 0
         args = taken

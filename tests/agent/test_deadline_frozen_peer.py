@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from agent.worker.deadline import Policy
+from tests.agent.worker.testlib import worker_pids
 
 REPO = Path(__file__).resolve().parents[2]
 CEILING_S = 300.0
@@ -43,20 +44,6 @@ def _events(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue  # a line being written
     return out
-
-
-def _workers(workdir: Path) -> dict[int, int]:
-    """rank -> pid of the workers started for `workdir` (read from /proc)."""
-    found = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for r in range(4):
-            if str(workdir / f"rank{r}.assignment.pb").encode() in args:
-                found[r] = int(cmdline.parent.name)
-    return found
 
 
 def _kill(pid: int) -> None:
@@ -88,7 +75,7 @@ def test_a_sigstopped_worker_fails_its_neighbours_within_the_adaptive_deadline(
             time.sleep(0.2)
         assert launcher.poll() is None, launcher.communicate()[1]
         assert min(steps) >= WARM, f"the job did not reach {WARM} steps: {steps}"
-        pids = _workers(tmp_path)
+        pids = worker_pids(tmp_path, 4)
         assert sorted(pids) == [0, 1, 2, 3], pids
         frozen = 1  # stage 1, replica 0: rank 0 waits for its gradients, rank 3 in all-reduce
         t_stop = time.monotonic()
@@ -99,7 +86,7 @@ def test_a_sigstopped_worker_fails_its_neighbours_within_the_adaptive_deadline(
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-        for pid in (pids or _workers(tmp_path)).values():
+        for pid in (pids or worker_pids(tmp_path, 4)).values():
             _kill(pid)
 
     assert launcher.returncode != 0, err

@@ -2,9 +2,10 @@
 
 Real processes throughout: the supervisor's spare is `python -m agent.worker --spare`, the
 job a one-rank gloo world, the agent a real `agent start` daemon. What is pinned: the spare
-becomes the worker (same pid, its output in the assignment's log), a new spare follows, a
-crash in a handed-over worker is reported like any worker's, a reassignment kills it, a
-spare started with another environment is not used, and no spare outlives its agent.
+imports below the workers' priority, an assignment that finds it importing raises it and
+waits, the spare forks the worker (its output in the assignment's log) and stays, a spare
+started with another environment is not used, and no spare outlives its agent. The forked
+workers' crashes, stops and orphaning are pinned by tests/agent/test_zygote.py.
 """
 
 from __future__ import annotations
@@ -102,81 +103,39 @@ def startup_line(work: Path, a: common_pb2.Assignment) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(180)
-def test_the_spare_takes_the_assignment_trains_and_is_replaced(tmp_path: Path) -> None:
+def test_an_assignment_waits_for_the_importing_spare_which_forks_it_and_stays(
+        tmp_path: Path) -> None:
     work = tmp_path / "work"
 
     async def main(sup: Supervisor) -> None:
         spare = sup.spare_pid
         assert spare is not None and alive(spare)
-        a = assignment("job-warm", steps=3)
-        await sup.start(a)
-        await until(lambda: sup.progress.state in ENDED, "the job to end")
-        assert sup.progress.state == WorkerState.DONE, sup.progress.error
-        assert sup.progress.step == 3 and sup.progress.startup_s > 0
-        marks = startup_line(work, a)  # the spare's output moved to the assignment's log
-        assert marks["spare"] is True and marks["pid"] == spare
-        assert marks["assigned_at"] <= marks["ready_at"]
-        assert marks["imported_at"] <= marks["ready_at"]
-        # the next spare was started once the first step was in
-        following = await until(lambda: sup.spare_pid, "a new spare")
-        assert following != spare and alive(following) and not alive(spare)
-
-    run(main, work)
-
-
-@pytest.mark.timeout(180)
-def test_a_crash_in_a_handed_over_worker_is_reported_and_a_new_spare_takes_the_next(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DTFM_FAULT", "0:2")  # rank 0 exits with code 17 before step 2
-
-    async def main(sup: Supervisor) -> None:
-        first_spare = sup.spare_pid
-        await sup.start(assignment("job-crash", steps=5))
-        await until(lambda: sup.progress.state in ENDED, "the worker to fail")
-        assert sup.progress.state == WorkerState.FAILED
-        assert sup.progress.step == 1
-        assert "exited with code 17" in sup.progress.error, sup.progress.error
-        assert "fault injection" in sup.progress.error  # the tail of the assignment's log
-        second_spare = await until(lambda: sup.spare_pid, "a new spare")
-        assert second_spare != first_spare
-        # an invalid assignment: the handed-over worker's error event says what is wrong
-        await sup.start(assignment("job-bad", steps=5, layer_end=1))
-        await until(lambda: sup.progress.state in ENDED, "the worker to fail")
-        assert sup.progress.state == WorkerState.FAILED
-        assert "layer range" in sup.progress.error and sup.progress.error_kind == "config"
-        assert startup_line(tmp_path / "work", assignment("job-bad", 5))["pid"] == second_spare
-
-    run(main, tmp_path / "work")
-
-
-@pytest.mark.timeout(180)
-def test_a_reassignment_kills_the_handed_over_worker(tmp_path: Path) -> None:
-    async def main(sup: Supervisor) -> None:
-        spare = sup.spare_pid
-        assert spare is not None
-        await sup.start(assignment("job-long", steps=100_000))
-        await until(lambda: sup.progress.step >= 1, "the first step")
-        # the handed-over worker trains at the agent's priority; the next spare waits below it
-        # (where it can be raised back: as root)
         ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert niceness(spare) == ours
-        assert os.sched_getscheduler(spare) == os.sched_getscheduler(0)
-        assert autogroup_nice(spare) in (None, 0)
-        following = await until(lambda: sup.spare_pid, "a new spare")
-        if os.geteuid() == 0:
-            await until(lambda: niceness(following) == min(19, ours + 10), "the spare's nice")
+        if os.geteuid() == 0:  # where it can be raised back: it imports below the workers
+            await until(lambda: niceness(spare) == min(19, ours + 10), "the spare's nice")
             # ... in the idle class, so its import takes no CPU time a worker or agent wants
-            await until(lambda: os.sched_getscheduler(following) == os.SCHED_IDLE,
+            await until(lambda: os.sched_getscheduler(spare) == os.SCHED_IDLE,
                         "the spare's idle scheduling class")
             # ... and its session's group at the lowest priority, or the kernel's autogroups
             # would share CPU between the spare's session and each agent's as equals
-            await until(lambda: autogroup_nice(following) in (None, 19), "the group's nice")
-        await sup.start(assignment("job-next", steps=2))
-        assert not alive(spare)  # stop() reaped it before the next worker started
-        await until(lambda: sup.progress.state in ENDED, "the next job to end")
-        assert sup.progress.state == WorkerState.DONE and sup.progress.job_id == "job-next"
+            await until(lambda: autogroup_nice(spare) in (None, 19), "the group's nice")
+        a = assignment("job-warm", steps=3)
+        await sup.start(a)  # at once: the spare is still importing, and is waited for
+        # raised to the agent's priority for the rest of its import, and kept there
+        assert niceness(spare) == ours
+        assert os.sched_getscheduler(spare) == os.sched_getscheduler(0)
+        assert autogroup_nice(spare) in (None, 0)
+        await until(lambda: sup.progress.state in ENDED, "the job to end")
+        assert sup.progress.state == WorkerState.DONE, sup.progress.error
+        assert sup.progress.step == 3 and sup.progress.startup_s > 0
+        marks = startup_line(work, a)  # the forked worker's output is in the assignment's log
+        assert marks["spare"] is True and marks["pid"] != spare
+        assert marks["assigned_at"] <= marks["ready_at"]
+        assert marks["imported_at"] <= marks["ready_at"]
+        assert sup.spare_pid == spare and alive(spare)  # it stays for the next assignment
+        assert not alive(marks["pid"])
 
-    run(main, tmp_path / "work")
+    run(main, work)
 
 
 @pytest.mark.timeout(180)

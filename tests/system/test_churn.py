@@ -31,11 +31,8 @@ def test_a_lost_agent_shrinks_the_job_and_a_new_one_grows_it_back(daemons: Daemo
         "--replicas", "3", "--steps", "90", "--batch", "12", "--micro-batches", "2",
         "--checkpoint-every", str(every), "--search-seconds", "1", "--no-measure",
         "--sync-every", str(sync_every))
-    # no spare workers: each agent would start one after every epoch's first step, and the
-    # six left unused at the end cost as much CPU as a third of the job; spares are pinned by
-    # tests/agent/test_prewarm.py and the runs that keep them
-    agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}", "--no-prewarm")
-              for i in range(6)}
+    # each agent's spare worker forks every epoch's worker: one import of torch per agent
+    agents = {f"agent-{i}": daemons.agent(address, f"agent-{i}") for i in range(6)}
     wait_for(lambda: _job(daemons, address)["step"] >= 8, 300, "training to pass step 8",
              interval=0.2)
     status = daemons.status(address)
@@ -55,7 +52,7 @@ def test_a_lost_agent_shrinks_the_job_and_a_new_one_grows_it_back(daemons: Daemo
     assert first["resumed_step"] % sync_every == 0, first  # a sync point
 
     # a newcomer: it holds no checkpoint at all
-    daemons.agent(address, "agent-6", "--no-prewarm")
+    daemons.agent(address, "agent-6")
     grown = wait_for(lambda: (j := _job(daemons, address))["epoch"] == 3 and j["step"] > 0
                      and j["recoveries"][-1]["stalled_s"] > 0 and j,
                      240, "the job to grow back to 2x3", interval=0.5)

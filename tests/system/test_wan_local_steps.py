@@ -34,10 +34,9 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
        "--sync-every", "4", "--checkpoint-every", "4", "--search-seconds", "1",
        "--no-measure", "--eval-batches", "1", "--heartbeat-interval", "0.5",
        "--layer-split", "even"]  # a split measured per run would change the bits
-# agents without spare workers (the "spare" below is a spare agent): a recovery handed to
-# spare workers still importing at idle priority waits on a loaded machine, and the unused
-# ones cost CPU; tests/agent/test_prewarm.py pins them
-NO_SPARES = ["--no-prewarm"]
+# agents keep their spare worker (the "spare" below is a spare agent, not this): it forks
+# each epoch's worker, one torch import per agent instead of one per worker start
+AGENT_ARGS: list[str] = []
 FAULT = "3:10:exit:1"  # rank 3 (stage 1, replica 1) exits before step 10, in epoch 1 only
 
 
@@ -51,7 +50,7 @@ class _FaultyCluster(WanCluster):
 
 
 def _run(wan: WanEmulator, workdir: Path, fault: str) -> tuple[dict[str, Any], Path]:
-    cluster = _FaultyCluster(wan, workdir, agents=4, coordinator_args=JOB, agent_args=NO_SPARES)
+    cluster = _FaultyCluster(wan, workdir, agents=4, coordinator_args=JOB, agent_args=AGENT_ARGS)
     cluster.fault = fault
     _, status = cluster.run_to_end(300)
     return status, workdir
@@ -99,7 +98,7 @@ def test_a_spare_on_another_host_takes_a_dead_replica_with_the_outer_state(
     state = [tmp_path / f"agent-{i}" for i in range(5)]  # WanCluster's --state-dir per agent
     with measurement_wan(SPARE_DELAY, SPARE_RATE) as wan:
         cluster = WanCluster(wan, tmp_path, agents=5, coordinator_args=SPARE_JOB,
-                             agent_args=NO_SPARES)
+                             agent_args=AGENT_ARGS)
         try:
             ids = cluster.start(timeout=90)
             running = wait_for(

@@ -51,9 +51,9 @@ JOB = ["--model", "gpt-tiny", "--agents", str(AGENTS), "--stages", "4", "--repli
        "--checkpoint-every", str(EVERY), "--search-seconds", "1", "--no-measure",
        "--eval-batches", "0", "--heartbeat-interval", "0.5", "--layer-split", "even",
        "--placement", "rank-order"]
-# No spare workers: each agent would start one after each epoch's first step, 24 torch
-# imports in all, 16 of them never used; spares are not what this test is about.
-NO_SPARES = ["--no-prewarm"]
+# Agents keep their spare worker: it forks each epoch's worker, one torch import per agent
+# (without it every epoch's start imported torch on every rank)
+AGENT_ARGS: list[str] = []
 KILL_AT = 5  # past the checkpoint of step 3: the new epoch resumes from there or later
 
 
@@ -72,7 +72,7 @@ def _newest_step(workdir: Path, job_id: str) -> int:
 def _reachable_run(tmp: Path) -> tuple[dict[str, Any], dict[tuple[int, int], float]]:
     with measurement_wan(DELAY, RATE) as wan:
         cluster = WanCluster(wan, tmp, agents=AGENTS, coordinator_args=JOB,
-                             agent_args=NO_SPARES)
+                             agent_args=AGENT_ARGS)
         try:
             cluster.start(timeout=120)
             status = cluster.wait_job(400)
@@ -96,7 +96,7 @@ def test_8_agents_3_behind_nat_train_to_the_reachable_losses_and_survive_the_rel
                 "--state-dir", str(nat_dir / "coordinator-state")]
     with measurement_wan(DELAY, RATE, nat=NAT_ALONE, shared_nat=NAT_SITE) as wan:
         cluster = WanCluster(wan, nat_dir, agents=AGENTS, coordinator_args=job_args,
-                             agent_args=NO_SPARES)
+                             agent_args=AGENT_ARGS)
         try:
             ids = cluster.start(timeout=120)
             before = wait_for(lambda: (s := cluster.status()) and s["job"]["step"] >= 1

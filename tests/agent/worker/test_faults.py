@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.worker.testlib import REPO, run_local
+from tests.agent.worker.testlib import REPO, run_local, worker_pids
 
 FLAGS = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--batch", "8",
          "--steps", "50", "--eval-batches", "1")
@@ -44,18 +44,6 @@ def test_hung_worker_times_out_and_stops_the_job() -> None:
     assert elapsed < 60
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and PDEATHSIG")
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
@@ -74,7 +62,7 @@ def test_killing_the_launcher_kills_its_workers(tmp_path: Path, sig: int) -> Non
             if len(logs) == 4 and all(p.stat().st_size > 0 for p in logs):
                 break
             time.sleep(0.2)
-        kids = _children(proc.pid)
+        kids = list(worker_pids(tmp_path, 4).values())
         assert len(kids) == 4
         proc.send_signal(sig)
         proc.wait(timeout=30)

@@ -34,6 +34,24 @@ class LocalRun:
         return [float(s["loss"]) for s in self.steps]
 
 
+STARTUP = " start-up: "  # the worker's own start-up log line (agent/worker/__main__.py)
+
+
+def worker_pids(workdir: Path, ranks: int) -> dict[int, int]:
+    """rank -> pid of the `agent local --workdir` workers that have logged their start-up
+    line (forked from a zygote, a worker's command line is the zygote's, so its log says)."""
+    found = {}
+    for r in range(ranks):
+        try:
+            text = (workdir / f"rank{r}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if STARTUP in line:
+                found[r] = int(json.loads(line.split(STARTUP, 1)[1])["pid"])
+    return found
+
+
 def run_local(
     *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None
 ) -> LocalRun:
