@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from agent.worker.gradscore import CopyScore, Finding, median
 
 PAIR_WINDOW = 5  # steps; an attack from step s is seen from step s + PAIR_WINDOW // 2
-# Window medians, honest (gpt-tiny 4 stages x 4 sequences, 100 steps / gpt-mini 4 x 8, 40
+# Window medians, honest (gpt-tiny 4 stages x 4 sequences, 200 steps / gpt-mini 4 x 8, 80
 # steps; bench/integrity.py) -> limit -> attacked:
 PAIR_NORM = 3.0  # norm ratio, either way: honest <= 1.93 / 2.46; x10 >= 5.2 / 4.1
-PAIR_COSINE = -0.5  # honest >= -0.076 / -0.004; x-4 p5 -0.91 / -0.97 (and norm >= 1.6)
+PAIR_COSINE = -0.5  # honest >= -0.19 / -0.33; x-4 p5 -0.80 / -0.95 (and its norm ratio)
 PAIR_SHAPE = 1.35  # honest <= 1.21 / 1.23; 1 sigma noise 1.07..1.47 / 1.08..1.48
 
 @dataclass(frozen=True)
