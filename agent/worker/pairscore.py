@@ -8,10 +8,10 @@ to judge: measured on the suite's and the demo's jobs (gpt-tiny and gpt-mini, 4 
 step's copies differed in norm by up to 8x (a batch with a loss spike), had cosines down to
 -0.57 (small batches late in training) and a shape up to 2x their mean's (a bucket of
 embedding rows one batch never touched; `gradscore` now leaves those out and, at R = 2,
-measures shape over each copy's non-zeros: 1.47 remained) -- each past what x10, x-4 or
-1-sigma noise give on some steps. An honest outlier lasts a step; an attack is there at every step. So each step's
-pair scores go into a window of the last `PAIR_WINDOW` steps, and the pair disagrees when
-the window's median is past a limit:
+measures shape over each copy's non-zeros: up to 1.58 remained) -- each past what x10, x-4
+or 1-sigma noise give on some steps. An honest outlier lasts a step; an attack is there at
+every step. So each step's pair scores go into a window of the last `PAIR_WINDOW` steps,
+and the pair disagrees when the window's median is past a limit:
 
 - norm: the median of log(a's norm ratio / b's): signed, so that honest outliers on either
   side cancel and a copy scaled at every step does not;
@@ -38,6 +38,7 @@ PAIR_WINDOW = 5  # steps; an attack from step s is seen from step s + PAIR_WINDO
 PAIR_NORM = 3.0  # norm ratio, either way: honest <= 1.93 / 2.46; x10 >= 5.2 / 4.1
 PAIR_COSINE = -0.5  # honest >= -0.19 / -0.33; x-4 p5 -0.80 / -0.95 (and its norm ratio)
 PAIR_SHAPE = 1.35  # honest <= 1.21 / 1.23; 1 sigma noise 1.07..1.47 / 1.08..1.48
+
 
 @dataclass(frozen=True)
 class PairScore:
