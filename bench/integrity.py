@@ -9,7 +9,10 @@ Three measurements, on loopback, no root:
    AdamW step on the mean each step, so the scores follow training. Prints min / 5th / 95th
    percentile / max of each score for honest copies (beside an honest or an attacked copy)
    and for the attacked copy, and each attack's per-step detection rate with the thresholds
-   in `gradscore`: the numbers behind the thresholds (docs/architecture.md).
+   in `gradscore`: the numbers behind the thresholds (docs/architecture.md). `--score-stages
+   N` cuts the model into N pipeline stages as a job does (the first holds the embedding,
+   the last the head), each scored apart; with `--replicas 2` the `pair` and `window` rows
+   are what `pairscore.PairJudge` judges (one step's pair, and the medians of its window).
 2. the digest and the scorer's cost at the model's size (seconds per call, one thread).
 3. side by side: the same `agent local` job with `--verify off` and the default (`auto`:
    `full` under `--dp-mode sharded`), interleaved `--repeats` times, each at 4 and at
