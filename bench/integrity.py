@@ -9,7 +9,10 @@ Three measurements, on loopback, no root:
    AdamW step on the mean each step, so the scores follow training. Prints min / 5th / 95th
    percentile / max of each score for honest copies (beside an honest or an attacked copy)
    and for the attacked copy, and each attack's per-step detection rate with the thresholds
-   in `gradscore`: the numbers behind the thresholds (docs/architecture.md).
+   in `gradscore`: the numbers behind the thresholds (docs/architecture.md). `--score-stages
+   N` cuts the model into N pipeline stages as a job does (the first holds the embedding,
+   the last the head), each scored apart; with `--replicas 2` the `pair` and `window` rows
+   are what `pairscore.PairJudge` judges (one step's pair, and the medians of its window).
 2. the digest and the scorer's cost at the model's size (seconds per call, one thread).
 3. side by side: the same `agent local` job with `--verify off` and the default (`auto`:
    `full` under `--dp-mode sharded`), interleaved `--repeats` times, each at 4 and at
@@ -54,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--per-replica", type=int, default=2, help="sequences per replica (scores)")
     p.add_argument("--score-steps", type=int, default=20)
+    p.add_argument("--score-stages", type=int, default=1,
+                   help="pipeline stages the --scores model is cut into (each scored apart)")
     p.add_argument("--steps", type=int, default=20, help="steps of each side-by-side run")
     p.add_argument("--batch", type=int, default=12, help="global batch of the side-by-side")
     p.add_argument("--repeats", type=int, default=2)
@@ -69,10 +74,12 @@ def quantiles(values: list[float]) -> list[float]:
 
 
 class Trainer:
-    """One model's whole stage on the bundled corpus, cut into the worker's buckets
-    (`data_parallel.plan_buckets`): gradients of any batch, and an AdamW step."""
+    """One model on the bundled corpus, its parameters cut into `stages` pipeline stages
+    (layers split evenly; the first holds the embedding, the last the head) and each stage's
+    into the worker's buckets (`data_parallel.plan_buckets`): gradients of any batch, and an
+    AdamW step."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, stages: int = 1) -> None:
         import torch
 
         from agent.worker.data import Sampler, load_splits
@@ -85,8 +92,17 @@ class Trainer:
         self.stage = Stage(spec, 0, spec.n_layers, 0)
         self.opt = torch.optim.AdamW(self.stage.parameters(), 1e-3)
         self.sampler = Sampler(load_splits("", spec.vocab_size, "")[0], spec.seq_len, 0)
-        params = [p for p in self.stage.parameters()][::-1]
-        self.plan = plan_buckets(params, bucket_bytes_for(params))
+        st, n = self.stage, spec.n_layers
+        bounds = [round(i * n / stages) for i in range(stages + 1)]
+        self.plan: list[list[Any]] = []  # every stage's buckets, stage after stage
+        self.stage_of: list[int] = []  # each bucket's stage
+        for s, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            parts = ([st.embed] if lo == 0 else []) + [st.layers[str(i)] for i in range(lo, hi)]
+            parts += [st.head] if hi == n else []
+            params = [p for part in parts for p in part.parameters()][::-1]
+            buckets = plan_buckets(params, bucket_bytes_for(params))
+            self.plan += buckets
+            self.stage_of += [s] * len(buckets)
 
     def _backward(self, ids: Any) -> None:
         from agent.worker.stage import lm_loss
@@ -109,47 +125,79 @@ class Trainer:
         self.opt.step()
 
 
-def scores(model: str, replicas: int, per: int, steps: int) -> dict[str, Any]:
+def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
+           ) -> dict[str, Any]:
+    """Every owner's scores of every stage, honest and attacked, over `steps` steps. With
+    R = 2 the rows `<mode>/pair` hold one step's pair scores: the two copies' norm ratio
+    (larger over smaller), their cosine and the larger shape; `<mode>/window` the medians over
+    `pairscore.PAIR_WINDOW` steps that `PairJudge` judges."""
     import torch
 
     from agent.worker.badpeer import attack
     from agent.worker.gradscore import ShardScorer, judge
+    from agent.worker.pairscore import PairJudge
 
-    t = Trainer(model)
+    t = Trainer(model, stages)
     sampler, plan, grads = t.sampler, t.plan, t.grads
     modes = ("honest", *ATTACKS)
-    scorers = {(m, o): ShardScorer(replicas) for m in modes for o in range(replicas)}
+    scorers = {(m, s, o): ShardScorer(replicas)
+               for m in modes for s in range(stages) for o in range(replicas)}
+    pairs = {key: PairJudge() for key in scorers}
     seen: dict[str, dict[str, list[float]]] = {}
     caught = {m: 0 for m in modes}
     judged = {m: 0 for m in modes}
+    flagged: dict[str, list[str]] = {}  # honest findings: "step stage owner: detail"
     gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
+    for step in range(steps):
         ids = sampler.next_global(replicas * per)
         gs = [grads(ids[k * per:(k + 1) * per]) for k in range(replicas)]
         for mode in modes:
-            for owner in range(replicas):
-                sc = scorers[(mode, owner)]
-                for i in range(len(plan)):
-                    n = gs[0][i].numel() // replicas
+            for i in range(len(plan)):
+                n = -(-gs[0][i].numel() // replicas)  # the worker's padded equal shards
+                for owner in range(replicas):
                     copies = [g[i][owner * n:(owner + 1) * n] for g in gs]
                     if mode != "honest":
                         copies[0] = attack(mode, copies[0], gen=gen)
-                    sc.add(i, copies)
+                    scorers[(mode, t.stage_of[i], owner)].add(i, copies)
+            for (m, stage, owner), sc in scorers.items():
+                if m != mode:
+                    continue
                 found = sc.scores()
-                findings = judge(found)
+                findings = judge(found) + pairs[(m, stage, owner)].judge(found)
                 judged[mode] += 1
-                caught[mode] += any(f.replica == 0 for f in findings) if mode != "honest" \
-                    else bool(findings)
+                caught[mode] += any(f.replica in (0, -1) for f in findings) \
+                    if mode != "honest" else bool(findings)
+                if mode == "honest":
+                    flagged.setdefault(mode, []).extend(
+                        f"step {step} stage {stage} owner {owner}: {f.kind} {f.detail}"
+                        for f in findings)
                 for s in found:
                     who = "attacked" if mode != "honest" and s.replica == 0 else "honest"
                     row = seen.setdefault(f"{mode}/{who}", {})
                     for k in ("norm_ratio", "cosine", "shape"):
                         row.setdefault(k, []).append(getattr(s, k))
+                if len(found) == 2:
+                    a, b = found
+                    row = seen.setdefault(f"{mode}/pair", {})
+                    row.setdefault("norm_ratio", []).append(
+                        max(a.norm_ratio, b.norm_ratio)
+                        / max(min(a.norm_ratio, b.norm_ratio), 1e-30))
+                    row.setdefault("cosine", []).append(a.cosine)
+                    row.setdefault("shape", []).append(max(a.shape, b.shape))
+                    w = pairs[(m, stage, owner)].last
+                    if w is not None:  # the window's medians, as `PairJudge` judges them
+                        row = seen.setdefault(f"{mode}/window", {})
+                        row.setdefault("norm_ratio", []).append(
+                            max(w.norm_ratio, 1 / max(w.norm_ratio, 1e-30)))
+                        row.setdefault("cosine", []).append(w.cosine)
+                        row.setdefault("shape", []).append(max(w.shape_a, w.shape_b))
         t.step(ids)
     return {"model": model, "replicas": replicas, "per_replica": per, "steps": steps,
+            "stages": stages,
             "quantiles": {key: {k: quantiles(v) for k, v in row.items()}
                           for key, row in seen.items()},
-            "flagged_rate": {m: caught[m] / judged[m] for m in modes}}
+            "flagged_rate": {m: caught[m] / judged[m] for m in modes},
+            "honest_findings": flagged.get("honest", [])[:20]}
 
 
 def costs(model: str, replicas: int) -> dict[str, float]:
@@ -228,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"args": vars(args)}
     if not args.skip_scores:
         result["scores"] = scores(args.score_model, args.replicas, args.per_replica,
-                                  args.score_steps)
+                                  args.score_steps, args.score_stages)
         s = result["scores"]
-        print(f"scores: {s['model']}, R = {s['replicas']}, {s['per_replica']} sequences per "
-              f"replica, {s['steps']} steps (min / p5 / p95 / max)")
+        print(f"scores: {s['model']} in {s['stages']} stages, R = {s['replicas']}, "
+              f"{s['per_replica']} sequences per replica, {s['steps']} steps (min / p5 / p95 "
+              f"/ max)")
         print(f"{'copies':<22}{'norm_ratio':>30}{'cosine':>30}{'shape':>30}")
         for key, row in sorted(s["quantiles"].items()):
             print(f"{key:<22}" + "".join(
@@ -239,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("norm_ratio", "cosine", "shape")))
         print("flagged per owner-step: " + ", ".join(
             f"{m} {r:.0%}" for m, r in s["flagged_rate"].items()))
+        for line in s["honest_findings"]:
+            print(f"  honest flagged: {line}")
     result["costs"] = c = costs(args.model, args.replicas)
     print(f"costs at {args.model} ({c['params']} parameters, one thread): digest "
           f"{c['digest_s'] * 1e3:.1f} ms per check; scoring one owner's shard "

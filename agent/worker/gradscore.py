@@ -14,8 +14,11 @@ R >= 3). Per step, each copy gets
   copy among R >= 3 an honest copy always has an honest partner, whose cosine is positive;
   a sign-flipped copy has none. (The issue's cosine against the coordinate-wise median was
   measured too: honest copies went down to 0.24 and x-4 copies up to 0.32, overlapping.)
-- `shape`: per bucket, its L1 / (sqrt(n) L2) over the median copy's, worst bucket. Gradients
-  are heavy-tailed (a low ratio); Gaussian noise of their own sigma flattens them (higher);
+- `shape`: per bucket, its L1 / (sqrt(m) L2) over the median copy's, worst bucket; m is n,
+  or with R = 2 the copy's non-zero count (embedding rows of tokens a batch did not hold are
+  zeros, and two honest copies hold different rows: a sparsity, not a shape, that no third
+  copy outvotes). Gradients are heavy-tailed (a low ratio); Gaussian noise of their own sigma
+  flattens them (higher);
 - `stale`: its squared norm and sum bit-identical to what the same replica sent at one of
   the last `STALE_STEPS` steps (honest gradients of fresh data never repeat; a replayed copy
   does, exactly);
@@ -23,9 +26,11 @@ R >= 3). Per step, each copy gets
 
 `judge` turns scores into `Finding`s with the thresholds below, measured on honest training
 (bench/integrity.py --scores; the numbers are in docs/architecture.md). With R = 2 nobody can
-be named from a disagreement of the two copies (either may be the bad one): the finding is
-`grad_disagree` with replica -1 and the coordinator settles it; a zero or stale copy names
-its sender at any R, since no honest replica sends one.
+be named from a disagreement of the two copies (either may be the bad one), and one step is
+too noisy to judge: `pairscore.PairJudge` judges a window of steps (`grad_disagree`, replica
+-1, for the coordinator to settle); a zero or stale copy names its sender at any R, since no
+honest replica sends one. A bucket where one copy is all zeros (embedding rows of tokens its
+batch did not hold) has no shape to compare and is left out of the shape score.
 
 Robust aggregation (`--verify robust`): `centered_clip` (Karimireddy et al., 2021) from the
 coordinate-wise median, clipping each copy's distance to the median distance.
@@ -47,8 +52,6 @@ NORM_LOW = 0.05  # honest >= 0.245 beside a x10 copy (gpt-mini); all zeros: `gra
 COSINE_MIN = 0.0  # best cosine with another copy: honest >= 0.137; x-4 gives <= -0.087
 SHAPE_HIGH = 2.5  # L1/L2 shape ratio, worst bucket: honest <= 2.16; 1 sigma noise 1.4..4.3
 STALE_STEPS = 8  # a copy equal to one of the same replica's last 8 is stale
-# R = 2: a copy SHAPE_HIGH x its partner's shape is this much over the two's mean
-PAIR_SHAPE = 2 * SHAPE_HIGH / (1 + SHAPE_HIGH)
 
 
 @dataclass(frozen=True)
@@ -139,14 +142,21 @@ class ShardScorer:
         l1 = [float(torch.linalg.vector_norm(f, 1)) for f in flat]
         totals = [float(f.sum()) for f in flat]
         norms = [math.sqrt(max(gram[k][k], 0.0)) for k in range(r)]
-        shapes = [a / (math.sqrt(n) * nk) if nk else 0.0 for a, nk in zip(l1, norms, strict=True)]
+        # R = 2: over each copy's own non-zeros. Rows of tokens one batch held and the other's
+        # did not are sparsity, not shape, and the pair's mean has no third copy to outvote
+        # it (R >= 3 keeps n: noise filling a sparse bucket's zeros is caught there)
+        support = [int(torch.count_nonzero(f)) for f in flat] if r == 2 else [n] * r
+        shapes = [a / (math.sqrt(m) * nk) if nk else 0.0
+                  for a, m, nk in zip(l1, support, norms, strict=True)]
         mnorm, mshape = median(norms), median(shapes)
         for k in range(self.size):
             self.sq[k] += gram[k][k]
             for j in range(self.size):
                 self.dots[k][j] += gram[k][j]
-            if mnorm > 0 and mshape > 0:  # a bucket nobody's batch touched says nothing
+            if mnorm > 0:  # a bucket nobody's batch touched says nothing
                 self.norm_ratios[k].append(norms[k] / mnorm)
+            if min(norms) > 0:  # one copy all zeros (embedding rows of tokens its batch
+                # did not hold): no shape to compare, the other's is not "flat" for that
                 self.shape_ratios[k].append(shapes[k] / mshape)
             fingerprint = (gram[k][k], totals[k])
             held = self._last.setdefault((bucket, k), deque(maxlen=STALE_STEPS))
@@ -182,10 +192,8 @@ def judge(scores: list[CopyScore]) -> list[Finding]:
         elif s.stale:
             out.append(Finding(s.replica, "grad_stale", 1.0, "its copy repeats, bit for bit, "
                                f"one it sent in the last {STALE_STEPS} steps"))
-    if out or len(scores) < 2:
+    if out or len(scores) < 3:  # R = 2: `pairscore.PairJudge`, over a window of steps
         return out
-    if len(scores) == 2:
-        return _pair(*scores)
     for s in scores:
         if not NORM_LOW <= s.norm_ratio <= NORM_HIGH:
             out.append(Finding(s.replica, "grad_norm", s.norm_ratio,
@@ -202,21 +210,3 @@ def judge(scores: list[CopyScore]) -> list[Finding]:
                                f"gradient's heavy tails)"))
     return out
 
-
-def _pair(a: CopyScore, b: CopyScore) -> list[Finding]:
-    """R = 2: each check against the other copy; a failure names nobody."""
-    ratio = max(a.norm_ratio, b.norm_ratio) / max(min(a.norm_ratio, b.norm_ratio), 1e-30)
-    shape = max(a.shape, b.shape)  # against the two copies' mean
-    why = ""
-    if ratio > NORM_HIGH:
-        why, score = f"one copy's norm is {ratio:.3g}x the other's (limit {NORM_HIGH})", ratio
-    elif a.cosine < COSINE_MIN:
-        why, score = (f"the copies' cosine is {a.cosine:.3g} (limit {COSINE_MIN})",
-                      a.cosine)
-    elif shape > PAIR_SHAPE:
-        why, score = (f"one copy's L1/L2 shape is {shape:.3g}x their mean's (limit "
-                      f"{PAIR_SHAPE:.3g})", shape)
-    if not why:
-        return []
-    return [Finding(-1, "grad_disagree", score, f"{why}; with 2 replicas either may be the "
-                    f"wrong one")]

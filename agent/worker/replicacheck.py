@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from agent.worker import avgcheck, badpeer, digest, gradscore
+from agent.worker import avgcheck, badpeer, digest, gradscore, pairscore
 from agent.worker.data_parallel import GradAverager
 from agent.worker.fault import Fault
 from agent.worker.world import World
@@ -58,6 +58,7 @@ class ReplicaChecks:
         self.dp_ranks, self.rank, self.sync_every, self.emit = dp_ranks, rank, sync_every, emit
         size = len(dp_ranks)
         self.scorer = gradscore.ShardScorer(size) if scores(level) and size > 1 else None
+        self.pair = pairscore.PairJudge()  # R = 2: the copies judged over a window of steps
         self.averages = avgcheck.AverageChecker(size, dp_ranks.index(rank)) \
             if self.scorer is not None else None
         self.fault, self.epoch = fault, epoch
@@ -111,7 +112,7 @@ class ReplicaChecks:
                                         "norm_ratio": s.norm_ratio, "cosine": s.cosine,
                                         "shape": s.shape,
                                         "sync_every": self.sync_every}) + "\n")
-        findings = gradscore.judge(found)
+        findings = gradscore.judge(found) + self.pair.judge(found)
         if self.sync_every > 1:  # pseudo-gradients: only the self-evident checks
             findings = [f for f in findings if f.kind in ("grad_zero", "grad_stale")]
         for f in findings:

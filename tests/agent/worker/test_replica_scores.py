@@ -77,13 +77,6 @@ def test_a_replayed_copy_is_stale_at_any_r() -> None:
     assert [(f.replica, f.kind) for f in found] == [(0, "grad_stale")], found
 
 
-@pytest.mark.parametrize("mode", ["scale", "flip", "noise"])
-def test_two_replicas_disagree_undecided(mode: str) -> None:
-    found = score(attacked(mode, 2, 3))
-    assert [(f.replica, f.kind) for f in found] == [(-1, "grad_disagree")], found
-    assert score(honest(2, 3)) == []
-
-
 def test_centered_clip_bounds_one_bad_copy() -> None:
     copies = [c[0] for c in honest(4, 0)]
     exact = torch.stack(copies).mean(0)
