@@ -30,7 +30,8 @@ class Replies(threading.Thread):
         super().__init__(name=f"zygote-replies-{fd}", daemon=True)
         self._file = os.fdopen(fd, "rb", buffering=0)
         self._cond = threading.Condition()
-        self._pids: list[int] = []  # forked, not yet handed to `next_pid`'s caller
+        self._pids: list[int | None] = []  # forks (None: refused) not yet taken
+        self.refusal = ""  # the zygote's last reason for refusing a fork
         self._codes: dict[int, int] = {}
         self._forked: set[int] = set()
         self.is_ready = False
@@ -53,6 +54,9 @@ class Replies(threading.Thread):
             elif len(words) == 2 and words[0] == "pid" and words[1].isdigit():
                 self._pids.append(int(words[1]))
                 self._forked.add(int(words[1]))
+            elif words[:1] == ["refused"]:
+                self._pids.append(None)
+                self.refusal = " ".join(words[1:])[:500]
             elif len(words) == 3 and words[0] == "exit" and words[1].isdigit():
                 self._codes[int(words[1])] = int(words[2])
             self._cond.notify_all()
@@ -72,7 +76,8 @@ class Replies(threading.Thread):
             self._cond.notify_all()
 
     def next_pid(self, timeout: float) -> int | None:
-        """The next fork's pid; None if none came within `timeout` or the zygote ended."""
+        """The next fork's pid; None if it was refused (`refusal` says why), none came
+        within `timeout`, or the zygote ended."""
         with self._cond:
             self._cond.wait_for(lambda: self._pids or self.ended, timeout)
             return self._pids.pop(0) if self._pids else None

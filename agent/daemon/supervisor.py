@@ -16,7 +16,9 @@ waits for it (what a fresh worker would pay from scratch). Only a spare that is 
 started with another environment is replaced, after the worker's first step, so its import
 does not compete with that worker's start. The spare is in its own session like a worker,
 dies with the agent (parent-death signal, and end of its stdin), and `close` ends it; its
-forked workers die with it.
+forked workers die with it. A spare that refuses to fork (CUDA initialized in it, or
+`DTFM_FORK_WORKERS=0`) makes this agent's spares plain ones from then on: each becomes the
+worker it is handed, as before zygotes.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self.prewarm = prewarm
         self._spare: Spare | None = None
+        self._forking = True  # spares fork workers (zygotes) until one refuses
         self._marks: StartupMarks | None = None
         self._closed = False
         self.restock()
@@ -214,7 +217,8 @@ class Supervisor:
                         self._spare.pid, self._spare.popen.wait(), self.workdir / SPARE_LOG)
         private_dir(self.workdir)
         try:
-            self._spare = Spare.start(self.workdir, self._env(), python=self.python)
+            self._spare = Spare.start(self.workdir, self._env(), python=self.python,
+                                      zygote=self._forking)
         except OSError as exc:
             self._spare = None
             log.warning("cannot start a spare worker (%s); workers start when assigned", exc)
@@ -231,9 +235,19 @@ class Supervisor:
             if not spare.fits(env, self.python):
                 log.info("the spare worker (pid %d) was started with another environment; "
                          "starting a fresh one", spare.pid)
+            elif spare.replies is None:  # a plain spare (forking was refused): it becomes it
+                if (worker := spare.take(assignment, files, assigned_at)) is not None:
+                    return worker, True
+                log.warning("the spare worker (pid %d) is gone (exit status %s); starting a "
+                            "fresh one", spare.pid, spare.popen.returncode)
             elif (worker := spare.fork(assignment, files, assigned_at)) is not None:
                 self._spare = spare  # it stays for the next assignment
                 return worker, True
+            elif spare.replies.refusal:
+                self._forking = False
+                log.warning("the spare worker (pid %d) refused to fork a worker (%s); this "
+                            "agent's spares become their worker from now on", spare.pid,
+                            spare.replies.refusal)
             else:
                 log.warning("the spare worker (pid %d) did not fork a worker (exit status %s; "
                             "see %s); starting a fresh one", spare.pid, spare.popen.poll(),
@@ -249,7 +263,8 @@ class Supervisor:
         finishes the import a fresh worker would start only now, and then forks this worker
         and every later one."""
         spare = self._spare
-        if spare is None or spare.ready or not spare.fits(self._env(), self.python):
+        if (spare is None or spare.replies is None or spare.ready
+                or not spare.fits(self._env(), self.python)):
             return
         raise_to_mine(spare.pid)
         deadline = time.monotonic() + WARM_WAIT_S

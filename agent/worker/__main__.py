@@ -210,6 +210,21 @@ def warm_up() -> None:
               file=sys.stderr)
 
 
+FORK_WORKERS_ENV = "DTFM_FORK_WORKERS"
+
+
+def fork_problem() -> str | None:
+    """Why this warm spare must not fork a worker now (None: it may). `DTFM_FORK_WORKERS=0`
+    in the agent's environment turns forking off (its spares then become their worker)."""
+    import torch
+
+    if os.environ.get(FORK_WORKERS_ENV, "1") == "0":
+        return f"{FORK_WORKERS_ENV}=0 in the agent's environment"
+    if torch.cuda.is_initialized():
+        return "CUDA is initialized in the spare worker, and a forked child cannot use it"
+    return None
+
+
 def await_assignment(parser: argparse.ArgumentParser,
                      reply_fd: int | None = None) -> argparse.Namespace | None:
     """A spare's wait: the flags of the worker this process is to run, read from stdin.
@@ -227,7 +242,7 @@ def await_assignment(parser: argparse.ArgumentParser,
     try:
         if reply_fd is not None:
             restore_priority(handover.priority)  # warm and idle: forked workers run at ours
-            flags = zygote.serve(handover.lines, reply_fd)
+            flags = zygote.serve(handover.lines, reply_fd, fork_problem=fork_problem)
         elif line := handover.lines.get():
             kind, flags = zygote.parse_request(line)
             if kind != "become":

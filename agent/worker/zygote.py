@@ -12,8 +12,10 @@ its own but the line reader, so the child inherits no thread pool and no held lo
 Protocol (the launcher's side is `dtfm.zygote`): the zygote reads JSON lines on stdin. A
 JSON list is today's spare hand-over: become this worker (only before the first fork). An
 object `{"fork": [flags]}` forks a worker with those flags (`dtfm.launcher.worker_flags`).
-It answers on its reply descriptor with lines `ready`, `pid N` (one per fork, in order) and
-`exit N CODE` (CODE as `subprocess.Popen.returncode`: negative for a signal). End of input
+It answers on its reply descriptor with lines `ready`, `pid N` or `refused REASON` (one per
+fork request, in order) and `exit N CODE` (CODE as `subprocess.Popen.returncode`: negative
+for a signal). It refuses to fork once CUDA is initialized in it (a forked child cannot use
+a parent's CUDA context); nothing in the worker's imports or warm-up does that today. End of input
 ends the zygote; its children die with it (their parent-death signal).
 
 Each child starts a session of its own (a stop kills its group, as for a fresh worker), arms
@@ -89,13 +91,15 @@ def _become_child(zygote_pid: int, reply: int) -> None:
 
 
 def serve(lines: queue.Queue[str], reply: int,
-          on_fork: Callable[[], None] = lambda: None) -> list[str] | None:
+          on_fork: Callable[[], None] = lambda: None,
+          fork_problem: Callable[[], str | None] = lambda: None) -> list[str] | None:
     """Fork a worker per request until one says "become" or input ends.
 
     Returns the flags this process should run as a worker: in a forked child, its request's
     (with `on_fork` called first); in the zygote itself, a "become" request's; None at end of
     input (the zygote should exit). A "become" after a fork is refused (ZygoteError): the
-    zygote must outlive its children to report their exits.
+    zygote must outlive its children to report their exits. A fork that `fork_problem` gives
+    a reason against is answered `refused REASON` (the launcher then spawns the worker).
     """
     zygote_pid = os.getpid()
     children: set[int] = set()
@@ -114,6 +118,9 @@ def serve(lines: queue.Queue[str], reply: int,
             if forked:
                 raise ZygoteError("a spare that has forked workers cannot become one")
             return flags
+        if problem := fork_problem():
+            os.write(reply, f"refused {' '.join(problem.split())}\n".encode())
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()

@@ -11,14 +11,16 @@ supervisor reports it; the protocol's bad lines are refused.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 from pathlib import Path
 
 import pytest
 
 from agent.daemon.supervisor import Supervisor
-from agent.worker.zygote import ZygoteError, exit_code, parse_request
+from agent.worker.zygote import ZygoteError, exit_code, parse_request, serve
 from dtfm.core.spec import WorkerState
+from dtfm.forked import Replies
 from tests.agent.test_prewarm import ENDED, alive, assignment, run, startup_line, until
 
 
@@ -124,3 +126,42 @@ def test_a_forked_worker_dies_with_its_zygote_and_is_reported(tmp_path: Path) ->
         assert not alive(child)
 
     run(main, tmp_path / "work")
+
+
+def test_a_refused_fork_is_answered_in_order_and_its_reason_kept() -> None:
+    read, write = os.pipe()
+    replies = Replies(read)
+    replies.start()
+    lines: queue.Queue[str] = queue.Queue()
+    lines.put('{"fork": ["--assignment", "a"]}\n')
+    lines.put("")  # end of input: the zygote ends
+    assert serve(lines, write, fork_problem=lambda: "CUDA is\ninitialized") is None
+    os.close(write)
+    assert replies.next_pid(timeout=5) is None
+    assert replies.refusal == "CUDA is initialized"
+    replies.join(timeout=5)
+    assert replies.ended
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_that_refuses_to_fork_becomes_its_worker_and_so_do_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTFM_FORK_WORKERS", "0")
+    work = tmp_path / "work"
+
+    async def main(sup: Supervisor) -> None:
+        await until(lambda: sup.spare_warm, "the spare to be warm")
+        for job in ("job-a", "job-b"):
+            spare = sup.spare_pid
+            a = assignment(job, steps=1)
+            await sup.start(a)
+            await until(lambda: sup.progress.state in ENDED, f"{job} to end")
+            assert sup.progress.state == WorkerState.DONE, sup.progress.error
+            marks = startup_line(work, a)
+            if job == "job-a":  # refused: a fresh worker, and plain spares from now on
+                assert marks["spare"] is False and not alive(spare)
+            else:  # the plain spare became the worker
+                assert marks["spare"] is True and marks["pid"] == spare
+            await until(lambda: sup.spare_pid, "the next spare")
+
+    run(main, work)
