@@ -20,7 +20,7 @@ from coordinator.web.view import View
 from dtfm import rpc
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.agent.test_checkpoint_transfer import SECURITY
-from tests.coordinator.served import served
+from tests.coordinator.served import served, stop_driving
 
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--min-agents", "2", "--stages", "2"]
 
@@ -42,11 +42,7 @@ async def two_jobs(config: CoordinatorConfig
         try:
             yield address, svc, small, big
         finally:
-            for run in svc.runs.values():
-                assert run.driving is not None
-                run.driving.cancel()
-            await asyncio.gather(*(r.driving for r in svc.runs.values() if r.driving),
-                                 return_exceptions=True)
+            await stop_driving(svc)
 
 
 def held(svc: CoordinatorService, job: Submitted) -> list[str]:
