@@ -123,6 +123,7 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         lines.extend(replans_to_text(j["replans"]))
     else:
         lines.append(f"job: {j['state']} ({j['message']})")
+    lines.extend(running_jobs_lines(data))
     alive = sum(a["state"] == "alive" for a in data["agents"])
     lines.append(f"agents: {alive} alive of {len(data['agents'])}")
     if data["agents"]:
@@ -132,6 +133,8 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
             w = a["worker"]
             worker = w["state"] + (f" step {w['step']} loss {w['loss']:.3f}"
                                    if w["state"] == "training" else "")
+            if len(data["jobs"]) > 1 and w["job_id"]:  # side by side: whose worker
+                worker += f" ({w['job_id']})"
             rows.append((a["id"], a["address"], a["state"], _reach_cell(a["reach"]),
                          _ago(a["last_seen_ago_s"]),
                          _device(a["device"]), worker, _split(w)))
@@ -167,6 +170,27 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         if p["sync_note"]:
             lines.append(f"  replicas sync {p['sync_note']}")
     return "\n".join(lines)
+
+
+def running_jobs_lines(data: dict[str, Any]) -> list[str]:
+    """Where jobs run side by side: one line per running job (the first is the one above)
+    with its state, step and the agents it holds, and the scheduler's word on why; nothing
+    for a job running alone. `data`: `status_to_json`'s."""
+    jobs, more = data["jobs"], data["jobs_omitted"]
+    if len(jobs) + more < 2:
+        return []
+    lines = [f"running jobs: {len(jobs) + more}, side by side on disjoint agents"]
+    for j in jobs:
+        held = j["held_agents"]
+        lines.append(f"  {j['id']}: {j['state']}  model {j['model']}  step {j['step']}/"
+                     f"{j['total_steps']}  loss {j['loss']:.4f}  {j['tokens_per_s']:.0f} tok/s"
+                     f"  holds {len(held)} agent(s): {', '.join(held[:8]) or '-'}"
+                     + (f" and {len(held) - 8} more" if len(held) > 8 else ""))
+        if j["share"]:
+            lines.append(f"    {j['share']}")
+    if more:
+        lines.append(f"  ({more} more running: `coordinator jobs` lists them all)")
+    return lines
 
 
 def step_time_line(data: dict[str, Any]) -> str:

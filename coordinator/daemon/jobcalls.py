@@ -45,12 +45,15 @@ from coordinator.daemon.registry import Registry
 from coordinator.daemon.share import AgentPool, AgentShare
 from coordinator.job.checkpointcopies import CoordinatorCopies
 from coordinator.job.machine import Job
-from dtfm.core.limits import MAX_AGENTS
+from dtfm.core.limits import MAX_AGENTS, MAX_STATUS_AGENTS
 from dtfm.rpc import ConfigError
 from protos.dtfm.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
 GATHERING_POLL_S = 0.5  # how often a job still gathering its agents is looked at again
+# Running jobs one status answer carries in full (`ClusterStatus.jobs`), the oldest first: each
+# holds at least one agent, so thousands of agents could run thousands of one-agent jobs.
+MAX_STATUS_JOBS = 16
 
 
 @dataclass
@@ -123,6 +126,31 @@ class JobCalls:
     def run_of(self, job_id: str) -> RunningJob | None:
         """The running job of this id (None: none runs by it)."""
         return self.runs.get(job_id) if job_id else None
+
+    def run_status(self, run: RunningJob) -> coordinator_pb2.JobStatus:
+        """`run`'s status with the agents it holds (at most `MAX_STATUS_AGENTS`, in id
+        order) and the scheduler's word on why."""
+        status = self.job_status(run)
+        status.held_agents.extend(sorted(run.share.held())[:MAX_STATUS_AGENTS])
+        status.share = run.share.why[:2000]
+        return status
+
+    def status_jobs(self) -> tuple[coordinator_pb2.JobStatus, list[coordinator_pb2.JobStatus],
+                                   int]:
+        """A status answer's jobs: the first running one in full (`ClusterStatus.job`; the
+        last one driven when none runs), every running one (the oldest `MAX_STATUS_JOBS`,
+        without their export sources: a `StatusRequest.job_id` answers those) and how many
+        more run."""
+        runs = list(self.runs.values())
+        jobs = [self.run_status(run) for run in runs[:MAX_STATUS_JOBS]]
+        first = coordinator_pb2.JobStatus()
+        if jobs:
+            first.CopyFrom(jobs[0])
+        else:
+            first = self.job_status()
+        for status in jobs:
+            status.ClearField("export_source")
+        return first, jobs, len(runs) - len(jobs)
 
     def jobs_now(self) -> list[Job]:
         """Every job running now (the primary one when none runs)."""

@@ -1,8 +1,9 @@
 """What the coordinator exports to Prometheus (`coordinator start --metrics-listen HOST:PORT`).
 
 Owns the series names and labels (docs/operations.md lists them). One collector reads the
-registry, the job, its plan and the link store at scrape time, on the event loop (see
-`dtfm/metrics.py`), so the numbers are exactly what `coordinator status` would show then.
+registry, the running jobs, their plans and the link store at scrape time, on the event loop
+(see `dtfm/metrics.py`), so the numbers are exactly what `coordinator status` would show then.
+Jobs running side by side each have their own series, told apart by the `job_id` label.
 Units are Prometheus base units: seconds and bytes.
 """
 
@@ -21,12 +22,32 @@ from coordinator.job.machine import Job
 from coordinator.links.store import LinkStore
 from protos.dtfm.v1 import coordinator_pb2
 
+# a job, or (the daemon's) what returns the jobs running now
+Jobs = Job | Callable[[], Job] | Callable[[], list[Job]]
 JOB_STATES = [n.removeprefix("JOB_STATE_").lower() for n in coordinator_pb2.JobState.keys()
               if n != "JOB_STATE_UNSPECIFIED"]
 # Per-link series go up to this many links (64 agents, all pairs); past it a scrape would carry
 # N^2 series (4 of them per link: 260,000 lines and 20 s at 256 agents, bench/scale.py), so
 # only the counts by state are exported and `coordinator links --json` has the matrix.
 MAX_LINK_SERIES = 64 * 63
+# The per-job gauges: (series, help, the JobStatus field), one sample per running job
+JOB_GAUGES = (
+    ("dtfm_job_epoch", "Job epoch (one per (re)schedule)", "epoch"),
+    ("dtfm_job_step", "Newest step any member reported", "step"),
+    ("dtfm_job_total_steps", "Steps the job runs", "total_steps"),
+    ("dtfm_job_loss", "Training loss at the newest step", "loss"),
+    ("dtfm_job_tokens_per_second", "Global tokens per second, from the measured step time",
+     "tokens_per_s"),
+    ("dtfm_job_predicted_step_seconds", "The cost model's step time for the running plan",
+     "predicted_step_s"),
+    ("dtfm_job_measured_step_seconds", "Median step time over the members' recent steps",
+     "measured_step_s"),
+    ("dtfm_job_state_save_failures", "Saves of the job's state in --state-dir that failed in "
+     "a row (0: the newest worked; a restart adopts the last saved state)",
+     "state_save_failures"),
+    ("dtfm_job_state_saved_timestamp_seconds", "When the job's state was last saved in "
+     "--state-dir (unix time; 0: never or no --state-dir)", "state_saved_unix_s"),
+)
 STEP_PARTS = (("total", "step_s"), ("compute", "compute_s"), ("pipeline_wait", "pp_wait_s"),
               ("data_parallel", "dp_s"))
 
@@ -38,16 +59,17 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 class CoordinatorCollector(Collector):
     """Reads the coordinator's live objects on every scrape."""
 
-    def __init__(self, registry: Registry, job: Job | Callable[[], Job],
-                 links: LinkStore) -> None:
+    def __init__(self, registry: Registry, jobs: Jobs, links: LinkStore) -> None:
         self.registry = registry
-        # the daemon's: the job running now (a coordinator runs one after another)
-        self._current = job
+        # the daemon's: the jobs running now, the oldest first (side by side, on disjoint
+        # agents: coordinator/daemon/share.py), each with series of its own by `job_id`
+        self._current = jobs
         self.links = links
 
     @property
-    def job(self) -> Job:
-        return self._current() if callable(self._current) else self._current
+    def jobs(self) -> list[Job]:
+        jobs = self._current() if callable(self._current) else self._current
+        return jobs if isinstance(jobs, list) else [jobs]
 
     def collect(self) -> Iterator[Metric]:
         yield from self._agents()
@@ -109,114 +131,109 @@ class CoordinatorCollector(Collector):
         yield from (step, loss, tokens, split, sent, per_step, rounds, drift)
 
     def _job(self) -> Iterator[Metric]:
-        status = self.job.status()
-        current = coordinator_pb2.JobState.Name(status.state).removeprefix("JOB_STATE_").lower()
-        labels = [status.job_id, status.model]
+        jobs = [(job, job.status()) for job in self.jobs]
         state = _gauge("dtfm_job_state", "1 for the job's current state, 0 for the others",
                        ["job_id", "model", "state"])
-        for name in JOB_STATES:
-            state.add_metric([*labels, name], float(name == current))
+        for _, status in jobs:
+            current = coordinator_pb2.JobState.Name(status.state).removeprefix("JOB_STATE_")
+            for name in JOB_STATES:
+                state.add_metric([status.job_id, status.model, name],
+                                 float(name == current.lower()))
         yield state
-        if not status.job_id:
+        jobs = [(job, status) for job, status in jobs if status.job_id]
+        if not jobs:
             return
-        for name, doc, value in (
-            ("dtfm_job_epoch", "Job epoch (one per (re)schedule)", status.epoch),
-            ("dtfm_job_step", "Newest step any member reported", status.step),
-            ("dtfm_job_total_steps", "Steps the job runs", status.total_steps),
-            ("dtfm_job_loss", "Training loss at the newest step", status.loss),
-            ("dtfm_job_tokens_per_second", "Global tokens per second, from the measured step "
-             "time", status.tokens_per_s),
-            ("dtfm_job_predicted_step_seconds", "The cost model's step time for the running "
-             "plan", status.predicted_step_s),
-            ("dtfm_job_measured_step_seconds", "Median step time over the members' recent "
-             "steps", status.measured_step_s),
-            ("dtfm_job_state_save_failures", "Saves of the job's state in --state-dir that "
-             "failed in a row (0: the newest worked; a restart adopts the last saved state)",
-             status.state_save_failures),
-            ("dtfm_job_state_saved_timestamp_seconds", "When the job's state was last saved "
-             "in --state-dir (unix time; 0: never or no --state-dir)",
-             status.state_saved_unix_s),
-        ):
+        for name, doc, field in JOB_GAUGES:
             g = _gauge(name, doc, ["job_id", "model"])
-            g.add_metric(labels, float(value))
+            for _, status in jobs:
+                g.add_metric([status.job_id, status.model], float(getattr(status, field)))
             yield g
         restarts = CounterMetricFamily("dtfm_job_restarts", "Recoveries: times the job was "
                                        "stopped and rescheduled", labels=["job_id", "model"])
-        restarts.add_metric(labels, len(self.job.recoveries.items))
-        yield restarts
         relayed = CounterMetricFamily("dtfm_relay_forwarded_bytes", "Payload bytes the "
                                       "data-plane relays (the coordinator's, its relay agents') "
                                       "forwarded for the job since the coordinator started",
                                       labels=["job_id", "model"])
-        relayed.add_metric(labels, float(status.relayed_bytes))
+        for job, status in jobs:
+            restarts.add_metric([status.job_id, status.model], len(job.recoveries.items))
+            relayed.add_metric([status.job_id, status.model], float(status.relayed_bytes))
+        # the relay's own, every job's together (they share it): the first job's figure
         refused = CounterMetricFamily("dtfm_relay_refused_bytes", "Bytes the relay read from "
                                       "connections it dropped (no key, not a member, a frame "
                                       "naming another job or rank): none is forwarded")
-        refused.add_metric([], float(status.relay_refused_bytes))
-        yield from (relayed, refused)
-        yield from self._replans(labels)
-        yield from self._integrity(labels)
+        refused.add_metric([], float(jobs[0][1].relay_refused_bytes))
+        yield from (restarts, relayed, refused)
+        yield from self._replans(jobs)
+        yield from self._integrity(jobs)
 
-    def _integrity(self, labels: list[str]) -> Iterator[Metric]:
-        """Agents excluded for a confirmed integrity fault, and the evidence held, by kind
-        (coordinator/integrity/)."""
-        ledger = self.job.integrity.ledger
+    def _integrity(self, jobs: list[tuple[Job, coordinator_pb2.JobStatus]]
+                   ) -> Iterator[Metric]:
+        """Agents each job excluded for a confirmed integrity fault, and the evidence held,
+        by kind, every job's together (coordinator/integrity/)."""
         excluded = CounterMetricFamily("dtfm_integrity_exclusions", "Agents the job excluded "
                                        "for a confirmed integrity fault since it began",
                                        labels=["job_id", "model"])
-        excluded.add_metric(labels, float(ledger.total_exclusions))
         kinds: dict[str, int] = {}
-        for agent_id in ledger.suspects():
-            for e in ledger.evidence(agent_id):
-                kinds[e.kind] = kinds.get(e.kind, 0) + 1
+        for job, status in jobs:
+            ledger = job.integrity.ledger
+            excluded.add_metric([status.job_id, status.model], float(ledger.total_exclusions))
+            for agent_id in ledger.suspects():
+                for e in ledger.evidence(agent_id):
+                    kinds[e.kind] = kinds.get(e.kind, 0) + 1
         held = _gauge("dtfm_integrity_evidence", "Pieces of integrity evidence the "
                       "coordinator holds against agents, by kind", ["kind"])
         for kind, count in sorted(kinds.items()):
             held.add_metric([kind], float(count))
         yield from (excluded, held)
 
-    def _replans(self, labels: list[str]) -> Iterator[Metric]:
-        """Every re-plan the job weighed (coordinator/job/replan.py), by outcome; the newest's
-        predicted gain and cost, and the step it measured before, during and after."""
-        records = self.job.replan.records
+    def _replans(self, jobs: list[tuple[Job, coordinator_pb2.JobStatus]]) -> Iterator[Metric]:
+        """Every re-plan each job weighed (coordinator/job/replan.py), by outcome; the
+        newest's predicted gain and cost, and the step it measured before, during and after."""
         count = CounterMetricFamily("dtfm_job_replans", "Re-plans weighed while training, by "
                                     "outcome (pending, moved, declined, dropped)",
                                     labels=["job_id", "model", "outcome"])
-        for outcome in ("pending", "moved", "declined", "dropped"):
-            count.add_metric([*labels, outcome], sum(r.outcome == outcome for r in records))
-        yield count
-        if not records:
-            return
-        last = records[-1]
         g = _gauge("dtfm_job_replan_seconds", "The newest re-plan: predicted gain and cost of "
                    "moving, and the step before the drift, during it and after the move",
                    ["job_id", "model", "figure"])
-        for figure, value in (("gain", last.gain_s), ("cost", last.cost_s),
-                              ("step_before", last.step_before_s),
-                              ("step_drifted", last.step_drifted_s),
-                              ("step_after", last.step_after_s)):
-            g.add_metric([*labels, figure], value)
-        yield g
+        for job, status in jobs:
+            labels, records = [status.job_id, status.model], job.replan.records
+            for outcome in ("pending", "moved", "declined", "dropped"):
+                count.add_metric([*labels, outcome], sum(r.outcome == outcome for r in records))
+            if not records:
+                continue
+            last = records[-1]
+            for figure, value in (("gain", last.gain_s), ("cost", last.cost_s),
+                                  ("step_before", last.step_before_s),
+                                  ("step_drifted", last.step_drifted_s),
+                                  ("step_after", last.step_after_s)):
+                g.add_metric([*labels, figure], value)
+        yield count
+        if g.samples:
+            yield g
 
     def _plan(self) -> Iterator[Metric]:
-        plan = self.job.plan
-        if plan is None or not plan.stages:
-            return
-        member = _gauge("dtfm_plan_member", "1 per agent of the running plan, labelled with "
-                        "its stage and replica", ["agent", "stage", "replica"])
-        for s, row in enumerate(plan.grid):
-            for r, agent in enumerate(row.agent_ids):
-                member.add_metric([agent, str(s), str(r)], 1.0)
-        cost = _gauge("dtfm_plan_cost_seconds", "The scheduler's cost of the plan: total = dp "
-                      "+ 2 x pp", ["part"])
-        for part, value in (("total", plan.cost), ("dp", plan.dp_cost), ("pp", plan.pp_cost)):
-            cost.add_metric([part], value)
+        member = _gauge("dtfm_plan_member", "1 per agent of each running job's plan, labelled "
+                        "with its stage and replica", ["job_id", "agent", "stage", "replica"])
+        cost = _gauge("dtfm_plan_cost_seconds", "The scheduler's cost of each running job's "
+                      "plan: total = dp + 2 x pp", ["job_id", "part"])
         predicted = _gauge("dtfm_plan_predicted_seconds", "The step-time model's prediction "
-                           "for the plan, by part", ["part"])
-        for part, value in (("step", plan.predicted_step_s), ("comm", plan.predicted_comm_s),
-                            ("compute", plan.predicted_compute_s)):
-            predicted.add_metric([part], value)
-        yield from (member, cost, predicted)
+                           "for each running job's plan, by part", ["job_id", "part"])
+        for job in self.jobs:
+            plan = job.plan
+            if plan is None or not plan.stages:
+                continue
+            for s, row in enumerate(plan.grid):
+                for r, agent in enumerate(row.agent_ids):
+                    member.add_metric([job.job_id, agent, str(s), str(r)], 1.0)
+            for part, value in (("total", plan.cost), ("dp", plan.dp_cost),
+                                ("pp", plan.pp_cost)):
+                cost.add_metric([job.job_id, part], value)
+            for part, value in (("step", plan.predicted_step_s),
+                                ("comm", plan.predicted_comm_s),
+                                ("compute", plan.predicted_compute_s)):
+                predicted.add_metric([job.job_id, part], value)
+        if member.samples:
+            yield from (member, cost, predicted)
 
     def _links(self) -> Iterator[Metric]:
         entries = self.links.entries
@@ -246,9 +263,9 @@ class CoordinatorCollector(Collector):
         yield from (delay, bandwidth, reachable, when)
 
 
-def coordinator_registry(registry: Registry, job: Job | Callable[[], Job], links: LinkStore
+def coordinator_registry(registry: Registry, jobs: Jobs, links: LinkStore
                          ) -> CollectorRegistry:
     """A registry of its own (not the process-global default), so tests can run several."""
     out = CollectorRegistry()
-    out.register(CoordinatorCollector(registry, job, links))
+    out.register(CoordinatorCollector(registry, jobs, links))
     return out

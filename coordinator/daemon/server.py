@@ -303,7 +303,7 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         status, omitted = self.status_answer()
         if request.job_id and request.job_id != status.job.job_id:
             run = self.run_of(request.job_id)  # another running job
-            if (ended := self.job_status(run) if run is not None
+            if (ended := self.run_status(run) if run is not None
                     else self.archive.statuses.get(request.job_id)) is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"job {request.job_id[:100]!r} is neither the current job "
@@ -320,10 +320,11 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
         out."""
         rows, omitted = self.registry.status_rows(MAX_STATUS_AGENTS)
         ids = [a.agent_id for a in rows]
+        job, jobs, more = self.status_jobs()  # every running job (coordinator/daemon/jobcalls.py)
         return coordinator_pb2.ClusterStatus(
             agents=[*(integrity_status(a.to_proto(), self.job.integrity.ledger) for a in rows),
                     *excluded_rows(self.job.integrity.ledger, set(ids))],
-            job=self.job_status(),
+            job=job, jobs=jobs, jobs_omitted=more,
             plan=self.job.plan or common_pb2.Plan(),
             links=self.links.matrix(ids) if self.links.entries else common_pb2.LinkMatrix(),
             now_unix_s=time.time(),

@@ -25,7 +25,7 @@ async def start_metrics(service: CoordinatorService) -> asyncio.Server | None:
     from coordinator.daemon.metrics import coordinator_registry
     from dtfm.metrics import serve_metrics
 
-    registry = coordinator_registry(service.registry, lambda: service.job, service.links)
+    registry = coordinator_registry(service.registry, service.jobs_now, service.links)
     server, _ = await serve_metrics(service.config.metrics_listen, registry)
     return server
 

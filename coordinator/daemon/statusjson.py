@@ -83,37 +83,48 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "sync_note": status.plan.sync_note}
     return {
         "agents": agents,
-        "job": {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
-                "agents_wanted": j.agents_wanted, "epoch": j.epoch, "step": j.step,
-                "total_steps": j.total_steps, "loss": j.loss, "tokens_per_s": j.tokens_per_s,
-                **validation(j.job_id, agents),
-                "message": j.message, "placement": j.placement,
-                "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s,
-                "agents_min": j.agents_min, "stages": j.stages, "replicas": j.replicas,
-                "checkpoint_step": j.checkpoint_step, "restarts": j.restarts,
-                # integrity: agents excluded now; the next epoch resumes before this step
-                "exclusions": j.exclusions, "rollback_before": j.rollback_before,
-                "recoveries": [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
-                               for r in j.recoveries],
-                "replans": replans_to_json(j.replans),
-                # saving the job's state in --state-dir (coordinator/reconcile.py)
-                "state_saves": {"failures": j.state_save_failures, "error": j.state_save_error,
-                                "saved_unix_s": j.state_saved_unix_s},
-                # the coordinator's relay since it started (dtfm/net/relay.py): forwarded for
-                # this job, and read from connections it dropped (never forwarded)
-                "relay": {"forwarded_bytes": j.relayed_bytes,
-                          "refused_bytes": j.relay_refused_bytes},
-                # stages pushed to the coordinator: no member of the job can be dialled
-                # (coordinator/job/checkpointcopies.py)
-                "coordinator_checkpoints": [
-                    {"stage": c.stage, "step": c.step, "bytes": c.bytes}
-                    for c in j.coordinator_checkpoints]},
+        "job": job_to_json(j, agents),
+        # every running job, oldest first (the first is `job`), each with the agents it holds
+        "jobs": [job_to_json(r, agents) for r in status.jobs],
+        "jobs_omitted": status.jobs_omitted,
         "plan": plan,
         "local_steps": local_steps(status.job.job_id, agents),
         "breakdown": job_breakdown(status.job.job_id, agents),
         "links": matrix_to_json(status.links) if status.links.agent_ids else None,
         "time": status.now_unix_s,
     }
+
+
+def job_to_json(j: coordinator_pb2.JobStatus, agents: list[dict[str, Any]]) -> dict[str, Any]:
+    """One job of a status answer (`job`, and each of `jobs`); `agents`: the answer's agents
+    as `status_to_json` lists them (the job's newest validation loss is its members')."""
+    return {"id": j.job_id, "state": job_state_name(j.state), "model": j.model,
+            "agents_wanted": j.agents_wanted, "epoch": j.epoch, "step": j.step,
+            "total_steps": j.total_steps, "loss": j.loss, "tokens_per_s": j.tokens_per_s,
+            **validation(j.job_id, agents),
+            "message": j.message, "placement": j.placement,
+            "predicted_step_s": j.predicted_step_s, "measured_step_s": j.measured_step_s,
+            "agents_min": j.agents_min, "stages": j.stages, "replicas": j.replicas,
+            "checkpoint_step": j.checkpoint_step, "restarts": j.restarts,
+            # integrity: agents excluded now; the next epoch resumes before this step
+            "exclusions": j.exclusions, "rollback_before": j.rollback_before,
+            "recoveries": [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+                           for r in j.recoveries],
+            "replans": replans_to_json(j.replans),
+            # saving the job's state in --state-dir (coordinator/reconcile.py)
+            "state_saves": {"failures": j.state_save_failures, "error": j.state_save_error,
+                            "saved_unix_s": j.state_saved_unix_s},
+            # the coordinator's relay since it started (dtfm/net/relay.py): forwarded for
+            # this job, and read from connections it dropped (never forwarded)
+            "relay": {"forwarded_bytes": j.relayed_bytes,
+                      "refused_bytes": j.relay_refused_bytes},
+            # stages pushed to the coordinator: no member of the job can be dialled
+            # (coordinator/job/checkpointcopies.py)
+            "coordinator_checkpoints": [
+                {"stage": c.stage, "step": c.step, "bytes": c.bytes}
+                for c in j.coordinator_checkpoints],
+            # the agents it holds while it runs, and why (coordinator/daemon/share.py)
+            "held_agents": list(j.held_agents), "share": j.share}
 
 
 def reach_to_json(r: common_pb2.ReachStatus) -> dict[str, Any]:

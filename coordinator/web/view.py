@@ -44,7 +44,7 @@ class Timeline:
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self.plans: deque[dict[str, Any]] = deque(maxlen=MAX_PLANS)
         self._agents: dict[str, str] = {}  # id -> state last seen
-        self._job: tuple[str, str] = ("", "")  # (id, state)
+        self._states: dict[str, str] = {}  # job id -> state last seen, of the jobs shown
         self._checkpoint = 0
         self._recoveries: set[float] = set()
         self._replans: dict[float, str] = {}  # at -> outcome
@@ -56,6 +56,7 @@ class Timeline:
     def observe(self, status: dict[str, Any]) -> None:
         now = status["time"]
         self._observe_agents(status["agents"], now)
+        self._observe_states([status["job"], *status.get("jobs", ())], now)
         self._observe_job(status["job"], now)
         self._observe_plan(status["plan"], now)
 
@@ -71,11 +72,18 @@ class Timeline:
                 self._add(now, kind, f"{a['id']} {state} (was {before})", agent=a["id"])
             self._agents[a["id"]] = state
 
+    def _observe_states(self, jobs: list[dict[str, Any]], now: float) -> None:
+        """A job's state changes: every running job's (side by side), and the one shown."""
+        states = {}
+        for job in jobs:
+            if job["id"] and job["id"] not in states:
+                if self._states.get(job["id"]) != job["state"]:
+                    self._add(now, "job", f"job {job['id']} {job['state']}"
+                              + (f": {job['message']}" if job["message"] else ""))
+                states[job["id"]] = job["state"]
+        self._states = states  # only the jobs shown now: bounded by the answer
+
     def _observe_job(self, job: dict[str, Any], now: float) -> None:
-        if (job["id"], job["state"]) != self._job and job["id"]:
-            self._add(now, "job", f"job {job['id']} {job['state']}"
-                      + (f": {job['message']}" if job["message"] else ""))
-            self._job = (job["id"], job["state"])
         if job["checkpoint_step"] > self._checkpoint:
             self._add(now, "checkpoint", f"checkpoint at step {job['checkpoint_step']}")
         self._checkpoint = job["checkpoint_step"]

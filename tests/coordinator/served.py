@@ -3,6 +3,7 @@ token required), for tests that drive it with real calls in-process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -38,3 +39,13 @@ def tiny_config(state: Path, agents: int = 8, **fields: Any) -> CoordinatorConfi
     `fields` of `CoordinatorConfig`."""
     return CoordinatorConfig(security=SECURITY, state_dir=str(state),
                              job=JobConfig(model="gpt-tiny", agents=agents), **fields)
+
+
+async def stop_driving(svc: CoordinatorService) -> None:
+    """Cancel the drivers of the service's running jobs (started by `start_what_fits`, in a
+    test that runs no scheduler) and wait for them to end."""
+    drivers = [run.driving for run in svc.runs.values() if run.driving is not None]
+    assert len(drivers) == len(svc.runs)  # every one was launched
+    for driving in drivers:
+        driving.cancel()
+    await asyncio.gather(*drivers, return_exceptions=True)

@@ -64,6 +64,7 @@ def test_two_queued_jobs_start_side_by_side_split_by_cost_each_seeing_only_its_a
     from coordinator.daemon.config import CoordinatorConfig
     from coordinator.daemon.server import CoordinatorService
     from tests.agent.test_checkpoint_transfer import SECURITY
+    from tests.coordinator.served import stop_driving
 
     async def main() -> None:
         svc = CoordinatorService(CoordinatorConfig(security=SECURITY))
@@ -90,10 +91,6 @@ def test_two_queued_jobs_start_side_by_side_split_by_cost_each_seeing_only_its_a
             first.planner.taken_ports = lambda: set(range(29500, 30500, 2)) - {29998}
             assert first.planner.rendezvous_port(1) == 29998
         finally:
-            for run in svc.runs.values():
-                assert run.driving is not None
-                run.driving.cancel()
-            await asyncio.gather(*(r.driving for r in svc.runs.values() if r.driving),
-                                 return_exceptions=True)
+            await stop_driving(svc)
 
     asyncio.run(main())

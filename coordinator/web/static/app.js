@@ -62,6 +62,25 @@ function renderHead(st) {
   head.title = j.message || "";
 }
 
+// Jobs side by side on disjoint agents: a row each (the cards and charts below are the
+// first one's). Hidden while one job runs alone.
+function renderJobs(st) {
+  const jobs = st.jobs || [], more = st.jobs_omitted || 0;
+  document.getElementById("jobs-panel").classList.toggle("hidden", jobs.length + more < 2);
+  document.getElementById("jobs-hint").textContent = jobs.length + more < 2 ? ""
+    : `${jobs.length + more} side by side on disjoint agents; the cards below are ${jobs[0].id}'s`
+      + (more ? ` (${more} more not listed: \`coordinator jobs\`)` : "");
+  put("jobs", h("tr", {}, ["job", "state", "model", "step", "loss", "tokens/s", "agents"]
+    .map((c) => h("th", {}, c))), jobs.map((j) => h("tr", { "data-job": j.id },
+    h("td", { class: "mono" }, j.id), h("td", { title: j.message || "" }, badge(j.state)),
+    h("td", {}, j.model), h("td", {}, `${j.step} / ${j.total_steps}`),
+    h("td", {}, j.loss ? j.loss.toFixed(4) : "–"),
+    h("td", {}, j.tokens_per_s ? Math.round(j.tokens_per_s).toLocaleString() : "–"),
+    h("td", { class: "mono", title: j.share || "" },
+      `${j.held_agents.length}: ${j.held_agents.slice(0, 8).join(", ")}`
+      + (j.held_agents.length > 8 ? ` and ${j.held_agents.length - 8} more` : "")))));
+}
+
 function card(k, v, sub, frac) {
   return h("div", { class: "card" }, h("div", { class: "k" }, k), h("div", { class: "v" }, v),
     sub ? h("div", { class: "s" }, sub) : null,
@@ -340,6 +359,7 @@ function render(doc) {
   state.doc = doc;
   const st = doc.status;
   renderHead(st);
+  renderJobs(st);
   renderCards(st);
   renderCharts(doc);
   renderGrid(st);

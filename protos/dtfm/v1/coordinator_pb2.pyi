@@ -444,7 +444,7 @@ class AgentStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., last_seen_unix_s: _Optional[float] = ..., joined_unix_s: _Optional[float] = ..., progress: _Optional[_Union[ProgressReport, _Mapping]] = ..., reach: _Optional[_Union[_common_pb2.ReachStatus, _Mapping]] = ..., relay_distrusted: _Optional[str] = ..., exclusion: _Optional[_Union[Exclusion, _Mapping]] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "coordinator_checkpoints", "rollback_before", "exclusions", "export_source")
+    __slots__ = ("job_id", "state", "model", "agents_wanted", "epoch", "step", "total_steps", "loss", "tokens_per_s", "message", "placement", "predicted_step_s", "measured_step_s", "agents_min", "stages", "replicas", "checkpoint_step", "restarts", "recoveries", "model_spec", "replans", "state_save_failures", "state_save_error", "state_saved_unix_s", "relayed_bytes", "relay_refused_bytes", "coordinator_checkpoints", "rollback_before", "exclusions", "export_source", "held_agents", "share")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +475,8 @@ class JobStatus(_message.Message):
     ROLLBACK_BEFORE_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIONS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HELD_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model: str
@@ -505,7 +507,9 @@ class JobStatus(_message.Message):
     rollback_before: int
     exclusions: int
     export_source: ExportSource
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., coordinator_checkpoints: _Optional[_Iterable[_Union[HeldCheckpoint, _Mapping]]] = ..., rollback_before: _Optional[int] = ..., exclusions: _Optional[int] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ...) -> None: ...
+    held_agents: _containers.RepeatedScalarFieldContainer[str]
+    share: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model: _Optional[str] = ..., agents_wanted: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., message: _Optional[str] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., measured_step_s: _Optional[float] = ..., agents_min: _Optional[int] = ..., stages: _Optional[int] = ..., replicas: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., restarts: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., model_spec: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., replans: _Optional[_Iterable[_Union[Replan, _Mapping]]] = ..., state_save_failures: _Optional[int] = ..., state_save_error: _Optional[str] = ..., state_saved_unix_s: _Optional[float] = ..., relayed_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., coordinator_checkpoints: _Optional[_Iterable[_Union[HeldCheckpoint, _Mapping]]] = ..., rollback_before: _Optional[int] = ..., exclusions: _Optional[int] = ..., export_source: _Optional[_Union[ExportSource, _Mapping]] = ..., held_agents: _Optional[_Iterable[str]] = ..., share: _Optional[str] = ...) -> None: ...
 
 class ExportSource(_message.Message):
     __slots__ = ("config_json", "generation_json", "tokenizer", "lora")
@@ -638,18 +642,22 @@ class Recovery(_message.Message):
     def __init__(self, at_unix_s: _Optional[float] = ..., reason: _Optional[str] = ..., layout_before: _Optional[str] = ..., layout_after: _Optional[str] = ..., last_step: _Optional[int] = ..., resumed_step: _Optional[int] = ..., steps_lost: _Optional[int] = ..., stalled_s: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("agents", "job", "plan", "links", "now_unix_s")
+    __slots__ = ("agents", "job", "plan", "links", "now_unix_s", "jobs", "jobs_omitted")
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     NOW_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     agents: _containers.RepeatedCompositeFieldContainer[AgentStatus]
     job: JobStatus
     plan: _common_pb2.Plan
     links: _common_pb2.LinkMatrix
     now_unix_s: float
-    def __init__(self, agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., job: _Optional[_Union[JobStatus, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., links: _Optional[_Union[_common_pb2.LinkMatrix, _Mapping]] = ..., now_unix_s: _Optional[float] = ...) -> None: ...
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    jobs_omitted: int
+    def __init__(self, agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., job: _Optional[_Union[JobStatus, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., links: _Optional[_Union[_common_pb2.LinkMatrix, _Mapping]] = ..., now_unix_s: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., jobs_omitted: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ()
