@@ -212,7 +212,10 @@ def test_cli_measure_reports_every_pair() -> None:
     assert {(r["src"], r["dst"]) for r in rows} == {(0, 1), (1, 0)}
     for r in rows:
         assert r["rtt_ms_expected"] == 10.0
-        assert_rtt(r["rtt_ms"], 10.0)
+        # the least of 10 echoes: a loaded machine's forwarder adds milliseconds to the median
+        # (a CI rehearsal read 16.2 ms of 10 while other tests took both cores)
+        assert_rtt(r["rtt_ms_min"], 10.0)
+        assert r["rtt_ms"] >= r["rtt_ms_min"] >= 10.0 - 3.0
         assert 0 < r["mbps"] <= 50 * 1.05
     names = {h["namespace"] for h in report["hosts"]}
     assert len(names) == 2
