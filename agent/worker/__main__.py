@@ -29,11 +29,11 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from dtfm.core.events import WorkerEnv  # noqa: E402 - no torch: cheap
-from dtfm.core.files import open_private_append  # noqa: E402 - no torch either
+from agent.worker import zygote  # noqa: E402 - no torch: cheap
+from dtfm.core.events import WorkerEnv  # noqa: E402 - no torch either
+from dtfm.core.files import open_private_append  # noqa: E402 - nor here
 
 PARENT_ENV = WorkerEnv.SUPERVISOR_PID
-PR_SET_PDEATHSIG = 1
 
 
 def die_with_supervisor() -> None:
@@ -47,12 +47,7 @@ def die_with_supervisor() -> None:
     expected = os.environ.get(PARENT_ENV)
     if not expected or not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != int(expected):
+    if not zygote.die_with(int(expected)):
         sys.exit("the agent that started this worker is gone")
 
 
@@ -162,7 +157,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 
-from agent.worker import zygote  # noqa: E402
 from agent.worker.train import read_assignment, run_assignment  # noqa: E402
 
 IMPORTED_AT = time.time()

@@ -72,16 +72,22 @@ def _reap(children: set[int], reply: int) -> None:
             os.write(reply, f"exit {pid} {exit_code(status)}\n".encode())
 
 
-def _become_child(zygote_pid: int, reply: int) -> None:
-    """In the forked child: a session of its own, death with the zygote, no zygote pipes."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.setsid()
+def die_with(parent_pid: int) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a
+    no-op); False if `parent_pid` is no longer its parent (it died before the arming)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != zygote_pid:
+    return os.getppid() == parent_pid
+
+
+def _become_child(zygote_pid: int, reply: int) -> None:
+    """In the forked child: a session of its own, death with the zygote, no zygote pipes."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    if not die_with(zygote_pid):
         os._exit(1)  # the zygote died between the fork and the signal's arming
     os.close(reply)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -91,12 +97,11 @@ def _become_child(zygote_pid: int, reply: int) -> None:
 
 
 def serve(lines: queue.Queue[str], reply: int,
-          on_fork: Callable[[], None] = lambda: None,
           fork_problem: Callable[[], str | None] = lambda: None) -> list[str] | None:
     """Fork a worker per request until one says "become" or input ends.
 
-    Returns the flags this process should run as a worker: in a forked child, its request's
-    (with `on_fork` called first); in the zygote itself, a "become" request's; None at end of
+    Returns the flags this process should run as a worker: in a forked child, its request's;
+    in the zygote itself, a "become" request's; None at end of
     input (the zygote should exit). A "become" after a fork is refused (ZygoteError): the
     zygote must outlive its children to report their exits. A fork that `fork_problem` gives
     a reason against is answered `refused REASON` (the launcher then spawns the worker).
@@ -126,7 +131,6 @@ def serve(lines: queue.Queue[str], reply: int,
         pid = os.fork()
         if pid == 0:
             _become_child(zygote_pid, reply)
-            on_fork()
             return flags
         forked = True
         children.add(pid)
