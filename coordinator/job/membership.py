@@ -22,11 +22,12 @@ from collections.abc import Callable
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.daemon.share import by_address
 from coordinator.job.epochplan import EpochPlanner
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.reachability import ReachChecker
 from coordinator.links.store import LinkStore
-from coordinator.scheduler.placement import Placement, address_key
+from coordinator.scheduler.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Membership:
             what = f"the pinned plan's agents: {len(missing)} of {wanted} not alive " \
                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
         else:
-            ordered = sorted(alive, key=lambda a: address_key(a.info.host, a.info.port))
+            ordered = by_address(alive)
             if len(alive) >= wanted:
                 return self.prefer_previous(ordered, wanted, planner.grid_ids,
                                             moving)[:wanted], "", alive
