@@ -53,28 +53,33 @@ class Corroboration:
 
     def weigh(self, rec: EvidenceRecord) -> tuple[bool, int]:
         """Whether `rec` confirms a fault against `rec.agent_id`, and the first bad step."""
+        confirmed, first, _ = self.agreement(rec)
+        return confirmed, first
+
+    def agreement(self, rec: EvidenceRecord) -> tuple[bool, int, list[str]]:
+        """`weigh`, and the reporters that agree (`rec`'s own among them) when it confirms."""
         if rec.epoch != self.epoch:
             self.epoch, self._named = rec.epoch, {}
         if not rec.agent_id or rec.reporter == rec.agent_id or rec.kind not in CONFIRMING:
-            return False, rec.step
+            return False, rec.step, []
         by = self._named.setdefault(rec.agent_id, {})
         seen = by.get(rec.reporter)
         if seen is None:
             by[rec.reporter] = _Named(rec.step, rec.step)
         else:
             seen.first, seen.last = min(seen.first, rec.step), max(seen.last, rec.step)
-        recent = [n for n in by.values() if abs(n.last - rec.step) <= WINDOW_STEPS]
+        recent = {r: n for r, n in by.items() if abs(n.last - rec.step) <= WINDOW_STEPS}
         if len(recent) >= AGREEING:
-            return True, min(n.first for n in recent)
-        return False, rec.step
+            return True, min(n.first for n in recent.values()), sorted(recent)
+        return False, rec.step, []
 
     def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger) -> None:
         """Record each new record that names a suspect in `ledger`, confirmed or not."""
         for rec in records:
             if not rec.agent_id:
                 continue
-            confirmed, first = self.weigh(rec)
+            confirmed, first, agreeing = self.agreement(rec)
             detail = (f"{rec.detail} (score {rec.score:.3g}, epoch {rec.epoch}"
                       + (", confirmed by a second reporter" if confirmed else "") + ")")
             ledger.record(rec.agent_id, rec.kind, first if confirmed else rec.step, detail,
-                          reporter=rec.reporter, confirmed=confirmed)
+                          reporter=rec.reporter, confirmed=confirmed, agreeing=agreeing)

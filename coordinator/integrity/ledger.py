@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,8 +99,12 @@ class IntegrityLedger:
 
     # --- recording ---
     def record(self, agent_id: str, kind: str, step: int = 0, detail: str = "", *,
-               reporter: str = COORDINATOR, confirmed: bool = False) -> bool:
+               reporter: str = COORDINATOR, confirmed: bool = False,
+               agreeing: Iterable[str] = ()) -> bool:
         """Keep one piece of evidence against `agent_id`; exclude it on a confirmed fault.
+        `agreeing`: the other reporters whose earlier pieces this confirmation rests on; the
+        newest piece of each is marked confirmed too and goes with the exclusion, so that it
+        shows every agent that named the suspect, not only the one whose report came last.
         Returns whether `agent_id` is excluded now."""
         if reporter != COORDINATOR and reporter in self.exclusions:
             log.info("integrity: dropped %s evidence against %s from %s, itself excluded",
@@ -110,6 +114,13 @@ class IntegrityLedger:
                          detail=detail[:MAX_DETAIL], reporter=reporter[:MAX_KIND * 4],
                          at_unix_s=time.time(), confirmed=confirmed)
         suspect = self._suspects.setdefault(agent_id, _Suspect())
+        backing = []
+        if confirmed:
+            for other in set(agreeing) - {reporter}:
+                mine = [e for e in suspect.evidence if e.reporter == other]
+                if mine:
+                    mine[-1].confirmed = True
+                    backing.append(mine[-1])
         suspect.evidence.append(piece)
         if len(suspect.evidence) > MAX_EVIDENCE:
             suspect.dropped += len(suspect.evidence) - MAX_EVIDENCE
@@ -119,13 +130,14 @@ class IntegrityLedger:
                 "integrity: %s evidence against agent %s: %s",
                 "confirmed" if confirmed else "unconfirmed", agent_id, piece.line())
         if confirmed and agent_id not in self.exclusions:
-            self._exclude(agent_id, piece)
+            self._exclude(agent_id, piece, backing)
         self.on_change()
         return agent_id in self.exclusions
 
-    def _exclude(self, agent_id: str, piece: Evidence) -> None:
+    def _exclude(self, agent_id: str, piece: Evidence, backing: list[Evidence]) -> None:
         exclusion = Exclusion(reason=f"{piece.kind}: {piece.detail}"[:MAX_DETAIL],
-                              step=piece.step, at_unix_s=piece.at_unix_s, evidence=[piece])
+                              step=piece.step, at_unix_s=piece.at_unix_s,
+                              evidence=[*backing, piece])
         self.exclusions[agent_id] = exclusion
         self.total_exclusions += 1
         if piece.step:

@@ -58,3 +58,19 @@ def test_feed_records_evidence_and_excludes_on_confirmation_only() -> None:
     assert exclusion is not None and exclusion.step == 8
     assert ledger.rollback_before == 8
     assert ledger.excluded("a") is None and ledger.excluded("b") is None
+    # the exclusion carries every agreeing reporter's record, not only the one that came last
+    # (a demo under load once showed one reporter for a fault two had confirmed)
+    assert {e.reporter for e in exclusion.evidence} == {"a", "b"}
+    assert all(e.confirmed for e in exclusion.evidence)
+    assert [e.confirmed for e in ledger.evidence("bad")] == [True, True]
+
+
+def test_a_confirmation_marks_the_agreeing_reporters_newest_piece_only() -> None:
+    ledger = IntegrityLedger()
+    c = Corroboration()
+    c.feed([rec("bad", "a", 2), rec("bad", "a", 3), rec("bad", "liar-of-nothing", 30)], ledger)
+    c.feed([rec("bad", "b", 4)], ledger)
+    pieces = ledger.evidence("bad")
+    assert [(e.reporter, e.step, e.confirmed) for e in pieces] == [
+        ("a", 2, False), ("a", 3, True), ("liar-of-nothing", 30, False), ("b", 2, True)]
+    assert [e.reporter for e in ledger.excluded("bad").evidence] == ["a", "b"]
