@@ -321,22 +321,23 @@ class Supervisor:
         return True
 
     async def _follow(self, worker: WorkerProcess) -> None:
+        # This worker's own progress: a new assignment replaces self.progress, and the last
+        # events of a worker that has already exited must never land in the next epoch's
+        # (its heartbeat would carry the new epoch with the old worker's step and resumed
+        # step, and the coordinator would record the recovery as resumed from the old one).
+        p = self.progress
         async for event in worker.follow():
-            self.progress.apply(event)
+            p.apply(event)
             if isinstance(event, StepEvent) and self._marks is not None:
                 self._started(worker)  # its first step (not every step: restock polls a pid)
             self.on_change()
-        if worker.returncode == 0 and self.progress.state != WorkerState.FAILED:
-            self.progress.state = WorkerState.DONE
-        elif self.progress.state not in (WorkerState.FAILED, WorkerState.STOPPED):
-            self.progress.state = WorkerState.FAILED
-            self.progress.error = (
-                self.progress.error
-                or f"worker exited with code {worker.returncode}: {worker.log_tail()}"
-            )
+        if worker.returncode == 0 and p.state != WorkerState.FAILED:
+            p.state = WorkerState.DONE
+        elif p.state not in (WorkerState.FAILED, WorkerState.STOPPED):
+            p.state = WorkerState.FAILED
+            p.error = p.error or f"worker exited with code {worker.returncode}: {worker.log_tail()}"
         # "failed in step 6" after step events up to 5: a rank its peers finished a step
         # without (they checkpoint it, the recovery resumes after it; ErrorEvent says more)
-        p = self.progress
         log.info("worker pid %d ended: %s%s (its last step: %d)%s", worker.pid, p.state,
                  f" {failed_at(p.failed_step)}" if p.failed_step >= 0 else "", p.step,
                  f": {p.error}" if p.error else "")
@@ -390,7 +391,14 @@ class Supervisor:
             self.progress.state = WorkerState.IDLE
             self.on_change()
         worker = self._worker
-        if worker is None or worker.poll() is not None:
+        if worker is None:
+            return
+        if worker.poll() is not None:
+            # Exited (or stopped by an earlier call still under way): its follower may still
+            # be reading its last events, and what starts next must not begin before them.
+            if self._task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(self._task)
             return
         log.info("stopping worker pid %d: %s", worker.pid, reason)
         self.progress.state = WorkerState.STOPPED
