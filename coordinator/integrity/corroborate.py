@@ -82,4 +82,5 @@ class Corroboration:
             detail = (f"{rec.detail} (score {rec.score:.3g}, epoch {rec.epoch}"
                       + (", confirmed by a second reporter" if confirmed else "") + ")")
             ledger.record(rec.agent_id, rec.kind, first if confirmed else rec.step, detail,
-                          reporter=rec.reporter, confirmed=confirmed, agreeing=agreeing)
+                          reporter=rec.reporter, confirmed=confirmed, agreeing=agreeing,
+                          agreeing_kinds=CONFIRMING)

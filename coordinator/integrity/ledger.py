@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,12 +100,12 @@ class IntegrityLedger:
     # --- recording ---
     def record(self, agent_id: str, kind: str, step: int = 0, detail: str = "", *,
                reporter: str = COORDINATOR, confirmed: bool = False,
-               agreeing: Iterable[str] = ()) -> bool:
+               agreeing: Iterable[str] = (), agreeing_kinds: Collection[str] = ()) -> bool:
         """Keep one piece of evidence against `agent_id`; exclude it on a confirmed fault.
-        `agreeing`: the other reporters whose earlier pieces this confirmation rests on; the
-        newest piece of each is marked confirmed too and goes with the exclusion, so that it
-        shows every agent that named the suspect, not only the one whose report came last.
-        Returns whether `agent_id` is excluded now."""
+        `agreeing`: the other reporters whose earlier pieces (of `agreeing_kinds`) this
+        confirmation rests on; the newest such piece of each is marked confirmed too and goes
+        with the exclusion, so that it shows every agent that named the suspect, not only the
+        one whose report came last. Returns whether `agent_id` is excluded now."""
         if reporter != COORDINATOR and reporter in self.exclusions:
             log.info("integrity: dropped %s evidence against %s from %s, itself excluded",
                      kind, agent_id, reporter)
@@ -116,8 +116,9 @@ class IntegrityLedger:
         suspect = self._suspects.setdefault(agent_id, _Suspect())
         backing = []
         if confirmed:
-            for other in set(agreeing) - {reporter}:
-                mine = [e for e in suspect.evidence if e.reporter == other]
+            for other in sorted(set(agreeing) - {reporter}):
+                mine = [e for e in suspect.evidence
+                        if e.reporter == other and e.kind in agreeing_kinds]
                 if mine:
                     mine[-1].confirmed = True
                     backing.append(mine[-1])

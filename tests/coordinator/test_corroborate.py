@@ -68,9 +68,11 @@ def test_feed_records_evidence_and_excludes_on_confirmation_only() -> None:
 def test_a_confirmation_marks_the_agreeing_reporters_newest_piece_only() -> None:
     ledger = IntegrityLedger()
     c = Corroboration()
-    c.feed([rec("bad", "a", 2), rec("bad", "a", 3), rec("bad", "liar-of-nothing", 30)], ledger)
+    c.feed([rec("bad", "a", 2), rec("bad", "a", 3), rec("bad", "liar-of-nothing", 30),
+            rec("bad", "a", 4, kind="grad_cosine")], ledger)  # a kind that never confirms
     c.feed([rec("bad", "b", 4)], ledger)
     pieces = ledger.evidence("bad")
     assert [(e.reporter, e.step, e.confirmed) for e in pieces] == [
-        ("a", 2, False), ("a", 3, True), ("liar-of-nothing", 30, False), ("b", 2, True)]
+        ("a", 2, False), ("a", 3, True), ("liar-of-nothing", 30, False), ("a", 4, False),
+        ("b", 2, True)]
     assert [e.reporter for e in ledger.excluded("bad").evidence] == ["a", "b"]
