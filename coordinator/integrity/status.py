@@ -3,8 +3,11 @@
 builds both from here, so they cannot drift).
 
 An excluded agent's row has state `excluded`, with the reason, the first step proven bad and
-the confirmed evidence; every agent with evidence against it, excluded or not, lists it
-(newest last, at most `SHOWN` pieces): network lies are shown this way without excluding.
+the evidence that confirmed the fault (the exclusion's own pieces: the reports that keep
+arriving after it, confirmed too, would push an agreeing reporter's out of the newest
+`SHOWN`, and the exclusion would then name one accuser); every agent with evidence against
+it, excluded or not, lists it (newest last, at most `SHOWN` pieces): network lies are shown
+this way without excluding.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def integrity_status(row: coordinator_pb2.AgentStatus, ledger: IntegrityLedger
     if (exclusion := ledger.excluded(agent_id)) is not None:
         row.state = coordinator_pb2.AGENT_STATE_EXCLUDED
         row.exclusion.CopyFrom(coordinator_pb2.Exclusion(
-            reason=exclusion.reason, step=exclusion.step, at_unix_s=exclusion.at_unix_s))
+            reason=exclusion.reason, step=exclusion.step, at_unix_s=exclusion.at_unix_s,
+            evidence=[_evidence(e) for e in exclusion.evidence]))
     row.evidence.extend(_evidence(e) for e in ledger.evidence(agent_id)[-SHOWN:])
     return row
 
@@ -50,13 +54,13 @@ def evidence_to_json(e: coordinator_pb2.Evidence) -> dict[str, Any]:
 
 def agent_integrity_json(a: coordinator_pb2.AgentStatus) -> dict[str, Any]:
     """An agent row's integrity keys for `status --json`: `exclusion` (null unless excluded:
-    reason, step, at, and the confirmed evidence) and `evidence` (every piece shown)."""
+    reason, step, at, and the evidence that confirmed it) and `evidence` (every piece shown)."""
     evidence = [evidence_to_json(e) for e in a.evidence]
     exclusion = None
     if a.HasField("exclusion"):
         exclusion = {"reason": a.exclusion.reason, "step": a.exclusion.step,
                      "at": a.exclusion.at_unix_s,
-                     "evidence": [e for e in evidence if e["confirmed"]]}
+                     "evidence": [evidence_to_json(e) for e in a.exclusion.evidence]}
     return {"exclusion": exclusion, "evidence": evidence}
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from coordinator.integrity.corroborate import WINDOW_STEPS, Corroboration
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
+from coordinator.integrity.status import SHOWN, agent_integrity_json, integrity_status
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
 def rec(suspect: str, reporter: str, step: int, epoch: int = 1,
@@ -76,3 +78,22 @@ def test_a_confirmation_marks_the_agreeing_reporters_newest_piece_only() -> None
         ("a", 2, False), ("a", 3, True), ("liar-of-nothing", 30, False), ("a", 4, False),
         ("b", 2, True)]
     assert [e.reporter for e in ledger.excluded("bad").evidence] == ["a", "b"]
+
+
+def test_status_shows_every_confirming_reporter_after_later_reports_crowd_the_list() -> None:
+    """A demo under load: one victim's reports confirmed the fault, then the other victim's
+    next ten reports (confirmed too) filled the row's newest pieces, and `status --json`
+    named that victim alone. The exclusion keeps its own pieces on the wire."""
+    ledger = IntegrityLedger()
+    c = Corroboration()
+    c.feed([rec("bad", "a", s, kind="avg_zero") for s in (8, 9, 10)], ledger)
+    c.feed([rec("bad", "b", 8, kind="avg_zero")], ledger)
+    c.feed([rec("bad", "a", s, kind="avg_zero") for s in range(11, 11 + 2 * SHOWN)], ledger)
+    row = integrity_status(coordinator_pb2.AgentStatus(
+        info=common_pb2.AgentInfo(agent_id="bad")), ledger)
+    shown = agent_integrity_json(row)
+    assert {e["reporter"] for e in shown["evidence"]} == {"a"}  # the newest pieces: a's
+    assert {e["reporter"] for e in shown["exclusion"]["evidence"]} == {"a", "b"}
+    assert all(e["confirmed"] and e["kind"] == "avg_zero"
+               for e in shown["exclusion"]["evidence"])
+    assert shown["exclusion"]["step"] == 8

@@ -151,14 +151,16 @@ class Evidence(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., detail: _Optional[str] = ..., reporter: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., confirmed: _Optional[bool] = ...) -> None: ...
 
 class Exclusion(_message.Message):
-    __slots__ = ("reason", "step", "at_unix_s")
+    __slots__ = ("reason", "step", "at_unix_s", "evidence")
     REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     reason: str
     step: int
     at_unix_s: float
-    def __init__(self, reason: _Optional[str] = ..., step: _Optional[int] = ..., at_unix_s: _Optional[float] = ...) -> None: ...
+    evidence: _containers.RepeatedCompositeFieldContainer[Evidence]
+    def __init__(self, reason: _Optional[str] = ..., step: _Optional[int] = ..., at_unix_s: _Optional[float] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("agent", "agent_secret")
