@@ -8,15 +8,29 @@ so an honest suspect can be named by one liar only, and a bad one is named by at
 honest agents. One reporter's record is kept as evidence; the same suspect named by
 `AGREEING` distinct other agents within `WINDOW_STEPS` steps of one epoch is a confirmed
 fault, and the earliest step among the agreeing records is the first step proven bad (the
-rollback bound). A record that names nobody (R = 2: two replicas disagree and neither can be
-told right) is logged by reports.py only: settling it needs a third party to recompute the
-disputed step, which is not built yet (docs/architecture.md, "Known limits").
+rollback bound).
+
+Why a statistical kind must persist: `grad_norm` says a copy's norm is 3x the median copy's,
+and an honest copy of a hard batch gets there too. A 1000-step honest run (gpt-tiny 2 x 3,
+sharded, `--verify full`; docs/architecture.md, "Integrity") named honest ranks by norm 37
+times, at isolated steps (ratios up to 6.7), mostly by every replica of the stage at once:
+two reporters agreed on 11 (rank, step) pairs, so the one-step rule would have excluded two
+honest agents at step 82 and more later. A scaled
+copy is scaled at every step it is sent, so for `grad_norm` each agreeing reporter must have
+named the suspect at `PERSIST_STEPS` distinct steps within the window (the honest run never
+named one rank twice within 10 steps). The kinds with no honest look-alike (zeroed, replayed,
+non-finite, drifted weights) confirm at the first agreeing step.
+
+A record that names nobody (R = 2: two replicas disagree and neither can be told right) is
+logged by reports.py only: settling it needs a third party to recompute the disputed step,
+which is not built yet (docs/architecture.md, "Known limits").
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
@@ -36,12 +50,30 @@ WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onse
 # nobody (it fails as `config` itself, which outranks its owners' reports).
 CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights", "avg_zero",
                         "avg_stale", "grad_nonfinite", "avg_nonfinite"})
+# Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
+PERSISTENT = frozenset({"grad_norm"})
+PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind
+KEPT_STEPS = 4 * (2 * WINDOW_STEPS + 1)  # steps remembered per reporter and suspect
 
 
 @dataclass
 class _Named:
     first: int  # the earliest step this reporter named the suspect at
     last: int  # the newest
+    sure: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
+    scored: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
+
+    def note(self, step: int, kind: str) -> None:
+        self.first, self.last = min(self.first, step), max(self.last, step)
+        steps = self.scored if kind in PERSISTENT else self.sure
+        if step not in steps:
+            steps.append(step)
+
+    def agrees_at(self, step: int) -> bool:
+        """Whether this reporter's namings near `step` confirm: one of a sure kind, or
+        `PERSIST_STEPS` distinct steps of a persistent one."""
+        near = lambda steps: sum(abs(s - step) <= WINDOW_STEPS for s in steps)  # noqa: E731
+        return near(self.sure) >= 1 or near(self.scored) >= PERSIST_STEPS
 
 
 class Corroboration:
@@ -63,13 +95,9 @@ class Corroboration:
         if not rec.agent_id or rec.reporter == rec.agent_id or rec.kind not in CONFIRMING:
             return False, rec.step, []
         by = self._named.setdefault(rec.agent_id, {})
-        seen = by.get(rec.reporter)
-        if seen is None:
-            by[rec.reporter] = _Named(rec.step, rec.step)
-        else:
-            seen.first, seen.last = min(seen.first, rec.step), max(seen.last, rec.step)
-        recent = {r: n for r, n in by.items() if abs(n.last - rec.step) <= WINDOW_STEPS}
-        if len(recent) >= AGREEING:
+        by.setdefault(rec.reporter, _Named(rec.step, rec.step)).note(rec.step, rec.kind)
+        recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
+        if rec.reporter in recent and len(recent) >= AGREEING:
             return True, min(n.first for n in recent.values()), sorted(recent)
         return False, rec.step, []
 

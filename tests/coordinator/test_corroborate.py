@@ -1,9 +1,10 @@
 """Replica-check evidence confirms a fault only when two agents other than the suspect name it
-within a window of steps (coordinator/integrity/corroborate.py)."""
+within a window of steps, and a statistical kind (`grad_norm`) only when each of them named it
+at several steps (coordinator/integrity/corroborate.py)."""
 
 from __future__ import annotations
 
-from coordinator.integrity.corroborate import WINDOW_STEPS, Corroboration
+from coordinator.integrity.corroborate import PERSIST_STEPS, WINDOW_STEPS, Corroboration
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
 from coordinator.integrity.status import SHOWN, agent_integrity_json, integrity_status
@@ -11,8 +12,8 @@ from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 
 def rec(suspect: str, reporter: str, step: int, epoch: int = 1,
-        kind: str = "grad_norm") -> EvidenceRecord:
-    return EvidenceRecord(agent_id=suspect, kind=kind, step=step, detail="norm 10x the median",
+        kind: str = "grad_zero") -> EvidenceRecord:
+    return EvidenceRecord(agent_id=suspect, kind=kind, step=step, detail="its copy is all zeros",
                           reporter=reporter, suspect_rank=2 if suspect else -1, score=10.0,
                           epoch=epoch, candidates=(suspect,) if suspect else ("a", "b"))
 
@@ -39,6 +40,33 @@ def test_reports_far_apart_or_in_other_epochs_do_not_agree() -> None:
     c2 = Corroboration()
     c2.weigh(rec("x", "a", 5, epoch=1))
     assert not c2.weigh(rec("x", "b", 6, epoch=2))[0]
+
+
+def test_an_honest_outlier_named_at_one_step_by_every_replica_is_not_confirmed() -> None:
+    """What a 1000-step honest run showed: a copy of a hard batch is 3-7x the median norm at
+    an isolated step, and both other replicas of its stage name it (11 such steps)."""
+    c = Corroboration()
+    for step in (82, 82 + WINDOW_STEPS + 20, 146, 222):
+        for reporter in ("a", "b"):
+            assert not c.weigh(rec("honest", reporter, step, kind="grad_norm"))[0], step
+    # twice within the window by both: still not enough
+    assert not c.weigh(rec("honest", "a", 150, kind="grad_norm"))[0]
+    assert not c.weigh(rec("honest", "b", 150, kind="grad_norm"))[0]
+
+
+def test_a_scaled_copy_named_at_consecutive_steps_is_confirmed_from_its_first() -> None:
+    c = Corroboration()
+    onset = 8
+    verdicts = []
+    for step in range(onset, onset + PERSIST_STEPS):
+        verdicts += [c.weigh(rec("bad", "a", step, kind="grad_norm")),
+                     c.weigh(rec("bad", "b", step, kind="grad_norm"))]
+    assert verdicts[-1] == (True, onset)  # within PERSIST_STEPS of the onset
+    assert not any(v[0] for v in verdicts[:-1])
+    # a sure kind needs no persistence: one agreeing step
+    c2 = Corroboration()
+    assert not c2.weigh(rec("bad", "a", 8, kind="avg_zero"))[0]
+    assert c2.weigh(rec("bad", "b", 8, kind="avg_zero")) == (True, 8)
 
 
 def test_a_gradients_direction_alone_never_confirms() -> None:
