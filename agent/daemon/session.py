@@ -24,7 +24,7 @@ from agent.probing.tuning import TuningCheck
 from dtfm import rpc
 from dtfm.core.assignment import resolve_relay
 from dtfm.core.events import IntegrityEvent
-from dtfm.core.limits import MAX_KIND, clip, finite
+from dtfm.core.limits import MAX_EVIDENCE, MAX_KIND, clip, finite
 from dtfm.core.spec import WorkerState
 from dtfm.net import reach
 from dtfm.net.handoff import DataHandoff
@@ -281,7 +281,7 @@ class CoordinatorSession:
             breakdown=p.breakdown.to_proto() if p.breakdown.step_s > 0 else None,
             validations=[coordinator_pb2.Validation(step=step, loss=loss)
                          for step, loss in p.validations],
-            integrity=evidence_messages(p.integrity),
+            integrity=evidence_messages(p.integrity[:MAX_EVIDENCE]),
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
             relay_forwarded_bytes=relay.forwarded(p.job_id) if (relay := self.relay) else 0,
             relay_refused_bytes=relay.refused_bytes if relay else 0,
@@ -296,8 +296,9 @@ class CoordinatorSession:
         assert self._stub is not None
         while not self._leaving:
             try:
-                report = self.progress_report()
+                progress, report = self.supervisor.progress, self.progress_report()
                 ack = await self._stub.ReportProgress(report, timeout=5.0)
+                progress.delivered(len(report.integrity))
                 if ack.heartbeat_interval_s > 0:  # the coordinator paces us as agents join
                     self.heartbeat_interval_s = paced_interval(ack.heartbeat_interval_s)
                 if ack.keep_checkpoints_from and self.supervisor.checkpoints is not None:

@@ -48,7 +48,7 @@ from dtfm.core.events import (
     WorkerEnv,
     failed_at,
 )
-from dtfm.core.limits import MAX_EVIDENCE, MAX_VALIDATIONS
+from dtfm.core.limits import MAX_PENDING_EVIDENCE, MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
@@ -85,11 +85,19 @@ class WorkerProgress:
     drift: float = 0.0
     # (step, validation loss) of the worker's newest evaluations, oldest first (--eval-every)
     validations: list[tuple[int, float]] = field(default_factory=list)
-    # the worker's newest failed replica checks (--verify), oldest first: evidence for the
-    # coordinator (each heartbeat carries them all, so none is missed between two)
+    # the worker's failed replica checks (--verify) that no heartbeat has delivered yet,
+    # oldest first: each heartbeat carries the oldest MAX_EVIDENCE and the acknowledged ones
+    # leave (`delivered`). It used to carry the newest 16, and a fast job's heartbeat then
+    # missed an attack's first steps: the coordinator proved it bad from step 13, not 8, and
+    # a rollback bound 5 steps late keeps 5 poisoned updates.
     integrity: list[IntegrityEvent] = field(default_factory=list)
+    integrity_dropped: int = 0  # records past MAX_PENDING_EVIDENCE (newest dropped)
     # the last step split into parts that add up to it (dtfm/core/breakdown.py)
     breakdown: Breakdown = field(default_factory=Breakdown)
+
+    def delivered(self, count: int) -> None:
+        """A heartbeat carrying the oldest `count` integrity records was acknowledged."""
+        del self.integrity[:count]
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -117,7 +125,14 @@ class WorkerProgress:
                 self.validations = [*self.validations, (event.step, event.val_loss)][
                     -MAX_VALIDATIONS:]
         elif isinstance(event, IntegrityEvent):
-            self.integrity = [*self.integrity, event][-MAX_EVIDENCE:]
+            if len(self.integrity) < MAX_PENDING_EVIDENCE:
+                self.integrity.append(event)
+            else:
+                self.integrity_dropped += 1
+                if self.integrity_dropped == 1:
+                    log.warning("the worker found more integrity evidence than the coordinator "
+                                "has taken (%d records waiting); newer records are dropped "
+                                "until heartbeats deliver them", MAX_PENDING_EVIDENCE)
         elif isinstance(event, DoneEvent):  # the state turns DONE once the worker exits 0
             self.step = max(self.step, event.step)
             if event.resumed_step >= 0:

@@ -94,7 +94,7 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
                 f"{MAX_VALIDATIONS} (a worker's newest)")
     if len(report.integrity) > MAX_EVIDENCE:
         return (f"integrity holds {len(report.integrity)} records; the limit is "
-                f"{MAX_EVIDENCE} (a worker's newest)")
+                f"{MAX_EVIDENCE} per heartbeat")
     return _first(
         *(problem for e in report.integrity for problem in (
             text_problem("integrity kind", e.kind, MAX_KIND),

@@ -28,7 +28,11 @@ MAX_PING_SPREAD_S = 60.0  # a latency pass's pings to one peer spread over at mo
 PING_SPACING_S = 0.1
 MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/probing/tuning.py checks 5)
 MAX_VALIDATIONS = 8  # validation losses one heartbeat carries: its worker's newest
-MAX_EVIDENCE = 16  # integrity evidence records one heartbeat carries: its worker's newest
+MAX_EVIDENCE = 16  # integrity evidence records one heartbeat carries: the oldest not yet sent
+# records an agent holds for the coordinator until a heartbeat carries them (past it, a
+# worker's newer records are dropped and counted: the oldest hold the onset of an attack,
+# which bounds the rollback)
+MAX_PENDING_EVIDENCE = 1024
 OMITTED_METADATA = "dtfm-agents-omitted"  # GetStatus trailer: agent rows left out
 
 

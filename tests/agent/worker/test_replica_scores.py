@@ -17,7 +17,7 @@ from agent.worker.fault import Fault
 from coordinator.daemon.validate import validate_progress
 from coordinator.integrity.reports import EvidenceRecord, IntegrityReports
 from dtfm.core.events import IntegrityEvent, encode_event, parse_event
-from dtfm.core.limits import MAX_EVIDENCE
+from dtfm.core.limits import MAX_EVIDENCE, MAX_PENDING_EVIDENCE
 from dtfm.core.spec import TrainConfig
 from dtfm.core.verify import Verify, resolve
 from protos.dtfm.v1 import coordinator_pb2
@@ -138,11 +138,20 @@ def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
     progress = WorkerProgress()
     for i in range(MAX_EVIDENCE + 3):
         progress.apply(IntegrityEvent(step=i, kind="weights", suspect_rank=5, rank=1))
-    assert len(progress.integrity) == MAX_EVIDENCE and progress.integrity[-1].step == 18
+    # every record waits for a heartbeat to deliver it, oldest first: a fast job's onset is
+    # never pushed out by newer records before the coordinator hears it
+    assert [e.step for e in progress.integrity] == list(range(MAX_EVIDENCE + 3))
+    progress.delivered(MAX_EVIDENCE)
+    assert [e.step for e in progress.integrity] == [16, 17, 18]
+    for i in range(MAX_PENDING_EVIDENCE + 5):
+        progress.apply(IntegrityEvent(step=100 + i, kind="weights", suspect_rank=5, rank=1))
+    assert len(progress.integrity) == MAX_PENDING_EVIDENCE and progress.integrity_dropped == 8
+    assert progress.integrity[0].step == 16  # the oldest kept
     sent = coordinator_pb2.ProgressReport(
         agent_id="a1", agent_secret="ab" * 32, integrity=evidence_messages(
-            [*progress.integrity[1:], IntegrityEvent(kind="grad_norm", score=float("inf"),
-                                                     detail="x" * 10_000, suspect_rank=2)]))
+            [*progress.integrity[:MAX_EVIDENCE - 1],
+             IntegrityEvent(kind="grad_norm", score=float("inf"), detail="x" * 10_000,
+                            suspect_rank=2)]))
     assert validate_progress(sent) is None  # what an agent sends is always accepted
     assert sent.integrity[-1].score == 1e300 and sent.integrity[-1].suspect_rank == 2
     report = coordinator_pb2.ProgressReport(
