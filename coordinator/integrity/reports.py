@@ -4,8 +4,8 @@ Owns reading `ProgressReport.integrity` (`dtfm.v1.IntegrityEvidence`, what a wor
 checks found: agent/worker/replicacheck.py) into plain records that name agents, not ranks:
 a worker names a suspect by its rank in the epoch's layout, and only the coordinator knows
 which agent held that rank (`JobMachine.members`, in rank order). It keeps each distinct
-record once (a heartbeat repeats its worker's newest records until newer ones push them
-out), logs it, and hands back the new ones; it judges nothing. Weighing the evidence,
+record once (a heartbeat whose acknowledgement was lost is sent again with the same
+records), logs it, and hands back the new ones; it judges nothing. Weighing the evidence,
 excluding an agent and rolling back belong to the ledger that consumes these records.
 
 A record is evidence, not a verdict: the reporter may itself be the liar. With R = 2 a
