@@ -9,7 +9,8 @@ each kind of evidence fires on honest copies, how many (suspect, step) pairs two
 other than the suspect agreed on, and which agents the ledger excluded (the goal: none).
 
 Writes bench/results/honest.json. Run: `python bench/honest.py` (about 2 minutes for 1000
-steps of gpt-tiny 2 x 3 on 2 cores).
+steps of gpt-tiny 2 x 3 on 2 cores); `--pp-compress int4 --sync-every 8` for the issue's
+compressed, local-step variant (churn and a slowed link need a coordinator's job: not here).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--pp-compress", default="none", help="the pipeline links' codec (int4, ...)")
+    p.add_argument("--sync-every", type=int, default=1, help="local steps H (outer steps)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -53,6 +56,7 @@ def train(args: argparse.Namespace, workdir: Path) -> float:
            "--stages", str(args.stages), "--replicas", str(args.replicas), "--dp-mode",
            "sharded", "--verify", "full", "--batch", str(args.batch), "--micro-batches", "2",
            "--steps", str(args.steps), "--seed", str(args.seed), "--eval-batches", "0",
+           "--pp-compress", args.pp_compress, "--sync-every", str(args.sync_every),
            "--workdir", str(workdir / "work"), "--checkpoint-dir", str(workdir / "ckpt")]
     started = time.monotonic()
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
@@ -101,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         found = events(Path(tmp))
     result = {"model": args.model, "stages": args.stages, "replicas": args.replicas,
               "steps": args.steps, "batch": args.batch, "seed": args.seed,
+              "pp_compress": args.pp_compress, "sync_every": args.sync_every,
               "wall_s": round(wall, 1), "events": len(found), **replay(found)}
-    print(f"{args.model} {args.stages} x {args.replicas}, {args.steps} honest steps "
-          f"({wall:.0f} s): {len(found)} pieces of evidence")
+    print(f"{args.model} {args.stages} x {args.replicas}, {args.steps} honest steps, "
+          f"--pp-compress {args.pp_compress} --sync-every {args.sync_every} ({wall:.0f} s): "
+          f"{len(found)} pieces of evidence")
     print(f"{'kind':<16}{'pieces':>8}{'confirming kind':>18}")
     for kind, n in result["kinds"].items():
         print(f"{kind:<16}{n:>8}{'yes' if kind in CONFIRMING else 'no':>18}")
