@@ -32,7 +32,8 @@ RESULTS = ROOT / "bench" / "results" / "honest.json"
 from coordinator.integrity.corroborate import CONFIRMING, Corroboration  # noqa: E402
 from coordinator.integrity.ledger import IntegrityLedger  # noqa: E402
 from coordinator.integrity.reports import EvidenceRecord  # noqa: E402
-from dtfm.core.events import IntegrityEvent, parse_event  # noqa: E402
+from dtfm.core.events import IntegrityEvent  # noqa: E402
+from dtfm.launcher import ProgressTail  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,8 +76,7 @@ def train(args: argparse.Namespace, workdir: Path) -> float:
 
 def events(workdir: Path) -> list[IntegrityEvent]:
     found = [ev for path in sorted((workdir / "work").glob("rank*.progress.jsonl"))
-             for line in path.read_bytes().splitlines()
-             if isinstance(ev := parse_event(line), IntegrityEvent)]
+             for ev in ProgressTail(path).read() if isinstance(ev, IntegrityEvent)]
     return sorted(found, key=lambda ev: (ev.step, ev.rank))
 
 

@@ -56,15 +56,19 @@ PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSI
 KEPT_STEPS = 4 * (2 * WINDOW_STEPS + 1)  # steps remembered per reporter and suspect
 
 
+def _near(steps: Iterable[int], step: int) -> int:
+    """How many of `steps` lie within the window around `step`."""
+    return sum(abs(s - step) <= WINDOW_STEPS for s in steps)
+
+
 @dataclass
 class _Named:
     first: int  # the earliest step this reporter named the suspect at
-    last: int  # the newest
     sure: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
     scored: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
 
     def note(self, step: int, kind: str) -> None:
-        self.first, self.last = min(self.first, step), max(self.last, step)
+        self.first = min(self.first, step)
         steps = self.scored if kind in PERSISTENT else self.sure
         if step not in steps:
             steps.append(step)
@@ -72,8 +76,7 @@ class _Named:
     def agrees_at(self, step: int) -> bool:
         """Whether this reporter's namings near `step` confirm: one of a sure kind, or
         `PERSIST_STEPS` distinct steps of a persistent one."""
-        near = lambda steps: sum(abs(s - step) <= WINDOW_STEPS for s in steps)  # noqa: E731
-        return near(self.sure) >= 1 or near(self.scored) >= PERSIST_STEPS
+        return _near(self.sure, step) >= 1 or _near(self.scored, step) >= PERSIST_STEPS
 
 
 class Corroboration:
@@ -95,7 +98,7 @@ class Corroboration:
         if not rec.agent_id or rec.reporter == rec.agent_id or rec.kind not in CONFIRMING:
             return False, rec.step, []
         by = self._named.setdefault(rec.agent_id, {})
-        by.setdefault(rec.reporter, _Named(rec.step, rec.step)).note(rec.step, rec.kind)
+        by.setdefault(rec.reporter, _Named(rec.step)).note(rec.step, rec.kind)
         recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
         if rec.reporter in recent and len(recent) >= AGREEING:
             return True, min(n.first for n in recent.values()), sorted(recent)
