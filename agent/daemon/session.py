@@ -282,6 +282,7 @@ class CoordinatorSession:
             validations=[coordinator_pb2.Validation(step=step, loss=loss)
                          for step, loss in p.validations],
             integrity=evidence_messages(p.integrity[:MAX_EVIDENCE]),
+            integrity_through=p.evidence_through(MAX_EVIDENCE),
             tuning=self.tuning.to_proto() if self.tuning is not None else [],
             relay_forwarded_bytes=relay.forwarded(p.job_id) if (relay := self.relay) else 0,
             relay_refused_bytes=relay.refused_bytes if relay else 0,

@@ -92,12 +92,27 @@ class WorkerProgress:
     # a rollback bound 5 steps late keeps 5 poisoned updates.
     integrity: list[IntegrityEvent] = field(default_factory=list)
     integrity_dropped: int = 0  # records past MAX_PENDING_EVIDENCE (newest dropped)
+    dropped_from: int = 0  # the step of the first record dropped (0: none)
     # the last step split into parts that add up to it (dtfm/core/breakdown.py)
     breakdown: Breakdown = field(default_factory=Breakdown)
 
     def delivered(self, count: int) -> None:
         """A heartbeat carrying the oldest `count` integrity records was acknowledged."""
         del self.integrity[:count]
+
+    def evidence_through(self, sending: int) -> int:
+        """The newest step whose records will all have been sent once a heartbeat carrying
+        the oldest `sending` of them is: the worker emits a step's records before its step
+        event, so with none left waiting that is its step. The coordinator waits for every
+        member's before it calls a checkpoint known-good, so a fast job whose evidence lags
+        its steps by a heartbeat does not vet a checkpoint that evidence still in flight
+        would have condemned."""
+        through = self.step
+        if waiting := self.integrity[sending:]:
+            through = min(through, min(e.step for e in waiting) - 1)
+        if self.dropped_from:  # those records are gone: nothing from there on is complete
+            through = min(through, self.dropped_from - 1)
+        return max(through, 0)
 
     def apply(self, event: ProgressEvent) -> None:
         """Fold one worker event in. A NaN loss or time leaves the last real value shown."""
@@ -129,6 +144,7 @@ class WorkerProgress:
                 self.integrity.append(event)
             else:
                 self.integrity_dropped += 1
+                self.dropped_from = self.dropped_from or max(event.step, 1)
                 if self.integrity_dropped == 1:
                     log.warning("the worker found more integrity evidence than the coordinator "
                                 "has taken (%d records waiting); newer records are dropped "

@@ -18,7 +18,7 @@ the newest one before the bad step, the next epoch's assignments carry the bound
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from coordinator.daemon.registry import Registry
@@ -46,6 +46,8 @@ class JobIntegrity:
         self.checkpoint_every = 0
         self.sync_every = 1
         self.planned_bound = 0  # the rollback bound this epoch's assignments carry
+        # the checkpoint step this epoch started from (None: adopted, not planned here)
+        self.epoch_from: int | None = None
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
 
@@ -97,6 +99,7 @@ class JobIntegrity:
             self._roll_back(self.planned_bound)
         for a in assignments:
             a.resume_before = self.planned_bound
+        self.epoch_from = self.checkpoints.step
 
     def checkpointed(self) -> None:
         """Every member passed a checkpoint this epoch wrote: an epoch planned with the
@@ -105,9 +108,12 @@ class JobIntegrity:
             self.ledger.rolled_back()
         self.planned_bound = 0
 
-    def keep_floor(self, floor: int, last_step: int) -> int:
-        """The agents' keep floor with the known-good checkpoint (`rollback.keep_floor`)."""
-        return rollback.keep_floor(floor, last_step, self.checkpoint_every, self.sync_every,
+    def keep_floor(self, floor: int, members: Iterable[tuple[int, int] | None]) -> int:
+        """The agents' keep floor with the known-good checkpoint (`rollback.keep_floor`), vetted
+        by the members' (step, integrity_through) (`rollback.vetted_step`)."""
+        epoch_from = self.checkpoints.step if self.epoch_from is None else self.epoch_from
+        return rollback.keep_floor(floor, rollback.vetted_step(members, epoch_from),
+                                   self.checkpoint_every, self.sync_every,
                                    self.ledger.rollback_before)
 
     def to_json(self) -> dict[str, Any]:

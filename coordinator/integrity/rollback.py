@@ -13,13 +13,21 @@ honest thing: keep one known-good copy. A checkpoint is taken as known-good once
 trained `VET_ROUNDS` rounds past it (the detection window the checks are built to meet: every
 attack caught within 10 steps, 10 outer steps with local steps) and no fault was proven; the
 coordinator names it as the agents' keep floor (`Ack.keep_checkpoints_from`), so every
-step from it on is kept (up to `MAX_HELD`). A fault caught later than the window, or proven
+step from it on is kept (up to `MAX_HELD`). The rounds count from the step through which
+every member's integrity records have arrived (`vetted_step`), not from the furthest step any
+member reported: evidence rides the heartbeats, a heartbeat apart from the steps it covers,
+and in a fast job (25 steps a heartbeat in `coordinator demo --bad-peer`) the furthest step
+ran past the window while the records that would condemn a checkpoint were still on their
+way; that checkpoint was then called good, the older ones were let go, and the rollback had
+nothing before the bad step but step 0. A fault caught later than the window, or proven
 at a step before the known-good copy, finds nothing older to resume from: the stages start
 from step 0 (the workers' agreement finds no step below the bound), which is slow but never
 wrong. Pure functions: the job calls them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from dtfm.core.rounds import newest_checkpoint
 
@@ -35,11 +43,25 @@ def known_good(last_step: int, checkpoint_every: int, sync_every: int = 1) -> in
     return newest_checkpoint(vetted, checkpoint_every, max(sync_every, 1))
 
 
-def keep_floor(floor: int, last_step: int, checkpoint_every: int, sync_every: int,
+def vetted_step(members: Iterable[tuple[int, int] | None], epoch_from: int) -> int:
+    """The newest step through which every member's integrity records have arrived.
+
+    `members`: each member's newest report this epoch as (step, integrity_through), None
+    before its first; `epoch_from`: the checkpoint step the epoch started from, which is all
+    that is known of a member before it reports. A member's own claim counts only within
+    [epoch_from, its step]: one that never says (an older agent, or a lying one) holds the
+    known-good copy where the epoch began, which costs disk (the agents keep more steps, up
+    to their bound), never a checkpoint that evidence could still condemn."""
+    return min((epoch_from if m is None else max(epoch_from, min(m)) for m in members),
+               default=epoch_from)
+
+
+def keep_floor(floor: int, vetted: int, checkpoint_every: int, sync_every: int,
                rollback_before: int) -> int:
     """The oldest step every agent must keep: the lower of the job's own `floor` (a mirror's,
-    0: none) and the known-good checkpoint, or the one a pending rollback resumes from."""
-    good = known_good(last_step, checkpoint_every, sync_every)
+    0: none) and the known-good checkpoint (`vetted`: `vetted_step`), or the one a pending
+    rollback resumes from."""
+    good = known_good(vetted, checkpoint_every, sync_every)
     if rollback_before:
         good = newest_before(rollback_before, checkpoint_every, sync_every) or good
     floors = [f for f in (floor, good) if f > 0]

@@ -250,9 +250,11 @@ class Job:
     def checkpoint_floor(self) -> int:
         """The oldest checkpoint step every agent must keep (0: no floor, `write_floor`;
         `CheckpointTracker.floor` says why)."""
+        reports = [self._progress.get(a) for a in self.members]
         return self.integrity.keep_floor(self.checkpoints.floor(  # and the known-good one
             self.state == S.JOB_STATE_RUNNING, self.planner.train, self.planner.layout,
-            self.planner.grid_ids, self._progress), self.last_step())
+            self.planner.grid_ids, self._progress),
+            [(r.step, r.integrity_through) if r is not None else None for r in reports])
 
     def busy_training(self) -> bool:
         return self.state in (S.JOB_STATE_RUNNING, S.JOB_STATE_SCHEDULING, S.JOB_STATE_MEASURING)

@@ -157,3 +157,27 @@ def test_a_member_excluded_mid_run_is_replanned_without_and_rolled_back_before_t
             h.report(a, WorkerState.TRAINING, step=9)
 
     run(churn_config(min_agents=4), body, agents=6)
+
+
+def test_the_known_good_checkpoint_waits_for_every_members_evidence() -> None:
+    """In a fast job a member's integrity records reach the coordinator a heartbeat after
+    its steps. Vetted from the furthest step reported, the checkpoint of step 20 was called
+    good at step 30 while records proving a fault at step 13 were still on their way: the
+    agents let step 12 go, and the rollback found nothing before the bad step but step 0."""
+    async def body(h: Harness) -> None:
+        excluding(h)
+        await h.running_epoch(1)
+        late, *rest = h.job.members
+        for a in rest:
+            h.report(a, WorkerState.TRAINING, step=30, integrity_through=30)
+        assert h.job.checkpoint_floor() == 0  # `late` has not reported: nothing vetted
+        h.report(late, WorkerState.TRAINING, step=30, integrity_through=15)
+        assert h.job.checkpoint_floor() == 4  # 10 steps before 15, not before 30
+        h.job.integrity.ledger.record(rest[0], "gradient_outlier", 13, "norm 10x the median",
+                                      reporter=late, confirmed=True)
+        assert h.job.checkpoint_floor() == 12  # what the rollback resumes from is kept
+        await h.running_epoch(2)
+        assigned = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
+        assert {a.resume_before for a in assigned} == {13}
+
+    run(churn_config(min_agents=4), body, agents=6)

@@ -68,6 +68,16 @@ def test_a_known_good_checkpoint_is_kept_to_roll_back_to() -> None:
     assert rollback.keep_floor(0, 30, 0, 1, 0) == 0  # no checkpoints: no floor
 
 
+def test_checkpoints_are_vetted_through_every_members_delivered_evidence() -> None:
+    # (step, integrity_through) per member; the epoch started from step 8
+    assert rollback.vetted_step([(30, 30), (30, 30)], 8) == 30
+    assert rollback.vetted_step([(30, 30), (30, 15)], 8) == 15  # one's records lag
+    assert rollback.vetted_step([(30, 30), None], 8) == 8  # one has not reported yet
+    assert rollback.vetted_step([(30, 30), (12, 99)], 8) == 12  # never past its own step
+    assert rollback.vetted_step([(30, 30), (30, 0)], 8) == 8  # an older agent says nothing
+    assert rollback.vetted_step([], 8) == 8
+
+
 def test_a_restarted_coordinator_lifts_the_bound_its_adopted_epoch_was_planned_with() -> None:
     from coordinator.daemon.registry import Registry
     from coordinator.integrity.exclusion import JobIntegrity

@@ -315,7 +315,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., keep_checkpoints_from: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "checkpoint_step", "sync_every", "sync_round", "drift", "relay_forwarded_bytes", "relay_refused_bytes", "validations", "integrity", "breakdown")
+    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "checkpoint_step", "sync_every", "sync_round", "drift", "relay_forwarded_bytes", "relay_refused_bytes", "validations", "integrity", "integrity_through", "breakdown")
     class MirroredStepsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class ProgressReport(_message.Message):
     RELAY_REFUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     VALIDATIONS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_THROUGH_FIELD_NUMBER: _ClassVar[int]
     BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     job_id: str
@@ -380,8 +381,9 @@ class ProgressReport(_message.Message):
     relay_refused_bytes: int
     validations: _containers.RepeatedCompositeFieldContainer[Validation]
     integrity: _containers.RepeatedCompositeFieldContainer[IntegrityEvidence]
+    integrity_through: int
     breakdown: _common_pb2.StepBreakdown
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ..., resumed_step: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[_common_pb2.TuningAdvice, _Mapping]]] = ..., checkpoint_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., sync_round: _Optional[int] = ..., drift: _Optional[float] = ..., relay_forwarded_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., validations: _Optional[_Iterable[_Union[Validation, _Mapping]]] = ..., integrity: _Optional[_Iterable[_Union[IntegrityEvidence, _Mapping]]] = ..., breakdown: _Optional[_Union[_common_pb2.StepBreakdown, _Mapping]] = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ..., resumed_step: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[_common_pb2.TuningAdvice, _Mapping]]] = ..., checkpoint_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., sync_round: _Optional[int] = ..., drift: _Optional[float] = ..., relay_forwarded_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., validations: _Optional[_Iterable[_Union[Validation, _Mapping]]] = ..., integrity: _Optional[_Iterable[_Union[IntegrityEvidence, _Mapping]]] = ..., integrity_through: _Optional[int] = ..., breakdown: _Optional[_Union[_common_pb2.StepBreakdown, _Mapping]] = ...) -> None: ...
 
 class IntegrityEvidence(_message.Message):
     __slots__ = ("step", "kind", "suspect_rank", "score", "detail", "reporter_rank")

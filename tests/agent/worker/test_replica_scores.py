@@ -16,7 +16,7 @@ from agent.worker.badpeer import Contributions, attack, drift_
 from agent.worker.fault import Fault
 from coordinator.daemon.validate import validate_progress
 from coordinator.integrity.reports import EvidenceRecord, IntegrityReports
-from dtfm.core.events import IntegrityEvent, encode_event, parse_event
+from dtfm.core.events import IntegrityEvent, StepEvent, encode_event, parse_event
 from dtfm.core.limits import MAX_EVIDENCE, MAX_PENDING_EVIDENCE
 from dtfm.core.spec import TrainConfig
 from dtfm.core.verify import Verify, resolve
@@ -129,6 +129,27 @@ def test_verify_levels_and_the_allreduce_refusal() -> None:
         TrainConfig(dp_mode="allreduce", verify="full").validate(2)
     with pytest.raises(ValueError, match="--verify must be one of"):
         TrainConfig(verify="paranoid").validate(2)
+
+
+def test_a_heartbeat_says_through_which_step_its_evidence_is_complete() -> None:
+    """`integrity_through`: the coordinator vets a known-good checkpoint from it
+    (coordinator/integrity/rollback.py), so it must never claim a step whose records still
+    wait, nor one past records that were dropped."""
+    progress = WorkerProgress()
+    progress.apply(StepEvent(step=3))
+    assert progress.evidence_through(MAX_EVIDENCE) == 3  # nothing waits
+    for step in (4, 4, 5):
+        progress.apply(IntegrityEvent(step=step, kind="grad_norm", suspect_rank=5, rank=1))
+    progress.apply(StepEvent(step=5))
+    assert progress.evidence_through(3) == 5  # the heartbeat carries all three
+    assert progress.evidence_through(1) == 3  # the second record of step 4 still waits
+    progress.delivered(3)
+    for i in range(MAX_PENDING_EVIDENCE + 1):  # the last one, of step 9, is dropped
+        progress.apply(IntegrityEvent(step=6 if i < MAX_PENDING_EVIDENCE else 9,
+                                      kind="grad_cosine", suspect_rank=5, rank=1))
+    progress.apply(StepEvent(step=12))
+    progress.delivered(MAX_PENDING_EVIDENCE)
+    assert progress.integrity == [] and progress.evidence_through(MAX_EVIDENCE) == 8
 
 
 def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
