@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from coordinator.daemon.registry import Registry
 from coordinator.integrity import rollback
 from coordinator.integrity.ledger import Exclusion, IntegrityLedger
+from dtfm.core.verify import Verify, resolve
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class JobIntegrity:
         self.planned_bound = 0  # the rollback bound this epoch's assignments carry
         # the checkpoint step this epoch started from (None: adopted, not planned here)
         self.epoch_from: int | None = None
+        # whether this epoch checks replicas against each other (R > 1, --verify not off):
+        # without the checks no evidence comes, no rollback, and no known-good copy to keep
+        self.checked = True
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
 
@@ -100,6 +104,8 @@ class JobIntegrity:
         for a in assignments:
             a.resume_before = self.planned_bound
         self.epoch_from = self.checkpoints.step
+        self.checked = any(a.replicas > 1 and resolve(a.train.verify, a.train.dp_mode)
+                           != Verify.OFF for a in assignments)
 
     def checkpointed(self) -> None:
         """Every member passed a checkpoint this epoch wrote: an epoch planned with the
@@ -111,6 +117,8 @@ class JobIntegrity:
     def keep_floor(self, floor: int, members: Iterable[tuple[int, int] | None]) -> int:
         """The agents' keep floor with the known-good checkpoint (`rollback.keep_floor`), vetted
         by the members' (step, integrity_through) (`rollback.vetted_step`)."""
+        if not self.checked:
+            return floor
         epoch_from = self.checkpoints.step if self.epoch_from is None else self.epoch_from
         return rollback.keep_floor(floor, rollback.vetted_step(members, epoch_from),
                                    self.checkpoint_every, self.sync_every,

@@ -60,8 +60,11 @@ def keep_floor(floor: int, vetted: int, checkpoint_every: int, sync_every: int,
                rollback_before: int) -> int:
     """The oldest step every agent must keep: the lower of the job's own `floor` (a mirror's,
     0: none) and the known-good checkpoint (`vetted`: `vetted_step`), or the one a pending
-    rollback resumes from."""
+    rollback resumes from. Until a checkpoint is vetted, every step is kept (1), at most
+    10 rounds' worth and the agents' own bound (`MAX_HELD`)."""
     good = known_good(vetted, checkpoint_every, sync_every)
+    if checkpoint_every > 0 and not good:  # nothing vetted yet: any step may be the one a
+        good = 1  # rollback needs (the demo's bad peer struck at step 8, proven at step 20)
     if rollback_before:
         good = newest_before(rollback_before, checkpoint_every, sync_every) or good
     floors = [f for f in (floor, good) if f > 0]

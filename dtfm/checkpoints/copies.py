@@ -423,8 +423,8 @@ class CheckpointCopier:
         self._mirrors: list[asyncio.Task[None]] = []
         # stage -> newest complete step mirrored, for this agent's heartbeats to report
         self.mirrored: dict[int, int] = {}
-        self._floor_job = ""  # the job whose checkpoints this agent's worker writes here
-        self._floor = 0
+        self._floor_job, self._floor = "", 0  # the job whose checkpoints this agent's worker
+        self._floor_dir: Path | None = None  # writes, and the directory holding its floor
 
     @staticmethod
     def applies(a: common_pb2.Assignment) -> bool:
@@ -457,9 +457,10 @@ class CheckpointCopier:
         (up to KEEP) here, so the worker resumes from them. Never raises: on failure or after
         the time budget the worker starts with what is here and says what it resumes from."""
         # a floor names a step of the epoch that set it: the coordinator sets the new one
-        self._floor_job, self._floor = (a.job_id if self.applies(a) else ""), 0
-        if self._floor_job:
-            await asyncio.to_thread(ondisk.write_floor, ondisk.job_dir(self.root, a.job_id), 0)
+        self._floor_job, self._floor, self._floor_dir = a.job_id, 0, ondisk.floor_dir(
+            self.root, a.job_id, a.train.checkpoint_dir, a.train.checkpoint_every, a.replica)
+        if self._floor_dir is not None:
+            await asyncio.to_thread(ondisk.write_floor, self._floor_dir, 0)
         if not (a.checkpoint_peers and self.applies(a)):
             return
         root = ondisk.job_dir(self.root, a.job_id)
@@ -533,11 +534,10 @@ class CheckpointCopier:
 
     async def keep_from(self, job_id: str, step: int) -> None:
         """Keep every checkpoint step of `job_id` from `step` on, as the coordinator asks
-        (`Ack.keep_checkpoints_from`, `dtfm.core.checkpoints.write_floor`)."""
-        if step and job_id == self._floor_job and step != self._floor:
+        (`Ack.keep_checkpoints_from`), where this agent's worker prunes (`ondisk.floor_dir`)."""
+        if step and job_id == self._floor_job and step != self._floor and self._floor_dir:
             try:
-                await asyncio.to_thread(ondisk.write_floor, ondisk.job_dir(self.root, job_id),
-                                        step)
+                await asyncio.to_thread(ondisk.write_floor, self._floor_dir, step)
             except OSError as e:  # the heartbeat goes on; the worker's own write says more
                 log.warning("checkpoint: cannot record that step %d of job %s must be kept: "
                             "%s", step, job_id, e)

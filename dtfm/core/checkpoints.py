@@ -311,6 +311,18 @@ def write_floor(root: str | Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def floor_dir(own_root: str | Path, job_id: str, shared_root: str, every: int,
+              replica: int) -> Path | None:
+    """The job directory whose floor (`write_floor`) the pruning of this agent's worker reads:
+    the agent's own, or with a shared --checkpoint-dir (`shared_root`) that one, from the
+    agent whose worker writes it (replica 0, as `agent/worker/checkpoint.py` `Location.writes`
+    says): without it there, the writer kept only its newest KEEP steps and a rollback to an
+    older one found none. None: checkpoints are off, or another replica's agent writes it."""
+    if every == 0 or (shared_root and replica != 0):
+        return None
+    return job_dir(shared_root or own_root, job_id)
+
+
 def read_floor(root: str | Path) -> int:
     """The floor `write_floor` set, or 0 (none, or unreadable: then only KEEP are kept)."""
     try:

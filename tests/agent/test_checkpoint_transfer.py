@@ -592,6 +592,30 @@ def test_small_checkpoints_hold_more_than_max_held_steps_for_a_mirror(
     assert steps_held(tmp_path, 0) == [5, 6, 7, 8, 9, 10]
 
 
+def test_with_a_shared_checkpoint_dir_the_writing_replicas_agent_records_the_floor_there(
+        tmp_path: Path) -> None:
+    """`coordinator demo --bad-peer` (a shared --checkpoint-dir) rolled back to step 0: the
+    floor went nowhere, replica 0's worker pruned the shared folder to its newest 2 steps,
+    and the step before the attack was gone by the time it was proven."""
+    shared, own = tmp_path / "shared", tmp_path / "own"
+
+    async def main() -> None:
+        for replica in (0, 1):
+            copier = CheckpointCopier(own / str(replica), SECURITY)
+            a = assignment([])
+            a.replica, a.train.checkpoint_dir = replica, str(shared)
+            await copier.prepare(a)
+            await copier.keep_from(JOB, 4 + replica)
+        assert ondisk.read_floor(ondisk.job_dir(shared, JOB)) == 4  # replica 1 writes nothing
+        assert not (own / "0").exists() or ondisk.read_floor(ondisk.job_dir(own / "0", JOB)) == 0
+
+    run(main)
+    for step in (4, 8, 12, 16):  # what replica 0's worker writes and prunes there
+        write_step(shared, 0, step, payload(step))
+    ondisk.prune(ondisk.job_dir(shared, JOB), 0, 16)
+    assert steps_held(shared, 0) == [4, 8, 12, 16]  # not only the newest 2
+
+
 def test_a_mirror_reports_what_it_holds_and_the_agent_records_the_floor(
         tmp_path: Path) -> None:
     holder, mirror = tmp_path / "holder", tmp_path / "mirror"

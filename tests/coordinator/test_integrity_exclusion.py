@@ -170,7 +170,7 @@ def test_the_known_good_checkpoint_waits_for_every_members_evidence() -> None:
         late, *rest = h.job.members
         for a in rest:
             h.report(a, WorkerState.TRAINING, step=30, integrity_through=30)
-        assert h.job.checkpoint_floor() == 0  # `late` has not reported: nothing vetted
+        assert h.job.checkpoint_floor() == 1  # `late` has not reported: keep every step
         h.report(late, WorkerState.TRAINING, step=30, integrity_through=15)
         assert h.job.checkpoint_floor() == 4  # 10 steps before 15, not before 30
         h.job.integrity.ledger.record(rest[0], "gradient_outlier", 13, "norm 10x the median",

@@ -66,6 +66,7 @@ def test_a_known_good_checkpoint_is_kept_to_roll_back_to() -> None:
     assert rollback.keep_floor(0, 30, 4, 1, 27) == 24
     assert rollback.newest_before(27, 4) == 24 and rollback.newest_before(4, 4) == 0
     assert rollback.keep_floor(0, 30, 0, 1, 0) == 0  # no checkpoints: no floor
+    assert rollback.keep_floor(0, 9, 4, 1, 0) == 1  # nothing vetted yet: keep every step
 
 
 def test_checkpoints_are_vetted_through_every_members_delivered_evidence() -> None:

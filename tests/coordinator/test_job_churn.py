@@ -353,7 +353,12 @@ def test_one_replica_stages_keep_checkpoints_from_the_oldest_step_a_mirror_holds
 def test_replicated_stages_and_shared_checkpoint_dirs_need_no_floor() -> None:
     async def body(h: Harness) -> None:
         await h.running_epoch(1)
-        assert h.job.checkpoint_floor() == 0
+        for agent_id in h.job.members:
+            h.report(agent_id, WorkerState.TRAINING, step=30, integrity_through=30)
+        # no mirror's floor (it would hold an older step); with replica checks (R > 1) the
+        # known-good checkpoint, 10 steps back (coordinator/integrity/rollback.py)
+        replicated = h.job.plan is not None and h.job.plan.replicas > 1
+        assert h.job.checkpoint_floor() == (20 if replicated else 0)
 
     for cfg in (churn_config(), two_stage_config()):
         if cfg.replicas == 1:
