@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.integrity.rollback import newest_before
 from tests.daemons import Daemons, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,9 +57,8 @@ def test_a_peer_sending_scaled_gradients_is_excluded_and_the_job_rolls_back(
     assert all(not rows[a].get("evidence") for a in honest), {a: rows[a] for a in honest}
     first = done["recoveries"][0]
     assert first["layout_before"] == "1x3" and first["layout_after"] == "1x2", first
-    # rolled back to a checkpoint taken before the first step proven bad: the newest one the
-    # agents still hold (they keep their two newest and a known-good one ten rounds back, so
-    # a fault proven soon after the job's first checkpoints may resume from step 0)
-    assert 0 <= first["resumed_step"] < exclusion["step"], (first, exclusion)
-    assert first["resumed_step"] % 4 == 0, first
+    # rolled back to the newest checkpoint before the first step proven bad: the agents keep
+    # every step from the known-good one on, vetted 10 steps behind the evidence every
+    # member has delivered (coordinator/integrity/rollback.py)
+    assert first["resumed_step"] == newest_before(exclusion["step"], 4), (first, exclusion)
     assert bad not in {a for row in status["plan"]["grid"] for a in row}
