@@ -24,7 +24,6 @@ from typing import Any, Protocol
 from coordinator.daemon.registry import Registry
 from coordinator.integrity import rollback
 from coordinator.integrity.ledger import Exclusion, IntegrityLedger
-from dtfm.core.verify import Verify, resolve
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -49,8 +48,9 @@ class JobIntegrity:
         self.planned_bound = 0  # the rollback bound this epoch's assignments carry
         # the checkpoint step this epoch started from (None: adopted, not planned here)
         self.epoch_from: int | None = None
-        # whether this epoch checks replicas against each other (R > 1, --verify not off):
-        # without the checks no evidence comes, no rollback, and no known-good copy to keep
+        # whether this epoch has replicas to check against each other (R > 1; the screen
+        # for non-finite copies runs whatever --verify says): without them no evidence
+        # comes, no rollback, and no known-good copy need be kept
         self.checked = True
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
@@ -104,8 +104,7 @@ class JobIntegrity:
         for a in assignments:
             a.resume_before = self.planned_bound
         self.epoch_from = self.checkpoints.step
-        self.checked = any(a.replicas > 1 and resolve(a.train.verify, a.train.dp_mode)
-                           != Verify.OFF for a in assignments)
+        self.checked = any(a.replicas > 1 for a in assignments)
 
     def checkpointed(self) -> None:
         """Every member passed a checkpoint this epoch wrote: an epoch planned with the
