@@ -347,12 +347,13 @@ def prune(root: str | Path, stage: int, newest: int) -> list[int]:
         if len(held) > allowed:
             log.warning(
                 "checkpoint: stage %d keeps only its newest %d steps, not all %d from step %d, "
-                "the oldest step a mirror holds as its newest: losing a one-replica stage now "
-                "leaves no step its mirror's copy shares with this stage, and the job resumes "
-                "from an older common step or from 0. A mirror is failing to copy (see its "
-                "agent's log), or checkpoints come faster than mirrors copy them (raise "
-                "--checkpoint-every, or lower the agents' --mirror-interval)", stage, allowed,
-                len(held), floor)
+                "the floor the coordinator names (the oldest step a mirror holds as its newest, "
+                "or the known-good step a rollback would resume from): a recovery or rollback "
+                "to an older step may now resume from an older common step or from 0. A mirror "
+                "is failing to copy (see its agent's log), checkpoints come faster than mirrors "
+                "copy them (raise --checkpoint-every, or lower the agents' --mirror-interval), "
+                "or a member's integrity evidence is not reaching the coordinator (see "
+                "`coordinator status`)", stage, allowed, len(held), floor)
         keep.update(m.step for m in held[-allowed:])
     for p in d.iterdir():
         m = DATA_RE.match(p.name) or MANIFEST_RE.match(p.name) or TMP_RE.match(p.name)
