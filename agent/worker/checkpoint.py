@@ -82,9 +82,8 @@ class Location:
     """Where a worker checkpoints, how often, and whether this replica writes.
 
     `own` is True for the agent's own directory (not shared with other machines): there every
-    replica writes its stage, since after a reschedule any of them may be the one that needs
-    it. In an operator's directory, which may be shared storage, only replica 0 writes: two
-    machines replacing one file could pair one's manifest with the other's file.
+    replica writes its stage; in an operator's directory, which may be shared storage, only
+    replica 0 does (`dtfm.core.checkpoints.writes` says why).
     """
 
     root: Path
@@ -97,7 +96,7 @@ class Location:
         return job_dir(self.root, self.job_id)
 
     def writes(self, replica: int) -> bool:
-        return self.own or replica == 0
+        return ondisk.writes(not self.own, replica)
 
     def due(self, step: int, last: int) -> bool:
         return step == last or step % self.every == 0

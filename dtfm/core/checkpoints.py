@@ -311,14 +311,22 @@ def write_floor(root: str | Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def writes(shared: bool, replica: int) -> bool:
+    """Whether `replica`'s worker writes its stage's checkpoints: in an agent's own directory
+    every replica does (after a reschedule any of them may be the one that needs it); in a
+    shared --checkpoint-dir only replica 0, since two machines replacing one file could pair
+    one's manifest with the other's file."""
+    return not shared or replica == 0
+
+
 def floor_dir(own_root: str | Path, job_id: str, shared_root: str, every: int,
               replica: int) -> Path | None:
     """The job directory whose floor (`write_floor`) the pruning of this agent's worker reads:
     the agent's own, or with a shared --checkpoint-dir (`shared_root`) that one, from the
-    agent whose worker writes it (replica 0, as `agent/worker/checkpoint.py` `Location.writes`
-    says): without it there, the writer kept only its newest KEEP steps and a rollback to an
-    older one found none. None: checkpoints are off, or another replica's agent writes it."""
-    if every == 0 or (shared_root and replica != 0):
+    agent whose worker writes it (`writes`): without it there, the writer kept only its
+    newest KEEP steps and a rollback to an older one found none. None: checkpoints are off,
+    or another replica's agent writes it."""
+    if every == 0 or not writes(bool(shared_root), replica):
         return None
     return job_dir(shared_root or own_root, job_id)
 
