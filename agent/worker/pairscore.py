@@ -20,7 +20,7 @@ and the pair disagrees when the window's median is past a limit:
 
 The limits below are from the honest distribution of these window medians, with margin.
 A disagreement names nobody (either copy may be the wrong one): a `Finding` with replica -1,
-kind `grad_disagree`, for the coordinator to settle (coordinator/integrity/corroborate.py).
+kind `grad_disagree`, for the coordinator to settle (coordinator/integrity/dispute.py).
 Needs `PAIR_WINDOW` steps of a worker's run before the first verdict.
 """
 
@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from agent.worker.gradscore import CopyScore, Finding, median
+from dtfm.core.verify import PAIR_WINDOW
 
-PAIR_WINDOW = 5  # steps; an attack from step s is seen from step s + PAIR_WINDOW // 2
 # Window medians, honest (gpt-tiny 4 stages x 4 sequences, 200 steps / gpt-mini 4 x 8, 80
 # steps; bench/integrity.py) -> limit -> attacked:
 PAIR_NORM = 3.0  # norm ratio, either way: honest <= 1.93 / 2.46; x10 >= 5.2 / 4.1

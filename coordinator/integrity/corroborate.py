@@ -8,7 +8,8 @@ so an honest suspect can be named by one liar only, and a bad one is named by at
 honest agents. One reporter's record is kept as evidence; the same suspect named by
 `AGREEING` distinct other agents within `WINDOW_STEPS` steps of one epoch is a confirmed
 fault, and the earliest step among the agreeing records is the first step proven bad (the
-rollback bound).
+rollback bound; for a weights digest, the step after the comparison before it:
+`dtfm.core.verify.onset`).
 
 Why a statistical kind must persist: `grad_norm` says a copy's norm is 3x the median copy's,
 and an honest copy of a hard batch gets there too. A 1000-step honest run (gpt-tiny 2 x 3,
@@ -22,8 +23,8 @@ named one rank twice within 10 steps). The kinds with no honest look-alike (zero
 non-finite, drifted weights) confirm at the first agreeing step.
 
 A record that names nobody (R = 2: two replicas disagree and neither can be told right) is
-logged by reports.py only: settling it needs a third party to recompute the disputed step,
-which is not built yet (docs/architecture.md, "Known limits").
+settled elsewhere (coordinator/integrity/dispute.py): the two are placed apart, and a repeat
+with a new partner names the agent common to both disputes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
+from dtfm.core.verify import onset
 
 AGREEING = 2  # distinct reporters, none of them the suspect
 WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onset
@@ -67,8 +69,8 @@ class _Named:
     sure: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
     scored: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
 
-    def note(self, step: int, kind: str) -> None:
-        self.first = min(self.first, step)
+    def note(self, step: int, kind: str, began: int) -> None:
+        self.first = min(self.first, began)
         steps = self.scored if kind in PERSISTENT else self.sure
         if step not in steps:
             steps.append(step)
@@ -84,6 +86,7 @@ class Corroboration:
 
     def __init__(self) -> None:
         self.epoch = -1
+        self.sync_every = 1  # the running epoch's H (a digest's onset: `verify.onset`)
         self._named: dict[str, dict[str, _Named]] = {}  # suspect -> reporter -> steps
 
     def weigh(self, rec: EvidenceRecord) -> tuple[bool, int]:
@@ -98,14 +101,18 @@ class Corroboration:
         if not rec.agent_id or rec.reporter == rec.agent_id or rec.kind not in CONFIRMING:
             return False, rec.step, []
         by = self._named.setdefault(rec.agent_id, {})
-        by.setdefault(rec.reporter, _Named(rec.step)).note(rec.step, rec.kind)
+        began = onset(rec.kind, rec.step, self.sync_every)
+        by.setdefault(rec.reporter, _Named(began)).note(rec.step, rec.kind, began)
         recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
         if rec.reporter in recent and len(recent) >= AGREEING:
             return True, min(n.first for n in recent.values()), sorted(recent)
         return False, rec.step, []
 
-    def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger) -> None:
-        """Record each new record that names a suspect in `ledger`, confirmed or not."""
+    def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger,
+             sync_every: int = 1) -> None:
+        """Record each new record that names a suspect in `ledger`, confirmed or not
+        (`sync_every`: the epoch's H)."""
+        self.sync_every = sync_every
         for rec in records:
             if not rec.agent_id:
                 continue

@@ -23,6 +23,9 @@ from __future__ import annotations
 import enum
 
 DIGEST_EVERY = 10  # synchronous steps between two weight digests (cost: bench/integrity.py)
+# R = 2: steps whose pair scores one verdict takes the median of (agent/worker/pairscore.py);
+# an attack from step s is seen from step s + PAIR_WINDOW // 2
+PAIR_WINDOW = 5
 
 
 class Verify(enum.StrEnum):
@@ -54,3 +57,22 @@ def check(verify: str, dp_mode: str) -> None:
             f"receives every copy, and --dp-mode {dp_mode} has no owner (a ring all-reduce "
             f"sums in flight): use --dp-mode sharded (the default), or --verify digest to "
             f"check only the replicas' weights")
+
+
+def onset(kind: str, step: int, sync_every: int = 1) -> int:
+    """The earliest step at which what a `kind` record of `step` saw can have begun: the
+    bound a rollback must resume before (coordinator/integrity/).
+
+    A one-step check names the step it saw. A weights digest is compared only every
+    `DIGEST_EVERY` synchronous steps (every sync point with local steps), so weights that
+    differ at `step` may have drifted any time after the previous comparison, and the
+    honest replicas' later steps averaged the drifted replica's gradients. An R = 2 pair
+    verdict is a median over the last `PAIR_WINDOW` steps: it can cross at the third bad
+    step of the window, never before the window's first."""
+    if kind in ("weights", "weights_disagree"):
+        back = sync_every if sync_every > 1 else DIGEST_EVERY
+    elif kind == "grad_disagree":
+        back = PAIR_WINDOW
+    else:
+        back = 1
+    return max(step - back + 1, 1)
