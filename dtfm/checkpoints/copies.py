@@ -391,14 +391,6 @@ def held(root: Path, stage: int, job_id: str) -> Held:
     return Held(max((m.step for m in found), default=0), {m.step: m.files for m in found})
 
 
-def newest_intact(root: Path, stage: int, job_id: str, layers: tuple[int, int]) -> int:
-    """The newest step of `stage` that passes the worker's own check (sha256 included)."""
-    for step in reversed(ondisk.steps_available(root, stage)):
-        if ondisk.verify(root, stage, step, job_id=job_id, layers=layers) is None:
-            return step
-    return 0
-
-
 def assignment_spec(a: common_pb2.Assignment, what: str) -> ModelSpec | None:
     """`a`'s model, or None having logged "checkpoint: WHAT for job J: why" (the worker
     refuses the same assignment, saying why)."""
@@ -474,8 +466,8 @@ class CheckpointCopier:
         try:
             async with asyncio.timeout(self.budget_s):
                 for src in srcs:
-                    have = await asyncio.to_thread(newest_intact, root, src.stage, a.job_id,
-                                                   src.layers)
+                    have = await asyncio.to_thread(ondisk.newest_intact, root, src.stage, a.job_id,
+                                                   src.layers, a.resume_before)
                     await self._prepare(a, spec, root, src, have)
         except TimeoutError:
             log.warning("checkpoint: gave up fetching stage(s) %s of job %s after %.0f s; the "
@@ -506,7 +498,8 @@ class CheckpointCopier:
                 for m in found:
                     if m.layers in (None, layers):  # other layers: another split's step
                         by_step.setdefault(m.step, []).append((peer, m))
-            newer = sorted(s for s in by_step if s > have)[-KEEP:]
+            # a rollback resumes before its bound: steps from it on are of no use
+            newer = sorted(s for s in by_step if have < s < (a.resume_before or s + 1))[-KEEP:]
             if peers and len(unasked) == len(peers):
                 log.warning("checkpoint: stage %d of job %s: none of the %d peers could be "
                             "asked for its checkpoints (%s); the worker starts from step %d",

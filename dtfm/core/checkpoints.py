@@ -541,3 +541,14 @@ def _children(p: Path) -> list[Path]:
         return list(p.iterdir())
     except OSError:
         return []
+
+
+def newest_intact(root: str | Path, stage: int, job_id: str, layers: tuple[int, int],
+                  below: int = 0) -> int:
+    """The newest step of `stage` that passes the worker's own check (sha256 included), before
+    `below` where that is > 0 (a rollback's bound, `Assignment.resume_before`)."""
+    for step in reversed(steps_available(root, stage)):
+        if step < (below or step + 1) and verify(root, stage, step, job_id=job_id,
+                                                 layers=layers) is None:
+            return step
+    return 0

@@ -182,6 +182,29 @@ def test_an_agent_that_holds_the_newest_step_fetches_nothing(
     assert "holds step 4, no peer holds a newer one" in caplog.text
 
 
+def test_a_rollback_fetches_the_steps_below_its_bound_not_the_newest(tmp_path: Path) -> None:
+    """An agent moved to another stage by an integrity re-plan (an R = 2 dispute) resumes
+    before the bound (`Assignment.resume_before`): it must fetch the newest step below it,
+    even where it, or its peers, hold newer ones; before, it fetched the newest two, and the
+    whole job resumed from step 0 (tests/system/test_bad_peer_disputed.py)."""
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    ondisk.write_floor(ondisk.job_dir(holder, JOB), 1)  # the holder keeps every step
+    for step in (2, 4, 6, 8):
+        write_step(holder, 0, step, payload(step))
+    write_step(taker, 0, 8, payload(8))  # the abandoned timeline's
+    assert ondisk.newest_intact(ondisk.job_dir(taker, JOB), 0, JOB, (0, 2)) == 8
+    assert ondisk.newest_intact(ondisk.job_dir(taker, JOB), 0, JOB, (0, 2), below=8) == 0
+
+    async def main() -> None:
+        async with serving(holder) as address:
+            a = assignment([address])
+            a.resume_before = 5
+            await CheckpointCopier(taker, SECURITY).prepare(a)
+
+    run(main)
+    assert steps_held(taker, 0) == [2, 4]
+
+
 def test_checkpoints_of_other_layers_are_not_fetched(tmp_path: Path) -> None:
     """A job split anew gives stage 0 other layers: the old copy is useless to its worker."""
     holder, taker = tmp_path / "holder", tmp_path / "taker"
