@@ -199,9 +199,12 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
                 floor = job.checkpoint_floor()
                 layout = job.planner.layout  # stages the coordinator holds count too
                 if request.integrity and layout is not None:  # evidence, kept and logged
-                    self.corroboration.feed(self.integrity.record(
-                        rec.agent_id, request, job.members, layout.stages),
-                        job.integrity.ledger)
+                    new = self.integrity.record(rec.agent_id, request, job.members,
+                                                layout.stages)
+                    self.corroboration.feed(new, job.integrity.ledger,
+                                            job.integrity.sync_every)
+                    if job.integrity.settle(new):  # an R = 2 dispute: re-plan apart
+                        job.poke()
                 if job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
                     floor = self.copies.floor(job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor,

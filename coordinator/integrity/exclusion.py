@@ -12,7 +12,8 @@ never counts as alive again: its heartbeats are refused, its re-joins too
 The rollback (coordinator/integrity/rollback.py): the job's newest checkpoint step drops to
 the newest one before the bad step, the next epoch's assignments carry the bound
 (`plan_epoch`), and once that epoch writes a checkpoint of its own the bound is lifted
-(`checkpointed`).
+(`checkpointed`). An R = 2 dispute (coordinator/integrity/dispute.py) asks for the same
+rollback, and for a re-plan with the two replicas apart, before anyone is proven bad.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from coordinator.daemon.registry import Registry
-from coordinator.integrity import rollback
+from coordinator.integrity import dispute, rollback
 from coordinator.integrity.ledger import Exclusion, IntegrityLedger
+from coordinator.integrity.reports import EvidenceRecord
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -46,22 +48,27 @@ class JobIntegrity:
         self.checkpoint_every = 0
         self.sync_every = 1
         self.planned_bound = 0  # the rollback bound this epoch's assignments carry
+        self.planned_serial = 0  # the ledger's `rollback_serial` when it was planned
         # the checkpoint step this epoch started from (None: adopted, not planned here)
         self.epoch_from: int | None = None
         # whether this epoch has replicas to check against each other (R > 1; the screen
         # for non-finite copies runs whatever --verify says): without them no evidence
         # comes, no rollback, and no known-good copy need be kept
         self.checked = True
+        self.separable = False  # whether this epoch can part two replicas (dispute.py)
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
+        self.disputes = dispute.restore(saved.get("disputes") if saved else None)
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Put back a restarted coordinator's ledger, keeping the callbacks."""
         ledger = IntegrityLedger(saved)
         ledger.on_change, ledger.on_exclude = self.ledger.on_change, self._exclude
         self.ledger = ledger
+        self.disputes = dispute.restore(saved.get("disputes") if saved else None)
         # an adopted epoch planned with the bound lifts it at its own checkpoint, as before
         self.planned_bound = int(saved.get("planned_bound", 0)) if saved else 0
+        self.planned_serial = int(saved.get("planned_serial", 0)) if saved else 0
 
     def _exclude(self, agent_id: str, exclusion: Exclusion) -> None:
         if self.registry.get(agent_id) is not None:
@@ -71,8 +78,8 @@ class JobIntegrity:
                         job_id=self.job_id, reason=f"excluded: {exclusion.reason}")))
             except KeyError:
                 pass
-        if self.ledger.rollback_before:
-            self._roll_back(self.ledger.rollback_before)
+        if self.pending_bound():
+            self._roll_back(self.pending_bound())
         self.registry.exclude(agent_id, f"excluded for a confirmed integrity fault: "
                                         f"{exclusion.reason}")
 
@@ -94,11 +101,31 @@ class JobIntegrity:
     def refusal(self, agent_id: str) -> str:
         return self.ledger.refusal(agent_id)
 
-    def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int) -> None:
+    def pending_bound(self) -> int:
+        """The step the next epoch must resume before, for a confirmed fault or an R = 2
+        dispute (0: none)."""
+        return min((b for b in (self.ledger.rollback_before, self.disputes.rollback_before)
+                    if b), default=0)
+
+    def settle(self, records: Iterable[EvidenceRecord]) -> bool:
+        """Weigh the new records' R = 2 disputes (`dispute.Disputes.feed`); True when the job
+        must re-plan (`disputes.replan_reason`)."""
+        replan = self.disputes.feed(records, self.ledger, self.sync_every, self.separable)
+        if replan:
+            self.ledger.on_change()
+        return replan
+
+    def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,
+                   separable: bool = False, parted: bool = True) -> None:
         """Carry the pending rollback bound in the next epoch's assignments (`sync_every`:
-        the epoch's H, where its checkpoints fall)."""
+        the epoch's H, where its checkpoints fall; `separable`: whether its layout and
+        placement could part two replicas of a stage; `parted`: whether its grid parts the
+        disputed pairs, `dispute.separate`)."""
         self.sync_every = max(sync_every, 1)
-        self.planned_bound = self.ledger.rollback_before
+        self.separable = separable
+        self.disputes.planned(parted)
+        self.planned_bound = self.pending_bound()
+        self.planned_serial = self.ledger.rollback_serial
         if self.planned_bound:
             self._roll_back(self.planned_bound)
         for a in assignments:
@@ -109,8 +136,11 @@ class JobIntegrity:
     def checkpointed(self) -> None:
         """Every member passed a checkpoint this epoch wrote: an epoch planned with the
         rollback bound has its own, clean checkpoint now."""
-        if self.planned_bound and self.planned_bound == self.ledger.rollback_before:
-            self.ledger.rolled_back()
+        if (self.planned_bound and self.ledger.rollback_before
+                and self.planned_serial == self.ledger.rollback_serial):
+            self.ledger.rolled_back()  # no fault found since it was planned
+        if self.planned_bound:
+            self.disputes.rolled_back()
         self.planned_bound = 0
 
     def keep_floor(self, floor: int, members: Iterable[tuple[int, int] | None]) -> int:
@@ -121,7 +151,9 @@ class JobIntegrity:
         epoch_from = self.checkpoints.step if self.epoch_from is None else self.epoch_from
         return rollback.keep_floor(floor, rollback.vetted_step(members, epoch_from),
                                    self.checkpoint_every, self.sync_every,
-                                   self.ledger.rollback_before)
+                                   self.pending_bound())
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.ledger.to_json(), "planned_bound": self.planned_bound}
+        return {**self.ledger.to_json(), "planned_bound": self.planned_bound,
+                "planned_serial": self.planned_serial,
+                "disputes": self.disputes.to_json()}

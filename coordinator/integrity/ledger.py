@@ -92,6 +92,9 @@ class IntegrityLedger:
         self.exclusions: dict[str, Exclusion] = {}
         self.total_exclusions = 0  # since the job began (a Prometheus counter)
         self.rollback_before = 0
+        # counts the faults that set `rollback_before`: an epoch's own checkpoint lifts only
+        # the bound it was planned with, not one a fault found during it set to the same step
+        self.rollback_serial = 0
         self.on_change: Callable[[], None] = lambda: None
         self.on_exclude: Callable[[str, Exclusion], None] = lambda agent_id, exclusion: None
         if saved:
@@ -144,6 +147,7 @@ class IntegrityLedger:
         if piece.step:
             self.rollback_before = (min(self.rollback_before, piece.step)
                                     if self.rollback_before else piece.step)
+            self.rollback_serial += 1
         log.warning("integrity: agent %s excluded from the job: %s (an operator may admit it "
                     "again: coordinator admit %s)", agent_id, exclusion.reason, agent_id)
         self.on_exclude(agent_id, exclusion)
@@ -206,7 +210,8 @@ class IntegrityLedger:
                                  "dropped": s.dropped} for a, s in self._suspects.items()},
                 "exclusions": {a: asdict(x) for a, x in self.exclusions.items()},
                 "total_exclusions": self.total_exclusions,
-                "rollback_before": self.rollback_before}
+                "rollback_before": self.rollback_before,
+                "rollback_serial": self.rollback_serial}
 
     def _restore(self, saved: Mapping[str, Any]) -> None:
         try:
@@ -221,6 +226,7 @@ class IntegrityLedger:
                     evidence=[Evidence(**e) for e in x.get("evidence", [])])
             self.total_exclusions = int(saved.get("total_exclusions", len(self.exclusions)))
             self.rollback_before = int(saved.get("rollback_before", 0))
+            self.rollback_serial = int(saved.get("rollback_serial", 0))
         except (KeyError, TypeError, ValueError) as exc:  # our own file: say so, keep going
             log.error("integrity: the state directory's evidence could not be read (%s); "
                       "starting with what was read", exc)

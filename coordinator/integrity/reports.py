@@ -10,9 +10,8 @@ excluding an agent and rolling back belong to the ledger that consumes these rec
 
 A record is evidence, not a verdict: the reporter may itself be the liar. With R = 2 a
 disagreement names nobody (`agent_id` ""), and `candidates` lists both replicas' agents:
-the ledger settles it with a third party (the coordinator's choice: a spare agent, or any
-other agent of the job, recomputes one microbatch of the disputed step from the last
-checkpoint both replicas agreed on; see docs/architecture.md, "Integrity: replica checks").
+the job settles it by placing the two apart, each with a new partner
+(coordinator/integrity/dispute.py).
 """
 
 from __future__ import annotations

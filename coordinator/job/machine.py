@@ -48,6 +48,7 @@ from coordinator.daemon.reconcile import (
     stale_snapshot,
 )
 from coordinator.daemon.registry import AgentRecord, Registry
+from coordinator.integrity.dispute import separate
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.job import failedpairs, jobsnapshot, jobstatus, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
@@ -354,14 +355,23 @@ class Job:
                 placement, net, layout, ids, work, device_figures(members, cfg.train.dtype),
                 flops, warm=warm, planned_splits=self.replan.planned_splits(layout.stages),
                 epoch=self.epoch)
-            if (grid := avoid_dead_links(found, failures, ids, placement)) is not None:
-                if isinstance(grid, NoLinks):
-                    self.membership.hold_out(grid.hold_out)
-                    self._set(grid.state, grid.message)
-                    return
+            if isinstance(grid := avoid_dead_links(found, failures, ids, placement), NoLinks):
+                self.membership.hold_out(grid.hold_out)
+                self._set(grid.state, grid.message)
+                return
+            how = [f"{found['algorithm']}, swapped off dead links"] if grid else []
+            # R = 2 replicas that disagree go to different stages (integrity/dispute.py)
+            parted = True
+            if (apart := self.integrity.disputes.apart(ids)) and placement.kind == "scheduled":
+                base = grid or found["grid"]
+                parted = (parted_grid := separate(base, apart)) is not None
+                if parted_grid is not None and parted_grid != base:
+                    grid = parted_grid
+                    how = [*(how or [found["algorithm"]]), "disputing replicas placed apart"]
+            if grid is not None:
                 found = await self.planner.place(
                     placement, net, layout, ids, work, device_figures(members, cfg.train.dtype),
-                    flops, warm=(grid, f"{found['algorithm']}, swapped off dead links"),
+                    flops, warm=(grid, ", ".join(how)),
                     planned_splits=self.replan.planned_splits(layout.stages), epoch=self.epoch)
         except DoesNotFit as exc:
             self._set(S.JOB_STATE_FAILED, f"{cfg.model} on {layout.text} "
@@ -417,7 +427,9 @@ class Job:
             member_ids=[r.agent_id for r in records],
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
-        self.integrity.plan_epoch(assignments, train.sync_every)  # a rollback's bound
+        self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
+            assignments, train.sync_every, separable=layout.stages > 1
+            and placement.kind == "scheduled", parted=parted)
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()
@@ -473,12 +485,14 @@ class Job:
                 return
             self.membership.measure_spares(self.members, self.poke)
             self.replan.tick()
-            if fresh_checkpoint and (grow := self.membership.grow_reason(  # onto more agents
-                    self.members, self.planner, self.checkpoint_step) or self.replan.move_reason()):
-                self.recoveries.begin(grow, self.planner.layout_text(), self.last_step(),
+            if why := self.integrity.disputes.replan_reason or (fresh_checkpoint and (
+                    self.membership.grow_reason(  # onto more agents, or moved
+                        self.members, self.planner, self.checkpoint_step)
+                    or self.replan.move_reason())):
+                self.recoveries.begin(why, self.planner.layout_text(), self.last_step(),
                                       planned=True)
-                await self._stop_members(f"recovering: {grow}")
-                self._set(S.JOB_STATE_RECOVERING, grow)
+                await self._stop_members(f"recovering: {why}")
+                self._set(S.JOB_STATE_RECOVERING, why)
                 self.persist()
                 return
             done = [a for a in self.members

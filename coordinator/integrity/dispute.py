@@ -1,0 +1,221 @@
+"""R = 2: settling a disagreement of a stage's two replicas by placing them apart.
+
+Why this third party. With two copies of a gradient (or two weight digests) that disagree,
+either may be the wrong one: a worker reports the disagreement naming nobody
+(`grad_disagree`, `weights_disagree`; agent/worker/pairscore.py, replicacheck.py). The issue
+offered three third parties: a spare agent, another stage member, or the coordinator
+recomputing a microbatch. Recomputing one replica's gradient at a middle stage needs that
+step's activations from the stages before it and the gradients from the stages after it (the
+whole pipeline replayed from a checkpoint both agreed on), on a machine that may not hold the
+stage at all. What the job already has is the rule R >= 3 confirms by
+(coordinator/integrity/corroborate.py): a suspect named by two distinct others. So the other
+stage members are the third party, by a new pairing:
+
+1. A dispute between A and B opens: the evidence is kept against both (unconfirmed), the job
+   stops, rolls back before the dispute's onset (`dtfm.core.verify.onset`: a pair verdict is a
+   window's median, a digest covers the steps since the last one) and plans again with A and
+   B in different stages (`separate`), each beside a new partner.
+2. A faulty device, or a volunteer that keeps attacking, disputes its new partner too. The
+   agent common to two disputes with distinct partners, each of whom disputed nobody else, is
+   a confirmed fault: excluded and rolled back before the earlier onset
+   (coordinator/integrity/exclusion.py does the rest, as for R >= 3).
+3. An honest pair's false dispute (the pair check flagged 0 of 3040 honest owner-steps,
+   docs/architecture.md) costs one re-plan and a rollback and excludes nobody: a dispute is
+   remembered for `MEMORY_STEPS` past its step, then lapses. The memory also bounds what a
+   liar can cost: one that invents a dispute now and then is confirmed by its second within
+   the memory, so it forces at most one re-plan per `MEMORY_STEPS` steps.
+
+A liar can report a dispute only of its own pair (the reporter must be one of the two), so a
+liar that invents disputes is the agent common to all of them and names itself. An attacker
+that stops once re-paired is harmless from then on, and what it did is rolled back. Two bad
+agents that both dispute the same honest agent would frame it; the partners' "disputed nobody
+else" condition keeps that from confirming while either of them has a dispute of its own.
+What cannot be settled: a job of one stage, or a fixed placement (nobody to pair with
+instead); the dispute then stays evidence and the job trains on (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from coordinator.integrity.corroborate import WINDOW_STEPS
+from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
+from coordinator.integrity.reports import EvidenceRecord
+from dtfm.core.verify import onset
+
+log = logging.getLogger(__name__)
+
+DISPUTING = frozenset({"grad_disagree", "weights_disagree"})
+# steps past a dispute within which a dispute with a new partner names the common agent: a
+# pair verdict needs `PAIR_WINDOW` (5) steps of a new worker and a digest comes every
+# `DIGEST_EVERY` (10), so a lasting fault repeats within ~10 steps of the re-plan's resume
+MEMORY_STEPS = 10 * WINDOW_STEPS
+MAX_DISPUTES = 256  # kept (the oldest dropped first)
+PENDING, APART, CANNOT = "pending", "apart", "cannot"  # what was done about a dispute
+
+
+@dataclass
+class Dispute:
+    a: str  # the two agents, sorted
+    b: str
+    kind: str
+    step: int  # as reported
+    onset: int  # the earliest step what it saw can have begun
+    epoch: int
+    reporter: str
+    done: str = PENDING  # PENDING: to be placed apart; APART: an epoch was; CANNOT: none can
+
+    @property
+    def pair(self) -> frozenset[str]:
+        return frozenset((self.a, self.b))
+
+    def partner(self, agent_id: str) -> str:
+        return self.b if agent_id == self.a else self.a
+
+    def live(self, step: int) -> bool:
+        """Whether a record of `step` still finds it remembered (`MEMORY_STEPS`)."""
+        return step <= self.step + MEMORY_STEPS
+
+
+class Disputes:
+    """The R = 2 disputes of one job, and what they ask of it (a re-plan, a rollback)."""
+
+    def __init__(self, saved: Iterable[Any] = ()) -> None:
+        self.disputes: list[Dispute] = []
+        self.rollback_before = 0  # the earliest onset of a dispute still to roll back (0: none)
+        self.replan_reason = ""  # why the job must re-plan now ("" : it need not)
+        for d in saved:
+            try:
+                self.disputes.append(Dispute(**d))
+            except TypeError as exc:  # our own state file: say so, keep the rest
+                log.error("integrity: a saved dispute could not be read (%s)", exc)
+
+    def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger,
+             sync_every: int = 1, separable: bool = True) -> bool:
+        """Weigh the new records' R = 2 disagreements; True when one opens a dispute that the
+        job must re-plan for (`replan_reason` says why). `separable`: whether the running
+        layout and placement can put two agents of one stage in different stages."""
+        replan = False
+        for rec in records:
+            pair = set(rec.candidates)
+            if (rec.agent_id or rec.kind not in DISPUTING or len(pair) != 2
+                    or len(rec.candidates) != 2 or rec.reporter not in pair
+                    or any(ledger.excluded(a) for a in pair)):
+                continue
+            self.disputes = [d for d in self.disputes if d.live(rec.step)]
+            if any(d.pair == pair for d in self.disputes):
+                continue  # the same disagreement, reported again (every step, by both)
+            a, b = sorted(pair)
+            new = Dispute(a, b, rec.kind, rec.step, onset(rec.kind, rec.step, sync_every),
+                          rec.epoch, rec.reporter, PENDING if separable else CANNOT)
+            if culprit := self._confirm(new, ledger):
+                self.disputes = [d for d in self.disputes if culprit not in d.pair]
+                continue
+            self.disputes = [*self.disputes, new][-MAX_DISPUTES:]
+            settle = ("placing them apart, each with a new partner, to settle it"
+                      if separable else "no placement can part them (one stage, or a fixed "
+                      "placement): it stays evidence")
+            for x in (a, b):
+                ledger.record(x, rec.kind, rec.step,
+                              f"disagreed with {new.partner(x)} at step {rec.step}, either may "
+                              f"be wrong (score {rec.score:.3g}, epoch {rec.epoch}): {settle}",
+                              reporter=rec.reporter)
+            if separable:
+                self.rollback_before = min(s for s in (self.rollback_before, new.onset) if s)
+                self.replan_reason = (
+                    f"agents {a} and {b}, replicas of one stage, disagree ({rec.kind} at step "
+                    f"{rec.step}; either may be wrong): placing them apart, each with a new "
+                    f"partner, and rolling back before step {self.rollback_before}")
+                replan = True
+        return replan
+
+    def _confirm(self, new: Dispute, ledger: IntegrityLedger) -> str:
+        """The agent of `new` that an earlier dispute with another partner names (confirmed in
+        `ledger`), or ""."""
+        for x in (new.a, new.b):
+            for d in self.disputes:
+                if x not in d.pair or d.partner(x) == new.partner(x):
+                    continue
+                partners = (d.partner(x), new.partner(x))
+                if any(x not in e.pair for e in self.disputes for p in partners
+                       if p in e.pair):
+                    continue  # a partner disputed someone else too: it may be the liar
+                first = min(d.onset, new.onset)
+                ledger.record(x, new.kind, first,
+                              f"the agent common to two disagreements with different partners: "
+                              f"{d.kind} with {partners[0]} at step {d.step}, then {new.kind} "
+                              f"with {partners[1]} at step {new.step} after they were placed "
+                              f"apart (first step proven bad: {first})",
+                              reporter=COORDINATOR, confirmed=True)
+                return x
+        return ""
+
+    def apart(self, ids: Sequence[str]) -> set[frozenset[int]]:
+        """The pairs (indices into `ids`) an epoch of `ids` must not put in one stage."""
+        index = {a: i for i, a in enumerate(ids)}
+        return {frozenset((index[d.a], index[d.b])) for d in self.disputes
+                if d.done != CANNOT and d.a in index and d.b in index}
+
+    def planned(self, parted: bool) -> None:
+        """An epoch was planned: with the pending disputes' pairs in different stages
+        (`parted`), or not (no swap could: they stay evidence)."""
+        for d in self.disputes:
+            if d.done == PENDING:
+                d.done = APART if parted else CANNOT
+        self.replan_reason = ""
+
+    def rolled_back(self) -> None:
+        """An epoch planned with the rollback bound wrote a checkpoint of its own: only the
+        disputes opened since it was planned still ask for one."""
+        self.rollback_before = min((d.onset for d in self.disputes if d.done == PENDING),
+                                   default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"disputes": [asdict(d) for d in self.disputes],
+                "rollback_before": self.rollback_before}
+
+
+def restore(saved: Any) -> Disputes:
+    """A job's disputes as `Disputes.to_json` kept them (empty on anything else)."""
+    if not isinstance(saved, dict):
+        return Disputes()
+    disputes = Disputes(saved.get("disputes", ()))
+    disputes.rollback_before = int(saved.get("rollback_before", 0) or 0)
+    return disputes
+
+
+def separate(grid: Sequence[Sequence[int]], apart: set[frozenset[int]]
+             ) -> list[list[int]] | None:
+    """`grid` (a row per stage, a column per replica) with no pair of `apart` in one row, by
+    swapping one agent of each such pair with an agent of another row; the grid unchanged
+    when no pair shares a row, None when no swap parts them (one stage)."""
+    rows = [list(row) for row in grid]
+
+    def clash(row: Sequence[int]) -> list[frozenset[int]]:
+        return [p for p in apart if p <= set(row)]
+
+    for _ in range(sum(map(len, rows))):
+        bad = next(((j, p) for j, row in enumerate(rows) for p in clash(row)), None)
+        if bad is None:
+            return rows
+        j, pair = bad
+        moved = False
+        for d in sorted(pair, reverse=True):  # move either end of the pair
+            k = rows[j].index(d)
+            for j2, row2 in enumerate(rows):
+                for k2 in range(len(row2)) if j2 != j else ():
+                    trial = [list(r) for r in rows]
+                    trial[j][k], trial[j2][k2] = trial[j2][k2], trial[j][k]
+                    if not clash(trial[j]) and not clash(trial[j2]):
+                        rows, moved = trial, True
+                        break
+                if moved:
+                    break
+            if moved:
+                break
+        if not moved:
+            return None
+    return rows if not any(clash(row) for row in rows) else None

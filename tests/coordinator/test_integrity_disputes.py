@@ -1,0 +1,214 @@
+"""R = 2: a disagreement of two replicas is settled by placing them apart; the agent common to
+two disputes with different partners is the confirmed fault (coordinator/integrity/dispute.py),
+and the job re-plans, rolls back and excludes accordingly (coordinator/job/machine.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from coordinator.daemon.config import JobConfig
+from coordinator.integrity.corroborate import Corroboration
+from coordinator.integrity.dispute import MEMORY_STEPS, Disputes, restore, separate
+from coordinator.integrity.exclusion import JobIntegrity
+from coordinator.integrity.ledger import IntegrityLedger
+from coordinator.integrity.reports import EvidenceRecord
+from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.verify import DIGEST_EVERY, PAIR_WINDOW, onset
+from protos.dtfm.v1 import coordinator_pb2
+from tests.coordinator.test_integrity_exclusion import excluding
+from tests.coordinator.test_job_churn import report_all
+from tests.coordinator.test_job_states import FakeRegistry, Harness, run, until
+
+S = coordinator_pb2
+
+
+def dispute(a: str, b: str, step: int, *, reporter: str = "", epoch: int = 1,
+            kind: str = "grad_disagree") -> EvidenceRecord:
+    return EvidenceRecord(agent_id="", kind=kind, step=step, detail="norm ratio 9.8 over the "
+                          "last 5 steps", reporter=reporter or a, suspect_rank=-1, score=9.8,
+                          epoch=epoch, candidates=(a, b))
+
+
+def test_a_disagreement_asks_to_part_the_pair_and_roll_back_before_its_window() -> None:
+    ledger, d = IntegrityLedger(), Disputes()
+    assert d.feed([dispute("x", "b", 12)], ledger)
+    assert d.rollback_before == 12 - PAIR_WINDOW + 1  # a window's median: it began by then
+    assert "b and x" in d.replan_reason and "apart" in d.replan_reason
+    assert {e.confirmed for a in ("x", "b") for e in ledger.evidence(a)} == {False}
+    assert not ledger.exclusions
+    # the same disagreement again (every step, from both owners) asks for nothing more
+    assert not d.feed([dispute("b", "x", 13), dispute("x", "b", 14, reporter="b")], ledger)
+    assert d.apart(["b", "c", "x"]) == {frozenset((0, 2))}
+    d.planned(parted=True)
+    assert d.replan_reason == ""
+
+
+def test_the_agent_common_to_two_disputes_with_new_partners_is_excluded() -> None:
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 12)], ledger)
+    d.planned(parted=True)
+    assert not d.feed([dispute("x", "c", 9, epoch=2)], ledger)  # after the rollback to 4
+    exclusion = ledger.excluded("x")
+    assert exclusion is not None and exclusion.step == min(12, 9) - PAIR_WINDOW + 1
+    assert "b" in exclusion.reason and "c" in exclusion.reason
+    assert set(ledger.exclusions) == {"x"}
+    assert ledger.rollback_before == exclusion.step
+
+
+def test_a_liar_reporting_disputes_it_did_not_see_names_itself() -> None:
+    """Only a member of the pair may report its dispute, so the liar is in every one."""
+    ledger, d = IntegrityLedger(), Disputes()
+    assert not d.feed([dispute("b", "c", 12, reporter="liar")], ledger)  # not its pair
+    d.feed([dispute("liar", "b", 12)], ledger)
+    d.planned(parted=True)
+    d.feed([dispute("liar", "c", 8, epoch=2)], ledger)
+    assert set(ledger.exclusions) == {"liar"}
+
+
+def test_a_partner_with_a_dispute_of_its_own_keeps_it_from_confirming() -> None:
+    """Two bad agents disputing one honest agent in turn must not frame it while either has a
+    dispute of its own. Ambiguous from then on (honest, too, disputed two): nobody is named,
+    and the disputes stay evidence until they lapse."""
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("bad2", "z", 10)], ledger)
+    d.feed([dispute("honest", "bad1", 11)], ledger)
+    d.planned(parted=True)
+    assert d.feed([dispute("honest", "bad2", 9, epoch=2)], ledger)  # a new dispute only
+    assert not ledger.exclusions
+    d.planned(parted=True)
+    d.feed([dispute("bad1", "y", 8, epoch=3)], ledger)  # bad1: honest, then y
+    assert not ledger.exclusions
+
+
+def test_a_dispute_not_repeated_within_the_settling_window_lapses() -> None:
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 12)], ledger)
+    d.planned(parted=True)
+    late = 12 + MEMORY_STEPS + 1
+    assert d.feed([dispute("x", "c", late, epoch=2)], ledger)  # a new dispute, no verdict
+    assert not ledger.exclusions
+    assert d.apart(["b", "c", "x"]) == {frozenset((1, 2))}  # x and b may meet again
+
+
+def test_a_pair_that_no_placement_can_part_stays_evidence() -> None:
+    ledger, d = IntegrityLedger(), Disputes()
+    assert not d.feed([dispute("x", "b", 12)], ledger, separable=False)
+    assert d.rollback_before == 0 and d.replan_reason == "" and not d.apart(["x", "b"])
+    assert "no placement can part them" in ledger.evidence("x")[0].detail
+    assert not d.feed([dispute("x", "b", 40)], ledger, separable=False)  # still that one
+
+
+def test_separate_moves_one_of_a_pair_to_another_stage() -> None:
+    grid = [[0, 1], [2, 3]]  # stage 0 holds 0 and 1
+    parted = separate(grid, {frozenset((0, 1))})
+    assert parted is not None and sorted(sum(parted, [])) == [0, 1, 2, 3]
+    assert all(not {0, 1} <= set(row) for row in parted)
+    assert separate(grid, {frozenset((0, 2))}) == grid  # already apart: unchanged
+    assert separate([[0, 1]], {frozenset((0, 1))}) is None  # one stage: nobody to swap with
+    three = separate([[0, 1], [2, 3], [4, 5]], {frozenset((0, 1)), frozenset((2, 3)),
+                                                frozenset((0, 2))})
+    assert three is not None and all(len(row) == 2 for row in three)
+    assert not any(p <= set(row) for row in three
+                   for p in ({0, 1}, {2, 3}, {0, 2}))
+
+
+def test_onsets_cover_what_a_verdict_looks_back_over() -> None:
+    assert onset("grad_norm", 12) == 12
+    assert onset("grad_disagree", 12) == 12 - PAIR_WINDOW + 1
+    assert onset("weights", 20) == 20 - DIGEST_EVERY + 1
+    assert onset("weights_disagree", 16, sync_every=4) == 13
+    assert onset("weights", 3) == 1
+
+
+def test_a_weights_digest_confirmed_rolls_back_before_the_previous_comparison() -> None:
+    """Weights that differ at a digest may have drifted any time since the last one matched,
+    and the honest replicas averaged the drifted replica's gradients since."""
+    ledger, c = IntegrityLedger(), Corroboration()
+    for reporter in ("a", "b"):
+        c.feed([EvidenceRecord("bad", "weights", 20, "the odd digest", reporter, 2, 2.0, 1,
+                               ("bad",))], ledger)
+    exclusion = ledger.excluded("bad")
+    assert exclusion is not None and exclusion.step == 20 - DIGEST_EVERY + 1
+
+
+def test_disputes_survive_a_coordinator_restart() -> None:
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 12)], ledger)
+    d.planned(parted=True)
+    again = restore(d.to_json())
+    assert again.disputes == d.disputes and again.rollback_before == d.rollback_before
+    again.feed([dispute("x", "c", 9, epoch=2)], ledger)
+    assert set(ledger.exclusions) == {"x"}
+    assert restore(None).disputes == [] and restore({"disputes": [{"bad": 1}]}).disputes == []
+
+
+def test_a_job_parts_a_disputed_pair_rolls_back_and_excludes_the_common_agent() -> None:
+    """The state machine: 2 x 2 on four agents; x and its stage partner disagree at step 12;
+    the job stops, plans x in the other stage resuming before step 8, and when x disputes its
+    new partner too it is excluded and the job shrinks."""
+    async def body(h: Harness) -> None:
+        excluding(h)
+        await h.running_epoch(1)
+        report_all(h, 10)  # every member passed the checkpoint of step 8
+        await until(lambda: h.job.checkpoint_step == 8)
+        grid = [list(row.agent_ids) for row in h.job.plan.grid]  # type: ignore[union-attr]
+        x, partner = grid[0]
+        assert h.job.integrity.settle([dispute(x, partner, 12)])
+        h.job.poke()
+        await h.running_epoch(2)
+        rec = h.job.recoveries.items[-1]
+        assert "apart" in rec.reason and x in rec.reason
+        grid2 = [list(row.agent_ids) for row in h.job.plan.grid]  # type: ignore[union-attr]
+        assert not any({x, partner} <= set(row) for row in grid2), grid2
+        assert "placed apart" in h.job.plan.algorithm  # type: ignore[union-attr]
+        assigned = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
+        assert {a.resume_before for a in assigned} == {12 - PAIR_WINDOW + 1}
+        assert h.job.checkpoint_step == 4  # 8 is after the dispute's onset
+        report_all(h, 5)
+        new_partner = next(a for row in grid2 if x in row for a in row if a != x)
+        h.job.integrity.settle([dispute(x, new_partner, 9, reporter=new_partner, epoch=2)])
+        await h.running_epoch(3)
+        assert x not in h.job.members and h.registry.states[x] == S.AGENT_STATE_EXCLUDED
+        assert h.job.integrity.ledger.excluded(partner) is None
+        assigned = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
+        assert {a.resume_before for a in assigned} == {9 - PAIR_WINDOW + 1}
+        for a in h.job.members:
+            h.report(a, WorkerState.TRAINING, step=5)
+
+    cfg = JobConfig(model="gpt-tiny", agents=4, stages=2, replicas=2, min_agents=2,
+                    train=TrainConfig(global_batch=8, micro_batches=2, steps=20,
+                                      checkpoint_every=4),
+                    measure_links=True, placement="scheduled", search_seconds=0.5)
+    cfg.validate()
+    run(cfg, body, agents=4)
+
+
+def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
+    before = JobIntegrity(FakeRegistry(), SimpleNamespace(step=8))  # type: ignore[arg-type]
+    before.separable = True
+    assert before.settle([dispute("x", "b", 12)])
+    assert before.pending_bound() == 8
+    after = JobIntegrity(FakeRegistry(), SimpleNamespace(step=8),  # type: ignore[arg-type]
+                         saved=before.to_json())
+    assert after.disputes.disputes == before.disputes.disputes
+    assert after.pending_bound() == 8
+
+
+def test_a_fault_proven_during_an_epoch_is_not_lifted_by_that_epochs_checkpoint() -> None:
+    """Seen in test_bad_peer_disputed: the settling epoch was planned with the dispute's bound,
+    step 6; the exclusion it then proved had bound 6 too, and the epoch's next checkpoint
+    (written while the recovery waited) lifted it as if that bound had been planned; the job
+    then resumed from step 24."""
+    registry = FakeRegistry()
+    registry.exclude = lambda agent_id, reason: None  # type: ignore[attr-defined]
+    integrity = JobIntegrity(registry, SimpleNamespace(step=8))  # type: ignore[arg-type]
+    integrity.separable = True
+    integrity.settle([dispute("x", "b", 10)])
+    integrity.plan_epoch([], 1, separable=True, parted=True)
+    assert integrity.planned_bound == 10 - PAIR_WINDOW + 1
+    integrity.ledger.record("x", "grad_disagree", 6, "common to two", confirmed=True)
+    integrity.checkpointed()  # the epoch's own checkpoint, after the fault
+    assert integrity.pending_bound() == 6  # still owed to the next epoch
+    integrity.plan_epoch([], 1, separable=True, parted=True)
+    integrity.checkpointed()
+    assert integrity.pending_bound() == 0
