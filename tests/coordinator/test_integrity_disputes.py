@@ -195,10 +195,10 @@ def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
 
 
 def test_a_fault_proven_during_an_epoch_is_not_lifted_by_that_epochs_checkpoint() -> None:
-    """Seen in test_bad_peer_disputed: the settling epoch was planned with the dispute's bound,
-    step 6; the exclusion it then proved had bound 6 too, and the epoch's next checkpoint
-    (written while the recovery waited) lifted it as if that bound had been planned; the job
-    then resumed from step 24."""
+    """Seen in tests/system/test_bad_peer_excluded.py (R = 2): the settling epoch was planned
+    with the dispute's bound, step 6; the exclusion it then proved had bound 6 too, and the
+    epoch's next checkpoint (written while the recovery waited) lifted it as if that bound had
+    been planned; the job then resumed from step 24."""
     registry = FakeRegistry()
     registry.exclude = lambda agent_id, reason: None  # type: ignore[attr-defined]
     integrity = JobIntegrity(registry, SimpleNamespace(step=8))  # type: ignore[arg-type]
