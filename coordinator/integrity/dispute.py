@@ -31,7 +31,10 @@ that stops once re-paired is harmless from then on, and what it did is rolled ba
 agents that both dispute the same honest agent would frame it; the partners' "disputed nobody
 else" condition keeps that from confirming while either of them has a dispute of its own.
 What cannot be settled: a job of one stage, or a fixed placement (nobody to pair with
-instead); the dispute then stays evidence and the job trains on (docs/architecture.md).
+instead); the dispute then stays evidence and the job trains on (docs/architecture.md). Weights
+that differ (`weights_disagree`) still roll back there: two replicas stepping with the same
+averaged gradient from different weights never agree again, and one checkpoint puts them back
+in step (a one-off bit flip is then gone; a fault that lasts disputes again after the memory).
 """
 
 from __future__ import annotations
@@ -115,20 +118,24 @@ class Disputes:
                 self.disputes = [d for d in self.disputes if culprit not in d.pair]
                 continue
             self.disputes = [*self.disputes, new][-MAX_DISPUTES:]
+            resync = not separable and rec.kind == "weights_disagree"
             settle = ("placing them apart, each with a new partner, to settle it"
                       if separable else "no placement can part them (one stage, or a fixed "
-                      "placement): it stays evidence")
+                      "placement): it stays evidence" + (
+                          ", and both resume from one checkpoint" if resync else ""))
             for x in (a, b):
                 ledger.record(x, rec.kind, rec.step,
                               f"disagreed with {new.partner(x)} at step {rec.step}, either may "
                               f"be wrong (score {rec.score:.3g}, epoch {rec.epoch}): {settle}",
                               reporter=rec.reporter)
-            if separable:
+            if separable or resync:  # weights that differ never agree again by training
                 self.rollback_before = min(s for s in (self.rollback_before, new.onset) if s)
                 self.replan_reason = (
                     f"agents {a} and {b}, replicas of one stage, disagree ({rec.kind} at step "
-                    f"{rec.step}; either may be wrong): placing them apart, each with a new "
-                    f"partner, and rolling back before step {self.rollback_before}")
+                    f"{rec.step}; either may be wrong): " + (
+                        "placing them apart, each with a new partner, and rolling back"
+                        if separable else "nobody to place them with instead; both "
+                        "resume") + f" before step {self.rollback_before}")
                 replan = True
         return replan
 

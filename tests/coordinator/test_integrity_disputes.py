@@ -98,6 +98,18 @@ def test_a_pair_that_no_placement_can_part_stays_evidence() -> None:
     assert not d.feed([dispute("x", "b", 40)], ledger, separable=False)  # still that one
 
 
+def test_weights_that_differ_where_no_placement_parts_them_resume_from_one_checkpoint() -> None:
+    """Two replicas of a one-stage job whose weights differ never agree again by training:
+    nobody can be named, but both go back to one checkpoint before the drift."""
+    ledger, d = IntegrityLedger(), Disputes()
+    assert d.feed([dispute("x", "b", 20, kind="weights_disagree")], ledger, separable=False)
+    assert d.rollback_before == 20 - DIGEST_EVERY + 1 and "resume" in d.replan_reason
+    assert d.apart(["x", "b"]) == set()
+    d.planned(parted=False)
+    d.rolled_back()
+    assert d.rollback_before == 0 and not ledger.exclusions
+
+
 def test_separate_moves_one_of_a_pair_to_another_stage() -> None:
     grid = [[0, 1], [2, 3]]  # stage 0 holds 0 and 1
     parted = separate(grid, {frozenset((0, 1))})
