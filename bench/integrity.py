@@ -134,6 +134,7 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
     import torch
 
     from agent.worker.badpeer import attack
+    from agent.worker.directionwindow import WINDOW_COSINE_MIN, DirectionWindow
     from agent.worker.gradscore import ShardScorer, judge
     from agent.worker.pairscore import PairJudge
 
@@ -143,6 +144,7 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
     scorers = {(m, s, o): ShardScorer(replicas)
                for m in modes for s in range(stages) for o in range(replicas)}
     pairs = {key: PairJudge() for key in scorers}
+    directions = {key: DirectionWindow() for key in scorers}  # as the worker judges (R >= 3)
     seen: dict[str, dict[str, list[float]]] = {}
     caught = {m: 0 for m in modes}
     judged = {m: 0 for m in modes}
@@ -163,7 +165,8 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
                 if m != mode:
                     continue
                 found = sc.scores()
-                findings = judge(found) + pairs[(m, stage, owner)].judge(found)
+                findings = judge(directions[(m, stage, owner)].smooth(found),
+                                 WINDOW_COSINE_MIN) + pairs[(m, stage, owner)].judge(found)
                 judged[mode] += 1
                 caught[mode] += any(f.replica in (0, -1) for f in findings) \
                     if mode != "honest" else bool(findings)

@@ -182,8 +182,9 @@ class ShardScorer:
         return out
 
 
-def judge(scores: list[CopyScore]) -> list[Finding]:
-    """The findings of one step's scores, with the module's thresholds."""
+def judge(scores: list[CopyScore], cosine_min: float = COSINE_MIN) -> list[Finding]:
+    """The findings of one step's scores, with the module's thresholds (`cosine_min`: the
+    worker's is a window median's, `directionwindow.WINDOW_COSINE_MIN`)."""
     out: list[Finding] = []
     for s in scores:  # self-evident at any R: no honest replica sends these
         if s.zero:
@@ -199,10 +200,10 @@ def judge(scores: list[CopyScore]) -> list[Finding]:
             out.append(Finding(s.replica, "grad_norm", s.norm_ratio,
                                f"its norm is {s.norm_ratio:.3g}x the median copy's (honest: "
                                f"{NORM_LOW}..{NORM_HIGH})"))
-        elif s.cosine < COSINE_MIN:
+        elif s.cosine < cosine_min:
             out.append(Finding(s.replica, "grad_cosine", s.cosine,
                                f"its best cosine with any other copy is {s.cosine:.3g} "
-                               f"(honest: >= {COSINE_MIN})"))
+                               f"(honest: >= {cosine_min})"))
         elif s.shape > SHAPE_HIGH:
             out.append(Finding(s.replica, "grad_noise", s.shape,
                                f"its L1/L2 shape is {s.shape:.3g}x the median copy's in one "

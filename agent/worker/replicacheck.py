@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from agent.worker import avgcheck, badpeer, digest, gradscore, pairscore
+from agent.worker import avgcheck, badpeer, digest, directionwindow, gradscore, pairscore
 from agent.worker.data_parallel import GradAverager
 from agent.worker.fault import Fault
 from agent.worker.world import World
@@ -59,6 +59,7 @@ class ReplicaChecks:
         size = len(dp_ranks)
         self.scorer = gradscore.ShardScorer(size) if scores(level) and size > 1 else None
         self.pair = pairscore.PairJudge()  # R = 2: the copies judged over a window of steps
+        self.direction = directionwindow.DirectionWindow()  # R >= 3: cosines, likewise
         self.averages = avgcheck.AverageChecker(size, dp_ranks.index(rank)) \
             if self.scorer is not None else None
         self.fault, self.epoch = fault, epoch
@@ -112,7 +113,8 @@ class ReplicaChecks:
                                         "norm_ratio": s.norm_ratio, "cosine": s.cosine,
                                         "shape": s.shape,
                                         "sync_every": self.sync_every}) + "\n")
-        findings = gradscore.judge(found) + self.pair.judge(found)
+        findings = gradscore.judge(self.direction.smooth(found),
+                                   directionwindow.WINDOW_COSINE_MIN) + self.pair.judge(found)
         if self.sync_every > 1:  # pseudo-gradients: only the self-evident checks
             findings = [f for f in findings if f.kind in ("grad_zero", "grad_stale")]
         for f in findings:

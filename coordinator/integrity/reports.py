@@ -62,9 +62,9 @@ class IntegrityReports:
             self._seen[key] = rec
             new.append(rec)
             # INFO where it names a suspect: the ledger logs it again, and warns when it is
-            # confirmed (an honest 1000-step job reports ~2000 unconfirmed records, mostly a
-            # direction check, bench/honest.py); a disagreement that names nobody (R = 2) is
-            # logged here only
+            # confirmed (an honest 1000-step job reports ~110 unconfirmed records, mostly
+            # averages' and norms' statistics, bench/honest.py); a disagreement that names
+            # nobody (R = 2) is logged here only
             log.log(logging.INFO if rec.agent_id else logging.WARNING,
                     "integrity evidence from agent %s (rank %d) at step %d: %s names %s: %s",
                     reporter, e.reporter_rank, e.step, e.kind,
