@@ -150,13 +150,19 @@ class WanCluster:
 
     def _start_agents(self, prewarm: bool) -> None:
         for i in range(self.agents):
-            host = i + 1
-            self.agent_procs.append(self._spawn(host, [
-                self.agent_modules.get(i, "agent"), "start",
-                "--coordinator", self.coordinator_address,
-                "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
-                "--state-dir", str(self.workdir / f"agent-{i}"),
-                *([] if prewarm else ["--no-prewarm"]), *self.agent_args], f"agent-{i}"))
+            self.agent_procs.append(self.start_agent(i, prewarm))
+
+    def start_agent(self, i: int, prewarm: bool = True, log_name: str = "") -> \
+            subprocess.Popen[bytes]:
+        """Start agent i on its host and state directory (again, after a kill: it keeps its
+        id and checkpoints), logging to `log_name`.log (agent-i.log by default)."""
+        host = i + 1
+        return self._spawn(host, [
+            self.agent_modules.get(i, "agent"), "start",
+            "--coordinator", self.coordinator_address,
+            "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
+            "--state-dir", str(self.workdir / f"agent-{i}"),
+            *([] if prewarm else ["--no-prewarm"]), *self.agent_args], log_name or f"agent-{i}")
 
     def _wait_agents(self, timeout: float) -> list[str]:
         """Agent ids in host order once every agent has joined."""

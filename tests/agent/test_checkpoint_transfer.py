@@ -186,7 +186,7 @@ def test_a_rollback_fetches_the_steps_below_its_bound_not_the_newest(tmp_path: P
     """An agent moved to another stage by an integrity re-plan (an R = 2 dispute) resumes
     before the bound (`Assignment.resume_before`): it must fetch the newest step below it,
     even where it, or its peers, hold newer ones; before, it fetched the newest two, and the
-    whole job resumed from step 0 (tests/system/test_bad_peer_excluded.py)."""
+    whole job resumed from step 0 (tests/system/test_wan_bad_peer.py)."""
     holder, taker = tmp_path / "holder", tmp_path / "taker"
     ondisk.write_floor(ondisk.job_dir(holder, JOB), 1)  # the holder keeps every step
     for step in (2, 4, 6, 8):

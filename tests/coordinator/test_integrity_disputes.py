@@ -207,7 +207,7 @@ def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
 
 
 def test_a_fault_proven_during_an_epoch_is_not_lifted_by_that_epochs_checkpoint() -> None:
-    """Seen in tests/system/test_bad_peer_excluded.py (R = 2): the settling epoch was planned
+    """Seen in a loopback twin of tests/system/test_wan_bad_peer.py: the settling epoch was planned
     with the dispute's bound, step 6; the exclusion it then proved had bound 6 too, and the
     epoch's next checkpoint (written while the recovery waited) lifted it as if that bound had
     been planned; the job then resumed from step 24."""

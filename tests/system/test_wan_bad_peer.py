@@ -8,9 +8,9 @@ the coordinator settles the R = 2 disagreement by re-planning the pair apart
 (coordinator/integrity/dispute.py), which moves agents to the other stage: they fetch its
 checkpoint across the WAN from below the rollback's bound. The bad agent disagrees with its
 new partner too, is excluded, and the job finishes on the three honest agents from the newest
-checkpoint before the first step proven bad. The loopback twin is
-tests/system/test_bad_peer_excluded.py; this one checks what loopback hides: evidence and
-checkpoints crossing hosts, one of them behind a NAT.
+checkpoint before the first step proven bad. It also checks what loopback hides: evidence
+and checkpoints crossing hosts, one of them behind a NAT (R >= 3 on loopback:
+tests/system/test_bad_peer_excluded.py).
 """
 
 from __future__ import annotations
