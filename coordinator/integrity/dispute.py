@@ -88,6 +88,7 @@ class Disputes:
 
     def __init__(self, saved: Iterable[Any] = ()) -> None:
         self.disputes: list[Dispute] = []
+        self._asked: list[Dispute] = []  # the disputes the epoch being planned was asked to part
         self.rollback_before = 0  # the earliest onset of a dispute still to roll back (0: none)
         self.replan_reason = ""  # why the job must re-plan now ("" : it need not)
         for d in saved:
@@ -163,16 +164,25 @@ class Disputes:
     def apart(self, ids: Sequence[str]) -> set[frozenset[int]]:
         """The pairs (indices into `ids`) an epoch of `ids` must not put in one stage."""
         index = {a: i for i, a in enumerate(ids)}
-        return {frozenset((index[d.a], index[d.b])) for d in self.disputes
-                if d.done != CANNOT and d.a in index and d.b in index}
+        self._asked = [d for d in self.disputes
+                       if d.done != CANNOT and d.a in index and d.b in index]
+        return {frozenset((index[d.a], index[d.b])) for d in self._asked}
 
-    def planned(self, parted: bool) -> None:
-        """An epoch was planned: with the pending disputes' pairs in different stages
-        (`parted`), or not (no swap could: they stay evidence)."""
+    def planned(self, rows: Sequence[Sequence[str]]) -> None:
+        """An epoch was planned with `rows` (agent ids, a row per stage): a pending dispute
+        whose pair it parts is apart; one it was asked to part (`apart`) and could not stays
+        evidence; one that came in while it was placed waits for the next plan (and keeps
+        `replan_reason`)."""
         for d in self.disputes:
-            if d.done == PENDING:
-                d.done = APART if parted else CANNOT
-        self.replan_reason = ""
+            if d.done != PENDING:
+                continue
+            if not any(d.pair <= set(row) for row in rows):
+                d.done = APART
+            elif any(d is asked for asked in self._asked):
+                d.done = CANNOT
+        if not any(d.done == PENDING for d in self.disputes):
+            self.replan_reason = ""
+        self._asked = []
 
     def rolled_back(self) -> None:
         """An epoch planned with the rollback bound wrote a checkpoint of its own: only the

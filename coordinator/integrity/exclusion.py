@@ -19,7 +19,7 @@ rollback, and for a re-plan with the two replicas apart, before anyone is proven
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from coordinator.daemon.registry import Registry
@@ -116,14 +116,14 @@ class JobIntegrity:
         return replan
 
     def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,
-                   separable: bool = False, parted: bool = True) -> None:
+                   separable: bool = False, rows: Sequence[Sequence[str]] = ()) -> None:
         """Carry the pending rollback bound in the next epoch's assignments (`sync_every`:
         the epoch's H, where its checkpoints fall; `separable`: whether its layout and
-        placement could part two replicas of a stage; `parted`: whether its grid parts the
-        disputed pairs, `dispute.separate`)."""
+        placement could part two replicas of a stage; `rows`: its grid, agent ids by stage,
+        which parts the disputed pairs or not, `dispute.separate`)."""
         self.sync_every = max(sync_every, 1)
         self.separable = separable
-        self.disputes.planned(parted)
+        self.disputes.planned(rows)
         self.planned_bound = self.pending_bound()
         self.planned_serial = self.ledger.rollback_serial
         if self.planned_bound:

@@ -361,11 +361,9 @@ class Job:
                 return
             how = [f"{found['algorithm']}, swapped off dead links"] if grid else []
             # R = 2 replicas that disagree go to different stages (integrity/dispute.py)
-            parted = True
             if (apart := self.integrity.disputes.apart(ids)) and placement.kind == "scheduled":
                 base = grid or found["grid"]
-                parted = (parted_grid := separate(base, apart)) is not None
-                if parted_grid is not None and parted_grid != base:
+                if (parted_grid := separate(base, apart)) is not None and parted_grid != base:
                     grid = parted_grid
                     how = [*(how or [found["algorithm"]]), "disputing replicas placed apart"]
             if grid is not None:
@@ -429,7 +427,7 @@ class Job:
         )
         self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
             assignments, train.sync_every, separable=layout.stages > 1
-            and placement.kind == "scheduled", parted=parted)
+            and placement.kind == "scheduled", rows=self.planner.grid_ids)
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()

@@ -20,6 +20,7 @@ from tests.coordinator.test_job_churn import report_all
 from tests.coordinator.test_job_states import FakeRegistry, Harness, run, until
 
 S = coordinator_pb2
+PARTED = [["x", "y", "liar", "honest", "bad2"], ["b", "c", "z", "bad1"]]  # a plan's rows
 
 
 def dispute(a: str, b: str, step: int, *, reporter: str = "", epoch: int = 1,
@@ -39,14 +40,14 @@ def test_a_disagreement_asks_to_part_the_pair_and_roll_back_before_its_window() 
     # the same disagreement again (every step, from both owners) asks for nothing more
     assert not d.feed([dispute("b", "x", 13), dispute("x", "b", 14, reporter="b")], ledger)
     assert d.apart(["b", "c", "x"]) == {frozenset((0, 2))}
-    d.planned(parted=True)
+    d.planned(PARTED)
     assert d.replan_reason == ""
 
 
 def test_the_agent_common_to_two_disputes_with_new_partners_is_excluded() -> None:
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("x", "b", 12)], ledger)
-    d.planned(parted=True)
+    d.planned(PARTED)
     assert not d.feed([dispute("x", "c", 9, epoch=2)], ledger)  # after the rollback to 4
     exclusion = ledger.excluded("x")
     assert exclusion is not None and exclusion.step == min(12, 9) - PAIR_WINDOW + 1
@@ -60,7 +61,7 @@ def test_a_liar_reporting_disputes_it_did_not_see_names_itself() -> None:
     ledger, d = IntegrityLedger(), Disputes()
     assert not d.feed([dispute("b", "c", 12, reporter="liar")], ledger)  # not its pair
     d.feed([dispute("liar", "b", 12)], ledger)
-    d.planned(parted=True)
+    d.planned(PARTED)
     d.feed([dispute("liar", "c", 8, epoch=2)], ledger)
     assert set(ledger.exclusions) == {"liar"}
 
@@ -72,10 +73,10 @@ def test_a_partner_with_a_dispute_of_its_own_keeps_it_from_confirming() -> None:
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("bad2", "z", 10)], ledger)
     d.feed([dispute("honest", "bad1", 11)], ledger)
-    d.planned(parted=True)
+    d.planned(PARTED)
     assert d.feed([dispute("honest", "bad2", 9, epoch=2)], ledger)  # a new dispute only
     assert not ledger.exclusions
-    d.planned(parted=True)
+    d.planned(PARTED)
     d.feed([dispute("bad1", "y", 8, epoch=3)], ledger)  # bad1: honest, then y
     assert not ledger.exclusions
 
@@ -83,7 +84,7 @@ def test_a_partner_with_a_dispute_of_its_own_keeps_it_from_confirming() -> None:
 def test_a_dispute_not_repeated_within_the_settling_window_lapses() -> None:
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("x", "b", 12)], ledger)
-    d.planned(parted=True)
+    d.planned(PARTED)
     late = 12 + MEMORY_STEPS + 1
     assert d.feed([dispute("x", "c", late, epoch=2)], ledger)  # a new dispute, no verdict
     assert not ledger.exclusions
@@ -105,7 +106,7 @@ def test_weights_that_differ_where_no_placement_parts_them_resume_from_one_check
     assert d.feed([dispute("x", "b", 20, kind="weights_disagree")], ledger, separable=False)
     assert d.rollback_before == 20 - DIGEST_EVERY + 1 and "resume" in d.replan_reason
     assert d.apart(["x", "b"]) == set()
-    d.planned(parted=False)
+    d.planned([["x", "b"]])
     d.rolled_back()
     assert d.rollback_before == 0 and not ledger.exclusions
 
@@ -146,7 +147,7 @@ def test_a_weights_digest_confirmed_rolls_back_before_the_previous_comparison() 
 def test_disputes_survive_a_coordinator_restart() -> None:
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("x", "b", 12)], ledger)
-    d.planned(parted=True)
+    d.planned(PARTED)
     again = restore(d.to_json())
     assert again.disputes == d.disputes and again.rollback_before == d.rollback_before
     again.feed([dispute("x", "c", 9, epoch=2)], ledger)
@@ -216,11 +217,28 @@ def test_a_fault_proven_during_an_epoch_is_not_lifted_by_that_epochs_checkpoint(
     integrity = JobIntegrity(registry, SimpleNamespace(step=8))  # type: ignore[arg-type]
     integrity.separable = True
     integrity.settle([dispute("x", "b", 10)])
-    integrity.plan_epoch([], 1, separable=True, parted=True)
+    integrity.plan_epoch([], 1, separable=True, rows=PARTED)
     assert integrity.planned_bound == 10 - PAIR_WINDOW + 1
     integrity.ledger.record("x", "grad_disagree", 6, "common to two", confirmed=True)
     integrity.checkpointed()  # the epoch's own checkpoint, after the fault
     assert integrity.pending_bound() == 6  # still owed to the next epoch
-    integrity.plan_epoch([], 1, separable=True, parted=True)
+    integrity.plan_epoch([], 1, separable=True, rows=PARTED)
     integrity.checkpointed()
     assert integrity.pending_bound() == 0
+
+
+def test_a_dispute_that_comes_while_an_epoch_is_placed_waits_for_the_next_plan() -> None:
+    """The placement awaits the search: a dispute heard meanwhile was not asked of it, so the
+    plan must not count it as parted (or as impossible to part) when it is not."""
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 12)], ledger)
+    assert d.apart(["x", "b", "c", "y"]) == {frozenset((0, 1))}  # the placement asks
+    d.feed([dispute("c", "y", 13)], ledger)  # heard while it searched
+    d.planned([["x", "c", "y"], ["b"]])  # parts x and b; c and y still together
+    states = {(dd.a, dd.b): dd.done for dd in d.disputes}
+    assert states == {("b", "x"): "apart", ("c", "y"): "pending"}
+    assert "c and y" in d.replan_reason  # the job plans again for them
+    d.apart(["x", "b", "c", "y"])
+    d.planned([["x", "c", "y"], ["b"]])  # asked, and still together: no placement can
+    assert {(dd.a, dd.b): dd.done for dd in d.disputes}[("c", "y")] == "cannot"
+    assert d.replan_reason == ""
