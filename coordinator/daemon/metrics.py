@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from coordinator.daemon.history import traffic_per_step
 from coordinator.daemon.registry import ALIVE, STATE_NAMES, Registry
+from coordinator.integrity.dispute import APART, CANNOT, PENDING
 from coordinator.job.machine import Job
 from coordinator.links.store import LinkStore
 from protos.dtfm.v1 import coordinator_pb2
@@ -184,7 +185,16 @@ class CoordinatorCollector(Collector):
                       "coordinator holds against agents, by kind", ["kind"])
         for kind, count in sorted(kinds.items()):
             held.add_metric([kind], float(count))
-        yield from (excluded, held)
+        disputes = _gauge("dtfm_integrity_disputes", "R = 2 disagreements the job remembers "
+                          "(coordinator/integrity/dispute.py), by what was done: pending (to "
+                          "be placed apart), apart, cannot (no placement parts the pair)",
+                          ["job_id", "model", "done"])
+        for job, status in jobs:
+            done = [d.done for d in job.integrity.disputes.disputes]
+            for state in (PENDING, APART, CANNOT):
+                disputes.add_metric([status.job_id, status.model, state],
+                                    float(done.count(state)))
+        yield from (excluded, held, disputes)
 
     def _replans(self, jobs: list[tuple[Job, coordinator_pb2.JobStatus]]) -> Iterator[Metric]:
         """Every re-plan each job weighed (coordinator/job/replan.py), by outcome; the

@@ -88,6 +88,7 @@ def test_an_excluded_agent_is_shown_refused_kept_out_across_a_restart_and_admitt
             scrape = generate_latest(coordinator_registry(svc.registry, svc.job, svc.links))
             assert b'dtfm_integrity_exclusions_total{job_id="' in scrape
             assert b'dtfm_integrity_evidence{kind="weight_digest"} 1.0' in scrape
+            assert b'dtfm_integrity_disputes{done="pending",job_id="' in scrape  # none
             why = await refused(stub.ReportProgress(coordinator_pb2.ProgressReport(
                 agent_id="bad", agent_secret=secret)))
             assert "coordinator admit bad" in why
