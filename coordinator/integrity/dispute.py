@@ -201,6 +201,11 @@ def restore(saved: Any) -> Disputes:
         return Disputes()
     disputes = Disputes(saved.get("disputes", ()))
     disputes.rollback_before = int(saved.get("rollback_before", 0) or 0)
+    if pending := [d for d in disputes.disputes if d.done == PENDING]:  # the re-plan it asked
+        d = pending[0]  # for had not happened when the coordinator stopped: it still must
+        disputes.replan_reason = (f"agents {d.a} and {d.b}, replicas of one stage, disagreed "
+                                  f"({d.kind} at step {d.step}) before a coordinator restart: "
+                                  f"placing them apart now")
     return disputes
 
 

@@ -205,6 +205,8 @@ def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
                          saved=before.to_json())
     assert after.disputes.disputes == before.disputes.disputes
     assert after.pending_bound() == 8
+    # stopped before the re-plan it asked for: the restarted coordinator still makes it
+    assert "b and x" in after.disputes.replan_reason and "restart" in after.disputes.replan_reason
 
 
 def test_a_fault_proven_during_an_epoch_is_not_lifted_by_that_epochs_checkpoint() -> None:
