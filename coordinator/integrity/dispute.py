@@ -98,10 +98,13 @@ class Disputes:
                 log.error("integrity: a saved dispute could not be read (%s)", exc)
 
     def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger,
-             sync_every: int = 1, separable: bool = True) -> bool:
+             sync_every: int = 1, separable: bool = True, first_step: int = 1) -> bool:
         """Weigh the new records' R = 2 disagreements; True when one opens a dispute that the
         job must re-plan for (`replan_reason` says why). `separable`: whether the running
-        layout and placement can put two agents of one stage in different stages."""
+        layout and placement can put two agents of one stage in different stages;
+        `first_step`: the first step the running epoch trains, before which no onset is
+        taken (a reporter's claim about steps before it would roll back what it did not
+        train: at worst a liar costs the epoch's own steps, as a crash would)."""
         replan = False
         for rec in records:
             pair = set(rec.candidates)
@@ -113,7 +116,8 @@ class Disputes:
             if any(d.pair == pair for d in self.disputes):
                 continue  # the same disagreement, reported again (every step, by both)
             a, b = sorted(pair)
-            new = Dispute(a, b, rec.kind, rec.step, onset(rec.kind, rec.step, sync_every),
+            new = Dispute(a, b, rec.kind, rec.step,
+                          max(onset(rec.kind, rec.step, sync_every), first_step),
                           rec.epoch, rec.reporter, PENDING if separable else CANNOT)
             if culprit := self._confirm(new, ledger):
                 self.disputes = [d for d in self.disputes if culprit not in d.pair]

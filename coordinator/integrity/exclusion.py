@@ -110,7 +110,8 @@ class JobIntegrity:
     def settle(self, records: Iterable[EvidenceRecord]) -> bool:
         """Weigh the new records' R = 2 disputes (`dispute.Disputes.feed`); True when the job
         must re-plan (`disputes.replan_reason`)."""
-        replan = self.disputes.feed(records, self.ledger, self.sync_every, self.separable)
+        replan = self.disputes.feed(records, self.ledger, self.sync_every, self.separable,
+                                    first_step=(self.epoch_from or 0) + 1)
         if replan:
             self.ledger.on_change()
         return replan

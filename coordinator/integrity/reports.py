@@ -58,6 +58,12 @@ class IntegrityReports:
             key = (report.epoch, reporter, e.reporter_rank, e.step, e.kind, e.suspect_rank)
             if key in self._seen:
                 continue
+            if e.step > report.step + 1:  # a check of its step runs before the step's progress
+                log.warning("integrity evidence from agent %s dropped: it concerns step %d, "
+                            "and the agent's worker reports step %d (a record of a step it has "
+                            "not trained is its own error, or a lie)", reporter, e.step,
+                            report.step)
+                continue
             rec = to_record(reporter, report.epoch, e, members, stages)
             self._seen[key] = rec
             new.append(rec)

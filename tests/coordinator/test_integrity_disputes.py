@@ -244,3 +244,11 @@ def test_a_dispute_that_comes_while_an_epoch_is_placed_waits_for_the_next_plan()
     d.planned([["x", "c", "y"], ["b"]])  # asked, and still together: no placement can
     assert {(dd.a, dd.b): dd.done for dd in d.disputes}[("c", "y")] == "cannot"
     assert d.replan_reason == ""
+
+
+def test_a_reporters_claim_about_steps_before_the_epoch_rolls_back_no_further_than_it() -> None:
+    """A liar that says the disagreement began at step 1 would roll back the whole job; the
+    onset is taken no earlier than the first step the epoch trains."""
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("liar", "b", 2)], ledger, first_step=41)  # the epoch resumed after 40
+    assert d.rollback_before == 41

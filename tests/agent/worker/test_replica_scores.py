@@ -176,7 +176,7 @@ def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
     assert validate_progress(sent) is None  # what an agent sends is always accepted
     assert sent.integrity[-1].score == 1e300 and sent.integrity[-1].suspect_rank == 2
     report = coordinator_pb2.ProgressReport(
-        agent_id="a1", agent_secret="ab" * 32, epoch=2, integrity=[
+        agent_id="a1", agent_secret="ab" * 32, epoch=2, step=9, integrity=[
             coordinator_pb2.IntegrityEvidence(step=7, kind="grad_norm", suspect_rank=5,
                                               score=9.5, detail="d", reporter_rank=1),
             coordinator_pb2.IntegrityEvidence(step=9, kind="weights_disagree",
@@ -189,6 +189,15 @@ def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
         EvidenceRecord("a5", "grad_norm", 7, "d", "a1", 5, 9.5, 2, ("a5",)),
         EvidenceRecord("", "weights_disagree", 9, "", "a1", -1, 2.0, 2, ("a1", "a3", "a5"))]
     assert reports.record("a1", report, members, stages=2) == []  # repeated heartbeat
+    # a record of a step the worker has not reached (a lie about its step, or one that would
+    # wipe the coordinator's memory of older disputes) is dropped; the step in progress is not
+    ahead = coordinator_pb2.ProgressReport(
+        agent_id="a1", agent_secret="ab" * 32, epoch=2, step=9, integrity=[
+            coordinator_pb2.IntegrityEvidence(step=10, kind="grad_zero", suspect_rank=5,
+                                              reporter_rank=1),
+            coordinator_pb2.IntegrityEvidence(step=10**9, kind="grad_zero", suspect_rank=3,
+                                              reporter_rank=1)])
+    assert [r.step for r in reports.record("a1", ahead, members, stages=2)] == [10]
     too_many = coordinator_pb2.ProgressReport(agent_id="a1", agent_secret="ab" * 32, integrity=[
         coordinator_pb2.IntegrityEvidence(kind="x")] * (MAX_EVIDENCE + 1))
     assert "integrity holds" in (validate_progress(too_many) or "")
