@@ -39,6 +39,7 @@ in step (a one-off bit flip is then gone; a fault that lasts disputes again afte
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -47,6 +48,7 @@ from typing import Any
 from coordinator.integrity.corroborate import WINDOW_STEPS
 from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
+from coordinator.links.failure import avoid
 from dtfm.core.verify import onset
 
 log = logging.getLogger(__name__)
@@ -216,32 +218,12 @@ def restore(saved: Any) -> Disputes:
 def separate(grid: Sequence[Sequence[int]], apart: set[frozenset[int]]
              ) -> list[list[int]] | None:
     """`grid` (a row per stage, a column per replica) with no pair of `apart` in one row, by
-    swapping one agent of each such pair with an agent of another row; the grid unchanged
-    when no pair shares a row, None when no swap parts them (one stage)."""
-    rows = [list(row) for row in grid]
+    as few swaps as it takes (`links.failure.avoid`, which keeps dead links apart the same
+    way); the grid unchanged when no pair shares a row, None when no swap parts them (one
+    stage)."""
+    return avoid(grid, apart, linked=stage_pairs)
 
-    def clash(row: Sequence[int]) -> list[frozenset[int]]:
-        return [p for p in apart if p <= set(row)]
 
-    for _ in range(sum(map(len, rows))):
-        bad = next(((j, p) for j, row in enumerate(rows) for p in clash(row)), None)
-        if bad is None:
-            return rows
-        j, pair = bad
-        moved = False
-        for d in sorted(pair, reverse=True):  # move either end of the pair
-            k = rows[j].index(d)
-            for j2, row2 in enumerate(rows):
-                for k2 in range(len(row2)) if j2 != j else ():
-                    trial = [list(r) for r in rows]
-                    trial[j][k], trial[j2][k2] = trial[j2][k2], trial[j][k]
-                    if not clash(trial[j]) and not clash(trial[j2]):
-                        rows, moved = trial, True
-                        break
-                if moved:
-                    break
-            if moved:
-                break
-        if not moved:
-            return None
-    return rows if not any(clash(row) for row in rows) else None
+def stage_pairs(grid: Sequence[Sequence[int]]) -> set[frozenset[int]]:
+    """The pairs of devices that replicate one stage: the only pairs a dispute keeps apart."""
+    return {frozenset(p) for row in grid for p in itertools.combinations(row, 2)}

@@ -78,8 +78,8 @@ class JobIntegrity:
                         job_id=self.job_id, reason=f"excluded: {exclusion.reason}")))
             except KeyError:
                 pass
-        if self.pending_bound():
-            self._roll_back(self.pending_bound())
+        if bound := self.pending_bound():
+            self._roll_back(bound)
         self.registry.exclude(agent_id, f"excluded for a confirmed integrity fault: "
                                         f"{exclusion.reason}")
 

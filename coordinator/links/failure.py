@@ -25,7 +25,7 @@ Pure functions on ids and grids: no grpc, no torch, no state of the job's.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -163,33 +163,40 @@ def priced(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, ids: Sequence[str],
     return delay, bandwidth
 
 
-def crossing(grid: Sequence[Sequence[int]], dead: set[frozenset[int]]) -> set[frozenset[int]]:
-    """The dead pairs (device indices) that `grid`'s workers would connect over."""
-    return connected_pairs(grid) & dead if dead else set()
+Linked = Callable[[Sequence[Sequence[int]]], set[frozenset[int]]]
 
 
-def avoid(grid: Sequence[Sequence[int]], dead: set[frozenset[int]]
-          ) -> list[list[int]] | None:
+def crossing(grid: Sequence[Sequence[int]], dead: set[frozenset[int]],
+             linked: Linked = connected_pairs) -> set[frozenset[int]]:
+    """The dead pairs (device indices) that `grid`'s workers would connect over (`linked`:
+    which pairs a grid connects)."""
+    return linked(grid) & dead if dead else set()
+
+
+def avoid(grid: Sequence[Sequence[int]], dead: set[frozenset[int]],
+          linked: Linked = connected_pairs) -> list[list[int]] | None:
     """`grid` changed by as few swaps of two devices as it takes for no worker to connect over
     a dead pair (each swap the one that leaves fewest crossings); None where swaps find none.
-    Swaps keep the devices in the job and every other device where it was."""
+    Swaps keep the devices in the job and every other device where it was. `linked`: which
+    pairs count as connected (every connection by default; integrity/dispute.py: a stage's
+    replicas only)."""
     current = [list(row) for row in grid]
     cells = [(j, k) for j, row in enumerate(current) for k in range(len(row))]
     for _ in range(len(cells)):
-        left = len(crossing(current, dead))
+        left = len(crossing(current, dead, linked))
         if not left:
             return current
         best: tuple[int, list[list[int]]] | None = None
         for (a, b), (c, d) in itertools.combinations(cells, 2):
             trial = [list(row) for row in current]
             trial[a][b], trial[c][d] = trial[c][d], trial[a][b]
-            n = len(crossing(trial, dead))
+            n = len(crossing(trial, dead, linked))
             if n < left and (best is None or n < best[0]):
                 best = (n, trial)
         if best is None:
             return None
         current = best[1]
-    return current if not crossing(current, dead) else None
+    return current if not crossing(current, dead, linked) else None
 
 
 def describe(dead: Iterable[frozenset[str]]) -> str:
