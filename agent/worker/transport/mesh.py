@@ -19,9 +19,11 @@ epoch as a lost worker does; the error says how to make the pair relayed.
 "Fails" means the peer could not be reached until the deadline, not that one connection
 died: a direct connection that dies before its first frame (a listener's agent that parks it
 while the worker starts, closes an early hello, or a handshake that one end finished and the
-other did not) is dialled again with backoff until `TransportConfig.timeout`, and the
-listener takes the new connection in place of one no frame crossed (`redial.py`). A
-connection a frame has crossed is never replaced: its frames cannot be replayed.
+other did not) is dialled again with backoff until `TransportConfig.timeout` (`redial.py`),
+and one that dies after frames crossed it is made again and resumed: the two ends exchange
+their frame counts and each resends what the other lacks, from copies of its first frames
+(`resume.py`), or both fail the pair with the same verdict. The connection's life is
+`peer.py`'s.
 
 Every connection starts with the job-key handshake (`dtfm.net.dataplane.handshake`); a peer
 that fails it is closed before any frame is read.
@@ -42,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import queue
 import socket
 import threading
 import time
@@ -54,7 +55,7 @@ import torch
 
 from agent.worker.transport import redial, sockio, staging
 from agent.worker.transport.config import TransportConfig
-from agent.worker.transport.sockio import byte_view
+from agent.worker.transport.peer import Peer, Recv
 from agent.worker.transport.work import TransportWork
 from dtfm.core.staleentry import StaleEntry
 from dtfm.net import dataplane as dp
@@ -62,229 +63,6 @@ from dtfm.net import framemac, punch
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.05
-_PARKED_POLL_S = 0.25  # how often a reader parked by a full mailbox checks its peer is there
-
-
-class _Recv:
-    def __init__(self, tensor: torch.Tensor, work: TransportWork) -> None:
-        self.tensor, self.work = tensor, work
-
-
-class _Peer:
-    """The connection to one peer: a sender thread (connects, then sends in order) and a
-    reader thread (started once connected)."""
-
-    def __init__(self, mesh: Mesh, rank: int) -> None:
-        self.mesh, self.rank = mesh, rank
-        self.sock: socket.socket | None = None
-        self.error: BaseException | None = None
-        self.connected = threading.Event()
-        self.outbox: queue.Queue[tuple[bytes, torch.Tensor, TransportWork] | None] = queue.Queue()
-        self.posted: dict[tuple[int, int], deque[_Recv]] = {}
-        self.arrived: dict[tuple[int, int], deque[bytearray]] = {}
-        self.unclaimed = 0
-        self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
-        # whether a frame has begun on the current connection, from the peer and to it
-        self.frames_in = self.frames_out = 0
-        # this pair's frames each way, sealed and checked with its key (framemac.py)
-        self.tx, self.rx = mesh.direction(mesh.rank, rank), mesh.direction(rank, mesh.rank)
-        mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
-
-    def attach(self, sock: socket.socket) -> None:
-        """Use `sock` for this peer and start reading it; under the mesh's lock, so a mesh
-        closing meanwhile either shuts this socket down and joins its reader, or refuses it."""
-        with self.mesh.cond:
-            old = self.sock
-            again = old is not None and not self.replaceable()
-            if not again and not self.mesh.closed and self.error is None:
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.sock, self.frames_in, self.frames_out = sock, 0, 0
-                self.connected.set()
-                self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
-                if old is not None:  # its reader sees it is no longer current and ends
-                    log.warning("rank %d: rank %d connected again before any frame crossed "
-                                "its first connection (its dialer gave up on that one): the "
-                                "new connection replaces it", self.mesh.rank, self.rank)
-                    sockio.shut(old)
-                return
-        if again:
-            log.warning("rank %d: rank %d connected again after frames crossed its first "
-                        "connection: the new connection is dropped", self.mesh.rank, self.rank)
-        sock.close()
-
-    def replaceable(self) -> bool:
-        """Under the mesh's lock: whether the current connection may give way to a new one.
-        Only one that no frame has crossed either way and that is direct (a relay circuit or
-        a punched connection is paired by the relay, which a new dial would not find)."""
-        return (self.frames_in == 0 and self.frames_out == 0 and self.error is None
-                and self.mesh.cfg.mode(self.mesh.rank, self.rank) in ("dial", "accept"))
-
-    def _detach(self, sock: socket.socket, exc: BaseException) -> bool:
-        """`sock` died before any frame crossed it: forget it and, as its dialer, dial again
-        (a listener waits for the redial; its receives keep their own deadline). False
-        when the connection is not `replaceable`: the caller fails the peer."""
-        with self.mesh.cond:
-            if self.sock is not sock:
-                return True  # replaced already: a newer connection carries this peer
-            if self.mesh.closed or not self.replaceable():
-                return False
-            self.sock = None
-            self.connected.clear()
-            dialer = self.mesh.cfg.mode(self.mesh.rank, self.rank) == "dial"
-        sock.close()
-        log.warning("rank %d: the connection with rank %d closed before its first frame (%s); "
-                    "%s", self.mesh.rank, self.rank, exc,
-                    "dialling again" if dialer else "waiting for it to dial again")
-        if dialer:
-            self.mesh.spawn(self._redial, f"dtfm-redial-{self.rank}")
-        return True
-
-    def _redial(self) -> None:
-        try:
-            self.mesh.connect(self)
-        except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
-            self.fail(exc)
-
-    def _current(self) -> socket.socket | None:
-        """The connection to send the next frame on, counted as used; None once failed."""
-        while True:
-            self.connected.wait()
-            with self.mesh.cond:
-                if self.error is not None:
-                    return None
-                if self.sock is not None:
-                    self.frames_out += 1
-                    return self.sock
-
-    def fail(self, exc: BaseException) -> None:
-        with self.mesh.cond:
-            if self.error is None:
-                self.error = exc
-            for q in self.posted.values():
-                for r in q:
-                    r.work.finish(exc)
-            self.posted.clear()
-            self.mesh.cond.notify_all()
-        self.connected.set()
-        if self.sock is not None:
-            self.sock.close()
-
-    def _send_loop(self) -> None:
-        self._redial()
-        while True:
-            item = self.outbox.get()
-            if item is None:
-                return
-            header, tensor, work = item
-            sock = self._current()
-            if sock is None:
-                assert self.error is not None
-                work.finish(self.error)
-                continue
-            try:
-                view = byte_view(tensor)
-                self.tx.send(sock, header, view)
-                self.sent_bytes += len(view)
-                work.finish()
-            except (OSError, ValueError) as exc:  # ValueError: too large to encrypt
-                err = ConnectionError(f"sending to rank {self.rank} failed: {exc}")
-                work.finish(err)
-                self.fail(err)
-
-    def _read_loop(self) -> None:
-        """Read frames until the connection ends. Whatever ends it (the peer gone mid-frame, a
-        frame it may not send, a bug) fails at once every receive waiting on this peer,
-        including the one whose payload was being read, and names the peer: a waiter that
-        heard nothing would sit out the group's timeout."""
-        sock, reading = self.sock, None
-        assert sock is not None
-        try:
-            while True:
-                reading = None
-                if self.frames_in:
-                    head = dp.recv_exact(sock, dp.HEADER_BYTES)
-                else:  # a frame has begun once its first byte is here (`replaceable`)
-                    first = dp.recv_exact(sock, 1)
-                    with self.mesh.cond:
-                        if self.sock is not sock:
-                            return  # replaced by a newer connection before its first frame
-                        self.frames_in = 1
-                    head = first + dp.recv_exact(sock, dp.HEADER_BYTES - 1)
-                h = dp.Header.unpack(head)
-                # the header's tag first: a header a relay changed is its tampering (named),
-                # not a peer's wrong frame; from here the header, its length too, is the peer's
-                self.rx.receive_head(sock, head)
-                h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
-                reading = self._claim(h)
-                if reading is None:  # nothing posted: into the mailbox, whose limit it fits
-                    buf = bytearray(self.rx.rest(h.length))
-                    dp.recv_into_exact(sock, memoryview(buf))
-                    buf = self.rx.open_buffer(head, buf)
-                    with self.mesh.cond:
-                        late = self._deliver((h.stream, h.tag), buf)
-                    if late is not None:
-                        sockio.copy_in(late.tensor, late.work, buf, self.rank)
-                    continue
-                view = byte_view(reading.tensor)
-                if len(view) != h.length - self.rx.overhead:  # refused before a byte is held
-                    reading.work.finish(RuntimeError(
-                        f"rank {self.rank} sent {h.length - self.rx.overhead} bytes (tag "
-                        f"{h.tag}) for a receive of {len(view)} bytes: the two ends disagree "
-                        f"on the tensor's shape or dtype"))
-                    reading = None
-                    sockio.discard(sock, self.rx.rest(h.length))
-                    self.rx.skip()
-                    continue
-                self.rx.receive_into(sock, head, view)
-                reading.work.finish()
-        except framemac.FrameRefused as exc:  # the pair's key does not vouch for it
-            self._lost(reading, self.mesh.refused(self.rank, str(exc)))
-        except (OSError, dp.FrameError) as exc:
-            if self._detach(sock, exc):
-                return
-            self._lost(reading, ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
-        except BaseException as exc:  # noqa: BLE001 - a dead reader must not leave waiters
-            log.exception("rank %d: reading from rank %d failed", self.mesh.rank, self.rank)
-            self._lost(reading, ConnectionError(
-                f"reading from rank {self.rank} failed ({type(exc).__name__}: {exc}); its "
-                f"connection is closed"))
-
-    def _claim(self, h: dp.Header) -> _Recv | None:
-        """The receive posted for frame `h` (taken out of `posted`), or None once the mailbox
-        has room for its payload; until then the reader waits (backpressure). A frame larger
-        than the whole mailbox waits for its receive: nothing is allocated for a length the
-        peer merely claims. A peer that goes meanwhile is noticed (`sockio.gone`), though nothing
-        reads its socket: its receives fail then, not at the group's timeout."""
-        m, key = self.mesh, (h.stream, h.tag)
-        with m.cond:
-            while not self.posted.get(key) and self.error is None and \
-                    self.unclaimed + h.length > m.cfg.mailbox_bytes:
-                # read on when a receive claims a message or is posted
-                if not m.cond.wait(_PARKED_POLL_S) and self.sock and \
-                        (why := sockio.gone(self.sock)):
-                    raise ConnectionError(f"{why} while its {h.length}-byte message (tag "
-                                          f"{h.tag}) waited for a receive")
-            if self.error is not None:
-                raise ConnectionError(str(self.error))
-            return self.posted[key].popleft() if self.posted.get(key) else None
-
-    def _lost(self, reading: _Recv | None, err: ConnectionError) -> None:
-        """Fail the receive being read (no longer in `posted`) and the rest of this peer's."""
-        if reading is not None:
-            reading.work.finish(err)
-        self.fail(err)
-
-    def _deliver(self, key: tuple[int, int], buf: bytearray) -> _Recv | None:
-        """Called under the mesh's lock: a message for which no receive was posted. Files it
-        in the mailbox, or returns the receive posted while its payload was being read (the
-        caller copies it in after releasing the lock)."""
-        q = self.posted.get(key)
-        if q:
-            return q.popleft()
-        self.arrived.setdefault(key, deque()).append(buf)
-        self.unclaimed += len(buf)
-        return None
 
 
 class Mesh:
@@ -298,7 +76,7 @@ class Mesh:
             if peer != rank:
                 self.direction(rank, peer)
         self.cond = threading.Condition()
-        self.peers: dict[int, _Peer] = {}
+        self.peers: dict[int, Peer] = {}
         self.rejected = 0  # connections that failed the handshake
         self.punched: set[int] = set()  # peers reached by a hole punch, not the relay
         self._closed = False
@@ -352,7 +130,7 @@ class Mesh:
         wire, land = staging.incoming(tensor)
         work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor], land)
         p = self.peer(src)
-        r = _Recv(wire, work)
+        r = Recv(wire, work, (stream, tag))
         buf = None
         with self.cond:
             got = p.arrived.get((stream, tag))
@@ -369,7 +147,7 @@ class Mesh:
             sockio.copy_in(r.tensor, r.work, buf, src)
         return work
 
-    def peer(self, rank: int) -> _Peer:
+    def peer(self, rank: int) -> Peer:
         if rank == self.rank or rank not in self.cfg.peers:
             raise ValueError(f"rank {self.rank} has no peer {rank} in its peer table")
         with self.cond:
@@ -377,15 +155,16 @@ class Mesh:
                 raise ConnectionError(f"rank {self.rank}'s data plane closed")
             p = self.peers.get(rank)
             if p is None:
-                p = self.peers[rank] = _Peer(self, rank)
+                p = self.peers[rank] = Peer(self, rank)
             return p
 
-    def spawn(self, target: Callable[[], None], name: str) -> None:
+    def spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
         """A transport thread, which `close` stops and joins."""
         t = threading.Thread(target=target, name=name, daemon=True)
         with self.cond:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
         t.start()
+        return t
 
     def close(self, join_s: float = 5.0) -> None:
         """Stop every transport thread and wait for them (at most `join_s`).
@@ -420,7 +199,7 @@ class Mesh:
                 t.join(max(0.0, end - time.monotonic()))
 
     # ---- connecting ----
-    def connect(self, p: _Peer) -> None:
+    def connect(self, p: Peer) -> None:
         """Open `p`'s connection (dial or relay) or wait for it to be accepted."""
         mode = self.cfg.mode(self.rank, p.rank)
         if mode == "accept":

@@ -20,9 +20,9 @@ backoff between tries (`FIRST_BACKOFF_S`, doubling to `MAX_BACKOFF_S`), and a ha
 may take longer at each try (`FIRST_HANDSHAKE_S`, doubling to `MAX_HANDSHAKE_S`) so a slow
 listener on a loaded machine gets its time without a dead one holding a try for long. What
 is never redialled: a peer that failed the job-key proof or answered as another rank (a
-verdict, not an accident), and a connection a frame has crossed (its frames cannot be
-replayed). The listener takes the new connection in place of one that carried no frame
-(`mesh._Peer.attach`). Each redial is logged with the pair and the reason.
+verdict, not an accident). The listener takes the new connection in place of the dead one
+(`peer.Peer.attach`), and where frames had crossed it the two ends resume (`resume.py`).
+Each redial is logged with the pair and the reason.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ passes the job-key handshake as a member would and then misbehaves on the wire.
   receive from it hung); the posted receive fails at once, and later receives still hear when
   the peer goes.
 - Any error inside the reader fails the peer's waiting receives, naming it.
+
+A direct connection that merely breaks is waited on for `resume.GRACE_S`, for its dialer to
+connect again and resume it (`test_connection_resume.py`); here the grace is cut to 1 s, so "at once"
+means once that short grace is over, well inside the group's timeout.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from agent.worker.transport import TransportConfig
+from agent.worker.transport import TransportConfig, resume
 from agent.worker.transport.mesh import Mesh
+from agent.worker.transport.peer import Peer
 from agent.worker.transport.work import TransportWork
 from dtfm.net import dataplane as dp
 from dtfm.rpc import free_port
@@ -43,10 +48,16 @@ def _rank0_and_raw_rank1() -> Iterator[tuple[Mesh, socket.socket]]:
     raw = socket.create_connection(dp.parse_addr(addr), timeout=10)
     try:
         dp.handshake(raw, dp.derive_key(SECRET, JOB, EPOCH), JOB, EPOCH, dp.ROLE_DIAL, 1)
+        resume.exchange(raw, resume.State(0, 0, 0), 10)
         yield m0, raw
     finally:
         raw.close()
         m0.close()
+
+
+@pytest.fixture(autouse=True)
+def _short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resume, "GRACE_S", 1.0)
 
 
 def _header(tag: int, length: int) -> bytes:
@@ -105,7 +116,7 @@ def test_any_error_in_a_reader_fails_its_peers_waiting_receives(
     with _rank0_and_raw_rank1() as (m0, raw):
         first = m0.recv(1, 0, 5, torch.zeros(4))
         second = m0.recv(1, 0, 6, torch.zeros(4))
-        monkeypatch.setattr(sys.modules[Mesh.__module__], "byte_view", broken)
+        monkeypatch.setattr(sys.modules[Peer.__module__], "byte_view", broken)
         raw.sendall(_header(5, 16) + b"\x00" * 16)
         _fails_at_once(first, r"reading from rank 1 failed \(KeyError")
         _fails_at_once(second, "reading from rank 1 failed")

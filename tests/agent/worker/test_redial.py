@@ -25,7 +25,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from agent.worker.transport import TransportConfig, redial
+from agent.worker.transport import TransportConfig, redial, resume
 from agent.worker.transport.mesh import Mesh
 from dtfm.net import dataplane as dp
 from dtfm.rpc import free_port
@@ -62,6 +62,7 @@ def _serve(conn: socket.socket, how: str, got: list[torch.Tensor]) -> None:
     dp.handshake(conn, KEY, JOB, EPOCH, dp.ROLE_ACCEPT, 0)
     if how == "close after the handshake":
         return
+    resume.exchange(conn, resume.State(0, 0, 0), 20)
     conn.sendall(_frame(0, 1, 8, torch.full((4,), 2.0)))  # "serve": a frame each way
     tag, t = _read_frame(conn)
     assert tag == 7
@@ -147,6 +148,7 @@ def test_a_listener_slower_than_one_handshake_is_waited_for_by_dialling_again(
 def _raw_rank1(addr: str) -> socket.socket:
     sock = socket.create_connection(dp.parse_addr(addr), timeout=10)
     dp.handshake(sock, KEY, JOB, EPOCH, dp.ROLE_DIAL, 1)
+    resume.exchange(sock, resume.State(0, 0, 0), 10)
     return sock
 
 
@@ -170,31 +172,6 @@ def test_the_listener_takes_a_new_connection_in_place_of_one_no_frame_crossed(
             work.wait(WAIT)
             assert torch.equal(buf, torch.full((4,), 5.0))
         first.close()
-    finally:
-        m0.close()
-
-
-@pytest.mark.timeout(60)
-def test_a_connection_a_frame_crossed_is_not_replaced() -> None:
-    """Its frames cannot be replayed: a later dial does not take its place, and its loss
-    fails the peer's receives at once, as before."""
-    addr = f"127.0.0.1:{free_port()}"
-    m0 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None},
-                              timeout=timedelta(seconds=60)), 0)
-    try:
-        m0.recv(1, 0, 7, torch.zeros(4))
-        with _raw_rank1(addr) as first:
-            first.sendall(_frame(1, 0, 7, torch.full((4,), 5.0)))
-            time.sleep(0.3)
-            with _raw_rank1(addr) as second:
-                second.sendall(_frame(1, 0, 9, torch.full((4,), 6.0)))
-                with contextlib.suppress(ConnectionResetError):
-                    assert second.recv(1) == b""  # dropped (reset: its frame was unread)
-        later = m0.recv(1, 0, 9, torch.zeros(4))
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="connection to rank 1 lost"):
-            later.wait(WAIT)
-        assert time.monotonic() - t0 < 5
     finally:
         m0.close()
 

@@ -1,0 +1,433 @@
+"""One peer of a rank's data plane: its connection, the thread that sends to it in order, the
+thread that reads its frames, and the receives and mailbox they meet in (`mesh.py` says how
+frames are matched, bounded and checked).
+
+The connection's life: made by the end that can (`Side.connect`: dial, relay, punch, or wait
+to be dialled), and made again when a direct one dies without either worker being gone. Before
+any frame has crossed, the dialer dials again until the receives' deadline (`redial.py`);
+after, the two ends exchange their frame counts and resume, resending what the other lacks, or
+both fail the pair with one verdict (`resume.py`). The reader alone decides that a connection
+died (a failed send shuts it for the reader to see), so one event settles each loss; the old
+reader is stopped before a new connection is counted, so no frame is counted twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Protocol
+
+import torch
+
+from agent.worker.transport import redial, resume, sockio
+from agent.worker.transport.config import TransportConfig
+from agent.worker.transport.sockio import byte_view
+from agent.worker.transport.work import TransportWork
+from dtfm.net import dataplane as dp
+from dtfm.net import framemac
+
+log = logging.getLogger(__name__)
+PARKED_POLL_S = 0.25  # how often a reader parked by a full mailbox checks its peer is there
+_READER_JOIN_S = 5.0  # how long a new connection waits for the old one's reader to stop
+_NO_FRAME = object()  # `Peer._connection`: nothing to count sent
+
+
+class Side(Protocol):
+    """What a peer needs of its rank's data plane (`mesh.Mesh`)."""
+
+    cfg: TransportConfig
+    rank: int
+    job: bytes
+    cond: threading.Condition
+
+    @property
+    def closed(self) -> bool: ...
+
+    def spawn(self, target: Any, name: str) -> threading.Thread: ...
+
+    def connect(self, p: Peer) -> None: ...
+
+    def refused(self, peer: int, frame: str) -> framemac.FrameRefused: ...
+
+    def direction(self, src: int, dst: int) -> framemac.Direction: ...
+
+
+class Recv:
+    def __init__(self, tensor: torch.Tensor, work: TransportWork, key: tuple[int, int]) -> None:
+        self.tensor, self.work, self.key = tensor, work, key
+
+
+_WAKE = object()  # put in a sender's outbox after a connection is made: resend what is owed
+
+
+class Peer:
+    """The connection to one peer: a sender thread (connects, then sends in order) and a
+    reader thread (started once connected)."""
+
+    def __init__(self, mesh: Side, rank: int) -> None:
+        self.mesh, self.rank = mesh, rank
+        self.sock: socket.socket | None = None
+        self.error: BaseException | None = None
+        self.connected = threading.Event()
+        self.outbox: queue.Queue[Any] = queue.Queue()
+        self.posted: dict[tuple[int, int], deque[Recv]] = {}
+        self.arrived: dict[tuple[int, int], deque[bytearray]] = {}
+        self.unclaimed = 0
+        self.sent_bytes = 0  # payload bytes sent; written only by the sender thread
+        # frames completed from the peer and begun to it, over every connection this epoch
+        self.frames_in = self.frames_out = 0
+        # a direct pair's connection can be made again with its frames resent (`resume.py`);
+        # a relay circuit or a punched connection is paired by the relay, which a new dial
+        # would not find
+        self.resumable = mesh.cfg.mode(mesh.rank, rank) in ("dial", "accept")
+        self.replay = resume.Replay(self.resumable, mesh.cfg.mailbox_bytes)
+        self.resume_at: int | None = None  # the peer's completed count, for the sender
+        self.reader: threading.Thread | None = None
+        self.attaching = threading.Lock()  # one new connection at a time
+        self.lost_at: float | None = None  # since when the dialer has been connecting again
+        self.tries = 0  # its new connections since
+        # this pair's frames each way, sealed and checked with its key (framemac.py)
+        self.tx, self.rx = mesh.direction(mesh.rank, rank), mesh.direction(rank, mesh.rank)
+        mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
+
+    def attach(self, sock: socket.socket) -> None:
+        """Use `sock` for this peer and start reading it. A connection already there gives
+        way (its reader is stopped first, so nothing more is counted from it); on a direct
+        pair the two ends then exchange their frame counts and resume, or fail the pair with
+        the same verdict (`resume.check`). Under the mesh's lock at each step, so a mesh closing
+        meanwhile either shuts this socket down and joins its reader, or refuses it."""
+        with self.attaching:
+            with self.mesh.cond:
+                if self.mesh.closed or self.error is not None:
+                    sock.close()
+                    return
+                old, reader = self.sock, self.reader
+                self.sock = None
+                self.connected.clear()
+                self.mesh.cond.notify_all()
+            if old is not None:  # its dialer gave up on it, or saw it die before this end did
+                log.warning("rank %d: rank %d connected again (%d frame(s) in, %d out so far): "
+                            "the new connection replaces the old one", self.mesh.rank,
+                            self.rank, self.frames_in, self.frames_out)
+                sockio.shut(old)
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(_READER_JOIN_S)
+                if reader.is_alive():
+                    sock.close()
+                    self.fail(ConnectionError(
+                        f"connection to rank {self.rank} lost: its old reader did not stop "
+                        f"within {_READER_JOIN_S} s, so a new connection cannot resume it"))
+                    return
+            if self.resumable and not self._resume(sock):
+                return
+            with self.mesh.cond:
+                if self.mesh.closed or self.error is not None:
+                    sock.close()
+                    return
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.sock, self.lost_at, self.tries = sock, None, 0
+                self.connected.set()
+                self.mesh.cond.notify_all()
+                self.reader = self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
+            self.outbox.put(_WAKE)
+
+    def _resume(self, sock: socket.socket) -> bool:
+        """Exchange frame counts on a new direct connection and settle what is resent; False
+        (the socket closed, the pair waiting, redialling or failed) where it cannot be used."""
+        with self.mesh.cond:
+            mine = resume.State(self.frames_in, self.frames_out, self.replay.kept)
+        try:
+            theirs = resume.exchange(sock, mine, redial.FIRST_HANDSHAKE_S)
+            lost = resume.check(self.mesh.rank, self.rank, mine, theirs)
+        except resume.ResumeError as exc:
+            sock.close()
+            self.fail(exc)
+            return False
+        except OSError as exc:  # died before its first frame: as a reader would see it
+            sock.close()
+            self._again(exc)
+            return False
+        if lost:
+            sock.close()
+            self.fail(ConnectionError(f"connection to rank {self.rank} lost and not "
+                                      f"resumable: {lost}"))
+            return False
+        if theirs.completed < mine.sent or mine.completed < theirs.sent:
+            log.warning("rank %d: resumed the connection with rank %d: resending %d frame(s), "
+                        "rank %d resends %d", self.mesh.rank, self.rank,
+                        mine.sent - theirs.completed, self.rank, theirs.sent - mine.completed)
+        with self.mesh.cond:
+            self.resume_at = theirs.completed
+        return True
+
+    def _detach(self, sock: socket.socket, exc: BaseException, reading: Recv | None) -> bool:
+        """`sock` died: forget it (the receive being read, if any, is posted again) and, as
+        the dialer, dial again; as the listener wait for it (`resume.GRACE_S`). False where
+        the pair cannot be resumed: the caller fails the peer."""
+        with self.mesh.cond:
+            current = self.sock is sock
+            if current and (self.mesh.closed or self.error is not None or not self.resumable):
+                return False
+            late = self._repost(reading) if reading is not None else None
+            if current:
+                self.sock = None
+                self.connected.clear()
+        sock.close()
+        if late is not None:
+            sockio.copy_in(late[0].tensor, late[0].work, late[1], self.rank)
+        if current:  # else replaced already: a newer connection carries this peer
+            self._again(exc)
+        return True
+
+    def _again(self, exc: BaseException) -> None:
+        dialer = self.mesh.cfg.mode(self.mesh.rank, self.rank) == "dial"
+        log.warning("rank %d: the connection with rank %d closed (%s) after %d frame(s) in and "
+                    "%d out; %s", self.mesh.rank, self.rank, exc or type(exc).__name__,
+                    self.frames_in, self.frames_out,
+                    "dialling again" if dialer else "waiting for it to dial again")
+        if dialer:
+            with self.mesh.cond:
+                self.lost_at = self.lost_at or time.monotonic()
+            self.mesh.spawn(self._redial, f"dtfm-redial-{self.rank}")
+        else:
+            self.mesh.spawn(functools.partial(self._await_redial, exc), f"dtfm-wait-{self.rank}")
+
+    def _await_redial(self, exc: BaseException) -> None:
+        """The listener's bound on a resume: a dialer whose worker is gone never comes back,
+        and its receives should say so well before their own deadline."""
+        grace = min(resume.GRACE_S, self.mesh.cfg.timeout.total_seconds())
+        end = time.monotonic() + grace
+        with self.mesh.cond:
+            while self.sock is None and self.error is None and not self.mesh.closed:
+                if not self.mesh.cond.wait(max(0.0, end - time.monotonic())) and \
+                        time.monotonic() >= end:
+                    break
+            if self.sock is not None or self.error is not None or self.mesh.closed:
+                return
+        self.fail(ConnectionError(f"connection to rank {self.rank} lost ({exc}), and rank "
+                                  f"{self.rank} did not connect again within {grace:.0f} s to "
+                                  f"resume it"))
+
+    def _redial(self) -> None:
+        """Connect (the sender thread's first act), or connect again after `_again`: with a
+        growing pause between tries, and within `resume.GRACE_S` of the loss once frames
+        have crossed (before that, the receives' own deadline bounds it, as a slow start)."""
+        try:
+            if self.lost_at is not None:
+                waited = time.monotonic() - self.lost_at
+                if self.frames_in or self.frames_out:
+                    grace = min(resume.GRACE_S, self.mesh.cfg.timeout.total_seconds())
+                    if waited > grace:
+                        raise ConnectionError(
+                            f"connection to rank {self.rank} lost, and {self.tries} new "
+                            f"connection(s) within {grace:.0f} s did not resume it")
+                time.sleep(min(redial.MAX_BACKOFF_S, redial.FIRST_BACKOFF_S * 2 ** self.tries))
+                self.tries += 1
+            self.mesh.connect(self)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
+            self.fail(exc)
+
+    def _repost(self, r: Recv) -> tuple[Recv, bytearray] | None:
+        """Under the mesh's lock: a receive whose frame's connection died mid-read waits for
+        the frame again, first in line; or takes it from the mailbox, where a new connection
+        already put it (returned for the caller to copy in outside the lock)."""
+        got = self.arrived.get(r.key)
+        if got:
+            buf = got.popleft()
+            self.unclaimed -= len(buf)
+            return r, buf
+        self.posted.setdefault(r.key, deque()).appendleft(r)
+        return None
+
+    def _connection(self, stale: socket.socket | None, frame: Any = _NO_FRAME
+                    ) -> tuple[socket.socket | None, list[tuple[bytes, bytes]]]:
+        """Wait for a connection other than `stale`; with the frames a resume owes the peer,
+        to send first. `frame` (a kept copy or None), when given, is counted sent on it.
+        (None, []) once the peer failed."""
+        with self.mesh.cond:
+            while self.error is None and (self.sock is None or self.sock is stale):
+                self.mesh.cond.wait(PARKED_POLL_S)
+            if self.error is not None:
+                return None, []
+            owed: list[tuple[bytes, bytes]] = []
+            if self.resume_at is not None:
+                self.tx.seq = self.resume_at  # resent frames keep their numbers
+                owed = self.replay.since(self.resume_at, self.frames_out)
+                self.resume_at = None
+            if frame is not _NO_FRAME:
+                self.frames_out += 1
+                self.replay.record(frame)
+            return self.sock, owed
+
+    def fail(self, exc: BaseException) -> None:
+        with self.mesh.cond:
+            if self.error is None:
+                self.error = exc
+            for q in self.posted.values():
+                for r in q:
+                    r.work.finish(exc)
+            self.posted.clear()
+            self.mesh.cond.notify_all()
+        self.connected.set()
+        if self.sock is not None:
+            self.sock.close()
+
+    def _send_loop(self) -> None:
+        self._redial()
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            if item is _WAKE:
+                self._transmit(None)
+            else:
+                self._transmit(item)
+
+    def _transmit(self, item: tuple[bytes, torch.Tensor, TransportWork] | None) -> None:
+        """Send what a resume owes the peer, then `item`. A direct connection that dies
+        meanwhile is shut for the reader to notice (it alone detaches, so one verdict settles
+        the pair); the next connection's resume then resends the frame where the peer lacks
+        it, or the pair fails. Either way the send's work hears the outcome."""
+        view, frame = None, _NO_FRAME
+        if item is not None:
+            view = byte_view(item[1])
+            frame = self.replay.copy(item[0], view)
+        sock, owed = self._connection(None, frame)
+        while sock is not None:
+            try:
+                for header, payload in owed:
+                    self.tx.send(sock, header, memoryview(payload))
+                if item is not None and view is not None:
+                    self.tx.send(sock, item[0], view)
+                    self.sent_bytes += len(view)
+                break
+            except ValueError as exc:  # too large to encrypt
+                self.fail(ConnectionError(f"sending to rank {self.rank} failed: {exc}"))
+            except OSError as exc:
+                if not self.resumable:
+                    self.fail(ConnectionError(f"sending to rank {self.rank} failed: {exc}"))
+                else:
+                    sockio.shut(sock)
+            view = None  # from here the resume decides whether it is sent again
+            sock, owed = self._connection(sock)
+        if item is not None:
+            item[2].finish(self.error if sock is None else None)
+
+    def _completed(self, sock: socket.socket, reading: Recv) -> bool:
+        """A frame read to the end into `reading`: counted, unless `sock` was replaced
+        meanwhile (then the receive waits for the frame again: the new connection resends
+        it)."""
+        with self.mesh.cond:
+            if self.sock is sock:
+                self.frames_in += 1
+                return True
+            late = self._repost(reading)
+        if late is not None:
+            sockio.copy_in(late[0].tensor, late[0].work, late[1], self.rank)
+        return False
+
+    def _read_loop(self) -> None:
+        """Read frames until the connection ends. Whatever ends it (the peer gone mid-frame, a
+        frame it may not send, a bug) fails at once every receive waiting on this peer,
+        including the one whose payload was being read, and names the peer: a waiter that
+        heard nothing would sit out the group's timeout. The exception: a direct connection
+        that can be resumed (`resume.py`), whose receives wait for the new one."""
+        sock, reading = self.sock, None
+        assert sock is not None
+        self.rx.seq = self.frames_in  # a resumed connection starts at the first frame missed
+        try:
+            while True:
+                reading = None
+                head = dp.recv_exact(sock, dp.HEADER_BYTES)
+                h = dp.Header.unpack(head)
+                # the header's tag first: a header a relay changed is its tampering (named),
+                # not a peer's wrong frame; from here the header, its length too, is the peer's
+                self.rx.receive_head(sock, head)
+                h.check(self.mesh.job, self.mesh.cfg.epoch, self.rank, self.mesh.rank)
+                reading = self._claim(h, sock)
+                if reading is None:  # nothing posted: into the mailbox, whose limit it fits
+                    buf = bytearray(self.rx.rest(h.length))
+                    dp.recv_into_exact(sock, memoryview(buf))
+                    buf = self.rx.open_buffer(head, buf)
+                    with self.mesh.cond:
+                        if self.sock is not sock:
+                            return  # replaced: the new connection resends it
+                        self.frames_in += 1
+                        late = self._deliver((h.stream, h.tag), buf)
+                    if late is not None:
+                        sockio.copy_in(late.tensor, late.work, buf, self.rank)
+                    continue
+                view = byte_view(reading.tensor)
+                if len(view) != h.length - self.rx.overhead:  # refused before a byte is held
+                    reading.work.finish(RuntimeError(
+                        f"rank {self.rank} sent {h.length - self.rx.overhead} bytes (tag "
+                        f"{h.tag}) for a receive of {len(view)} bytes: the two ends disagree "
+                        f"on the tensor's shape or dtype"))
+                    reading = None
+                    sockio.discard(sock, self.rx.rest(h.length))
+                    self.rx.skip()
+                    with self.mesh.cond:
+                        if self.sock is not sock:
+                            return
+                        self.frames_in += 1
+                    continue
+                self.rx.receive_into(sock, head, view)
+                if not self._completed(sock, reading):
+                    return
+                reading.work.finish()
+        except framemac.FrameRefused as exc:  # the pair's key does not vouch for it
+            self._lost(reading, self.mesh.refused(self.rank, str(exc)))
+        except dp.FrameError as exc:  # a frame it may not send: a verdict, not an accident
+            self._lost(reading, ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
+        except OSError as exc:
+            if self._detach(sock, exc, reading):
+                return
+            self._lost(reading, ConnectionError(f"connection to rank {self.rank} lost: {exc}"))
+        except BaseException as exc:  # noqa: BLE001 - a dead reader must not leave waiters
+            log.exception("rank %d: reading from rank %d failed", self.mesh.rank, self.rank)
+            self._lost(reading, ConnectionError(
+                f"reading from rank {self.rank} failed ({type(exc).__name__}: {exc}); its "
+                f"connection is closed"))
+
+    def _claim(self, h: dp.Header, sock: socket.socket) -> Recv | None:
+        """The receive posted for frame `h` (taken out of `posted`), or None once the mailbox
+        has room for its payload; until then the reader waits (backpressure). A frame larger
+        than the whole mailbox waits for its receive: nothing is allocated for a length the
+        peer merely claims. A peer that goes meanwhile is noticed (`sockio.gone`), though nothing
+        reads its socket: its receives fail then, not at the group's timeout."""
+        m, key = self.mesh, (h.stream, h.tag)
+        with m.cond:
+            while not self.posted.get(key) and self.error is None and \
+                    self.unclaimed + h.length > m.cfg.mailbox_bytes:
+                if self.sock is not sock:
+                    raise ConnectionError("a new connection replaced this one")
+                # read on when a receive claims a message or is posted
+                if not m.cond.wait(PARKED_POLL_S) and (why := sockio.gone(sock)):
+                    raise ConnectionError(f"{why} while its {h.length}-byte message (tag "
+                                          f"{h.tag}) waited for a receive")
+            if self.error is not None:
+                raise ConnectionError(str(self.error))
+            return self.posted[key].popleft() if self.posted.get(key) else None
+
+    def _lost(self, reading: Recv | None, err: ConnectionError) -> None:
+        """Fail the receive being read (no longer in `posted`) and the rest of this peer's."""
+        if reading is not None:
+            reading.work.finish(err)
+        self.fail(err)
+
+    def _deliver(self, key: tuple[int, int], buf: bytearray) -> Recv | None:
+        """Called under the mesh's lock: a message for which no receive was posted. Files it
+        in the mailbox, or returns the receive posted while its payload was being read (the
+        caller copies it in after releasing the lock)."""
+        q = self.posted.get(key)
+        if q:
+            return q.popleft()
+        self.arrived.setdefault(key, deque()).append(buf)
+        self.unclaimed += len(buf)
+        return None
