@@ -28,17 +28,18 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 MAGIC = b"DTFP"
-VERSION = 1
+VERSION = 2  # 2: frame headers carry `ack`, and direct connections resume
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 NO_RANK = 0xFFFFFFFF  # "no target": a direct connection names no relay target
 
 # magic, version, role, job digest, epoch, rank, target rank, nonce
 _HELLO = struct.Struct(f"!4sBB16sII I{NONCE_BYTES}s")
-# job digest, epoch, src, dst, stream, tag, payload length
-_HEADER = struct.Struct("!16sIIIQqQ")
+# job digest, epoch, src, dst, stream, tag, payload length, frames acknowledged
+_HEADER = struct.Struct("!16sIIIQqQI")
 HELLO_BYTES = _HELLO.size
 HEADER_BYTES = _HEADER.size
+_ACK = struct.Struct("!I")  # the header's last field
 
 ROLE_DIAL = 1
 ROLE_ACCEPT = 2
@@ -175,10 +176,13 @@ class Header:
     stream: int  # which group (and whether a collective) the message belongs to
     tag: int
     length: int
+    # how many of the receiver's frames to the sender the sender has read to the end (a
+    # resumable connection's acknowledgement: agent/worker/transport/resume.py)
+    ack: int = 0
 
     def pack(self) -> bytes:
         return _HEADER.pack(self.job, self.epoch, self.src, self.dst, self.stream, self.tag,
-                            self.length)
+                            self.length, self.ack)
 
     @staticmethod
     def unpack(data: bytes) -> Header:
@@ -190,6 +194,11 @@ class Header:
             raise FrameError(f"frame from rank {self.src} to rank {self.dst} (epoch "
                              f"{self.epoch}) on the connection from rank {src} to rank {dst} "
                              f"(epoch {epoch}) or of another job: dropped, connection closed")
+
+
+def with_ack(header: bytes, ack: int) -> bytes:
+    """`header` (packed) with its `ack` set: stamped by the sender as the frame leaves."""
+    return header[:-_ACK.size] + _ACK.pack(ack)
 
 
 def control_frame(job: bytes, epoch: int, src: int, dst: int, tag: int,

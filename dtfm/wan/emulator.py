@@ -255,10 +255,16 @@ class Forwarder:
         n = len(self.fds)
         if not isinstance(request, dict):
             return {"error": f"a request is a JSON object, not {type(request).__name__}"}
-        unknown = set(request) - {"links", "compute", "get"}
+        unknown = set(request) - {"links", "compute", "get", "forget_nat"}
         if unknown:
             return {"error": f"unknown request key(s) {sorted(unknown)}: give links, "
-                             "compute or get"}
+                             "compute, forget_nat or get"}
+        if request.get("forget_nat"):
+            if self.router is None:
+                return {"error": "this emulator has no NAT: there is nothing to forget"}
+            gone = self.router.forget()
+            log.info("live change: the NATs forgot their %d mapping(s)", gone)
+            return {"ok": True, "forgotten": gone, **self.current()}
         links = request.get("links") or []
         compute = request.get("compute") or {}
         try:

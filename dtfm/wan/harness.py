@@ -182,6 +182,11 @@ class WanEmulator:
         """Apply several link changes at once (:meth:`dtfm.wan.live.LiveChanges.set_links`)."""
         self.live.set_links(changes)
 
+    def forget_nat(self) -> int:
+        """Every NAT drops its mappings while it runs
+        (:meth:`dtfm.wan.live.LiveChanges.forget_nat`)."""
+        return self.live.forget_nat()
+
     def address(self, i: int) -> str:
         """IPv4 address of host ``i`` (inside its namespace): where it binds. Behind a NAT it is
         private (192.168.1.x, the same for hosts behind different NATs) and only hosts behind

@@ -72,6 +72,12 @@ class LiveChanges:
         index = self._topology.sites.index(i)
         self._record(self._forwarder.request({"compute": {str(index): factor}}))
 
+    def forget_nat(self) -> int:
+        """Make every NAT drop its mappings (a router reboot); how many it had."""
+        answer = self._forwarder.request({"forget_nat": True})
+        self._record(answer)
+        return int(answer["forgotten"])
+
     def _record(self, answer: dict[str, Any]) -> None:
         self._topology.record_links(
             [[float(x) for x in row] for row in answer["delay_ms"]],

@@ -305,6 +305,16 @@ class Router:
         _rewrite(pkt, proto, off, 16, m.private_addr, 2, m.private_port)
         return m.host
 
+    def forget(self) -> int:
+        """Drop every mapping, as a NAT that reboots or runs out of table does; the next
+        packet of a flow out gets a new public port, so the peer, which knows only the old
+        one, answers its segments with a reset. Returns how many mappings went."""
+        gone = sum(len(s.by_public) for s in self.sites)
+        for s in self.sites:
+            s.by_public.clear()
+            s.by_private.clear()
+        return gone
+
     def mappings(self) -> list[dict[str, object]]:
         """Every live NAT mapping (for the control socket's ``get``)."""
         return [{"host": m.host, "proto": "tcp" if m.proto == TCP else "udp",

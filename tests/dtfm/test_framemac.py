@@ -214,22 +214,23 @@ def test_a_frame_of_many_chunks_streams_through_the_mac(flip: int | None) -> Non
     sender = threading.Thread(target=fm.Direction(fm.MAC, KEY, 0, 1).send,
                               args=(a, HEADER, payload))
     sender.start()
-    while len(wire) < len(payload) + 52 + 2 * fm.TAG_BYTES:
+    H = dp.HEADER_BYTES
+    while len(wire) < len(payload) + H + 2 * fm.TAG_BYTES:
         wire += b.recv(1 << 20)
     sender.join()
     if flip is not None:
-        wire[52 + fm.TAG_BYTES + flip] ^= 4
+        wire[H + fm.TAG_BYTES + flip] ^= 4
     c, d = socket.socketpair()
-    threading.Thread(target=c.sendall, args=(bytes(wire[52:]),), daemon=True).start()
+    threading.Thread(target=c.sendall, args=(bytes(wire[H:]),), daemon=True).start()
     rx, out = fm.Direction(fm.MAC, KEY, 0, 1), memoryview(bytearray(len(payload)))
     try:
-        rx.receive_head(d, bytes(wire[:52]))
+        rx.receive_head(d, bytes(wire[:H]))
         if flip is None:
-            rx.receive_into(d, bytes(wire[:52]), out)
+            rx.receive_into(d, bytes(wire[:H]), out)
             assert out == payload
         else:
             with pytest.raises(fm.FrameRefused, match="frame 0"):
-                rx.receive_into(d, bytes(wire[:52]), out)
+                rx.receive_into(d, bytes(wire[:H]), out)
     finally:
         for s in (a, b, c, d):
             s.close()

@@ -131,6 +131,7 @@ class Peer:
                     return
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sockio.keep_alive(sock)
                 self.sock, self.lost_at, self.tries = sock, None, 0
                 self.connected.set()
                 self.mesh.cond.notify_all()
@@ -141,7 +142,8 @@ class Peer:
         """Exchange frame counts on a new direct connection and settle what is resent; False
         (the socket closed, the pair waiting, redialling or failed) where it cannot be used."""
         with self.mesh.cond:
-            mine = resume.State(self.frames_in, self.frames_out, self.replay.kept)
+            mine = resume.State(self.frames_in, self.frames_out,
+                                self.replay.replayable(self.frames_out))
         try:
             theirs = resume.exchange(sock, mine, redial.FIRST_HANDSHAKE_S)
             lost = resume.check(self.mesh.rank, self.rank, mine, theirs)
@@ -248,7 +250,8 @@ class Peer:
     def _connection(self, stale: socket.socket | None, frame: Any = _NO_FRAME
                     ) -> tuple[socket.socket | None, list[tuple[bytes, bytes]]]:
         """Wait for a connection other than `stale`; with the frames a resume owes the peer,
-        to send first. `frame` (a kept copy or None), when given, is counted sent on it.
+        to send first. `frame` (its copy, or None where not copied), when given, is counted
+        sent on it.
         (None, []) once the peer failed."""
         with self.mesh.cond:
             while self.error is None and (self.sock is None or self.sock is stale):
@@ -261,8 +264,8 @@ class Peer:
                 owed = self.replay.since(self.resume_at, self.frames_out)
                 self.resume_at = None
             if frame is not _NO_FRAME:
+                self.replay.record(self.frames_out, frame)
                 self.frames_out += 1
-                self.replay.record(frame)
             return self.sock, owed
 
     def fail(self, exc: BaseException) -> None:
@@ -294,17 +297,19 @@ class Peer:
         meanwhile is shut for the reader to notice (it alone detaches, so one verdict settles
         the pair); the next connection's resume then resends the frame where the peer lacks
         it, or the pair fails. Either way the send's work hears the outcome."""
-        view, frame = None, _NO_FRAME
+        view, frame, header = None, _NO_FRAME, b""
         if item is not None:
             view = byte_view(item[1])
-            frame = self.replay.copy(item[0], view)
+            # as it leaves, the frame acknowledges what this end has read from the peer
+            header = dp.with_ack(item[0], self.frames_in)
+            frame = self.replay.copy(header, view)
         sock, owed = self._connection(None, frame)
         while sock is not None:
             try:
-                for header, payload in owed:
-                    self.tx.send(sock, header, memoryview(payload))
-                if item is not None and view is not None:
-                    self.tx.send(sock, item[0], view)
+                for old_header, payload in owed:
+                    self.tx.send(sock, old_header, memoryview(payload))
+                if view is not None:
+                    self.tx.send(sock, header, view)
                     self.sent_bytes += len(view)
                 break
             except ValueError as exc:  # too large to encrypt
@@ -403,6 +408,11 @@ class Peer:
         reads its socket: its receives fail then, not at the group's timeout."""
         m, key = self.mesh, (h.stream, h.tag)
         with m.cond:
+            if h.ack > self.frames_out:
+                raise dp.FrameError(f"rank {self.rank} acknowledged {h.ack} frame(s) of the "
+                                    f"{self.frames_out} rank {m.rank} sent it: dropped, "
+                                    f"connection closed")
+            self.replay.release(h.ack)  # the copies of frames the peer has read go
             while not self.posted.get(key) and self.error is None and \
                     self.unclaimed + h.length > m.cfg.mailbox_bytes:
                 if self.sock is not sock:

@@ -10,25 +10,27 @@ placed the same pair on the same path again.
 
 So every direct connection (`TransportConfig.mode` is "dial" or "accept" at both ends)
 begins, after the job-key handshake, with each end's `State`: how many of the peer's frames it
-has *completed* (read to the end and accounted for), how many it has *sent*, and how many of
-the first of those it still *keeps*. The sender keeps a copy of its first `REPLAY_FRAMES`
-frames to a peer, within `TransportConfig.mailbox_bytes` (`Replay`): the frames of a step's
-start, where a freshly made or handed-over connection fails. Frames beyond them are not
-copied (a copy of every frame until acknowledged would cost a memory copy per frame and an
-acknowledgement stream for a rare event), but a connection that dies *between* frames, with
-everything sent also completed, needs no copy.
+has *completed* (read to the end and accounted for), how many it has *sent*, and the first
+frame from which it holds a copy of every frame it sent (*replayable*). The sender copies each
+frame as it leaves (`Replay`) and drops the copy once the peer acknowledges it: every frame
+header carries `ack`, the frames its sender has completed from the receiver
+(`dtfm.net.dataplane.Header.ack`), so a pair's traffic the other way acknowledges at no cost
+(a pipeline's gradients acknowledge its activations, an all-reduce's halves each other). The
+copies are bounded by `TransportConfig.mailbox_bytes` per peer; a frame that does not fit is
+sent uncopied, and is lost only if the connection dies before it is read.
 
 Both ends judge the two states with `check`, the same pure function, so they reach the same
 verdict without a further message: the pair resumes when, in each direction, the receiver
-completed everything the sender sent, or every frame it did not complete is kept. Then each
-sender resends what its peer lacks, numbered as the first time (`framemac.Direction.seq`: a
-frame resealed under its own number is the same bytes), and the receiver drops whatever part
-of a frame it had read. Otherwise both ends fail the pair with the same message, naming how
-many frames were lost. A state that cannot be true (a peer claiming more frames than were
-sent to it) is that peer's fault, and said so.
+completed every frame from which the sender can no longer replay. Then each sender resends
+what its peer lacks exactly as it first sent it (the same header, ack included, under the same
+number: `framemac.Direction.seq`; the same bytes, so no nonce ever seals two messages), and
+the receiver drops whatever part of a frame it had read. Otherwise both ends fail the pair
+with the same message, naming how many frames were lost. A state that cannot be true (a peer
+claiming more frames than were sent to it) is that peer's fault, and said so.
 
 The exchange adds one message each way per connection (16 bytes), sent at once by both ends,
-so it costs one one-way delay when a connection is made and nothing per frame.
+so it costs one one-way delay when a connection is made; each frame costs a copy of its
+payload while it is unacknowledged.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from dataclasses import dataclass
 
 from dtfm.net import dataplane as dp
 
-REPLAY_FRAMES = 8  # the first frames to a peer a sender keeps a copy of, per epoch
 GRACE_S = 20.0  # how long a listener waits for its dialer to resume a connection frames crossed
 _MAGIC = b"dtR1"
 _STATE = struct.Struct(">4sIII")
@@ -55,71 +56,80 @@ class State:
 
     completed: int  # the peer's frames this end has read to the end
     sent: int  # frames this end has begun to send to the peer
-    kept: int  # of those, the first `kept` are copied and can be sent again
+    replayable: int  # the first frame from which this end holds a copy of each one it sent
 
     def pack(self) -> bytes:
-        return _STATE.pack(_MAGIC, self.completed, self.sent, self.kept)
+        return _STATE.pack(_MAGIC, self.completed, self.sent, self.replayable)
 
 
 def exchange(sock: socket.socket, mine: State, timeout_s: float) -> State:
     """Send `mine` and read the peer's (both ends send first: neither waits on the other)."""
     sock.settimeout(timeout_s)
     sock.sendall(mine.pack())
-    magic, completed, sent, kept = _STATE.unpack(dp.recv_exact(sock, _STATE.size))
+    magic, completed, sent, replayable = _STATE.unpack(dp.recv_exact(sock, _STATE.size))
     if magic != _MAGIC:
         raise ResumeError(f"the peer's connection state began with {magic!r}, not {_MAGIC!r}: "
                           f"it runs another dtfm (run the same version on every agent)")
-    return State(completed, sent, kept)
+    return State(completed, sent, replayable)
 
 
 def check(me: int, peer: int, mine: State, theirs: State) -> str:
     """Why the pair cannot resume ('' when it can). Both ends compute it from the same two
     states, so both reach the same verdict; `ResumeError` where `theirs` cannot be true."""
     if theirs.completed > mine.sent or theirs.sent < mine.completed or \
-            theirs.kept > theirs.sent:
+            theirs.replayable > theirs.sent:
         raise ResumeError(
             f"rank {peer} claims to have completed {theirs.completed} of the {mine.sent} "
-            f"frame(s) rank {me} sent it, and to have sent {theirs.sent} (keeping "
-            f"{theirs.kept}) where rank {me} completed {mine.completed}: a state no honest "
-            f"peer sends; the connection is closed")
+            f"frame(s) rank {me} sent it, and to have sent {theirs.sent} (replayable from "
+            f"{theirs.replayable}) where rank {me} completed {mine.completed}: a state no "
+            f"honest peer sends; the connection is closed")
     lost = []
     for src, dst, s, r in ((me, peer, mine, theirs), (peer, me, theirs, mine)):
-        if r.completed < s.sent and s.sent > s.kept:
+        if r.completed < s.replayable:
             lost.append(f"rank {dst} completed {r.completed} of the {s.sent} frame(s) rank "
-                        f"{src} sent, and rank {src} kept only its first {s.kept}")
+                        f"{src} sent, and rank {src} can resend them from frame "
+                        f"{s.replayable} only")
     return "; ".join(lost)
 
 
 class Replay:
-    """The first frames a sender sent to one peer, copied so a new connection can carry them
-    again. Used by the peer's sender thread only; `kept` is read under the mesh's lock."""
+    """Copies of the frames a sender sent to one peer that the peer has not acknowledged,
+    within `max_bytes`. Changed under the mesh's lock (the sender records, the reader
+    releases); `copy` runs outside it, in the sender thread."""
 
-    def __init__(self, enabled: bool, max_bytes: int, max_frames: int | None = None) -> None:
-        self._frames: list[tuple[bytes, bytes]] = []
-        self._room = max_bytes
-        self._max_frames = REPLAY_FRAMES if max_frames is None else max_frames
-        self.open = enabled  # still copying: every frame sent so far is kept
-
-    @property
-    def kept(self) -> int:
-        return len(self._frames)
+    def __init__(self, enabled: bool, max_bytes: int) -> None:
+        self.enabled, self._max = enabled, max_bytes
+        self._frames: dict[int, tuple[bytes, bytes]] = {}
+        self._held = 0
+        self._acked = 0  # frames below this number the peer has read
 
     def copy(self, header: bytes, payload: memoryview) -> tuple[bytes, bytes] | None:
-        """A copy of the frame about to be sent, while copies still cover every frame sent
-        and it fits; None closes the replay (later frames are not copied either)."""
-        if not self.open or len(self._frames) >= self._max_frames or len(payload) > self._room:
-            self.open = False
+        """A copy of the frame about to be sent, or None where it would not fit (a racy
+        look at the room: `record` decides)."""
+        if not self.enabled or self._held + len(payload) > self._max:
             return None
         return header, bytes(payload)
 
-    def record(self, frame: tuple[bytes, bytes] | None) -> None:
-        """Under the mesh's lock, as the frame is counted sent."""
-        if frame is None or not self.open:
-            self.open = False
-            return
-        self._frames.append(frame)
-        self._room -= len(frame[1])
+    def record(self, seq: int, frame: tuple[bytes, bytes] | None) -> None:
+        if frame is not None and self._held + len(frame[1]) <= self._max:
+            self._frames[seq] = frame
+            self._held += len(frame[1])
+
+    def release(self, acked: int) -> None:
+        """The peer has read every frame below `acked`: their copies go."""
+        while self._acked < acked:
+            frame = self._frames.pop(self._acked, None)
+            if frame is not None:
+                self._held -= len(frame[1])
+            self._acked += 1
+
+    def replayable(self, sent: int) -> int:
+        """The first frame from which every frame up to `sent` is acknowledged or copied."""
+        seq = sent
+        while seq > self._acked and seq - 1 in self._frames:
+            seq -= 1
+        return seq
 
     def since(self, start: int, sent: int) -> list[tuple[bytes, bytes]]:
-        """The frames from number `start` up to `sent` (`check` has vouched they are kept)."""
-        return self._frames[start:sent]
+        """The frames from number `start` up to `sent` (`check` has vouched they are held)."""
+        return [self._frames[seq] for seq in range(start, sent)]

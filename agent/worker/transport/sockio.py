@@ -44,6 +44,22 @@ def gone(sock: socket.socket) -> str:
     return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
 
 
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on a data-plane connection: a NAT or firewall forgets an idle flow
+    (often within minutes, not RFC 5382's two hours), and an end whose next act is a receive
+    would then wait for frames the NAT drops until the receive's deadline. A probe after 10 s
+    of silence keeps the mapping, or finds it gone (the peer answers the unknown flow with a
+    reset) within about 25 s, and the connection is resumed (`resume.py`)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                       ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, opt):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
 def shut(sock: socket.socket) -> None:
     """Shut `sock` down (its reader's recv returns) and close it."""
     with contextlib.suppress(OSError):

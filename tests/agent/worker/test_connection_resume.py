@@ -104,15 +104,17 @@ def _keys(frames: str) -> tuple[dict[int, bytes], dict[int, bytes]]:
 
 
 @contextlib.contextmanager
-def _pair(cuts: dict[int, tuple[str, int]], frames: str = fm.OFF
+def _pair(cuts: dict[int, tuple[str, int]], frames: str = fm.OFF, mailbox: int = 64 << 20
           ) -> Iterator[tuple[Mesh, Mesh, _CutProxy]]:
     addr = f"127.0.0.1:{free_port()}"
     k0, k1 = _keys(frames)
     m0 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None}, frames=frames,
-                              pair_keys=k0, timeout=timedelta(seconds=60)), 0)
+                              pair_keys=k0, timeout=timedelta(seconds=60),
+                              mailbox_bytes=mailbox), 0)
     proxy = _CutProxy(addr, cuts)
     m1 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: proxy.addr, 1: None}, frames=frames,
-                              pair_keys=k1, timeout=timedelta(seconds=60)), 1)
+                              pair_keys=k1, timeout=timedelta(seconds=60),
+                              mailbox_bytes=mailbox), 1)
     try:
         yield m0, m1, proxy
     finally:
@@ -151,11 +153,28 @@ def test_a_first_frame_cut_in_its_middle_is_sent_again_on_a_new_connection(
 
 
 @pytest.mark.timeout(90)
-def test_a_connection_cut_between_frames_long_after_the_kept_ones_resumes() -> None:
-    """Nothing is lost when every frame sent was also read: no copy is needed, so this holds
-    past the first `REPLAY_FRAMES` frames too; frames waiting in the mailbox stay there."""
+@pytest.mark.parametrize("frames", [fm.OFF, fm.ENCRYPT])
+def test_a_frame_cut_in_flight_deep_into_the_epoch_is_sent_again(frames: str) -> None:
+    """The pair's traffic acknowledges the frames each way (every header's `ack`), so the
+    copies a sender holds are the frames still in flight, wherever the epoch is."""
+    with _pair({0: ("up", 400_000)}, frames) as (m0, m1, proxy):
+        for tag in range(40):  # ~20 KB up: the cut falls in the big frame below
+            _both_ways(m0, m1, tag)
+        assert m1.peers[0].replay.replayable(m1.peers[0].frames_out) >= 39  # acknowledged
+        sent = torch.arange(BIG, dtype=torch.float32)
+        got = torch.zeros(BIG)
+        recv = m0.recv(1, 0, 50, got)
+        m1.send(0, 0, 50, sent).wait(WAIT)
+        recv.wait(WAIT)
+        assert torch.equal(got, sent)
+        assert proxy.count == 2
+        _both_ways(m0, m1, 51)
+
+
+@pytest.mark.timeout(90)
+def test_a_connection_cut_between_frames_resumes_and_the_mailbox_keeps_its_frames() -> None:
     with _pair({}) as (m0, m1, proxy):
-        for tag in range(resume.REPLAY_FRAMES + 4):
+        for tag in range(12):
             _both_ways(m0, m1, tag)
         early = m1.send(0, 0, 99, torch.full((8,), 9.0))  # into rank 0's mailbox
         early.wait(WAIT)
@@ -171,15 +190,13 @@ def test_a_connection_cut_between_frames_long_after_the_kept_ones_resumes() -> N
 
 
 @pytest.mark.timeout(90)
-def test_frames_lost_beyond_the_kept_ones_fail_both_ends_with_one_verdict(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resume, "REPLAY_FRAMES", 1)
-    with _pair({0: ("up", 300_000)}) as (m0, m1, proxy):
-        _both_ways(m0, m1, 1)  # each end's first frame, kept; the big one after it is not
+def test_a_frame_lost_that_was_too_big_to_copy_fails_both_ends_with_one_verdict() -> None:
+    with _pair({0: ("up", 300_000)}, mailbox=64 << 10) as (m0, m1, proxy):
+        _both_ways(m0, m1, 1)  # each end's first frame, acknowledged by the other's
         recv = m0.recv(1, 0, 2, torch.zeros(BIG))
         m1.send(0, 0, 2, torch.arange(BIG, dtype=torch.float32))  # may be written before the cut
         verdict = ("not resumable: rank 0 completed 1 of the 2 frame.s. rank 1 sent, and rank 1 "
-                   "kept only its first 1")
+                   "can resend them from frame 2 only")
         with pytest.raises(RuntimeError, match=verdict):
             recv.wait(WAIT)
         with pytest.raises(RuntimeError, match=verdict):  # rank 1 reached the same verdict
@@ -205,10 +222,23 @@ def test_a_peer_that_claims_frames_it_was_never_sent_is_refused() -> None:
 
 def test_the_verdict_is_the_same_at_both_ends() -> None:
     """Each end judges the two states alone; they must agree without another message."""
-    cases = [(resume.State(3, 5, 5), resume.State(5, 3, 3)),  # all read, or all kept
-             (resume.State(0, 9, 8), resume.State(9, 0, 0)),  # read past the kept ones
-             (resume.State(1, 9, 8), resume.State(7, 1, 1))]  # two unread, not kept: lost
+    cases = [(resume.State(3, 5, 5), resume.State(5, 3, 3)),  # all read
+             (resume.State(0, 9, 4), resume.State(4, 0, 0)),  # the unread ones held
+             (resume.State(1, 9, 8), resume.State(7, 1, 1))]  # frame 7 unread, not held: lost
     for a, b in cases:
         assert bool(resume.check(0, 1, a, b)) == bool(resume.check(1, 0, b, a))
     assert resume.check(0, 1, *cases[0]) == "" and resume.check(0, 1, *cases[1]) == ""
     assert "completed 7 of the 9" in resume.check(0, 1, *cases[2])
+    with pytest.raises(resume.ResumeError, match="no honest peer"):
+        resume.check(0, 1, resume.State(0, 2, 0), resume.State(3, 0, 0))
+
+
+def test_copies_go_as_the_peer_acknowledges_and_stay_within_their_bound() -> None:
+    r = resume.Replay(True, max_bytes=100)
+    for seq in range(3):
+        r.record(seq, r.copy(b"h", memoryview(bytes(40))))  # the third does not fit
+    assert r.replayable(3) == 3  # frame 2 is not held: nothing before it can be resent
+    r.release(2)
+    assert r.replayable(2) == 2
+    r.record(3, r.copy(b"h", memoryview(bytes(40))))
+    assert r.replayable(4) == 3 and r.since(3, 4) == [(b"h", bytes(40))]

@@ -12,8 +12,8 @@ passes the job-key handshake as a member would and then misbehaves on the wire.
 - Any error inside the reader fails the peer's waiting receives, naming it.
 
 A direct connection that merely breaks is waited on for `resume.GRACE_S`, for its dialer to
-connect again and resume it (`test_connection_resume.py`); here the grace is cut to 1 s, so "at once"
-means once that short grace is over, well inside the group's timeout.
+connect again and resume it (`test_connection_resume.py`); here the grace is cut to 1 s, so
+"at once" means once that short grace is over, well inside the group's timeout.
 """
 
 from __future__ import annotations
