@@ -86,6 +86,8 @@ class CoordinatorSession:
                 stream = self._stub.Join(coordinator_pb2.JoinRequest(
                     agent=self.info, agent_secret=self.secret))
                 async for command in stream:
+                    if self._stopping:  # a welcome in flight as the agent began to stop
+                        break
                     if command.HasField("welcome"):
                         self._welcomed(command.welcome)
                         self.heartbeat_interval_s = paced_interval(
@@ -190,6 +192,9 @@ class CoordinatorSession:
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report a dial-back of %s: %s", cmd.peer.agent_id,
                         rpc.describe_rpc_error(exc, self.target))
+        except grpc.aio.UsageError:  # the agent is stopping: its channel closed meanwhile
+            log.info("the dial-back of %s ended as the agent stopped; not reported",
+                     cmd.peer.agent_id)
 
     async def _measure(self, cmd: coordinator_pb2.MeasureLinksCommand) -> None:
         """Measure the named peers and report: pings to all at once, transfers one by one.
@@ -212,6 +217,8 @@ class CoordinatorSession:
             await self.report_links(cmd.round_id, samples)
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report links: %s", rpc.describe_rpc_error(exc, self.target))
+        except grpc.aio.UsageError:  # the agent is stopping: its channel closed meanwhile
+            log.info("a link measurement ended as the agent stopped; not reported")
         finally:
             self.state = WorkerState.IDLE
 
