@@ -187,9 +187,10 @@ class Mesh:
                 lsock.close()
         for p in peers:
             p.outbox.put(None)
-            if p.sock is not None:
-                with contextlib.suppress(OSError):
-                    p.sock.shutdown(socket.SHUT_RDWR)
+            for sock in (p.sock, p.exchanging):  # the latter: a resume exchange under way
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
             p.fail(ConnectionError(f"rank {self.rank}'s data plane closed"))
         end = time.monotonic() + join_s
         with self.cond:

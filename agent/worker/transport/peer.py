@@ -89,6 +89,7 @@ class Peer:
         self.resume_at: int | None = None  # the peer's completed count, for the sender
         self.reader: threading.Thread | None = None
         self.attaching = threading.Lock()  # one new connection at a time
+        self.exchanging: socket.socket | None = None  # a new connection's resume exchange
         self.lost_at: float | None = None  # since when the dialer has been connecting again
         self.tries = 0  # its new connections since
         # this pair's frames each way, sealed and checked with its key (framemac.py)
@@ -142,8 +143,12 @@ class Peer:
         """Exchange frame counts on a new direct connection and settle what is resent; False
         (the socket closed, the pair waiting, redialling or failed) where it cannot be used."""
         with self.mesh.cond:
+            if self.mesh.closed:
+                sock.close()
+                return False
             mine = resume.State(self.frames_in, self.frames_out,
                                 self.replay.replayable(self.frames_out))
+            self.exchanging = sock  # a closing mesh shuts it (`Mesh.close`)
         try:
             theirs = resume.exchange(sock, mine, redial.FIRST_HANDSHAKE_S)
             lost = resume.check(self.mesh.rank, self.rank, mine, theirs)
@@ -153,8 +158,11 @@ class Peer:
             return False
         except OSError as exc:  # died before its first frame: as a reader would see it
             sock.close()
-            self._again(exc)
+            if not self.mesh.closed:
+                self._again(exc)
             return False
+        finally:
+            self.exchanging = None
         if lost:
             sock.close()
             self.fail(ConnectionError(f"connection to rank {self.rank} lost and not "
