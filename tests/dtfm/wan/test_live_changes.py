@@ -57,6 +57,7 @@ def test_control_changes_one_direction_and_keeps_what_it_is_not_told() -> None:
     ({"compute": {"1": 0.5}}, "factor >= 1"),
     ({"compute": {"1": 2}}, "no compute_dir"),
     ({"route": []}, "unknown request key"),
+    ({"forget_nat": True}, "no NAT: there is nothing to forget"),
 ])
 def test_control_refuses_bad_requests_and_changes_nothing(request_: dict, says: str) -> None:
     fwd = _forwarder()

@@ -118,6 +118,23 @@ def test_mappings_expire_when_idle_and_after_close() -> None:
                    + 1) is None
 
 
+def test_a_nat_that_forgets_maps_the_flow_anew_and_drops_what_comes_to_the_old_port() -> None:
+    """`Router.forget` (the emulator's `forget_nat`): a rebooted home router. The peer's next
+    segment to the old public port dies at the NAT; the host's next one leaves from a new
+    port, which the peer's kernel knows nothing of (it answers with a reset)."""
+    r, places = router(nat_hosts=[1])
+    pub = places[1].public_address
+    out = packet(places[1].address, 40000, PUBLIC[0], 7000)
+    r.route(1, out, 0.0)
+    old = ports(out)[0]
+    assert r.forget() == 1 and r.mappings() == []
+    assert r.route(0, packet(PUBLIC[0], 7000, pub, old, flags=0x10), 1.0) is None
+    again = packet(places[1].address, 40000, PUBLIC[0], 7000, flags=0x10)
+    r.route(1, again, 1.0)
+    assert ports(again)[0] != old
+    assert r.route(0, packet(PUBLIC[0], 7000, pub, ports(again)[0], flags=0x14), 1.0) == 1
+
+
 def test_same_private_address_behind_two_nats() -> None:
     r, places = router(nat_hosts=[1, 2])
     assert places[1].address == places[2].address
