@@ -140,12 +140,17 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+class PeerClosed(ConnectionError):
+    """The peer closed its end (a FIN: its process closed the socket or exited), as opposed
+    to a reset or a timeout, which a NAT, a firewall or a lost path also cause."""
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("peer closed the connection mid-message")
+            raise PeerClosed("peer closed the connection mid-message")
         got += k
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {W
 
 DELAY = [[0, 10], [10, 0]]
 RATE = [[0, 100], [100, 0]]
-STEPS, FORGET_AT = 30, 6
+STEPS, FORGET_AT = 150, 5  # enough steps after the forget even where a step takes 10 ms
 JOB = ["--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "3",
        "--search-seconds", "1", "--no-measure", "--eval-batches", "0",

@@ -115,7 +115,7 @@ class Peer:
                 log.warning("rank %d: rank %d connected again (%d frame(s) in, %d out so far): "
                             "the new connection replaces the old one", self.mesh.rank,
                             self.rank, self.frames_in, self.frames_out)
-                sockio.shut(old)
+                sockio.abort(old)
             if reader is not None and reader is not threading.current_thread():
                 reader.join(_READER_JOIN_S)
                 if reader.is_alive():
@@ -157,7 +157,7 @@ class Peer:
             self.fail(exc)
             return False
         except OSError as exc:  # died before its first frame: as a reader would see it
-            sock.close()
+            sockio.abort(sock)
             if not self.mesh.closed:
                 self._again(exc)
             return False
@@ -182,13 +182,18 @@ class Peer:
         the pair cannot be resumed: the caller fails the peer."""
         with self.mesh.cond:
             current = self.sock is sock
-            if current and (self.mesh.closed or self.error is not None or not self.resumable):
+            # a peer that closed its end after frames crossed did so on purpose (its worker
+            # failed or stopped: a NAT or a lost path resets or times out, it sends no FIN),
+            # so its receives fail now, naming it, as they did before connections resumed
+            closed = isinstance(exc, dp.PeerClosed) and (self.frames_in or self.frames_out)
+            if current and (self.mesh.closed or self.error is not None or not self.resumable
+                            or closed):
                 return False
             late = self._repost(reading) if reading is not None else None
             if current:
                 self.sock = None
                 self.connected.clear()
-        sock.close()
+        sockio.abort(sock)
         if late is not None:
             sockio.copy_in(late[0].tensor, late[0].work, late[1], self.rank)
         if current:  # else replaced already: a newer connection carries this peer
@@ -326,7 +331,7 @@ class Peer:
                 if not self.resumable:
                     self.fail(ConnectionError(f"sending to rank {self.rank} failed: {exc}"))
                 else:
-                    sockio.shut(sock)
+                    sockio.abort(sock)
             view = None  # from here the resume decides whether it is sent again
             sock, owed = self._connection(sock)
         if item is not None:

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import os
 import socket
+import struct
 
 import torch
 
@@ -58,6 +59,18 @@ def keep_alive(sock: socket.socket) -> None:
                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
         if hasattr(socket, opt):  # Linux; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def abort(sock: socket.socket) -> None:
+    """Give `sock` up with a reset, not a FIN: the connection is to be resumed, and a peer
+    that saw a FIN after frames crossed would take it for its worker closing on purpose
+    (`peer.Peer._detach`). Shutting the read side wakes a thread blocked reading it without
+    sending anything; the close with a zero linger sends the reset."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+    sock.close()
 
 
 def shut(sock: socket.socket) -> None:

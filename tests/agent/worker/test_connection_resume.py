@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from agent.worker.transport import TransportConfig, resume
+from agent.worker.transport import TransportConfig, resume, sockio
 from agent.worker.transport.mesh import Mesh
 from dtfm.net import dataplane as dp
 from dtfm.net import framemac as fm
@@ -30,15 +29,6 @@ from dtfm.rpc import free_port
 SECRET, JOB, EPOCH = b"join-token-of-the-test", "job-r", 1
 WAIT = timedelta(seconds=30)
 BIG = 1 << 18  # floats: a 1 MiB frame, cut in its middle
-
-
-def _reset(sock: socket.socket) -> None:
-    """Reset `sock` (a close alone would wait for the pump thread blocked reading it)."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
 
 
 class _CutProxy:
@@ -50,6 +40,7 @@ class _CutProxy:
         self.lsock = socket.create_server(("127.0.0.1", 0))
         self.addr = f"127.0.0.1:{self.lsock.getsockname()[1]}"
         self.live: list[tuple[socket.socket, socket.socket]] = []
+        self.cutting: set[tuple[socket.socket, socket.socket]] = set()
         self.count = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -75,21 +66,27 @@ class _CutProxy:
         try:
             while True:
                 data = src.recv(65536 if limit is None else min(65536, max(1, limit - sent)))
-                if not data:
-                    break
+                if not data:  # a FIN passes on as a FIN (unless this is a cut waking it)
+                    if pair not in self.cutting:
+                        with contextlib.suppress(OSError):
+                            dst.shutdown(socket.SHUT_WR)
+                    return
                 dst.sendall(data)
                 sent += len(data)
                 if limit is not None and sent >= limit:
                     break
         except OSError:
             pass
+        self._cut(pair)
+
+    def _cut(self, pair: tuple[socket.socket, socket.socket]) -> None:
+        self.cutting.add(pair)
         for s in pair:
-            _reset(s)
+            sockio.abort(s)  # a reset, as a NAT or firewall sends (no FIN)
 
     def cut_all(self) -> None:
         for pair in self.live:
-            for s in pair:
-                _reset(s)
+            self._cut(pair)
 
     def close(self) -> None:
         self.lsock.close()
@@ -202,6 +199,20 @@ def test_a_frame_lost_that_was_too_big_to_copy_fails_both_ends_with_one_verdict(
         with pytest.raises(RuntimeError, match=verdict):  # rank 1 reached the same verdict
             m1.recv(0, 0, 3, torch.zeros(4)).wait(WAIT)
         assert proxy.count == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_closes_its_end_after_frames_crossed_fails_the_pair_at_once() -> None:
+    """Its worker failed or stopped (a FIN, which no NAT sends): its peers' receives fail now,
+    naming it, not after the resume's grace, so the epoch's errors say who went."""
+    with _pair({}) as (m0, m1, _):
+        _both_ways(m0, m1, 1)
+        waiting = m0.recv(1, 0, 2, torch.zeros(4))
+        t0 = time.monotonic()
+        m1.close()
+        with pytest.raises(RuntimeError, match="connection to rank 1 lost: peer closed"):
+            waiting.wait(WAIT)
+        assert time.monotonic() - t0 < resume.GRACE_S / 4
 
 
 @pytest.mark.timeout(60)
