@@ -231,6 +231,27 @@ def test_a_peer_that_claims_frames_it_was_never_sent_is_refused() -> None:
         m0.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_that_acknowledges_frames_it_was_never_sent_is_refused() -> None:
+    """An `ack` beyond the frames sent to that peer would free copies still owed: refused
+    before anything is released, naming the peer."""
+    addr = f"127.0.0.1:{free_port()}"
+    m0 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None},
+                              timeout=timedelta(seconds=60)), 0)
+    try:
+        work = m0.recv(1, 0, 5, torch.zeros(4))
+        with socket.create_connection(dp.parse_addr(addr), timeout=10) as raw:
+            dp.handshake(raw, dp.derive_key(SECRET, JOB, EPOCH), JOB, EPOCH, dp.ROLE_DIAL, 1)
+            resume.exchange(raw, resume.State(0, 0, 0), 10)
+            raw.sendall(dp.Header(dp.job_digest(JOB), EPOCH, 1, 0, 0, 5, 16, ack=5).pack()
+                        + bytes(16))
+            with pytest.raises(RuntimeError, match="acknowledged 5 frame.s. of the 0 rank 0 "
+                                                   "sent it"):
+                work.wait(WAIT)
+    finally:
+        m0.close()
+
+
 def test_the_verdict_is_the_same_at_both_ends() -> None:
     """Each end judges the two states alone; they must agree without another message."""
     cases = [(resume.State(3, 5, 5), resume.State(5, 3, 3)),  # all read
