@@ -217,13 +217,9 @@ class Peer:
         """The listener's bound on a resume: a dialer whose worker is gone never comes back,
         and its receives should say so well before their own deadline."""
         grace = min(resume.GRACE_S, self.mesh.cfg.timeout.total_seconds())
-        end = time.monotonic() + grace
         with self.mesh.cond:
-            while self.sock is None and self.error is None and not self.mesh.closed:
-                if not self.mesh.cond.wait(max(0.0, end - time.monotonic())) and \
-                        time.monotonic() >= end:
-                    break
-            if self.sock is not None or self.error is not None or self.mesh.closed:
+            if self.mesh.cond.wait_for(lambda: self.sock is not None or self.error is not None
+                                       or self.mesh.closed, grace):
                 return
         self.fail(ConnectionError(f"connection to rank {self.rank} lost ({exc}), and rank "
                                   f"{self.rank} did not connect again within {grace:.0f} s to "
