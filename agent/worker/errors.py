@@ -229,6 +229,8 @@ def wait_all(works: list[dist.Work], deadline: Deadline, what: str) -> None:
         for w in works:
             # at least 1 ms: c10d reads a zero timeout as "wait forever"
             w.wait(timedelta(seconds=max(0.001, end - time.monotonic())))
+            # a dtfm work that sat out its connection being made again: not the peer's pace
+            end += getattr(w, "stalled_s", 0.0)
     except RuntimeError as e:
         waited = time.monotonic() - t0
         if waited >= 0.95 * limit.seconds:

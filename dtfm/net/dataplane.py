@@ -56,6 +56,7 @@ OBSERVED_TAG = 1
 PUNCHED_TAG = 2
 PROBE_TAG = 3
 CHOSEN_TAG = 4
+RESUME_TAG = 5  # a resume's state on a relay circuit (agent/worker/transport/resume.py)
 # On the direct connection a punch probe at link measurement opened (agent/probing/punchprobe.py),
 # never through a relay: round trips (PING), a timed bulk transfer in frames (BULK; an empty
 # one ends it), the receiver's "rate settled, stop" (STOP) and the rate it measured (RATE).

@@ -137,7 +137,7 @@ class DtfmProcessGroup(dist.ProcessGroup):
         this 12x slower than gloo (docs/benchmarks.md, the transport section)."""
         seq = next(self._seq)
         work = TransportWork(self._mesh.cfg.timeout, f"all_reduce #{seq} over ranks "
-                             f"{self._ranks}", [t])
+                             f"{self._ranks}", [t], stalled=self._mesh.reconnecting)
         n = self.size()
         dense = t if t.is_contiguous() else t.contiguous()  # a strided view: reduce a copy
         if n > 2 and dense.numel() * dense.element_size() >= SPLIT_MIN_BYTES:

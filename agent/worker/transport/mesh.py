@@ -14,7 +14,9 @@ the relay: the listener cannot tell a dialer that gave up from one that has not 
 and a relay circuit says nothing until its partner arrives, so a listener that also waited at
 the relay could settle on the relay while its dialer's late direct connection was accepted,
 or the other way round, and the two ends would disagree on the path. The failure ends the
-epoch as a lost worker does; the error says how to make the pair relayed.
+epoch as a lost worker does; the error says how to make the pair relayed. Once frames have
+crossed, the two ends know the pair worked, so a direct path that then stays broken does move
+the pair to its relay, by a rule both ends apply alone (`resume.py`, `connect_relay`).
 
 "Fails" means the peer could not be reached until the deadline, not that one connection
 died: a direct connection that dies before its first frame (a listener's agent that parks it
@@ -53,7 +55,7 @@ from typing import Any
 
 import torch
 
-from agent.worker.transport import redial, sockio, staging
+from agent.worker.transport import redial, resume, sockio, staging
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.peer import Peer, Recv
 from agent.worker.transport.work import TransportWork
@@ -108,7 +110,9 @@ class Mesh:
     def refused(self, peer: int, frame: str) -> framemac.FrameRefused:
         """The error of `frame` ("frame N") from `peer` refused: it names the relay the pair
         goes through (the culprit: only the two ends hold the key), or the direct path."""
-        relayed = self.cfg.mode(self.rank, peer) == "relay" and peer not in self.punched
+        moved = (p := self.peers.get(peer)) is not None and p.moved
+        relayed = moved or (self.cfg.mode(self.rank, peer) == "relay"
+                            and peer not in self.punched)
         relay = (self.cfg.relay_for(self.rank, peer) or "") if relayed else ""
         seq = int(frame.rpartition(" ")[2])
         return framemac.FrameRefused(framemac.refusal_message(framemac.Refusal(
@@ -117,19 +121,22 @@ class Mesh:
     def send(self, dst: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
         """Send `tensor`'s value now (a GPU or strided one is staged: `staging.outgoing`)."""
         wire = staging.outgoing(tensor)  # a tensor it cannot send fails here, in the caller
-        work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor, wire])
+        p = self.peer(dst)
+        work = TransportWork(self.cfg.timeout, f"send to rank {dst}", [tensor, wire],
+                             stalled=p.reconnecting)
         header = dp.Header(self.job, self.cfg.epoch, self.rank, dst, stream, tag,
                            wire.numel() * wire.element_size()
                            + framemac.overhead(self.cfg.frames)).pack()
-        self.peer(dst).outbox.put((header, wire, work))
+        p.outbox.put((header, wire, work))
         return work
 
     def recv(self, src: int, stream: int, tag: int, tensor: torch.Tensor) -> TransportWork:
         """Receive into `tensor` (a GPU or strided one through a host buffer:
         `staging.incoming`, copied into place before the work reports done)."""
         wire, land = staging.incoming(tensor)
-        work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor], land)
         p = self.peer(src)
+        work = TransportWork(self.cfg.timeout, f"receive from rank {src}", [tensor], land,
+                             stalled=p.reconnecting)
         r = Recv(wire, work, (stream, tag))
         buf = None
         with self.cond:
@@ -157,6 +164,11 @@ class Mesh:
             if p is None:
                 p = self.peers[rank] = Peer(self, rank)
             return p
+
+    def reconnecting(self) -> bool:
+        """Whether a connection to any peer is being made again (a collective's work waits
+        on several)."""
+        return any(p.reconnecting() for p in list(self.peers.values()))
 
     def spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
         """A transport thread, which `close` stops and joins."""
@@ -200,8 +212,9 @@ class Mesh:
                 t.join(max(0.0, end - time.monotonic()))
 
     # ---- connecting ----
-    def connect(self, p: Peer) -> None:
-        """Open `p`'s connection (dial or relay) or wait for it to be accepted."""
+    def connect(self, p: Peer, deadline_s: float | None = None) -> None:
+        """Open `p`'s connection (dial or relay) or wait for it to be accepted; a dial tries
+        until `deadline_s` (default: the transport's timeout)."""
         mode = self.cfg.mode(self.rank, p.rank)
         if mode == "accept":
             if not p.connected.wait(self.cfg.timeout.total_seconds()):
@@ -214,7 +227,7 @@ class Mesh:
             addr, role_target = self.cfg.relay_for(self.rank, p.rank), p.rank
         assert addr is not None
         try:
-            sock = self._dial(addr, p.rank, role_target)
+            sock = self._dial(addr, p.rank, role_target, deadline_s)
         except ConnectionError as exc:
             if mode == "dial" and p.rank in self.cfg.limited:
                 raise ConnectionError(
@@ -229,6 +242,24 @@ class Mesh:
         if role_target != dp.NO_RANK:
             sock = self._through_relay(sock, p.rank)
         p.attach(sock)
+
+    def connect_relay(self, p: Peer) -> None:
+        """Meet `p` at the pair's relay after their direct path failed (`peer.Peer._move`):
+        no hole punch (it would open the path that failed), the relay's first frame awaited
+        at most `resume.RELAY_WAIT_S` (the peer notices the loss later than this end, or
+        never: its worker is gone), then the pair resumed on the circuit."""
+        addr = self.cfg.relay_for(self.rank, p.rank)
+        assert addr is not None
+        sock = self._dial(addr, p.rank, p.rank, resume.RELAY_WAIT_S)
+        try:
+            punch.partner_address(sock, self.job, self.cfg.epoch, self.rank, p.rank,
+                                  resume.RELAY_WAIT_S)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionError(f"rank {p.rank} did not reach the relay at {addr} within "
+                                  f"{resume.RELAY_WAIT_S:.0f} s: {exc or type(exc).__name__}"
+                                  ) from exc
+        p.attach(sock, relayed=True)
 
     def _through_relay(self, sock: socket.socket, peer: int) -> socket.socket:
         """A relay circuit to `peer`, or the direct connection a hole punch opened instead
@@ -248,10 +279,13 @@ class Mesh:
             self.punched.add(peer)
         return direct
 
-    def _dial(self, addr: str, peer: int, target: int) -> socket.socket:
+    def _dial(self, addr: str, peer: int, target: int, deadline_s: float | None = None
+              ) -> socket.socket:
         """A connection to `addr` that passed the handshake. A direct one that dies before
-        the handshake completes is dialled again until the deadline (`redial.py`)."""
-        tries = redial.Attempts(self.rank, peer, addr, self.cfg.timeout.total_seconds())
+        the handshake completes is dialled again until the deadline (`redial.py`; default:
+        the transport's timeout)."""
+        deadline = self.cfg.timeout.total_seconds() if deadline_s is None else deadline_s
+        tries = redial.Attempts(self.rank, peer, addr, deadline)
         while True:
             sock = self._connect(addr, peer, target, tries)
             sock.settimeout(tries.handshake_timeout())
@@ -268,7 +302,7 @@ class Mesh:
                 if not tries.again(exc):
                     raise ConnectionError(
                         f"rank {self.rank} dialled rank {peer} at {addr} {tries.tries} time(s) "
-                        f"until its deadline ({self.cfg.timeout}), and each connection died "
+                        f"within {deadline:.0f} s, and each connection died "
                         f"before its first frame; last: {exc or type(exc).__name__}") from exc
 
     def _connect(self, addr: str, peer: int, target: int,
@@ -276,8 +310,9 @@ class Mesh:
         host, port = dp.parse_addr(addr)
         while True:
             try:
-                return (socket.create_connection((host, port), timeout=10)
-                        if target == dp.NO_RANK else punch.dial_reusable(host, port, 10))
+                wait = max(0.5, min(10.0, tries.left()))
+                return (socket.create_connection((host, port), timeout=wait)
+                        if target == dp.NO_RANK else punch.dial_reusable(host, port, wait))
             except OSError as exc:  # not listening yet: it may still be starting
                 if tries.left() < 0 or self._closed:
                     raise ConnectionError(f"rank {self.rank} cannot reach "

@@ -28,6 +28,7 @@ from agent.worker.transport import redial, resume, sockio
 from agent.worker.transport.config import TransportConfig
 from agent.worker.transport.sockio import byte_view
 from agent.worker.transport.work import TransportWork
+from dtfm.core.staleentry import StaleEntry
 from dtfm.net import dataplane as dp
 from dtfm.net import framemac
 
@@ -50,7 +51,9 @@ class Side(Protocol):
 
     def spawn(self, target: Any, name: str) -> threading.Thread: ...
 
-    def connect(self, p: Peer) -> None: ...
+    def connect(self, p: Peer, deadline_s: float | None = None) -> None: ...
+
+    def connect_relay(self, p: Peer) -> None: ...
 
     def refused(self, peer: int, frame: str) -> framemac.FrameRefused: ...
 
@@ -85,27 +88,35 @@ class Peer:
         # a relay circuit or a punched connection is paired by the relay, which a new dial
         # would not find
         self.resumable = mesh.cfg.mode(mesh.rank, rank) in ("dial", "accept")
+        # a direct pair whose path failed at run time, moved to the relay for the rest of the
+        # epoch (`resume.FALLBACK_S`); from then on this end refuses the direct path
+        self.moved = self.relaying = False
         self.replay = resume.Replay(self.resumable, mesh.cfg.mailbox_bytes)
         self.resume_at: int | None = None  # the peer's completed count, for the sender
         self.reader: threading.Thread | None = None
         self.attaching = threading.Lock()  # one new connection at a time
         self.exchanging: socket.socket | None = None  # a new connection's resume exchange
         self.lost_at: float | None = None  # since when the dialer has been connecting again
+        self.down = False  # between connections after a loss (either end), until settled
         self.tries = 0  # its new connections since
         # this pair's frames each way, sealed and checked with its key (framemac.py)
         self.tx, self.rx = mesh.direction(mesh.rank, rank), mesh.direction(rank, mesh.rank)
         mesh.spawn(self._send_loop, f"dtfm-send-{rank}")
 
-    def attach(self, sock: socket.socket) -> None:
+    def attach(self, sock: socket.socket, relayed: bool = False) -> None:
         """Use `sock` for this peer and start reading it. A connection already there gives
         way (its reader is stopped first, so nothing more is counted from it); on a direct
         pair the two ends then exchange their frame counts and resume, or fail the pair with
         the same verdict (`resume.check`). Under the mesh's lock at each step, so a mesh closing
-        meanwhile either shuts this socket down and joins its reader, or refuses it."""
+        meanwhile either shuts this socket down and joins its reader, or refuses it.
+        `relayed`: a relay circuit that a moved pair resumes on (`move`)."""
         with self.attaching:
             with self.mesh.cond:
                 if self.mesh.closed or self.error is not None:
                     sock.close()
+                    return
+                if self.moved and not relayed:
+                    self._refuse_direct(sock)
                     return
                 old, reader = self.sock, self.reader
                 self.sock = None
@@ -124,24 +135,38 @@ class Peer:
                         f"connection to rank {self.rank} lost: its old reader did not stop "
                         f"within {_READER_JOIN_S} s, so a new connection cannot resume it"))
                     return
-            if self.resumable and not self._resume(sock):
+            if (self.resumable or relayed) and not self._resume(sock, relayed):
                 return
             with self.mesh.cond:
                 if self.mesh.closed or self.error is not None:
                     sock.close()
                     return
+                if self.moved and not relayed:  # moved while the two ends exchanged
+                    self._refuse_direct(sock)
+                    return
+                if relayed:  # not resumed again: nothing more is copied
+                    self.replay.enabled = False
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sockio.keep_alive(sock)
-                self.sock, self.lost_at, self.tries = sock, None, 0
+                self.sock, self.lost_at, self.tries, self.down = sock, None, 0, False
                 self.connected.set()
                 self.mesh.cond.notify_all()
                 self.reader = self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
             self.outbox.put(_WAKE)
 
-    def _resume(self, sock: socket.socket) -> bool:
-        """Exchange frame counts on a new direct connection and settle what is resent; False
-        (the socket closed, the pair waiting, redialling or failed) where it cannot be used."""
+    def _refuse_direct(self, sock: socket.socket) -> None:
+        """Under the mesh's lock: a direct connection after this end moved the pair to the
+        relay. A reset, not a FIN: its dialer takes it for one more failed try, and follows
+        to the relay within `resume.FALLBACK_S` of its own loss."""
+        log.warning("rank %d: rank %d connected directly after this end moved the pair to the "
+                    "relay; refused (it follows to the relay)", self.mesh.rank, self.rank)
+        sockio.abort(sock)
+
+    def _resume(self, sock: socket.socket, relayed: bool = False) -> bool:
+        """Exchange frame counts on a new direct connection (or, `relayed`, the relay circuit
+        of a moved pair) and settle what is resent; False (the socket closed, the pair
+        waiting, redialling or failed) where it cannot be used."""
         with self.mesh.cond:
             if self.mesh.closed:
                 sock.close()
@@ -149,8 +174,10 @@ class Peer:
             mine = resume.State(self.frames_in, self.frames_out,
                                 self.replay.replayable(self.frames_out))
             self.exchanging = sock  # a closing mesh shuts it (`Mesh.close`)
+        circuit = resume.Circuit(self.mesh.job, self.mesh.cfg.epoch, self.mesh.rank,
+                                 self.rank) if relayed else None
         try:
-            theirs = resume.exchange(sock, mine, redial.FIRST_HANDSHAKE_S)
+            theirs = resume.exchange(sock, mine, redial.FIRST_HANDSHAKE_S, circuit)
             lost = resume.check(self.mesh.rank, self.rank, mine, theirs)
         except resume.ResumeError as exc:
             sock.close()
@@ -158,7 +185,11 @@ class Peer:
             return False
         except OSError as exc:  # died before its first frame: as a reader would see it
             sockio.abort(sock)
-            if not self.mesh.closed:
+            if relayed:
+                self.fail(ConnectionError(f"connection to rank {self.rank} lost: the relay "
+                                          f"circuit it moved to failed before the two ends "
+                                          f"resumed: {exc}"))
+            elif not self.mesh.closed:
                 self._again(exc)
             return False
         finally:
@@ -168,10 +199,11 @@ class Peer:
             self.fail(ConnectionError(f"connection to rank {self.rank} lost and not "
                                       f"resumable: {lost}"))
             return False
-        if theirs.completed < mine.sent or mine.completed < theirs.sent:
-            log.warning("rank %d: resumed the connection with rank %d: resending %d frame(s), "
-                        "rank %d resends %d", self.mesh.rank, self.rank,
-                        mine.sent - theirs.completed, self.rank, theirs.sent - mine.completed)
+        if theirs.completed < mine.sent or mine.completed < theirs.sent or relayed:
+            log.warning("rank %d: resumed the connection with rank %d%s: resending %d "
+                        "frame(s), rank %d resends %d", self.mesh.rank, self.rank,
+                        " through the relay" if relayed else "", mine.sent - theirs.completed,
+                        self.rank, theirs.sent - mine.completed)
         with self.mesh.cond:
             self.resume_at = theirs.completed
         return True
@@ -200,7 +232,13 @@ class Peer:
             self._again(exc)
         return True
 
+    def reconnecting(self) -> bool:
+        """Whether the connection is being made again after a loss (a resume or a move to
+        the relay, each bounded): waits on this peer sit it out (`work.TransportWork`)."""
+        return self.down and self.error is None and not self.mesh.closed
+
     def _again(self, exc: BaseException) -> None:
+        self.down = True
         dialer = self.mesh.cfg.mode(self.mesh.rank, self.rank) == "dial"
         log.warning("rank %d: the connection with rank %d closed (%s) after %d frame(s) in and "
                     "%d out; %s", self.mesh.rank, self.rank, exc or type(exc).__name__,
@@ -215,34 +253,88 @@ class Peer:
 
     def _await_redial(self, exc: BaseException) -> None:
         """The listener's bound on a resume: a dialer whose worker is gone never comes back,
-        and its receives should say so well before their own deadline."""
-        grace = min(resume.GRACE_S, self.mesh.cfg.timeout.total_seconds())
+        and its receives should say so well before their own deadline. Where the pair has a
+        relay, the listener waits `resume.FALLBACK_S` for the direct path, then moves."""
+        relay = self.mesh.cfg.relay_for(self.mesh.rank, self.rank)
+        grace = min(resume.FALLBACK_S if relay else resume.GRACE_S,
+                    self.mesh.cfg.timeout.total_seconds())
         with self.mesh.cond:
             if self.mesh.cond.wait_for(lambda: self.sock is not None or self.error is not None
                                        or self.mesh.closed, grace):
                 return
+            if relay:
+                self._move(exc, grace)
+        if relay:
+            self._to_relay()
+            return
         self.fail(ConnectionError(f"connection to rank {self.rank} lost ({exc}), and rank "
                                   f"{self.rank} did not connect again within {grace:.0f} s to "
                                   f"resume it"))
+
+    def _move(self, why: object, waited: float) -> None:
+        """Under the mesh's lock: the direct path stays lost; the pair goes to the relay for
+        the rest of the epoch (the other end decides the same within `resume.FALLBACK_S` of
+        its own loss; `_refuse_direct` makes it so)."""
+        self.moved, self.resumable = True, False
+        log.warning("rank %d: the direct connection with rank %d was lost (%s) and not made "
+                    "again within %.0f s: the pair moves to the relay at %s for the rest of "
+                    "epoch %d", self.mesh.rank, self.rank, why, waited,
+                    self.mesh.cfg.relay_for(self.mesh.rank, self.rank), self.mesh.cfg.epoch)
+
+    def _to_relay(self) -> None:
+        """Meet the peer at the relay and resume there (once: a second circuit of the pair
+        would replace the first at the relay); fail the pair, naming it, if not."""
+        with self.mesh.cond:
+            if self.relaying:
+                return
+            self.relaying = True
+        try:
+            self.mesh.connect_relay(self)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
+            self.fail(ConnectionError(
+                f"connection to rank {self.rank} lost, and the pair, moved to the relay at "
+                f"{self.mesh.cfg.relay_for(self.mesh.rank, self.rank)} after its direct path "
+                f"failed, could not resume there: {exc}"))
 
     def _redial(self) -> None:
         """Connect (the sender thread's first act), or connect again after `_again`: with a
         growing pause between tries, and within `resume.GRACE_S` of the loss once frames
         have crossed (before that, the receives' own deadline bounds it, as a slow start)."""
+        relay = self.mesh.cfg.relay_for(self.mesh.rank, self.rank)
         try:
-            if self.lost_at is not None:
-                waited = time.monotonic() - self.lost_at
-                if self.frames_in or self.frames_out:
-                    grace = min(resume.GRACE_S, self.mesh.cfg.timeout.total_seconds())
-                    if waited > grace:
-                        raise ConnectionError(
-                            f"connection to rank {self.rank} lost, and {self.tries} new "
-                            f"connection(s) within {grace:.0f} s did not resume it")
-                time.sleep(min(redial.MAX_BACKOFF_S, redial.FIRST_BACKOFF_S * 2 ** self.tries))
-                self.tries += 1
-            self.mesh.connect(self)
+            if self.moved:
+                self._to_relay()
+                return
+            if self.lost_at is None or not (self.frames_in or self.frames_out):
+                if self.lost_at is not None:
+                    self._pause()
+                self.mesh.connect(self)
+                return
+            grace = min(resume.FALLBACK_S if relay else resume.GRACE_S,
+                        self.mesh.cfg.timeout.total_seconds())
+            if (left := grace - (time.monotonic() - self.lost_at)) <= 0:
+                raise ConnectionError(f"connection to rank {self.rank} lost, and {self.tries} "
+                                      f"new connection(s) within {grace:.0f} s did not resume "
+                                      f"it")
+            self._pause()
+            self.mesh.connect(self, max(1.0, left) if relay else None)
+        except (dp.AuthError, StaleEntry) as exc:  # a verdict of the peer: no other path
+            self.fail(exc)
+        except ConnectionError as exc:
+            if relay and (self.frames_in or self.frames_out) and not self.mesh.closed:
+                with self.mesh.cond:
+                    if not self.moved:
+                        self._move(exc, resume.FALLBACK_S)
+                self._to_relay()
+            else:
+                self.fail(exc)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
             self.fail(exc)
+
+    def _pause(self) -> None:
+        """A growing pause between new connections."""
+        time.sleep(min(redial.MAX_BACKOFF_S, redial.FIRST_BACKOFF_S * 2 ** self.tries))
+        self.tries += 1
 
     def _repost(self, r: Recv) -> tuple[Recv, bytearray] | None:
         """Under the mesh's lock: a receive whose frame's connection died mid-read waits for

@@ -31,6 +31,17 @@ claiming more frames than were sent to it) is that peer's fault, and said so.
 The exchange adds one message each way per connection (16 bytes), sent at once by both ends,
 so it costs one one-way delay when a connection is made; each frame costs a copy of its
 payload while it is unacknowledged.
+
+A direct path can also fail for good in the middle of an epoch (a firewall rule, a NAT that
+no longer maps the dialer's new flows, a route gone). Where the pair has a relay, its two ends
+stop trying the direct path after `FALLBACK_S`, each by its own clock, and move the pair to
+the relay for the rest of the epoch: both dial it, and the same exchange, framed for the relay
+(`Circuit`), resumes the pair there. An end that moved refuses the direct path from then on
+(with a reset, which its peer takes for one more failed try), so the two converge on the
+relay, never one on each path; each says so in its log. A moved pair is not moved again: a
+relay circuit that dies fails the pair, as one planned through the relay does. A relay that
+alters a state in transit can only make the pair fail: where frames are sealed
+(`dtfm/net/framemac.py`), a frame resent under the wrong number is refused, naming the relay.
 """
 
 from __future__ import annotations
@@ -42,6 +53,12 @@ from dataclasses import dataclass
 from dtfm.net import dataplane as dp
 
 GRACE_S = 20.0  # how long a listener waits for its dialer to resume a connection frames crossed
+# where the pair has a relay: how long the ends try the direct path again before both move
+# the pair to the relay for the rest of the epoch, and how long each waits there for the other
+# (the other end may notice the loss later: a dead path is found in `sockio.UNACKED_S`; within
+# the relay's own 60 s for a circuit's partner)
+FALLBACK_S = 5.0
+RELAY_WAIT_S = 30.0
 _MAGIC = b"dtR1"
 _STATE = struct.Struct(">4sIII")
 
@@ -62,11 +79,32 @@ class State:
         return _STATE.pack(_MAGIC, self.completed, self.sent, self.replayable)
 
 
-def exchange(sock: socket.socket, mine: State, timeout_s: float) -> State:
+@dataclass(frozen=True)
+class Circuit:
+    """A relay circuit's ends (the relay forwards frames only, so there the states travel as
+    control frames from `me` to `peer` and back)."""
+
+    job: bytes
+    epoch: int
+    me: int
+    peer: int
+
+
+def exchange(sock: socket.socket, mine: State, timeout_s: float,
+             circuit: Circuit | None = None) -> State:
     """Send `mine` and read the peer's (both ends send first: neither waits on the other)."""
     sock.settimeout(timeout_s)
-    sock.sendall(mine.pack())
-    magic, completed, sent, replayable = _STATE.unpack(dp.recv_exact(sock, _STATE.size))
+    if circuit is None:
+        sock.sendall(mine.pack())
+        raw = dp.recv_exact(sock, _STATE.size)
+    else:
+        c = circuit
+        sock.sendall(dp.control_frame(c.job, c.epoch, c.me, c.peer, dp.RESUME_TAG, mine.pack()))
+        raw = dp.read_control(sock, c.job, c.epoch, c.me, c.peer, dp.RESUME_TAG,
+                              range(_STATE.size, _STATE.size + 1),
+                              f"rank {c.peer}'s first frame through the relay was not its "
+                              f"connection state")
+    magic, completed, sent, replayable = _STATE.unpack(raw)
     if magic != _MAGIC:
         raise ResumeError(f"the peer's connection state began with {magic!r}, not {_MAGIC!r}: "
                           f"it runs another dtfm (run the same version on every agent)")

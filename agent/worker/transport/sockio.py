@@ -45,20 +45,30 @@ def gone(sock: socket.socket) -> str:
     return "" if state == _TCP_ESTABLISHED else "the peer closed the connection"
 
 
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 1, 3
+# data sent and not acknowledged for this long ends the connection (Linux: TCP_USER_TIMEOUT;
+# with keepalive, probes unanswered this long after the last byte received do): a path that
+# black-holes a busy flow is otherwise retransmitted into for ~15 minutes. Short, as the loss
+# costs a resume (`resume.py`) and must be found before a fast step's 10 s deadline
+UNACKED_S = 8
 
 
 def keep_alive(sock: socket.socket) -> None:
     """TCP keepalive on a data-plane connection: a NAT or firewall forgets an idle flow
     (often within minutes, not RFC 5382's two hours), and an end whose next act is a receive
-    would then wait for frames the NAT drops until the receive's deadline. A probe after 10 s
+    would then wait for frames the NAT drops until the receive's deadline. A probe after 5 s
     of silence keeps the mapping, or finds it gone (the peer answers the unknown flow with a
-    reset) within about 25 s, and the connection is resumed (`resume.py`)."""
+    reset, or nothing answers) within about `UNACKED_S`, and the connection is resumed
+    (`resume.py`). A flow with data in flight gets no keepalive: its data unacknowledged for
+    `UNACKED_S` ends it instead (a zero window whose probes are answered does not: a parked
+    reader stays connected)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
         if hasattr(socket, opt):  # Linux; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_S * 1000)
 
 
 def abort(sock: socket.socket) -> None:

@@ -2,13 +2,19 @@
 
 `wait(timeout)` behaves as gloo's does for the worker (`agent/worker/errors.wait_all`): it
 raises RuntimeError when the operation failed (the message says which peer and why) or when
-the timeout passed; a zero timeout means the group's own timeout. A receive staged through a
-host buffer (`staging.py`) copies it into place in `finish`, before anyone hears "done".
+the timeout passed; a zero timeout means the group's own timeout. A timeout that passes while
+the connection the operation needs is being made again (`stalled`: a resume, or a move to the
+relay, each bounded in `resume.py`) waits for that to settle, then gives the operation its
+timeout once more: the peer was not slow, its path was being mended. `stalled_s` says how long
+that took, so a caller's deadline over several works moves by as much (`errors.wait_all`). A
+receive staged through a host buffer (`staging.py`) copies it into place in `finish`, before
+anyone hears "done".
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -16,12 +22,15 @@ import torch
 from torch._C._distributed_c10d import Work
 from torch.futures import Future
 
+STALL_POLL_S = 0.25
+
 
 class TransportWork(Work):
     """One send, receive or collective in flight."""
 
     def __init__(self, default_timeout: timedelta, what: str,
-                 tensors: list[torch.Tensor], land: Callable[[], None] | None = None) -> None:
+                 tensors: list[torch.Tensor], land: Callable[[], None] | None = None,
+                 stalled: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self._done = threading.Event()
         self._lock = threading.Lock()  # finish() against get_future(): no callback is lost
@@ -31,6 +40,8 @@ class TransportWork(Work):
         self._tensors = tensors  # kept alive until finished: the transport reads or writes them
         self._callbacks: list[Future] = []
         self._land = land  # run once on success, before done: the staged copy into place
+        self._stalled = stalled  # whether the connection it needs is being made again
+        self.stalled_s = 0.0  # how long a wait of it sat out such a reconnection
 
     def finish(self, error: BaseException | None = None) -> None:
         land, self._land = self._land, None
@@ -54,11 +65,25 @@ class TransportWork(Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = (timeout if timeout.total_seconds() > 0 else self._timeout).total_seconds()
-        if not self._done.wait(limit):
-            raise RuntimeError(f"dtfm transport: {self._what} timed out after {limit:.3g} s")
+        if not self._done.wait(limit) and not self._sit_out_reconnection(limit):
+            mended = (f" (and {self.stalled_s:.3g} s while its connection was made again)"
+                      if self.stalled_s else "")
+            raise RuntimeError(f"dtfm transport: {self._what} timed out after {limit:.3g} s"
+                               f"{mended}")
         if self._error is not None:
             raise RuntimeError(f"dtfm transport: {self._what} failed: {self._error}")
         return True
+
+    def _sit_out_reconnection(self, limit: float) -> bool:
+        """After a timeout: whether the work finished once its connection, found being made
+        again, settled and `limit` more passed."""
+        if self._stalled is None or not self._stalled():
+            return False
+        t0 = time.monotonic()
+        while self._stalled() and not self._done.wait(STALL_POLL_S):
+            pass
+        self.stalled_s += time.monotonic() - t0
+        return self._done.wait(limit)
 
     def is_completed(self) -> bool:
         return self._done.is_set()

@@ -11,6 +11,7 @@ number of bytes in a given direction, or all at once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ from agent.worker.transport import TransportConfig, resume, sockio
 from agent.worker.transport.mesh import Mesh
 from dtfm.net import dataplane as dp
 from dtfm.net import framemac as fm
+from dtfm.net.relay import Relay
 from dtfm.rpc import free_port
 
 SECRET, JOB, EPOCH = b"join-token-of-the-test", "job-r", 1
@@ -33,10 +35,12 @@ BIG = 1 << 18  # floats: a 1 MiB frame, cut in its middle
 
 class _CutProxy:
     """Forwards rank 1's dials to rank 0. Its `n`th connection (from 0) is reset once
-    `cuts[n] = (direction, bytes)` bytes have gone that way ("up": rank 1 to rank 0)."""
+    `cuts[n] = (direction, bytes)` bytes have gone that way ("up": rank 1 to rank 0).
+    Connections past the first `serves` are reset at once (a path that stays broken)."""
 
-    def __init__(self, target: str, cuts: dict[int, tuple[str, int]]) -> None:
-        self.target, self.cuts = dp.parse_addr(target), cuts
+    def __init__(self, target: str, cuts: dict[int, tuple[str, int]],
+                 serves: int | None = None) -> None:
+        self.target, self.cuts, self.serves = dp.parse_addr(target), cuts, serves
         self.lsock = socket.create_server(("127.0.0.1", 0))
         self.addr = f"127.0.0.1:{self.lsock.getsockname()[1]}"
         self.live: list[tuple[socket.socket, socket.socket]] = []
@@ -50,6 +54,10 @@ class _CutProxy:
                 down, _ = self.lsock.accept()
             except OSError:
                 return
+            if self.serves is not None and self.count >= self.serves:
+                self.count += 1
+                sockio.abort(down)
+                continue
             up = socket.create_connection(self.target)
             pair = (down, up)
             self.live.append(pair)
@@ -101,17 +109,18 @@ def _keys(frames: str) -> tuple[dict[int, bytes], dict[int, bytes]]:
 
 
 @contextlib.contextmanager
-def _pair(cuts: dict[int, tuple[str, int]], frames: str = fm.OFF, mailbox: int = 64 << 20
+def _pair(cuts: dict[int, tuple[str, int]], frames: str = fm.OFF, mailbox: int = 64 << 20,
+          relay: str | None = None, serves: int | None = None
           ) -> Iterator[tuple[Mesh, Mesh, _CutProxy]]:
     addr = f"127.0.0.1:{free_port()}"
     k0, k1 = _keys(frames)
     m0 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None}, frames=frames,
                               pair_keys=k0, timeout=timedelta(seconds=60),
-                              mailbox_bytes=mailbox), 0)
-    proxy = _CutProxy(addr, cuts)
+                              mailbox_bytes=mailbox, relay=relay), 0)
+    proxy = _CutProxy(addr, cuts, serves)
     m1 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: proxy.addr, 1: None}, frames=frames,
                               pair_keys=k1, timeout=timedelta(seconds=60),
-                              mailbox_bytes=mailbox), 1)
+                              mailbox_bytes=mailbox, relay=relay), 1)
     try:
         yield m0, m1, proxy
     finally:
@@ -274,3 +283,94 @@ def test_copies_go_as_the_peer_acknowledges_and_stay_within_their_bound() -> Non
     assert r.replayable(2) == 2
     r.record(3, r.copy(b"h", memoryview(bytes(40))))
     assert r.replayable(4) == 3 and r.since(3, 4) == [(b"h", bytes(40))]
+
+
+@pytest.fixture
+def relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
+    monkeypatch.setattr(resume, "FALLBACK_S", 1.0)
+    r = Relay(SECRET)
+    r.start_in_thread()
+    yield r
+    r.stop()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("frames", [fm.OFF, fm.MAC])
+def test_a_pair_whose_direct_path_stays_broken_moves_to_the_relay_and_resumes_there(
+        relay: Relay, frames: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The first connection is reset in the middle of a 1 MiB frame and the direct path
+    refuses every new one: both ends move the pair to the relay (each by its own clock, no
+    message), resume there, and the frame and every later one arrive whole."""
+    with caplog.at_level(logging.WARNING), _pair(
+            {0: ("up", 600_000)}, frames, relay=f"127.0.0.1:{relay.port}", serves=1) as (
+            m0, m1, proxy):
+        _both_ways(m0, m1, 1)
+        big = torch.arange(BIG, dtype=torch.float32)
+        got = torch.zeros(BIG)
+        works = [m0.recv(1, 0, 2, got), m1.send(0, 0, 2, big)]
+        for w in works:
+            w.wait(WAIT)
+        assert torch.equal(got, big)
+        for tag in range(3, 6):
+            _both_ways(m0, m1, tag)
+        assert m0.peers[1].moved and m1.peers[0].moved
+        assert relay.forwarded(JOB) >= big.numel() * 4
+        assert proxy.count >= 2  # the dialer tried the direct path again first
+    moved = [r.getMessage() for r in caplog.records if "moves to the relay" in r.getMessage()]
+    assert any(m.startswith("rank 0:") for m in moved) and any(
+        m.startswith("rank 1:") for m in moved), moved
+
+
+@pytest.mark.timeout(90)
+def test_a_moved_pair_whose_peer_never_reaches_the_relay_fails_naming_it(
+        relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener moves; its dialer's worker is gone and never arrives: the wait at the
+    relay is bounded and the pair's receives fail, naming the peer and the relay."""
+    monkeypatch.setattr(resume, "RELAY_WAIT_S", 2.0)
+    with _pair({}, relay=f"127.0.0.1:{relay.port}", serves=1) as (m0, m1, proxy):
+        _both_ways(m0, m1, 1)
+        waiting = m0.recv(1, 0, 2, torch.zeros(4))
+        m1.peers[0].fail(ConnectionError("the test stops rank 1's side of the pair"))
+        proxy.cut_all()
+        with pytest.raises(RuntimeError, match="moved to the relay at .* could not resume "
+                                               "there: rank 1 did not reach the relay"):
+            waiting.wait(WAIT)
+
+
+@pytest.mark.timeout(60)
+def test_the_state_exchange_through_a_relay_is_framed_for_it() -> None:
+    """A relay forwards frames only: a state sent bare would be taken for a frame header."""
+    a, b = socket.socketpair()
+    job = dp.job_digest(JOB)
+    with a, b:
+        done: list[resume.State] = []
+        t = threading.Thread(target=lambda: done.append(resume.exchange(
+            b, resume.State(7, 9, 8), 10, resume.Circuit(job, EPOCH, 0, 1))))
+        t.start()
+        got = resume.exchange(a, resume.State(2, 3, 1), 10, resume.Circuit(job, EPOCH, 1, 0))
+        t.join(10)
+    assert got == resume.State(7, 9, 8) and done == [resume.State(2, 3, 1)]
+
+
+@pytest.mark.timeout(90)
+def test_a_wait_that_times_out_while_its_connection_moves_sits_the_move_out(
+        relay: Relay) -> None:
+    """The step's deadline (here 0.5 s) is shorter than the move (1 s of direct tries, then
+    the relay): the receive waits for the move to settle, gets its limit again, and says how
+    long the move took; a peer merely slow still times out at the limit."""
+    with _pair({}, relay=f"127.0.0.1:{relay.port}", serves=1) as (m0, m1, proxy):
+        _both_ways(m0, m1, 1)
+        slow = m0.recv(1, 0, 8, torch.zeros(4))
+        with pytest.raises(RuntimeError, match=r"timed out after 0.5 s$"):
+            slow.wait(timedelta(seconds=0.5))
+        got = torch.zeros(4)
+        work = m0.recv(1, 0, 9, got)
+        proxy.cut_all()
+        deadline = time.monotonic() + 10
+        while not m0.peers[1].reconnecting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m0.peers[1].reconnecting()
+        m1.send(0, 0, 9, torch.full((4,), 9.0))
+        assert work.wait(timedelta(seconds=0.5))
+        assert torch.equal(got, torch.full((4,), 9.0))
+        assert work.stalled_s > 0 and m0.peers[1].moved  # the move took 1 s of the wait
