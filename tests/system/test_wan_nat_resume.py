@@ -16,47 +16,25 @@ pair and the coordinator rolled the job back to its last checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from dtfm.wan import WanEmulator
-from dtfm.wan.cluster import WanCluster, measurement_wan
+from dtfm.wan.cluster import measurement_wan
+from tests.system.midepoch import DELAY, RATE, run_changing, trained_in_one_epoch, worker_logs
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
-DELAY = [[0, 10], [10, 0]]
-RATE = [[0, 100], [100, 0]]
-STEPS, FORGET_AT = 150, 5  # enough steps after the forget even where a step takes 10 ms
-JOB = ["--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
-       "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "3",
-       "--search-seconds", "1", "--no-measure", "--eval-batches", "0",
-       "--heartbeat-interval", "0.5", "--layer-split", "even", "--placement", "rank-order"]
+FORGET_AT = 5
 
 
 @pytest.mark.timeout(400)
 def test_a_nat_that_forgets_its_mappings_mid_epoch_costs_no_recovery(tmp_path: Path) -> None:
     with measurement_wan(DELAY, RATE, nat=[1]) as wan:
-        cluster = WanCluster(wan, tmp_path, agents=2, coordinator_args=JOB)
-        forgot: list[int] = []
-
-        def forget_once(status: dict[str, Any]) -> None:
-            job = status.get("job", {})
-            if not forgot and job.get("state") == "running" and job.get("step", 0) >= FORGET_AT:
-                forgot.append(wan.forget_nat())
-
-        try:
-            cluster.start(timeout=90)
-            status = cluster.wait_job(300, on_status=forget_once)
-        finally:
-            cluster.stop()
-    job = status["job"]
+        status, forgot = run_changing(wan, tmp_path, FORGET_AT, wan.forget_nat)
     assert forgot and forgot[0] >= 1, forgot  # the data-plane flow's mapping, at least
-    assert job["state"] == "done" and job["step"] == STEPS, job
-    assert job["recoveries"] == [], job["recoveries"]  # the same epoch trained to the end
-    assert job["epoch"] == 1, job
-    workers = {i: "".join(p.read_text(errors="replace")
-                          for p in tmp_path.glob(f"agent-{i}/work/*.log")) for i in (0, 1)}
+    trained_in_one_epoch(status)
+    workers = worker_logs(tmp_path)
     assert "dialling again" in workers[1], workers[1][-3000:]
     assert "connected again" in workers[0], workers[0][-3000:]  # the new one replaced the old

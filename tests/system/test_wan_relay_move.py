@@ -16,49 +16,28 @@ coordinator rolled the job back to its last checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from dtfm.wan import WanEmulator
-from dtfm.wan.cluster import WanCluster, measurement_wan
+from dtfm.wan.cluster import measurement_wan
+from tests.system.midepoch import DELAY, RATE, run_changing, trained_in_one_epoch, worker_logs
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
-DELAY = [[0, 10], [10, 0]]
-RATE = [[0, 100], [100, 0]]
-STEPS, CUT_AT = 60, 5
-JOB = ["--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
-       "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "3",
-       "--search-seconds", "1", "--no-measure", "--eval-batches", "0",
-       "--heartbeat-interval", "0.5", "--layer-split", "even", "--placement", "rank-order"]
+CUT_AT = 5
 
 
 @pytest.mark.timeout(400)
 def test_a_direct_path_cut_mid_epoch_moves_the_pair_to_the_relay(tmp_path: Path) -> None:
     with measurement_wan(DELAY, RATE, nat=[1]) as wan:
-        cluster = WanCluster(wan, tmp_path, agents=2, coordinator_args=JOB)
-        cut: list[int] = []
-
-        def cut_once(status: dict[str, Any]) -> None:
-            job = status.get("job", {})
-            if not cut and job.get("state") == "running" and job.get("step", 0) >= CUT_AT:
-                wan.live.set_link(1, 2, cut=True, both_ways=True)  # agent 0 <-> agent 1
-                cut.append(job["step"])
-
-        try:
-            cluster.start(timeout=90)
-            status = cluster.wait_job(300, on_status=cut_once)
-        finally:
-            cluster.stop()
-    job = status["job"]
+        # agent 0 <-> agent 1 (hosts 1 and 2), every packet dropped from now on
+        status, cut = run_changing(wan, tmp_path, CUT_AT, lambda: wan.live.set_link(
+            1, 2, cut=True, both_ways=True))
     assert cut, "the job never reached the step to cut at"
-    assert job["state"] == "done" and job["step"] == STEPS, job
-    assert job["recoveries"] == [], job["recoveries"]  # the same epoch trained to the end
-    assert job["epoch"] == 1, job
-    workers = {i: "".join(p.read_text(errors="replace")
-                          for p in tmp_path.glob(f"agent-{i}/work/*.log")) for i in (0, 1)}
+    trained_in_one_epoch(status)
+    workers = worker_logs(tmp_path)
     for i in (0, 1):
         assert "the pair moves to the relay" in workers[i], workers[i][-3000:]
         assert "resumed the connection with rank" in workers[i], workers[i][-3000:]
