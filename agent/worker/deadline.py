@@ -274,15 +274,16 @@ class Deadline:
 
 
 def for_stages(spec: ModelSpec, ranges: list[tuple[int, int]], tokens: int, flops: float,
-               operator_s: float | None) -> Deadline:
+               operator_s: float | None, floor_s: float = Policy.floor_s) -> Deadline:
     """The deadline of a worker of `spec` cut into stages `ranges`, training `tokens` tokens
     per replica and step on a device of `flops` FLOP/s, under the operator's ceiling
-    `operator_s` (DTFM_TIMEOUT_S; None: not set)."""
+    `operator_s` (DTFM_TIMEOUT_S; None: not set), waiting at least `floor_s` (the dtfm
+    transport's: a pair elsewhere in the pipeline may be moving to its relay)."""
     largest = max(spec.stage_params(b, e) for b, e in ranges)
     budget = startup(Policy(), params=spec.param_count(), largest_stage_params=largest,
                      tokens=tokens, flops=flops)
     top = ceiling(operator_s, budget)
-    policy = Policy(ceiling_s=top, floor_s=min(Policy.floor_s, top))
+    policy = Policy(ceiling_s=top, floor_s=min(max(Policy.floor_s, floor_s), top))
     if budget.seconds > top:
         log.warning("the start-up budget (%s = %.0f s) exceeds DTFM_TIMEOUT_S = %g s: a first "
                     "step slower than that fails; raise DTFM_TIMEOUT_S (agent local --timeout)",

@@ -33,7 +33,8 @@ from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.replicacheck import ReplicaChecks
 from agent.worker.stage import Stage
-from agent.worker.world import join
+from agent.worker.transport import resume
+from agent.worker.world import DTFM, join
 from dtfm.core.events import (
     DoneEvent,
     ErrorEvent,
@@ -170,6 +171,8 @@ class Worker:
         dl = deadline.for_stages(
             spec, ranges, self.cfg.global_batch // a.replicas * spec.seq_len, flops,
             deadline.operator_ceiling(os.environ.get(ENV_TIMEOUT)),
+            # a pair that moves to its relay stops traffic the ranks past it wait for
+            resume.MEND_S if a.backend == DTFM else deadline.Policy.floor_s,
         )
         log.info("rank %d: collectives and pipeline receives may block %s until steps are "
                  "measured; ceiling %g s", self.rank, dl.current().why, dl.policy.ceiling_s)

@@ -22,6 +22,7 @@ from agent.worker.deadline import (
     operator_ceiling,
     startup,
 )
+from agent.worker.transport import resume, sockio
 from dtfm.core.layout import layer_ranges
 from dtfm.core.presets import get_preset
 
@@ -114,6 +115,12 @@ def test_for_stages_builds_the_worker_deadline() -> None:
     # an operator ceiling below the floor pins every wait to it
     low = for_stages(get_preset("gpt-tiny"), [(0, 2), (2, 4)], 256, 2 * GFLOPS, operator_s=4.0)
     assert low.current().seconds == 4.0 and "ceiling" in low.current().why
+    # on the dtfm transport the floor covers a pair elsewhere moving to its relay
+    assert for_stages(spec, ranges, 4, GFLOPS, None).policy.floor_s == 10.0
+    moving = for_stages(spec, ranges, 4, GFLOPS, None, floor_s=resume.MEND_S)
+    assert moving.policy.floor_s == resume.MEND_S > resume.FALLBACK_S + sockio.UNACKED_S
+    assert moving.policy.clamp(1.0, "a fast step").seconds == resume.MEND_S
+    assert for_stages(spec, ranges, 4, GFLOPS, 12.0, floor_s=resume.MEND_S).policy.floor_s == 12
 
 
 # ---- steady ----

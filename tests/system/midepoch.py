@@ -1,6 +1,6 @@
-"""Emulated-WAN tests that change the network once mid-epoch: the 2-agent pipeline job they
-run (agent 1 behind a NAT dials agent 0; rank order, no measurement) and the status callback
-that acts once training has reached a step."""
+"""Emulated-WAN tests that change the network once mid-epoch: the pipeline job they run (one
+agent a stage, agent 1 behind a NAT dials its neighbours; rank order, no measurement) and the
+status callback that acts once training has reached a step."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from typing import Any
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import WanCluster
 
-DELAY = [[0, 10], [10, 0]]
-RATE = [[0, 100], [100, 0]]
 STEPS = 150  # enough steps after the change even where a step takes 10 ms
 
 
-def pipeline_job(steps: int = STEPS) -> list[str]:
-    return ["--model", "gpt-tiny", "--agents", "2", "--stages", "2", "--replicas", "1",
+def links(agents: int, value: float) -> list[list[float]]:
+    """Every pair of agents' link at `value` (10 ms, 100 Mbit/s)."""
+    return [[0 if i == j else value for j in range(agents)] for i in range(agents)]
+
+
+def pipeline_job(agents: int = 2, steps: int = STEPS) -> list[str]:
+    return ["--model", "gpt-tiny", "--agents", str(agents), "--stages", str(agents),
+            "--replicas", "1",
             "--steps", str(steps), "--batch", "8", "--micro-batches", "2", "--seed", "3",
             "--search-seconds", "1", "--no-measure", "--eval-batches", "0",
             "--heartbeat-interval", "0.5", "--layer-split", "even", "--placement", "rank-order"]
@@ -37,11 +41,11 @@ def once_at(step: int, act: Callable[[], Any]) -> tuple[Callable[[dict[str, Any]
     return on_status, done
 
 
-def run_changing(wan: WanEmulator, tmp_path: Path, step: int, act: Callable[[], Any]
-                 ) -> tuple[dict[str, Any], list[Any]]:
-    """Run `pipeline_job()` on `wan`'s two agents, calling `act` once at `step`; the job's
-    last status and `act`'s result (in a list, empty where the step was never reached)."""
-    cluster = WanCluster(wan, tmp_path, agents=2, coordinator_args=pipeline_job())
+def run_changing(wan: WanEmulator, tmp_path: Path, step: int, act: Callable[[], Any],
+                 agents: int = 2) -> tuple[dict[str, Any], list[Any]]:
+    """Run `pipeline_job(agents)` on `wan`, calling `act` once at `step`; the job's last
+    status and `act`'s result (in a list, empty where the step was never reached)."""
+    cluster = WanCluster(wan, tmp_path, agents=agents, coordinator_args=pipeline_job(agents))
     on_status, done = once_at(step, act)
     try:
         cluster.start(timeout=90)
@@ -58,7 +62,7 @@ def trained_in_one_epoch(status: dict[str, Any]) -> None:
     assert job["epoch"] == 1, job
 
 
-def worker_logs(tmp_path: Path) -> dict[int, str]:
+def worker_logs(tmp_path: Path, agents: int = 2) -> dict[int, str]:
     """Each agent's workers' logs, by agent number."""
     return {i: "".join(p.read_text(errors="replace")
-                       for p in tmp_path.glob(f"agent-{i}/work/*.log")) for i in (0, 1)}
+                       for p in tmp_path.glob(f"agent-{i}/work/*.log")) for i in range(agents)}

@@ -21,7 +21,7 @@ import pytest
 
 from dtfm.wan import WanEmulator
 from dtfm.wan.cluster import measurement_wan
-from tests.system.midepoch import DELAY, RATE, run_changing, trained_in_one_epoch, worker_logs
+from tests.system.midepoch import links, run_changing, trained_in_one_epoch, worker_logs
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
@@ -31,7 +31,7 @@ FORGET_AT = 5
 
 @pytest.mark.timeout(400)
 def test_a_nat_that_forgets_its_mappings_mid_epoch_costs_no_recovery(tmp_path: Path) -> None:
-    with measurement_wan(DELAY, RATE, nat=[1]) as wan:
+    with measurement_wan(links(2, 10), links(2, 100), nat=[1]) as wan:
         status, forgot = run_changing(wan, tmp_path, FORGET_AT, wan.forget_nat)
     assert forgot and forgot[0] >= 1, forgot  # the data-plane flow's mapping, at least
     trained_in_one_epoch(status)

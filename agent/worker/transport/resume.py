@@ -50,6 +50,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from agent.worker.transport import sockio
 from dtfm.net import dataplane as dp
 
 GRACE_S = 20.0  # how long a listener waits for its dialer to resume a connection frames crossed
@@ -59,6 +60,12 @@ GRACE_S = 20.0  # how long a listener waits for its dialer to resume a connectio
 # the relay's own 60 s for a circuit's partner)
 FALLBACK_S = 5.0
 RELAY_WAIT_S = 30.0
+MEET_S = 5.0  # the relay dialled, both handshakes and the state exchange, on a busy host
+# the longest a pair's traffic stops when its direct path dies and it moves: found dead, the
+# direct tries, the meeting at the relay. A rank whose wait depends on the pair without being
+# one of its ends (a later pipeline stage) cannot see the move, so the worker's shortest wait
+# on the dtfm transport is at least this (`agent/worker/deadline.py`)
+MEND_S = sockio.UNACKED_S + FALLBACK_S + MEET_S
 _MAGIC = b"dtR1"
 _STATE = struct.Struct(">4sIII")
 
