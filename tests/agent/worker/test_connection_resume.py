@@ -23,6 +23,7 @@ import torch
 
 from agent.worker.transport import TransportConfig, resume, sockio
 from agent.worker.transport.mesh import Mesh
+from agent.worker.transport.work import TransportWork
 from dtfm.net import dataplane as dp
 from dtfm.net import framemac as fm
 from dtfm.net.relay import Relay
@@ -224,8 +225,10 @@ def test_a_peer_that_closes_its_end_after_frames_crossed_fails_the_pair_at_once(
         assert time.monotonic() - t0 < resume.GRACE_S / 4
 
 
-@pytest.mark.timeout(60)
-def test_a_peer_that_claims_frames_it_was_never_sent_is_refused() -> None:
+@contextlib.contextmanager
+def _listener_and_raw_rank_1() -> Iterator[tuple[TransportWork, socket.socket]]:
+    """Rank 0's mesh with a receive from rank 1 posted, and a raw socket that passed the
+    handshake as rank 1: what a lying member sends next is the test's."""
     addr = f"127.0.0.1:{free_port()}"
     m0 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None},
                               timeout=timedelta(seconds=60)), 0)
@@ -233,32 +236,30 @@ def test_a_peer_that_claims_frames_it_was_never_sent_is_refused() -> None:
         work = m0.recv(1, 0, 5, torch.zeros(4))
         with socket.create_connection(dp.parse_addr(addr), timeout=10) as raw:
             dp.handshake(raw, dp.derive_key(SECRET, JOB, EPOCH), JOB, EPOCH, dp.ROLE_DIAL, 1)
-            raw.sendall(resume.State(5, 0, 0).pack())
-            with pytest.raises(RuntimeError, match="no honest peer sends"):
-                work.wait(WAIT)
+            yield work, raw
     finally:
         m0.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_claims_frames_it_was_never_sent_is_refused() -> None:
+    with _listener_and_raw_rank_1() as (work, raw):
+        raw.sendall(resume.State(5, 0, 0).pack())
+        with pytest.raises(RuntimeError, match="no honest peer sends"):
+            work.wait(WAIT)
 
 
 @pytest.mark.timeout(60)
 def test_a_peer_that_acknowledges_frames_it_was_never_sent_is_refused() -> None:
     """An `ack` beyond the frames sent to that peer would free copies still owed: refused
     before anything is released, naming the peer."""
-    addr = f"127.0.0.1:{free_port()}"
-    m0 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None},
-                              timeout=timedelta(seconds=60)), 0)
-    try:
-        work = m0.recv(1, 0, 5, torch.zeros(4))
-        with socket.create_connection(dp.parse_addr(addr), timeout=10) as raw:
-            dp.handshake(raw, dp.derive_key(SECRET, JOB, EPOCH), JOB, EPOCH, dp.ROLE_DIAL, 1)
-            resume.exchange(raw, resume.State(0, 0, 0), 10)
-            raw.sendall(dp.Header(dp.job_digest(JOB), EPOCH, 1, 0, 0, 5, 16, ack=5).pack()
-                        + bytes(16))
-            with pytest.raises(RuntimeError, match="acknowledged 5 frame.s. of the 0 rank 0 "
-                                                   "sent it"):
-                work.wait(WAIT)
-    finally:
-        m0.close()
+    with _listener_and_raw_rank_1() as (work, raw):
+        resume.exchange(raw, resume.State(0, 0, 0), 10)
+        raw.sendall(dp.Header(dp.job_digest(JOB), EPOCH, 1, 0, 0, 5, 16, ack=5).pack()
+                    + bytes(16))
+        with pytest.raises(RuntimeError, match="acknowledged 5 frame.s. of the 0 rank 0 "
+                                               "sent it"):
+            work.wait(WAIT)
 
 
 def test_the_verdict_is_the_same_at_both_ends() -> None:
