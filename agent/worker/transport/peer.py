@@ -255,9 +255,7 @@ class Peer:
         """The listener's bound on a resume: a dialer whose worker is gone never comes back,
         and its receives should say so well before their own deadline. Where the pair has a
         relay, the listener waits `resume.FALLBACK_S` for the direct path, then moves."""
-        relay = self.mesh.cfg.relay_for(self.mesh.rank, self.rank)
-        grace = min(resume.FALLBACK_S if relay else resume.GRACE_S,
-                    self.mesh.cfg.timeout.total_seconds())
+        relay, grace = self._relay(), self._grace()
         with self.mesh.cond:
             if self.mesh.cond.wait_for(lambda: self.sock is not None or self.error is not None
                                        or self.mesh.closed, grace):
@@ -271,6 +269,16 @@ class Peer:
                                   f"{self.rank} did not connect again within {grace:.0f} s to "
                                   f"resume it"))
 
+    def _relay(self) -> str | None:
+        """The relay this pair would move to (None: none, so a loss is only resumed)."""
+        return self.mesh.cfg.relay_for(self.mesh.rank, self.rank)
+
+    def _grace(self) -> float:
+        """How long either end tries the direct path after a loss: `resume.FALLBACK_S` before
+        moving where the pair has a relay, else `resume.GRACE_S` before failing."""
+        return min(resume.FALLBACK_S if self._relay() else resume.GRACE_S,
+                   self.mesh.cfg.timeout.total_seconds())
+
     def _move(self, why: object, waited: float) -> None:
         """Under the mesh's lock: the direct path stays lost; the pair goes to the relay for
         the rest of the epoch (the other end decides the same within `resume.FALLBACK_S` of
@@ -279,7 +287,7 @@ class Peer:
         log.warning("rank %d: the direct connection with rank %d was lost (%s) and not made "
                     "again within %.0f s: the pair moves to the relay at %s for the rest of "
                     "epoch %d", self.mesh.rank, self.rank, why, waited,
-                    self.mesh.cfg.relay_for(self.mesh.rank, self.rank), self.mesh.cfg.epoch)
+                    self._relay(), self.mesh.cfg.epoch)
 
     def _to_relay(self) -> None:
         """Meet the peer at the relay and resume there (once: a second circuit of the pair
@@ -293,14 +301,14 @@ class Peer:
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear why
             self.fail(ConnectionError(
                 f"connection to rank {self.rank} lost, and the pair, moved to the relay at "
-                f"{self.mesh.cfg.relay_for(self.mesh.rank, self.rank)} after its direct path "
+                f"{self._relay()} after its direct path "
                 f"failed, could not resume there: {exc}"))
 
     def _redial(self) -> None:
         """Connect (the sender thread's first act), or connect again after `_again`: with a
         growing pause between tries, and within `resume.GRACE_S` of the loss once frames
         have crossed (before that, the receives' own deadline bounds it, as a slow start)."""
-        relay = self.mesh.cfg.relay_for(self.mesh.rank, self.rank)
+        relay = self._relay()
         try:
             if self.moved:
                 self._to_relay()
@@ -310,8 +318,7 @@ class Peer:
                     self._pause()
                 self.mesh.connect(self)
                 return
-            grace = min(resume.FALLBACK_S if relay else resume.GRACE_S,
-                        self.mesh.cfg.timeout.total_seconds())
+            grace = self._grace()
             if (left := grace - (time.monotonic() - self.lost_at)) <= 0:
                 raise ConnectionError(f"connection to rank {self.rank} lost, and {self.tries} "
                                       f"new connection(s) within {grace:.0f} s did not resume "
