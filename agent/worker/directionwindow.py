@@ -7,7 +7,7 @@ the widest honest spread) 1878 of 18000 honest copies had a best cosine below 0:
 in the first 200 steps, 16 % in the last 200 (a trained model's gradients at a tiny batch are
 nearly orthogonal). Every one was a record of evidence against an honest agent, about two a
 step, which buried anything real in `coordinator status`. Judged on the median of a copy's
-last `PAIR_WINDOW` (5) steps instead, honest medians went down to -0.124 (0.1st percentile
+last `DIRECTION_WINDOW` (5) steps instead, honest medians went down to -0.124 (0.1st percentile
 -0.064), and 3 of 17928 windows were below `WINDOW_COSINE_MIN` (-0.1). An attack is there at
 every step: a copy sent with its sign flipped points away from every honest copy each step,
 so its window's median is as negative as one step of it, from the attack's third step on.
@@ -21,15 +21,15 @@ from collections import deque
 from dataclasses import replace
 
 from agent.worker.gradscore import CopyScore, median
-from dtfm.core.verify import PAIR_WINDOW
 
+DIRECTION_WINDOW = 5  # steps a copy's direction is judged over (R = 2's pair check: 9)
 WINDOW_COSINE_MIN = -0.1  # the window median's threshold: honest >= -0.124 in 17928 windows
 
 
 class DirectionWindow:
     """One owner's copies' best cosines over the last `window` steps, by replica."""
 
-    def __init__(self, window: int = PAIR_WINDOW) -> None:
+    def __init__(self, window: int = DIRECTION_WINDOW) -> None:
         self.window = window
         self._cosines: dict[int, deque[float]] = {}
 

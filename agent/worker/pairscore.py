@@ -9,9 +9,13 @@ step's copies differed in norm by up to 8x (a batch with a loss spike), had cosi
 -0.57 (small batches late in training) and a shape up to 2x their mean's (a bucket of
 embedding rows one batch never touched; `gradscore` now leaves those out and, at R = 2,
 measures shape over each copy's non-zeros: up to 1.58 remained) -- each past what x10, x-4
-or 1-sigma noise give on some steps. An honest outlier lasts a step; an attack is there at
-every step. So each step's pair scores go into a window of the last `PAIR_WINDOW` steps,
-and the pair disagrees when the window's median is past a limit:
+or 1-sigma noise give on some steps. An honest outlier lasts a few steps; an attack is there
+at every step. So each step's pair scores go into a window of the last `PAIR_WINDOW` (9)
+steps, and the pair disagrees when the window's median is past a limit. A window of 5 was
+too short: a tiny Qwen2 imported and fine-tuned at lr 1e-2, 4 sequences of 32 per replica
+(tests/system/test_wan_export.py's job), had one copy 6-19x the other's norm at 4 steps in a
+row early in training, and window medians of 5.96 (norm), -0.62 (cosine) and 1.39 (shape)
+in 2 of 4 seeds' 300 steps; over 9 steps the worst were 2.79, -0.22 and 1.28:
 
 - norm: the median of log(a's norm ratio / b's): signed, so that honest outliers on either
   side cancel and a copy scaled at every step does not;
@@ -33,11 +37,12 @@ from dataclasses import dataclass, field
 from agent.worker.gradscore import CopyScore, Finding, median
 from dtfm.core.verify import PAIR_WINDOW
 
-# Window medians, honest (gpt-tiny 4 stages x 4 sequences, 200 steps / gpt-mini 4 x 8, 80
-# steps; bench/integrity.py) -> limit -> attacked:
-PAIR_NORM = 3.0  # norm ratio, either way: honest <= 1.93 / 2.46; x10 >= 5.2 / 4.1
-PAIR_COSINE = -0.5  # honest >= -0.19 / -0.33; x-4 p5 -0.80 / -0.95 (and its norm ratio)
-PAIR_SHAPE = 1.35  # honest <= 1.21 / 1.23; 1 sigma noise 1.07..1.47 / 1.08..1.48
+# Window medians over 9 steps, honest (gpt-tiny 4 stages x 4 sequences, 200 steps; the
+# Qwen2 import above, 2 stages, 4 x 300 steps; bench/integrity.py and DTFM_VERIFY_TRACE)
+# -> limit -> attacked (gpt-tiny):
+PAIR_NORM = 3.0  # norm ratio, either way: honest <= 1.71 / 2.79; x10 >= 5.83
+PAIR_COSINE = -0.5  # honest >= -0.11 / -0.22; x-4 p5 -0.79 (and its norm ratio)
+PAIR_SHAPE = 1.35  # honest <= 1.18 / 1.28; 1 sigma noise 1.08..1.46
 
 
 @dataclass(frozen=True)

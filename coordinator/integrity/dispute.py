@@ -19,7 +19,15 @@ stage members are the third party, by a new pairing:
    agent common to two disputes with distinct partners, each of whom disputed nobody else, is
    a confirmed fault: excluded and rolled back before the earlier onset
    (coordinator/integrity/exclusion.py does the rest, as for R >= 3).
-3. An honest pair's false dispute (the pair check flagged 0 of 3040 honest owner-steps,
+3. Only steps the dispute did not see can confirm it. The rollback replays the same steps
+   on the same data, and an honest pair's disagreement comes from that data: which of the
+   stage's two batches held a loss spike. So a gradient dispute in the same stage over steps
+   an earlier epoch's dispute already judged is a replay, whoever the pair now is, and is
+   neither a new dispute nor a second one (seen in CI: the agent that kept its place in the
+   stage disputed its new partner at the very step of the first dispute, and was excluded).
+   A lasting attack disputes again on fresh steps, a `PAIR_WINDOW` later; a weights dispute
+   is never a replay (one checkpoint put the two replicas' weights back in step).
+4. An honest pair's false dispute (the pair check flagged 0 of 3040 honest owner-steps,
    docs/architecture.md) costs one re-plan and a rollback and excludes nobody: a dispute is
    remembered for `MEMORY_STEPS` past its step, then lapses. The memory also bounds what a
    liar can cost: one that invents a dispute now and then is confirmed by its second within
@@ -55,8 +63,8 @@ log = logging.getLogger(__name__)
 
 DISPUTING = frozenset({"grad_disagree", "weights_disagree"})
 # steps past a dispute within which a dispute with a new partner names the common agent: a
-# pair verdict needs `PAIR_WINDOW` (5) steps of a new worker and a digest comes every
-# `DIGEST_EVERY` (10), so a lasting fault repeats within ~10 steps of the re-plan's resume
+# pair verdict needs `PAIR_WINDOW` (9) steps of a new worker and a digest comes every
+# `DIGEST_EVERY` (10), so a lasting fault repeats within ~20 steps of the re-plan's resume
 MEMORY_STEPS = 10 * WINDOW_STEPS
 MAX_DISPUTES = 256  # kept (the oldest dropped first)
 PENDING, APART, CANNOT = "pending", "apart", "cannot"  # what was done about a dispute
@@ -72,6 +80,14 @@ class Dispute:
     epoch: int
     reporter: str
     done: str = PENDING  # PENDING: to be placed apart; APART: an epoch was; CANNOT: none can
+    stage: int = -1  # the stage the pair replicated (-1: not known)
+    seen: int = 0  # the last step its pair reported it at, in its epoch
+
+    def replayed_by(self, rec: EvidenceRecord, start: int) -> bool:
+        """Whether `rec`, a gradient dispute whose window began at `start`, judged steps this
+        dispute had judged, in its stage, again after a rollback: the same data again."""
+        return (rec.kind == self.kind == "grad_disagree" and rec.stage == self.stage >= 0
+                and rec.epoch > self.epoch and start <= max(self.step, self.seen))
 
     @property
     def pair(self) -> frozenset[str]:
@@ -93,6 +109,7 @@ class Disputes:
         self._asked: list[Dispute] = []  # the disputes the epoch being planned was asked to part
         self.rollback_before = 0  # the earliest onset of a dispute still to roll back (0: none)
         self.replan_reason = ""  # why the job must re-plan now ("" : it need not)
+        self._replays: set[tuple[frozenset[str], int]] = set()  # replays already logged
         for d in saved:
             try:
                 self.disputes.append(Dispute(**d))
@@ -115,12 +132,18 @@ class Disputes:
                     or any(ledger.excluded(a) for a in pair)):
                 continue
             self.disputes = [d for d in self.disputes if d.live(rec.step)]
-            if any(d.pair == pair for d in self.disputes):
-                continue  # the same disagreement, reported again (every step, by both)
+            if same := [d for d in self.disputes if d.pair == pair]:
+                for d in same:  # the same disagreement, reported again (every step, by both)
+                    if d.epoch == rec.epoch:
+                        d.seen = max(d.seen, rec.step)
+                continue
+            start = max(onset(rec.kind, rec.step, sync_every), first_step)
+            if replay := next((d for d in self.disputes if d.replayed_by(rec, start)), None):
+                self._replayed(rec, replay)
+                continue
             a, b = sorted(pair)
-            new = Dispute(a, b, rec.kind, rec.step,
-                          max(onset(rec.kind, rec.step, sync_every), first_step),
-                          rec.epoch, rec.reporter, PENDING if separable else CANNOT)
+            new = Dispute(a, b, rec.kind, rec.step, start, rec.epoch, rec.reporter,
+                          PENDING if separable else CANNOT, rec.stage, rec.step)
             if culprit := self._confirm(new, ledger):
                 self.disputes = [d for d in self.disputes if culprit not in d.pair]
                 continue
@@ -145,6 +168,21 @@ class Disputes:
                         "resume") + f" before step {self.rollback_before}")
                 replan = True
         return replan
+
+    def _replayed(self, rec: EvidenceRecord, earlier: Dispute) -> None:
+        """Say once per pair and epoch that `rec` replays `earlier`'s steps."""
+        key = (frozenset(rec.candidates), rec.epoch)
+        if key in self._replays:
+            return
+        if len(self._replays) >= MAX_DISPUTES:  # bounded; at worst a line said twice
+            self._replays.clear()
+        self._replays.add(key)
+        log.info("integrity: %s and %s (stage %d) disagree at step %d of epoch %d, on steps "
+                 "the dispute of %s and %s at step %d already judged: the rollback replays "
+                 "the same data, which a new pairing cannot settle (an honest pair's "
+                 "disagreement comes from its batches); only steps after %d count",
+                 *sorted(rec.candidates), rec.stage, rec.step, rec.epoch, earlier.a, earlier.b,
+                 earlier.step, max(earlier.step, earlier.seen))
 
     def _confirm(self, new: Dispute, ledger: IntegrityLedger) -> str:
         """The agent of `new` that an earlier dispute with another partner names (confirmed in

@@ -39,6 +39,7 @@ class EvidenceRecord:
     score: float
     epoch: int
     candidates: tuple[str, ...]  # the agents it may be: the suspect, or the whole dp group
+    stage: int = -1  # the reporter's stage in the epoch's layout (-1: not known)
 
 
 class IntegrityReports:
@@ -91,12 +92,13 @@ def to_record(reporter: str, epoch: int, e: Any, members: Sequence[str],
     def agent(rank: int) -> str:
         return members[rank] if 0 <= rank < len(members) else ""
 
+    stage = e.reporter_rank % stages if stages > 0 and 0 <= e.reporter_rank < len(members) \
+        else -1  # rank = replica * stages + stage
     if e.suspect_rank >= 0:
         candidates: tuple[str, ...] = (agent(e.suspect_rank),)
-    elif stages > 0 and 0 <= e.reporter_rank < len(members):
-        stage = e.reporter_rank % stages  # rank = replica * stages + stage
+    elif stage >= 0:
         candidates = tuple(members[r] for r in range(stage, len(members), stages))
     else:
         candidates = ()
     return EvidenceRecord(agent(e.suspect_rank), e.kind, int(e.step), e.detail, reporter,
-                          int(e.suspect_rank), float(e.score), int(epoch), candidates)
+                          int(e.suspect_rank), float(e.score), int(epoch), candidates, stage)

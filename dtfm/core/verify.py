@@ -24,8 +24,10 @@ import enum
 
 DIGEST_EVERY = 10  # synchronous steps between two weight digests (cost: bench/integrity.py)
 # R = 2: steps whose pair scores one verdict takes the median of (agent/worker/pairscore.py);
-# an attack from step s is seen from step s + PAIR_WINDOW // 2
-PAIR_WINDOW = 5
+# an attack from step s is seen from step s + PAIR_WINDOW // 2. 9, not 5: an honest pair of a
+# fine-tuned import at 4 sequences per replica had one copy 6-19x the other's norm at 4 steps
+# in a row (docs/architecture.md, "R = 2"), which a window of 5 took for an attack
+PAIR_WINDOW = 9
 
 
 class Verify(enum.StrEnum):
@@ -67,8 +69,8 @@ def onset(kind: str, step: int, sync_every: int = 1) -> int:
     `DIGEST_EVERY` synchronous steps (every sync point with local steps), so weights that
     differ at `step` may have drifted any time after the previous comparison, and the
     honest replicas' later steps averaged the drifted replica's gradients. An R = 2 pair
-    verdict is a median over the last `PAIR_WINDOW` steps: it can cross at the third bad
-    step of the window, never before the window's first."""
+    verdict is a median over the last `PAIR_WINDOW` steps: it can cross at the window's
+    middle bad step, never before the window's first."""
     if kind in ("weights", "weights_disagree"):
         back = sync_every if sync_every > 1 else DIGEST_EVERY
     elif kind == "grad_disagree":

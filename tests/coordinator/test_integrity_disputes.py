@@ -24,10 +24,13 @@ PARTED = [["x", "y", "liar", "honest", "bad2"], ["b", "c", "z", "bad1"]]  # a pl
 
 
 def dispute(a: str, b: str, step: int, *, reporter: str = "", epoch: int = 1,
-            kind: str = "grad_disagree") -> EvidenceRecord:
+            kind: str = "grad_disagree", stage: int = 0) -> EvidenceRecord:
     return EvidenceRecord(agent_id="", kind=kind, step=step, detail="norm ratio 9.8 over the "
-                          "last 5 steps", reporter=reporter or a, suspect_rank=-1, score=9.8,
-                          epoch=epoch, candidates=(a, b))
+                          "last 9 steps", reporter=reporter or a, suspect_rank=-1, score=9.8,
+                          epoch=epoch, candidates=(a, b), stage=stage)
+
+
+FRESH = 12 + PAIR_WINDOW  # the first verdict whose window holds none of steps 1..12
 
 
 def test_a_disagreement_asks_to_part_the_pair_and_roll_back_before_its_window() -> None:
@@ -45,12 +48,15 @@ def test_a_disagreement_asks_to_part_the_pair_and_roll_back_before_its_window() 
 
 
 def test_the_agent_common_to_two_disputes_with_new_partners_is_excluded() -> None:
+    """x disputes b at step 12; placed apart and rolled back, x disputes its new partner c on
+    fresh steps too (a replay of steps 1..12 is no evidence:
+    test_a_replay_of_the_disputed_steps_by_a_new_pair_is_neither_a_dispute_nor_a_verdict)."""
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("x", "b", 12)], ledger)
     d.planned(PARTED)
-    assert not d.feed([dispute("x", "c", 9, epoch=2)], ledger)  # after the rollback to 4
+    assert not d.feed([dispute("x", "c", FRESH, epoch=2)], ledger)
     exclusion = ledger.excluded("x")
-    assert exclusion is not None and exclusion.step == min(12, 9) - PAIR_WINDOW + 1
+    assert exclusion is not None and exclusion.step == 12 - PAIR_WINDOW + 1
     assert "b" in exclusion.reason and "c" in exclusion.reason
     assert set(ledger.exclusions) == {"x"}
     assert ledger.rollback_before == exclusion.step
@@ -62,7 +68,7 @@ def test_a_liar_reporting_disputes_it_did_not_see_names_itself() -> None:
     assert not d.feed([dispute("b", "c", 12, reporter="liar")], ledger)  # not its pair
     d.feed([dispute("liar", "b", 12)], ledger)
     d.planned(PARTED)
-    d.feed([dispute("liar", "c", 8, epoch=2)], ledger)
+    d.feed([dispute("liar", "c", FRESH, epoch=2)], ledger)
     assert set(ledger.exclusions) == {"liar"}
 
 
@@ -74,10 +80,10 @@ def test_a_partner_with_a_dispute_of_its_own_keeps_it_from_confirming() -> None:
     d.feed([dispute("bad2", "z", 10)], ledger)
     d.feed([dispute("honest", "bad1", 11)], ledger)
     d.planned(PARTED)
-    assert d.feed([dispute("honest", "bad2", 9, epoch=2)], ledger)  # a new dispute only
+    assert d.feed([dispute("honest", "bad2", FRESH, epoch=2)], ledger)  # a new dispute only
     assert not ledger.exclusions
     d.planned(PARTED)
-    d.feed([dispute("bad1", "y", 8, epoch=3)], ledger)  # bad1: honest, then y
+    d.feed([dispute("bad1", "y", FRESH + 1, epoch=3)], ledger)  # bad1: honest, then y
     assert not ledger.exclusions
 
 
@@ -150,7 +156,7 @@ def test_disputes_survive_a_coordinator_restart() -> None:
     d.planned(PARTED)
     again = restore(d.to_json())
     assert again.disputes == d.disputes and again.rollback_before == d.rollback_before
-    again.feed([dispute("x", "c", 9, epoch=2)], ledger)
+    again.feed([dispute("x", "c", FRESH, epoch=2)], ledger)
     assert set(ledger.exclusions) == {"x"}
     assert restore(None).disputes == [] and restore({"disputes": [{"bad": 1}]}).disputes == []
 
@@ -166,7 +172,7 @@ def test_a_job_parts_a_disputed_pair_rolls_back_and_excludes_the_common_agent() 
         await until(lambda: h.job.checkpoint_step == 8)
         grid = [list(row.agent_ids) for row in h.job.plan.grid]  # type: ignore[union-attr]
         x, partner = grid[0]
-        assert h.job.integrity.settle([dispute(x, partner, 12)])
+        assert h.job.integrity.settle([dispute(x, partner, 16)])
         h.job.poke()
         await h.running_epoch(2)
         rec = h.job.recoveries.items[-1]
@@ -175,16 +181,19 @@ def test_a_job_parts_a_disputed_pair_rolls_back_and_excludes_the_common_agent() 
         assert not any({x, partner} <= set(row) for row in grid2), grid2
         assert "placed apart" in h.job.plan.algorithm  # type: ignore[union-attr]
         assigned = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
-        assert {a.resume_before for a in assigned} == {12 - PAIR_WINDOW + 1}
-        assert h.job.checkpoint_step == 4  # 8 is after the dispute's onset
+        assert {a.resume_before for a in assigned} == {16 - PAIR_WINDOW + 1}
+        assert h.job.checkpoint_step == 4  # 8 is the dispute's onset: not before it
         report_all(h, 5)
-        new_partner = next(a for row in grid2 if x in row for a in row if a != x)
-        h.job.integrity.settle([dispute(x, new_partner, 9, reporter=new_partner, epoch=2)])
+        stage = next(i for i, row in enumerate(grid2) if x in row)
+        new_partner = next(a for a in grid2[stage] if a != x)
+        fresh = 16 + PAIR_WINDOW  # its window holds no step the first dispute judged
+        h.job.integrity.settle([dispute(x, new_partner, fresh, reporter=new_partner, epoch=2,
+                                        stage=stage)])
         await h.running_epoch(3)
         assert x not in h.job.members and h.registry.states[x] == S.AGENT_STATE_EXCLUDED
         assert h.job.integrity.ledger.excluded(partner) is None
         assigned = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
-        assert {a.resume_before for a in assigned} == {9 - PAIR_WINDOW + 1}
+        assert {a.resume_before for a in assigned} == {16 - PAIR_WINDOW + 1}  # the earlier
         for a in h.job.members:
             h.report(a, WorkerState.TRAINING, step=5)
 
@@ -199,7 +208,7 @@ def test_a_job_parts_a_disputed_pair_rolls_back_and_excludes_the_common_agent() 
 def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
     before = JobIntegrity(FakeRegistry(), SimpleNamespace(step=8))  # type: ignore[arg-type]
     before.separable = True
-    assert before.settle([dispute("x", "b", 12)])
+    assert before.settle([dispute("x", "b", 16)])
     assert before.pending_bound() == 8
     after = JobIntegrity(FakeRegistry(), SimpleNamespace(step=8),  # type: ignore[arg-type]
                          saved=before.to_json())
@@ -252,3 +261,46 @@ def test_a_reporters_claim_about_steps_before_the_epoch_rolls_back_no_further_th
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("liar", "b", 2)], ledger, first_step=41)  # the epoch resumed after 40
     assert d.rollback_before == 41
+
+
+def test_a_replay_of_the_disputed_steps_by_a_new_pair_is_neither_a_dispute_nor_a_verdict() -> None:
+    """Seen in CI (tests/system/test_wan_export.py): an honest pair of stage 0 disagreed at step
+    14 (one batch's loss spike, a data-driven disagreement); the job rolled back and parted
+    them, and the agent that kept its place in stage 0 disputed its new partner at step 14
+    again, on the same data, and was excluded as the agent common to two disputes. A replay
+    of steps a dispute judged, in its stage, proves nothing about who holds the stage now."""
+    ledger, d = IntegrityLedger(), Disputes()
+    assert d.feed([dispute("x", "b", 14), dispute("b", "x", 15, reporter="b")], ledger)
+    d.planned(PARTED)
+    d.rolled_back()
+    for step in (14, 15, 15 + PAIR_WINDOW - 1):  # each window still holds a step up to 15
+        assert not d.feed([dispute("x", "c", step, epoch=2)], ledger), step
+    assert not ledger.exclusions and [(x.a, x.b) for x in d.disputes] == [("b", "x")]
+    assert d.replan_reason == "" and d.rollback_before == 0
+    # a lasting fault disputes its new partner on fresh steps, and that one confirms
+    assert not d.feed([dispute("x", "c", 15 + PAIR_WINDOW, epoch=2)], ledger)
+    assert set(ledger.exclusions) == {"x"}
+
+
+def test_a_replayed_step_in_another_stage_or_of_weights_is_new_evidence() -> None:
+    """The replay rule covers only what the same data reproduces: the same stage's gradients.
+    x moved to stage 1 computes gradients no earlier epoch sent for those steps, and weights
+    put back in step by one checkpoint do not drift apart again by themselves."""
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 14)], ledger)
+    d.planned(PARTED)
+    assert not d.feed([dispute("x", "c", 12, epoch=2, stage=1)], ledger)
+    assert set(ledger.exclusions) == {"x"}
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("y", "b", 14)], ledger)
+    d.planned(PARTED)
+    assert d.feed([dispute("z", "c", 12, epoch=2, kind="weights_disagree")], ledger)
+
+
+def test_a_records_stage_is_its_reporters() -> None:
+    from coordinator.integrity.reports import to_record
+    e = SimpleNamespace(suspect_rank=-1, reporter_rank=3, kind="grad_disagree", step=7,
+                        detail="", score=4.0)
+    rec = to_record("d", 2, e, ["a", "b", "c", "d"], stages=2)  # rank = replica * 2 + stage
+    assert (rec.stage, rec.candidates) == (1, ("b", "d"))
+    assert to_record("d", 2, e, ["a", "b"], stages=2).stage == -1  # rank 3 is nobody's

@@ -1,5 +1,5 @@
 """`python -m tests.system.bad_agent start ...`: `agent start` whose workers scale every
-gradient shard they send by 10 from their 8th optimizer step (issue 43): a bad volunteer on an
+gradient shard they send by 10 from their 10th optimizer step (issue 43): a bad volunteer on an
 emulated host, made bad from outside the product as tests/system/bad_peer_job.py makes one on
 loopback (tests/agent/worker/badpeer_hook.py, loaded by badpeer_site/sitecustomize.py in every
 process the agent starts). The WAN cluster gives all its agents one environment without
@@ -13,7 +13,7 @@ import os
 from agent.cli import main
 from tests.system.bad_peer_job import REPO, SITE
 
-ATTACK_FROM = 8  # each epoch's worker's 8th optimizer step, and every one after it
+ATTACK_FROM = 10  # each epoch's worker's 10th optimizer step, and every one after it
 ATTACK_TO = 400
 
 if __name__ == "__main__":

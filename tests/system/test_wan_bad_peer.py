@@ -3,7 +3,7 @@ excluded, and what it touched rolled back (issue 43), with two replicas per stag
 
 Four agents on four hosts (5-10 ms, 100 Mbit/s), agent 3 behind a NAT of its own, running
 `tests.system.bad_agent` (its workers scale every gradient shard they send by 10 from their
-8th step; from outside the product). The evidence rides the heartbeats from behind the NAT;
+10th step; from outside the product). The evidence rides the heartbeats from behind the NAT;
 the coordinator settles the R = 2 disagreement by re-planning the pair apart
 (coordinator/integrity/dispute.py), which moves agents to the other stage: they fetch its
 checkpoint across the WAN from below the rollback's bound. The bad agent disagrees with its
@@ -28,7 +28,7 @@ from tests.system.test_wan_nat_job import DELAY, RATE
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
-STEPS = 30
+STEPS = 40  # the second dispute must come on steps the first did not judge
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--min-agents", "2", "--stages", "2",
        "--replicas", "2", "--steps", str(STEPS), "--batch", "8", "--micro-batches", "1",
        "--seed", "5", "--search-seconds", "1", "--eval-batches", "0", "--checkpoint-every", "4",

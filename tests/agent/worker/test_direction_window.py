@@ -4,9 +4,8 @@ stray negative step is no evidence and a flipped copy still is (agent/worker/dir
 from __future__ import annotations
 
 from agent.worker import gradscore
-from agent.worker.directionwindow import WINDOW_COSINE_MIN, DirectionWindow
+from agent.worker.directionwindow import DIRECTION_WINDOW, WINDOW_COSINE_MIN, DirectionWindow
 from agent.worker.gradscore import CopyScore
-from dtfm.core.verify import PAIR_WINDOW
 
 
 def step(cosines: list[float]) -> list[CopyScore]:
@@ -30,14 +29,14 @@ def test_an_honest_copys_stray_negative_steps_are_no_evidence() -> None:
 
 def test_a_flipped_copy_is_named_from_its_third_step_once_the_window_is_full() -> None:
     w = DirectionWindow()
-    verdicts = [kinds(w, [0.2, 0.3, 0.25]) for _ in range(PAIR_WINDOW)]
-    assert verdicts == [[]] * PAIR_WINDOW  # honest: nothing
+    verdicts = [kinds(w, [0.2, 0.3, 0.25]) for _ in range(DIRECTION_WINDOW)]
+    assert verdicts == [[]] * DIRECTION_WINDOW  # honest: nothing
     flipped = [kinds(w, [0.2, 0.3, -0.3]) for _ in range(3)]
     assert flipped[:2] == [[], []] and flipped[2] == [(2, "grad_cosine")]
 
 
 def test_no_verdict_before_the_window_is_full() -> None:
     w = DirectionWindow()
-    assert [kinds(w, [0.2, 0.3, -0.9]) for _ in range(PAIR_WINDOW - 1)] == \
-        [[]] * (PAIR_WINDOW - 1)
+    assert [kinds(w, [0.2, 0.3, -0.9]) for _ in range(DIRECTION_WINDOW - 1)] == \
+        [[]] * (DIRECTION_WINDOW - 1)
     assert kinds(w, [0.2, 0.3, -0.9]) == [(2, "grad_cosine")]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from dtfm.core.verify import PAIR_WINDOW
 from tests.agent.worker.testlib import REPO, run_local
 
 SITE = Path(__file__).resolve().parent / "badpeer_site"
@@ -68,15 +69,15 @@ def test_two_replicas_report_the_disagreement_undecided(tmp_path: Path) -> None:
     """R = 2: copies scaled x10 from step 2 on (the product's rehearsal seam, DTFM_FAULT, so
     its `tamper` path runs too) and a weight that drifts after step 3 (the test's hook) are
     reported, naming nobody (-1): either replica may be wrong. The pair is judged over a
-    window of `PAIR_WINDOW` (5) steps, so the first verdict is at step 5."""
+    window of `PAIR_WINDOW` (9) steps, so the first verdict is at step 9."""
     work = tmp_path / "work"
-    run = run_local(*FLAGS, "--replicas", "2", "--batch", "4", "--steps", "6",
+    run = run_local(*FLAGS, "--replicas", "2", "--batch", "4", "--steps", str(PAIR_WINDOW + 1),
                     "--workdir", str(work), timeout=110,
                     env=bad_peer_env("1:3=drift", DTFM_FAULT="1:2:scale"))
     assert run.rc == 0, run.stderr
     found = evidence(work)
     assert {e["suspect_rank"] for e in found} == {-1}, found
     kinds = {(e["step"], e["kind"]) for e in found}
-    assert {(s, "grad_disagree") for s in (5, 6)} <= kinds, found
-    assert (6, "weights_disagree") in kinds, found
-    assert not {s for s, _ in kinds} & {1, 2, 3, 4}, found
+    assert {(s, "grad_disagree") for s in (PAIR_WINDOW, PAIR_WINDOW + 1)} <= kinds, found
+    assert (PAIR_WINDOW + 1, "weights_disagree") in kinds, found  # the last step's digest
+    assert not {s for s, _ in kinds} & set(range(1, PAIR_WINDOW)), found

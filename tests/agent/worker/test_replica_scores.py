@@ -185,9 +185,9 @@ def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
     reports = IntegrityReports()
     members = ["a0", "a1", "a2", "a3", "a4", "a5"]  # 2 stages x 3 replicas, by rank
     new = reports.record("a1", report, members, stages=2)
-    assert new == [
-        EvidenceRecord("a5", "grad_norm", 7, "d", "a1", 5, 9.5, 2, ("a5",)),
-        EvidenceRecord("", "weights_disagree", 9, "", "a1", -1, 2.0, 2, ("a1", "a3", "a5"))]
+    assert new == [  # the reporter, rank 3 of 2 stages, is in stage 1
+        EvidenceRecord("a5", "grad_norm", 7, "d", "a1", 5, 9.5, 2, ("a5",), 1),
+        EvidenceRecord("", "weights_disagree", 9, "", "a1", -1, 2.0, 2, ("a1", "a3", "a5"), 1)]
     assert reports.record("a1", report, members, stages=2) == []  # repeated heartbeat
     # a record of a step the worker has not reached (a lie about its step, or one that would
     # wipe the coordinator's memory of older disputes) is dropped; the step in progress is not
