@@ -57,7 +57,7 @@ from coordinator.integrity.corroborate import WINDOW_STEPS
 from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
 from coordinator.links.failure import avoid
-from dtfm.core.verify import onset
+from dtfm.core.verify import PAIR_WINDOW, onset
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class Disputes:
             self.disputes = [d for d in self.disputes if d.live(rec.step)]
             if same := [d for d in self.disputes if d.pair == pair]:
                 for d in same:  # the same disagreement, reported again (every step, by both)
-                    if d.epoch == rec.epoch:
-                        d.seen = max(d.seen, rec.step)
+                    if d.epoch == rec.epoch:  # a liar's claims reach no further than a window
+                        d.seen = min(max(d.seen, rec.step), d.step + PAIR_WINDOW)
                 continue
             start = max(onset(rec.kind, rec.step, sync_every), first_step)
             if replay := next((d for d in self.disputes if d.replayed_by(rec, start)), None):

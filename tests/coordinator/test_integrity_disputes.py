@@ -304,3 +304,17 @@ def test_a_records_stage_is_its_reporters() -> None:
     rec = to_record("d", 2, e, ["a", "b", "c", "d"], stages=2)  # rank = replica * 2 + stage
     assert (rec.stage, rec.candidates) == (1, ("b", "d"))
     assert to_record("d", 2, e, ["a", "b"], stages=2).stage == -1  # rank 3 is nobody's
+
+
+def test_how_far_a_dispute_shields_its_steps_is_bounded() -> None:
+    """The pair's own later reports extend the steps a replay may not confirm on (a spell of
+    honest outliers outlasts the first verdict); a liar in the pair claiming far later steps
+    shields its stage for at most a window past the dispute."""
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 14), dispute("x", "b", 16, reporter="b")], ledger)
+    assert d.disputes[0].seen == 16
+    d.feed([dispute("x", "b", 90)], ledger)
+    assert d.disputes[0].seen == 14 + PAIR_WINDOW
+    d.planned(PARTED)
+    d.feed([dispute("x", "c", 14 + 2 * PAIR_WINDOW + 1, epoch=2)], ledger)
+    assert set(ledger.exclusions) == {"x"}
