@@ -83,11 +83,16 @@ class Dispute:
     stage: int = -1  # the stage the pair replicated (-1: not known)
     seen: int = 0  # the last step its pair reported it at, in its epoch
 
+    @property
+    def judged_until(self) -> int:
+        """The last step its pair judged it at (`seen`; 0 in a state saved before it)."""
+        return max(self.step, self.seen)
+
     def replayed_by(self, rec: EvidenceRecord, start: int) -> bool:
         """Whether `rec`, a gradient dispute whose window began at `start`, judged steps this
         dispute had judged, in its stage, again after a rollback: the same data again."""
         return (rec.kind == self.kind == "grad_disagree" and rec.stage == self.stage >= 0
-                and rec.epoch > self.epoch and start <= max(self.step, self.seen))
+                and rec.epoch > self.epoch and start <= self.judged_until)
 
     @property
     def pair(self) -> frozenset[str]:
@@ -182,7 +187,7 @@ class Disputes:
                  "the same data, which a new pairing cannot settle (an honest pair's "
                  "disagreement comes from its batches); only steps after %d count",
                  *sorted(rec.candidates), rec.stage, rec.step, rec.epoch, earlier.a, earlier.b,
-                 earlier.step, max(earlier.step, earlier.seen))
+                 earlier.step, earlier.judged_until)
 
     def _confirm(self, new: Dispute, ledger: IntegrityLedger) -> str:
         """The agent of `new` that an earlier dispute with another partner names (confirmed in
