@@ -234,7 +234,8 @@ class WanCluster:
                            f"{status.get('job', {}).get('state')}); logs in {self.workdir}")
 
     def train(self, job_args: Sequence[str], placement: str, links: Path, timeout: float,
-              on_status: Any = None, prewarm: bool = True) -> dict[str, Any]:
+              on_status: Any = None, prewarm: bool = True, max_restarts: int = 0
+              ) -> dict[str, Any]:
         """Start the cluster with a job under `placement` on the measured matrix `links`, wait
         for it to end, stop the cluster; return what the coordinator reported about it.
 
@@ -242,9 +243,11 @@ class WanCluster:
         `prewarm=False`: agents without spare workers. A benchmark of steady steps wants that
         here: each agent starts its next spare after its worker's first step, and N spares
         importing torch on this machine's shared cores slow the steps being measured (on
-        real hosts a spare shares only its own machine)."""
+        real hosts a spare shares only its own machine).
+        `max_restarts`: 0 for a benchmark, whose timing a recovery would blur; a demo lets the
+        job recover as a user's job would, and its result says how often it did."""
         self.coordinator_args = [*job_args, "--placement", placement, "--links", str(links),
-                                 "--max-restarts", "0"]
+                                 "--max-restarts", str(max_restarts)]
         self.start(prewarm=prewarm)
         started = time.monotonic()
         marks: dict[str, float] = {}
@@ -283,6 +286,10 @@ class WanCluster:
             "predicted_comm_s": plan.get("predicted_comm_s"),
             "measured_step_s": job["measured_step_s"], "tokens_per_s": job["tokens_per_s"],
             "loss": job["loss"], "worker_split_median": split, **traffic,
+            # what the job recovered from (only where `max_restarts` let it): a result that
+            # shows a recovery's stall in its time says so
+            "recoveries": [{k: r.get(k) for k in ("reason", "steps_lost", "stalled_s")}
+                           for r in job.get("recoveries", []) if not r.get("planned")],
             # what the coordinator's relay forwarded for the job, and the steps it ran
             # (bench/reach.py reports relayed bytes per step from these)
             "relayed_bytes": job["relay"]["forwarded_bytes"], "steps_trained": job["step"],

@@ -59,6 +59,20 @@ def test_a_failed_run_does_not_hide_the_result_of_the_one_that_finished() -> Non
     assert data["speedup"] == 2.0
 
 
+def test_a_run_that_recovered_on_the_way_says_so_and_the_demo_lets_it_recover() -> None:
+    """Issue 40's soak: one demo of 12 lost its whole rank-order run to a 15 s stall of every
+    host (all 8 agents silent at once) because the demo ran its jobs with no restart."""
+    from coordinator.commands.demo_wan import DEMO_RESTARTS, run_line
+
+    assert DEMO_RESTARTS >= 1
+    run = {**_run(1.2, 1.0), "recoveries": [
+        {"reason": "lost agent(s) vm-1, vm-2", "steps_lost": 3, "stalled_s": 20.0}]}
+    assert run_line("rank-order", run).endswith(
+        "; it recovered from 1 fault(s) on the way, which its time includes "
+        "(lost agent(s) vm-1, vm-2)")
+    assert "recovered" not in run_line("rank-order", {**run, "recoveries": []})
+
+
 def test_a_step_far_from_the_plans_prediction_says_why() -> None:
     from coordinator.commands.demo_wan import plan_prediction
     from coordinator.job.prediction import prediction_gap
