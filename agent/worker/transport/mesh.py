@@ -315,9 +315,10 @@ class Mesh:
                         if target == dp.NO_RANK else punch.dial_reusable(host, port, wait))
             except OSError as exc:  # not listening yet: it may still be starting
                 if tries.left() < 0 or self._closed:
-                    raise ConnectionError(f"rank {self.rank} cannot reach "
-                                          f"{'the relay' if target != dp.NO_RANK else 'rank'} "
-                                          f"{addr} for rank {peer}: {exc}") from exc
+                    what = (f"the relay at {addr} (for its circuit to rank {peer})"
+                            if target != dp.NO_RANK else f"rank {peer} at {addr}")
+                    raise ConnectionError(f"rank {self.rank} cannot reach {what}: {exc}"
+                                          ) from exc
                 time.sleep(_RETRY_S)
 
     def _accept_loop(self) -> None:

@@ -200,3 +200,17 @@ def test_a_dial_parked_at_the_agent_past_one_handshake_reaches_the_worker_that_s
             work.wait(WAIT)
         assert got.tolist() == list(range(64)) and back.tolist() == [1.0] * 8
         assert agent.handoff.abandoned + agent.handoff.handed >= 2  # the early tries
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_nobody_listens_for_is_named_with_its_address() -> None:
+    """What a user reads when a peer's port is closed: which rank, at which address."""
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
+    m1 = Mesh(TransportConfig(JOB, EPOCH, SECRET, {0: addr, 1: None},
+                              timeout=timedelta(seconds=2)), 1)
+    try:
+        with pytest.raises(Exception) as got:
+            m1.recv(0, 0, 8, torch.zeros(4)).wait(WAIT)
+        assert f"rank 1 cannot reach rank 0 at {addr}: " in str(got.value)
+    finally:
+        m1.close()
