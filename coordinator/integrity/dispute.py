@@ -38,8 +38,11 @@ liar that invents disputes is the agent common to all of them and names itself. 
 that stops once re-paired is harmless from then on, and what it did is rolled back. Two bad
 agents that both dispute the same honest agent would frame it; the partners' "disputed nobody
 else" condition keeps that from confirming while either of them has a dispute of its own.
-What cannot be settled: a job of one stage, or a fixed placement (nobody to pair with
-instead); the dispute then stays evidence and the job trains on (docs/architecture.md). Weights
+A job of one stage, or a placement that swaps nobody (rank order), has no other stage to put
+either in: there a spare agent is the third party. The next epoch trains the reporter beside
+a spare in place of the agent it disputed (`benched`), and the same rule then names whichever
+disputes again. What cannot be settled: such a job with no spare agent free, or a pinned
+placement; the dispute then stays evidence and the job trains on (docs/architecture.md). Weights
 that differ (`weights_disagree`) still roll back there: two replicas stepping with the same
 averaged gradient from different weights never agree again, and one checkpoint puts them back
 in step (a one-off bit flip is then gone; a fault that lasts disputes again after the memory).
@@ -122,10 +125,13 @@ class Disputes:
                 log.error("integrity: a saved dispute could not be read (%s)", exc)
 
     def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger,
-             sync_every: int = 1, separable: bool = True, first_step: int = 1) -> bool:
+             sync_every: int = 1, separable: bool = True, first_step: int = 1,
+             by_spare: bool = False) -> bool:
         """Weigh the new records' R = 2 disagreements; True when one opens a dispute that the
         job must re-plan for (`replan_reason` says why). `separable`: whether the running
-        layout and placement can put two agents of one stage in different stages;
+        layout and placement can put two agents of one stage in different stages, or
+        (`by_spare`) can only give one of them a spare agent as its partner instead (one
+        stage, or a placement that swaps nobody: `benched`);
         `first_step`: the first step the running epoch trains, before which no onset is
         taken (a reporter's claim about steps before it would roll back what it did not
         train: at worst a liar costs the epoch's own steps, as a crash would)."""
@@ -154,9 +160,12 @@ class Disputes:
                 continue
             self.disputes = [*self.disputes, new][-MAX_DISPUTES:]
             resync = not separable and rec.kind == "weights_disagree"
-            settle = ("placing them apart, each with a new partner, to settle it"
+            bench = self.bench_of(new)
+            parting = (f"training {new.partner(bench)} beside a spare agent in place of "
+                       f"{bench}" if by_spare else "placing them apart, each with a new partner")
+            settle = (f"{parting}, to settle it"
                       if separable else "no placement can part them (one stage, or a fixed "
-                      "placement): it stays evidence" + (
+                      "placement) and no spare agent is free: it stays evidence" + (
                           ", and both resume from one checkpoint" if resync else ""))
             for x in (a, b):
                 ledger.record(x, rec.kind, rec.step,
@@ -168,7 +177,7 @@ class Disputes:
                 self.replan_reason = (
                     f"agents {a} and {b}, replicas of one stage, disagree ({rec.kind} at step "
                     f"{rec.step}; either may be wrong): " + (
-                        "placing them apart, each with a new partner, and rolling back"
+                        f"{parting}, and rolling back"
                         if separable else "nobody to place them with instead; both "
                         "resume") + f" before step {self.rollback_before}")
                 replan = True
@@ -209,6 +218,23 @@ class Disputes:
                               reporter=COORDINATOR, confirmed=True)
                 return x
         return ""
+
+    @staticmethod
+    def bench_of(d: Dispute) -> str:
+        """Which of `d`'s pair sits out for a spare where no swap parts them: the one the
+        reporter disputed. A liar that reports a dispute keeps its place and must dispute
+        the spare too, which names it; an honest reporter keeps its place beside the spare,
+        and the one it disputed trains no more while the dispute stands."""
+        return d.partner(d.reporter) if d.reporter in d.pair else d.b
+
+    def benched(self, ids: Sequence[str]) -> set[str]:
+        """The agents of `ids` that the next epoch should leave out while a spare can take
+        their place: one of each pending dispute's pair (`bench_of`), for a layout or a
+        placement that cannot put the two in different stages (coordinator/job/membership.py
+        picks them last, so only a job short of agents plans on them)."""
+        inside = set(ids)
+        return {self.bench_of(d) for d in self.disputes
+                if d.done == PENDING and d.pair <= inside}
 
     def apart(self, ids: Sequence[str]) -> set[frozenset[int]]:
         """The pairs (indices into `ids`) an epoch of `ids` must not put in one stage."""

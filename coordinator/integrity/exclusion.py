@@ -56,6 +56,7 @@ class JobIntegrity:
         # comes, no rollback, and no known-good copy need be kept
         self.checked = True
         self.separable = False  # whether this epoch can part two replicas (dispute.py)
+        self.by_spare = False  # ... only by a spare in place of one of them (`Disputes.benched`)
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
         self.disputes = dispute.restore(saved.get("disputes") if saved else None)
@@ -111,19 +112,22 @@ class JobIntegrity:
         """Weigh the new records' R = 2 disputes (`dispute.Disputes.feed`); True when the job
         must re-plan (`disputes.replan_reason`)."""
         replan = self.disputes.feed(records, self.ledger, self.sync_every, self.separable,
-                                    first_step=(self.epoch_from or 0) + 1)
+                                    first_step=(self.epoch_from or 0) + 1,
+                                    by_spare=self.by_spare)
         if replan:
             self.ledger.on_change()
         return replan
 
     def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,
-                   separable: bool = False, rows: Sequence[Sequence[str]] = ()) -> None:
+                   separable: bool = False, rows: Sequence[Sequence[str]] = (),
+                   by_spare: bool = False) -> None:
         """Carry the pending rollback bound in the next epoch's assignments (`sync_every`:
         the epoch's H, where its checkpoints fall; `separable`: whether its layout and
-        placement could part two replicas of a stage; `rows`: its grid, agent ids by stage,
-        which parts the disputed pairs or not, `dispute.separate`)."""
+        placement could part two replicas of a stage, `by_spare`: only by a spare agent in
+        place of one; `rows`: its grid, agent ids by stage, which parts the disputed pairs or
+        not, `dispute.separate`)."""
         self.sync_every = max(sync_every, 1)
-        self.separable = separable
+        self.separable, self.by_spare = separable, separable and by_spare
         self.disputes.planned(rows)
         self.planned_bound = self.pending_bound()
         self.planned_serial = self.ledger.rollback_serial

@@ -425,9 +425,11 @@ class Job:
             member_ids=[r.agent_id for r in records],
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
+        swaps = self._swaps_part(placement, layout.stages)
         self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
-            assignments, train.sync_every, separable=layout.stages > 1
-            and placement.kind == "scheduled", rows=self.planner.grid_ids)
+            assignments, train.sync_every, rows=self.planner.grid_ids, by_spare=not swaps,
+            separable=swaps or (placement.pinned is None and bool(
+                self.membership.spares([r.agent_id for r in records]))))
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()
@@ -453,15 +455,23 @@ class Job:
         self.persist()
         await self._follow()
 
+    def _swaps_part(self, placement: Placement, stages: int | None = None) -> bool:
+        """Whether a swap between stages can part an R = 2 dispute's pair (several stages,
+        scheduled placement), rather than a spare taking one's place (`Disputes.benched`)."""
+        if stages is None:
+            stages = self.planner.layout.stages if self.planner.layout else self.config.stages
+        return stages > 1 and placement.kind == "scheduled"
+
     async def _gather(self, placement: Placement) -> list[AgentRecord]:
         """Wait for the agents the job needs: the pinned plan's, or any `--agents` live ones
         (`Membership.pick`)."""
         while True:
             # after a fault, only agents heard from since count: a dead one is swept by its
             # missed heartbeats instead of being planned on (and probed for a minute)
-            picked, what, alive = self.membership.pick(placement, self.planner,
-                                                       self._settle_after,
-                                                       self.replan.planned_members())
+            picked, what, alive = self.membership.pick(
+                placement, self.planner, self._settle_after, self.replan.planned_members(),
+                benched=() if self._swaps_part(placement) else
+                self.integrity.disputes.benched(self.members))
             if picked is not None:
                 return picked
             if self.state != S.JOB_STATE_RECOVERING or alive:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.registry import AgentRecord, Registry
@@ -65,12 +65,14 @@ class Membership:
                 if self.unreachable.get(a.agent_id, 0.0) <= now]
 
     def pick(self, placement: Placement, planner: EpochPlanner, settle_after: float,
-             moving: list[str]) -> tuple[list[AgentRecord] | None, str, list[AgentRecord]]:
+             moving: list[str], benched: Collection[str] = ()
+             ) -> tuple[list[AgentRecord] | None, str, list[AgentRecord]]:
         """The agents the next epoch plans on, if enough are alive: the pinned plan's, or
         `--agents` live ones (fewer when a shrunk layout fits them), in address order, the
-        order a network-blind launcher would use, the last epoch's first (`prefer_previous`).
-        Only agents heard from since `settle_after` count. Returns (the agents or None, what
-        the job waits for, the agents alive now)."""
+        order a network-blind launcher would use, the last epoch's first (`prefer_previous`),
+        `benched` ones last (an R = 2 dispute's agent that a spare replaces where one is free:
+        coordinator/integrity/dispute.py). Only agents heard from since `settle_after` count.
+        Returns (the agents or None, what the job waits for, the agents alive now)."""
         wanted = self.config.agents
         pinned = placement.pinned.agents if placement.pinned is not None else []
         everyone = self.reachable()
@@ -84,13 +86,17 @@ class Membership:
                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
         else:
             ordered = by_address(alive)
+            def first(count: int) -> list[AgentRecord]:
+                kept = self.prefer_previous(ordered, count, planner.grid_ids, moving)
+                kept = ([a for a in kept if a.agent_id not in benched]
+                        + [a for a in kept if a.agent_id in benched])
+                return kept[:count]
+
             if len(alive) >= wanted:
-                return self.prefer_previous(ordered, wanted, planner.grid_ids,
-                                            moving)[:wanted], "", alive
+                return first(wanted), "", alive
             fewer = planner.shrink_to(alive)
             if fewer and len(everyone) == len(alive):
-                return self.prefer_previous(ordered, fewer, planner.grid_ids,
-                                            moving)[:fewer], "", alive
+                return first(fewer), "", alive
             what = f"agents: {len(alive)} of {wanted} alive" + (
                 f" (--min-agents {self.config.min_agents})" if self.config.min_agents
                 else "")

@@ -105,6 +105,37 @@ def test_a_pair_that_no_placement_can_part_stays_evidence() -> None:
     assert not d.feed([dispute("x", "b", 40)], ledger, separable=False)  # still that one
 
 
+def test_where_no_swap_parts_a_pair_a_spare_replaces_the_disputed_one() -> None:
+    """One stage (or rank order): x disputes b; the next epoch trains x beside a spare c in
+    place of b. x disputing c too names x; a quiet epoch leaves b out while the dispute
+    stands, and nobody excluded."""
+    for x_lies in (True, False):
+        ledger, d = IntegrityLedger(), Disputes()
+        assert d.feed([dispute("x", "b", 12)], ledger, separable=True, by_spare=True)
+        assert "training x beside a spare agent in place of b" in d.replan_reason
+        assert d.rollback_before == 12 - PAIR_WINDOW + 1
+        assert "beside a spare" in ledger.evidence("b")[0].detail
+        assert d.benched(["x", "b", "c"]) == {"b"}
+        assert d.benched(["x", "c"]) == set()  # only a pair both planned on
+        assert d.apart(["x", "c"]) == set()
+        d.planned([["x", "c"]])
+        assert d.replan_reason == "" and d.disputes[0].done == "apart"
+        assert d.benched(["x", "b", "c"]) == set()  # settled: b may be planned on again
+        if x_lies:
+            assert not d.feed([dispute("x", "c", FRESH, epoch=2)], ledger,
+                              separable=True, by_spare=True)
+            assert set(ledger.exclusions) == {"x"}
+        else:
+            assert not ledger.exclusions
+
+
+def test_the_reporter_keeps_its_place_when_a_spare_settles_its_dispute() -> None:
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([dispute("x", "b", 12, reporter="b")], ledger, separable=True, by_spare=True)
+    assert d.benched(["b", "x", "c"]) == {"x"}
+    assert "training b beside a spare agent in place of x" in d.replan_reason
+
+
 def test_weights_that_differ_where_no_placement_parts_them_resume_from_one_checkpoint() -> None:
     """Two replicas of a one-stage job whose weights differ never agree again by training:
     nobody can be named, but both go back to one checkpoint before the drift."""
@@ -203,6 +234,40 @@ def test_a_job_parts_a_disputed_pair_rolls_back_and_excludes_the_common_agent() 
                     measure_links=True, placement="scheduled", search_seconds=0.5)
     cfg.validate()
     run(cfg, body, agents=4)
+
+
+def test_a_one_stage_job_trains_the_reporter_beside_a_spare_and_excludes_a_repeat() -> None:
+    """The state machine: 1 x 2 on three agents, one a spare. x disputes its partner; the job
+    stops, rolls back before the dispute's window and plans x beside the spare; x disputes the
+    spare too and is excluded, and the job goes on with the other two."""
+    async def body(h: Harness) -> None:
+        excluding(h)
+        await h.running_epoch(1)
+        x, partner = h.job.members
+        spare = next(a for a in h.registry.agents if a not in (x, partner))
+        report_all(h, 10)
+        await until(lambda: h.job.checkpoint_step == 8)
+        assert h.job.integrity.separable and h.job.integrity.by_spare
+        assert h.job.integrity.settle([dispute(x, partner, 16)])
+        h.job.poke()
+        await h.running_epoch(2)
+        assert "beside a spare agent in place of" in h.job.recoveries.items[-1].reason
+        assert set(h.job.members) == {x, spare}, h.job.members
+        assigned = [h.registry.agents[a].assignments()[-1] for a in h.job.members]
+        assert {a.resume_before for a in assigned} == {16 - PAIR_WINDOW + 1}
+        report_all(h, 5)
+        h.job.integrity.settle([dispute(x, spare, 16 + PAIR_WINDOW, reporter=spare, epoch=2)])
+        await h.running_epoch(3)
+        assert h.registry.states[x] == S.AGENT_STATE_EXCLUDED
+        assert set(h.job.members) == {partner, spare}
+        assert h.job.integrity.ledger.excluded(partner) is None
+
+    cfg = JobConfig(model="gpt-tiny", agents=2, stages=1, replicas=2, min_agents=2,
+                    train=TrainConfig(global_batch=8, micro_batches=2, steps=20,
+                                      checkpoint_every=4),
+                    measure_links=True, placement="scheduled", search_seconds=0.5)
+    cfg.validate()
+    run(cfg, body, agents=3)
 
 
 def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
