@@ -229,12 +229,13 @@ class Disputes:
 
     def benched(self, ids: Sequence[str]) -> set[str]:
         """The agents of `ids` that the next epoch should leave out while a spare can take
-        their place: one of each pending dispute's pair (`bench_of`), for a layout or a
-        placement that cannot put the two in different stages (coordinator/job/membership.py
-        picks them last, so only a job short of agents plans on them)."""
+        their place: one of each remembered dispute's pair (`bench_of`; as `apart` keeps
+        pairs apart, for as long), for a layout or a placement that cannot put the two in
+        different stages (coordinator/job/membership.py picks them last, so only a job short
+        of agents plans on them)."""
         inside = set(ids)
         return {self.bench_of(d) for d in self.disputes
-                if d.done == PENDING and d.pair <= inside}
+                if d.done != CANNOT and d.pair <= inside}
 
     def apart(self, ids: Sequence[str]) -> set[frozenset[int]]:
         """The pairs (indices into `ids`) an epoch of `ids` must not put in one stage."""
