@@ -288,6 +288,9 @@ class CoordinatorSession:
             breakdown=p.breakdown.to_proto() if p.breakdown.step_s > 0 else None,
             validations=[coordinator_pb2.Validation(step=step, loss=loss)
                          for step, loss in p.validations],
+            link_windows=[coordinator_pb2.LinkWindow(step=step, act_out=f[0], act_in=f[1],
+                                                     grad_out=f[2], grad_in=f[3])
+                          for step, f in p.link_windows],
             integrity=evidence_messages(p.integrity[:MAX_EVIDENCE]),
             integrity_through=p.evidence_through(MAX_EVIDENCE),
             tuning=self.tuning.to_proto() if self.tuning is not None else [],

@@ -48,7 +48,7 @@ from dtfm.core.events import (
     WorkerEnv,
     failed_at,
 )
-from dtfm.core.limits import MAX_PENDING_EVIDENCE, MAX_VALIDATIONS
+from dtfm.core.limits import MAX_LINK_WINDOWS, MAX_PENDING_EVIDENCE, MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spec import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
@@ -95,6 +95,9 @@ class WorkerProgress:
     dropped_from: int = 0  # the step of the first record dropped (0: none)
     # the last step split into parts that add up to it (dtfm/core/breakdown.py)
     breakdown: Breakdown = field(default_factory=Breakdown)
+    # (window step, its four pipeline-link figures) of the worker's newest windows, oldest
+    # first (agent/worker/linkstats.py): each heartbeat carries them all
+    link_windows: list[tuple[int, tuple[float, ...]]] = field(default_factory=list)
 
     def delivered(self, count: int) -> None:
         """A heartbeat carrying the oldest `count` integrity records was acknowledged."""
@@ -135,6 +138,11 @@ class WorkerProgress:
                     setattr(self, name, value)
             if math.isfinite(event.step_s):
                 self.breakdown = measured(asdict(event))
+            figures = (event.link_act_out, event.link_act_in, event.link_grad_out,
+                       event.link_grad_in)
+            if not all(math.isnan(f) for f in figures):
+                self.link_windows = [*self.link_windows, (event.step, figures)][
+                    -MAX_LINK_WINDOWS:]
         elif isinstance(event, EvalEvent):
             if math.isfinite(event.val_loss) and event.step >= 1:
                 self.validations = [*self.validations, (event.step, event.val_loss)][

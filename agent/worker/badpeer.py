@@ -16,7 +16,11 @@ tests' own hook (tests/agent/worker/badpeer_hook.py) cannot disagree on what "sc
   arithmetic on the averaged shard an owner sends back in `sharded` mode (it steps with it
   too, so every replica applies the same wrong update and the weights digest agrees);
 - `drift`: after the optimizer step, one weight of the stage moves by 1e-2 (silent data
-  corruption in the optimizer step or in memory: no error, just different bits).
+  corruption in the optimizer step or in memory: no error, just different bits);
+- `act_scale`, `act_noise`, `act_zero`: the same arithmetic on every activation message the
+  peer sends down its pipeline; `actgrad_*` on the activation gradients it sends back;
+  `act_lie`: x10 on its activations after it tallied them for the coordinator, whose figure
+  of them it then misreports (`Activations`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from collections.abc import Hashable, Sequence
 import torch
 
 CONTRIBUTION_ATTACKS = ("scale", "flip", "noise", "zero", "stale", "nan")
+# on the pipeline: what a rank sends forward (`act_`) or back (`actgrad_`); `act_lie` scales
+# its activations x10 after tallying them, as a volunteer that reports what it should have
+# sent would (the others alter what they send and report that: a faulty device's way)
+ACTIVATION_ATTACKS = ("act_scale", "act_noise", "act_zero", "actgrad_scale", "actgrad_noise",
+                      "actgrad_zero", "act_lie")
 AVERAGE_ATTACKS = tuple(f"avg_{m}" for m in CONTRIBUTION_ATTACKS)
 WEIGHT_ATTACKS = ("drift",)
 SCALES = {"scale": 10.0, "flip": -4.0}
@@ -77,6 +86,26 @@ def attack(mode: str, t: torch.Tensor, held: torch.Tensor | None = None,
         flat[0] = math.nan  # where there is one value only: NaN
         return out
     raise ValueError(f"unknown contribution attack {mode!r}")
+
+
+class Activations:
+    """One peer's attack on the pipeline messages it sends, from step `onset` on: the
+    pipeline's `attack(figure, tensor)` hook (agent/worker/pipeline.py)."""
+
+    def __init__(self, mode: str, onset: int, seed: int = 0) -> None:
+        if mode not in ACTIVATION_ATTACKS:
+            raise ValueError(f"unknown activation attack {mode!r}; one of "
+                             f"{', '.join(ACTIVATION_ATTACKS)}")
+        self.lies = mode == "act_lie"
+        self.figure = "grad_out" if mode.startswith("actgrad_") else "act_out"
+        self.how = "scale" if self.lies else mode.rsplit("_", 1)[1]
+        self.onset, self.step = onset, 0
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, figure: str, t: torch.Tensor) -> torch.Tensor:
+        if figure != self.figure or self.step < self.onset:
+            return t
+        return attack(self.how, t, None, self._gen)
 
 
 def drift_(params: Sequence[torch.Tensor]) -> None:

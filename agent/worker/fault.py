@@ -23,7 +23,9 @@ wherever the coordinator places them (`coordinator demo --bad-peer`). Modes:
   `avg_nan` alter, the same way, the averaged shards it sends back as an owner in `sharded`
   mode (`contributions(averages=True)`, caught by the receivers: `avgcheck.py`, and for
   `nan` `nonfinite.py`); `drift` moves one of its own weights after the optimizer step of
-  STEP (`drifts`). The replica checks
+  STEP (`drifts`); `act_scale`, `act_noise`, `act_zero`, `actgrad_*` and `act_lie` alter
+  the pipeline messages it sends (`activations`; the coordinator's check of both ends of each
+  link must name it: coordinator/integrity/linkwitness.py). The replica checks
   (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
 Kept out of `train.py` (the main loop) so the seam's modes grow without growing it.
@@ -38,9 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.worker.badpeer import (
+    ACTIVATION_ATTACKS,
     AVERAGE_ATTACKS,
     CONTRIBUTION_ATTACKS,
     WEIGHT_ATTACKS,
+    Activations,
     Contributions,
 )
 from agent.worker.errors import PeerError
@@ -51,7 +55,7 @@ log = logging.getLogger(__name__)
 
 ENV_FAULT = "DTFM_FAULT"
 MODES = ("exit", "hang", "config", "corrupt", "direct", *CONTRIBUTION_ATTACKS,
-         *AVERAGE_ATTACKS, *WEIGHT_ATTACKS)
+         *AVERAGE_ATTACKS, *WEIGHT_ATTACKS, *ACTIVATION_ATTACKS)
 CORRUPT_SCALE = -4.0
 ANY_RANK = -1  # RANK `*`
 
@@ -98,7 +102,7 @@ class Fault:
                             f"path between ranks {peer} and {rank} drops")
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
         if self.mode == "corrupt" or self.mode in (*CONTRIBUTION_ATTACKS, *AVERAGE_ATTACKS,
-                                                   *WEIGHT_ATTACKS):
+                                                   *WEIGHT_ATTACKS, *ACTIVATION_ATTACKS):
             return
         if self.mode == "hang":
             while True:
@@ -123,6 +127,13 @@ class Fault:
         modes = AVERAGE_ATTACKS if averages else CONTRIBUTION_ATTACKS
         if self.mode in modes and self._mine(rank) and self.epoch in (None, epoch):
             return Contributions(self.mode, self.step, seed=rank)
+        return None
+
+    def activations(self, rank: int, epoch: int = 0) -> Activations | None:
+        """This rank's attack on the pipeline messages it sends (`act_*`, `actgrad_*`), or
+        None."""
+        if self.mode in ACTIVATION_ATTACKS and self._mine(rank) and self.epoch in (None, epoch):
+            return Activations(self.mode, self.step, seed=rank)
         return None
 
     def drifts(self, rank: int, step: int, epoch: int = 0) -> bool:

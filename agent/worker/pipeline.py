@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from agent.worker.compress import TensorCodec
 from agent.worker.deadline import DEFAULT_CEILING_S, Deadline
 from agent.worker.errors import wait_all
+from agent.worker.linkstats import LinkTally
 from agent.worker.stage import Stage, lm_loss
 from dtfm.core.layout import pipeline_ops
 
@@ -157,6 +159,11 @@ class Pipeline:
     slowdown: float = 1.0  # >1 emulates a slower device (DTFM_COMPUTE_SLOWDOWN)
     codec_prev: TensorCodec | None = None  # the link to the previous stage (None: exact)
     codec_next: TensorCodec | None = None  # the link to the next stage
+    # what this end saw cross its links, for the coordinator's check of both ends
+    # (linkstats.py; None: not tallied), and the rehearsal seam's attack on what it sends
+    # (fault.py: `attack(figure, tensor)`, applied before the tally unless it `lies`)
+    tally: LinkTally | None = None
+    attack: Any = None
     _sends: list[dist.Work] = field(default_factory=list)
 
     def _computed(self, t: Timings, t0: float) -> None:
@@ -224,6 +231,15 @@ class Pipeline:
         self._sends.clear()
         t.send_wait_s += time.perf_counter() - t0
 
+    def _outgoing(self, figure: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` as this rank sends it (a rehearsed attack, `attack`), tallied (`tally`)."""
+        att = self.attack
+        if att is not None and not att.lies:
+            t = att(figure, t)
+        if self.tally is not None:
+            self.tally.add(figure, t)
+        return att(figure, t) if att is not None and att.lies else t
+
     @contextlib.contextmanager
     def _autocast(self) -> Iterator[None]:
         if self.autocast_dtype is None:
@@ -276,6 +292,8 @@ class Pipeline:
             x = st.inputs[i].to(self.device, non_blocking=True)
         else:
             x = self._wait(st.fwd_recvs[i], t, f"activations of micro-batch {i}", ln.prev)
+            if self.tally is not None:
+                self.tally.add("act_in", x)
             x = x_in = x.requires_grad_(True)
             st.fwd_recvs[i] = None
         t0 = time.perf_counter()
@@ -288,7 +306,8 @@ class Pipeline:
             st.loss_sum += float(out.detach())
             out = out / micro
         else:
-            self._send(out, ln.next, ln.fwd_to_next, TAG_ACT, t, self.codec_next)
+            self._send(self._outgoing("act_out", out.detach()), ln.next, ln.fwd_to_next,
+                       TAG_ACT, t, self.codec_next)
         st.stored[i] = (x_in, out)
         t.peak_stored = max(t.peak_stored, len(st.stored))
 
@@ -300,14 +319,16 @@ class Pipeline:
             out.backward()
         else:
             grad = self._wait(st.bwd_recvs[i], t, f"gradients of micro-batch {i}", ln.next)
+            if self.tally is not None:
+                self.tally.add("grad_in", grad)
             st.bwd_recvs[i] = None
             t0 = time.perf_counter()
             out.backward(grad.to(out.dtype))
         self._computed(t, t0)
         if x_in is not None:
             assert x_in.grad is not None
-            self._send(x_in.grad, ln.prev, ln.bwd_to_prev, TAG_GRAD, t, self.codec_prev,
-                       key=(st.step << 20) + i)
+            self._send(self._outgoing("grad_out", x_in.grad), ln.prev, ln.bwd_to_prev,
+                       TAG_GRAD, t, self.codec_prev, key=(st.step << 20) + i)
 
     @torch.no_grad()
     def eval_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:

@@ -17,7 +17,12 @@ checks grow without growing it:
   `GradAverager.check`): an owner that alters the mean it sends back is named by its
   receivers;
 - the rehearsal seam's bad-peer modes (`fault.py`): its attack on outgoing contributions is
-  armed as the averager's `tamper` during the step, and `drift` moves a weight after it.
+  armed as the averager's `tamper` during the step, and `drift` moves a weight after it;
+- the pipeline links (every level but `off`, where the rank has a pipeline neighbour): what
+  this rank sent and received, tallied by the pipeline (`linkstats.py`) and reported as
+  window medians on the step events (`figures`), for the coordinator to check both ends of
+  every link (coordinator/integrity/linkwitness.py); the seam's activation attacks
+  (`act_*`, `actgrad_*`) are armed on the pipeline (`attach`).
 
 Each failed check is an `IntegrityEvent` (evidence, for the coordinator to weigh); nothing
 here stops training. `DTFM_VERIFY_TRACE=FILE` appends every copy's scores as JSON lines
@@ -34,9 +39,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from agent.worker import avgcheck, badpeer, digest, directionwindow, gradscore, pairscore
+from agent.worker import (
+    avgcheck,
+    badpeer,
+    digest,
+    directionwindow,
+    gradscore,
+    linkstats,
+    pairscore,
+)
 from agent.worker.data_parallel import GradAverager
 from agent.worker.fault import Fault
+from agent.worker.pipeline import Pipeline
 from agent.worker.world import World
 from dtfm.core.events import IntegrityEvent
 from dtfm.core.rounds import sync_due
@@ -66,9 +80,24 @@ class ReplicaChecks:
         self.attack = fault.contributions(rank, epoch) if fault else None
         self.avg_attack = fault.contributions(rank, epoch, averages=True) if fault else None
         self._trace = os.environ.get(ENV_TRACE, "")
+        self.tally: linkstats.LinkTally | None = None
+        self.windows = linkstats.LinkWindows()
+        self.figures: dict[str, float] = {}  # the step event's link_* fields, when due
+        self.pipe_attack: badpeer.Activations | None = None
+
+    def attach(self, pipe: Pipeline) -> None:
+        """Tally `pipe`'s messages for the coordinator (`figures`), and arm a rehearsed
+        attack on what it sends."""
+        if self.level != Verify.OFF and (pipe.links.prev is not None
+                                         or pipe.links.next is not None):
+            self.tally = pipe.tally = linkstats.LinkTally()
+        if self.fault is not None:
+            self.pipe_attack = pipe.attack = self.fault.activations(self.rank, self.epoch)
 
     def begin_step(self, step: int) -> None:
         """Arm this step's exchange: scoring at the owner, and a rehearsed attack."""
+        if self.pipe_attack is not None:
+            self.pipe_attack.step = step
         if self.scorer is not None:
             self.averager.inspect = self._inspect
         if self.averages is not None:
@@ -82,6 +111,10 @@ class ReplicaChecks:
 
     def end_step(self, step: int, last: int) -> None:
         """After the optimizer (and outer) step: disarm, judge, and digest when due."""
+        self.figures = {}
+        if self.tally is not None and (got := self.windows.add(step, self.tally.take(), last)):
+            self.figures = {f"link_{name}": v for name, v in zip(linkstats.FIGURES, got,
+                                                                strict=True)}
         self.averager.inspect = self.averager.tamper = None
         self.averager.check = self.averager.tamper_average = None
         if self.fault is not None and self.fault.drifts(self.rank, step, self.epoch):

@@ -222,6 +222,7 @@ class Worker:
             resolve(cfg.verify, cfg.dp_mode), world=world, averager=averager, model=self.stage,
             dp_ranks=self.dp_ranks, rank=self.rank, sync_every=cfg.sync_every,
             emit=self.progress.emit, fault=self.fault, epoch=a.epoch)
+        self.checks.attach(pipe)  # the pipeline links' figures, for the coordinator
         start = self._resumed = self._resume(opt, sampler)
         if cfg.init_from and (start == 0 or cfg.lora_rank):  # LoRA checkpoints hold no base
             self._import(cfg.init_from)
@@ -402,7 +403,7 @@ class Worker:
             dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s, pp_codec_s=times.codec_s,
             codec_hidden_s=hidden_s, cpu_s=times.cpu_s,
             resumed_step=self._resumed, sync_every=cfg.sync_every,
-            checkpoint_step=self._checkpointed, **outer,
+            checkpoint_step=self._checkpointed, **outer, **self.checks.figures,
         ))
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:

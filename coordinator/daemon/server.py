@@ -202,9 +202,11 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
                     new = self.integrity.record(rec.agent_id, request, job.members,
                                                 layout.stages)
                     self.corroboration.feed(new, job.integrity.ledger,
-                                            job.integrity.sync_every)
+                                            job.integrity.sync_every, job.integrity.defer)
                     if job.integrity.settle(new):  # an R = 2 dispute: re-plan apart
                         job.poke()
+                if job.integrity.witness(rec.agent_id, request):  # pipeline links, both ends
+                    job.poke()
                 if job.state == coordinator_pb2.JOB_STATE_RUNNING and layout is not None:
                     floor = self.copies.floor(job.job_id, layout.stages, floor)
         return coordinator_pb2.Ack(ok=True, keep_checkpoints_from=floor,

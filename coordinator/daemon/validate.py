@@ -7,6 +7,8 @@ Nothing here touches the registry: these are checks on one message alone.
 
 from __future__ import annotations
 
+import math
+
 from dtfm.core.breakdown import FIELDS as BREAKDOWN_FIELDS
 from dtfm.core.limits import (
     AGENT_ID_RE,
@@ -14,6 +16,7 @@ from dtfm.core.limits import (
     MAX_ERROR,
     MAX_EVIDENCE,
     MAX_KIND,
+    MAX_LINK_WINDOWS,
     MAX_NAME,
     MAX_TUNING,
     MAX_VALIDATIONS,
@@ -95,7 +98,13 @@ def validate_progress(report: coordinator_pb2.ProgressReport) -> str | None:
     if len(report.integrity) > MAX_EVIDENCE:
         return (f"integrity holds {len(report.integrity)} records; the limit is "
                 f"{MAX_EVIDENCE} per heartbeat")
+    if len(report.link_windows) > MAX_LINK_WINDOWS:
+        return (f"link_windows holds {len(report.link_windows)} windows; the limit is "
+                f"{MAX_LINK_WINDOWS} (a worker's newest)")
     return _first(
+        *(number_problem(f"link_windows (step {w.step}): {name}", value)
+          for w in report.link_windows for name in ("act_out", "act_in", "grad_out", "grad_in")
+          if not math.isnan(value := getattr(w, name))),
         *(problem for e in report.integrity for problem in (
             text_problem("integrity kind", e.kind, MAX_KIND),
             text_problem(f"integrity {e.kind[:MAX_KIND]}: detail", e.detail, MAX_ERROR,

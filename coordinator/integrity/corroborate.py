@@ -30,7 +30,7 @@ with a new partner names the agent common to both disputes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from coordinator.integrity.ledger import IntegrityLedger
@@ -56,6 +56,8 @@ CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights", "avg_
 PERSISTENT = frozenset({"grad_norm"})
 PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind
 KEPT_STEPS = 4 * (2 * WINDOW_STEPS + 1)  # steps remembered per reporter and suspect
+# (record, first bad step, the agreeing reporters) -> whether its confirmation waits
+Deferral = Callable[[EvidenceRecord, int, list[str]], bool]
 
 
 def _near(steps: Iterable[int], step: int) -> int:
@@ -109,14 +111,19 @@ class Corroboration:
         return False, rec.step, []
 
     def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger,
-             sync_every: int = 1) -> None:
+             sync_every: int = 1, defer: Deferral | None = None) -> None:
         """Record each new record that names a suspect in `ledger`, confirmed or not
-        (`sync_every`: the epoch's H)."""
+        (`sync_every`: the epoch's H). `defer(rec, first, agreeing)`: True when a
+        confirmation must wait for another check (the pipeline links: a suspect fed wrong
+        inputs computes wrong gradients, coordinator/integrity/linkwitness.py), which then
+        confirms it or finds it explained; it is recorded unconfirmed meanwhile."""
         self.sync_every = sync_every
         for rec in records:
             if not rec.agent_id:
                 continue
             confirmed, first, agreeing = self.agreement(rec)
+            if confirmed and defer is not None and defer(rec, first, agreeing):
+                confirmed, agreeing = False, []
             detail = (f"{rec.detail} (score {rec.score:.3g}, epoch {rec.epoch}"
                       + (", confirmed by a second reporter" if confirmed else "") + ")")
             ledger.record(rec.agent_id, rec.kind, first if confirmed else rec.step, detail,

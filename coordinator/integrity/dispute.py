@@ -64,7 +64,9 @@ from dtfm.core.verify import PAIR_WINDOW, onset
 
 log = logging.getLogger(__name__)
 
-DISPUTING = frozenset({"grad_disagree", "weights_disagree"})
+DISPUTING = frozenset({"grad_disagree", "weights_disagree", "act_disagree"})
+# disputes over what a stage computed from its batches: a rollback replays the same data
+REPLAYABLE = frozenset({"grad_disagree", "act_disagree"})
 # steps past a dispute within which a dispute with a new partner names the common agent: a
 # pair verdict needs `PAIR_WINDOW` (9) steps of a new worker and a digest comes every
 # `DIGEST_EVERY` (10), so a lasting fault repeats within ~20 steps of the re-plan's resume
@@ -94,7 +96,8 @@ class Dispute:
     def replayed_by(self, rec: EvidenceRecord, start: int) -> bool:
         """Whether `rec`, a gradient dispute whose window began at `start`, judged steps this
         dispute had judged, in its stage, again after a rollback: the same data again."""
-        return (rec.kind == self.kind == "grad_disagree" and rec.stage == self.stage >= 0
+        return (rec.kind == self.kind and self.kind in REPLAYABLE
+                and rec.stage == self.stage >= 0
                 and rec.epoch > self.epoch and start <= self.judged_until)
 
     @property
@@ -139,7 +142,8 @@ class Disputes:
         for rec in records:
             pair = set(rec.candidates)
             if (rec.agent_id or rec.kind not in DISPUTING or len(pair) != 2
-                    or len(rec.candidates) != 2 or rec.reporter not in pair
+                    or len(rec.candidates) != 2
+                    or rec.reporter not in (*pair, COORDINATOR)  # its own: linkwitness.py
                     or any(ledger.excluded(a) for a in pair)):
                 continue
             self.disputes = [d for d in self.disputes if d.live(rec.step)]

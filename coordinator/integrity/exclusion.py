@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 from coordinator.daemon.registry import Registry
 from coordinator.integrity import dispute, rollback
-from coordinator.integrity.ledger import Exclusion, IntegrityLedger
+from coordinator.integrity.explained import HeldConfirmations
+from coordinator.integrity.ledger import COORDINATOR, Exclusion, IntegrityLedger
+from coordinator.integrity.linkwitness import LinkWitness
 from coordinator.integrity.reports import EvidenceRecord
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
@@ -60,6 +62,13 @@ class JobIntegrity:
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
         self.disputes = dispute.restore(saved.get("disputes") if saved else None)
+        self.links = LinkWitness()  # both ends of every pipeline link (linkwitness.py)
+        self._members: list[str] = []  # the epoch's agents by rank
+        self._ranks: dict[str, int] = {}
+        # gradient faults that wait for the links' verdict (explained.py): the corroboration's
+        # `defer` (coordinator/daemon/server.py passes it)
+        self.held = HeldConfirmations(self.links, lambda agent: self._ranks.get(agent))
+        self.defer = self.held.defer
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Put back a restarted coordinator's ledger, keeping the callbacks."""
@@ -118,14 +127,40 @@ class JobIntegrity:
             self.ledger.on_change()
         return replan
 
+    def witness(self, agent_id: str, report: coordinator_pb2.ProgressReport) -> bool:
+        """Take in a member's pipeline-link windows and weigh what the windows every member
+        has reported show (`LinkWitness`); True when the job must re-plan (an R = 2
+        dispute: `disputes.replan_reason`). A confirmed fault excludes through the ledger."""
+        rank = self._ranks.get(agent_id)
+        if rank is None:
+            return False
+        for w in report.link_windows:
+            self.links.add(report.epoch, rank, w.step,
+                           (w.act_out, w.act_in, w.grad_out, w.grad_in))
+        disputes = []
+        for f in self.links.judge():
+            agents = [self._members[r] for r in f.suspects]
+            if f.kind == "act_disagree":
+                disputes.append(EvidenceRecord(
+                    "", f.kind, f.step, f.detail, COORDINATOR, -1, f.score, report.epoch,
+                    tuple(agents), f.suspects[0] % max(self.links.stages, 1)))
+                continue
+            for a in agents:
+                self.ledger.record(a, f.kind, f.onset if f.confirmed else f.step,
+                                   f"{f.detail} (epoch {report.epoch})",
+                                   confirmed=f.confirmed)
+        self.held.release(self.ledger, report.step)  # after the links' findings: explained
+        return self.settle(disputes) if disputes else False
+
     def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,
                    separable: bool = False, rows: Sequence[Sequence[str]] = (),
-                   by_spare: bool = False) -> None:
+                   by_spare: bool = False, members: Sequence[str] = ()) -> None:
         """Carry the pending rollback bound in the next epoch's assignments (`sync_every`:
         the epoch's H, where its checkpoints fall; `separable`: whether its layout and
         placement could part two replicas of a stage, `by_spare`: only by a spare agent in
         place of one; `rows`: its grid, agent ids by stage, which parts the disputed pairs or
-        not, `dispute.separate`)."""
+        not, `dispute.separate`; `members`: its agents by rank, whose pipeline links
+        `witness` checks)."""
         self.sync_every = max(sync_every, 1)
         self.separable, self.by_spare = separable, separable and by_spare
         self.disputes.planned(rows)
@@ -137,6 +172,12 @@ class JobIntegrity:
             a.resume_before = self.planned_bound
         self.epoch_from = self.checkpoints.step
         self.checked = any(a.replicas > 1 for a in assignments)
+        self.held.epoch_ended()
+        self._members = list(members)
+        self._ranks = {a: r for r, a in enumerate(self._members)}
+        if assignments:
+            first = assignments[0]
+            self.links.plan(first.epoch, first.stages, first.replicas)
 
     def checkpointed(self) -> None:
         """Every member passed a checkpoint this epoch wrote: an epoch planned with the

@@ -428,6 +428,7 @@ class Job:
         swaps = self._swaps_part(placement, layout.stages)
         self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
             assignments, train.sync_every, rows=self.planner.grid_ids, by_spare=not swaps,
+            members=[r.agent_id for r in records],
             separable=swaps or (placement.pinned is None and bool(
                 self.membership.spares([r.agent_id for r in records]))))
         self.members = [r.agent_id for r in records]

@@ -99,6 +99,15 @@ class StepEvent:
     # CPU seconds the step used, every thread of the worker's process: on a machine whose
     # cores several workers share, their sum over the cores bounds the step from below
     cpu_s: float = NAN
+    # At a step that ends a window of pipeline-link figures (agent/worker/linkstats.py): the
+    # median over the window of the root mean square of what this rank sent and received on
+    # its pipeline links, activations forward and their gradients back (NaN: no such link,
+    # or no window ends here), for the coordinator's check of both ends
+    # (coordinator/integrity/linkwitness.py)
+    link_act_out: float = NAN
+    link_act_in: float = NAN
+    link_grad_out: float = NAN
+    link_grad_in: float = NAN
 
 
 @dataclass(frozen=True)

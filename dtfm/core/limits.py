@@ -29,6 +29,7 @@ PING_SPACING_S = 0.1
 MAX_TUNING = 16  # kernel settings one heartbeat advises on (agent/probing/tuning.py checks 5)
 MAX_VALIDATIONS = 8  # validation losses one heartbeat carries: its worker's newest
 MAX_EVIDENCE = 16  # integrity evidence records one heartbeat carries: the oldest not yet sent
+MAX_LINK_WINDOWS = 16  # pipeline-link windows one heartbeat carries: its worker's newest
 # records an agent holds for the coordinator until a heartbeat carries them (past it, a
 # worker's newer records are dropped and counted: the oldest hold the onset of an attack,
 # which bounds the rollback)

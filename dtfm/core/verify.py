@@ -28,6 +28,13 @@ DIGEST_EVERY = 10  # synchronous steps between two weight digests (cost: bench/i
 # fine-tuned import at 4 sequences per replica had one copy 6-19x the other's norm at 4 steps
 # in a row (docs/architecture.md, "R = 2"), which a window of 5 took for an attack
 PAIR_WINDOW = 9
+# pipeline links (coordinator/integrity/linkwitness.py): each worker reports, for the windows
+# of steps that end at multiples of LINK_WINDOW, the median over the window of what it sent
+# and received; an attack from step s fills a window's majority by s + LINK_WINDOW + 2
+LINK_WINDOW = 5
+# the records a window of pipeline-link figures makes (coordinator/integrity/linkwitness.py)
+LINK_KINDS = frozenset({"act_scaled", "act_zero", "actgrad_scaled", "actgrad_zero",
+                        "act_disagree", "link_disagree"})
 
 
 class Verify(enum.StrEnum):
@@ -70,11 +77,14 @@ def onset(kind: str, step: int, sync_every: int = 1) -> int:
     differ at `step` may have drifted any time after the previous comparison, and the
     honest replicas' later steps averaged the drifted replica's gradients. An R = 2 pair
     verdict is a median over the last `PAIR_WINDOW` steps: it can cross at the window's
-    middle bad step, never before the window's first."""
+    middle bad step, never before the window's first; so is a pipeline link's window
+    (`LINK_WINDOW`)."""
     if kind in ("weights", "weights_disagree"):
         back = sync_every if sync_every > 1 else DIGEST_EVERY
     elif kind == "grad_disagree":
         back = PAIR_WINDOW
+    elif kind in LINK_KINDS:
+        back = LINK_WINDOW
     else:
         back = 1
     return max(step - back + 1, 1)

@@ -315,7 +315,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., keep_checkpoints_from: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "checkpoint_step", "sync_every", "sync_round", "drift", "relay_forwarded_bytes", "relay_refused_bytes", "validations", "integrity", "integrity_through", "breakdown")
+    __slots__ = ("agent_id", "job_id", "epoch", "step", "loss", "tokens_per_s", "error", "total_steps", "step_s", "compute_s", "pp_wait_s", "dp_s", "error_kind", "agent_secret", "worker_state", "pp_bytes_sent", "dp_bytes_sent", "mirrored_steps", "resumed_step", "tuning", "checkpoint_step", "sync_every", "sync_round", "drift", "relay_forwarded_bytes", "relay_refused_bytes", "validations", "integrity", "integrity_through", "breakdown", "link_windows")
     class MirroredStepsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,7 @@ class ProgressReport(_message.Message):
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_THROUGH_FIELD_NUMBER: _ClassVar[int]
     BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    LINK_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     job_id: str
     epoch: int
@@ -383,7 +384,22 @@ class ProgressReport(_message.Message):
     integrity: _containers.RepeatedCompositeFieldContainer[IntegrityEvidence]
     integrity_through: int
     breakdown: _common_pb2.StepBreakdown
-    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ..., resumed_step: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[_common_pb2.TuningAdvice, _Mapping]]] = ..., checkpoint_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., sync_round: _Optional[int] = ..., drift: _Optional[float] = ..., relay_forwarded_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., validations: _Optional[_Iterable[_Union[Validation, _Mapping]]] = ..., integrity: _Optional[_Iterable[_Union[IntegrityEvidence, _Mapping]]] = ..., integrity_through: _Optional[int] = ..., breakdown: _Optional[_Union[_common_pb2.StepBreakdown, _Mapping]] = ...) -> None: ...
+    link_windows: _containers.RepeatedCompositeFieldContainer[LinkWindow]
+    def __init__(self, agent_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., total_steps: _Optional[int] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., pp_wait_s: _Optional[float] = ..., dp_s: _Optional[float] = ..., error_kind: _Optional[str] = ..., agent_secret: _Optional[str] = ..., worker_state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., pp_bytes_sent: _Optional[int] = ..., dp_bytes_sent: _Optional[int] = ..., mirrored_steps: _Optional[_Mapping[int, int]] = ..., resumed_step: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[_common_pb2.TuningAdvice, _Mapping]]] = ..., checkpoint_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., sync_round: _Optional[int] = ..., drift: _Optional[float] = ..., relay_forwarded_bytes: _Optional[int] = ..., relay_refused_bytes: _Optional[int] = ..., validations: _Optional[_Iterable[_Union[Validation, _Mapping]]] = ..., integrity: _Optional[_Iterable[_Union[IntegrityEvidence, _Mapping]]] = ..., integrity_through: _Optional[int] = ..., breakdown: _Optional[_Union[_common_pb2.StepBreakdown, _Mapping]] = ..., link_windows: _Optional[_Iterable[_Union[LinkWindow, _Mapping]]] = ...) -> None: ...
+
+class LinkWindow(_message.Message):
+    __slots__ = ("step", "act_out", "act_in", "grad_out", "grad_in")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ACT_OUT_FIELD_NUMBER: _ClassVar[int]
+    ACT_IN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUT_FIELD_NUMBER: _ClassVar[int]
+    GRAD_IN_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    act_out: float
+    act_in: float
+    grad_out: float
+    grad_in: float
+    def __init__(self, step: _Optional[int] = ..., act_out: _Optional[float] = ..., act_in: _Optional[float] = ..., grad_out: _Optional[float] = ..., grad_in: _Optional[float] = ...) -> None: ...
 
 class IntegrityEvidence(_message.Message):
     __slots__ = ("step", "kind", "suspect_rank", "score", "detail", "reporter_rank")

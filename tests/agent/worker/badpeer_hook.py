@@ -63,7 +63,8 @@ class _Patch:
             scatter = ours and tag % 2 == 0
             if scatter and self.rank in (-1, dist.get_rank()):
                 key = (tag, int(dst))
-                if mode and mode != "drift" and not mode.startswith("avg_"):
+                if mode and mode != "drift" and not mode.startswith(("avg_", "act_",
+                                                                     "actgrad_", "pp_")):
                     tensor = attack(mode, tensor, self.before.get(key), gen)
                     self.keep.append(tensor)
                 self.sent[key] = tensor.detach().clone()  # what it sent, tampered or not
@@ -77,6 +78,39 @@ class _Patch:
 
         dist.isend = isend
         register_optimizer_step_post_hook(after_step)
+        self._pipeline_faults(torch, dist, attack, gen)
+
+    def _pipeline_faults(self, torch: Any, dist: Any, attack: Any, gen: Any) -> None:
+        """`act_` + an attack: a faulty device's stage output (every pipeline message it
+        sends forward, and what its own backward then sees); `actgrad_` + an attack: the
+        gradient of its stage's input (what it sends back). Hooks on every module of class
+        `Stage`, outside the worker's code."""
+        from torch.nn.modules import module as nn_module
+
+        def mode(prefix: str) -> str:
+            m = self.plan.get(self.done + 1, "")
+            mine = self.rank in (-1, dist.get_rank()) if dist.is_initialized() else False
+            return m.removeprefix(prefix) if mine and m.startswith(prefix) else ""
+
+        def forward(module: Any, args: Any, output: Any) -> Any:
+            if type(module).__name__ != "Stage" or module.head is not None:
+                return None  # the last stage sends no activations
+            how = mode("act_") or mode("pp_")
+            if not how:
+                return None
+            wrong = attack(how, output.detach(), None, gen)
+            return output + (wrong - output.detach())  # its values, and still a graph
+
+        def backward(module: Any, grad_input: Any, grad_output: Any) -> Any:
+            if type(module).__name__ != "Stage" or module.embed is not None:
+                return None  # the first stage sends no gradients back
+            how = mode("actgrad_") or mode("pp_")
+            if not how or not grad_input or grad_input[0] is None:
+                return None
+            return (attack(how, grad_input[0], None, gen), *grad_input[1:])
+
+        nn_module.register_module_forward_hook(forward)
+        nn_module.register_module_full_backward_hook(backward)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

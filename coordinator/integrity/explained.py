@@ -1,0 +1,91 @@
+"""Gradient evidence whose confirmation waits for the pipeline links' verdict.
+
+Why: a stage computes its gradients from the activations it received and the gradients sent
+back to it. A neighbour that sends wrong ones (scaled, zeroed) makes an honest agent's
+gradient copies wrong too, and its replicas' owners name it, two of them, within a step or
+two: the honest agent was excluded for its neighbour's fault (a held-out run of
+tests/system/test_bad_activations.py excluded three honest agents and not the bad one). The
+pipeline links are judged a window later (coordinator/integrity/linkwitness.py). So a
+confirmed gradient fault against an agent of a pipelined job waits (`defer`) until the
+links of the steps it covers are judged; then it is dropped where a wrong link upstream of
+it in its pipeline explains it, and confirmed otherwise (`release`). A fault waiting longer
+than `RELEASE_STEPS` past its step, because the links go unjudged (a member that reports no
+figures), is confirmed as it would have been.
+
+Only the kinds a wrong input can cause wait: a copy's norm, a zeroed copy (gradients sent
+back as zeros zero the stage's own), a non-finite copy. Bounded: at most `MAX_HELD` wait.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.integrity.corroborate import CONFIRMING
+from coordinator.integrity.ledger import IntegrityLedger
+from coordinator.integrity.linkwitness import LinkWitness
+from coordinator.integrity.reports import EvidenceRecord
+
+log = logging.getLogger(__name__)
+
+HELD_KINDS = frozenset({"grad_norm", "grad_zero", "grad_nonfinite"})
+RELEASE_STEPS = 30  # steps past a held fault after which it is confirmed unjudged
+MAX_HELD = 256
+
+
+@dataclass(frozen=True)
+class _Held:
+    rec: EvidenceRecord
+    first: int
+    agreeing: tuple[str, ...]
+
+
+class HeldConfirmations:
+    """The gradient faults of one job waiting for its pipeline links' verdict."""
+
+    def __init__(self, links: LinkWitness, rank_of: Callable[[str], int | None]) -> None:
+        self.links, self.rank_of = links, rank_of
+        self._held: list[_Held] = []
+
+    def defer(self, rec: EvidenceRecord, first: int, agreeing: list[str]) -> bool:
+        """Whether `rec`'s confirmation waits (a pipelined job, a kind a wrong input can
+        cause, a suspect of the running epoch)."""
+        if (self.links.stages < 2 or rec.kind not in HELD_KINDS
+                or self.rank_of(rec.agent_id) is None or len(self._held) >= MAX_HELD):
+            return False
+        self._held.append(_Held(rec, first, tuple(agreeing)))
+        log.info("integrity: the fault against %s (%s at step %d) waits for the pipeline "
+                 "links' verdict of its steps", rec.agent_id, rec.kind, rec.step)
+        return True
+
+    def release(self, ledger: IntegrityLedger, step: int) -> None:
+        """Confirm or drop what the links' verdict now covers (`step`: the job's progress)."""
+        waiting = []
+        for h in self._held:
+            rank = self.rank_of(h.rec.agent_id)
+            why = self.links.explained(rank, h.rec.step) if rank is not None else ""
+            if why:
+                ledger.record(h.rec.agent_id, h.rec.kind, h.rec.step,
+                              f"{h.rec.detail} (not confirmed: {why})",
+                              reporter=h.rec.reporter)
+            elif self.links.judged_through >= h.rec.step or step >= h.rec.step + RELEASE_STEPS:
+                ledger.record(h.rec.agent_id, h.rec.kind, h.first,
+                              f"{h.rec.detail} (score {h.rec.score:.3g}, epoch "
+                              f"{h.rec.epoch}, confirmed by a second reporter; no wrong "
+                              f"pipeline input explains it)",
+                              reporter=h.rec.reporter, confirmed=True,
+                              agreeing=h.agreeing, agreeing_kinds=CONFIRMING)
+            else:
+                waiting.append(h)
+        self._held = waiting
+
+    def epoch_ended(self) -> None:
+        """A new epoch: what still waits covered steps the old one's links judge no more.
+        Dropped: a recovery rolls those steps back or replays them, and a fault that lasts
+        shows again, with the new epoch's links judged beside it."""
+        if self._held:
+            log.info("integrity: %d gradient fault(s) waiting for the pipeline links' verdict "
+                     "lapse with their epoch (%s)", len(self._held),
+                     ", ".join(sorted({h.rec.agent_id for h in self._held})))
+        self._held = []

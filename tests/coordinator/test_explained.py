@@ -1,0 +1,99 @@
+"""A gradient fault against an agent whose pipeline neighbour sent it wrong numbers waits for
+the links' verdict and is dropped as explained; one no wrong link explains is confirmed
+(coordinator/integrity/explained.py), through the job's integrity (exclusion.py)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from coordinator.integrity.exclusion import JobIntegrity
+from coordinator.integrity.explained import RELEASE_STEPS, HeldConfirmations
+from coordinator.integrity.ledger import IntegrityLedger
+from coordinator.integrity.linkwitness import LinkWitness
+from coordinator.integrity.reports import EvidenceRecord
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
+from tests.coordinator.test_job_states import FakeRegistry
+from tests.coordinator.test_link_witness import honest
+
+AGENTS = [f"a{r}" for r in range(6)]  # 2 stages x 3 replicas, by rank
+
+
+def grad_norm(agent: str, step: int) -> EvidenceRecord:
+    return EvidenceRecord(agent, "grad_norm", step, "its norm is 9x the median copy's", "a4",
+                          AGENTS.index(agent), 9.0, 1, (agent,), 0)
+
+
+def held() -> tuple[HeldConfirmations, LinkWitness, IntegrityLedger]:
+    links = LinkWitness()
+    links.plan(1, 2, 3)
+    ranks = {a: r for r, a in enumerate(AGENTS)}
+    return HeldConfirmations(links, ranks.get), links, IntegrityLedger()
+
+
+def windows(links: LinkWitness, step: int, figures: dict[int, list[float]]) -> list:
+    for r, f in figures.items():
+        links.add(1, r, step, f)
+    return links.judge()
+
+
+def test_a_fault_a_wrong_link_upstream_explains_is_dropped() -> None:
+    h, links, ledger = held()
+    assert h.defer(grad_norm("a2", 8), 8, ["a4", "a0"])  # rank 2: stage 0 of replica 1
+    h.release(ledger, 9)
+    assert not ledger.evidence("a2")  # still waiting: the window of step 8 is not judged
+    f = honest(2, 3)
+    f[3][2] = f[2][3] = 0.1  # rank 3 sends rank 2 gradients 10x
+    assert [x.suspects for x in windows(links, 10, f)] == [(3,)]
+    h.release(ledger, 10)
+    (piece,) = ledger.evidence("a2")
+    assert not piece.confirmed and "not confirmed: rank 3 sent wrong pipeline messages" in \
+        piece.detail
+    assert not ledger.exclusions
+
+
+def test_a_fault_no_link_explains_is_confirmed_once_its_steps_are_judged() -> None:
+    h, links, ledger = held()
+    h.defer(grad_norm("a2", 8), 7, ["a4", "a0"])
+    windows(links, 10, honest(2, 3))
+    h.release(ledger, 10)
+    assert ledger.excluded("a2") is not None and ledger.excluded("a2").step == 7
+
+
+def test_unjudged_links_hold_a_fault_no_longer_than_the_release_steps() -> None:
+    h, _, ledger = held()
+    h.defer(grad_norm("a2", 8), 8, ["a4", "a0"])
+    h.release(ledger, 8 + RELEASE_STEPS - 1)
+    assert not ledger.exclusions
+    h.release(ledger, 8 + RELEASE_STEPS)
+    assert ledger.excluded("a2") is not None
+
+
+def test_only_what_a_wrong_input_can_cause_waits_and_only_in_a_pipeline() -> None:
+    h, links, _ = held()
+    stale = EvidenceRecord("a2", "grad_stale", 8, "", "a4", 2, 1.0, 1, ("a2",), 0)
+    assert not h.defer(stale, 8, [])
+    links.plan(1, 1, 6)  # one stage: no links
+    assert not h.defer(grad_norm("a2", 8), 8, [])
+
+
+def test_the_jobs_integrity_takes_link_windows_and_excludes_the_root_sender() -> None:
+    registry = FakeRegistry()
+    registry.exclude = lambda agent_id, reason: None  # type: ignore[attr-defined]
+    integrity = JobIntegrity(registry, SimpleNamespace(step=0))  # type: ignore[arg-type]
+    assignments = [common_pb2.Assignment(epoch=1, stages=2, replicas=3, rank=r)
+                   for r in range(6)]
+    integrity.plan_epoch(assignments, 1, members=AGENTS)
+    integrity.defer(grad_norm("a2", 8), 8, ["a4", "a0"])
+    f = honest(2, 3)
+    f[3][2] = f[2][3] = 0.1
+    for rank, figures in f.items():
+        report = coordinator_pb2.ProgressReport(
+            agent_id=AGENTS[rank], epoch=1, step=10, link_windows=[coordinator_pb2.LinkWindow(
+                step=10, **dict(zip(("act_out", "act_in", "grad_out", "grad_in"),
+                                    [math.nan if math.isnan(v) else v for v in figures],
+                                    strict=True)))])
+        assert not integrity.witness(AGENTS[rank], report)
+    assert set(integrity.ledger.exclusions) == {"a3"}
+    assert integrity.ledger.exclusions["a3"].step == 6  # the window's first step
+    assert not integrity.ledger.evidence("a2")[0].confirmed

@@ -1,0 +1,154 @@
+"""Pipeline activations and their gradients, checked from both ends of every link
+(coordinator/integrity/linkwitness.py): who is named for a wrong link, who is not (the stages
+a wrong input flowed through, a receiver's word alone), and R = 2's undecided pair."""
+
+from __future__ import annotations
+
+import math
+
+from coordinator.integrity.linkwitness import (
+    AGREE_TOL,
+    CONFIRM_RATIO,
+    MAX_HELD,
+    PERSIST_WINDOWS,
+    LinkWitness,
+    links,
+)
+from dtfm.core.verify import LINK_WINDOW, onset
+
+NAN = math.nan
+S, R = 3, 3  # ranks: replica * S + stage
+
+
+def honest(stages: int = S, replicas: int = R, act: float = 1.0,
+           grad: float = 0.01) -> dict[int, list[float]]:
+    """Every rank's figures (act_out, act_in, grad_out, grad_in) of an honest window."""
+    out = {}
+    for r in range(replicas):
+        for s in range(stages):
+            out[r * stages + s] = [act if s < stages - 1 else NAN, act if s > 0 else NAN,
+                                   grad if s > 0 else NAN, grad if s < stages - 1 else NAN]
+    return out
+
+
+def witness(stages: int = S, replicas: int = R) -> LinkWitness:
+    w = LinkWitness()
+    w.plan(2, stages, replicas)
+    return w
+
+
+def feed(w: LinkWitness, step: int, figures: dict[int, list[float]]) -> list:
+    for rank, f in figures.items():
+        w.add(2, rank, step, f)
+    return w.judge()
+
+
+def test_links_run_in_the_order_a_step_computes_them() -> None:
+    order = [(k.kind, k.boundary, k.sender, k.receiver) for k in links(3, 2) if k.replica == 1]
+    assert order == [("act", 1, 3, 4), ("act", 2, 4, 5), ("actgrad", 2, 5, 4),
+                     ("actgrad", 1, 4, 3)]
+
+
+def test_honest_windows_name_nobody_and_wait_for_every_member() -> None:
+    w = witness()
+    figures = honest()
+    partial = {r: f for r, f in figures.items() if r != 4}
+    assert feed(w, 5, partial) == []  # rank 4's window not in yet: nothing judged
+    w.add(2, 4, 5, figures[4])
+    assert w.judge() == []
+    # small honest differences between replicas (other data) stay quiet
+    figures[1][1] = figures[0][0] = 1.1
+    assert feed(w, 10, figures) == []
+
+
+def test_a_sender_that_scales_what_it_sends_is_named_not_the_stages_after_it() -> None:
+    """Rank 3 (stage 0 of replica 1) sends x10: its receiver rank 4 agrees, and rank 4's own
+    output, and every gradient back, are wrong too; only rank 3 is named, confirmed."""
+    w = witness()
+    f = honest()
+    f[3][0] = f[4][1] = 10.0  # the link 3 -> 4, both ends agreeing
+    f[4][0] = f[5][1] = 9.0  # what followed from it
+    f[5][2] = f[4][3] = f[4][2] = f[3][3] = 0.05
+    found = feed(w, 10, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [("act_scaled", (3,), True)]
+    assert "1 later link" not in found[0].detail and "3 later link(s)" in found[0].detail
+    assert found[0].onset == 10 - LINK_WINDOW + 1 == onset("act_scaled", 10)
+
+
+def test_zeros_and_scaled_gradients_name_their_sender() -> None:
+    w = witness()
+    f = honest()
+    f[8][2] = f[7][3] = 0.0  # rank 8 (last stage, replica 2) sends zero gradients back
+    f[7][2] = f[6][3] = 0.0  # and so does rank 7, computing from them
+    found = feed(w, 5, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [("actgrad_zero", (8,), True)]
+    f = honest()
+    f[1][2] = f[0][3] = 0.01 * CONFIRM_RATIO * 2
+    assert [(x.kind, x.suspects) for x in feed(w, 10, f)] == [("actgrad_scaled", (1,))]
+    f = honest()
+    f[1][2] = f[0][3] = 0.015  # gradients 1.5x: their honest spread comes close
+    for step in range(15, 15 + 5 * PERSIST_WINDOWS, 5):
+        assert [(x.kind, x.confirmed) for x in feed(w, step, f)] == [("actgrad_scaled", False)]
+
+
+def test_ends_that_disagree_are_evidence_against_both_and_frame_nobody() -> None:
+    """A receiver that says it got 10x what its sender says it sent: the coordinator cannot
+    tell which lies, confirms nothing, and does not blame the sender for the receiver's
+    figure."""
+    w = witness()
+    f = honest()
+    f[4][1] = 10.0  # rank 4 claims rank 3 sent it 10x; rank 3 says 1.0
+    found = feed(w, 5, f)
+    assert [(x.kind, set(x.suspects), x.confirmed) for x in found] == [
+        ("link_disagree", {3, 4}, False)]
+    f = honest()
+    f[4][1] = 1.0 + AGREE_TOL / 2  # a codec's rounding: within the tolerance
+    assert feed(w, 10, f) == []
+
+
+def test_a_smaller_deviation_is_evidence_until_it_persists() -> None:
+    w = witness()
+    f = honest()
+    f[6][0] = f[7][1] = 1.5  # noise of about one sigma and more: 1.41x and up
+    for i in range(1, PERSIST_WINDOWS + 1):
+        found = feed(w, i * LINK_WINDOW, f)
+        assert [(x.kind, x.suspects) for x in found] == [("act_scaled", (6,))]
+        assert found[0].confirmed == (i == PERSIST_WINDOWS)
+    # a window without it resets the count
+    feed(w, (PERSIST_WINDOWS + 1) * LINK_WINDOW, honest())
+    found = feed(w, (PERSIST_WINDOWS + 2) * LINK_WINDOW, f)
+    assert not found[0].confirmed
+
+
+def test_two_replicas_name_the_pair_of_senders_at_the_first_boundary_that_differs() -> None:
+    w = witness(3, 2)
+    f = honest(3, 2)
+    f[4][0] = f[5][1] = 10.0  # stage 1 of replica 1 (rank 4) scales: boundary 2 differs
+    f[5][2] = f[4][3] = 0.1  # the gradients back follow
+    f[4][2] = f[3][3] = 0.1
+    found = feed(w, 5, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [
+        ("act_disagree", (1, 4), False)]  # ranks 1 and 4: the two replicas of stage 1
+    f = honest(3, 2)
+    f[4][0] = f[5][1] = 1.4  # an honest pair's windows reach that: no dispute
+    assert feed(w, 15, f) == []
+    f = honest(3, 2)
+    f[0][0] = f[1][1] = 0.0  # zeros are no matter of opinion, even with two
+    assert [(x.kind, x.suspects, x.confirmed) for x in feed(w, 10, f)] == [
+        ("act_zero", (0,), True)]
+
+
+def test_what_a_peer_can_make_the_witness_hold_is_bounded() -> None:
+    w = witness()
+    for step in range(LINK_WINDOW, 10_000, LINK_WINDOW):  # one member's, never the others'
+        w.add(2, 0, step, [1.0, NAN, NAN, NAN])
+    assert w.held <= MAX_HELD
+    w = witness()
+    feed(w, 5, {r: f for r, f in honest().items() if r != 8})  # waiting for rank 8
+    w.add(2, 0, 10**9, [1.0, NAN, NAN, NAN])  # a member racing ahead, or lying
+    assert feed(w, 5, {8: honest()[8]}) == [] and w.held == 1  # step 5 judged all the same
+    w = witness()
+    w.add(2, 99, 5, [1.0] * 4)  # a rank outside the layout
+    w.add(1, 0, 5, [1.0] * 4)  # another epoch's
+    w.add(2, 0, 5, [1.0])  # a short row
+    assert w.held == 0

@@ -1,0 +1,39 @@
+"""A volunteer whose device scales the activations it sends down its pipeline is caught from
+both ends of its links, named, excluded, and what it touched is rolled back; the stages its
+activations flowed through are not blamed (issue 43, item 3).
+
+Real coordinator and agents on loopback; one agent's workers are made bad from outside the
+product (tests/agent/worker/badpeer_hook.py: a hook on its stage's output, whatever rank the
+coordinator gives it). Two stages of three replicas: what the bad agent's stage sends (its
+output on stage 0, its input's gradient on stage 1) is 10x, or zeros, where its weights
+compute otherwise, so both ends of its link agree on a figure far from the other pipelines'
+(coordinator/integrity/linkwitness.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.integrity.rollback import newest_before
+from tests.daemons import Daemons
+from tests.system.bad_peer_job import run_with_bad_peer
+
+pytestmark = pytest.mark.timeout(400)
+ATTACK_AT = 8
+STEPS = 30
+
+
+@pytest.mark.parametrize("attack", ["pp_scale", "pp_zero"])
+def test_a_peer_sending_wrong_activations_is_excluded_and_only_it(
+        daemons: Daemons, attack: str) -> None:
+    bad, status, rows = run_with_bad_peer(
+        daemons, 5, attack, ATTACK_AT, STEPS,
+        "--stages", "2", "--replicas", "3", "--batch", "6", "--layer-split", "even")
+    done = status["job"]
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    assert [a for a, r in rows.items() if r["state"] == "excluded"] == [bad], rows
+    exclusion = rows[bad]["exclusion"]
+    assert exclusion["reason"].startswith(("act_", "actgrad_")), exclusion
+    assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
+    first = done["recoveries"][0]
+    assert first["resumed_step"] == newest_before(exclusion["step"], 4), (first, exclusion)
