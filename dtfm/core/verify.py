@@ -8,7 +8,9 @@ a ring all-reduce (which sums in flight) does not. Pure Python.
 - `off`: no checks.
 - `digest`: every `DIGEST_EVERY` synchronous steps (and at every sync point with
   `--sync-every`, and after the last step) the replicas of a stage exchange a hash of their
-  weights, which must be bit-identical; the odd one out is named (R >= 3).
+  weights, which must be bit-identical; the odd one out is named (R >= 3). And every worker
+  reports what crossed its pipeline links (`LINK_WINDOW`), which the coordinator checks from
+  both ends (coordinator/integrity/linkwitness.py): a sum of squares per message.
 - `full`: `digest`, and each shard owner scores every replica's copy of its shard (norm
   against the median norm, cosine against the coordinate-wise median, an exact repeat of the
   previous step's copy). Needs `--dp-mode sharded`.
