@@ -195,9 +195,13 @@ class JobIntegrity:
         if not self.checked:
             return floor
         epoch_from = self.checkpoints.step if self.epoch_from is None else self.epoch_from
-        return rollback.keep_floor(floor, rollback.vetted_step(members, epoch_from),
+        kept = rollback.keep_floor(floor, rollback.vetted_step(members, epoch_from),
                                    self.checkpoint_every, self.sync_every,
                                    self.pending_bound())
+        if kept and (first := self.held.earliest()):  # a fault waiting for the links' verdict
+            kept = min(kept, rollback.newest_before(first, self.checkpoint_every,
+                                                    self.sync_every) or 1)
+        return kept
 
     def to_json(self) -> dict[str, Any]:
         return {**self.ledger.to_json(), "planned_bound": self.planned_bound,

@@ -80,6 +80,11 @@ class HeldConfirmations:
                 waiting.append(h)
         self._held = waiting
 
+    def earliest(self) -> int:
+        """The first bad step of the earliest fault waiting (0: none): the agents keep the
+        checkpoint before it until it is confirmed or explained (exclusion.py)."""
+        return min((h.first for h in self._held), default=0)
+
     def epoch_ended(self) -> None:
         """A new epoch: what still waits covered steps the old one's links judge no more.
         Dropped: a recovery rolls those steps back or replays them, and a fault that lasts

@@ -60,6 +60,17 @@ def test_a_fault_no_link_explains_is_confirmed_once_its_steps_are_judged() -> No
     assert ledger.excluded("a2") is not None and ledger.excluded("a2").step == 7
 
 
+def test_the_checkpoint_before_a_waiting_fault_is_kept() -> None:
+    integrity = JobIntegrity(FakeRegistry(), SimpleNamespace(step=0))  # type: ignore[arg-type]
+    integrity.checkpoint_every = 4
+    integrity.plan_epoch([common_pb2.Assignment(epoch=1, stages=2, replicas=3, rank=r)
+                          for r in range(6)], 1, members=AGENTS)
+    members = [(60, 60)] * 6  # every member at step 60, its evidence delivered through it
+    assert integrity.keep_floor(0, members) == 48  # known-good: 10 steps behind, 4 apart
+    integrity.defer(grad_norm("a2", 30), 27, ["a4", "a0"])
+    assert integrity.keep_floor(0, members) == 24  # the newest checkpoint before step 27
+
+
 def test_unjudged_links_hold_a_fault_no_longer_than_the_release_steps() -> None:
     h, _, ledger = held()
     h.defer(grad_norm("a2", 8), 8, ["a4", "a0"])
