@@ -49,7 +49,7 @@ AGREE_TOL = 0.25  # |sent - received| over the larger: the two ends' figures of 
 # A link's window figure against its boundary's median (R = 2: the pair's ratio). Honest
 # windows of gpt-tiny, 150 steps, at 2 sequences a replica (the smallest share the tests
 # train): activations within 1.22x, their gradients within 1.39x (single steps up to 17x:
-# hence windows); at 8 sequences 1.09x and 1.20x (docs/architecture.md, "Activations").
+# hence windows); at 8 sequences 1.09x and 1.21x (docs/architecture.md, "Activations").
 SUSPECT_RATIO = 1.3  # evidence from here (R >= 3)
 CONFIRM_RATIO = 3.0  # confirmed from here, and zeros (no honest look-alike); R = 2 disputes
 PERSIST_WINDOWS = 3  # windows in a row that confirm an activations suspect below CONFIRM_RATIO
