@@ -229,12 +229,18 @@ def test_a_job_parts_a_disputed_pair_rolls_back_and_excludes_the_common_agent() 
         for a in h.job.members:
             h.report(a, WorkerState.TRAINING, step=5)
 
-    cfg = JobConfig(model="gpt-tiny", agents=4, stages=2, replicas=2, min_agents=2,
+    run(dispute_job(stages=2, replicas=2), body, agents=4)
+
+
+def dispute_job(stages: int, replicas: int) -> JobConfig:
+    """A scheduled job of `stages` x `replicas` gpt-tiny, checkpoints every 4 steps."""
+    cfg = JobConfig(model="gpt-tiny", agents=stages * replicas, stages=stages,
+                    replicas=replicas, min_agents=2,
                     train=TrainConfig(global_batch=8, micro_batches=2, steps=20,
                                       checkpoint_every=4),
                     measure_links=True, placement="scheduled", search_seconds=0.5)
     cfg.validate()
-    run(cfg, body, agents=4)
+    return cfg
 
 
 def test_a_one_stage_job_trains_the_reporter_beside_a_spare_and_excludes_a_repeat() -> None:
@@ -263,12 +269,7 @@ def test_a_one_stage_job_trains_the_reporter_beside_a_spare_and_excludes_a_repea
         assert set(h.job.members) == {partner, spare}
         assert h.job.integrity.ledger.excluded(partner) is None
 
-    cfg = JobConfig(model="gpt-tiny", agents=2, stages=1, replicas=2, min_agents=2,
-                    train=TrainConfig(global_batch=8, micro_batches=2, steps=20,
-                                      checkpoint_every=4),
-                    measure_links=True, placement="scheduled", search_seconds=0.5)
-    cfg.validate()
-    run(cfg, body, agents=3)
+    run(dispute_job(stages=1, replicas=2), body, agents=3)
 
 
 def test_a_restarted_coordinator_keeps_the_jobs_disputes() -> None:
