@@ -289,6 +289,12 @@ def restore(saved: Any) -> Disputes:
     return disputes
 
 
+def swaps_part(placement_kind: str, stages: int) -> bool:
+    """Whether a swap between stages can part a dispute's pair (several stages, scheduled
+    placement), rather than a spare taking one's place (`Disputes.benched`)."""
+    return stages > 1 and placement_kind == "scheduled"
+
+
 def separate(grid: Sequence[Sequence[int]], apart: set[frozenset[int]]
              ) -> list[list[int]] | None:
     """`grid` (a row per stage, a column per replica) with no pair of `apart` in one row, by

@@ -48,7 +48,7 @@ from coordinator.daemon.reconcile import (
     stale_snapshot,
 )
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.integrity.dispute import separate
+from coordinator.integrity.dispute import separate, swaps_part
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.job import failedpairs, jobsnapshot, jobstatus, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
@@ -425,7 +425,7 @@ class Job:
             member_ids=[r.agent_id for r in records],
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
-        swaps = self._swaps_part(placement, layout.stages)
+        swaps = swaps_part(placement.kind, layout.stages)
         self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
             assignments, train.sync_every, rows=self.planner.grid_ids, by_spare=not swaps,
             members=[r.agent_id for r in records],
@@ -456,13 +456,6 @@ class Job:
         self.persist()
         await self._follow()
 
-    def _swaps_part(self, placement: Placement, stages: int | None = None) -> bool:
-        """Whether a swap between stages can part an R = 2 dispute's pair (several stages,
-        scheduled placement), rather than a spare taking one's place (`Disputes.benched`)."""
-        if stages is None:
-            stages = self.planner.layout.stages if self.planner.layout else self.config.stages
-        return stages > 1 and placement.kind == "scheduled"
-
     async def _gather(self, placement: Placement) -> list[AgentRecord]:
         """Wait for the agents the job needs: the pinned plan's, or any `--agents` live ones
         (`Membership.pick`)."""
@@ -471,8 +464,9 @@ class Job:
             # missed heartbeats instead of being planned on (and probed for a minute)
             picked, what, alive = self.membership.pick(
                 placement, self.planner, self._settle_after, self.replan.planned_members(),
-                benched=() if self._swaps_part(placement) else
-                self.integrity.disputes.benched(self.members))
+                benched=() if swaps_part(placement.kind, self.planner.layout.stages
+                                         if self.planner.layout else self.config.stages)
+                else self.integrity.disputes.benched(self.members))
             if picked is not None:
                 return picked
             if self.state != S.JOB_STATE_RECOVERING or alive:
