@@ -22,13 +22,19 @@ figures of every link:
   them (activations from stage 0 to the last, then gradients back to stage 0) and blames
   only the first wrong one: its sender is the fault, the rest is what followed from it.
 - **R = 2**: two values cannot say which is wrong. The first boundary at which the two
-  pipelines differ by `CONFIRM_RATIO` names the pair of senders there, replicas of one stage,
-  as a dispute (`act_disagree`), settled like a gradient dispute
+  pipelines' activations differ by `CONFIRM_RATIO` names the pair of senders there,
+  replicas of one stage, as a dispute (`act_disagree`), settled like a gradient dispute
   (coordinator/integrity/dispute.py); zeros on one of the two name their sender.
 - **R >= 3, smaller deviations** (`SUSPECT_RATIO` up to `CONFIRM_RATIO`: noise of about one
   sigma raises the root mean square by 1.41x) are evidence against the sender, unconfirmed;
   the same sender of activations found so in `PERSIST_WINDOWS` windows in a row is
-  confirmed. Gradients' honest spread reaches that ratio: there it stays evidence.
+  confirmed.
+- **Activation gradients confirm only as zeros.** Their size follows the batch's loss: an
+  honest hard batch sends gradients many times the others' (a fine-tuned import's gradient
+  copies reached 6-19x for 4 steps in a row, docs/architecture.md "R = 2"). Scaled ones are
+  evidence, and still explain the wrong gradients upstream of them (`explained`); judging a
+  stage's gain (what it sends back over what it received) instead would not follow the
+  loss, and is not built yet.
 
 The thresholds come from the honest spread measured through training (docs/architecture.md,
 "Activations"). Bounded against a flood: at most `MAX_HELD` windows wait, none older than
@@ -236,8 +242,11 @@ class LinkWitness:
         """The finding against `root`'s sender, found wrong `runs` windows in a row."""
         what = "activations" if root.kind == "act" else "activation gradients"
         far = max(ratio, 1 / max(ratio, ZERO_RMS))
-        confirmed = (zero or far >= CONFIRM_RATIO
-                     or (runs >= PERSIST_WINDOWS and root.kind == "act"))
+        # activation gradients scale with the batch's loss: an honest hard batch sends large
+        # ones (a fine-tuned import's gradient copies reached 6-19x for 4 steps in a row), so
+        # only their zeros confirm
+        confirmed = zero or (root.kind == "act" and (far >= CONFIRM_RATIO
+                                                      or runs >= PERSIST_WINDOWS))
         how = "zeros where the other replicas' carry values" if zero else \
             f"{ratio:.3g}x the root mean square of the same boundary's other pipelines"
         return Finding(
@@ -260,8 +269,8 @@ class LinkWitness:
             if len(zeros := [x for x in pair if wrong[x][1]]) == 1:  # self-evident
                 return [self._blame(step, zeros[0], 0.0, True, 1, 0)]
             ratio = max(wrong[pair[0]][0], 1 / max(wrong[pair[0]][0], ZERO_RMS))
-            if ratio < CONFIRM_RATIO:  # an honest pair's windows reach 1.4x: no re-plan
-                continue
+            if ratio < CONFIRM_RATIO or k.kind != "act":  # honest windows reach 1.4x, and
+                continue  # gradients follow the batch's loss: no re-plan for them
             senders = tuple(sorted({k.sender, k.sender + self.stages}))
             what = "activations" if k.kind == "act" else "activation gradients"
             return [Finding("act_disagree", step, senders, ratio, False,

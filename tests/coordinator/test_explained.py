@@ -95,9 +95,9 @@ def test_the_jobs_integrity_takes_link_windows_and_excludes_the_root_sender() ->
     assignments = [common_pb2.Assignment(epoch=1, stages=2, replicas=3, rank=r)
                    for r in range(6)]
     integrity.plan_epoch(assignments, 1, members=AGENTS)
-    integrity.defer(grad_norm("a2", 8), 8, ["a4", "a0"])
+    integrity.defer(grad_norm("a3", 8), 8, ["a5", "a1"])
     f = honest(2, 3)
-    f[3][2] = f[2][3] = 0.1
+    f[2][0] = f[3][1] = 10.0  # rank 2 sends rank 3 activations 10x
     for rank, figures in f.items():
         report = coordinator_pb2.ProgressReport(
             agent_id=AGENTS[rank], epoch=1, step=10, link_windows=[coordinator_pb2.LinkWindow(
@@ -105,6 +105,6 @@ def test_the_jobs_integrity_takes_link_windows_and_excludes_the_root_sender() ->
                                     [math.nan if math.isnan(v) else v for v in figures],
                                     strict=True)))])
         assert not integrity.witness(AGENTS[rank], report)
-    assert set(integrity.ledger.exclusions) == {"a3"}
-    assert integrity.ledger.exclusions["a3"].step == 6  # the window's first step
-    assert not integrity.ledger.evidence("a2")[0].confirmed
+    assert set(integrity.ledger.exclusions) == {"a2"}
+    assert integrity.ledger.exclusions["a2"].step == 6  # the window's first step
+    assert not integrity.ledger.evidence("a3")[0].confirmed

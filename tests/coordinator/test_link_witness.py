@@ -83,8 +83,9 @@ def test_zeros_and_scaled_gradients_name_their_sender() -> None:
     found = feed(w, 5, f)
     assert [(x.kind, x.suspects, x.confirmed) for x in found] == [("actgrad_zero", (8,), True)]
     f = honest()
-    f[1][2] = f[0][3] = 0.01 * CONFIRM_RATIO * 2
-    assert [(x.kind, x.suspects) for x in feed(w, 10, f)] == [("actgrad_scaled", (1,))]
+    f[1][2] = f[0][3] = 0.01 * CONFIRM_RATIO * 2  # named, not confirmed: a hard batch does it
+    assert [(x.kind, x.suspects, x.confirmed) for x in feed(w, 10, f)] == [
+        ("actgrad_scaled", (1,), False)]
     f = honest()
     f[1][2] = f[0][3] = 0.015  # gradients 1.5x: their honest spread comes close
     for step in range(15, 15 + 5 * PERSIST_WINDOWS, 5):
@@ -132,6 +133,9 @@ def test_two_replicas_name_the_pair_of_senders_at_the_first_boundary_that_differ
     f = honest(3, 2)
     f[4][0] = f[5][1] = 1.4  # an honest pair's windows reach that: no dispute
     assert feed(w, 15, f) == []
+    f = honest(3, 2)
+    f[5][2] = f[4][3] = 0.1  # gradients 10x: a hard batch on one side does it, no dispute
+    assert feed(w, 20, f) == []
     f = honest(3, 2)
     f[0][0] = f[1][1] = 0.0  # zeros are no matter of opinion, even with two
     assert [(x.kind, x.suspects, x.confirmed) for x in feed(w, 10, f)] == [
