@@ -141,22 +141,28 @@ class LinkWitness:
                 or len(figures) != len(FIGURES) or step in self._judged):
             return
         self._newest[rank] = max(self._newest.get(rank, 0), step)
-        # the slowest member's newest window: one that races ahead (or lies about its step)
-        # cannot push the others' windows out before they are complete
-        floor = min(self._newest.values()) - KEPT_WINDOWS * LINK_WINDOW
-        if step < floor:
-            return
         self._windows.setdefault(step, {})[rank] = tuple(float(f) for f in figures)
-        for old in sorted(self._windows)[:-MAX_HELD] + [s for s in self._windows if s < floor]:
-            self._windows.pop(old, None)
+        if len(self._windows) > MAX_HELD:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop the windows older than `KEPT_WINDOWS` behind the slowest member's newest
+        (one that died never completes them), then the newest past `MAX_HELD`: windows are
+        judged oldest first, so a member that races ahead, or lies about its step, fills
+        the room with its own and cannot push the others' out before they are complete."""
+        floor = min(self._newest.values(), default=0) - KEPT_WINDOWS * LINK_WINDOW
+        kept = sorted(s for s in self._windows if s >= floor)[:MAX_HELD]
+        self._windows = {s: self._windows[s] for s in kept}
 
     @property
     def held(self) -> int:
-        """How many windows wait for members' figures (bounded by `KEPT_WINDOWS`)."""
+        """How many windows wait for members' figures (at most `MAX_HELD`)."""
         return len(self._windows)
 
     def judge(self) -> list[Finding]:
         """The findings of every window all members have reported, oldest first."""
+        if len(self._windows) > KEPT_WINDOWS:
+            self._prune()
         members = self.stages * self.replicas
         found: list[Finding] = []
         for step in sorted(s for s, got in self._windows.items() if len(got) == members):
@@ -186,7 +192,8 @@ class LinkWitness:
     def _judge(self, step: int, figures: Mapping[int, Sequence[float]]) -> list[Finding]:
         found: list[Finding] = []
         agreed: dict[Link, float] = {}
-        for link in links(self.stages, self.replicas):
+        every = links(self.stages, self.replicas)
+        for link in every:
             sent, got = _ends(link, figures)
             if math.isnan(sent) or math.isnan(got):
                 continue
@@ -203,8 +210,9 @@ class LinkWitness:
         if self.replicas == 2:
             return found + self._pairs(step, wrong)
         suspected, self._suspected = self._suspected, {}
+        per = 2 * (self.stages - 1)  # `links` lists each pipeline's in turn
         for r in range(self.replicas):
-            order = [k for k in links(self.stages, self.replicas) if k.replica == r]
+            order = every[r * per:(r + 1) * per]
             if (root := next((k for k in order if k in wrong), None)) is None:
                 continue
             ratio, zero = wrong[root]
@@ -261,7 +269,7 @@ class LinkWitness:
     def _pairs(self, step: int, wrong: dict[Link, tuple[float, bool]]) -> list[Finding]:
         """R = 2: the first boundary, in the order a step computes them, whose two links
         disagree names its two senders, undecided."""
-        order = [k for k in links(self.stages, 2) if k.replica == 0]
+        order = links(self.stages, 1)  # pipeline 0's, in computation order
         for k in order:
             pair = [x for x in wrong if (x.kind, x.boundary) == (k.kind, k.boundary)]
             if not pair:

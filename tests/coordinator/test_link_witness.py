@@ -149,8 +149,13 @@ def test_what_a_peer_can_make_the_witness_hold_is_bounded() -> None:
     assert w.held <= MAX_HELD
     w = witness()
     feed(w, 5, {r: f for r, f in honest().items() if r != 8})  # waiting for rank 8
-    w.add(2, 0, 10**9, [1.0, NAN, NAN, NAN])  # a member racing ahead, or lying
-    assert feed(w, 5, {8: honest()[8]}) == [] and w.held == 1  # step 5 judged all the same
+    for ahead in range(MAX_HELD + 10):  # a member racing ahead, or lying, window after window
+        w.add(2, 0, 10**9 + ahead, [1.0, NAN, NAN, NAN])
+    assert w.held <= MAX_HELD
+    f = honest()
+    f[6][0] = f[7][1] = 0.0  # step 5 is judged all the same, and finds what it holds
+    w.add(2, 6, 5, f[6])
+    assert [x.kind for x in feed(w, 5, {7: f[7], 8: f[8]})] == ["act_zero"]
     w = witness()
     w.add(2, 99, 5, [1.0] * 4)  # a rank outside the layout
     w.add(1, 0, 5, [1.0] * 4)  # another epoch's
