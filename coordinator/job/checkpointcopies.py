@@ -117,13 +117,17 @@ class CoordinatorCopies:
                 log.error("checkpoint: %s", why)
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             self._reserved[key] = size
+            root = ondisk.job_dir(self.root, first.job_id)
             try:
-                root = ondisk.job_dir(self.root, first.job_id)
                 await install_push(messages, root, m)
-                await asyncio.to_thread(keep_one, root, m.stage, m.step)
-                self._held[key] = (m.step, size)
             finally:
                 del self._reserved[key]
+                # the step counts once its manifest is in place, also when the pusher hung up
+                # in that instant (install_push lets the manifest's write finish): the record
+                # must follow the disk, or status and the keep floor name a step that is gone
+                if ondisk.manifest_for(root, m.stage, m.step).exists():
+                    keep_one(root, m.stage, m.step)  # a few unlinks: no thread to cancel
+                    self._held[key] = (m.step, size)
         log.info("checkpoint: stage %d step %d of job %s pushed to the coordinator by %s "
                  "(%s; nobody can dial a member of the job)", m.stage, m.step, first.job_id,
                  who, _mib(size))

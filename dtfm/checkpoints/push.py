@@ -37,6 +37,7 @@ import errno
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -62,6 +63,8 @@ from dtfm.core.checkpoints import KEEP, Manifest
 from dtfm.core.limits import MAX_NAME, text_problem
 from dtfm.core.spec import ModelSpec
 from protos.dtfm.v1 import agent_pb2, common_pb2
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +322,20 @@ async def _install(messages: AsyncIterator[agent_pb2.CheckpointPush], root: Path
     if pending or await _next(messages) is not None:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"the push sent more bytes than step {m.step}'s files hold")
-    await asyncio.to_thread(ondisk.write_manifest, root, m)
+    await settled(ondisk.write_manifest, root, m)
+
+
+async def settled(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a thread, waited for to its end even when the caller is cancelled (and
+    the cancellation raised after): a call the pusher hangs up on while its step is committed
+    leaves the thread writing on, and whoever keeps records of what is on disk must look only
+    once the disk has settled."""
+    done = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await asyncio.wait([done])
+        raise
 
 
 async def _next(messages: AsyncIterator[agent_pb2.CheckpointPush]

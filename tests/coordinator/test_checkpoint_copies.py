@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -158,6 +159,48 @@ def test_a_pushed_stage_is_kept_newest_only_fetched_like_from_a_peer_and_removed
             await svc.copies.remove(job, "the job ended")
             assert not (await _status(address)).coordinator_checkpoints
             assert not ondisk.job_dir(state / "checkpoints", job).exists()
+
+    asyncio.run(main())
+
+
+def test_a_push_hung_up_on_while_its_manifest_is_written_is_recorded_as_the_disk_holds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CI failure of stop 55: the pusher stopped (its call cancelled) in the instant the
+    coordinator committed step 6; the manifest's thread wrote on, and the record (status, the
+    keep floor) named step 4 for good while the disk held step 6. A cancelled call's commit now
+    finishes and is recorded, the older step deleted."""
+    state, holder = tmp_path / "coordinator", tmp_path / "holder"
+
+    async def main() -> None:
+        async with coordinator(state) as (address, svc):
+            job = svc.job.job_id
+            as_h0 = pusher_metadata("h0", (await running(address, svc, [["h0"], ["h1"]]))["h0"])
+            s2 = write_step(holder, 0, 2, payload(2), job=job)
+            s4 = write_step(holder, 0, 4, payload(4), job=job)
+            assert (await push(address, holder, job, s2, as_h0))[0] == grpc.StatusCode.OK
+
+            loop, writing = asyncio.get_running_loop(), asyncio.Event()
+            write = ondisk.write_manifest
+
+            def slow(root: Path, m: Manifest) -> Path:
+                loop.call_soon_threadsafe(writing.set)
+                time.sleep(0.5)  # the pusher hangs up meanwhile
+                return write(root, m)
+
+            monkeypatch.setattr(ondisk, "write_manifest", slow)
+            call = asyncio.ensure_future(push(address, holder, job, s4, as_h0))
+            await asyncio.wait_for(writing.wait(), 20)
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            await eventually(lambda: held_on_disk(state, job, 0) == [4], "step 4 committed")
+            # the record follows the disk, once the cancelled handler has finished
+            deadline = loop.time() + 10
+            while [(c.stage, c.step) for c in svc.copies.held(job)] != [(0, 4)] and \
+                    loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert [(c.stage, c.step, c.bytes) for c in svc.copies.held(job)] == [(0, 4, SIZE)]
+            assert ondisk.steps_available(ondisk.job_dir(state / "checkpoints", job), 0) == [4]
 
     asyncio.run(main())
 
