@@ -14,7 +14,8 @@ measured direct (coordinator/links/punchprobe.py): priced direct where that path
 faster (relay-far), relayed through the coordinator where the relay is (relay-free). At the
 relay, at each epoch, they punch again and keep whichever path timed faster (pathweigh.py):
 the relay where the coordinator's host is free (the emulator's default), the direct path
-where it is 20 ms and 50 Mbit/s away (both cases below).
+where it is 20 ms and 50 Mbit/s away (both cases below; the pair's direct path is 10 ms and
+40 Mbit/s, so that either choice wins by a margin load does not erase).
 
 Ports (dtfm/net/front.py, docs/operations.md "Ports and reachability"): while the job trains,
 each host's network namespace listens on exactly one TCP port: the coordinator's host on
@@ -39,7 +40,11 @@ AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
 DELAY = [[0, 10, 5, 10], [10, 0, 10, 5], [5, 10, 0, 10], [10, 5, 10, 0]]
-RATE = [[0, 100, 100, 100], [100, 0, 100, 100], [100, 100, 0, 100], [100, 100, 100, 0]]
+# the NATed pair's own direct path (hosts 2 and 3) is 40 Mbit/s: clearly slower than a free
+# relay even when a starved coordinator forwards at only ~100 Mbit/s (a soak round with four
+# test processes on 2 cores measured its hops at 105 and 219 Mbit/s, and at 100 Mbit/s here
+# the decision was a coin toss), and clearly faster than a relay 20 ms and 50 Mbit/s away
+RATE = [[0, 100, 100, 100], [100, 0, 100, 100], [100, 100, 0, 40], [100, 100, 40, 0]]
 STEPS = 8
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "5",
@@ -51,7 +56,7 @@ JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2
 # NATed pair next to each other (relayed links priced at nothing) and the pair, punched
 # through, finds the relay faster and stays on it; or 20 ms and 50 Mbit/s from everyone, as a
 # real one is, where the network-blind rank order (stage 1 = the two NATed agents, the last
-# in address order) makes them data-parallel peers and the direct path (10 ms, 100 Mbit/s) is
+# in address order) makes them data-parallel peers and the direct path (10 ms, 40 Mbit/s) is
 # the faster once punched.
 CASES = {"relay-free": ((0.0, None), [], False),
          "relay-far": ((20.0, 50.0), ["--placement", "rank-order"], True)}
