@@ -12,6 +12,14 @@ window, what workers report), it prints the largest ratio between a replica's fi
 median of the replicas' (R >= 3) or between the two (R = 2), over training, and the same after
 the first 20 steps. Writes bench/results/linkspread-<model>-<per-replica>.json.
 
+`gain-K` rows: the ratio of the gradient a span of K layers sends back to the one it received
+(window medians of each, as the coordinator sees them), a middle stage's gain. The loss's size
+cancels out of it, which it does not out of the raw gradients. `--pretrain N` trains N steps
+first and measures the rest at a tenth of the rate: a fitted model, whose batches' losses
+spread wider than a fresh one's; with `--corpus-bytes N` only the corpus's first N bytes are
+trained on, so that the model learns some of them by heart, as a fine-tune on a small
+dataset does, and its batches' losses spread wider still.
+
 Run: `python bench/linkspread.py --model gpt-tiny --steps 150 --per-replica 2 --micro-batches 1`
 (minutes on one core).
 """
@@ -44,6 +52,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrain", type=int, default=0,
+                   help="steps trained before the measured ones (then at lr / 10)")
+    p.add_argument("--corpus-bytes", type=int, default=0,
+                   help="train on the corpus's first N bytes only (0: all of it)")
     return p.parse_args()
 
 
@@ -55,15 +67,21 @@ def train(args: argparse.Namespace) -> dict[str, np.ndarray]:
     model = Stage(spec, 0, spec.n_layers, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     toks = torch.from_numpy(stdlib_corpus().astype(np.int64))
+    if args.corpus_bytes:
+        toks = toks[:args.corpus_bytes]
     gen = np.random.default_rng(args.seed)
     bounds, per = spec.n_layers - 1, args.per_replica
     size = per // args.micro_batches
     figures = {k: np.zeros((args.steps, args.replicas, bounds)) for k in ("act", "actgrad")}
-    for step in range(args.steps):
-        warm = min(1.0, (step + 1) / 10)
-        cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+    for step in range(-args.pretrain, args.steps):
+        if step < 0:  # pretraining: the schedule over its own steps
+            at, of, lr = step + args.pretrain, args.pretrain, args.lr
+        else:
+            at, of, lr = step, args.steps, args.lr / (10 if args.pretrain else 1)
+        warm = min(1.0, (at + 1) / 10)
+        cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * at / of))
         for g in opt.param_groups:
-            g["lr"] = args.lr * warm * cosine
+            g["lr"] = lr * warm * cosine
         for r in range(args.replicas):
             starts = gen.integers(0, len(toks) - spec.seq_len - 1, per)
             seqs = torch.stack([toks[s:s + spec.seq_len + 1] for s in starts])
@@ -85,22 +103,27 @@ def train(args: argparse.Namespace) -> dict[str, np.ndarray]:
                     ss["act"][b] += float(o.detach().double().square().sum())
                     ss["actgrad"][b] += float(o.grad.double().square().sum())
                     n[b] += o.numel()
-            for k in figures:
-                figures[k][step, r] = np.sqrt(ss[k] / n)
+            if step >= 0:
+                for k in figures:
+                    figures[k][step, r] = np.sqrt(ss[k] / n)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         if (step + 1) % 25 == 0:
-            print(f"step {step + 1}/{args.steps}", flush=True)
+            print(f"step {step + 1}/{args.steps}" + (" (pretraining)" if step < 0 else ""),
+                  flush=True)
     return figures
 
 
-def worst(h: np.ndarray, replicas: int, window: int) -> list[float]:
-    """Per judged step, the largest replica ratio over every boundary."""
+def worst(h: np.ndarray, replicas: int, window: int, span: int = 0) -> list[float]:
+    """Per judged step, the largest replica ratio over every boundary (`span` > 0: of the
+    gains of every span of that many layers)."""
     h = h[:, :replicas, :]
     out = []
     for s in range(window - 1, len(h)):
         med = np.median(h[s - window + 1:s + 1], axis=0)
+        if span:
+            med = med[:, :-span] / med[:, span:]
         if replicas == 2:
             ratio = np.maximum(med[0], med[1]) / np.minimum(med[0], med[1])
         else:
@@ -115,16 +138,21 @@ def main() -> None:
     figures = train(args)
     rows = []
     print(f"\n{'figure':<8} {'R':>2} {'window':>6} {'max':>6} {'p99':>6} {'max after 20':>13}")
-    for kind, h in figures.items():
+    spans = range(1, figures["actgrad"].shape[2])
+    kinds = [(k, h, 0) for k, h in figures.items()] + [
+        (f"gain-{k}", figures["actgrad"], k) for k in spans]
+    for kind, h, span in kinds:
         for reps in range(2, args.replicas + 1):
             for window in (1, LINK_WINDOW):
-                w = worst(h, reps, window)
+                w = worst(h, reps, window, span)
                 row = {"figure": kind, "replicas": reps, "window": window, "max": max(w),
                        "p99": float(np.percentile(w, 99)), "max_after_20": max(w[20:])}
                 rows.append(row)
                 print(f"{kind:<8} {reps:>2} {window:>6} {row['max']:>6.3f} {row['p99']:>6.3f} "
                       f"{row['max_after_20']:>13.3f}")
-    out = RESULTS / f"linkspread-{args.model}-{args.per_replica}.json"
+    fitted = (f"-pretrain{args.pretrain}" if args.pretrain else "") + (
+        f"-corpus{args.corpus_bytes}" if args.corpus_bytes else "")
+    out = RESULTS / f"linkspread-{args.model}-{args.per_replica}{fitted}.json"
     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -29,12 +29,18 @@ figures of every link:
   sigma raises the root mean square by 1.41x) are evidence against the sender, unconfirmed;
   the same sender of activations found so in `PERSIST_WINDOWS` windows in a row is
   confirmed.
-- **Activation gradients confirm only as zeros.** Their size follows the batch's loss: an
-  honest hard batch sends gradients many times the others' (a fine-tuned import's gradient
-  copies reached 6-19x for 4 steps in a row, docs/architecture.md "R = 2"). Scaled ones are
-  evidence, and still explain the wrong gradients upstream of them (`explained`); judging a
-  stage's gain (what it sends back over what it received) instead would not follow the
-  loss, and is not built yet.
+- **Activation gradients are judged by the stage's gain where it has one.** Their size
+  follows the batch's loss: an honest hard batch sends gradients many times the others' (a
+  fine-tuned import's gradient copies reached 6-19x for 4 steps in a row, docs/architecture.md
+  "R = 2"). A middle stage receives gradients as well as sending them, and what it sends back
+  over what it received (its gain; both figures corroborated by the other ends) does not
+  follow the loss: honest windows of it stayed within 1.21x of the other pipelines' fresh,
+  1.08x fitted and 1.20x learnt by heart (bench/linkspread.py `gain-K`). So a middle stage's
+  gradients are judged by their gain, as activations are by their size (confirmed from
+  `CONFIRM_RATIO`, or `PERSIST_WINDOWS` in a row from `SUSPECT_RATIO`; R = 2 disputes). The
+  last stage has no gain (its gradient starts at the loss): its scaled gradients stay
+  evidence, confirmed only as zeros, and still explain the wrong gradients upstream of them
+  (`explained`).
 
 The thresholds come from the honest spread measured through training (docs/architecture.md,
 "Activations"). Bounded against a flood: at most `MAX_HELD` windows wait, none older than
@@ -206,27 +212,30 @@ class LinkWitness:
                     f"(window ending at step {step}): one of the two misreports"))
             else:
                 agreed[link] = got
-        wrong = self._outliers(agreed)
+        measured, gained = _gains(agreed)
+        wrong = self._outliers(measured, gained)
         if self.replicas == 2:
-            return found + self._pairs(step, wrong)
+            return found + self._pairs(step, wrong, gained)
         suspected, self._suspected = self._suspected, {}
         per = 2 * (self.stages - 1)  # `links` lists each pipeline's in turn
         for r in range(self.replicas):
-            order = every[r * per:(r + 1) * per]
-            if (root := next((k for k in order if k in wrong), None)) is None:
-                continue
-            ratio, zero = wrong[root]
-            runs = self._suspected[root.sender] = suspected.get(root.sender, 0) + 1
-            after = [k for k in order if k in wrong and k != root]
-            found.append(self._blame(step, root, ratio, zero, runs, len(after)))
+            order = [k for k in every[r * per:(r + 1) * per] if k in wrong]
+            for root in _roots(order, gained):
+                ratio, zero = wrong[root]
+                runs = self._suspected[root.sender] = suspected.get(root.sender, 0) + 1
+                after = order[order.index(root) + 1:]
+                found.append(self._blame(step, root, ratio, zero, runs, len(after),
+                                         root in gained))
         return found
 
-    def _outliers(self, agreed: dict[Link, float]) -> dict[Link, tuple[float, bool]]:
-        """The agreed links far from their boundary's others: link -> (ratio, zeros)."""
+    def _outliers(self, agreed: dict[Link, float], gained: set[Link]
+                  ) -> dict[Link, tuple[float, bool]]:
+        """The agreed links far from their boundary's others: link -> (ratio, zeros).
+        `gained` links' figures are their sender's gains, compared only with gains."""
         wrong: dict[Link, tuple[float, bool]] = {}
-        groups: dict[tuple[str, int], list[Link]] = {}
+        groups: dict[tuple[str, int, bool], list[Link]] = {}
         for k in agreed:
-            groups.setdefault((k.kind, k.boundary), []).append(k)
+            groups.setdefault((k.kind, k.boundary, k in gained), []).append(k)
         for group in groups.values():
             if len(group) < 2:
                 continue
@@ -246,17 +255,20 @@ class LinkWitness:
 
     @staticmethod
     def _blame(step: int, root: Link, ratio: float, zero: bool, runs: int,
-               followed: int) -> Finding:
-        """The finding against `root`'s sender, found wrong `runs` windows in a row."""
+               followed: int, gain: bool = False) -> Finding:
+        """The finding against `root`'s sender, found wrong `runs` windows in a row (`gain`:
+        judged by its sender's gain)."""
         what = "activations" if root.kind == "act" else "activation gradients"
         far = max(ratio, 1 / max(ratio, ZERO_RMS))
-        # activation gradients scale with the batch's loss: an honest hard batch sends large
-        # ones (a fine-tuned import's gradient copies reached 6-19x for 4 steps in a row), so
-        # only their zeros confirm
-        confirmed = zero or (root.kind == "act" and (far >= CONFIRM_RATIO
-                                                      or runs >= PERSIST_WINDOWS))
-        how = "zeros where the other replicas' carry values" if zero else \
-            f"{ratio:.3g}x the root mean square of the same boundary's other pipelines"
+        # the last stage's activation gradients scale with the batch's loss: an honest hard
+        # batch sends large ones (a fine-tuned import's gradient copies reached 6-19x for 4
+        # steps in a row), so only their zeros confirm; a middle stage's gain does not
+        confirmed = zero or ((root.kind == "act" or gain) and (far >= CONFIRM_RATIO
+                                                                or runs >= PERSIST_WINDOWS))
+        how = "zeros where the other replicas' carry values" if zero else (
+            f"{ratio:.3g}x the gain (what it sent back over what it received) of the same "
+            f"stage in the other pipelines" if gain else
+            f"{ratio:.3g}x the root mean square of the same boundary's other pipelines")
         return Finding(
             f"{root.kind}_{'zero' if zero else 'scaled'}", step, (root.sender,),
             0.0 if zero else ratio, confirmed,
@@ -266,7 +278,8 @@ class LinkWitness:
             + (f"; {followed} later link(s) of its pipeline followed from it"
                if followed else ""))
 
-    def _pairs(self, step: int, wrong: dict[Link, tuple[float, bool]]) -> list[Finding]:
+    def _pairs(self, step: int, wrong: dict[Link, tuple[float, bool]],
+               gained: set[Link]) -> list[Finding]:
         """R = 2: the first boundary, in the order a step computes them, whose two links
         disagree names its two senders, undecided."""
         order = links(self.stages, 1)  # pipeline 0's, in computation order
@@ -277,13 +290,46 @@ class LinkWitness:
             if len(zeros := [x for x in pair if wrong[x][1]]) == 1:  # self-evident
                 return [self._blame(step, zeros[0], 0.0, True, 1, 0)]
             ratio = max(wrong[pair[0]][0], 1 / max(wrong[pair[0]][0], ZERO_RMS))
-            if ratio < CONFIRM_RATIO or k.kind != "act":  # honest windows reach 1.4x, and
-                continue  # gradients follow the batch's loss: no re-plan for them
+            # honest windows reach 1.4x, and the last stage's gradients follow the batch's
+            # loss: no re-plan for them
+            if ratio < CONFIRM_RATIO or not (k.kind == "act" or set(pair) <= gained):
+                continue
             senders = tuple(sorted({k.sender, k.sender + self.stages}))
-            what = "activations" if k.kind == "act" else "activation gradients"
+            what = "activations" if k.kind == "act" else \
+                "activation gradients at gains (what each sent back over what it received)"
             return [Finding("act_disagree", step, senders, ratio, False,
                             f"ranks {senders[0]} and {senders[1]}, replicas of one stage, sent "
                             f"{what} across boundary {k.boundary} whose root mean squares "
                             f"differ {ratio:.3g}x (median over the window ending at step "
                             f"{step}, both ends of each link agreeing): either may be wrong")]
         return []
+
+
+def _roots(wrong: list[Link], gained: set[Link]) -> list[Link]:
+    """Of one pipeline's wrong links in computation order, those to blame: the first (what
+    follows is computed from it), and where that is the last stage's activation gradients
+    (no gain: a hard batch's look the same) the first wrong gain after it too, which those
+    gradients' size cannot explain."""
+    if not wrong:
+        return []
+    first = wrong[0]
+    if first.kind == "actgrad" and first not in gained:
+        if later := next((k for k in wrong[1:] if k in gained), None):
+            return [first, later]
+    return [first]
+
+
+def _gains(agreed: dict[Link, float]) -> tuple[dict[Link, float], set[Link]]:
+    """`agreed` with each middle stage's activation gradients replaced by its gain: what it
+    sent back over what it received from the stage after it in the same pipeline (both
+    links agreed, and what it received not zeros); those links, apart."""
+    measured, gained = dict(agreed), set()
+    for k, sent in agreed.items():
+        if k.kind != "actgrad":
+            continue
+        into = Link("actgrad", k.boundary + 1, k.replica, k.sender + 1, k.sender)
+        received = agreed.get(into)
+        if received is not None and received > ZERO_RMS:
+            measured[k] = sent / received
+            gained.add(k)
+    return measured, gained

@@ -71,7 +71,9 @@ def test_a_sender_that_scales_what_it_sends_is_named_not_the_stages_after_it() -
     f[5][2] = f[4][3] = f[4][2] = f[3][3] = 0.05
     found = feed(w, 10, f)
     assert [(x.kind, x.suspects, x.confirmed) for x in found] == [("act_scaled", (3,), True)]
-    assert "1 later link" not in found[0].detail and "3 later link(s)" in found[0].detail
+    # the activations after it and the last stage's gradients back; rank 4's gain (what it
+    # sent back over what it received) is its replicas', so its gradients are not counted
+    assert "1 later link" not in found[0].detail and "2 later link(s)" in found[0].detail
     assert found[0].onset == 10 - LINK_WINDOW + 1 == onset("act_scaled", 10)
 
 
@@ -82,14 +84,49 @@ def test_zeros_and_scaled_gradients_name_their_sender() -> None:
     f[7][2] = f[6][3] = 0.0  # and so does rank 7, computing from them
     found = feed(w, 5, f)
     assert [(x.kind, x.suspects, x.confirmed) for x in found] == [("actgrad_zero", (8,), True)]
+    # the last stage's gradients (rank 2), and rank 1's computed from them: the last stage is
+    # named, not confirmed (a hard batch does it; it has no gain to judge instead)
     f = honest()
-    f[1][2] = f[0][3] = 0.01 * CONFIRM_RATIO * 2  # named, not confirmed: a hard batch does it
+    f[2][2] = f[1][3] = f[1][2] = f[0][3] = 0.01 * CONFIRM_RATIO * 2
     assert [(x.kind, x.suspects, x.confirmed) for x in feed(w, 10, f)] == [
-        ("actgrad_scaled", (1,), False)]
+        ("actgrad_scaled", (2,), False)]
     f = honest()
-    f[1][2] = f[0][3] = 0.015  # gradients 1.5x: their honest spread comes close
+    f[2][2] = f[1][3] = f[1][2] = f[0][3] = 0.015  # 1.5x: their honest spread comes close
     for step in range(15, 15 + 5 * PERSIST_WINDOWS, 5):
         assert [(x.kind, x.confirmed) for x in feed(w, step, f)] == [("actgrad_scaled", False)]
+
+
+def test_a_middle_stage_is_judged_by_its_gain_which_a_hard_batch_does_not_move() -> None:
+    """Rank 1 (stage 1 of 3) receives honest gradients and sends back 6x: what it sent over
+    what it received is 6x its replicas' gain, confirmed. The same 6x arriving from a hard
+    batch at the last stage leaves rank 1's gain alone (only the last stage is named, as
+    evidence), and does not hide a middle stage that scales in the same window."""
+    w = witness()
+    f = honest()
+    f[1][2] = f[0][3] = 0.06
+    found = feed(w, 5, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [
+        ("actgrad_scaled", (1,), True)]
+    assert "6x the gain (what it sent back over what it received)" in found[0].detail
+    f = honest()
+    f[5][2] = f[4][3] = 0.06  # a hard batch at replica 1's last stage
+    f[4][2] = f[3][3] = 0.06  # rank 4's gradients follow it: its gain is 1
+    found = feed(w, 10, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [
+        ("actgrad_scaled", (5,), False)]
+    f = honest()
+    f[5][2] = f[4][3] = 0.06  # the same, where rank 4 also scales 3x of that
+    f[4][2] = f[3][3] = 0.18
+    found = feed(w, 15, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [
+        ("actgrad_scaled", (5,), False), ("actgrad_scaled", (4,), True)]
+    # a gain off by noise of about one sigma (1.41x and up): confirmed once it persists
+    f = honest()
+    f[7][2] = f[6][3] = 0.015
+    for i in range(1, PERSIST_WINDOWS + 1):
+        found = feed(w, 15 + i * LINK_WINDOW, f)
+        assert [(x.kind, x.suspects, x.confirmed) for x in found] == [
+            ("actgrad_scaled", (7,), i == PERSIST_WINDOWS)]
 
 
 def test_ends_that_disagree_are_evidence_against_both_and_frame_nobody() -> None:
@@ -135,7 +172,12 @@ def test_two_replicas_name_the_pair_of_senders_at_the_first_boundary_that_differ
     assert feed(w, 15, f) == []
     f = honest(3, 2)
     f[5][2] = f[4][3] = 0.1  # gradients 10x: a hard batch on one side does it, no dispute
+    f[4][2] = f[3][3] = 0.1  # (rank 4's follow them: its gain is its replica's)
     assert feed(w, 20, f) == []
+    f = honest(3, 2)
+    f[4][2] = f[3][3] = 0.1  # but rank 4's gain 10x its replica's: the pair disputed
+    assert [(x.kind, x.suspects, x.confirmed) for x in feed(w, 25, f)] == [
+        ("act_disagree", (1, 4), False)]
     f = honest(3, 2)
     f[0][0] = f[1][1] = 0.0  # zeros are no matter of opinion, even with two
     assert [(x.kind, x.suspects, x.confirmed) for x in feed(w, 10, f)] == [
