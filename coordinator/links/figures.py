@@ -22,6 +22,14 @@ so the check is the other direction, measured by the other end:
   under a quarter of the other less half a millisecond (`DEFLATION`). Such a pair is pinged
   again, quietly and on its own, as a contradiction is (`LinkMeasurer`); if it still
   disagrees, the lower figure is replaced by the higher and recorded against its reporter.
+- **A bandwidth far under its reverse** (`lopsided_bandwidth`): no lie (a liar deflating its
+  own link only pushes traffic away from itself), but an honest probe's usual error. Under
+  load one probe read Frankfurt->Seoul at 2.1 Mbit/s where Seoul->Frankfurt read 8.8 and the
+  emulated link carries 8.9 both ways (`coordinator demo --wan world --nat 3` beside a busy
+  loop); the demo's rank order then predicted 8.48 s a step and ran 4.10. Such a link gets a
+  second, quiet probe of its own, and keeps the higher of its two readings
+  (`LinkMeasurer`): an honest probe errs low. Honest asymmetry (a home uplink) reads the
+  same twice and stays.
 - **A dead link only one end reports** (`one_sided`): a reported failure a->b whose reverse
   b->a was probed fine, into an agent everyone can dial, is recorded against its reporter
   (`coordinator/links/store.py` `blame` never resolves such a tie against b).
@@ -40,6 +48,10 @@ from coordinator.links.store import LinkEntry, LinkStore
 
 ASYMMETRY = 100.0  # the most two directions of one path may differ in bandwidth
 DEFLATION = (4.0, 0.5)  # a delay under (high - 0.5 ms) / 4 of its reverse is suspect
+# a bandwidth under 1/2.5 of its reverse's gets a second look (directions of a symmetric
+# emulated link read within 1.05x of each other; the low probe above, 4.2x)
+LOPSIDED = 2.5
+MAX_SECOND_LOOKS = 6  # links probed again per measurement, the most lopsided first
 LINK_FIGURE = "link_figure"  # evidence kinds
 DEAD_LINK = "dead_link"
 
@@ -76,6 +88,19 @@ def inflated_bandwidth(store: LinkStore, ids: Sequence[str], evidence: Evidence
         evidence(a, LINK_FIGURE, why)
         out.append((a, b))
     return out
+
+
+def lopsided_bandwidth(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
+    """The links whose probed bandwidth is under 1/LOPSIDED of their reverse's, the most
+    lopsided first, at most MAX_SECOND_LOOKS."""
+    found = []
+    for a, b in itertools.permutations(ids, 2):
+        ab, ba = store.entries.get((a, b)), store.entries.get((b, a))
+        if not (_probed(ab) and _probed(ba)) or ab is None or ba is None:
+            continue
+        if 0 < ab.bandwidth_gbps * LOPSIDED < ba.bandwidth_gbps:
+            found.append((ab.bandwidth_gbps / ba.bandwidth_gbps, a, b))
+    return [(a, b) for _, a, b in sorted(found)[:MAX_SECOND_LOOKS]]
 
 
 def deflated_delays(store: LinkStore, ids: Sequence[str]) -> list[tuple[str, str]]:
