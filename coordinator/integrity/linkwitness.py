@@ -295,11 +295,12 @@ class LinkWitness:
             if ratio < CONFIRM_RATIO or not (k.kind == "act" or set(pair) <= gained):
                 continue
             senders = tuple(sorted({k.sender, k.sender + self.stages}))
-            what = "activations" if k.kind == "act" else \
-                "activation gradients at gains (what each sent back over what it received)"
+            what = "activations across boundary {} whose root mean squares" if \
+                k.kind == "act" else ("activation gradients back across boundary {} at gains "
+                                      "(what each sent back over what it received) that")
             return [Finding("act_disagree", step, senders, ratio, False,
                             f"ranks {senders[0]} and {senders[1]}, replicas of one stage, sent "
-                            f"{what} across boundary {k.boundary} whose root mean squares "
+                            f"{what.format(k.boundary)} "
                             f"differ {ratio:.3g}x (median over the window ending at step "
                             f"{step}, both ends of each link agreeing): either may be wrong")]
         return []
