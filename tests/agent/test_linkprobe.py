@@ -33,6 +33,26 @@ def windows_of(rates_mbps: list[float], window_s: float = 1 / 3) -> Windows:
     return w
 
 
+def test_a_climbing_rate_on_a_long_round_trip_is_not_held_at_slow_starts_rate() -> None:
+    """What the sender may have in flight, counted against reports a one-way delay and a tick
+    old, bounds the rate it can reach: at 470 ms round trips the first reports read slow
+    start's ~1 Mbit/s, and a limit sized from them (256 KiB) held the probe under ~2.6 Mbit/s,
+    where three windows agreed on 2.1 Mbit/s for a link of 8.9 (the WAN demo)."""
+    rtt, tick, lag = 0.47, 0.1, 0.47 / 2 + 0.1  # the receiver's count lags what arrived
+
+    def reachable_mbps(limit: int) -> float:
+        return limit * 8 / (rtt + lag) / MBIT
+
+    climbing = linkprobe.inflight_limit(1 * MBIT, rtt, tick, ramping=True)
+    assert reachable_mbps(climbing) >= 10.0  # room for the link's 8.9 Mbit/s while climbing
+    # once steady, about a round trip and a half of the rate: enough to hold it, little more
+    steady = linkprobe.inflight_limit(8.9 * MBIT, rtt, tick, ramping=False)
+    assert 8.9 <= reachable_mbps(steady) <= 2 * 8.9
+    # a genuinely slow link settles with little in flight, so its backlog drains fast
+    assert linkprobe.inflight_limit(1 * MBIT, rtt, tick, ramping=False) == \
+        linkprobe.MIN_INFLIGHT
+
+
 def test_windows_that_stalled_are_never_steady() -> None:
     assert windows_of([0.6, 0.0, 0.0, 0.0]).steady() is None
     assert windows_of([0.7, 1.6, 0.0, 0.0, 0.0, 0.0]).steady() is None
