@@ -240,16 +240,21 @@ class Rate:
 
 
 def inflight_limit(fastest_bps: float, rtt_s: float, tick_s: float, ramping: bool) -> int:
-    """How many bytes the sender may have sent beyond what the receiver reported: about 1.5
-    round trips and two ticks at the fastest recent rate (`RAMP_FACTOR` times that while the
-    rate still climbs). While it climbs, never under `INITIAL_INFLIGHT`, what the probe
-    began with: the first reports carry slow start's rate, and a limit sized from them
-    (`MIN_INFLIGHT`, 256 KiB, counted against a receiver's count a one-way delay old) held a
-    470 ms round trip under ~2.6 Mbit/s, where the windows then agreed on 2.1 Mbit/s for a
-    link that carries 8.9 (the WAN demo's Seoul-Frankfurt, 2 of its first 4 soak rounds)."""
+    """How many bytes the sender may have sent beyond what the receiver reported: the fastest
+    recent rate over a round trip and two ticks, `INFLIGHT_FACTOR` times (`RAMP_FACTOR`
+    while the rate still climbs), at least `MIN_INFLIGHT`."""
     factor = RAMP_FACTOR if ramping else INFLIGHT_FACTOR
-    floor = INITIAL_INFLIGHT if ramping else MIN_INFLIGHT
-    return max(floor, int(factor * fastest_bps / 8 * (rtt_s + 2 * tick_s)))
+    return max(MIN_INFLIGHT, int(factor * fastest_bps / 8 * (rtt_s + 2 * tick_s)))
+
+
+def window_s(target_s: float, rtt_s: float, tick_s: float) -> float:
+    """How long each window the probe judges lasts: `target_s / STEADY_WINDOWS`, but never
+    under a round trip and a tick. TCP's rate grows once per round trip, so two windows
+    inside one round trip read the same rate while it still doubles: on Seoul-Frankfurt
+    (470 ms round trips, 8.9 Mbit/s) windows of 0.33 s agreed early, the climb ended at
+    slow start's rate, the steady pace limit (1.5x that rate in flight) held it there, and
+    the probe settled on 2.1 Mbit/s in 2 of the WAN demo's first 4 soak rounds."""
+    return max(target_s / STEADY_WINDOWS, rtt_s + tick_s)
 
 
 async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
@@ -268,7 +273,7 @@ async def _bandwidth(stub: agent_pb2_grpc.AgentStub, target_s: float, cap: int,
     cannot pass for a steady rate.
     """
     tick_s = min(TICK_S, target_s / 4)
-    windows = Windows(target_s / STEADY_WINDOWS)
+    windows = Windows(window_s(target_s, rtt_s, tick_s))
     # Once the rate settles, the pace limit follows the fastest tick of the last round trip,
     # so what is still in flight when the probe ends drains within about a round trip.
     recent: collections.deque[float] = collections.deque(
