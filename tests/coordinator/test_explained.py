@@ -108,3 +108,24 @@ def test_the_jobs_integrity_takes_link_windows_and_excludes_the_root_sender() ->
     assert set(integrity.ledger.exclusions) == {"a2"}
     assert integrity.ledger.exclusions["a2"].step == 6  # the window's first step
     assert not integrity.ledger.evidence("a3")[0].confirmed
+
+
+def test_a_middle_stages_wrong_gain_explains_the_stage_before_it_and_is_confirmed() -> None:
+    """Three stages: rank 1 (stage 1 of replica 0) sends back 6x the gradient it received.
+    Its gain names it, confirmed; rank 0, whose gradient copies that spoiled, is explained."""
+    agents = [f"a{r}" for r in range(9)]  # 3 stages x 3 replicas, by rank
+    links = LinkWitness()
+    links.plan(1, 3, 3)
+    h, ledger = HeldConfirmations(links, {a: r for r, a in enumerate(agents)}.get), \
+        IntegrityLedger()
+    rec = EvidenceRecord("a0", "grad_norm", 8, "its norm is 6x the median copy's", "a3", 0,
+                         6.0, 1, ("a0",), 0)
+    assert h.defer(rec, 8, ["a3", "a6"])
+    f = honest(3, 3)
+    f[1][2] = f[0][3] = 0.06  # rank 1 -> rank 0, while rank 2 sent rank 1 the usual 0.01
+    found = windows(links, 10, f)
+    assert [(x.kind, x.suspects, x.confirmed) for x in found] == [
+        ("actgrad_scaled", (1,), True)]
+    h.release(ledger, 10)
+    (piece,) = ledger.evidence("a0")
+    assert not piece.confirmed and "rank 1 sent wrong pipeline messages" in piece.detail
