@@ -118,16 +118,24 @@ class CoordinatorCopies:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             self._reserved[key] = size
             root = ondisk.job_dir(self.root, first.job_id)
+            committed = False
             try:
                 await install_push(messages, root, m)
+                committed = True
+            except asyncio.CancelledError:
+                # the pusher hung up: its step counts if its manifest is in place (install_push
+                # lets the manifest's write finish), or status and the keep floor would name
+                # a step the disk no longer holds
+                committed = ondisk.manifest_for(root, m.stage, m.step).exists()
+                raise
             finally:
                 del self._reserved[key]
-                # the step counts once its manifest is in place, also when the pusher hung up
-                # in that instant (install_push lets the manifest's write finish): the record
-                # must follow the disk, or status and the keep floor name a step that is gone
-                if ondisk.manifest_for(root, m.stage, m.step).exists():
+                if committed:
                     keep_one(root, m.stage, m.step)  # a few unlinks: no thread to cancel
                     self._held[key] = (m.step, size)
+                elif key in self._held and not ondisk.manifest_for(
+                        root, m.stage, self._held[key][0]).exists():
+                    del self._held[key]  # a failed push of the step held took its manifest
         log.info("checkpoint: stage %d step %d of job %s pushed to the coordinator by %s "
                  "(%s; nobody can dial a member of the job)", m.stage, m.step, first.job_id,
                  who, _mib(size))

@@ -205,6 +205,38 @@ def test_a_push_hung_up_on_while_its_manifest_is_written_is_recorded_as_the_disk
     asyncio.run(main())
 
 
+def test_a_refused_push_leaves_the_record_as_the_disk_holds_it(tmp_path: Path) -> None:
+    """A push refused for its checksum: of another step, the step held stays recorded as it
+    was; of the step held itself (whose manifest the push took down first), the record goes
+    with the manifest, instead of naming a step nobody can fetch."""
+    state, holder = tmp_path / "coordinator", tmp_path / "holder"
+
+    def spoiled(m: Manifest) -> Manifest:  # the file's bytes change after its manifest
+        path = ondisk.stage_dir(ondisk.job_dir(holder, m.job_id), m.stage) / m.files[0].name
+        data = bytearray(path.read_bytes())
+        data[0] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return m
+
+    async def main() -> None:
+        async with coordinator(state) as (address, svc):
+            job = svc.job.job_id
+            as_h0 = pusher_metadata("h0", (await running(address, svc, [["h0"], ["h1"]]))["h0"])
+            s4 = write_step(holder, 0, 4, payload(4), job=job)
+            assert (await push(address, holder, job, s4, as_h0))[0] == grpc.StatusCode.OK
+            s6 = spoiled(write_step(holder, 0, 6, payload(6), job=job))
+            code, _ = await push(address, holder, job, s6, as_h0)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, *OR_RACE)
+            assert [(c.step, c.bytes) for c in svc.copies.held(job)] == [(4, SIZE)]
+            assert held_on_disk(state, job, 0) == [4]
+            code, _ = await push(address, holder, job, spoiled(s4), as_h0)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, *OR_RACE)
+            assert held_on_disk(state, job, 0) == []
+            assert svc.copies.held(job) == []
+
+    asyncio.run(main())
+
+
 def test_pushes_to_the_coordinator_are_authenticated_for_its_job_and_within_the_cap(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state, holder = tmp_path / "coordinator", tmp_path / "holder"
