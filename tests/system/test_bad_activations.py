@@ -47,3 +47,24 @@ def test_a_peer_sending_wrong_activations_is_named_and_no_honest_agent_is_exclud
     assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
     first = done["recoveries"][0]
     assert first["resumed_step"] == newest_before(exclusion["step"], 4), (first, exclusion)
+
+
+def test_a_middle_stage_whose_gain_is_wrong_is_excluded_for_it(daemons: Daemons) -> None:
+    """Three stages: the bad agent holds the middle one (rank 4: stage 1 of replica 1, by rank
+    order over ascending ports) and sends back 10x the gradient of its input. Raw gradient
+    sizes follow the batch's loss and convict nobody; what it sends back over what it
+    received (its gain, both figures agreed by the other ends) is 10x its replicas'."""
+    bad, status, rows = run_with_bad_peer(
+        daemons, 8, "actgrad_scale", ATTACK_AT, STEPS, "--stages", "3", "--replicas", "3",
+        "--batch", "6", "--layer-split", "even", "--placement", "rank-order", bad_at=4)
+    done = status["job"]
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
+    assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
+    exclusion = rows[bad]["exclusion"]
+    assert exclusion["reason"].startswith("actgrad_scaled"), exclusion
+    assert "the gain (what it sent back over what it received)" in str(
+        rows[bad].get("evidence", [])), rows[bad]
+    assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
+    first = done["recoveries"][0]
+    assert first["resumed_step"] == newest_before(exclusion["step"], 4), (first, exclusion)
