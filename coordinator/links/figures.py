@@ -23,10 +23,12 @@ so the check is the other direction, measured by the other end:
   again, quietly and on its own, as a contradiction is (`LinkMeasurer`); if it still
   disagrees, the lower figure is replaced by the higher and recorded against its reporter.
 - **A bandwidth far under its reverse** (`lopsided_bandwidth`): no lie (a liar deflating its
-  own link only pushes traffic away from itself), but an honest probe's usual error. Under
-  load one probe read Frankfurt->Seoul at 2.1 Mbit/s where Seoul->Frankfurt read 8.8 and the
-  emulated link carries 8.9 both ways (`coordinator demo --wan world --nat 3` beside a busy
-  loop); the demo's rank order then predicted 8.48 s a step and ran 4.10. Such a link gets a
+  own link only pushes traffic away from itself), but an honest probe's usual error. One
+  probe read Frankfurt->Seoul at 2.1 Mbit/s where Seoul->Frankfurt read 8.8 and the emulated
+  link carries 8.9 both ways (`coordinator demo --wan world --nat 3`); the demo's rank order
+  then predicted 8.48 s a step and ran 4.10. That cause, windows shorter than a round trip,
+  is fixed in the probe (`agent.probing.linkprobe.window_s`); load or a lost packet can still
+  make one probe read low. Such a link gets a
   second, quiet probe of its own, and keeps the higher of its two readings
   (`LinkMeasurer`): an honest probe errs low. Honest asymmetry (a home uplink) reads the
   same twice and stays.
