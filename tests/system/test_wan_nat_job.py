@@ -49,6 +49,9 @@ def delays(pair_ms: float) -> list[list[float]]:
     return [[0, 10, 5, 10], [10, 0, pair_ms, 5], [5, pair_ms, 0, 10], [10, 5, 10, 0]]
 
 
+# the world other WAN tests borrow (test_wan_bad_peer, test_wan_relay_agent,
+# test_wan_relay_tamper): every pair 5-10 ms apart
+DELAY = delays(10.0)
 STEPS = 8
 JOB = ["--model", "gpt-tiny", "--agents", "4", "--stages", "2", "--replicas", "2",
        "--steps", str(STEPS), "--batch", "8", "--micro-batches", "2", "--seed", "5",
