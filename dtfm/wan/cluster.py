@@ -89,6 +89,8 @@ class WanCluster:
         self.agent_args = list(agent_args)  # extra `agent start` flags, for every agent
         # agent i runs `python -m MODULE start ...` instead of `agent` (a test's patched one)
         self.agent_modules = dict(agent_modules)
+        # agent i's own environment on top of `env()` (a bench's one bad agent: DTFM_FAULT)
+        self.agent_env: dict[int, dict[str, str]] = {}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.agent_procs: list[subprocess.Popen[bytes]] = []
         self.coordinator_proc: subprocess.Popen[bytes] | None = None
@@ -108,10 +110,12 @@ class WanCluster:
                 "DTFM_TOKEN": self.token, "PYTHONUNBUFFERED": "1", "DTFM_NUM_THREADS": "1",
                 "OMP_NUM_THREADS": "1"}
 
-    def _spawn(self, host: int, argv: Sequence[str], name: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, host: int, argv: Sequence[str], name: str,
+               extra_env: Mapping[str, str] = MappingProxyType({})) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
         # the host's workers read their compute factor here: `wan.live.set_compute` slows them live
-        env = {**self.env(), "DTFM_COMPUTE_SLOWDOWN_FILE": self.wan.live.compute_file(host)}
+        env = {**self.env(), "DTFM_COMPUTE_SLOWDOWN_FILE": self.wan.live.compute_file(host),
+               **extra_env}
         proc = self.wan.popen(host, [sys.executable, "-m", *argv], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -162,7 +166,8 @@ class WanCluster:
             "--coordinator", self.coordinator_address,
             "--listen", f"{self.wan.address(host)}:{AGENT_PORT}", "--device", "cpu",
             "--state-dir", str(self.workdir / f"agent-{i}"),
-            *([] if prewarm else ["--no-prewarm"]), *self.agent_args], log_name or f"agent-{i}")
+            *([] if prewarm else ["--no-prewarm"]), *self.agent_args], log_name or f"agent-{i}",
+            self.agent_env.get(i, {}))
 
     def _wait_agents(self, timeout: float) -> list[str]:
         """Agent ids in host order once every agent has joined."""
@@ -288,8 +293,14 @@ class WanCluster:
             "loss": job["loss"], "worker_split_median": split, **traffic,
             # what the job recovered from (only where `max_restarts` let it): a result that
             # shows a recovery's stall in its time says so
-            "recoveries": [{k: r.get(k) for k in ("reason", "steps_lost", "stalled_s")}
+            "recoveries": [{k: r.get(k) for k in ("reason", "steps_lost", "stalled_s",
+                                                  "last_step", "resumed_step")}
                            for r in job.get("recoveries", []) if not r.get("planned")],
+            "val_loss": job.get("val_loss"), "val_step": job.get("val_step"),
+            # the agents the integrity checks excluded (a bench's bad agent; nobody honest)
+            "excluded": {a["id"]: {"reason": a["exclusion"]["reason"],
+                                   "step": a["exclusion"]["step"]}
+                         for a in status["agents"] if a.get("exclusion")},
             # what the coordinator's relay forwarded for the job, and the steps it ran
             # (bench/reach.py reports relayed bytes per step from these)
             "relayed_bytes": job["relay"]["forwarded_bytes"], "steps_trained": job["step"],

@@ -1,0 +1,174 @@
+"""Benchmark: one bad agent per attack on the 16-agent emulated world (issue 43's
+bench/integrity.py part that needs the coordinator's ledger; the scores and the overhead on
+loopback stay in bench/integrity.py).
+
+The paper's world, 8 cities x `--per-city` agents (16: 4 stages x 4 replicas), its links
+measured once by the agents. Then, on that matrix, with the same seed and tokens:
+
+- an **honest** run at `--verify` (default `full`: every check on), and the same job at
+  `--verify off`: tokens/s and bytes per step of each, their ratio the checks' cost;
+- one run per attack (`--attacks`, `DTFM_FAULT` modes: agent/worker/fault.py), in which one
+  agent, from step `--onset` on, sends wrong values. The agent is bad for the whole job (its
+  own environment carries `DTFM_FAULT="*:ONSET:MODE"`, whatever rank it gets). Placement is
+  `--placement` (default rank order: the bad agent, `--bad-index` in address order, then
+  holds a middle stage, which sends both activations and their gradients, and the honest run
+  holds the same placement).
+
+Per attack it reports who was excluded (the target: the bad agent, and nobody else), the
+step the job stood at when it stopped for the exclusion (the recovery's `last_step`) less the
+onset, the final validation loss against the honest run's (the target: within 2 %), and the
+job's end. Issue 43's targets: detection within 10 steps of the onset, the right agent alone
+excluded, the job finishing, its loss within 2 %; the default level at most 5 % slower and
+1 % more bytes than `--verify off`.
+
+Needs root (network namespaces). Run: `python bench/integrity_world.py` (all attacks: about
+30 minutes on 2 cores); `--attacks scale,act_scale --steps 30` for a quick look. Writes
+bench/results/integrity_world.json (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from wan import emulator_missing, measured_world  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "integrity_world.json"
+# the attacks of issue 43, as the fault seam names them: data-parallel contributions, an
+# owner's averaged shard, pipeline activations and their gradients, drifting weights
+ATTACKS = ("scale", "flip", "noise", "zero", "stale", "avg_scale", "act_scale", "act_noise",
+           "act_zero", "actgrad_scale", "drift")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-city", type=int, default=2, help="agents per city (8 cities)")
+    p.add_argument("--scale", type=float, default=25.0, help="bandwidth divisor of the world")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--onset", type=int, default=12, help="the first step the bad agent attacks")
+    p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument("--verify", default="full")
+    p.add_argument("--placement", default="rank-order")
+    p.add_argument("--bad-index", type=int, default=5,
+                   help="the bad agent, by its place in address order")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--workdir", default="")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    unknown = set(args.attacks.split(",")) - set(ATTACKS)
+    if unknown:
+        p.error(f"--attacks: unknown {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
+    return args
+
+
+def job_flags(args: argparse.Namespace, verify: str) -> list[str]:
+    agents = 8 * args.per_city
+    return ["--model", args.model, "--agents", str(agents), "--min-agents", "4",
+            "--stages", str(args.stages), "--replicas", str(agents // args.stages),
+            "--steps", str(args.steps), "--batch", str(args.batch),
+            "--micro-batches", str(args.micro_batches), "--seed", str(args.seed),
+            "--search-seconds", "10", "--layer-split", "even", "--checkpoint-every", "4",
+            "--dp-mode", "sharded", "--verify", verify, "--eval-every", str(args.steps),
+            "--eval-batches", "4"]
+
+
+def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify: str,
+        bad: int = -1, attack: str = "") -> dict[str, Any]:
+    """One job on the measured world; `bad` >= 0: that agent attacks with `attack`."""
+    cluster.agent_env = {bad: {"DTFM_FAULT": f"*:{args.onset}:{attack}"}} if bad >= 0 else {}
+
+    def watch(status: dict[str, Any], now: float) -> None:
+        job = status["job"]
+        print(f"  [{label}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
+              f"{job['total_steps']} loss {job['loss']:.3f}", file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    try:
+        out = cluster.train(job_flags(args, verify), args.placement, links, args.timeout,
+                            watch, prewarm=False, max_restarts=4)
+    except RuntimeError as e:  # the job failed: a result, not a crash of the bench
+        out = {"failed": str(e)}
+    return {"label": label, "wall_s": time.monotonic() - started, **out}
+
+
+def judged(row: dict[str, Any], bad_id: str, onset: int, honest: dict[str, Any]
+           ) -> dict[str, Any]:
+    """What an attack's run shows against the targets."""
+    excluded = row.get("excluded", {})
+    stopped = [r["last_step"] for r in row.get("recoveries", [])
+               if "exclu" in (r.get("reason") or "")]
+    loss, base = row.get("val_loss") or 0.0, honest.get("val_loss") or 0.0
+    return {"bad_excluded": bad_id in excluded,
+            "others_excluded": sorted(a for a in excluded if a != bad_id),
+            "reason": excluded.get(bad_id, {}).get("reason", ""),
+            "steps_to_exclusion": (stopped[0] - onset + 1) if stopped else None,
+            "val_loss_vs_honest_pct": 100 * (loss / base - 1) if loss and base else None,
+            "finished": "failed" not in row}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'run':<14} {'bad excl.':>9} {'others':>6} {'steps':>5} {'val loss':>9} "
+            f"{'vs honest':>9} {'tok/s':>7}  reason")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        j = r.get("judged", {})
+        steps = j.get("steps_to_exclusion")
+        pct = j.get("val_loss_vs_honest_pct")
+        lines.append(
+            f"{r['label']:<14} {str(j.get('bad_excluded', '-')):>9} "
+            f"{len(j.get('others_excluded', [])) if j else '-':>6} "
+            f"{steps if steps is not None else '-':>5} {r.get('val_loss') or 0:>9.4f} "
+            f"{f'{pct:+.2f} %' if pct is not None else '-':>9} "
+            f"{r.get('tokens_per_s') or 0:>7.0f}  "
+            f"{(j.get('reason') or r.get('failed') or '')[:60]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if emulator_missing():
+        return 2
+    rows: list[dict[str, Any]] = []
+    with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links, city_of):
+        ids = [cluster.agent_id(i) for i in range(cluster.agents)]
+        bad_id = str(ids[args.bad_index])
+        print(f"the bad agent: {bad_id} ({city_of.get(bad_id, '?')})", file=sys.stderr)
+        honest = run(cluster, links, args, "honest", args.verify)
+        off = run(cluster, links, args, "verify off", "off")
+        rows += [honest, off]
+        for attack in args.attacks.split(","):
+            row = run(cluster, links, args, attack, args.verify, args.bad_index, attack)
+            row["judged"] = judged(row, bad_id, args.onset, honest)
+            rows.append(row)
+            print(table(rows), file=sys.stderr)
+    cost = {}
+    if "failed" not in honest and "failed" not in off:
+        cost = {"tokens_per_s": honest["tokens_per_s"] / max(off["tokens_per_s"], 1e-9),
+                "bytes_per_step": (honest["dp_bytes_per_step"] + honest["pp_bytes_per_step"])
+                / max(off["dp_bytes_per_step"] + off["pp_bytes_per_step"], 1)}
+    print(table(rows))
+    if cost:
+        print(f"--verify {args.verify} against off: {cost['tokens_per_s']:.3f}x the tokens/s, "
+              f"{cost['bytes_per_step']:.3f}x the bytes per step")
+    Path(args.out).write_text(json.dumps({"args": vars(args), "bad_agent": bad_id,
+                                          "cost": cost, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
