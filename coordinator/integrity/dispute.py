@@ -54,7 +54,7 @@ import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.integrity.corroborate import WINDOW_STEPS
 from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
@@ -63,8 +63,12 @@ from coordinator.links.failure import avoid
 from dtfm.core.verify import PAIR_WINDOW, onset
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-DISPUTING = frozenset({"grad_disagree", "weights_disagree", "act_disagree"})
+DISPUTING = frozenset({"grad_disagree", "weights_disagree", "act_disagree", "link_disagree"})
+# disputes between the two ends of a pipeline link (linkwitness.py), not two replicas: their
+# pair is parted by making them no longer pipeline neighbours
+LINK_DISPUTES = frozenset({"link_disagree"})
 # disputes over what a stage computed from its batches: a rollback replays the same data
 REPLAYABLE = frozenset({"grad_disagree", "act_disagree"})
 # steps past a dispute within which a dispute with a new partner names the common agent: a
@@ -106,6 +110,16 @@ class Dispute:
 
     def partner(self, agent_id: str) -> str:
         return self.b if agent_id == self.a else self.a
+
+    @property
+    def of_link(self) -> bool:
+        """Whether it is between the two ends of a pipeline link, not two replicas."""
+        return self.kind in LINK_DISPUTES
+
+    @property
+    def who(self) -> str:
+        """What the pair is to each other, for the log and the ledger."""
+        return "pipeline neighbours" if self.of_link else "replicas of one stage"
 
     def live(self, step: int) -> bool:
         """Whether a record of `step` still finds it remembered (`MEMORY_STEPS`)."""
@@ -171,15 +185,16 @@ class Disputes:
                       if separable else "no placement can part them (one stage, or a fixed "
                       "placement) and no spare agent is free: it stays evidence" + (
                           ", and both resume from one checkpoint" if resync else ""))
+            said = f" ({rec.detail})" if new.of_link and rec.detail else ""
             for x in (a, b):
                 ledger.record(x, rec.kind, rec.step,
                               f"disagreed with {new.partner(x)} at step {rec.step}, either may "
-                              f"be wrong (score {rec.score:.3g}, epoch {rec.epoch}): {settle}",
-                              reporter=rec.reporter)
+                              f"be wrong (score {rec.score:.3g}, epoch {rec.epoch}){said}: "
+                              f"{settle}", reporter=rec.reporter)
             if separable or resync:  # weights that differ never agree again by training
                 self.rollback_before = min(s for s in (self.rollback_before, new.onset) if s)
                 self.replan_reason = (
-                    f"agents {a} and {b}, replicas of one stage, disagree ({rec.kind} at step "
+                    f"agents {a} and {b}, {new.who}, disagree ({rec.kind} at step "
                     f"{rec.step}; either may be wrong): " + (
                         f"{parting}, and rolling back"
                         if separable else "nobody to place them with instead; both "
@@ -207,7 +222,9 @@ class Disputes:
         `ledger`), or ""."""
         for x in (new.a, new.b):
             for d in self.disputes:
-                if x not in d.pair or d.partner(x) == new.partner(x):
+                # a link's dispute confirms only with another link's: an honest receiver fed
+                # 10x disputes its sender's link and, at R = 2, its replica's gradients too
+                if x not in d.pair or d.partner(x) == new.partner(x) or d.of_link != new.of_link:
                     continue
                 partners = (d.partner(x), new.partner(x))
                 if any(x not in e.pair for e in self.disputes for p in partners
@@ -241,22 +258,25 @@ class Disputes:
         return {self.bench_of(d) for d in self.disputes
                 if d.done != CANNOT and d.pair <= inside}
 
-    def apart(self, ids: Sequence[str]) -> set[frozenset[int]]:
-        """The pairs (indices into `ids`) an epoch of `ids` must not put in one stage."""
+    def apart(self, ids: Sequence[str]) -> Apart:
+        """The pairs (indices into `ids`) an epoch of `ids` must keep apart: replicas out of
+        one stage, a link's two ends out of one pipeline's neighbouring stages."""
         index = {a: i for i, a in enumerate(ids)}
         self._asked = [d for d in self.disputes
                        if d.done != CANNOT and d.a in index and d.b in index]
-        return {frozenset((index[d.a], index[d.b])) for d in self._asked}
+        return Apart({frozenset((index[d.a], index[d.b])) for d in self._asked if not d.of_link},
+                     {frozenset((index[d.a], index[d.b])) for d in self._asked if d.of_link})
 
     def planned(self, rows: Sequence[Sequence[str]]) -> None:
         """An epoch was planned with `rows` (agent ids, a row per stage): a pending dispute
         whose pair it parts is apart; one it was asked to part (`apart`) and could not stays
         evidence; one that came in while it was placed waits for the next plan (and keeps
         `replan_reason`)."""
+        together = Apart(stage_pairs(rows), neighbour_pairs(rows))
         for d in self.disputes:
             if d.done != PENDING:
                 continue
-            if not any(d.pair <= set(row) for row in rows):
+            if d.pair not in (together.neighbours if d.of_link else together.stage):
                 d.done = APART
             elif any(d is asked for asked in self._asked):
                 d.done = CANNOT
@@ -283,7 +303,7 @@ def restore(saved: Any) -> Disputes:
     disputes.rollback_before = int(saved.get("rollback_before", 0) or 0)
     if pending := [d for d in disputes.disputes if d.done == PENDING]:  # the re-plan it asked
         d = pending[0]  # for had not happened when the coordinator stopped: it still must
-        disputes.replan_reason = (f"agents {d.a} and {d.b}, replicas of one stage, disagreed "
+        disputes.replan_reason = (f"agents {d.a} and {d.b}, {d.who}, disagreed "
                                   f"({d.kind} at step {d.step}) before a coordinator restart: "
                                   f"placing them apart now")
     return disputes
@@ -295,15 +315,35 @@ def swaps_part(placement_kind: str, stages: int) -> bool:
     return stages > 1 and placement_kind == "scheduled"
 
 
-def separate(grid: Sequence[Sequence[int]], apart: set[frozenset[int]]
-             ) -> list[list[int]] | None:
-    """`grid` (a row per stage, a column per replica) with no pair of `apart` in one row, by
-    as few swaps as it takes (`links.failure.avoid`, which keeps dead links apart the same
-    way); the grid unchanged when no pair shares a row, None when no swap parts them (one
-    stage)."""
-    return avoid(grid, apart, linked=stage_pairs)
+@dataclass(frozen=True)
+class Apart:
+    """Pairs of devices (or agents) to keep apart: `stage`, out of one stage (replicas that
+    disputed); `neighbours`, from being one pipeline's neighbouring stages (a link's ends)."""
+
+    stage: set[frozenset[Any]]
+    neighbours: set[frozenset[Any]]
+
+    def __bool__(self) -> bool:
+        return bool(self.stage or self.neighbours)
 
 
-def stage_pairs(grid: Sequence[Sequence[int]]) -> set[frozenset[int]]:
+def separate(grid: Sequence[Sequence[int]], apart: Apart) -> list[list[int]] | None:
+    """`grid` (a row per stage, a column per replica) with no `apart.stage` pair in one row
+    and no `apart.neighbours` pair in neighbouring rows of one column, by as few swaps as it
+    takes (`links.failure.avoid`, which keeps dead links apart the same way); the grid
+    unchanged when none is together, None when no swap parts them (one stage)."""
+    def together(g: Sequence[Sequence[int]]) -> set[frozenset[int]]:
+        return ((stage_pairs(g) & apart.stage) | (neighbour_pairs(g) & apart.neighbours))
+
+    return avoid(grid, apart.stage | apart.neighbours, linked=together)
+
+
+def stage_pairs(grid: Sequence[Sequence[T]]) -> set[frozenset[T]]:
     """The pairs of devices that replicate one stage: the only pairs a dispute keeps apart."""
     return {frozenset(p) for row in grid for p in itertools.combinations(row, 2)}
+
+
+def neighbour_pairs(grid: Sequence[Sequence[T]]) -> set[frozenset[T]]:
+    """The pairs of devices at neighbouring stages of one pipeline: a link's two ends."""
+    return {frozenset((row[k], nxt[k])) for row, nxt in itertools.pairwise(grid)
+            for k in range(min(len(row), len(nxt)))}

@@ -140,7 +140,7 @@ class JobIntegrity:
         disputes = []
         for f in self.links.judge():
             agents = [self._members[r] for r in f.suspects]
-            if f.kind == "act_disagree":
+            if f.kind in dispute.DISPUTING:  # undecided: two replicas' senders, or a link's ends
                 disputes.append(EvidenceRecord(
                     "", f.kind, f.step, f.detail, COORDINATOR, -1, f.score, report.epoch,
                     tuple(agents), f.suspects[0] % max(self.links.stages, 1)))

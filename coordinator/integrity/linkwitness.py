@@ -11,7 +11,13 @@ figures of every link:
 
 - **The two ends disagree** (beyond `AGREE_TOL`, which a codec's rounding stays far inside):
   one of them lies about what crossed the link. It cannot tell which: the record
-  (`link_disagree`) is evidence against both, unconfirmed, shown in `coordinator status`.
+  (`link_disagree`) names both, undecided, and opens a dispute between them, settled as
+  the replicas' are, by new partners (coordinator/integrity/dispute.py). Everything its
+  pipeline computed after that link was computed from what crossed it, so no link after it
+  is blamed on its sender (`_shield`), nor are the gradients of that pipeline's ranks
+  (`explained`): a sender that reports honest figures and sends 10x would otherwise have its
+  honest receiver excluded for passing the 10x on, and a receiver that lies about its input
+  would make its own wrong output look like what followed.
 - **They agree**, so the sender stands by what it sent. Its value is compared with the same
   boundary's links of the other replicas' pipelines (same weights, other data: the same
   scale). A link at `CONFIRM_RATIO` times the median or more (or below its inverse), or one
@@ -69,6 +75,7 @@ PERSIST_WINDOWS = 3  # windows in a row that confirm an activations suspect belo
 ZERO_RMS = 1e-12  # a message of zeros
 KEPT_WINDOWS = 8  # window steps kept behind the slowest member's newest, waiting for the rest
 MAX_HELD = 4 * KEPT_WINDOWS  # windows held at most (the oldest dropped first)
+UNDECIDED = -1  # a wrong link's sender where its two ends disagree: either may be at fault
 
 FIGURES = ("act_out", "act_in", "grad_out", "grad_in")
 
@@ -176,10 +183,10 @@ class LinkWitness:
             self._judged.add(step)
             self.judged_through = max(self.judged_through, step)
         for f in found:
-            if f.kind != "link_disagree":
-                touched = frozenset(r // max(self.stages, 1) for r in f.suspects)
-                self._roots = [*self._roots, (f.onset, f.step, touched, f.suspects[0])][
-                    -MAX_HELD:]
+            touched = frozenset(r // max(self.stages, 1) for r in f.suspects)
+            # a link in dispute names no sender: either end may have spoiled what followed
+            sender = UNDECIDED if f.kind == "link_disagree" else f.suspects[0]
+            self._roots = [*self._roots, (f.onset, f.step, touched, sender)][-MAX_HELD:]
         if len(self._judged) > 4 * KEPT_WINDOWS:
             self._judged = set(sorted(self._judged)[-KEPT_WINDOWS:])
         return found
@@ -191,33 +198,35 @@ class LinkWitness:
         pipeline = rank // max(self.stages, 1)
         for begun, ended, touched, sender in reversed(self._roots):
             if pipeline in touched and sender != rank and begun <= step <= ended:
+                if sender == UNDECIDED:
+                    return (f"the two ends of a link in its pipeline disagreed about what "
+                            f"crossed it over steps {begun}-{ended}, and rank {rank}'s numbers "
+                            f"were computed from it (a dispute settles which end lied)")
                 return (f"rank {sender} sent wrong pipeline messages in its pipeline over "
                         f"steps {begun}-{ended}, which rank {rank}'s numbers were computed from")
         return ""
 
     def _judge(self, step: int, figures: Mapping[int, Sequence[float]]) -> list[Finding]:
-        found: list[Finding] = []
         agreed: dict[Link, float] = {}
+        disagree: dict[Link, tuple[float, float]] = {}
         every = links(self.stages, self.replicas)
         for link in every:
             sent, got = _ends(link, figures)
             if math.isnan(sent) or math.isnan(got):
                 continue
             if abs(sent - got) > AGREE_TOL * max(sent, got, ZERO_RMS):
-                found.append(Finding(
-                    "link_disagree", step, (link.sender, link.receiver),
-                    max(sent, got) / max(min(sent, got), ZERO_RMS), False,
-                    f"rank {link.sender} says it sent {link.kind} of root mean square "
-                    f"{sent:.4g} to rank {link.receiver}, which says it received {got:.4g} "
-                    f"(window ending at step {step}): one of the two misreports"))
+                disagree[link] = (sent, got)
             else:
                 agreed[link] = got
         measured, gained = _gains(agreed)
         wrong = self._outliers(measured, gained)
+        per = 2 * (self.stages - 1)  # `links` lists each pipeline's in turn
+        found = [self._disagreeing(step, link, *ends, _shield(
+            every[link.replica * per:(link.replica + 1) * per], link, wrong))
+            for link, ends in disagree.items()]
         if self.replicas == 2:
             return found + self._pairs(step, wrong, gained)
         suspected, self._suspected = self._suspected, {}
-        per = 2 * (self.stages - 1)  # `links` lists each pipeline's in turn
         for r in range(self.replicas):
             order = [k for k in every[r * per:(r + 1) * per] if k in wrong]
             for root in _roots(order, gained):
@@ -252,6 +261,20 @@ class LinkWitness:
                 if max(ratio, 1 / max(ratio, ZERO_RMS)) >= SUSPECT_RATIO:
                     wrong[k] = (ratio, False)
         return wrong
+
+    @staticmethod
+    def _disagreeing(step: int, link: Link, sent: float, got: float, followed: int
+                     ) -> Finding:
+        """The finding against both ends of `link`, whose figures differ beyond `AGREE_TOL`
+        (`followed`: the wrong links after it in its pipeline, which nobody is blamed for)."""
+        return Finding(
+            "link_disagree", step, (link.sender, link.receiver),
+            max(sent, got) / max(min(sent, got), ZERO_RMS), False,
+            f"rank {link.sender} says it sent {link.kind} of root mean square {sent:.4g} to "
+            f"rank {link.receiver}, which says it received {got:.4g} (window ending at step "
+            f"{step}): one of the two misreports"
+            + (f"; {followed} later link(s) of its pipeline followed from it, blamed on "
+               f"neither" if followed else ""))
 
     @staticmethod
     def _blame(step: int, root: Link, ratio: float, zero: bool, runs: int,
@@ -304,6 +327,19 @@ class LinkWitness:
                             f"differ {ratio:.3g}x (median over the window ending at step "
                             f"{step}, both ends of each link agreeing): either may be wrong")]
         return []
+
+
+def _shield(pipeline: list[Link], link: Link, wrong: dict[Link, tuple[float, bool]]) -> int:
+    """Take out of `wrong` the links of `pipeline` (in computation order) computed after
+    `link`, whose two ends disagree, and count them. What crossed `link` is in dispute, and
+    everything after it was computed from it: a receiver fed 10x by a sender that reports
+    honest figures sends 10x on through no fault of its own, and a receiver that lies about
+    its input to excuse its own wrong output is as likely. Neither is blamed here; the
+    dispute between the two ends (coordinator/integrity/dispute.py) settles which it was."""
+    after = [k for k in pipeline[pipeline.index(link) + 1:] if k in wrong]
+    for k in after:
+        del wrong[k]
+    return len(after)
 
 
 def _roots(wrong: list[Link], gained: set[Link]) -> list[Link]:

@@ -129,3 +129,38 @@ def test_a_middle_stages_wrong_gain_explains_the_stage_before_it_and_is_confirme
     h.release(ledger, 10)
     (piece,) = ledger.evidence("a0")
     assert not piece.confirmed and "rank 1 sent wrong pipeline messages" in piece.detail
+
+
+def test_a_link_whose_ends_disagree_opens_a_dispute_and_explains_both_ends() -> None:
+    """Rank 2 (stage 0 of replica 1) reports honest figures and sends 10x (`act_lie`): the
+    link's ends disagree. Nobody is excluded for it or for what followed (rank 3's spoiled
+    gradient copies are held and dropped as explained, and so are rank 2's own: either end may
+    have spoiled them); the job re-plans to part the two, a dispute of pipeline neighbours."""
+    registry = FakeRegistry()
+    registry.exclude = lambda agent_id, reason: None  # type: ignore[attr-defined]
+    integrity = JobIntegrity(registry, SimpleNamespace(step=0))  # type: ignore[arg-type]
+    assignments = [common_pb2.Assignment(epoch=1, stages=2, replicas=3, rank=r)
+                   for r in range(6)]
+    integrity.plan_epoch(assignments, 1, separable=True, members=AGENTS)
+    for agent in ("a3", "a2"):
+        integrity.defer(grad_norm(agent, 8), 8, ["a5", "a1"])
+    f = honest(2, 3)
+    f[3][1] = 10.0  # rank 3 received 10x what rank 2 says it sent
+    f[3][2] = f[2][3] = 0.1  # and sent back what followed from it, both ends agreeing
+    replans = []
+    for rank, figures in f.items():
+        report = coordinator_pb2.ProgressReport(
+            agent_id=AGENTS[rank], epoch=1, step=10, link_windows=[coordinator_pb2.LinkWindow(
+                step=10, **dict(zip(("act_out", "act_in", "grad_out", "grad_in"),
+                                    [math.nan if math.isnan(v) else v for v in figures],
+                                    strict=True)))])
+        replans.append(integrity.witness(AGENTS[rank], report))
+    assert replans[-1] and not any(replans[:-1])  # the last window completes it
+    assert not integrity.ledger.exclusions
+    assert "pipeline neighbours" in integrity.disputes.replan_reason
+    assert integrity.disputes.apart(AGENTS).neighbours == {frozenset((2, 3))}
+    for agent in ("a2", "a3"):
+        kinds = {(e.kind, e.confirmed) for e in integrity.ledger.evidence(agent)}
+        assert ("link_disagree", False) in kinds and ("grad_norm", True) not in kinds, kinds
+    assert "disagreed about what crossed it" in str(
+        [e.detail for e in integrity.ledger.evidence("a3")])

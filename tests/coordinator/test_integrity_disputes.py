@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 from coordinator.daemon.config import JobConfig
 from coordinator.integrity.corroborate import Corroboration
-from coordinator.integrity.dispute import MEMORY_STEPS, Disputes, restore, separate
+from coordinator.integrity.dispute import (
+    MEMORY_STEPS,
+    Apart,
+    Disputes,
+    neighbour_pairs,
+    restore,
+    separate,
+)
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
@@ -42,7 +49,7 @@ def test_a_disagreement_asks_to_part_the_pair_and_roll_back_before_its_window() 
     assert not ledger.exclusions
     # the same disagreement again (every step, from both owners) asks for nothing more
     assert not d.feed([dispute("b", "x", 13), dispute("x", "b", 14, reporter="b")], ledger)
-    assert d.apart(["b", "c", "x"]) == {frozenset((0, 2))}
+    assert d.apart(["b", "c", "x"]).stage == {frozenset((0, 2))}
     d.planned(PARTED)
     assert d.replan_reason == ""
 
@@ -94,7 +101,7 @@ def test_a_dispute_not_repeated_within_the_settling_window_lapses() -> None:
     late = 12 + MEMORY_STEPS + 1
     assert d.feed([dispute("x", "c", late, epoch=2)], ledger)  # a new dispute, no verdict
     assert not ledger.exclusions
-    assert d.apart(["b", "c", "x"]) == {frozenset((1, 2))}  # x and b may meet again
+    assert d.apart(["b", "c", "x"]).stage == {frozenset((1, 2))}  # x and b may meet again
 
 
 def test_a_pair_that_no_placement_can_part_stays_evidence() -> None:
@@ -117,7 +124,7 @@ def test_where_no_swap_parts_a_pair_a_spare_replaces_the_disputed_one() -> None:
         assert "beside a spare" in ledger.evidence("b")[0].detail
         assert d.benched(["x", "b", "c"]) == {"b"}
         assert d.benched(["x", "c"]) == set()  # only a pair both planned on
-        assert d.apart(["x", "c"]) == set()
+        assert not d.apart(["x", "c"])
         d.planned([["x", "c"]])
         assert d.replan_reason == "" and d.disputes[0].done == "apart"
         # while it is remembered, b sits out again wherever a spare can take its place
@@ -143,7 +150,7 @@ def test_weights_that_differ_where_no_placement_parts_them_resume_from_one_check
     ledger, d = IntegrityLedger(), Disputes()
     assert d.feed([dispute("x", "b", 20, kind="weights_disagree")], ledger, separable=False)
     assert d.rollback_before == 20 - DIGEST_EVERY + 1 and "resume" in d.replan_reason
-    assert d.apart(["x", "b"]) == set()
+    assert not d.apart(["x", "b"])
     d.planned([["x", "b"]])
     d.rolled_back()
     assert d.rollback_before == 0 and not ledger.exclusions
@@ -151,13 +158,14 @@ def test_weights_that_differ_where_no_placement_parts_them_resume_from_one_check
 
 def test_separate_moves_one_of_a_pair_to_another_stage() -> None:
     grid = [[0, 1], [2, 3]]  # stage 0 holds 0 and 1
-    parted = separate(grid, {frozenset((0, 1))})
+    parted = separate(grid, Apart({frozenset((0, 1))}, set()))
     assert parted is not None and sorted(sum(parted, [])) == [0, 1, 2, 3]
     assert all(not {0, 1} <= set(row) for row in parted)
-    assert separate(grid, {frozenset((0, 2))}) == grid  # already apart: unchanged
-    assert separate([[0, 1]], {frozenset((0, 1))}) is None  # one stage: nobody to swap with
-    three = separate([[0, 1], [2, 3], [4, 5]], {frozenset((0, 1)), frozenset((2, 3)),
-                                                frozenset((0, 2))})
+    assert separate(grid, Apart({frozenset((0, 2))}, set())) == grid  # apart: unchanged
+    # one stage: nobody to swap with
+    assert separate([[0, 1]], Apart({frozenset((0, 1))}, set())) is None
+    three = separate([[0, 1], [2, 3], [4, 5]], Apart({frozenset((0, 1)), frozenset((2, 3)),
+                                                      frozenset((0, 2))}, set()))
     assert three is not None and all(len(row) == 2 for row in three)
     assert not any(p <= set(row) for row in three
                    for p in ({0, 1}, {2, 3}, {0, 2}))
@@ -310,7 +318,7 @@ def test_a_dispute_that_comes_while_an_epoch_is_placed_waits_for_the_next_plan()
     plan must not count it as parted (or as impossible to part) when it is not."""
     ledger, d = IntegrityLedger(), Disputes()
     d.feed([dispute("x", "b", 12)], ledger)
-    assert d.apart(["x", "b", "c", "y"]) == {frozenset((0, 1))}  # the placement asks
+    assert d.apart(["x", "b", "c", "y"]).stage == {frozenset((0, 1))}  # the placement asks
     d.feed([dispute("c", "y", 13)], ledger)  # heard while it searched
     d.planned([["x", "c", "y"], ["b"]])  # parts x and b; c and y still together
     states = {(dd.a, dd.b): dd.done for dd in d.disputes}
@@ -385,3 +393,52 @@ def test_how_far_a_dispute_shields_its_steps_is_bounded() -> None:
     d.planned(PARTED)
     d.feed([dispute("x", "c", 14 + 2 * PAIR_WINDOW + 1, epoch=2)], ledger)
     assert set(ledger.exclusions) == {"x"}
+
+
+def link(sender: str, receiver: str, step: int, epoch: int = 1) -> EvidenceRecord:
+    return EvidenceRecord(agent_id="", kind="link_disagree", step=step,
+                          detail=f"{sender} says it sent 1.0, {receiver} received 10.0",
+                          reporter="coordinator", suspect_rank=-1, score=10.0, epoch=epoch,
+                          candidates=(sender, receiver), stage=0)
+
+
+def test_a_links_two_ends_are_parted_as_pipeline_neighbours_and_the_liar_named() -> None:
+    """The two ends of a link that disagree are neighbours in one pipeline, never replicas:
+    they are kept from being neighbours again, and the end that disagrees with its new
+    neighbour too is the confirmed fault."""
+    ledger, d = IntegrityLedger(), Disputes()
+    assert d.feed([link("liar", "b", 10)], ledger)
+    assert "pipeline neighbours" in d.replan_reason
+    assert d.apart(["b", "liar", "x"]) == Apart(set(), {frozenset((0, 1))})
+    assert "received 10.0" in ledger.evidence("b")[0].detail
+    # a plan that keeps them in one pipeline's neighbouring stages has not parted them ...
+    d.planned([["liar", "x"], ["b", "c"]])
+    assert d.disputes[0].done == "cannot"
+    # ... one that puts them in different pipelines has
+    d2 = Disputes()
+    d2.feed([link("liar", "b", 10)], ledger)
+    d2.apart(["b", "liar", "x", "c"])
+    d2.planned([["liar", "x"], ["c", "b"]])
+    assert d2.disputes[0].done == "apart"
+    assert not d2.feed([link("liar", "c", 20, epoch=2)], ledger)
+    assert set(ledger.exclusions) == {"liar"}
+
+
+def test_separate_parts_a_links_ends_from_neighbouring_stages() -> None:
+    grid = [[0, 1], [2, 3], [4, 5]]  # pipelines 0-2-4 and 1-3-5
+    assert neighbour_pairs(grid) == {frozenset(p) for p in ((0, 2), (2, 4), (1, 3), (3, 5))}
+    parted = separate(grid, Apart(set(), {frozenset((2, 4))}))
+    assert parted is not None and frozenset((2, 4)) not in neighbour_pairs(parted)
+    assert sorted(sum(parted, [])) == list(range(6))
+    # replicas of one stage are no link: already apart
+    assert separate(grid, Apart(set(), {frozenset((0, 1))})) == grid
+
+
+def test_a_link_dispute_and_a_replica_dispute_do_not_confirm_each_other() -> None:
+    """An honest receiver fed 10x disputes its sender's link, and at R = 2 its gradient copy
+    disputes its replica's: two disputes with different partners, of two kinds, name
+    nobody."""
+    ledger, d = IntegrityLedger(), Disputes()
+    d.feed([link("a", "honest", 10)], ledger)
+    d.feed([dispute("honest", "r", 12, stage=1)], ledger)
+    assert not ledger.exclusions

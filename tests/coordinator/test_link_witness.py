@@ -203,3 +203,20 @@ def test_what_a_peer_can_make_the_witness_hold_is_bounded() -> None:
     w.add(1, 0, 5, [1.0] * 4)  # another epoch's
     w.add(2, 0, 5, [1.0])  # a short row
     assert w.held == 0
+
+
+def test_what_follows_a_link_whose_ends_disagree_blames_nobody_downstream() -> None:
+    """A sender that reports honest figures and sends 10x (`act_lie`): its receiver, honest,
+    says so, and then sends on what followed from it, its own receiver agreeing. The link
+    that disagrees comes first in the pipeline: what follows it is not the receiver's fault
+    (before: rank 4 was confirmed for activations 9x its replicas', and excluded)."""
+    w = witness()
+    f = honest()
+    f[3][0] = 1.0  # rank 3 says it sent 1.0 ...
+    f[4][1] = 10.0  # ... rank 4 received 10x
+    f[4][0] = f[5][1] = 9.0  # what followed from it, both ends agreeing
+    f[5][2] = f[4][3] = f[4][2] = f[3][3] = 0.05
+    found = feed(w, 10, f)
+    assert [(x.kind, set(x.suspects), x.confirmed) for x in found] == [
+        ("link_disagree", {3, 4}, False)]
+    assert "2 later link(s)" in found[0].detail
