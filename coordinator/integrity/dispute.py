@@ -234,8 +234,10 @@ class Disputes:
                 ledger.record(x, new.kind, first,
                               f"the agent common to two disagreements with different partners: "
                               f"{d.kind} with {partners[0]} at step {d.step}, then {new.kind} "
-                              f"with {partners[1]} at step {new.step} after they were placed "
-                              f"apart (first step proven bad: {first})",
+                              f"with {partners[1]} at step {new.step}"
+                              + (" after they were placed apart" if new.epoch != d.epoch
+                                 else " in the same epoch")
+                              + f" (first step proven bad: {first})",
                               reporter=COORDINATOR, confirmed=True)
                 return x
         return ""

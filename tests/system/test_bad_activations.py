@@ -68,3 +68,28 @@ def test_a_middle_stage_whose_gain_is_wrong_is_excluded_for_it(daemons: Daemons)
     assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
     first = done["recoveries"][0]
     assert first["resumed_step"] == newest_before(exclusion["step"], 4), (first, exclusion)
+
+
+@pytest.mark.parametrize("lie", ["lie_one", "lie"])
+def test_a_peer_that_misreports_what_it_sends_is_parted_from_its_neighbour_and_named(
+        daemons: Daemons, lie: str) -> None:
+    """The bad agent sends pipeline messages 10x and reports the figures of what it should
+    have sent: the link disagrees at its two ends. Either end may lie, so the coordinator
+    names neither, blames nobody for what followed (a receiver fed 10x sends 10x on), and
+    places the pair apart; the agent that disagrees with its new neighbour too is the liar
+    (`lie_one`: on one link), or the one that disagrees with both its neighbours at once
+    (`lie`, every message: a middle stage does). Three stages of three replicas, scheduled
+    placement (a swap parts the pair)."""
+    bad, status, rows = run_with_bad_peer(
+        daemons, 8, lie, ATTACK_AT, STEPS, "--stages", "3", "--replicas", "3",
+        "--batch", "6", "--layer-split", "even", "--pp-compress", "none")
+    done = status["job"]
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
+    assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
+    exclusion = rows[bad]["exclusion"]
+    assert exclusion["reason"].startswith("link_disagree"), exclusion
+    assert "common to two disagreements" in exclusion["reason"], exclusion
+    assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
+    first = done["recoveries"][0]
+    assert first["resumed_step"] <= newest_before(exclusion["step"], 4), (first, exclusion)

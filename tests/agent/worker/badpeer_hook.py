@@ -4,6 +4,8 @@
 listed step, every data-parallel shard it sends (`torch.distributed.isend` on the sharded
 scatter's tags; attacks as `agent.worker.badpeer.attack`: scale, flip, noise, zero, stale,
 where stale replays the message it sent for the same destination one step earlier, as sent), or, for
+`lie`, x10 every pipeline message it sends after its worker tallied it (`LIE`; `lie_one`:
+on one link), or, for
 `drift`, move one of its weights after that step's optimizer step, or, for `avg_` + an
 attack, alter the averaged shard it sends back as an owner (the gather's tags), in place
 before its first send, so that it steps with the altered average too, as every peer does.
@@ -23,6 +25,13 @@ from typing import Any
 
 ENV = "DTFM_TEST_BAD_PEER"
 TAG_SCATTER, MAX_BUCKETS = 100, 10_000  # agent/worker/data_parallel.py's scatter tags
+# `lie`: every pipeline message it sends (activations forward, their gradients back) x10
+# on the wire, after its worker took the figures it reports of them: a volunteer that reports
+# what it should have sent
+LIE, LIE_SCALE = "lie", 10.0
+# `lie_one`: the same on one link only, the one it sends activations on (the last stage: its
+# gradients back), so that it disagrees with one neighbour at a time
+LIE_ONE = "lie_one"
 
 
 def parse(raw: str) -> tuple[int, dict[int, str]]:
@@ -40,6 +49,7 @@ class _Patch:
         self.before: dict[tuple[int, int], Any] = {}
         self.keep: list[Any] = []  # tampered tensors stay alive until their step ends
         self.altered: set[int] = set()  # this step's averages, altered once each
+        self.forwards = False  # whether it has sent activations (it has a next stage)
 
     def apply(self) -> None:
         import torch
@@ -47,6 +57,7 @@ class _Patch:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         from agent.worker.badpeer import attack, drift_
+        from agent.worker.pipeline import TAG_ACT, TAG_GRAD
 
         original = dist.isend
         gen = torch.Generator().manual_seed(max(self.rank, 0))
@@ -63,11 +74,17 @@ class _Patch:
             scatter = ours and tag % 2 == 0
             if scatter and self.rank in (-1, dist.get_rank()):
                 key = (tag, int(dst))
-                if mode and mode != "drift" and not mode.startswith(("avg_", "act_",
-                                                                     "actgrad_", "pp_")):
+                if mode and mode not in ("drift", LIE, LIE_ONE) and not mode.startswith(
+                        ("avg_", "act_", "actgrad_", "pp_")):
                     tensor = attack(mode, tensor, self.before.get(key), gen)
                     self.keep.append(tensor)
                 self.sent[key] = tensor.detach().clone()  # what it sent, tampered or not
+            self.forwards |= tag == TAG_ACT  # it has a next stage
+            if (tag in (TAG_ACT, TAG_GRAD) and mode in (LIE, LIE_ONE)
+                    and self.rank in (-1, dist.get_rank())
+                    and (mode == LIE or tag == (TAG_ACT if self.forwards else TAG_GRAD))):
+                tensor = tensor * LIE_SCALE  # after the worker took its figures of it
+                self.keep.append(tensor)
             return original(tensor, dst, group, tag, **kw)
 
         def after_step(opt: Any, args: Any, kwargs: Any) -> None:
