@@ -17,8 +17,9 @@ sharded, `--verify full`; docs/architecture.md, "Integrity") named honest ranks 
 times, at isolated steps (ratios up to 6.7), mostly by every replica of the stage at once:
 two reporters agreed on 11 (rank, step) pairs, so the one-step rule would have excluded two
 honest agents at step 82 and more later. A scaled
-copy is scaled at every step it is sent, so for `grad_norm` each agreeing reporter must have
-named the suspect at `PERSIST_STEPS` distinct steps within the window (the honest run never
+copy is scaled at every step it is sent, so for `grad_norm` (and `grad_noise`, a copy's
+shape) each agreeing reporter must have named the suspect at `PERSIST_STEPS` distinct steps
+within the window (the honest run never
 named one rank twice within 10 steps). The kinds with no honest look-alike (zeroed, replayed,
 non-finite, drifted weights) confirm at the first agreeing step.
 
@@ -39,21 +40,25 @@ from dtfm.core.verify import onset
 
 AGREEING = 2  # distinct reporters, none of them the suspect
 WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onset
-# Kinds that may confirm a fault. The gradient's direction and shape (grad_cosine, grad_noise)
-# are kept as evidence only: two honest owners both read a negative best cosine for the agent
-# that had just joined a grown-back job (tests/system/test_churn.py, 2 sequences per replica),
-# and an honest volunteer excluded is worse than a noisy one caught a few steps later by its
-# norm. Scaled, zeroed, replayed copies and drifted weights have no honest look-alike.
+# Kinds that may confirm a fault. The gradient's direction (grad_cosine) is kept as evidence
+# only: two honest owners both read a negative best cosine for the agent that had just joined a
+# grown-back job (tests/system/test_churn.py, 2 sequences per replica), and a flipped copy is
+# caught by its norm. Its shape (grad_noise: noise of about one sigma flattens a heavy-tailed
+# gradient) confirms as a copy's norm does, persisting (below): nothing else catches noise,
+# and honest copies reached the shape threshold at isolated steps only (5 pieces of evidence
+# in 1000 honest loopback steps of gpt-tiny 2 x 3, 8 across emulated hosts; bench/honest.py,
+# honest_wan.py), never one rank at 3 steps within 10.
+# Scaled, zeroed, replayed copies and drifted weights have no honest look-alike.
 # An owner's averaged shard (agent/worker/avgcheck.py) confirms only when zeroed or replayed,
 # which no bad input can cause; its norm, cosine and shape move with a bad contributor's copy
 # as much as with a bad owner, and two honest receivers would then name an honest owner.
 # A NaN or infinite copy or average (agent/worker/nonfinite.py) confirms: an honest owner
 # averages a non-finite copy as zeros, and a replica whose own gradient is not finite names
 # nobody (it fails as `config` itself, which outranks its owners' reports).
-CONFIRMING = frozenset({"grad_norm", "grad_zero", "grad_stale", "weights", "avg_zero",
-                        "avg_stale", "grad_nonfinite", "avg_nonfinite"})
+CONFIRMING = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_stale", "weights",
+                        "avg_zero", "avg_stale", "grad_nonfinite", "avg_nonfinite"})
 # Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
-PERSISTENT = frozenset({"grad_norm"})
+PERSISTENT = frozenset({"grad_norm", "grad_noise"})
 PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind
 KEPT_STEPS = 4 * (2 * WINDOW_STEPS + 1)  # steps remembered per reporter and suspect
 # (record, first bad step, the agreeing reporters) -> whether its confirmation waits

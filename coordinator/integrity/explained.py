@@ -12,7 +12,7 @@ it in its pipeline explains it, and confirmed otherwise (`release`). A fault wai
 than `RELEASE_STEPS` past its step, because the links go unjudged (a member that reports no
 figures), is confirmed as it would have been.
 
-Only the kinds a wrong input can cause wait: a copy's norm, a zeroed copy (gradients sent
+Only the kinds a wrong input can cause wait: a copy's norm or shape, a zeroed copy (gradients sent
 back as zeros zero the stage's own), a non-finite copy. Bounded: at most `MAX_HELD` wait.
 """
 
@@ -29,7 +29,7 @@ from coordinator.integrity.reports import EvidenceRecord
 
 log = logging.getLogger(__name__)
 
-HELD_KINDS = frozenset({"grad_norm", "grad_zero", "grad_nonfinite"})
+HELD_KINDS = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_nonfinite"})
 RELEASE_STEPS = 30  # steps past a held fault after which it is confirmed unjudged
 MAX_HELD = 256
 
