@@ -4,7 +4,6 @@ the links' verdict and is dropped as explained; one no wrong link explains is co
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 from coordinator.integrity.exclusion import JobIntegrity
@@ -22,6 +21,14 @@ AGENTS = [f"a{r}" for r in range(6)]  # 2 stages x 3 replicas, by rank
 def grad_norm(agent: str, step: int) -> EvidenceRecord:
     return EvidenceRecord(agent, "grad_norm", step, "its norm is 9x the median copy's", "a4",
                           AGENTS.index(agent), 9.0, 1, (agent,), 0)
+
+
+def window_report(rank: int, step: int, figures: list[float]) -> coordinator_pb2.ProgressReport:
+    """Rank `rank`'s heartbeat carrying its link window of `step` (epoch 1)."""
+    return coordinator_pb2.ProgressReport(
+        agent_id=AGENTS[rank], epoch=1, step=step, link_windows=[coordinator_pb2.LinkWindow(
+            step=step, **dict(zip(("act_out", "act_in", "grad_out", "grad_in"), figures,
+                                  strict=True)))])
 
 
 def held() -> tuple[HeldConfirmations, LinkWitness, IntegrityLedger]:
@@ -99,12 +106,7 @@ def test_the_jobs_integrity_takes_link_windows_and_excludes_the_root_sender() ->
     f = honest(2, 3)
     f[2][0] = f[3][1] = 10.0  # rank 2 sends rank 3 activations 10x
     for rank, figures in f.items():
-        report = coordinator_pb2.ProgressReport(
-            agent_id=AGENTS[rank], epoch=1, step=10, link_windows=[coordinator_pb2.LinkWindow(
-                step=10, **dict(zip(("act_out", "act_in", "grad_out", "grad_in"),
-                                    [math.nan if math.isnan(v) else v for v in figures],
-                                    strict=True)))])
-        assert not integrity.witness(AGENTS[rank], report)
+        assert not integrity.witness(AGENTS[rank], window_report(rank, 10, figures))
     assert set(integrity.ledger.exclusions) == {"a2"}
     assert integrity.ledger.exclusions["a2"].step == 6  # the window's first step
     assert not integrity.ledger.evidence("a3")[0].confirmed
@@ -149,12 +151,7 @@ def test_a_link_whose_ends_disagree_opens_a_dispute_and_explains_both_ends() -> 
     f[3][2] = f[2][3] = 0.1  # and sent back what followed from it, both ends agreeing
     replans = []
     for rank, figures in f.items():
-        report = coordinator_pb2.ProgressReport(
-            agent_id=AGENTS[rank], epoch=1, step=10, link_windows=[coordinator_pb2.LinkWindow(
-                step=10, **dict(zip(("act_out", "act_in", "grad_out", "grad_in"),
-                                    [math.nan if math.isnan(v) else v for v in figures],
-                                    strict=True)))])
-        replans.append(integrity.witness(AGENTS[rank], report))
+        replans.append(integrity.witness(AGENTS[rank], window_report(rank, 10, figures)))
     assert replans[-1] and not any(replans[:-1])  # the last window completes it
     assert not integrity.ledger.exclusions
     assert "pipeline neighbours" in integrity.disputes.replan_reason
