@@ -22,7 +22,9 @@ excluded, the job finishing, its loss within 2 %; the default level at most 5 % 
 1 % more bytes than `--verify off`.
 
 Needs root (network namespaces). Run: `python bench/integrity_world.py` (all attacks: about
-30 minutes on 2 cores); `--attacks scale,act_scale --steps 30` for a quick look. Writes
+45 minutes on 2 cores); `--attacks scale,act_scale --steps 30` for a quick look;
+`--attacks none --cost-repeats 3` for the checks' cost alone (honest and off interleaved,
+the ratio of the medians: one pair's tokens/s moved by 15 % on a shared machine). Writes
 bench/results/integrity_world.json (`--out`).
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,8 +47,8 @@ from wan import emulator_missing, measured_world  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "integrity_world.json"
 # the attacks of issue 43, as the fault seam names them: data-parallel contributions, an
 # owner's averaged shard, pipeline activations and their gradients, drifting weights
-ATTACKS = ("scale", "flip", "noise", "zero", "stale", "avg_scale", "act_scale", "act_noise",
-           "act_zero", "actgrad_scale", "drift")
+ATTACKS = ("scale", "flip", "noise", "zero", "stale", "avg_scale", "avg_noise", "avg_zero",
+           "act_scale", "act_noise", "act_zero", "actgrad_scale", "act_lie", "drift")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,7 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--onset", type=int, default=12, help="the first step the bad agent attacks")
-    p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument("--attacks", default=",".join(ATTACKS),
+                   help="comma-separated; 'none': only the honest and --verify off runs")
+    p.add_argument("--cost-repeats", type=int, default=1, metavar="N",
+                   help="honest and --verify off runs, interleaved, N times each: their "
+                   "tokens/s move by 15 %% between runs on a shared machine, so the cost is the "
+                   "ratio of the medians")
     p.add_argument("--verify", default="full")
     p.add_argument("--placement", default="rank-order")
     p.add_argument("--bad-index", type=int, default=5,
@@ -69,7 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default="")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    unknown = set(args.attacks.split(",")) - set(ATTACKS)
+    args.attacks = "" if args.attacks == "none" else args.attacks
+    unknown = set(filter(None, args.attacks.split(","))) - set(ATTACKS)
     if unknown:
         p.error(f"--attacks: unknown {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
     return args
@@ -112,12 +121,35 @@ def judged(row: dict[str, Any], bad_id: str, onset: int, honest: dict[str, Any]
     stopped = [r["last_step"] for r in row.get("recoveries", [])
                if "exclu" in (r.get("reason") or "")]
     loss, base = row.get("val_loss") or 0.0, honest.get("val_loss") or 0.0
+    evidence = row.get("evidence", {})
     return {"bad_excluded": bad_id in excluded,
             "others_excluded": sorted(a for a in excluded if a != bad_id),
-            "reason": excluded.get(bad_id, {}).get("reason", ""),
+            "reason": excluded.get(bad_id, {}).get("reason", "") or (
+                "evidence only: " + ", ".join(f"{k} x{n}" for k, n in sorted(
+                    evidence.get(bad_id, {}).items())) if evidence.get(bad_id) else ""),
+            "bad_evidence": evidence.get(bad_id, {}),
+            "others_evidence": {a: e for a, e in evidence.items() if a != bad_id},
             "steps_to_exclusion": (stopped[0] - onset + 1) if stopped else None,
             "val_loss_vs_honest_pct": 100 * (loss / base - 1) if loss and base else None,
             "finished": "failed" not in row}
+
+
+def price(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The checks' cost from the (honest, off) pairs that finished: the median tokens/s of
+    each side, their ratio, each pair's ratio, and the bytes per step (which do not move)."""
+    done = [(h, o) for h, o in pairs if "failed" not in h and "failed" not in o]
+    if not done:
+        return {}
+
+    def sent(r: dict[str, Any]) -> float:
+        return float(r["dp_bytes_per_step"] + r["pp_bytes_per_step"])
+
+    on = statistics.median(h["tokens_per_s"] for h, _ in done)
+    off = statistics.median(o["tokens_per_s"] for _, o in done)
+    return {"tokens_per_s": on / max(off, 1e-9), "on_tokens_per_s": on,
+            "off_tokens_per_s": off,
+            "pairs": [h["tokens_per_s"] / max(o["tokens_per_s"], 1e-9) for h, o in done],
+            "bytes_per_step": statistics.median(sent(h) / max(sent(o), 1) for h, o in done)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -147,22 +179,24 @@ def main(argv: list[str] | None = None) -> int:
         ids = [cluster.agent_id(i) for i in range(cluster.agents)]
         bad_id = str(ids[args.bad_index])
         print(f"the bad agent: {bad_id} ({city_of.get(bad_id, '?')})", file=sys.stderr)
-        honest = run(cluster, links, args, "honest", args.verify)
-        off = run(cluster, links, args, "verify off", "off")
-        rows += [honest, off]
-        for attack in args.attacks.split(","):
+        pairs = []
+        for i in range(max(args.cost_repeats, 1)):
+            suffix = f" #{i + 1}" if args.cost_repeats > 1 else ""
+            pairs.append((run(cluster, links, args, "honest" + suffix, args.verify),
+                          run(cluster, links, args, "verify off" + suffix, "off")))
+            rows += pairs[-1]
+        honest = pairs[0][0]
+        for attack in filter(None, args.attacks.split(",")):
             row = run(cluster, links, args, attack, args.verify, args.bad_index, attack)
             row["judged"] = judged(row, bad_id, args.onset, honest)
             rows.append(row)
             print(table(rows), file=sys.stderr)
-    cost = {}
-    if "failed" not in honest and "failed" not in off:
-        cost = {"tokens_per_s": honest["tokens_per_s"] / max(off["tokens_per_s"], 1e-9),
-                "bytes_per_step": (honest["dp_bytes_per_step"] + honest["pp_bytes_per_step"])
-                / max(off["dp_bytes_per_step"] + off["pp_bytes_per_step"], 1)}
+    cost = price(pairs)
     print(table(rows))
     if cost:
-        print(f"--verify {args.verify} against off: {cost['tokens_per_s']:.3f}x the tokens/s, "
+        print(f"--verify {args.verify} against off: {cost['tokens_per_s']:.3f}x the tokens/s "
+              f"(medians of {len(cost['pairs'])} pair(s); each pair: "
+              f"{', '.join(f'{x:.3f}' for x in cost['pairs'])}), "
               f"{cost['bytes_per_step']:.3f}x the bytes per step")
     Path(args.out).write_text(json.dumps({"args": vars(args), "bad_agent": bad_id,
                                           "cost": cost, "rows": rows}, indent=1) + "\n")

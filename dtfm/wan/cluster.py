@@ -14,6 +14,7 @@ apart by id, never by address.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import secrets
@@ -301,6 +302,9 @@ class WanCluster:
             "excluded": {a["id"]: {"reason": a["exclusion"]["reason"],
                                    "step": a["exclusion"]["step"]}
                          for a in status["agents"] if a.get("exclusion")},
+            # every agent's evidence shown, by kind (the bad agent's, and any honest one's)
+            "evidence": {a["id"]: dict(collections.Counter(e["kind"] for e in a["evidence"]))
+                         for a in status["agents"] if a.get("evidence")},
             # what the coordinator's relay forwarded for the job, and the steps it ran
             # (bench/reach.py reports relayed bytes per step from these)
             "relayed_bytes": job["relay"]["forwarded_bytes"], "steps_trained": job["step"],
