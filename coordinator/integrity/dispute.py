@@ -1,4 +1,4 @@
-"""R = 2: settling a disagreement of a stage's two replicas by placing them apart.
+"""Disputes: two replicas of a stage (R = 2), or a link's two ends, settled by placing them apart.
 
 Why this third party. With two copies of a gradient (or two weight digests) that disagree,
 either may be the wrong one: a worker reports the disagreement naming nobody
@@ -46,6 +46,12 @@ placement; the dispute then stays evidence and the job trains on (docs/architect
 that differ (`weights_disagree`) still roll back there: two replicas stepping with the same
 averaged gradient from different weights never agree again, and one checkpoint puts them back
 in step (a one-off bit flip is then gone; a fault that lasts disputes again after the memory).
+
+The same rule settles the two ends of a pipeline link whose figures disagree (`link_disagree`,
+coordinator/integrity/linkwitness.py: one of them misreports what crossed it, at any R). The
+pair is then a sender and its receiver, neighbours in one pipeline, so parting them means no
+longer neighbours (`Apart.neighbours`); a dispute of a link confirms only with another link's
+dispute, never with a replicas' one (an honest receiver fed 10x disputes both).
 """
 
 from __future__ import annotations
