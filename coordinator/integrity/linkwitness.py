@@ -221,14 +221,16 @@ class LinkWitness:
         measured, gained = _gains(agreed)
         wrong = self._outliers(measured, gained)
         per = 2 * (self.stages - 1)  # `links` lists each pipeline's in turn
-        found = [self._disagreeing(step, link, *ends, _shield(
-            every[link.replica * per:(link.replica + 1) * per], link, wrong))
-            for link, ends in disagree.items()]
+        pipelines = [every[r * per:(r + 1) * per] for r in range(self.replicas)]
+        found = []
+        for link, (sent, got) in disagree.items():
+            followed = _shield(pipelines[link.replica], link, wrong)  # takes them out of wrong
+            found.append(self._disagreeing(step, link, sent, got, followed))
         if self.replicas == 2:
             return found + self._pairs(step, wrong, gained)
         suspected, self._suspected = self._suspected, {}
-        for r in range(self.replicas):
-            order = [k for k in every[r * per:(r + 1) * per] if k in wrong]
+        for pipeline in pipelines:
+            order = [k for k in pipeline if k in wrong]
             for root in _roots(order, gained):
                 ratio, zero = wrong[root]
                 runs = self._suspected[root.sender] = suspected.get(root.sender, 0) + 1

@@ -14,6 +14,8 @@ compute otherwise, so both ends of its link agree on a figure far from the other
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from coordinator.integrity.rollback import newest_before
@@ -23,6 +25,19 @@ from tests.system.bad_peer_job import run_with_bad_peer
 pytestmark = pytest.mark.timeout(400)
 ATTACK_AT = 8
 STEPS = 30
+
+
+def excluded_alone(bad: str, status: dict[str, Any], rows: dict[str, Any], reason: str
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The finished job and the bad agent's exclusion, asserting that the job trained to the
+    end, that the bad agent alone was excluded, and that its reason starts with `reason`."""
+    done = status["job"]
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
+    assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
+    exclusion = rows[bad]["exclusion"]
+    assert exclusion["reason"].startswith(reason), exclusion
+    return done, exclusion
 
 
 @pytest.mark.parametrize("attack", ["pp_scale", "pp_zero"])
@@ -57,12 +72,7 @@ def test_a_middle_stage_whose_gain_is_wrong_is_excluded_for_it(daemons: Daemons)
     bad, status, rows = run_with_bad_peer(
         daemons, 8, "actgrad_scale", ATTACK_AT, STEPS, "--stages", "3", "--replicas", "3",
         "--batch", "6", "--layer-split", "even", "--placement", "rank-order", bad_at=4)
-    done = status["job"]
-    assert done["state"] == "done" and done["step"] == STEPS, done
-    excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
-    assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
-    exclusion = rows[bad]["exclusion"]
-    assert exclusion["reason"].startswith("actgrad_scaled"), exclusion
+    done, exclusion = excluded_alone(bad, status, rows, "actgrad_scaled")
     assert "the gain (what it sent back over what it received)" in str(
         rows[bad].get("evidence", [])), rows[bad]
     assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
@@ -83,12 +93,7 @@ def test_a_peer_that_misreports_what_it_sends_is_parted_from_its_neighbour_and_n
     bad, status, rows = run_with_bad_peer(
         daemons, 8, lie, ATTACK_AT, STEPS, "--stages", "3", "--replicas", "3",
         "--batch", "6", "--layer-split", "even", "--pp-compress", "none")
-    done = status["job"]
-    assert done["state"] == "done" and done["step"] == STEPS, done
-    excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
-    assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
-    exclusion = rows[bad]["exclusion"]
-    assert exclusion["reason"].startswith("link_disagree"), exclusion
+    done, exclusion = excluded_alone(bad, status, rows, "link_disagree")
     assert "common to two disagreements" in exclusion["reason"], exclusion
     assert ATTACK_AT - 4 <= exclusion["step"] <= ATTACK_AT + 10, exclusion
     first = done["recoveries"][0]
