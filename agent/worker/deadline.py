@@ -7,8 +7,10 @@ slow device, a checkpoint save or ordinary jitter never trips it. One fixed valu
 both: 300 s took five minutes to notice a frozen peer of a 30 ms step, and a 1.3B-parameter
 stage on a CPU can need longer than that for its first step. So:
 
-- **Start-up** (joining is bounded by the ceiling; then resuming, the first steps): before
-  `Policy.warm_steps` steps are measured, a budget that scales with the model: a floor
+- **Start-up** (joining is bounded by the ceiling: gloo's rendezvous, or on the dtfm
+  transport each peer's first connection, `transport.peer.Peer.joining`; then resuming, the
+  first steps): before `Policy.warm_steps` steps are measured, a budget that scales with the
+  model: a floor
   (`startup_base_s`), plus a multiple of the time this device would need to run one
   replica's whole step alone (6 FLOPs per parameter and token over the FLOP/s measured
   here), plus an allowance per GB of the largest stage's checkpointed state (weights and

@@ -298,10 +298,24 @@ class DataPlanes:
         # (coordinator/job/failedpairs.py); hole punching is off in epochs that have one
         self.relay_only: set[frozenset[str]] = set()
         self.last: EpochPlane | None = None  # the newest epoch's plane (`path_of`)
+        # (job id, epoch) of an epoch adopted from the state directory: its secret died with
+        # the previous process, so its members' dials are stale to this relay (`adopted`)
+        self._adopted: tuple[str, int] | None = None
+
+    def adopted(self, job_id: str, epoch: int) -> None:
+        """`job_id`'s `epoch` was adopted after a coordinator restart: the relay cannot serve
+        it (no key), and says its members' dials are stale rather than intrusions."""
+        self._adopted = (job_id, epoch)
+        self._retire_adopted()
+
+    def _retire_adopted(self) -> None:
+        if self.relay is not None and self._adopted is not None:
+            self.relay.retire(self._adopted[0], before_epoch=self._adopted[1] + 1)
 
     async def start_relay(self, host: str, port: int) -> int:
         """Serve the relay on this (the coordinator's) event loop; the port it listens on."""
         self.relay = Relay(None, host, port)
+        self._retire_adopted()
         await self.relay.serve()
         return self.relay.port
 
@@ -316,12 +330,14 @@ class DataPlanes:
         `Relay.accept`. What the front refuses counts as the relay's refused bytes."""
         self.relay = Relay(None, port=port)
         self._front = front
+        self._retire_adopted()
         return self.relay
 
     def share_relay_of(self, other: DataPlanes) -> None:
         """The coordinator's relay outlives a job: the next job's planes use the one running
         (coordinator/daemon/jobs.py)."""
         self.relay, self._front = other.relay, other._front
+        self._retire_adopted()
 
     def status_fields(self, job_id: str) -> dict[str, int]:
         """What the relays forwarded for `job_id` and refused from non-members: the

@@ -166,6 +166,7 @@ class Job:
             return
         self.job_id, self.epoch, self.restarts = snap.job_id, snap.epoch, snap.restarts
         self._name_collaborators()
+        self.dataplane.adopted(self.job_id, self.epoch)
         jobsnapshot.restore(self, snap)
         if snap.state == "running" and snap.members:
             self.members = list(snap.members)
@@ -205,6 +206,7 @@ class Job:
         if self._adopt_deadline and (stale := stale_snapshot(self.job_id, self.epoch, report)):
             log.warning("job %s: %s", self.job_id, stale)
             self.epoch, self._adopt_deadline = report.epoch, 0.0  # the next epoch is newer
+            self.dataplane.adopted(self.job_id, self.epoch)
             self.members = list(dict.fromkeys([*self.members, rec.agent_id]))  # to stop
             self._failure, self._failure_kind = stale, "stale"
             self.poke()

@@ -35,6 +35,12 @@ the payload bytes forwarded for a job (its frames' payloads, not their headers),
 `refused_bytes`, the bytes read from connections the relay then dropped: a handshake that
 failed (no key, a non-member's rank, a bad proof) or a frame header that named another job,
 epoch or rank. Nothing past such a handshake or header is read, so nothing of it is forwarded.
+`stale_dials` counts apart the dials that name a retired epoch of a job the relay serves
+(`retire`), or the epoch a restarted coordinator adopted (its key died with the old process):
+honest members of an epoch that is ending still move pairs to the relay
+(agent/worker/transport/resume.py), and that is no sign of an intruder. They are refused all
+the same, after their hello; the claim is not checked (no key is left to check it with), so a
+stranger naming such an epoch moves its hello's bytes from one count to the other, no more.
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ from dataclasses import dataclass, field
 from dtfm.core.assignment import member_address
 from dtfm.net import dataplane as dp
 
+MAX_RETIRED = 1024  # jobs whose retired epochs are remembered (the oldest is forgotten)
 log = logging.getLogger(__name__)
+
+
+class StaleEpoch(dp.AuthError):
+    """A dial for an epoch this relay retired: refused, but not counted as an intrusion."""
 
 
 @dataclass
@@ -79,6 +90,7 @@ class Relay:
         self.secret, self.host, self.port = secret, host, port
         # (job digest, epoch) -> (key, world size): the epochs admitted, oldest first
         self._keys: dict[tuple[bytes, int], tuple[bytes, int]] = {}
+        self._retired: dict[bytes, int] = {}  # job digest -> its epochs before this are retired
         self.max_keys = max_keys
         self._tasks: set[asyncio.Task[None]] = set()
         self.chunk_bytes = chunk_bytes
@@ -88,6 +100,7 @@ class Relay:
         self.forwarded_bytes = 0  # payload bytes forwarded, every job together
         self._forwarded: dict[bytes, int] = {}  # job digest -> payload bytes forwarded
         self.refused_bytes = 0  # bytes read from connections then dropped (module doc)
+        self.stale_dials = 0  # dials for a retired epoch (module doc): refused, not counted
         self.peak_flow_bytes = 0  # the most one direction of one circuit held at once
         self._server: asyncio.base_events.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -109,11 +122,16 @@ class Relay:
 
     def retire(self, job: str, before_epoch: int | None = None) -> None:
         """Forget `job`'s keys (of epochs before `before_epoch` only, when given): new
-        circuits of those epochs are refused; open ones end with their members."""
+        circuits of those epochs are refused (as stale dials, when `before_epoch` is given:
+        the module doc); open ones end with their members."""
         digest = dp.job_digest(job)
         for k in [k for k in self._keys if k[0] == digest
                   and (before_epoch is None or k[1] < before_epoch)]:
             del self._keys[k]
+        if before_epoch is not None:
+            self._retired[digest] = max(before_epoch, self._retired.pop(digest, 0))
+            while len(self._retired) > MAX_RETIRED:
+                del self._retired[next(iter(self._retired))]
 
     def epochs(self) -> list[tuple[bytes, int]]:
         """(job digest, epoch) of every admitted epoch, oldest first."""
@@ -133,6 +151,9 @@ class Relay:
                                    f"the epoch's {world} ranks")
             return key
         if self.secret is None:
+            if hello.epoch < self._retired.get(hello.job, 0):
+                raise StaleEpoch(f"epoch {hello.epoch} of its job is retired here (an epoch "
+                                 f"that ended, or one from before a coordinator restart)")
             raise dp.AuthError(f"no job's epoch {hello.epoch} is relayed here (not admitted, "
                                f"or retired)")
         return dp.derive_key(self.secret, hello.job, hello.epoch)
@@ -217,6 +238,10 @@ class Relay:
             try:
                 circuit = await asyncio.wait_for(self._handshake(reader, writer, read),
                                                  self.handshake_timeout_s)
+            except StaleEpoch as exc:
+                self.stale_dials += 1
+                log.info("relay: refused %s: %s", peer, exc)
+                return
             except (dp.AuthError, ConnectionError, asyncio.IncompleteReadError,
                     TimeoutError) as exc:
                 self.rejected += 1

@@ -14,7 +14,10 @@ from coordinator.scheduler.steptime import StepShape
 from dtfm.core.layout import Layout
 from dtfm.net import dataplane as dp
 from dtfm.net import reach
+from dtfm.net.front import Front
+from dtfm.procs import wait_for
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
+from tests.dtfm.test_relay_counters import hello_only
 
 
 def _rec(i: int, verdict: int, kind: str = "cpu") -> AgentRecord:
@@ -192,6 +195,28 @@ def test_status_adds_relay_agents_counts_and_keeps_them_across_an_agent_restart(
     assert planes.status_fields("j") == {"relayed_bytes": 290, "relay_refused_bytes": 5}
     planes.observe("a", report(30, 0))  # restarted: counts from zero, the 250 stay counted
     assert planes.status_fields("j") == {"relayed_bytes": 320, "relay_refused_bytes": 5}
+
+
+def test_an_adopted_epoch_is_retired_on_whichever_relay_the_planes_get() -> None:
+    """After a restart the adopted epoch's key is gone: the relay, made before or after the
+    adoption, takes its members' dials for stale ones; the next epoch is admitted as ever."""
+    shared, own = DataPlanes(), DataPlanes()
+    shared.adopted("j", 4)  # before the daemon makes its relay
+    relay = shared.share_relay(0, Front())
+    own.share_relay_of(shared)
+    own.adopted("k", 2)
+    assert shared.plan("j", 5, [_rec(0, reach.NOWHERE), _rec(1, reach.EVERYWHERE)]).plane
+    addr = relay.start_in_thread()  # listening itself here, for the test's dials
+    try:
+        for job, epoch in (("j", 4), ("k", 1), ("k", 2)):
+            hello_only(addr, job, epoch)
+        hello_only(addr, "k", 3)  # never admitted: a stranger's dial
+        wait_for(lambda: relay.stale_dials == 3 and relay.rejected == 1, 10,
+                 "the relay's verdicts on four dials")
+        assert relay.refused_bytes == dp.HELLO_BYTES
+        assert relay.epochs() == [(dp.job_digest("j"), 5)]
+    finally:
+        relay.stop()
 
 
 def _dialled(rec: AgentRecord, *results: tuple[str, bool]) -> AgentRecord:

@@ -100,6 +100,42 @@ def test_relay_refuses_a_frame_naming_another_epoch_and_forwards_none_of_it() ->
     assert relay.forwarded("job-a") == 0 and relay.forwarded_bytes == 0
 
 
+def hello_only(addr: str, job: str, epoch: int) -> None:
+    """Dial the relay as rank 0 of `job`'s `epoch` for rank 1, and wait to be closed."""
+    with socket.create_connection(dp.parse_addr(addr), timeout=5) as s:
+        s.sendall(dp.new_hello(dp.ROLE_DIAL, job, epoch, 0, 1).pack())
+        while s.recv(4096):
+            pass
+
+
+def test_a_dial_for_a_retired_or_adopted_epoch_is_stale_not_an_intrusion() -> None:
+    """Members of an ending epoch still move pairs to the relay (a coordinator restart
+    leaves the adopted epoch with no key here): refused after their hello, counted apart.
+    A job the relay never heard of stays an intrusion."""
+    relay = Relay(pair_timeout_s=5)
+    relay.admit("job-a", 1, EPOCH_SECRET, world_size=2)
+    relay.retire("job-a", before_epoch=1)  # retires nothing: epoch 1 is served below
+    relay.admit("job-z", 3, EPOCH_SECRET, world_size=2)
+    relay.retire("job-z", before_epoch=3)
+    relay.retire("job-b", before_epoch=5)  # what an adoption of job-b's epoch 4 tells it
+    addr = relay.start_in_thread()
+    try:
+        for job, epoch in (("job-z", 2), ("job-z", 1), ("job-b", 4)):
+            hello_only(addr, job, epoch)
+        deadline = time.monotonic() + 10
+        while relay.stale_dials < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (relay.stale_dials, relay.rejected, relay.refused_bytes) == (3, 0, 0)
+        hello_only(addr, "job-b", 5)  # not retired, never admitted
+        hello_only(addr, "job-c", 1)
+        _wait_rejected(relay, 2)
+        assert relay.refused_bytes == 2 * dp.HELLO_BYTES and relay.stale_dials == 3
+        _send(addr, "job-a", 10)  # the admitted epoch is served as before
+        assert relay.forwarded("job-a") == 40
+    finally:
+        relay.stop()
+
+
 def test_status_and_metrics_show_the_relays_counters() -> None:
     registry, job, links = _cluster()
     relay = Relay(pair_timeout_s=5)

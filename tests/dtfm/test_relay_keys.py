@@ -14,6 +14,7 @@ from agent.worker.transport import TransportConfig
 from agent.worker.transport.mesh import Mesh
 from dtfm.net import dataplane as dp
 from dtfm.net.relay import Relay
+from dtfm.procs import wait_for
 from tests.agent.worker.test_transport import _intrude
 
 EPOCH_SECRET = b"fresh-bytes-of-epoch-1"
@@ -69,9 +70,9 @@ def test_relay_refuses_ranks_outside_the_epoch_and_retired_epochs() -> None:
         _wait_rejected(relay, 1)
         relay.retire("job-a", before_epoch=2)
         assert relay.epochs() == []
-        _intrude(addr, EPOCH_SECRET, "job-a", target=0)
-        _wait_rejected(relay, 2)
-        assert relay.forwarded_bytes == 0
+        _intrude(addr, EPOCH_SECRET, "job-a", target=0)  # refused after its hello, as a
+        wait_for(lambda: relay.stale_dials == 1, 10, "the dial of a retired epoch")  # stale one
+        assert relay.rejected == 1 and relay.forwarded_bytes == 0
     finally:
         relay.stop()
 

@@ -98,6 +98,8 @@ class Peer:
         self.exchanging: socket.socket | None = None  # a new connection's resume exchange
         self.lost_at: float | None = None  # since when the dialer has been connecting again
         self.down = False  # between connections after a loss (either end), until settled
+        # this epoch's first connection: until it is made the peer is joining (`joining`)
+        self.made_at, self.met = time.monotonic(), False
         self.tries = 0  # its new connections since
         # this pair's frames each way, sealed and checked with its key (framemac.py)
         self.tx, self.rx = mesh.direction(mesh.rank, rank), mesh.direction(rank, mesh.rank)
@@ -150,6 +152,7 @@ class Peer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sockio.keep_alive(sock)
                 self.sock, self.lost_at, self.tries, self.down = sock, None, 0, False
+                self.met = True
                 self.connected.set()
                 self.mesh.cond.notify_all()
                 self.reader = self.mesh.spawn(self._read_loop, f"dtfm-recv-{self.rank}")
@@ -234,8 +237,19 @@ class Peer:
 
     def reconnecting(self) -> bool:
         """Whether the connection is being made again after a loss (a resume or a move to
-        the relay, each bounded): waits on this peer sit it out (`work.TransportWork`)."""
-        return self.down and self.error is None and not self.mesh.closed
+        the relay, each bounded), or made for the first time (`joining`): waits on this peer
+        sit it out (`work.TransportWork`)."""
+        return (self.down and self.error is None and not self.mesh.closed) or self.joining()
+
+    def joining(self) -> bool:
+        """Whether this epoch's first connection with the peer is still to be made, within
+        the mesh's timeout (the worker's ceiling on any wait). The peer's worker may still be
+        starting on a loaded host (importing torch, fetching a checkpoint: a CI run took over
+        60 s), which is joining, not freezing: gloo's rendezvous waits it out up to the same
+        ceiling, and the dtfm transport has no rendezvous but this. A peer that never comes
+        is failed by its dialer's redials, or here once the ceiling has passed."""
+        return (not self.met and self.error is None and not self.mesh.closed
+                and time.monotonic() - self.made_at < self.mesh.cfg.timeout.total_seconds())
 
     def _again(self, exc: BaseException) -> None:
         self.down = True

@@ -4,11 +4,12 @@
 raises RuntimeError when the operation failed (the message says which peer and why) or when
 the timeout passed; a zero timeout means the group's own timeout. A timeout that passes while
 the connection the operation needs is being made again (`stalled`: a resume, or a move to the
-relay, each bounded in `resume.py`) waits for that to settle, then gives the operation its
-timeout once more: the peer was not slow, its path was being mended. `stalled_s` says how long
-that took, so a caller's deadline over several works moves by as much (`errors.wait_all`). A
-receive staged through a host buffer (`staging.py`) copies it into place in `finish`, before
-anyone hears "done".
+relay, each bounded in `resume.py`), or made for the first time while the peer's worker starts
+(`peer.Peer.joining`, bounded by the ceiling), waits for that to settle, then gives the
+operation its timeout once more: the peer was not slow, its path was being mended or made.
+`stalled_s` says how long that took, so a caller's deadline over several works moves by as
+much (`errors.wait_all`). A receive staged through a host buffer (`staging.py`) copies it
+into place in `finish`, before anyone hears "done".
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class TransportWork(Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = (timeout if timeout.total_seconds() > 0 else self._timeout).total_seconds()
         if not self._done.wait(limit) and not self._sit_out_reconnection(limit):
-            mended = (f" (and {self.stalled_s:.3g} s while its connection was made again)"
+            mended = (f" (and {self.stalled_s:.3g} s while its connection was being made)"
                       if self.stalled_s else "")
             raise RuntimeError(f"dtfm transport: {self._what} timed out after {limit:.3g} s"
                                f"{mended}")
