@@ -24,6 +24,7 @@ from dtfm.core.spec import WorkerState
 from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.test_job_states import FakeAgent, Harness, config, run, until
+from tests.dtfm.test_relay_counters import hello_only
 
 S = coordinator_pb2
 
@@ -199,6 +200,17 @@ def test_a_restarted_coordinator_keeps_relaying_the_pair(tmp_path: Path) -> None
         second = Harness(config(max_restarts=10), JobStore(tmp_path))
         assert second.job.dataplane.relay_only == {pair}
         assert second.job.failed_pairs.pairs[pair].failures == 2
+        # the adopted epoch's key died with the first process: its members' dials to the new
+        # relay are stale, not intrusions (test_wan_nat8 in CI counted them as refused)
+        assert second.job.epoch == 3
+        relay = await second.job.dataplane.start_relay("127.0.0.1", 0)
+        try:
+            await asyncio.to_thread(hello_only, f"127.0.0.1:{relay}", second.job.job_id, 3)
+            assert second.job.dataplane.relay is not None
+            assert second.job.dataplane.relay.stale_dials == 1
+            assert second.job.dataplane.relay.refused_bytes == 0
+        finally:
+            await second.job.dataplane.close()
     asyncio.run(main())
 
 
