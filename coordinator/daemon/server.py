@@ -519,20 +519,18 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -
 
     # the one public port: gRPC and the relay; with a relay port of its own (or none) gRPC
     # listens by itself, as before the front (no extra hop)
-    # the front hands dtfm dials to the relay from its first accept: a member dialling the
-    # relay the moment a restarted coordinator listens is served, not refused as a stranger
+    # the relay is wired to the front before it listens: a member dialling the relay the
+    # moment a restarted coordinator listens is served, not refused as a stranger
     front = Front() if config.relay_shared else None
-    if front is not None:
-        front.on_data = service.job.dataplane.share_relay(0, front).accept
+    shared_relay = service.job.dataplane.share_relay(front) if front is not None else None
     server, port, health = await rpc.start_server(
         config.listen, config.security, register, "coordinator", front=front
     )
     log.info("coordinator listening on %s (port %d, %s)", config.listen, port,
              "TLS" if config.security.tls else "plaintext")
     service.operator.announce()
-    if config.relay_shared:
-        assert service.job.dataplane.relay is not None
-        service.job.dataplane.relay.port = port  # the port assignments name
+    if shared_relay is not None:
+        shared_relay.port = port  # the port assignments name
         log.info("data-plane relay on the gRPC port %d (one port for both)", port)
     elif (relay_at := config.relay_address()) is not None:
         try:

@@ -324,12 +324,14 @@ class DataPlanes:
         self.relay_agents.observe(agent_id, report.relay_forwarded_bytes,
                                   report.relay_refused_bytes)
 
-    def share_relay(self, port: int, front: Front) -> Relay:
-        """A relay fed by the coordinator's front on its gRPC `port` (dtfm/net/front.py): it
-        listens nowhere itself; the caller routes the front's data-plane connections to
-        `Relay.accept`. What the front refuses counts as the relay's refused bytes."""
-        self.relay = Relay(None, port=port)
+    def share_relay(self, front: Front) -> Relay:
+        """A relay fed by the coordinator's `front` on its gRPC port (dtfm/net/front.py),
+        which hands it data-plane connections from its first accept. It listens nowhere
+        itself: the caller sets its `port` to the front's once the front listens, before any
+        epoch is planned. What the front refuses counts as the relay's refused bytes."""
+        self.relay = Relay(None)
         self._front = front
+        front.on_data = self.relay.accept
         self._retire_adopted()
         return self.relay
 

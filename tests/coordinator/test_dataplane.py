@@ -202,7 +202,9 @@ def test_an_adopted_epoch_is_retired_on_whichever_relay_the_planes_get() -> None
     adoption, takes its members' dials for stale ones; the next epoch is admitted as ever."""
     shared, own = DataPlanes(), DataPlanes()
     shared.adopted("j", 4)  # before the daemon makes its relay
-    relay = shared.share_relay(0, Front())
+    front = Front()
+    relay = shared.share_relay(front)
+    assert front.on_data == relay.accept  # wired before the front listens, not after
     own.share_relay_of(shared)
     own.adopted("k", 2)
     assert shared.plan("j", 5, [_rec(0, reach.NOWHERE), _rec(1, reach.EVERYWHERE)]).plane
