@@ -221,10 +221,15 @@ def run(cfg: JobConfig, body: Callable[[Harness], Awaitable[None]], agents: int 
         try:
             await body(h)
         finally:
-            if not task.done():
-                task.cancel()
-            elif task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            try:
+                if not task.done():
+                    task.cancel()
+                elif task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            finally:
+                # a body may have started the job's relay: its listening socket would outlive
+                # the loop and show in a later test of this process's ports (test_front.py)
+                await h.job.dataplane.close()
     asyncio.run(main())
 
 
