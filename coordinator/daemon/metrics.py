@@ -163,7 +163,12 @@ class CoordinatorCollector(Collector):
                                       "connections it dropped (no key, not a member, a frame "
                                       "naming another job or rank): none is forwarded")
         refused.add_metric([], float(jobs[0][1].relay_refused_bytes))
-        yield from (restarts, relayed, refused)
+        stale = CounterMetricFamily("dtfm_relay_stale_dials", "Dials the relay refused after "
+                                    "their hello for an epoch it retired (members of an ending "
+                                    "epoch, or of the epoch a restarted coordinator adopted): "
+                                    "not intrusions, so not in dtfm_relay_refused_bytes")
+        stale.add_metric([], float(jobs[0][0].dataplane.stale_dials))
+        yield from (restarts, relayed, refused, stale)
         yield from self._replans(jobs)
         yield from self._integrity(jobs)
 

@@ -352,6 +352,12 @@ class DataPlanes:
         return {"relayed_bytes": forwarded + (relay.forwarded(job_id) if relay else 0),
                 "relay_refused_bytes": refused}
 
+    @property
+    def stale_dials(self) -> int:
+        """Dials the coordinator's relay refused for a retired or adopted epoch: members of an
+        ending epoch, not intruders, so counted apart from `relay_refused_bytes`."""
+        return self.relay.stale_dials if self.relay is not None else 0
+
     async def close(self) -> None:
         if self.relay is not None:
             await self.relay.aclose()

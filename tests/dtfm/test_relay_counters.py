@@ -142,10 +142,15 @@ def test_status_and_metrics_show_the_relays_counters() -> None:
     relay.admit(job.job_id, 1, EPOCH_SECRET, world_size=2)
     addr = relay.start_in_thread()
     job.dataplane.relay = relay  # what `coordinator start` serves (DataPlanes.start_relay)
+    relay.retire("job-old", before_epoch=2)
     try:
         _send(addr, job.job_id, 250)
         _intrude(addr, JOIN_TOKEN, job.job_id, target=0)
         _wait_rejected(relay, 1)
+        hello_only(addr, "job-old", 1)  # a member of an ending epoch: stale, not refused
+        deadline = time.monotonic() + 10
+        while relay.stale_dials < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         relay.stop()
     status = status_to_json(coordinator_pb2.ClusterStatus(job=job.status()))
@@ -155,6 +160,7 @@ def test_status_and_metrics_show_the_relays_counters() -> None:
     labels = (("job_id", job.job_id), ("model", "gpt-tiny"))
     assert samples[("dtfm_relay_forwarded_bytes_total", labels)] == 1000
     assert samples[("dtfm_relay_refused_bytes_total", ())] == refused
+    assert samples[("dtfm_relay_stale_dials_total", ())] == 1
 
 
 def test_a_job_without_a_relay_reports_zero() -> None:
