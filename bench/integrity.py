@@ -134,9 +134,9 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
     import torch
 
     from agent.worker.badpeer import attack
-    from agent.worker.directionwindow import WINDOW_COSINE_MIN, DirectionWindow
     from agent.worker.gradscore import ShardScorer, judge
     from agent.worker.pairscore import PairJudge
+    from agent.worker.scorewindow import WINDOW, WINDOW_COSINE_MIN, ScoreWindow
 
     t = Trainer(model, stages)
     sampler, plan, grads = t.sampler, t.plan, t.grads
@@ -144,7 +144,7 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
     scorers = {(m, s, o): ShardScorer(replicas)
                for m in modes for s in range(stages) for o in range(replicas)}
     pairs = {key: PairJudge() for key in scorers}
-    directions = {key: DirectionWindow() for key in scorers}  # as the worker judges (R >= 3)
+    directions = {key: ScoreWindow() for key in scorers}  # as the worker judges (R >= 3)
     seen: dict[str, dict[str, list[float]]] = {}
     caught = {m: 0 for m in modes}
     judged = {m: 0 for m in modes}
@@ -165,8 +165,9 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
                 if m != mode:
                     continue
                 found = sc.scores()
-                findings = judge(directions[(m, stage, owner)].smooth(found),
-                                 WINDOW_COSINE_MIN) + pairs[(m, stage, owner)].judge(found)
+                smoothed = directions[(m, stage, owner)].smooth(found)
+                findings = judge(smoothed, WINDOW_COSINE_MIN) \
+                    + pairs[(m, stage, owner)].judge(found)
                 judged[mode] += 1
                 caught[mode] += any(f.replica in (0, -1) for f in findings) \
                     if mode != "honest" else bool(findings)
@@ -177,8 +178,12 @@ def scores(model: str, replicas: int, per: int, steps: int, stages: int = 1
                 for s in found:
                     who = "attacked" if mode != "honest" and s.replica == 0 else "honest"
                     row = seen.setdefault(f"{mode}/{who}", {})
-                    for k in ("norm_ratio", "cosine", "shape"):
+                    for k in ("norm_ratio", "cosine", "shape", "quiet"):
                         row.setdefault(k, []).append(getattr(s, k))
+                for s in smoothed if replicas >= 3 and step >= WINDOW - 1 else []:
+                    who = "attacked" if mode != "honest" and s.replica == 0 else "honest"
+                    seen.setdefault(f"{mode}/{who}", {}).setdefault(
+                        "quiet_window", []).append(s.quiet)
                 if len(found) == 2:
                     a, b = found
                     row = seen.setdefault(f"{mode}/pair", {})
@@ -284,11 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scores: {s['model']} in {s['stages']} stages, R = {s['replicas']}, "
               f"{s['per_replica']} sequences per replica, {s['steps']} steps (min / p5 / p95 "
               f"/ max)")
-        print(f"{'copies':<22}{'norm_ratio':>30}{'cosine':>30}{'shape':>30}")
+        cols = ("norm_ratio", "cosine", "shape", "quiet", "quiet_window")
+        print(f"{'copies':<22}" + "".join(f"{k:>30}" for k in cols))
         for key, row in sorted(s["quantiles"].items()):
             print(f"{key:<22}" + "".join(
-                f"{' / '.join(f'{v:.3g}' for v in row[k]):>30}"
-                for k in ("norm_ratio", "cosine", "shape")))
+                f"{' / '.join(f'{v:.3g}' for v in row[k]) if k in row else '-':>30}"
+                for k in cols))
         print("flagged per owner-step: " + ", ".join(
             f"{m} {r:.0%}" for m, r in s["flagged_rate"].items()))
         for line in s["honest_findings"]:

@@ -22,7 +22,17 @@ R >= 3). Per step, each copy gets
 - `stale`: its squared norm and sum bit-identical to what the same replica sent at one of
   the last `STALE_STEPS` steps (honest gradients of fresh data never repeat; a replayed copy
   does, exactly);
-  `zero`: all zeros (no honest gradient of a touched shard is).
+  `zero`: all zeros (no honest gradient of a touched shard is);
+- `quiet` (R >= 3): per bucket, the share of its energy in the bucket's quiet coordinates
+  (the `QUIET_SHARE` of coordinates whose median magnitude over the copies is smallest) over
+  the median copy's share; the median of that over the buckets. Honest gradients, and the
+  sampling noise between honest copies, are loud and quiet in the same coordinates (a
+  parameter's gradient scale is the model's, not the batch's); added noise is as loud
+  everywhere, so half or more of its energy lands where honest copies are quiet. It catches
+  noise of one sigma in dense buckets, where `shape` moves by 1.1-1.3x only (bench/integrity.py
+  --scores, gpt-tiny 4 x 4 at 8 sequences per replica: noise flagged at 8 % of owner-steps by
+  shape). One step is noisy (honest up to 4.8x); the worker judges its window median
+  (`scorewindow.py`, `QUIET_HIGH`).
 
 `judge` turns scores into `Finding`s with the thresholds below, measured on honest training
 (bench/integrity.py --scores; the numbers are in docs/architecture.md). With R = 2 nobody can
@@ -51,6 +61,11 @@ NORM_HIGH = 3.0  # norm ratio: honest 0.48..1.75; x10 gives >= 3.8
 NORM_LOW = 0.05  # honest >= 0.245 beside a x10 copy (gpt-mini); all zeros: `grad_zero`
 COSINE_MIN = 0.0  # best cosine with another copy: honest >= 0.137; x-4 gives <= -0.087
 SHAPE_HIGH = 2.5  # L1/L2 shape ratio, worst bucket: honest <= 2.16; 1 sigma noise 1.4..4.3
+QUIET_SHARE = 0.25  # the quietest quarter of a bucket's coordinates (0.5, 0.75, 0.9 separated
+# less: docs/architecture.md, "Noise in dense buckets")
+QUIET_SAMPLE = 4096  # coordinates the quiet cut is read off
+QUIET_HIGH = 2.0  # quiet-energy ratio, a 5-step window's median: honest <= 2.22, 1 sigma
+# noise >= 1.12 (p5 1.49..3.21) over gpt-tiny / gpt-mini, R = 3..5, 2..8 sequences a replica
 STALE_STEPS = 8  # a copy equal to one of the same replica's last 8 is stale
 
 
@@ -64,6 +79,7 @@ class CopyScore:
     stale: bool = False
     zero: bool = False
     shape: float = 1.0  # its L1 / (sqrt(n) L2) over the median copy's (noise raises it)
+    quiet: float = 1.0  # its energy share in quiet coordinates over the median copy's
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,24 @@ def centered_clip(copies: list[torch.Tensor], iters: int = 3) -> torch.Tensor:
     return v.to(copies[0].dtype)
 
 
+def quiet_shares(copies: list[torch.Tensor]) -> list[float]:
+    """Each copy's share of its squared norm in the `QUIET_SHARE` of coordinates where the
+    copies are quietest (R >= 3). A coordinate's loudness is the copies' magnitudes' mean
+    without the largest and the smallest (the median at R = 3 and 4, at an elementwise
+    cost: one bad copy cannot move it); the cut is read off an evenly strided sample of at
+    most `QUIET_SAMPLE` coordinates (a sort of every coordinate cost 10x the rest)."""
+    x = torch.stack([c.abs() for c in copies])
+    loudness = (x.sum(0) - x.amax(0) - x.amin(0)) / (len(copies) - 2)
+    sample = loudness[::max(1, loudness.numel() // QUIET_SAMPLE)]
+    cut = sample.kthvalue(max(1, int(sample.numel() * QUIET_SHARE))).values
+    quiet = loudness <= cut
+    out = []
+    for c in copies:
+        total = float(c.pow(2).sum())
+        out.append(float(torch.where(quiet, c, 0).pow(2).sum()) / total if total else 0.0)
+    return out
+
+
 @dataclass
 class ShardScorer:
     """Accumulates one step's buckets at their owner; `scores` closes the step."""
@@ -117,6 +151,7 @@ class ShardScorer:
     dots: list[list[float]] = field(default_factory=list)  # pairwise dot products
     norm_ratios: list[list[float]] = field(default_factory=list)  # per bucket, per copy
     shape_ratios: list[list[float]] = field(default_factory=list)
+    quiet_ratios: list[list[float]] = field(default_factory=list)
     # (bucket, replica) -> fingerprints of its copies at the last STALE_STEPS steps
     _last: dict[tuple[int, int], deque[tuple[float, float]]] = field(default_factory=dict)
     _stale: set[int] = field(default_factory=set)
@@ -129,6 +164,7 @@ class ShardScorer:
         r = self.size
         self.sq, self.dots = [0.0] * r, [[0.0] * r for _ in range(r)]
         self.norm_ratios, self.shape_ratios = [[] for _ in range(r)], [[] for _ in range(r)]
+        self.quiet_ratios = [[] for _ in range(r)]
         self._stale, self._seen = set(), False
 
     def add(self, bucket: int, copies: list[torch.Tensor]) -> None:
@@ -149,6 +185,8 @@ class ShardScorer:
         shapes = [a / (math.sqrt(m) * nk) if nk else 0.0
                   for a, m, nk in zip(l1, support, norms, strict=True)]
         mnorm, mshape = median(norms), median(shapes)
+        quiet = quiet_shares(flat) if r >= 3 and min(norms) > 0 else []
+        mquiet = median(quiet) if quiet else 0.0
         for k in range(self.size):
             self.sq[k] += gram[k][k]
             for j in range(self.size):
@@ -158,6 +196,8 @@ class ShardScorer:
             if min(norms) > 0:  # one copy all zeros (embedding rows of tokens its batch
                 # did not hold): no shape to compare, the other's is not "flat" for that
                 self.shape_ratios[k].append(shapes[k] / mshape)
+            if mquiet > 0:
+                self.quiet_ratios[k].append(quiet[k] / mquiet)
             fingerprint = (gram[k][k], totals[k])
             held = self._last.setdefault((bucket, k), deque(maxlen=STALE_STEPS))
             if gram[k][k] and fingerprint in held:
@@ -177,14 +217,16 @@ class ShardScorer:
                 k, median(self.norm_ratios[k]) if self.norm_ratios[k] else 1.0,
                 max(cosines) if cosines else 0.0, stale=k in self._stale,
                 zero=self.sq[k] == 0.0,
-                shape=max(self.shape_ratios[k]) if self.shape_ratios[k] else 1.0))
+                shape=max(self.shape_ratios[k]) if self.shape_ratios[k] else 1.0,
+                quiet=median(self.quiet_ratios[k]) if self.quiet_ratios[k] else 1.0))
         self._reset()
         return out
 
 
 def judge(scores: list[CopyScore], cosine_min: float = COSINE_MIN) -> list[Finding]:
     """The findings of one step's scores, with the module's thresholds (`cosine_min`: the
-    worker's is a window median's, `directionwindow.WINDOW_COSINE_MIN`)."""
+    worker's is a window median's, `scorewindow.WINDOW_COSINE_MIN`; `quiet` is judged only as
+    a window's median: `scorewindow.ScoreWindow` leaves it at 1.0 until its window is full)."""
     out: list[Finding] = []
     for s in scores:  # self-evident at any R: no honest replica sends these
         if s.zero:
@@ -209,5 +251,11 @@ def judge(scores: list[CopyScore], cosine_min: float = COSINE_MIN) -> list[Findi
                                f"its L1/L2 shape is {s.shape:.3g}x the median copy's in one "
                                f"bucket (honest: <= {SHAPE_HIGH}; added noise flattens a "
                                f"gradient's heavy tails)"))
+        elif s.quiet > QUIET_HIGH:
+            out.append(Finding(s.replica, "grad_noise", s.quiet,
+                               f"its share of energy where the copies are quiet is {s.quiet:.3g}x "
+                               f"the median copy's, over its last steps (honest: <= "
+                               f"{QUIET_HIGH}; added noise is as loud where honest gradients "
+                               f"are quiet)"))
     return out
 

@@ -43,10 +43,10 @@ from agent.worker import (
     avgcheck,
     badpeer,
     digest,
-    directionwindow,
     gradscore,
     linkstats,
     pairscore,
+    scorewindow,
 )
 from agent.worker.data_parallel import GradAverager
 from agent.worker.fault import Fault
@@ -73,7 +73,7 @@ class ReplicaChecks:
         size = len(dp_ranks)
         self.scorer = gradscore.ShardScorer(size) if scores(level) and size > 1 else None
         self.pair = pairscore.PairJudge()  # R = 2: the copies judged over a window of steps
-        self.direction = directionwindow.DirectionWindow()  # R >= 3: cosines, likewise
+        self.copy_window = scorewindow.ScoreWindow()  # R >= 3: cosines and quiet energy, likewise
         self.averages = avgcheck.AverageChecker(size, dp_ranks.index(rank)) \
             if self.scorer is not None else None
         self.fault, self.epoch = fault, epoch
@@ -144,10 +144,10 @@ class ReplicaChecks:
                     f.write(json.dumps({"step": step, "owner": self.rank,
                                         "rank": self.dp_ranks[s.replica],
                                         "norm_ratio": s.norm_ratio, "cosine": s.cosine,
-                                        "shape": s.shape,
+                                        "shape": s.shape, "quiet": s.quiet,
                                         "sync_every": self.sync_every}) + "\n")
-        findings = gradscore.judge(self.direction.smooth(found),
-                                   directionwindow.WINDOW_COSINE_MIN) + self.pair.judge(found)
+        findings = gradscore.judge(self.copy_window.smooth(found),
+                                   scorewindow.WINDOW_COSINE_MIN) + self.pair.judge(found)
         if self.sync_every > 1:  # pseudo-gradients: only the self-evident checks
             findings = [f for f in findings if f.kind in ("grad_zero", "grad_stale")]
         for f in findings:
