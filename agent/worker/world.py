@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 DTFM = "dtfm"  # the backend of agent/worker/transport
 TAG_EXCHANGE = 3  # per-step scalars between the ranks of one pipeline
+TAG_DP_GATHER = 4  # `dp_gather`'s rows between the replicas of one stage
 ENV_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
@@ -127,17 +128,25 @@ class World:
         return t.item()
 
     def dp_gather(self, values: list[float]) -> list[list[float]]:
-        """Every replica's `values` (the same length on each), in dp-group order: one sum of
-        one-hot rows, exact in float64 (so integers below 2**53 arrive exact)."""
+        """Every replica's `values` (the same length on each), in dp-group order, float64
+        (integers below 2**53 arrive exact): each replica sends its own row to every other,
+        one hop. Not a sum of one-hot rows: in an all-reduce every rank forwards partial
+        sums of everyone's rows, so one bad replica could rewrite an honest one's weights
+        digest or audit figures as every other replica reads them, and have it named for
+        its own lie (`replicacheck.py`). Point to point, a replica can lie about its own
+        row only."""
         if self.dp_group is None:
             return [list(values)]
         ranks = dist.get_process_group_ranks(self.dp_group)
-        rows = torch.zeros(len(ranks), len(values), dtype=torch.float64, device=self.device)
-        rows[ranks.index(self.rank)] = torch.tensor(values, dtype=torch.float64)
-        work = dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
-        assert work is not None
-        self._wait([work], "gather over its data-parallel group", ranks)
-        return rows.tolist()
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        bufs = {r: torch.empty(len(values), dtype=torch.float64, device=self.device)
+                for r in ranks if r != self.rank}
+        works = [dist.irecv(buf, src=r, group=self.dp_group, tag=TAG_DP_GATHER)
+                 for r, buf in bufs.items()]
+        works += [dist.isend(mine, dst=r, group=self.dp_group, tag=TAG_DP_GATHER)
+                  for r in bufs]
+        self._wait(works, "gather over its data-parallel group", ranks)
+        return [list(values) if r == self.rank else bufs[r].tolist() for r in ranks]
 
     def world_min(self, value: int) -> int:
         """The minimum over every rank: over the pipeline, then over the replicas."""
