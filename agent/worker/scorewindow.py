@@ -27,8 +27,9 @@ from collections import deque
 from dataclasses import replace
 
 from agent.worker.gradscore import CopyScore, median
+from dtfm.core.verify import COPY_WINDOW
 
-WINDOW = 5  # steps a copy's direction and quiet energy are judged over (R = 2's pair check: 9)
+WINDOW = COPY_WINDOW  # steps a copy's direction and quiet energy are judged over (R = 2: 9)
 WINDOW_COSINE_MIN = -0.1  # the window median's threshold: honest >= -0.124 in 17928 windows
 
 

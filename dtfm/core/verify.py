@@ -30,6 +30,10 @@ DIGEST_EVERY = 10  # synchronous steps between two weight digests (cost: bench/i
 # fine-tuned import at 4 sequences per replica had one copy 6-19x the other's norm at 4 steps
 # in a row (docs/architecture.md, "R = 2"), which a window of 5 took for an attack
 PAIR_WINDOW = 9
+# R >= 3: steps whose best cosines and quiet-energy ratios a copy is judged on the median of
+# (agent/worker/scorewindow.py); a `grad_noise` record of step s may be the window's verdict,
+# which an attack from s - COPY_WINDOW + 1 on can have crossed
+COPY_WINDOW = 5
 # pipeline links (coordinator/integrity/linkwitness.py): each worker reports, for the windows
 # of steps that end at multiples of LINK_WINDOW, the median over the window of what it sent
 # and received; an attack from step s fills a window's majority by s + LINK_WINDOW + 2
@@ -80,11 +84,13 @@ def onset(kind: str, step: int, sync_every: int = 1) -> int:
     honest replicas' later steps averaged the drifted replica's gradients. An R = 2 pair
     verdict is a median over the last `PAIR_WINDOW` steps: it can cross at the window's
     middle bad step, never before the window's first; so is a pipeline link's window
-    (`LINK_WINDOW`)."""
+    (`LINK_WINDOW`), and an R >= 3 copy's direction and quiet energy (`COPY_WINDOW`)."""
     if kind in ("weights", "weights_disagree"):
         back = sync_every if sync_every > 1 else DIGEST_EVERY
     elif kind == "grad_disagree":
         back = PAIR_WINDOW
+    elif kind in ("grad_noise", "grad_cosine"):
+        back = COPY_WINDOW
     elif kind in LINK_KINDS:
         back = LINK_WINDOW
     else:

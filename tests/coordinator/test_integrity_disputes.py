@@ -20,7 +20,7 @@ from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
 from dtfm.core.spec import TrainConfig, WorkerState
-from dtfm.core.verify import DIGEST_EVERY, PAIR_WINDOW, onset
+from dtfm.core.verify import COPY_WINDOW, DIGEST_EVERY, PAIR_WINDOW, onset
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_integrity_exclusion import excluding
 from tests.coordinator.test_job_churn import report_all
@@ -174,6 +174,7 @@ def test_separate_moves_one_of_a_pair_to_another_stage() -> None:
 def test_onsets_cover_what_a_verdict_looks_back_over() -> None:
     assert onset("grad_norm", 12) == 12
     assert onset("grad_disagree", 12) == 12 - PAIR_WINDOW + 1
+    assert onset("grad_noise", 12) == 12 - COPY_WINDOW + 1  # a window's median may say it
     assert onset("weights", 20) == 20 - DIGEST_EVERY + 1
     assert onset("weights_disagree", 16, sync_every=4) == 13
     assert onset("weights", 3) == 1
