@@ -32,7 +32,9 @@ replayed copy among R inputs moves the mean by 1/R, it does not zero or replay i
 name the owner. The three statistics can be moved by a bad contributor's copy as much as by
 a bad owner (a x10 copy makes every honest owner's mean about 10/R times larger), so they
 are evidence about the average, not proof against its owner; a receiver skips them in a step
-where its own shard's scoring found a bad copy (`judge(..., inputs_suspect=True)`). The
+where its own shard's scoring found a bad copy (`judge(..., inputs_suspect=True)`). What
+tells a bad owner from a bad input exactly is the replicas' audit of the mean's identity
+(`avgaudit.py`), judged at the weights digest. The
 thresholds are measured on honest training (bench/avgcheck.py; docs/architecture.md, "The
 averaged shard").
 """

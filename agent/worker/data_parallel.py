@@ -78,8 +78,9 @@ TAG_SCATTER = 100  # sharded mode: bucket i's shards travel with tag 100 + 2i, a
 # inspect(bucket index, every replica's copy of my shard) -> the average to use, or None
 Inspect = Callable[[int, list[torch.Tensor]], "torch.Tensor | None"]
 Tamper = Callable[[Hashable, torch.Tensor], torch.Tensor]  # (bucket, destination), tensor
-# check(owner's index, its averaged shard, my own copy of it or None where I am the owner)
-Check = Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
+# check(bucket index, owner's index, its averaged shard, my own copy of it: my gradient, which
+# for my own shard is no longer among the copies `inspect` saw, its buffer holds the average)
+Check = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(eq=False)  # buckets are compared by identity (list.index)
@@ -350,14 +351,14 @@ class GradAverager:
             self._gather_shards()
             # my own gradient not finite: it stays, so the step's norm check says so
             self._own_finite = self.screen.own_finite()
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             self._wait(b.works)
             if b.gathered:
                 self._decode_gathered(b)
             if sharded:
                 self._screen_averages(b)
             if self.check is not None and sharded:
-                self._check(b, self.check)
+                self._check(i, b, self.check)
             if self.mode == "allreduce":
                 b.flat.div_(self.size)
             if self._own_finite:
@@ -412,18 +413,17 @@ class GradAverager:
             mine = self.tamper_average((i, "average"), mine)
         return mine
 
-    def _check(self, b: _Bucket, check: Check) -> None:
+    def _check(self, i: int, b: _Bucket, check: Check) -> None:
         """Hand `check` each owner's averaged shard of `b` with my copy of it, still in the
-        parameters' gradients (the padding and the extra scalars are left out)."""
+        parameters' gradients (the padding and the extra scalars are left out); mine too."""
         if not b.numel:
             return
-        me = self.ranks.index(dist.get_rank())
         mine = torch.cat([p.grad.reshape(-1) for p in b.params])  # type: ignore[union-attr]
         start = 0
         for k, chunk in enumerate(b.flat.split(b.sizes)):
             end = min(start + chunk.numel(), b.numel)
             if end > start:
-                check(k, chunk[: end - start], None if k == me else mine[start:end])
+                check(i, k, chunk[: end - start], mine[start:end])
             start += chunk.numel()
 
     def _gather_compressed(self, b: _Bucket, i: int, me: int) -> None:

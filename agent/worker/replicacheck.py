@@ -16,6 +16,9 @@ checks grow without growing it:
   replica's own copy and the other owners' averages (`avgcheck.py`, through
   `GradAverager.check`): an owner that alters the mean it sends back is named by its
   receivers;
+- the averages' audit (`avgaudit.py`, `--verify full`, exact exchanges): every exchange's
+  figures of the mean's identity, per owner and copy, travel with the next weights digest
+  and every replica judges every owner and contributor alike;
 - the rehearsal seam's bad-peer modes (`fault.py`): its attack on outgoing contributions is
   armed as the averager's `tamper` during the step, and `drift` moves a weight after it;
 - the pipeline links (every level but `off`, where the rank has a pipeline neighbour): what
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 
 from agent.worker import (
+    avgaudit,
     avgcheck,
     badpeer,
     digest,
@@ -76,6 +80,10 @@ class ReplicaChecks:
         self.copy_window = scorewindow.ScoreWindow()  # R >= 3: cosines and quiet energy, likewise
         self.averages = avgcheck.AverageChecker(size, dp_ranks.index(rank)) \
             if self.scorer is not None else None
+        # the exact audit needs a mean, sent as computed: not robust aggregation, no codec
+        self.audit = avgaudit.AverageAudit(size, dp_ranks.index(rank)) \
+            if self.scorer is not None and level == Verify.FULL and averager.codec is None \
+            else None
         self.fault, self.epoch = fault, epoch
         self.attack = fault.contributions(rank, epoch) if fault else None
         self.avg_attack = fault.contributions(rank, epoch, averages=True) if fault else None
@@ -101,7 +109,7 @@ class ReplicaChecks:
         if self.scorer is not None:
             self.averager.inspect = self._inspect
         if self.averages is not None:
-            self.averager.check = self.averages.add
+            self.averager.check = self._check_average
         if self.attack is not None:
             self.attack.step = step
             self.averager.tamper = self.attack
@@ -123,6 +131,8 @@ class ReplicaChecks:
         if self.scorer is not None:
             inputs_suspect = self._judge(step)
             self._judge_averages(step, inputs_suspect)
+        if self.audit is not None:
+            self.audit.close_step(step)
         if self.level != Verify.OFF and len(self.dp_ranks) > 1 and self._digest_due(step, last):
             self.check_weights(step)
 
@@ -130,6 +140,8 @@ class ReplicaChecks:
     def _inspect(self, bucket: int, copies: list[torch.Tensor]) -> torch.Tensor | None:
         assert self.scorer is not None
         self.scorer.add(bucket, copies)
+        if self.audit is not None:
+            self.audit.hold(bucket, copies)
         return gradscore.centered_clip(copies) if self.level == Verify.ROBUST else None
 
     def _judge(self, step: int) -> bool:
@@ -159,6 +171,14 @@ class ReplicaChecks:
         return bool(findings)
 
     # ---- the owners' averages at their receivers ----
+    def _check_average(self, bucket: int, owner: int, average: torch.Tensor,
+                       mine: torch.Tensor) -> None:
+        assert self.averages is not None
+        me = self.dp_ranks.index(self.rank)
+        self.averages.add(owner, average, None if owner == me else mine)
+        if self.audit is not None:
+            self.audit.add(bucket, owner, average, mine)
+
     def _judge_averages(self, step: int, inputs_suspect: bool) -> None:
         assert self.averages is not None
         found = avgcheck.judge(self.averages.scores(), inputs_suspect=inputs_suspect,
@@ -178,7 +198,15 @@ class ReplicaChecks:
     def check_weights(self, step: int) -> None:
         """Exchange this stage's weights digest with its replicas and report the odd one out."""
         mine = digest.weights_digest(self.model.parameters())
-        digests = [int(row[0]) for row in self.world.dp_gather([float(mine)])]
+        audit = self.audit.row() if self.audit is not None else []
+        rows = self.world.dp_gather([float(mine), *audit])
+        digests = [int(row[0]) for row in rows]
+        if self.audit is not None:
+            for at, f in self.audit.judge([row[1:] for row in rows]):
+                who = self.dp_ranks[f.replica]
+                self._evidence(at, f.kind, who, f.score,
+                               f"rank {who}, as the stage's replicas' own figures of step {at} "
+                               f"show it (rank {self.rank} judging): {f.detail}")
         odd, decided = digest.odd_ones(digests)
         listed = ", ".join(f"rank {r}: {d:012x}" for r, d in zip(self.dp_ranks, digests,
                                                                   strict=True))

@@ -55,8 +55,13 @@ WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onse
 # A NaN or infinite copy or average (agent/worker/nonfinite.py) confirms: an honest owner
 # averages a non-finite copy as zeros, and a replica whose own gradient is not finite names
 # nobody (it fails as `config` itself, which outranks its owners' reports).
+# The replicas' exact audit of an owner's average (agent/worker/avgaudit.py) confirms: its
+# own account not adding up to the average it sent, two contributors' figures against its
+# account (or two owners' accounts against a contributor's), two receivers of another
+# average. No honest agent produces them, and every replica judges the same figures.
 CONFIRMING = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_stale", "weights",
-                        "avg_zero", "avg_stale", "grad_nonfinite", "avg_nonfinite"})
+                        "avg_zero", "avg_stale", "grad_nonfinite", "avg_nonfinite",
+                        "avg_mismatch", "avg_inputs", "avg_claims", "avg_equivocal"})
 # Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
 PERSISTENT = frozenset({"grad_norm", "grad_noise"})
 PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind

@@ -47,3 +47,27 @@ def test_a_peer_sending_scaled_gradients_is_excluded_and_the_job_rolls_back(
     # member has delivered (coordinator/integrity/rollback.py)
     assert first["resumed_step"] == newest_before(exclusion["step"], 4), (first, exclusion)
     assert bad not in {a for row in status["plan"]["grid"] for a in row}
+
+
+def test_an_owner_sending_back_noised_averages_is_excluded_and_the_job_rolls_back(
+        daemons: Daemons) -> None:
+    """The bad agent averages its shard honestly and adds noise of one sigma to what it sends
+    back (an average: no receiver's statistic can tell it from an honest owner with a bad
+    input, agent/worker/avgcheck.py). The replicas' audit of the figures that travel with the
+    weights digest (agent/worker/avgaudit.py) finds that its average is not the mean of the
+    copies it received; every replica says so, at the digest after the attack's first step."""
+    bad, status, rows = run_with_bad_peer(
+        daemons, 2, "avg_noise", ATTACK_AT, STEPS,
+        "--stages", "1", "--replicas", "3", "--batch", "6")
+    done = status["job"]
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    assert rows[bad]["state"] == "excluded", rows[bad]
+    exclusion = rows[bad]["exclusion"]
+    assert exclusion["step"] == ATTACK_AT, exclusion  # exact: the first altered average
+    assert "avg_mismatch" in exclusion["reason"], exclusion
+    assert [a for a, r in rows.items() if r["state"] == "excluded"] == [bad], rows
+    honest = [a for a in rows if a != bad]
+    assert all(not rows[a].get("evidence") for a in honest), {a: rows[a] for a in honest}
+    first = done["recoveries"][0]
+    assert first["layout_before"] == "1x3" and first["layout_after"] == "1x2", first
+    assert first["resumed_step"] == newest_before(ATTACK_AT, 4), (first, exclusion)

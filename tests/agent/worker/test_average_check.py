@@ -27,8 +27,14 @@ def test_receivers_name_the_owner_that_alters_its_average(tmp_path: Path) -> Non
                     "--workdir", str(work), timeout=110,
                     env=bad_peer_env(plan, DTFM_FAULT="2:9:avg_zero"))
     assert run.rc == 0, run.stderr
-    found = evidence(work)
-    assert found and {e["suspect_rank"] for e in found} == {2}, found  # nobody honest
+    everything = evidence(work)
+    assert everything and {e["suspect_rank"] for e in everything} == {2}, everything
+    # the replicas' audit (avgaudit.py): every replica judges the same figures, rank 2 too;
+    # the altered averages of steps 4-8 are not the mean of what it says it received
+    audit = [e for e in everything if e["kind"] == "avg_mismatch"]
+    assert {e["step"] for e in audit} == {4, 5, 6, 7, 8}, audit
+    assert {e["rank"] for e in audit} == {0, 1, 2}, audit
+    found = [e for e in everything if e["kind"] != "avg_mismatch"]
     assert {e["rank"] for e in found} == {0, 1}, found  # its two receivers
     by_step: dict[int, set[str]] = {}
     for e in found:

@@ -52,6 +52,11 @@ def test_three_replicas_name_the_bad_rank_for_every_attack_and_nobody_honest(
     # may name the owners; a lone reporter confirms nothing (corroborate.py).
     found = [e for e in evidence(work) if e["rank"] != 2 or e["kind"] == "weights"]
     assert found and {e["suspect_rank"] for e in found} == {2}, found  # nobody honest
+    # the replicas' audit of the averages (avgaudit.py): rank 2 reports figures of the copy
+    # it computed, not of the one its hook sent, at every attacked step but the drift's
+    claims = {e["step"] for e in found if e["kind"] == "avg_claims"}
+    assert claims == set(attacks) - {10}, claims
+    found = [e for e in found if e["kind"] != "avg_claims"]
     by_step: dict[int, set[str]] = {}
     for e in found:
         by_step.setdefault(e["step"], set()).add(e["kind"])

@@ -1,0 +1,121 @@
+"""The replicas' exact audit of the owners' averaged shards (agent/worker/avgaudit.py, issue
+43 item 2): an owner that alters its average, lies about its inputs or sends different
+averages is named by every replica's judgement of the same figures; a contributor that
+reports other figures than it sent is named; an honest exchange, a bad contributor's copy
+included, names nobody; one dispute names nobody."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from agent.worker.avgaudit import AverageAudit, judge_exchange, width
+from agent.worker.badpeer import attack
+
+BUCKETS, N = 3, 999  # a shard of 999 / R values per bucket (padded to equal shards)
+
+# (owner, receiver, average) -> what that receiver gets
+Send = Callable[[int, int, torch.Tensor], torch.Tensor]
+
+
+def exchange(r: int, seed: int, *,
+             copies_sent: Callable[[int, int, torch.Tensor], torch.Tensor]
+             = lambda k, i, c: c, average: Callable[[int, torch.Tensor], torch.Tensor]
+             = lambda k, a: a, send: Send = lambda k, j, a: a,
+             account: Callable[[int, int, torch.Tensor], torch.Tensor] = lambda k, i, c: c,
+             reports: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+             = lambda k, j, sent, grad: sent) -> list[list[float]]:
+    """One sharded exchange as `GradAverager` runs it, each replica's audit fed by its seams;
+    the replicas' rows. `copies_sent(k, i, c)`: what replica i sends owner k instead of
+    its copy c;
+    `average(k, a)`: what owner k sends instead of its mean a; `send(k, j, a)`: what
+    receiver j gets of it; `account(k, i, c)`: the copy owner k's audit is told it got;
+    `reports(k, j, sent, grad)`: the copy of k's shard contributor j's audit is told it
+    sent (its gradient, which for its own shard is the copy its audit sees)."""
+    g = torch.Generator().manual_seed(seed)
+    audits = [AverageAudit(r, j) for j in range(r)]
+    n = -(-N // r)
+    for b in range(BUCKETS):
+        grads = [torch.randn(N, generator=g) for _ in range(r)]
+        padded = [torch.cat([x, torch.zeros(n * r - N)]) for x in grads]
+        for k in range(r):
+            truth = [p[k * n:(k + 1) * n] for p in padded]
+            copies = [copies_sent(k, i, c) for i, c in enumerate(truth)]
+            audits[k].hold(b, [account(k, i, c) for i, c in enumerate(copies)])
+            mean = copies[0].clone()
+            for c in copies[1:]:
+                mean.add_(c)
+            mean.div_(r)
+            sent = average(k, mean)
+            end = min(n, N - k * n)
+            for j in range(r):
+                got = send(k, j, sent)[:end]
+                audits[j].add(b, k, got, reports(k, j, copies[j], truth[j])[:end])
+    for a in audits:
+        a.close_step(7)
+    return [a.row() for a in audits]
+
+
+def named(rows: list[list[float]]) -> list[set[tuple[int, str]]]:
+    """What each replica's judgement of the same rows names: (replica, kind)."""
+    r = len(rows)
+    return [{(f.replica, f.kind) for _, f in AverageAudit(r, j).judge(rows)} for j in range(r)]
+
+
+@pytest.mark.parametrize("r", [2, 3, 4])
+def test_an_honest_exchange_names_nobody_a_bad_copy_among_its_inputs_included(r: int) -> None:
+    assert all(len(row) == width(r) for row in exchange(r, 0))
+    assert named(exchange(r, 0)) == [set()] * r
+    # a x10 contributor moves the mean, not the identity: no owner is named
+    bad = exchange(r, 1, copies_sent=lambda k, i, c: c * 10 if i == 1 else c)
+    assert named(bad) == [set()] * r
+
+
+@pytest.mark.parametrize("mode", ["scale", "noise", "flip"])
+@pytest.mark.parametrize("r", [2, 3, 4])
+def test_an_owner_that_alters_its_average_is_named_by_every_replica(mode: str, r: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows = exchange(r, 2, average=lambda k, a: attack(mode, a, gen=gen) if k == 1 else a)
+    assert named(rows) == [{(1, "avg_mismatch")}] * r
+
+
+def test_an_owner_that_makes_its_account_add_up_by_lying_about_two_inputs_is_named() -> None:
+    """It sends x10 and tells its audit every copy was 10x: the sum adds up, and both
+    contributors' own figures contradict it."""
+    rows = exchange(3, 3, average=lambda k, a: a * 10 if k == 0 else a,
+                    account=lambda k, i, c: c * 10 if k == 0 else c,
+                    reports=lambda k, j, sent, grad: sent * 10 if k == j == 0 else sent)
+    assert named(rows) == [{(0, "avg_inputs")}] * 3
+
+
+def test_a_contributor_whose_figures_contradict_every_owner_is_named() -> None:
+    """It sends its copies x10 to the other owners and reports its true gradient's figures
+    (what the rehearsal's bad contributor does): every owner's account of it disagrees."""
+    rows = exchange(3, 4, copies_sent=lambda k, i, c: c * 10 if i == 2 != k else c,
+                    reports=lambda k, j, sent, grad: grad)
+    assert named(rows) == [{(2, "avg_claims")}] * 3
+
+
+def test_an_owner_that_sends_different_averages_is_named() -> None:
+    rows = exchange(4, 5, send=lambda k, j, a: a * 2 if k == 3 and j in (0, 1) else a)
+    assert named(rows) == [{(3, "avg_equivocal")}] * 4
+
+
+def test_one_dispute_names_nobody() -> None:
+    """Owner 0 and contributor 1 disagree about 1's copy: either may be lying."""
+    rows = exchange(3, 6, account=lambda k, i, c: c * 1.5 if k == 0 and i == 1 else c)
+    found = named(rows)
+    # owner 0's account no longer adds up to its average: that is its own inconsistency
+    assert found == [{(0, "avg_mismatch")}] * 3
+    figs = [row[1:] for row in exchange(3, 6)]
+    figs[1][0] *= 1.5  # contributor 1's dot with owner 0's average, alone, is off
+    assert judge_exchange(3, figs) == []
+
+
+def test_figures_of_different_steps_or_lengths_are_not_judged() -> None:
+    rows = exchange(3, 7)
+    rows[2] = [8.0, *rows[2][1:]]
+    assert named(rows) == [set()] * 3
+    assert AverageAudit(3, 0).judge([rows[0], rows[1][:-1], rows[2]]) == []
