@@ -27,11 +27,16 @@ its own row only), and every replica judges every owner the same way:
 - One dispute between one owner and one contributor names nobody (either may lie); it is
   logged, and the other checks still run.
 
-What it cannot see: an owner that alters its average *and* its account, putting the whole
-difference into the one copy nobody else holds, its own. Its account then adds up; what
-gives it away is its own copy's share <c_k, a_k> / |a_k|^2, which the others' figures imply
-(R - sum of theirs) and which would be far from theirs (docs/architecture.md, "The averaged
-shard's audit"). Not judged here yet.
+- `avg_share` (the owner; synchronous steps): an owner that alters its average *and* its
+  account, putting the whole difference into the one copy nobody else holds, its own, makes
+  its figures add up and agree with every contributor's. What gives it away is that copy's
+  share <c_k, a_k> / |a_k|^2, which the contributors' own figures imply (R minus the sum of
+  theirs, over |a_k|^2): an honest copy's is about 1 (the shares sum to R), a x10 average
+  puts it near R, one noised by one sigma near (R + 1) / 2. One step's honest share reached
+  3.65, so the median over the exchanges since the last digest is judged (at least
+  `SHARE_MIN_ENTRIES`), against `SHARE_HIGH` (docs/architecture.md, "The averaged shard's
+  audit": honest 10-step medians <= 1.48, attacked >= 1.81). A bad *input* lowers the
+  owner's share (its own copy weighs less in the mean), never raises it.
 
 Figures are float32 dots of the same bits on both sides, summed over a step's buckets in
 the same order; `TOLERANCE` (relative, against the Cauchy-Schwarz bound of each dot) leaves
@@ -53,6 +58,8 @@ from agent.worker.gradscore import Finding
 log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-4  # relative, against each dot's Cauchy-Schwarz bound
+SHARE_HIGH = 1.65  # an owner's implied own share, median over a digest's exchanges
+SHARE_MIN_ENTRIES = 5  # exchanges a share median needs (with --sync-every: one; not judged)
 MAX_PENDING = 16  # exchanges kept for the next digest (DIGEST_EVERY is 10)
 AGREEING = 2  # disputes naming one party, or receivers seeing another average
 
@@ -69,6 +76,7 @@ class AverageAudit:
 
     size: int
     me: int
+    shares: bool = True  # judge the owners' implied shares (synchronous steps only)
     _held: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # bucket -> copies
     _fig: list[float] = field(default_factory=list)
     _seen: bool = False
@@ -119,6 +127,8 @@ class AverageAudit:
         self._pending = []
         w = width(self.size)
         out: list[tuple[int, Finding]] = []
+        implied: dict[int, list[float]] = {}  # owner -> its implied own share, per exchange
+        steps: list[int] = []
         if not rows or any(len(row) != len(rows[0]) or len(row) % w for row in rows):
             return out  # rows arrive at the length this replica sent (dp_gather)
         for e in range(len(rows[0]) // w):
@@ -128,13 +138,38 @@ class AverageAudit:
                 log.warning("averaged-shard audit: the replicas' figures are of different "
                             "steps (%s); not judged", [x[0] for x in entries])
                 continue
-            out += [(step, f) for f in judge_exchange(self.size, [x[1:] for x in entries])]
+            found = judge_exchange(self.size, [x[1:] for x in entries], implied)
+            out += [(step, f) for f in found]
+            steps.append(step)
+        if self.shares and steps:
+            out += judge_shares(implied, min(steps))
         return out
 
 
-def judge_exchange(size: int, figs: list[list[float]]) -> list[Finding]:
+def judge_shares(implied: dict[int, list[float]], first: int) -> list[tuple[int, Finding]]:
+    """(step, finding) for each owner whose implied own share, median over the exchanges
+    (`first`: the earliest one's step, the bound a rollback must resume before), is past
+    `SHARE_HIGH`."""
+    out = []
+    for k, values in implied.items():
+        if len(values) < SHARE_MIN_ENTRIES:
+            continue
+        v = sorted(values)
+        mid = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+        if mid > SHARE_HIGH:
+            out.append((first, Finding(
+                k, "avg_share", mid,
+                f"its own copy's share of the averages it sent, as the contributors' figures "
+                f"imply it, was {mid:.3g} (median of {len(v)} exchanges; honest: about 1, "
+                f"<= {SHARE_HIGH}): it put into its own copy what it added to its averages")))
+    return out
+
+
+def judge_exchange(size: int, figs: list[list[float]],
+                   implied: dict[int, list[float]] | None = None) -> list[Finding]:
     """The findings of one exchange: `figs[j]` is replica j's figures (`width` less the
-    step)."""
+    step). `implied` gathers each owner's implied own share where nothing else was found
+    about it (`judge_shares`)."""
     out: list[Finding] = []
     claims: dict[int, list[int]] = {}  # contributor -> owners whose account disputes it
     for k in range(size):
@@ -171,6 +206,10 @@ def judge_exchange(size: int, figs: list[list[float]]) -> list[Finding]:
             out.append(Finding(k, "avg_inputs", float(len(disputes)),
                                f"its account of the copies of ranks at replicas {disputes} "
                                f"disagrees with their own"))
+        elif not disputes and implied is not None and q > 0:
+            theirs = sum(figs[j][3 * k] for j in other)
+            if math.isfinite(theirs):
+                implied.setdefault(k, []).append((size * q - theirs) / q)
     for j, owners in claims.items():
         if len(owners) >= AGREEING and not any(f.replica in owners for f in out):
             out.append(Finding(j, "avg_claims", float(len(owners)),

@@ -81,7 +81,7 @@ class ReplicaChecks:
         self.averages = avgcheck.AverageChecker(size, dp_ranks.index(rank)) \
             if self.scorer is not None else None
         # the exact audit needs a mean, sent as computed: not robust aggregation, no codec
-        self.audit = avgaudit.AverageAudit(size, dp_ranks.index(rank)) \
+        self.audit = avgaudit.AverageAudit(size, dp_ranks.index(rank), shares=sync_every <= 1) \
             if self.scorer is not None and level == Verify.FULL and averager.codec is None \
             else None
         self.fault, self.epoch = fault, epoch

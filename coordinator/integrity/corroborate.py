@@ -58,10 +58,13 @@ WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onse
 # The replicas' exact audit of an owner's average (agent/worker/avgaudit.py) confirms: its
 # own account not adding up to the average it sent, two contributors' figures against its
 # account (or two owners' accounts against a contributor's), two receivers of another
-# average. No honest agent produces them, and every replica judges the same figures.
+# average. No honest agent produces them, and every replica judges the same figures. So too
+# an owner's implied own share, a median over up to 10 exchanges: honest medians <= 1.48
+# against 1.65 (an owner that hides what it added to its averages in its own copy: >= 1.81).
 CONFIRMING = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_stale", "weights",
                         "avg_zero", "avg_stale", "grad_nonfinite", "avg_nonfinite",
-                        "avg_mismatch", "avg_inputs", "avg_claims", "avg_equivocal"})
+                        "avg_mismatch", "avg_inputs", "avg_claims", "avg_equivocal",
+                        "avg_share"})
 # Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
 PERSISTENT = frozenset({"grad_norm", "grad_noise"})
 PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind

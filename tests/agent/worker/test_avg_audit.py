@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from agent.worker.avgaudit import AverageAudit, judge_exchange, width
+from agent.worker.avgaudit import SHARE_MIN_ENTRIES, AverageAudit, judge_exchange, width
 from agent.worker.badpeer import attack
 
 BUCKETS, N = 3, 999  # a shard of 999 / R values per bucket (padded to equal shards)
@@ -26,17 +26,33 @@ def exchange(r: int, seed: int, *,
              = lambda k, a: a, send: Send = lambda k, j, a: a,
              account: Callable[[int, int, torch.Tensor], torch.Tensor] = lambda k, i, c: c,
              reports: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
-             = lambda k, j, sent, grad: sent) -> list[list[float]]:
+             = lambda k, j, sent, grad: sent, steps: int = 1, shares: bool = True
+             ) -> list[list[float]]:
     """One sharded exchange as `GradAverager` runs it, each replica's audit fed by its seams;
     the replicas' rows. `copies_sent(k, i, c)`: what replica i sends owner k instead of
     its copy c;
     `average(k, a)`: what owner k sends instead of its mean a; `send(k, j, a)`: what
     receiver j gets of it; `account(k, i, c)`: the copy owner k's audit is told it got;
     `reports(k, j, sent, grad)`: the copy of k's shard contributor j's audit is told it
-    sent (its gradient, which for its own shard is the copy its audit sees)."""
+    sent (its gradient, which for its own shard is the copy its audit sees). `steps`
+    exchanges of fresh gradients, one digest's worth."""
     g = torch.Generator().manual_seed(seed)
-    audits = [AverageAudit(r, j) for j in range(r)]
+    audits = [AverageAudit(r, j, shares=shares) for j in range(r)]
     n = -(-N // r)
+    for step in range(1, steps + 1):
+        one_exchange(r, n, g, audits, copies_sent, average, send, account, reports)
+        for a in audits:
+            a.close_step(step)
+    return [a.row() for a in audits]
+
+
+def one_exchange(r: int, n: int, g: torch.Generator, audits: list[AverageAudit],
+                 copies_sent: Callable[[int, int, torch.Tensor], torch.Tensor],
+                 average: Callable[[int, torch.Tensor], torch.Tensor], send: Send,
+                 account: Callable[[int, int, torch.Tensor], torch.Tensor],
+                 reports: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+                 ) -> None:
+    """Every owner's shard of `BUCKETS` buckets averaged and sent back, the audits fed."""
     for b in range(BUCKETS):
         grads = [torch.randn(N, generator=g) for _ in range(r)]
         padded = [torch.cat([x, torch.zeros(n * r - N)]) for x in grads]
@@ -53,9 +69,6 @@ def exchange(r: int, seed: int, *,
             for j in range(r):
                 got = send(k, j, sent)[:end]
                 audits[j].add(b, k, got, reports(k, j, copies[j], truth[j])[:end])
-    for a in audits:
-        a.close_step(7)
-    return [a.row() for a in audits]
 
 
 def named(rows: list[list[float]]) -> list[set[tuple[int, str]]]:
@@ -116,6 +129,53 @@ def test_one_dispute_names_nobody() -> None:
 
 def test_figures_of_different_steps_or_lengths_are_not_judged() -> None:
     rows = exchange(3, 7)
-    rows[2] = [8.0, *rows[2][1:]]
+    rows[2] = [2.0, *rows[2][1:]]
     assert named(rows) == [set()] * 3
     assert AverageAudit(3, 0).judge([rows[0], rows[1][:-1], rows[2]]) == []
+
+
+def hide_in_own_copy(k: int, scale: float) -> dict[str, Callable[..., torch.Tensor]]:
+    """Owner k sends `scale` x its mean and tells its audit that its own copy was whatever
+    makes the account add up: R x what it sent less the others' copies. Its figures then
+    agree with every contributor's, and the sum identity holds."""
+    held: dict[str, torch.Tensor] = {}
+
+    def average(owner: int, a: torch.Tensor) -> torch.Tensor:
+        return a * scale if owner == k else a
+
+    def account(owner: int, i: int, c: torch.Tensor) -> torch.Tensor:
+        if owner == k:
+            held["sum"] = c.clone() if i == 0 else held["sum"] + c
+            held.setdefault("others", torch.zeros_like(c))
+            if i != k:
+                held["others"] = held["others"] + c
+        return c
+
+    def reports(owner: int, j: int, sent: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if owner == j == k:  # its own copy of its own shard: the invented one
+            return scale * held.pop("sum")[: sent.numel()] - held.pop("others")[: sent.numel()]
+        return sent
+    return {"average": average, "account": account, "reports": reports}
+
+
+@pytest.mark.parametrize("r", [3, 4])
+def test_an_owner_that_hides_what_it_added_in_its_own_copy_is_named_by_its_share(r: int) -> None:
+    """Its account adds up and agrees with every contributor: only its own copy's share,
+    as the contributors' figures imply it, gives it away, over a digest's exchanges."""
+    rows = exchange(r, 8, steps=10, **hide_in_own_copy(1, 10.0))
+    assert named(rows) == [{(1, "avg_share")}] * r
+    steps = {at for at, _ in AverageAudit(r, 0).judge(rows)}
+    assert steps == {1}  # the first exchange of the window: the rollback's bound
+    assert named(exchange(r, 8, steps=SHARE_MIN_ENTRIES - 1, **hide_in_own_copy(1, 10.0))) \
+        == [set()] * r  # too few exchanges to judge a median
+    # with local steps (pseudo-gradients, one exchange a digest) it is not judged
+    assert all(not AverageAudit(r, j, shares=False).judge(rows) for j in range(r))
+
+
+def test_honest_owners_shares_stay_low_over_a_digest_a_bad_input_included() -> None:
+    assert named(exchange(3, 9, steps=10)) == [set()] * 3
+    bad = exchange(3, 9, steps=10, copies_sent=lambda k, i, c: c * 10 if i == 2 != k else c)
+    assert named(bad) == [set()] * 3  # a x10 input lowers the honest owners' shares
+    # ... and where its sender owns a shard, its own x10 copy weighs in its own mean
+    bad = exchange(3, 9, steps=10, copies_sent=lambda k, i, c: c * 10 if i == 2 else c)
+    assert named(bad) == [{(2, "avg_share")}] * 3
