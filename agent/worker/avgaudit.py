@@ -141,8 +141,8 @@ class AverageAudit:
             found = judge_exchange(self.size, [x[1:] for x in entries], implied)
             out += [(step, f) for f in found]
             steps.append(step)
-        if self.shares and steps:
-            out += judge_shares(implied, min(steps))
+        if self.shares and self.size >= 3 and steps:  # R = 2: one copy's share is the other's
+            out += judge_shares(implied, min(steps))   # complement, as noisy as their ratio
         return out
 
 

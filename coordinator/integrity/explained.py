@@ -13,7 +13,10 @@ than `RELEASE_STEPS` past its step, because the links go unjudged (a member that
 figures), is confirmed as it would have been.
 
 Only the kinds a wrong input can cause wait: a copy's norm or shape, a zeroed copy (gradients sent
-back as zeros zero the stage's own), a non-finite copy. Bounded: at most `MAX_HELD` wait.
+back as zeros zero the stage's own), a non-finite copy, and an owner's own share of its
+averages (agent/worker/avgaudit.py: an honest owner whose own gradient a neighbour's x10
+activations inflated holds a share near R, as an owner hiding an alteration in its own copy
+does). Bounded: at most `MAX_HELD` wait.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from coordinator.integrity.reports import EvidenceRecord
 
 log = logging.getLogger(__name__)
 
-HELD_KINDS = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_nonfinite"})
+HELD_KINDS = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_nonfinite", "avg_share"})
 RELEASE_STEPS = 30  # steps past a held fault after which it is confirmed unjudged
 MAX_HELD = 256
 

@@ -59,6 +59,21 @@ def test_a_fault_a_wrong_link_upstream_explains_is_dropped() -> None:
     assert not ledger.exclusions
 
 
+def test_an_owners_share_a_wrong_link_upstream_explains_is_dropped_too() -> None:
+    """A neighbour's x10 gradients inflate an honest owner's own copy, and so its share of its
+    averages (agent/worker/avgaudit.py), as they inflate its copies' norms."""
+    h, links, ledger = held()
+    share = EvidenceRecord("a2", "avg_share", 8, "its own copy's share was 2.9", "a4", 2, 2.9,
+                           1, ("a2",), 0)
+    assert h.defer(share, 8, ["a4", "a0"])
+    f = honest(2, 3)
+    f[3][2] = f[2][3] = 0.1  # rank 3 sends rank 2 gradients 10x
+    windows(links, 10, f)
+    h.release(ledger, 10)
+    (piece,) = ledger.evidence("a2")
+    assert not piece.confirmed and not ledger.exclusions
+
+
 def test_a_fault_no_link_explains_is_confirmed_once_its_steps_are_judged() -> None:
     h, links, ledger = held()
     h.defer(grad_norm("a2", 8), 7, ["a4", "a0"])

@@ -172,6 +172,12 @@ def test_an_owner_that_hides_what_it_added_in_its_own_copy_is_named_by_its_share
     assert all(not AverageAudit(r, j, shares=False).judge(rows) for j in range(r))
 
 
+def test_shares_are_not_judged_at_r2() -> None:
+    """Two copies' shares are each other's complement: their spread is the pair's norm
+    ratio's, up to 19x in an honest fine-tune (docs/architecture.md, "R = 2")."""
+    assert named(exchange(2, 8, steps=10, **hide_in_own_copy(1, 10.0))) == [set()] * 2
+
+
 def test_honest_owners_shares_stay_low_over_a_digest_a_bad_input_included() -> None:
     assert named(exchange(3, 9, steps=10)) == [set()] * 3
     bad = exchange(3, 9, steps=10, copies_sent=lambda k, i, c: c * 10 if i == 2 != k else c)
