@@ -10,7 +10,6 @@ where namespaces or TUN devices cannot be made.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +81,10 @@ def test_compute_factor_is_written_where_workers_read_it(tmp_path: Path,
 
 
 def _rtt(wan: WanEmulator, src: int, dst: int) -> float:
-    return float(statistics.median(probe.echo_rtts_ms(wan, src, dst, count=8)))
+    """The fastest of 8 echoes: the emulated delay is a floor that load only adds to (a
+    loaded full suite read a median of 25.5 ms for 20 ms), so the minimum is the figure to
+    hold to it, from both sides."""
+    return float(min(probe.echo_rtts_ms(wan, src, dst, count=8)))
 
 
 @needs_wan
