@@ -206,7 +206,9 @@ def judge_exchange(size: int, figs: list[list[float]],
             out.append(Finding(k, "avg_inputs", float(len(disputes)),
                                f"its account of the copies of ranks at replicas {disputes} "
                                f"disagrees with their own"))
-        elif not disputes and implied is not None and q > 0:
+        elif not disputes and not seen and implied is not None and q > 0:
+            # every contributor's figures agree with the owner's: a receiver that reports
+            # another |a_k|^2 is left out of the disputes, and its dot must not move the share
             theirs = sum(figs[j][3 * k] for j in other)
             if math.isfinite(theirs):
                 implied.setdefault(k, []).append((size * q - theirs) / q)

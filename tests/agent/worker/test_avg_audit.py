@@ -185,3 +185,15 @@ def test_honest_owners_shares_stay_low_over_a_digest_a_bad_input_included() -> N
     # ... and where its sender owns a shard, its own x10 copy weighs in its own mean
     bad = exchange(3, 9, steps=10, copies_sent=lambda k, i, c: c * 10 if i == 2 else c)
     assert named(bad) == [{(2, "avg_share")}] * 3
+
+
+def test_a_receiver_that_lies_about_the_average_it_got_cannot_move_an_owners_share() -> None:
+    """Replica 2 reports another |a_0|^2 for owner 0's average (so its dot is not disputed)
+    and a dot that would put owner 0's implied share past the threshold: nobody is named,
+    owner 0 least of all (one receiver against one owner names nobody)."""
+    rows = exchange(3, 10, steps=10)
+    w = width(3)
+    for e in range(10):
+        rows[2][e * w + 1 + 2] *= 1.5  # its q for owner 0
+        rows[2][e * w + 1 + 0] -= 5.0 * rows[0][e * w + 1 + 2]  # its d for owner 0
+    assert named(rows) == [set()] * 3
