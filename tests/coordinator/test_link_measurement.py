@@ -49,6 +49,12 @@ def _matrix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 @needs_wan
 @pytest.mark.timeout(400)
 def test_measured_matrix_matches_the_emulated_one(tmp_path: Path) -> None:
+    """Every directed link reads its emulated delay and rate. A loaded host only adds delay
+    and takes rate (a gRPC ping waits for a core, and so does the emulator's forwarding): a
+    full suite on 2 cores once read 131.8 ms for 119.0, and once 57 Mbit/s for 99. So where
+    a link misses, the matrix is measured once more and each link keeps the better of its
+    two readings, which load cannot make better than the truth: a measurement that reads
+    too fast or too short still fails."""
     n = 4
     delay, bandwidth = _matrix(n, seed=7)
     with measurement_wan(delay.tolist(), bandwidth.tolist()) as wan:
@@ -57,28 +63,42 @@ def test_measured_matrix_matches_the_emulated_one(tmp_path: Path) -> None:
         # `--ping-spread` across hosts (the jobs' own measurements cover the default): each
         # agent's pings to a peer spread over 2 s still read every delay
         started = time.monotonic()
-        measured = cluster.measure(ping_spread_s=2.0)
+        got_delay, got_bw = _read(cluster.measure(ping_spread_s=2.0), ids)
         assert time.monotonic() - started >= 2.0
+        if _misses(delay, bandwidth, got_delay, got_bw):
+            again_delay, again_bw = _read(cluster.measure(ping_spread_s=2.0), ids)
+            got_delay = np.minimum(got_delay, again_delay)
+            got_bw = np.maximum(got_bw, again_bw)
+    errors = _misses(delay, bandwidth, got_delay, got_bw)
+    assert not errors, "\n".join(errors)
+
+
+def _read(measured: dict, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A measured matrix's delays (ms) and rates (Mbit/s), in `ids` order."""
+    assert measured["unreachable"] == []
     order = [measured["agents"].index(i) for i in ids]
     got_delay = np.array(measured["delay_ms"], dtype=float)[np.ix_(order, order)]
     got_bw = np.array(measured["bandwidth_gbps"], dtype=float)[np.ix_(order, order)] * 1000
-    assert measured["unreachable"] == []
+    return got_delay, got_bw
+
+
+def _misses(delay: np.ndarray, bandwidth: np.ndarray, got_delay: np.ndarray,
+            got_bw: np.ndarray) -> list[str]:
     errors = []
+    n = len(delay)
     for i in range(n):
         for j in range(n):
             if i == j:
                 continue
             d, b = got_delay[i, j], got_bw[i, j]
-            # a loaded host only adds delay (a gRPC ping waits for a core; a full suite on 2
-            # cores once read 131.8 ms for 119.0): the minimum of the pings may read up to
-            # LOAD_MS more, never less
+            # the minimum of the pings may read up to LOAD_MS more than the delay, never less
             slack = max(2.0, 0.10 * delay[i, j])
             if not -slack <= d - delay[i, j] <= slack + LOAD_MS:
                 errors.append(f"delay {i}->{j}: measured {d:.1f} ms, emulated {delay[i, j]}")
             if not abs(b - bandwidth[i, j]) <= 0.20 * bandwidth[i, j]:
                 errors.append(f"bandwidth {i}->{j}: measured {b:.1f} Mbit/s, emulated "
                               f"{bandwidth[i, j]}")
-    assert not errors, "\n".join(errors)
+    return errors
 
 
 @needs_wan
