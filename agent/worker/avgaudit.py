@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agent.worker.gradscore import Finding
+from agent.worker.gradscore import Finding, median
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,12 @@ def judge_shares(implied: dict[int, list[float]], first: int) -> list[tuple[int,
     for k, values in implied.items():
         if len(values) < SHARE_MIN_ENTRIES:
             continue
-        v = sorted(values)
-        mid = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+        mid = median(values)
         if mid > SHARE_HIGH:
             out.append((first, Finding(
                 k, "avg_share", mid,
                 f"its own copy's share of the averages it sent, as the contributors' figures "
-                f"imply it, was {mid:.3g} (median of {len(v)} exchanges; honest: about 1, "
+                f"imply it, was {mid:.3g} (median of {len(values)} exchanges; honest: about 1, "
                 f"<= {SHARE_HIGH}): it put into its own copy what it added to its averages")))
     return out
 

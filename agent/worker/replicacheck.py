@@ -174,8 +174,7 @@ class ReplicaChecks:
     def _check_average(self, bucket: int, owner: int, average: torch.Tensor,
                        mine: torch.Tensor) -> None:
         assert self.averages is not None
-        me = self.dp_ranks.index(self.rank)
-        self.averages.add(owner, average, None if owner == me else mine)
+        self.averages.add(owner, average, None if owner == self.averages.me else mine)
         if self.audit is not None:
             self.audit.add(bucket, owner, average, mine)
 
