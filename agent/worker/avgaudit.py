@@ -25,7 +25,10 @@ its own row only), and every replica judges every owner the same way:
 - `avg_equivocal` (the owner): two or more replicas received an average whose |a_k|^2 is not
   the owner's own: it sent different averages to different replicas.
 - One dispute between one owner and one contributor names nobody (either may lie); it is
-  logged, and the other checks still run.
+  logged, and the other checks still run. Each receiver that got another average than its
+  owner accounts for, or disputes its owner alone, is kept (`AverageAudit.receivers`): its
+  weights then differ from the others', and the weights digest must not take it for the
+  odd one out on its own word (replicacheck.py: a lone receiver and its owner dispute).
 
 - `avg_share` (the owner; synchronous steps): an owner that alters its average *and* its
   account, putting the whole difference into the one copy nobody else holds, its own, makes
@@ -64,6 +67,20 @@ MAX_PENDING = 16  # exchanges kept for the next digest (DIGEST_EVERY is 10)
 AGREEING = 2  # disputes naming one party, or receivers seeing another average
 
 
+@dataclass(frozen=True)
+class OtherAverage:
+    """A receiver that got, at `step`, another average from `owner` than the owner accounts
+    for (its |a_k|^2 differs), or whose figures dispute the owner's alone. `named`: the
+    exchange's findings name the owner (two receivers saw another average, or its account
+    does not add up), so the receiver's weights differ through no fault of its own; else
+    either of the two may have made it up."""
+
+    step: int
+    owner: int
+    receiver: int
+    named: bool
+
+
 def width(size: int) -> int:
     """Floats per exchange in a replica's row: the step, then per owner (d, m, q), then per
     copy received (o, n)."""
@@ -81,6 +98,8 @@ class AverageAudit:
     _fig: list[float] = field(default_factory=list)
     _seen: bool = False
     _pending: list[list[float]] = field(default_factory=list)
+    # the last `judge`'s receivers of another average, earliest exchange first
+    receivers: list[OtherAverage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._fig = [0.0] * (5 * self.size)
@@ -123,8 +142,9 @@ class AverageAudit:
 
     def judge(self, rows: list[list[float]]) -> list[tuple[int, Finding]]:
         """(step, finding) for each check every replica's `rows` (dp-group order, `row()`
-        each) fail; the pending figures are spent."""
-        self._pending = []
+        each) fail; the pending figures are spent, and `receivers` lists the exchanges'
+        receivers of another average."""
+        self._pending, self.receivers = [], []
         w = width(self.size)
         out: list[tuple[int, Finding]] = []
         implied: dict[int, list[float]] = {}  # owner -> its implied own share, per exchange
@@ -138,11 +158,18 @@ class AverageAudit:
                 log.warning("averaged-shard audit: the replicas' figures are of different "
                             "steps (%s); not judged", [x[0] for x in entries])
                 continue
-            found = judge_exchange(self.size, [x[1:] for x in entries], implied)
+            other: list[tuple[int, int]] = []
+            found = judge_exchange(self.size, [x[1:] for x in entries], implied, other)
             out += [(step, f) for f in found]
+            named = {f.replica for f in found}
+            self.receivers += [OtherAverage(step, k, j, k in named) for k, j in other]
             steps.append(step)
         if self.shares and self.size >= 3 and steps:  # R = 2: one copy's share is the other's
             out += judge_shares(implied, min(steps))   # complement, as noisy as their ratio
+        # a receiver the figures name itself (a contributor that reports other figures than
+        # it sent) is no owner's victim: its digest speaks for itself
+        self.receivers = [o for o in self.receivers
+                          if all(f.replica != o.receiver for _, f in out)]
         return out
 
 
@@ -165,10 +192,12 @@ def judge_shares(implied: dict[int, list[float]], first: int) -> list[tuple[int,
 
 
 def judge_exchange(size: int, figs: list[list[float]],
-                   implied: dict[int, list[float]] | None = None) -> list[Finding]:
+                   implied: dict[int, list[float]] | None = None,
+                   other: list[tuple[int, int]] | None = None) -> list[Finding]:
     """The findings of one exchange: `figs[j]` is replica j's figures (`width` less the
     step). `implied` gathers each owner's implied own share where nothing else was found
-    about it (`judge_shares`)."""
+    about it (`judge_shares`); `other` the (owner, receiver) pairs where the receiver got
+    another average than the owner's, or disputes the owner's account alone."""
     out: list[Finding] = []
     claims: dict[int, list[int]] = {}  # contributor -> owners whose account disputes it
     for k in range(size):
@@ -182,18 +211,22 @@ def judge_exchange(size: int, figs: list[list[float]],
             continue
         if q == 0.0 and not any(o) and not any(n):
             continue  # it held nothing of this exchange
-        other = [j for j in range(size) if j != k]
-        seen = [j for j in other if not _close(figs[j][3 * k + 2], q, q)]
+        others = [j for j in range(size) if j != k]
+        seen = [j for j in others if not _close(figs[j][3 * k + 2], q, q)]
+        if other is not None:
+            other += [(k, j) for j in seen]
         if len(seen) >= AGREEING:
             out.append(Finding(k, "avg_equivocal", float(len(seen)),
                                f"{len(seen)} replicas received an average whose squared norm "
                                f"is not the {q:.6g} it reports sending"))
             continue
-        disputes = [j for j in other if j not in seen and not (
+        disputes = [j for j in others if j not in seen and not (
             _close(figs[j][3 * k], o[j], math.sqrt(max(n[j], figs[j][3 * k + 1], 0.0) * q))
             and _close(figs[j][3 * k + 1], n[j], max(n[j], figs[j][3 * k + 1])))]
         for j in disputes:
             claims.setdefault(j, []).append(k)
+        if other is not None and len(disputes) == 1:
+            other.append((k, disputes[0]))
         bound = sum(math.sqrt(max(v, 0.0) * q) for v in n)
         total = sum(o)
         if not _close(total, size * q, bound):
@@ -208,7 +241,7 @@ def judge_exchange(size: int, figs: list[list[float]],
         elif not disputes and not seen and implied is not None and q > 0:
             # every contributor's figures agree with the owner's: a receiver that reports
             # another |a_k|^2 is left out of the disputes, and its dot must not move the share
-            theirs = sum(figs[j][3 * k] for j in other)
+            theirs = sum(figs[j][3 * k] for j in others)
             if math.isfinite(theirs):
                 implied.setdefault(k, []).append((size * q - theirs) / q)
     for j, owners in claims.items():

@@ -49,6 +49,7 @@ from agent.worker import (
     digest,
     gradscore,
     linkstats,
+    normtable,
     pairscore,
     scorewindow,
 )
@@ -57,8 +58,9 @@ from agent.worker.fault import Fault
 from agent.worker.pipeline import Pipeline
 from agent.worker.world import World
 from dtfm.core.events import IntegrityEvent
+from dtfm.core.layout import Layout
 from dtfm.core.rounds import sync_due
-from dtfm.core.verify import DIGEST_EVERY, Verify, scores
+from dtfm.core.verify import AVG_DISAGREE, DIGEST_EVERY, NORM_DIFFERS, Verify, scores
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,11 @@ class ReplicaChecks:
         self.windows = linkstats.LinkWindows()
         self.figures: dict[str, float] = {}  # the step event's link_* fields, when due
         self.pipe_attack: badpeer.Activations | None = None
+        stages = len(world.pipeline)
+        self.layout = Layout(stages, size)
+        # synchronous steps: the pipeline's squared norms, which the replicas' agree on
+        self.norms = normtable.NormTable(stages) \
+            if level != Verify.OFF and size > 1 and sync_every <= 1 else None
 
     def attach(self, pipe: Pipeline) -> None:
         """Tally `pipe`'s messages for the coordinator (`figures`), and arm a rehearsed
@@ -188,6 +195,12 @@ class ReplicaChecks:
                            f"rank {owner}, the owner of a gradient shard, as its receiver "
                            f"rank {self.rank} saw it: {f.detail}")
 
+    def note_norms(self, step: int, squares: list[float]) -> None:
+        """The squared norms this rank's pipeline exchanged at `step` (stage order), for the
+        next digest (`normtable.py`)."""
+        if self.norms is not None:
+            self.norms.add(step, squares)
+
     # ---- the weights digest ----
     def _digest_due(self, step: int, last: int) -> bool:
         if self.sync_every > 1:
@@ -198,10 +211,12 @@ class ReplicaChecks:
         """Exchange this stage's weights digest with its replicas and report the odd one out."""
         mine = digest.weights_digest(self.model.parameters())
         audit = self.audit.row() if self.audit is not None else []
-        rows = self.world.dp_gather([float(mine), *audit])
+        norms = self.norms.take() if self.norms is not None else []
+        rows = self.world.dp_gather([float(mine), *audit, *norms])
         digests = [int(row[0]) for row in rows]
+        tables = [row[1 + len(audit):] for row in rows]  # every row is as long as mine
         if self.audit is not None:
-            for at, f in self.audit.judge([row[1:] for row in rows]):
+            for at, f in self.audit.judge([row[1:1 + len(audit)] for row in rows]):
                 who = self.dp_ranks[f.replica]
                 self._evidence(at, f.kind, who, f.score,
                                f"rank {who}, as the stage's replicas' own figures of step {at} "
@@ -210,7 +225,17 @@ class ReplicaChecks:
         listed = ", ".join(f"rank {r}: {d:012x}" for r, d in zip(self.dp_ranks, digests,
                                                                   strict=True))
         if odd and decided:
+            received = self.audit.receivers if self.audit is not None else []
+            me = self.world.pipeline.index(self.rank)
             for k in odd:
+                if other := next((o for o in received if o.receiver == k), None):
+                    self._other_average(other, listed)
+                    continue
+                upstream = [(at, s) for at, s in normtable.differing(
+                    tables, self.layout.stages, k) if s != me]
+                if upstream:
+                    self._other_norm(k, *upstream[0], listed)
+                    continue
                 self._evidence(step, "weights", self.dp_ranks[k], float(len(digests) - len(odd)),
                                f"rank {self.dp_ranks[k]}'s weights differ from the "
                                f"{len(digests) - len(odd)} replicas that agree ({listed})")
@@ -218,6 +243,45 @@ class ReplicaChecks:
             self._evidence(step, "weights_disagree", -1, float(len(set(digests))),
                            f"the replicas' weights differ with no majority ({listed}): a "
                            f"third party must settle which is wrong")
+
+    def _other_average(self, other: avgaudit.OtherAverage, listed: str) -> None:
+        """The odd one out of a digest is a receiver that got another average from its owner
+        than the owner accounts for: its weights differ for that average. Where the audit
+        names the owner, that is the whole story. Where it does not (one receiver against
+        one owner), either may have made it up: an owner that sent one receiver another
+        average, or a receiver that drifted its weights and reports another. Naming the
+        receiver by its digest would exclude an honest one for its owner's equivocation,
+        so the two of them report a dispute instead (`avg_disagree`, settled as an R = 2
+        pair's is: coordinator/integrity/dispute.py), and no replica names the receiver."""
+        receiver, owner = self.dp_ranks[other.receiver], self.dp_ranks[other.owner]
+        if other.named:
+            log.warning("rank %d: rank %d's weights differ (%s) after the average its owner, "
+                        "rank %d, sent it at step %d, which the audit names: not its fault",
+                        self.rank, receiver, listed, owner, other.step)
+            return
+        why = (f"rank {receiver}'s weights differ from its replicas' ({listed}), and the "
+               f"average rank {owner} sent it at step {other.step} is not the one rank {owner} "
+               f"accounts for: rank {owner} sent it another average, or rank {receiver} "
+               f"drifted and reports another; either may be wrong")
+        if self.rank in (receiver, owner):
+            self._evidence(other.step, AVG_DISAGREE,
+                           owner if self.rank == receiver else receiver, 1.0, why)
+        else:
+            log.warning("rank %d: %s (the two report it as a dispute)", self.rank, why)
+
+    def _other_norm(self, replica: int, step: int, stage: int, listed: str) -> None:
+        """The odd one out of a digest is a replica whose pipeline exchanged, at `step`,
+        another squared norm for `stage` than the other replicas' pipelines: its weights
+        differ for the coefficient it was clipped with, not for itself. Named instead: the
+        rank that sent that norm (`normtable.py`; the coordinator weighs it against that
+        rank's own stage's records: an average it got disputed explains it)."""
+        odd = self.dp_ranks[replica]
+        sender = self.layout.rank(stage, replica)
+        self._evidence(step, NORM_DIFFERS, sender, 1.0,
+                       f"rank {sender} (stage {stage}) sent its pipeline a squared gradient norm "
+                       f"at step {step} that the other replicas' stage {stage} did not send "
+                       f"theirs; rank {odd}'s weights differ from its replicas' ({listed}) "
+                       f"for the clipping that norm gave, so rank {odd} is not named")
 
     def _evidence(self, step: int, kind: str, suspect: int, score: float, detail: str) -> None:
         log.warning("rank %d: integrity check %s at step %d names rank %s: %s", self.rank,

@@ -362,6 +362,8 @@ class Worker:
         norm, loss = globalnorm.checked(table, self.world.pipeline, self.rank, a.replica,
                                         step)
         sync_s = time.perf_counter() - t1
+        if outer is None:
+            self.checks.note_norms(step, [row[0] for row in table])
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
         synced, outer_s = None, 0.0

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
-from dtfm.core.verify import onset
+from dtfm.core.verify import NORM_DIFFERS, onset
 
 AGREEING = 2  # distinct reporters, none of them the suspect
 WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onset
@@ -61,10 +61,14 @@ WINDOW_STEPS = 10  # issue 43: every attack detected within 10 steps of its onse
 # average. No honest agent produces them, and every replica judges the same figures. So too
 # an owner's implied own share, a median over up to 10 exchanges: honest medians <= 1.48
 # against 1.65 (an owner that hides what it added to its averages in its own copy: >= 1.81).
+# A rank's squared norm that differs from its replicas' (norm_differs, named by the replicas of
+# another stage of its pipeline: agent/worker/normtable.py) confirms once its own stage's
+# records of the same digest explain nothing (coordinator/integrity/explained.py): with its
+# gradient the same as its replicas', no honest rank sends another norm.
 CONFIRMING = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_stale", "weights",
                         "avg_zero", "avg_stale", "grad_nonfinite", "avg_nonfinite",
                         "avg_mismatch", "avg_inputs", "avg_claims", "avg_equivocal",
-                        "avg_share"})
+                        "avg_share", NORM_DIFFERS})
 # Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
 PERSISTENT = frozenset({"grad_norm", "grad_noise"})
 PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind

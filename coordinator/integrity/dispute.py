@@ -47,6 +47,11 @@ that differ (`weights_disagree`) still roll back there: two replicas stepping wi
 averaged gradient from different weights never agree again, and one checkpoint puts them back
 in step (a one-off bit flip is then gone; a fault that lasts disputes again after the memory).
 
+The same rule settles, at any R, a receiver whose weights the digest found odd and the owner
+of the average it got another of (`avg_disagree`, agent/worker/replicacheck.py: the owner may
+have sent it another average, or the receiver drifted and reports another); their weights
+differ, so where nothing parts them they resume from one checkpoint, as `weights_disagree`.
+
 The same rule settles the two ends of a pipeline link whose figures disagree (`link_disagree`,
 coordinator/integrity/linkwitness.py: one of them misreports what crossed it, at any R). The
 pair is then a sender and its receiver, neighbours in one pipeline, so parting them means no
@@ -66,12 +71,15 @@ from coordinator.integrity.corroborate import WINDOW_STEPS
 from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
 from coordinator.links.failure import avoid
-from dtfm.core.verify import PAIR_WINDOW, onset
+from dtfm.core.verify import AVG_DISAGREE, PAIR_WINDOW, onset
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DISPUTING = frozenset({"grad_disagree", "weights_disagree", "act_disagree", "link_disagree"})
+DISPUTING = frozenset({"grad_disagree", "weights_disagree", "act_disagree", "link_disagree",
+                       AVG_DISAGREE})
+# disputes over replicas' weights that differ: they never agree again by training
+WEIGHTS_DIFFER = frozenset({"weights_disagree", AVG_DISAGREE})
 # disputes between the two ends of a pipeline link (linkwitness.py), not two replicas: their
 # pair is parted by making them no longer pipeline neighbours
 LINK_DISPUTES = frozenset({"link_disagree"})
@@ -183,7 +191,7 @@ class Disputes:
                 self.disputes = [d for d in self.disputes if culprit not in d.pair]
                 continue
             self.disputes = [*self.disputes, new][-MAX_DISPUTES:]
-            resync = not separable and rec.kind == "weights_disagree"
+            resync = not separable and rec.kind in WEIGHTS_DIFFER
             bench = self.bench_of(new)
             parting = (f"training {new.partner(bench)} beside a spare agent in place of "
                        f"{bench}" if by_spare else "placing them apart, each with a new partner")

@@ -28,6 +28,7 @@ from coordinator.integrity.explained import HeldConfirmations
 from coordinator.integrity.ledger import COORDINATOR, Exclusion, IntegrityLedger
 from coordinator.integrity.linkwitness import LinkWitness
 from coordinator.integrity.reports import EvidenceRecord
+from dtfm.core.verify import AVG_DISAGREE
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class JobIntegrity:
         self._ranks: dict[str, int] = {}
         # gradient faults that wait for the links' verdict (explained.py): the corroboration's
         # `defer` (coordinator/daemon/server.py passes it)
-        self.held = HeldConfirmations(self.links, lambda agent: self._ranks.get(agent))
+        self.held = HeldConfirmations(self.links, lambda agent: self._ranks.get(agent),
+                                      self._explain_own)
         self.defer = self.held.defer
+        self._vetted = 0  # the step through which every member's records have arrived
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Put back a restarted coordinator's ledger, keeping the callbacks."""
@@ -92,6 +95,20 @@ class JobIntegrity:
             self._roll_back(bound)
         self.registry.exclude(agent_id, f"excluded for a confirmed integrity fault: "
                                         f"{exclusion.reason}")
+
+    def _explain_own(self, rec: EvidenceRecord) -> str:
+        """Why a rank's norm that differs from its replicas' (`norm_differs`) is not its lie:
+        its own stage disputes an average it got (`avg_disagree`: its gradient, and so its
+        norm, differs for that), or a rollback pending from before the step takes the step
+        back (the owner of its average named outright, or any fault that moved its
+        gradient); "" where nothing does."""
+        for d in self.disputes.disputes:
+            if d.kind == AVG_DISAGREE and rec.agent_id in d.pair and d.live(rec.step):
+                return (f"its own stage disputes the average it got from {d.partner(rec.agent_id)}"
+                        f" at step {d.step}")
+        if (bound := self.pending_bound()) and bound <= rec.step:
+            return f"a rollback to before step {bound} takes the step back"
+        return ""
 
     def _roll_back(self, bad_step: int) -> None:
         """The job's newest usable checkpoint is the newest before `bad_step`."""
@@ -149,7 +166,7 @@ class JobIntegrity:
                 self.ledger.record(a, f.kind, f.onset if f.confirmed else f.step,
                                    f"{f.detail} (epoch {report.epoch})",
                                    confirmed=f.confirmed)
-        self.held.release(self.ledger, report.step)  # after the links' findings: explained
+        self.held.release(self.ledger, report.step, self._vetted)  # after the links' findings
         return self.settle(disputes) if disputes else False
 
     def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,
@@ -173,6 +190,7 @@ class JobIntegrity:
         self.epoch_from = self.checkpoints.step
         self.checked = any(a.replicas > 1 for a in assignments)
         self.held.epoch_ended()
+        self._vetted = 0
         self._members = list(members)
         self._ranks = {a: r for r, a in enumerate(self._members)}
         if assignments:
@@ -195,7 +213,8 @@ class JobIntegrity:
         if not self.checked:
             return floor
         epoch_from = self.checkpoints.step if self.epoch_from is None else self.epoch_from
-        kept = rollback.keep_floor(floor, rollback.vetted_step(members, epoch_from),
+        self._vetted = rollback.vetted_step(members, epoch_from)
+        kept = rollback.keep_floor(floor, self._vetted,
                                    self.checkpoint_every, self.sync_every,
                                    self.pending_bound())
         if kept and (first := self.held.earliest()):  # a fault waiting for the links' verdict

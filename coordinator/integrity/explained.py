@@ -12,6 +12,18 @@ it in its pipeline explains it, and confirmed otherwise (`release`). A fault wai
 than `RELEASE_STEPS` past its step, because the links go unjudged (a member that reports no
 figures), is confirmed as it would have been.
 
+A rank named for the squared norm it sent its pipeline (`norm_differs`,
+agent/worker/normtable.py) waits too, for another verdict: its own stage's judgement of the
+same digest. The norm it sent differs from its replicas' either because it lied about it or
+because its own averaged gradient differs, which an owner that sent it another average
+causes; its own stage then reports a dispute of the two (`avg_disagree`) at the same digest,
+from other agents whose records may arrive later. So it waits until every member's records
+have arrived through the step of the report that delivered it, at or past the digest that
+found it (`vetted`: rollback.vetted_step), and is
+dropped where its stage disputed the average it got within a digest of the step
+(`explain_own`), confirmed otherwise. Where the owner was named outright, its exclusion ends
+the epoch first, and what waits lapses with it.
+
 Only the kinds a wrong input can cause wait: a copy's norm or shape, a zeroed copy (gradients sent
 back as zeros zero the stage's own), a non-finite copy, and an owner's own share of its
 averages (agent/worker/avgaudit.py: an honest owner whose own gradient a neighbour's x10
@@ -29,31 +41,49 @@ from coordinator.integrity.corroborate import CONFIRMING
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.linkwitness import LinkWitness
 from coordinator.integrity.reports import EvidenceRecord
+from dtfm.core.verify import NORM_DIFFERS
 
 log = logging.getLogger(__name__)
 
 HELD_KINDS = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_nonfinite", "avg_share"})
+# kinds that wait for the sender's own stage's records of the same digest instead
+OWN_STAGE_KINDS = frozenset({NORM_DIFFERS})
 RELEASE_STEPS = 30  # steps past a held fault after which it is confirmed unjudged
+UNEXPLAINED = {False: "no wrong pipeline input explains it",
+               True: "its own stage disputes no average it got"}
 MAX_HELD = 256
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Held:
     rec: EvidenceRecord
     first: int
     agreeing: tuple[str, ...]
+    until: int = 0  # own stage: the step its records must have arrived through (0: not yet)
+
+    @property
+    def own_stage(self) -> bool:
+        return self.rec.kind in OWN_STAGE_KINDS
 
 
 class HeldConfirmations:
     """The gradient faults of one job waiting for its pipeline links' verdict."""
 
-    def __init__(self, links: LinkWitness, rank_of: Callable[[str], int | None]) -> None:
-        self.links, self.rank_of = links, rank_of
+    def __init__(self, links: LinkWitness, rank_of: Callable[[str], int | None],
+                 explain_own: Callable[[EvidenceRecord], str] = lambda rec: "") -> None:
+        self.links, self.rank_of, self.explain_own = links, rank_of, explain_own
         self._held: list[_Held] = []
 
     def defer(self, rec: EvidenceRecord, first: int, agreeing: list[str]) -> bool:
         """Whether `rec`'s confirmation waits (a pipelined job, a kind a wrong input can
-        cause, a suspect of the running epoch)."""
+        cause, a suspect of the running epoch; or a kind its sender's own stage must judge
+        first, which never confirms unheld: with no room to wait, it stays evidence)."""
+        if rec.kind in OWN_STAGE_KINDS:
+            if self.rank_of(rec.agent_id) is not None and len(self._held) < MAX_HELD:
+                self._held.append(_Held(rec, first, tuple(agreeing)))
+                log.info("integrity: the fault against %s (%s at step %d) waits for its own "
+                         "stage's records of the same digest", rec.agent_id, rec.kind, rec.step)
+            return True
         if (self.links.stages < 2 or rec.kind not in HELD_KINDS
                 or self.rank_of(rec.agent_id) is None or len(self._held) >= MAX_HELD):
             return False
@@ -62,21 +92,29 @@ class HeldConfirmations:
                  "links' verdict of its steps", rec.agent_id, rec.kind, rec.step)
         return True
 
-    def release(self, ledger: IntegrityLedger, step: int) -> None:
-        """Confirm or drop what the links' verdict now covers (`step`: the job's progress)."""
+    def release(self, ledger: IntegrityLedger, step: int, vetted: int = 0) -> None:
+        """Confirm or drop what the links' verdict now covers (`step`: the job's progress;
+        `vetted`: the step through which every member's records have arrived)."""
         waiting = []
         for h in self._held:
             rank = self.rank_of(h.rec.agent_id)
-            why = self.links.explained(rank, h.rec.step) if rank is not None else ""
+            if h.own_stage:  # the report that delivered it is at or past its digest
+                h.until = h.until or max(step, h.rec.step)
+                why = self.explain_own(h.rec)
+                judged = vetted >= h.until or step >= h.until + RELEASE_STEPS
+            else:
+                why = self.links.explained(rank, h.rec.step) if rank is not None else ""
+                judged = self.links.judged_through >= h.rec.step or \
+                    step >= h.rec.step + RELEASE_STEPS
             if why:
                 ledger.record(h.rec.agent_id, h.rec.kind, h.rec.step,
                               f"{h.rec.detail} (not confirmed: {why})",
                               reporter=h.rec.reporter)
-            elif self.links.judged_through >= h.rec.step or step >= h.rec.step + RELEASE_STEPS:
+            elif judged:
                 ledger.record(h.rec.agent_id, h.rec.kind, h.first,
                               f"{h.rec.detail} (score {h.rec.score:.3g}, epoch "
-                              f"{h.rec.epoch}, confirmed by a second reporter; no wrong "
-                              f"pipeline input explains it)",
+                              f"{h.rec.epoch}, confirmed by a second reporter; "
+                              f"{UNEXPLAINED[h.own_stage]})",
                               reporter=h.rec.reporter, confirmed=True,
                               agreeing=h.agreeing, agreeing_kinds=CONFIRMING)
             else:

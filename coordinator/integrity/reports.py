@@ -11,7 +11,9 @@ excluding an agent and rolling back belong to the ledger that consumes these rec
 A record is evidence, not a verdict: the reporter may itself be the liar. With R = 2 a
 disagreement names nobody (`agent_id` ""), and `candidates` lists both replicas' agents:
 the job settles it by placing the two apart, each with a new partner
-(coordinator/integrity/dispute.py).
+(coordinator/integrity/dispute.py). So does a record of a kind in
+`dtfm.core.verify.REPORTER_PAIRS` (a receiver and the owner of the average it got, at any
+R): its candidates are its reporter and the replica of the reporter's stage it names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from dtfm.core.verify import REPORTER_PAIRS
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,13 @@ def to_record(reporter: str, epoch: int, e: Any, members: Sequence[str],
 
     stage = e.reporter_rank % stages if stages > 0 and 0 <= e.reporter_rank < len(members) \
         else -1  # rank = replica * stages + stage
+    if e.kind in REPORTER_PAIRS:  # a dispute of the reporter's own, with a replica of its stage
+        other = agent(e.suspect_rank)
+        pair = (stage >= 0 and members[e.reporter_rank] == reporter and other not in ("", reporter)
+                and e.suspect_rank % stages == stage)
+        return EvidenceRecord("", e.kind, int(e.step), e.detail, reporter, int(e.suspect_rank),
+                              float(e.score), int(epoch), (reporter, other) if pair else (),
+                              stage)
     if e.suspect_rank >= 0:
         candidates: tuple[str, ...] = (agent(e.suspect_rank),)
     elif stage >= 0:

@@ -41,6 +41,17 @@ LINK_WINDOW = 5
 # the records a window of pipeline-link figures makes (coordinator/integrity/linkwitness.py)
 LINK_KINDS = frozenset({"act_scaled", "act_zero", "actgrad_scaled", "actgrad_zero",
                         "act_disagree", "link_disagree"})
+# a receiver whose weights the digest found odd and the owner of the average it got another
+# of (agent/worker/replicacheck.py): a record of this kind is a dispute between its reporter
+# and its suspect rank, one of whom made it up (coordinator/integrity/dispute.py), and its
+# step is the exchange's, the first the receiver's weights can differ at
+AVG_DISAGREE = "avg_disagree"
+# the rank whose squared norm made its pipeline's weights differ from its replicas'
+# (agent/worker/normtable.py): confirmed once its own stage's records explain nothing
+# (coordinator/integrity/explained.py)
+NORM_DIFFERS = "norm_differs"
+# kinds whose record names the pair of its reporter and its suspect, not a suspect
+REPORTER_PAIRS = frozenset({AVG_DISAGREE})
 
 
 class Verify(enum.StrEnum):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.integrity.explained import RELEASE_STEPS, HeldConfirmations
 from coordinator.integrity.ledger import IntegrityLedger
@@ -176,3 +178,68 @@ def test_a_link_whose_ends_disagree_opens_a_dispute_and_explains_both_ends() -> 
         assert ("link_disagree", False) in kinds and ("grad_norm", True) not in kinds, kinds
     assert "disagreed about what crossed it" in str(
         [e.detail for e in integrity.ledger.evidence("a3")])
+
+
+def norm_differs(agent: str, step: int, reporter: str = "a0") -> EvidenceRecord:
+    """`agent`'s pipeline partner's replicas name it for the norm it sent (normtable.py)."""
+    return EvidenceRecord(agent, "norm_differs", step, "rank 1 sent its pipeline another "
+                          "squared norm", reporter, 1, 1.0, 1, (agent,), 0)
+
+
+def test_a_norm_that_differs_waits_for_every_members_records_through_its_digest() -> None:
+    """Named at step 12 by the digest of step 20, delivered with a report of step 20: it waits
+    while any member's records are short of step 20 (its own stage's dispute may be on its
+    way), then, with nothing to explain it, confirms at step 12."""
+    said: list[str] = []
+    ranks = {a: r for r, a in enumerate(AGENTS)}
+    h, ledger = HeldConfirmations(LinkWitness(), ranks.get, lambda rec: said[0] if said
+                                  else ""), IntegrityLedger()
+    assert h.defer(norm_differs("a1", 12), 12, ["a0", "a2"])
+    h.release(ledger, 20, vetted=18)
+    assert not ledger.evidence("a1") and h.earliest() == 12
+    h.release(ledger, 21, vetted=20)
+    (piece,) = ledger.evidence("a1")
+    assert piece.confirmed and "its own stage disputes no average it got" in piece.detail
+    assert ledger.excluded("a1") is not None
+    said.append("its own stage disputes the average it got from a5 at step 12")
+    ledger = IntegrityLedger()
+    assert h.defer(norm_differs("a3", 12), 12, ["a0", "a2"])
+    h.release(ledger, 20, vetted=20)
+    (piece,) = ledger.evidence("a3")
+    assert not piece.confirmed and "not confirmed: its own stage disputes" in piece.detail
+    # an agent of no rank in the epoch: evidence, never an unheld confirmation
+    assert h.defer(norm_differs("zz", 13), 13, ["a0", "a2"]) and h.earliest() == 0
+
+
+def jobs_integrity() -> JobIntegrity:
+    registry = FakeRegistry()
+    registry.exclude = lambda agent_id, reason: None  # type: ignore[attr-defined]
+    integrity = JobIntegrity(registry, SimpleNamespace(step=0))  # type: ignore[arg-type]
+    integrity.plan_epoch([common_pb2.Assignment(epoch=1, stages=2, replicas=3, rank=r)
+                          for r in range(6)], 1, separable=True,
+                         rows=[AGENTS[0::2], AGENTS[1::2]], members=AGENTS)
+    return integrity
+
+
+@pytest.mark.parametrize("disputed", [True, False])
+def test_the_jobs_integrity_explains_a_norm_by_its_stages_dispute(disputed: bool) -> None:
+    """`JobIntegrity`'s own-stage explanation, through the corroboration path: the receiver a1
+    (stage 1) and its owner a5 dispute an average at step 12, so the norm a1 sent at step 12
+    is no lie of a1's; without the dispute, the two reporters' records confirm once every
+    member's records have arrived (vetted)."""
+    from coordinator.integrity.corroborate import Corroboration
+    from tests.coordinator.test_integrity_disputes import dispute
+    integrity = jobs_integrity()
+    if disputed:
+        assert integrity.settle([dispute("a1", "a5", 12, kind="avg_disagree", reporter="a1")])
+    Corroboration().feed([norm_differs("a1", 12, "a0"), norm_differs("a1", 12, "a2")],
+                         integrity.ledger, defer=integrity.defer)
+    assert not integrity.ledger.exclusions  # waiting (or evidence)
+    integrity.held.release(integrity.ledger, 21, 21)
+    if disputed:
+        assert not integrity.ledger.exclusions
+        assert any("not confirmed: its own stage disputes the average it got from a5" in
+                   p.detail for p in integrity.ledger.evidence("a1"))
+    else:
+        assert set(integrity.ledger.exclusions) == {"a1"}
+        assert integrity.ledger.exclusions["a1"].step == 12

@@ -443,3 +443,37 @@ def test_a_link_dispute_and_a_replica_dispute_do_not_confirm_each_other() -> Non
     d.feed([link("a", "honest", 10)], ledger)
     d.feed([dispute("honest", "r", 12, stage=1)], ledger)
     assert not ledger.exclusions
+
+
+def test_a_receiver_and_its_owner_disputing_an_average_are_a_pair_of_the_reporters() -> None:
+    """`avg_disagree` (agent/worker/replicacheck.py): a receiver whose weights the digest found
+    odd and the owner of the average it got another of, at any R. Its record names the pair
+    of its reporter and the replica of the reporter's stage it names, nobody alone; a record
+    naming a rank of another stage, or reported under another agent's rank, is no pair."""
+    from coordinator.integrity.reports import to_record
+    members = ["a", "b", "c", "d", "e", "f"]  # 2 stages x 3 replicas: stage 1 is b, d, f
+    e = SimpleNamespace(suspect_rank=5, reporter_rank=1, kind="avg_disagree", step=5,
+                        detail="", score=1.0)
+    rec = to_record("b", 2, e, members, stages=2)
+    assert (rec.agent_id, rec.candidates, rec.stage) == ("", ("b", "f"), 1)
+    assert to_record("b", 2, SimpleNamespace(**{**vars(e), "suspect_rank": 4}), members,
+                     stages=2).candidates == ()  # rank 4 holds stage 0
+    assert to_record("d", 2, e, members, stages=2).candidates == ()  # rank 1 is b's
+    assert to_record("b", 2, SimpleNamespace(**{**vars(e), "suspect_rank": 1}), members,
+                     stages=2).candidates == ()  # itself
+
+
+def test_an_owner_equivocating_to_a_receiver_again_after_parting_is_excluded() -> None:
+    """The owner x sent receiver b another average at step 5: the pair is parted and rolled
+    back before step 5 (the exchange's step: the receiver's weights were the others' until
+    then), and x's equivocation to its new stage's receiver c names x. Where nothing can
+    part them, their weights are put back in step from one checkpoint."""
+    ledger, d = IntegrityLedger(), Disputes()
+    assert d.feed([dispute("x", "b", 5, kind="avg_disagree", reporter="b")], ledger)
+    assert d.rollback_before == 5 and not ledger.exclusions
+    d.planned(PARTED)
+    d.feed([dispute("x", "c", 9, kind="avg_disagree", epoch=2)], ledger)
+    assert set(ledger.exclusions) == {"x"} and ledger.excluded("x").step == 5
+    ledger, d = IntegrityLedger(), Disputes()
+    assert d.feed([dispute("x", "b", 5, kind="avg_disagree")], ledger, separable=False)
+    assert "resume" in d.replan_reason and d.rollback_before == 5

@@ -68,3 +68,60 @@ def test_an_owner_sending_back_noised_averages_is_excluded_and_the_job_rolls_bac
     exclusion = excluded_alone_and_rolled_back(daemons, "avg_noise")
     assert exclusion["step"] == ATTACK_AT, exclusion  # exact: the first altered average
     assert "avg_mismatch" in exclusion["reason"], exclusion
+
+
+def two_stages_excluded_alone(daemons: Daemons, attack: str, kind: str
+                              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run a 2 x 3 job (scheduled placement: a swap parts a disputed pair) with a bad agent
+    that makes `attack` from `ATTACK_AT` on, and check that the job finished, the bad agent
+    alone was excluded, for `kind` at `ATTACK_AT`, and nothing is confirmed against an honest
+    agent. The finished job and the exclusion."""
+    bad, status, rows = run_with_bad_peer(
+        daemons, 5, attack, ATTACK_AT, STEPS, "--stages", "2", "--replicas", "3",
+        "--batch", "6", "--layer-split", "even")
+    done = status["job"]
+    assert done["state"] == "done" and done["step"] == STEPS, done
+    excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
+    assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
+    exclusion: dict[str, Any] = rows[bad]["exclusion"]
+    assert exclusion["reason"].startswith(kind), exclusion
+    assert exclusion["step"] == ATTACK_AT, exclusion  # the first altered step
+    for agent, row in rows.items():
+        if agent != bad:
+            assert not [e for e in row.get("evidence", []) if e["confirmed"]], row
+            assert {e["kind"] for e in row.get("evidence", [])}.isdisjoint({"weights"}), row
+    return done, exclusion
+
+
+def test_an_owner_that_sends_one_receiver_another_average_is_excluded_not_the_receiver(
+        daemons: Daemons) -> None:
+    """The bad agent averages its shard honestly and steps with that, but sends its first
+    receiver ten times it (`avg_one`): that receiver's weights alone differ at the next
+    digest, and the digest alone would exclude it, the honest one. The audit shows that the
+    receiver got another average than its owner accounts for, which either may have made up,
+    so the two are a dispute (`avg_disagree`): parted into different stages (two stages of
+    three replicas, scheduled placement) and rolled back before the first such exchange.
+    The owner does it again to its new stage's receiver, and is the agent common to two
+    disputes: excluded, the job rolled back and finished; no honest agent excluded. Nor
+    confirmed against: each receiver's pipeline partner, whose weights differed for the norm
+    the receiver sent it, is not named for it, and the receiver's norm is explained by its
+    stage's dispute (agent/worker/normtable.py, coordinator/integrity/explained.py)."""
+    done, exclusion = two_stages_excluded_alone(daemons, "avg_one", "avg_disagree")
+    assert "common to two disagreements" in exclusion["reason"], exclusion
+    first = done["recoveries"][0]  # the dispute's: parted, rolled back before its exchange
+    assert "avg_disagree" in first["reason"] and "apart" in first["reason"], first
+    assert first["resumed_step"] == newest_before(ATTACK_AT, 4), first
+
+
+def test_a_rank_lying_about_its_gradient_norm_is_excluded_not_its_pipeline_partner(
+        daemons: Daemons) -> None:
+    """The bad agent sends its pipeline 100x its squared gradient norm and clips with its own
+    (`norm_lie`): its pipeline partner clips with another coefficient, and its weights alone
+    differ from its replicas' at the next digest, which named it, the honest one. The
+    pipelines' norms travel with the digest (agent/worker/normtable.py): the partner's
+    replicas name the bad agent for the norm it sent (`norm_differs`), which its own stage's
+    records do not explain (no average it got disputed), so it is excluded, rolled back
+    before the first such step; no honest agent is excluded or confirmed against."""
+    done, _ = two_stages_excluded_alone(daemons, "norm_lie", "norm_differs")
+    first = done["recoveries"][0]
+    assert first["resumed_step"] == newest_before(ATTACK_AT, 4), first

@@ -8,7 +8,9 @@ where stale replays the message it sent for the same destination one step earlie
 on one link), or, for
 `drift`, move one of its weights after that step's optimizer step, or, for `avg_` + an
 attack, alter the averaged shard it sends back as an owner (the gather's tags), in place
-before its first send, so that it steps with the altered average too, as every peer does.
+before its first send, so that it steps with the altered average too, as every peer does
+(`avg_one`: x10 to its first receiver only, a copy, so that it steps with the honest one),
+or, for `norm_lie`, x100 the squared norm it sends its pipeline in the per-step exchange.
 It patches torch, not the worker: the product's own rehearsal seam (`DTFM_FAULT`) stays
 out of it, so the tests check the mechanism, not the rehearsal mode. `install` runs from
 badpeer_site/sitecustomize.py and waits for torch.distributed to be imported by the worker
@@ -32,6 +34,13 @@ LIE, LIE_SCALE = "lie", 10.0
 # `lie_one`: the same on one link only, the one it sends activations on (the last stage: its
 # gradients back), so that it disagrees with one neighbour at a time
 LIE_ONE = "lie_one"
+# `avg_one`: x10 on the averaged shards it sends back as an owner to one receiver (the first
+# it sends each to), while it steps with the honest mean and accounts for it: an owner that
+# equivocates, whose one receiver's weights then differ from everyone else's
+AVG_ONE = "avg_one"
+# `norm_lie`: x100 on the squared gradient norm it sends its pipeline in the per-step
+# exchange, while it clips with its own: its pipeline partners clip with another coefficient
+NORM_LIE, NORM_LIE_SCALE = "norm_lie", 100.0
 
 
 def parse(raw: str) -> tuple[int, dict[int, str]]:
@@ -58,6 +67,7 @@ class _Patch:
 
         from agent.worker.badpeer import attack, drift_
         from agent.worker.pipeline import TAG_ACT, TAG_GRAD
+        from agent.worker.world import TAG_EXCHANGE
 
         original = dist.isend
         gen = torch.Generator().manual_seed(max(self.rank, 0))
@@ -67,18 +77,26 @@ class _Patch:
             ours = TAG_SCATTER <= tag < TAG_SCATTER + 2 * MAX_BUCKETS
             mode = self.plan.get(self.done + 1, "")
             if ours and tag % 2 and self.rank in (-1, dist.get_rank()):
-                if mode.startswith("avg_") and tag not in self.altered:
+                if mode == AVG_ONE and tag not in self.altered:  # its first receiver only
+                    tensor = tensor * LIE_SCALE
+                    self.keep.append(tensor)
+                elif mode.startswith("avg_") and mode != AVG_ONE and tag not in self.altered:
                     tensor.copy_(attack(mode[4:], tensor, self.before.get((tag, -1)), gen))
                 self.altered.add(tag)
                 self.sent[(tag, -1)] = tensor.detach().clone()
             scatter = ours and tag % 2 == 0
             if scatter and self.rank in (-1, dist.get_rank()):
                 key = (tag, int(dst))
-                if mode and mode not in ("drift", LIE, LIE_ONE) and not mode.startswith(
+                if mode and mode not in ("drift", LIE, LIE_ONE, NORM_LIE) and not mode.startswith(
                         ("avg_", "act_", "actgrad_", "pp_")):
                     tensor = attack(mode, tensor, self.before.get(key), gen)
                     self.keep.append(tensor)
                 self.sent[key] = tensor.detach().clone()  # what it sent, tampered or not
+            if (tag == TAG_EXCHANGE and mode == NORM_LIE
+                    and self.rank in (-1, dist.get_rank())):
+                tensor = tensor.clone()
+                tensor[0] *= NORM_LIE_SCALE  # [squared norm, loss]
+                self.keep.append(tensor)
             self.forwards |= tag == TAG_ACT  # it has a next stage
             if (tag in (TAG_ACT, TAG_GRAD) and mode in (LIE, LIE_ONE)
                     and self.rank in (-1, dist.get_rank())

@@ -197,3 +197,46 @@ def test_a_receiver_that_lies_about_the_average_it_got_cannot_move_an_owners_sha
         rows[2][e * w + 1 + 2] *= 1.5  # its q for owner 0
         rows[2][e * w + 1 + 0] -= 5.0 * rows[0][e * w + 1 + 2]  # its d for owner 0
     assert named(rows) == [set()] * 3
+
+
+def receivers(rows: list[list[float]]) -> list[list[tuple[int, int, int, bool]]]:
+    """Each replica's judgement's receivers of another average: (step, owner, receiver,
+    whether the owner is named)."""
+    out = []
+    for j in range(len(rows)):
+        audit = AverageAudit(len(rows), j)
+        audit.judge(rows)
+        out.append([(o.step, o.owner, o.receiver, o.named) for o in audit.receivers])
+    return out
+
+
+def test_a_receiver_of_another_average_is_kept_for_the_digest_named_or_not() -> None:
+    """Owner 2 sends receiver 0 ten times its average at both exchanges: one receiver
+    against one owner names nobody, but every replica's judgement keeps the pair (the
+    weights digest will find 0 odd, replicacheck.py). Sent to two receivers, the owner is
+    named (`avg_equivocal`) and the pairs say so."""
+    one = exchange(3, 11, steps=2, send=lambda k, j, a: a * 10 if (k, j) == (2, 0) else a)
+    assert named(one) == [set()] * 3
+    assert receivers(one) == [[(1, 2, 0, False), (2, 2, 0, False)]] * 3
+    two = exchange(4, 12, send=lambda k, j, a: a * 10 if k == 3 and j in (0, 1) else a)
+    assert named(two) == [{(3, "avg_equivocal")}] * 4
+    assert receivers(two) == [[(1, 3, 0, True), (1, 3, 1, True)]] * 4
+    assert receivers(exchange(3, 13, steps=3)) == [[]] * 3  # honest: none
+
+
+def test_a_receiver_disputing_its_owner_alone_is_kept_too() -> None:
+    """Receiver 1's dot with owner 0's average is off, its |a_0|^2 not: the same one-on-one
+    dispute (it got another average of the same norm, or lies about its copy)."""
+    rows = exchange(3, 14, reports=lambda k, j, sent, grad: sent * 1.5 if (k, j) == (0, 1)
+                    else sent)
+    assert named(rows) == [set()] * 3
+    assert receivers(rows) == [[(1, 0, 1, False)]] * 3
+
+
+def test_a_receiver_the_figures_name_is_not_kept() -> None:
+    """Contributor 2 sends x10 copies and reports the copies it computed: two owners' accounts
+    dispute it (`avg_claims`), and its own dispute with each owner is no owner's doing."""
+    rows = exchange(3, 15, copies_sent=lambda k, i, c: c * 10 if i == 2 else c,
+                    reports=lambda k, j, sent, grad: grad)
+    assert (2, "avg_claims") in named(rows)[0]
+    assert all(o[2] != 2 for got in receivers(rows) for o in got), receivers(rows)

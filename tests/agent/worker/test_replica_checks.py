@@ -88,3 +88,52 @@ def test_two_replicas_report_the_disagreement_undecided(tmp_path: Path) -> None:
     assert {(s, "grad_disagree") for s in (PAIR_WINDOW, PAIR_WINDOW + 1)} <= kinds, found
     assert (PAIR_WINDOW + 1, "weights_disagree") in kinds, found  # the last step's digest
     assert not {s for s, _ in kinds} & set(range(1, PAIR_WINDOW)), found
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_that_sends_one_receiver_another_average_is_disputed_not_the_receiver(
+        tmp_path: Path) -> None:
+    """R = 3: at step 5 only, owner rank 2 sends its first receiver, rank 0, ten times its
+    average and steps with the honest one (`avg_one`). Rank 0's weights then differ from
+    the others' at the digest of step 10, and the digest alone would name it, the honest
+    one. The audit's figures show that rank 0 got another average than rank 2 accounts for,
+    which either may have made up: the two report a dispute of each other at step 5
+    (`avg_disagree`, settled by the coordinator as an R = 2 pair's), and no replica names
+    rank 0."""
+    work = tmp_path / "work"
+    run = run_local(*FLAGS, "--replicas", "3", "--batch", "6", "--steps", "10",
+                    "--workdir", str(work), timeout=110, env=bad_peer_env("2:5=avg_one"))
+    assert run.rc == 0, run.stderr
+    found = evidence(work)
+    disputes = sorted((e["rank"], e["suspect_rank"], e["step"]) for e in found
+                      if e["kind"] == "avg_disagree")
+    assert disputes == [(0, 2, 5), (2, 0, 5)], found
+    assert not [e for e in found if e["suspect_rank"] == 0 and e["kind"] != "avg_disagree"], \
+        found
+    assert not [e for e in found if e["kind"] == "weights"], found
+    assert "not the one rank 2 accounts for" in run.stderr + "".join(
+        e["detail"] for e in found)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lying_about_its_norm_is_named_and_its_pipeline_partner_is_not(
+        tmp_path: Path) -> None:
+    """Two stages of three replicas: rank 1 (stage 1 of replica 0) sends its pipeline 100x its
+    squared gradient norm from step 2 on, and clips with its own (`norm_lie`). Rank 0, its
+    stage-0 partner, clips with another coefficient, so its weights differ from ranks 2 and
+    4's at the digest of step 10, and the digest alone named it, the honest one. The
+    pipelines' squared norms travel with the digest (agent/worker/normtable.py): stage 0's
+    replicas name rank 1 for the norm it sent (`norm_differs`, at the first such step), and
+    nobody names rank 0."""
+    work = tmp_path / "work"
+    plan = "1:" + ",".join(f"{s}=norm_lie" for s in range(2, 11))
+    run = run_local(*FLAGS[:2], "--stages", "2", *FLAGS[4:], "--replicas", "3", "--batch", "6",
+                    "--steps", "10", "--workdir", str(work), timeout=110,
+                    env=bad_peer_env(plan))
+    assert run.rc == 0, run.stderr
+    found = evidence(work)
+    named = {(e["rank"], e["suspect_rank"], e["step"]) for e in found
+             if e["kind"] == "norm_differs"}
+    assert named == {(0, 1, 2), (2, 1, 2), (4, 1, 2)}, found
+    assert not [e for e in found if e["suspect_rank"] == 0], found
+    assert not [e for e in found if e["kind"] == "weights"], found
