@@ -15,6 +15,12 @@ tests' own hook (tests/agent/worker/badpeer_hook.py) cannot disagree on what "sc
 - `avg_scale`, `avg_flip`, `avg_noise`, `avg_zero`, `avg_stale`, `avg_nan`: the same
   arithmetic on the averaged shard an owner sends back in `sharded` mode (it steps with it
   too, so every replica applies the same wrong update and the weights digest agrees);
+- `avg_one`: x10 on the averaged shards an owner sends its first receiver only, while it
+  steps with, and accounts for, the honest mean (an owner that equivocates: that receiver's
+  weights alone differ; `Equivocation`);
+- `norm_lie`: x100 on the squared gradient norm it sends its pipeline in the per-step
+  exchange, while it clips with its own (`NORM_LIE_SCALE`; its partners clip with another
+  coefficient);
 - `drift`: after the optimizer step, one weight of the stage moves by 1e-2 (silent data
   corruption in the optimizer step or in memory: no error, just different bits);
 - `act_scale`, `act_noise`, `act_zero`: the same arithmetic on every activation message the
@@ -38,7 +44,10 @@ ACTIVATION_ATTACKS = ("act_scale", "act_noise", "act_zero", "actgrad_scale", "ac
                       "actgrad_zero", "act_lie")
 AVERAGE_ATTACKS = tuple(f"avg_{m}" for m in CONTRIBUTION_ATTACKS)
 WEIGHT_ATTACKS = ("drift",)
+EQUIVOCATION_ATTACKS = ("avg_one",)
+NORM_ATTACKS = ("norm_lie",)
 SCALES = {"scale": 10.0, "flip": -4.0}
+NORM_LIE_SCALE = 100.0  # what `norm_lie` multiplies the squared norm it sends by
 DRIFT = 1e-2  # what `drift` adds to one weight
 
 
@@ -86,6 +95,23 @@ def attack(mode: str, t: torch.Tensor, held: torch.Tensor | None = None,
         flat[0] = math.nan  # where there is one value only: NaN
         return out
     raise ValueError(f"unknown contribution attack {mode!r}")
+
+
+class Equivocation:
+    """An owner that sends one receiver, the first it sends each averaged shard to, ten
+    times that shard from step `onset` on, and the others the honest one: the averager's
+    `tamper_sent(key, shard)` hook (`key`: the bucket and the receiver's index)."""
+
+    def __init__(self, onset: int) -> None:
+        self.onset, self.step = onset, 0
+        self.target: Hashable | None = None  # the receiver it equivocates to
+
+    def __call__(self, key: tuple[int, int], t: torch.Tensor) -> torch.Tensor:
+        if self.target is None:
+            self.target = key[1]
+        if self.step < self.onset or key[1] != self.target:
+            return t
+        return t * SCALES["scale"]
 
 
 class Activations:

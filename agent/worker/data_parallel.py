@@ -159,6 +159,7 @@ class GradAverager:
         self.inspect: Inspect | None = None  # the owner's look at its shard's copies
         self.tamper: Tamper | None = None  # a rehearsed bad peer's hand on what it sends
         self.tamper_average: Tamper | None = None  # ... on the averages it sends back
+        self.tamper_sent: Tamper | None = None  # ... on one receiver's copy of them
         self.check: Check | None = None  # a receiver's look at the owners' averages
         self.screen = nonfinite.Screen()  # sharded: a peer's NaN or infinity, told from my own
         self.step = 0  # the training step averaged, which a peer's bad value is blamed at
@@ -395,9 +396,15 @@ class GradAverager:
             chunks[me].copy_(mine)
             tag = TAG_SCATTER + 2 * i + 1
             b.works = b.gather_works + [
-                self._async(dist.isend(chunks[me], self.ranks[k], self.group, tag))
+                self._async(dist.isend(self._sent(i, k, chunks[me]), self.ranks[k], self.group,
+                                       tag))
                 for k in range(self.size) if k != me]
             self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
+
+    def _sent(self, i: int, k: int, shard: torch.Tensor) -> torch.Tensor:
+        """My averaged shard of bucket i as receiver k gets it: a rehearsed owner that
+        equivocates (`tamper_sent`, fault.py's `avg_one`) sends one receiver another one."""
+        return shard if self.tamper_sent is None else self.tamper_sent((i, k), shard)
 
     def _average(self, i: int, copies: list[torch.Tensor], me: int) -> torch.Tensor:
         """Bucket i's copies of my shard averaged: what `inspect` returns, else their sum in

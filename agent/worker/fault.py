@@ -25,7 +25,10 @@ wherever the coordinator places them (`coordinator demo --bad-peer`). Modes:
   `nan` `nonfinite.py`); `drift` moves one of its own weights after the optimizer step of
   STEP (`drifts`); `act_scale`, `act_noise`, `act_zero`, `actgrad_*` and `act_lie` alter
   the pipeline messages it sends (`activations`; the coordinator's check of both ends of each
-  link must name it: coordinator/integrity/linkwitness.py). The replica checks
+  link must name it: coordinator/integrity/linkwitness.py); `avg_one` sends its first
+  receiver ten times the averaged shards it owns and steps with the honest mean
+  (`equivocation`); `norm_lie` sends its pipeline 100x its squared gradient norm
+  (`sent_scale`). The replica checks
   (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
 Kept out of `train.py` (the main loop) so the seam's modes grow without growing it.
@@ -43,9 +46,13 @@ from agent.worker.badpeer import (
     ACTIVATION_ATTACKS,
     AVERAGE_ATTACKS,
     CONTRIBUTION_ATTACKS,
+    EQUIVOCATION_ATTACKS,
+    NORM_ATTACKS,
+    NORM_LIE_SCALE,
     WEIGHT_ATTACKS,
     Activations,
     Contributions,
+    Equivocation,
 )
 from agent.worker.errors import PeerError
 from dtfm.core.events import FAULT_EXIT_CODE
@@ -54,8 +61,9 @@ from dtfm.net.dataplane import may_dial
 log = logging.getLogger(__name__)
 
 ENV_FAULT = "DTFM_FAULT"
-MODES = ("exit", "hang", "config", "corrupt", "direct", *CONTRIBUTION_ATTACKS,
-         *AVERAGE_ATTACKS, *WEIGHT_ATTACKS, *ACTIVATION_ATTACKS)
+BAD_PEER_MODES = (*CONTRIBUTION_ATTACKS, *AVERAGE_ATTACKS, *WEIGHT_ATTACKS,
+                  *ACTIVATION_ATTACKS, *EQUIVOCATION_ATTACKS, *NORM_ATTACKS)
+MODES = ("exit", "hang", "config", "corrupt", "direct", *BAD_PEER_MODES)
 CORRUPT_SCALE = -4.0
 ANY_RANK = -1  # RANK `*`
 
@@ -101,8 +109,7 @@ class Fault:
             raise PeerError(f"receive from rank {peer} failed: fault injection: the direct "
                             f"path between ranks {peer} and {rank} drops")
         log.error("fault injection: rank %d %ss before step %d", rank, self.mode, step)
-        if self.mode == "corrupt" or self.mode in (*CONTRIBUTION_ATTACKS, *AVERAGE_ATTACKS,
-                                                   *WEIGHT_ATTACKS, *ACTIVATION_ATTACKS):
+        if self.mode == "corrupt" or self.mode in BAD_PEER_MODES:
             return
         if self.mode == "hang":
             while True:
@@ -111,12 +118,15 @@ class Fault:
             raise ValueError(f"fault injection: rank {rank} refuses its input before step {step}")
         os._exit(FAULT_EXIT_CODE)
 
-    def sent_scale(self, rank: int, step: int, epoch: int = 0) -> float:
-        """What this rank's exchanged values are multiplied by on the wire at `step` (1.0
-        unless it is a `corrupt` rank at or after its step)."""
-        corrupt = (self.mode == "corrupt" and self._mine(rank) and step >= self.step
-                   and self.epoch in (None, epoch))
-        return CORRUPT_SCALE if corrupt else 1.0
+    def sent_scale(self, rank: int, step: int, epoch: int = 0) -> tuple[float, float]:
+        """What this rank's exchanged (squared norm, loss) are multiplied by on the wire at
+        `step`: (1, 1) unless it is a `corrupt` rank (both) or a `norm_lie` one (the
+        squared norm) at or after its step."""
+        if not (self._mine(rank) and step >= self.step and self.epoch in (None, epoch)):
+            return 1.0, 1.0
+        if self.mode == "corrupt":
+            return CORRUPT_SCALE, CORRUPT_SCALE
+        return (NORM_LIE_SCALE, 1.0) if self.mode in NORM_ATTACKS else (1.0, 1.0)
 
 
     def contributions(self, rank: int, epoch: int = 0, *,
@@ -127,6 +137,13 @@ class Fault:
         modes = AVERAGE_ATTACKS if averages else CONTRIBUTION_ATTACKS
         if self.mode in modes and self._mine(rank) and self.epoch in (None, epoch):
             return Contributions(self.mode, self.step, seed=rank)
+        return None
+
+    def equivocation(self, rank: int, epoch: int = 0) -> Equivocation | None:
+        """This rank's attack on the averaged shards it sends back as an owner, one receiver
+        at a time (`avg_one`), or None."""
+        if self.mode in EQUIVOCATION_ATTACKS and self._mine(rank) and self.epoch in (None, epoch):
+            return Equivocation(self.step)
         return None
 
     def activations(self, rank: int, epoch: int = 0) -> Activations | None:

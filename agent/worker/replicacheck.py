@@ -89,6 +89,7 @@ class ReplicaChecks:
         self.fault, self.epoch = fault, epoch
         self.attack = fault.contributions(rank, epoch) if fault else None
         self.avg_attack = fault.contributions(rank, epoch, averages=True) if fault else None
+        self.equivocation = fault.equivocation(rank, epoch) if fault else None
         self._trace = os.environ.get(ENV_TRACE, "")
         self.tally: linkstats.LinkTally | None = None
         self.windows = linkstats.LinkWindows()
@@ -123,6 +124,9 @@ class ReplicaChecks:
         if self.avg_attack is not None:
             self.avg_attack.step = step
             self.averager.tamper_average = self.avg_attack
+        if self.equivocation is not None:
+            self.equivocation.step = step
+            self.averager.tamper_sent = self.equivocation
 
     def end_step(self, step: int, last: int) -> None:
         """After the optimizer (and outer) step: disarm, judge, and digest when due."""
@@ -131,7 +135,7 @@ class ReplicaChecks:
             self.figures = {f"link_{name}": v for name, v in zip(linkstats.FIGURES, got,
                                                                 strict=True)}
         self.averager.inspect = self.averager.tamper = None
-        self.averager.check = self.averager.tamper_average = None
+        self.averager.check = self.averager.tamper_average = self.averager.tamper_sent = None
         if self.fault is not None and self.fault.drifts(self.rank, step, self.epoch):
             log.error("fault injection: rank %d's weights drift after step %d", self.rank, step)
             badpeer.drift_([p for p in self.model.parameters()])

@@ -358,7 +358,7 @@ class Worker:
         sq = float(local_sq_norm(self.stage))
         table = self.world.pipeline_exchange(
             [sq, extras[0] if last else 0.0], exchange,
-            self.fault.sent_scale(self.rank, step, a.epoch) if self.fault else 1.0)
+            self.fault.sent_scale(self.rank, step, a.epoch) if self.fault else None)
         norm, loss = globalnorm.checked(table, self.world.pipeline, self.rank, a.replica,
                                         step)
         sync_s = time.perf_counter() - t1

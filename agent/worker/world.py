@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,15 +101,18 @@ class World:
                                for r, buf in bufs.items()])
 
     def pipeline_exchange(self, values: list[float], posted: Exchange | None = None,
-                          sent_scale: float = 1.0) -> list[list[float]]:
+                          sent_scale: Sequence[float] | None = None) -> list[list[float]]:
         """Every pipeline rank's `values`, in stage order: one isend/irecv per peer, one hop
         (the receives from `posted`, when `post_exchange` posted them earlier). `sent_scale`
-        multiplies what is sent, not this rank's own row: the fault seam's `corrupt` mode.
+        multiplies what is sent, value by value, not this rank's own row: the fault seam's
+        `corrupt` and `norm_lie` modes.
 
         float64 on the wire, so every rank holds the exact values each peer computed, and
         sums taken over the result in stage order are bitwise identical on every rank.
         """
-        mine = torch.tensor(values, dtype=torch.float64, device=self.device) * sent_scale
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if sent_scale is not None:
+            mine = mine * torch.tensor(sent_scale, dtype=torch.float64, device=self.device)
         posted = posted or self.post_exchange(len(values))
         works = posted.works + [dist.isend(mine, dst=r, group=self.pipe_group, tag=TAG_EXCHANGE)
                                 for r in posted.bufs]

@@ -17,11 +17,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-# The bad-peer modes the checks confirm (coordinator/integrity/corroborate.py): a scaled,
-# zeroed, replayed or NaN gradient copy, a drifted weight, a zeroed, replayed or NaN averaged
-# shard. flip and noise are caught as evidence; confirming them is not guaranteed within the
-# demo.
-MODES = ("scale", "zero", "stale", "nan", "drift", "avg_zero", "avg_stale", "avg_nan")
+# The bad-peer modes the checks confirm in this 1 x 3 demo (coordinator/integrity/
+# corroborate.py): a scaled, flipped, noised, zeroed, replayed or NaN gradient copy, a drifted
+# weight, and an averaged shard scaled, flipped or noised (the replicas' audit of the mean:
+# agent/worker/avgaudit.py), zeroed, replayed or NaN. Each was run to its exclusion on
+# 2026-12-07. Left out: the pipeline's modes (one stage has no pipeline) and `avg_one` (one
+# stage and no spare agent: nothing can part the dispute it opens).
+MODES = ("scale", "flip", "noise", "zero", "stale", "nan", "drift", "avg_scale", "avg_flip",
+         "avg_noise", "avg_zero", "avg_stale", "avg_nan")
 DEFAULT_MODE = "scale"
 ONSET = 8  # the bad workers' first bad step: two checkpoints (every 4) are taken before it
 CHECKPOINT_EVERY = 4

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent.worker import errors
+from agent.worker.badpeer import NORM_LIE_SCALE
 from agent.worker.fault import CORRUPT_SCALE, Fault
 from agent.worker.globalnorm import BadPeerValue, checked
 from coordinator.job import rootcause
@@ -87,8 +88,13 @@ def test_the_corrupt_fault_scales_what_one_rank_sends_from_its_step(
     monkeypatch.setenv("DTFM_FAULT", "1:2:corrupt:1")
     fault = Fault.from_env()
     assert fault is not None
-    assert [fault.sent_scale(1, s, 1) for s in (1, 2, 3)] == [1.0, CORRUPT_SCALE, CORRUPT_SCALE]
-    assert fault.sent_scale(0, 3, 1) == 1.0 and fault.sent_scale(1, 3, 2) == 1.0
+    both = (CORRUPT_SCALE, CORRUPT_SCALE)
+    assert [fault.sent_scale(1, s, 1) for s in (1, 2, 3)] == [(1.0, 1.0), both, both]
+    assert fault.sent_scale(0, 3, 1) == (1.0, 1.0) and fault.sent_scale(1, 3, 2) == (1.0, 1.0)
+    monkeypatch.setenv("DTFM_FAULT", "*:2:norm_lie")
+    lie = Fault.from_env()
+    assert lie is not None  # the squared norm only, from its step, whatever the rank
+    assert [lie.sent_scale(5, s) for s in (1, 2)] == [(1.0, 1.0), (NORM_LIE_SCALE, 1.0)]
     fault.maybe_fire(1, 2, 1)  # returns: the corruption is in what it sends
     monkeypatch.setenv("DTFM_FAULT", "1:2:explode")
     with pytest.raises(ValueError, match="corrupt"):

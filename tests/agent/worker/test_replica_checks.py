@@ -91,18 +91,20 @@ def test_two_replicas_report_the_disagreement_undecided(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("seam", ["hook", "rehearsal"])
 def test_an_owner_that_sends_one_receiver_another_average_is_disputed_not_the_receiver(
-        tmp_path: Path) -> None:
+        tmp_path: Path, seam: str) -> None:
     """R = 3: at step 5 only, owner rank 2 sends its first receiver, rank 0, ten times its
     average and steps with the honest one (`avg_one`). Rank 0's weights then differ from
     the others' at the digest of step 10, and the digest alone would name it, the honest
     one. The audit's figures show that rank 0 got another average than rank 2 accounts for,
     which either may have made up: the two report a dispute of each other at step 5
     (`avg_disagree`, settled by the coordinator as an R = 2 pair's), and no replica names
-    rank 0."""
+    rank 0. `rehearsal`: the product's seam (`DTFM_FAULT`, from step 5 on) does the same."""
     work = tmp_path / "work"
+    env = bad_peer_env("2:5=avg_one") if seam == "hook" else {"DTFM_FAULT": "2:5:avg_one"}
     run = run_local(*FLAGS, "--replicas", "3", "--batch", "6", "--steps", "10",
-                    "--workdir", str(work), timeout=110, env=bad_peer_env("2:5=avg_one"))
+                    "--workdir", str(work), timeout=110, env=env)
     assert run.rc == 0, run.stderr
     found = evidence(work)
     disputes = sorted((e["rank"], e["suspect_rank"], e["step"]) for e in found
@@ -116,20 +118,21 @@ def test_an_owner_that_sends_one_receiver_another_average_is_disputed_not_the_re
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("seam", ["hook", "rehearsal"])
 def test_a_rank_lying_about_its_norm_is_named_and_its_pipeline_partner_is_not(
-        tmp_path: Path) -> None:
+        tmp_path: Path, seam: str) -> None:
     """Two stages of three replicas: rank 1 (stage 1 of replica 0) sends its pipeline 100x its
     squared gradient norm from step 2 on, and clips with its own (`norm_lie`). Rank 0, its
     stage-0 partner, clips with another coefficient, so its weights differ from ranks 2 and
     4's at the digest of step 10, and the digest alone named it, the honest one. The
     pipelines' squared norms travel with the digest (agent/worker/normtable.py): stage 0's
     replicas name rank 1 for the norm it sent (`norm_differs`, at the first such step), and
-    nobody names rank 0."""
+    nobody names rank 0. `rehearsal`: the product's seam (`DTFM_FAULT`) does the same."""
     work = tmp_path / "work"
     plan = "1:" + ",".join(f"{s}=norm_lie" for s in range(2, 11))
+    env = bad_peer_env(plan) if seam == "hook" else {"DTFM_FAULT": "1:2:norm_lie"}
     run = run_local(*FLAGS[:2], "--stages", "2", *FLAGS[4:], "--replicas", "3", "--batch", "6",
-                    "--steps", "10", "--workdir", str(work), timeout=110,
-                    env=bad_peer_env(plan))
+                    "--steps", "10", "--workdir", str(work), timeout=110, env=env)
     assert run.rc == 0, run.stderr
     found = evidence(work)
     named = {(e["rank"], e["suspect_rank"], e["step"]) for e in found
