@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent.worker.avgcheck import Dots
 from agent.worker.gradscore import Finding, median
 
 log = logging.getLogger(__name__)
@@ -108,14 +109,18 @@ class AverageAudit:
         """The copies of my shard of `bucket` I average this step (views, no copy)."""
         self._held[bucket] = copies
 
-    def add(self, bucket: int, owner: int, average: torch.Tensor, mine: torch.Tensor) -> None:
+    def add(self, bucket: int, owner: int, average: torch.Tensor, mine: torch.Tensor,
+            dots: Dots | None = None) -> None:
         """One bucket's averaged shard from `owner` and my copy of it (my gradient: for my
-        own shard its buffer among the held copies holds the average by now)."""
+        own shard its buffer among the held copies holds the average by now); `dots`: the
+        receiver's check already took |a|^2, <a, mine> and |mine|^2 (avgcheck.py)."""
         a = average.detach().reshape(-1).float()
-        x = mine.detach().reshape(-1).float()
         f, r = self._fig, self.size
-        f[3 * owner + 2] += float(torch.dot(a, a))
-        dot, sq = float(torch.dot(x, a)), float(torch.dot(x, x))
+        if dots is None:
+            x = mine.detach().reshape(-1).float()
+            dots = Dots(float(torch.dot(a, a)), float(torch.dot(x, a)), float(torch.dot(x, x)))
+        f[3 * owner + 2] += dots.average_sq
+        dot, sq = dots.mine, dots.mine_sq
         f[3 * owner] += dot
         f[3 * owner + 1] += sq
         if owner == self.me:

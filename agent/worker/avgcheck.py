@@ -77,6 +77,16 @@ class AverageScore:
     stale: bool = False
 
 
+@dataclass(frozen=True)
+class Dots:
+    """One bucket's figures of an owner's average a and my copy x: |a|^2, <a, x>, |x|^2
+    (NaN where no copy was given)."""
+
+    average_sq: float
+    mine: float
+    mine_sq: float
+
+
 @dataclass
 class _Sums:
     dot: float = 0.0  # average . my copy
@@ -97,9 +107,11 @@ class AverageChecker:
     _ratios: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
     _prints: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
 
-    def add(self, owner: int, average: torch.Tensor, mine: torch.Tensor | None) -> None:
-        """One bucket's averaged shard from `owner`, and my own copy of it (None: I am the
-        owner; my average counts as a reference for the others')."""
+    def add(self, owner: int, average: torch.Tensor, mine: torch.Tensor | None) -> Dots:
+        """One bucket's averaged shard from `owner`, and my own copy of it (None: none
+        given; my own average counts as a reference for the others' whether or not). The
+        dots it took, which the averages' audit reads instead of taking them again
+        (avgaudit.py)."""
         a = average.detach().reshape(-1).float()
         s = self._sums.setdefault(owner, _Sums())
         sq = float(torch.dot(a, a))
@@ -107,10 +119,14 @@ class AverageChecker:
         s.a_sum += float(a.sum())
         s.a_l1 += float(torch.linalg.vector_norm(a, 1))
         s.n += a.numel()
-        if mine is not None:
-            x = mine.detach().reshape(-1).float()
-            s.dot += float(torch.dot(a, x))
-            s.x_sq += float(torch.dot(x, x))
+        if mine is None:
+            return Dots(sq, math.nan, math.nan)
+        x = mine.detach().reshape(-1).float()
+        dots = Dots(sq, float(torch.dot(a, x)), float(torch.dot(x, x)))
+        if owner != self.me:  # my own shard's copy is no evidence about my average
+            s.dot += dots.mine
+            s.x_sq += dots.mine_sq
+        return dots
 
     def scores(self) -> list[AverageScore]:
         """This step's score of every other owner's average (none: nothing arrived)."""

@@ -185,9 +185,9 @@ class ReplicaChecks:
     def _check_average(self, bucket: int, owner: int, average: torch.Tensor,
                        mine: torch.Tensor) -> None:
         assert self.averages is not None
-        self.averages.add(owner, average, None if owner == self.averages.me else mine)
+        dots = self.averages.add(owner, average, mine)  # taken once, for the audit too
         if self.audit is not None:
-            self.audit.add(bucket, owner, average, mine)
+            self.audit.add(bucket, owner, average, mine, dots)
 
     def _judge_averages(self, step: int, inputs_suspect: bool) -> None:
         assert self.averages is not None

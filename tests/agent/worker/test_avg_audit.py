@@ -240,3 +240,20 @@ def test_a_receiver_the_figures_name_is_not_kept() -> None:
                     reports=lambda k, j, sent, grad: grad)
     assert (2, "avg_claims") in named(rows)[0]
     assert all(o[2] != 2 for got in receivers(rows) for o in got), receivers(rows)
+
+
+def test_the_receivers_check_hands_the_audit_the_dots_it_took() -> None:
+    """`AverageChecker.add` returns |a|^2, <a, mine>, |mine|^2, which `AverageAudit.add`
+    reads instead of taking them again: the same figures either way."""
+    from agent.worker.avgcheck import AverageChecker
+    g = torch.Generator().manual_seed(16)
+    average, mine = torch.randn(300, generator=g), torch.randn(300, generator=g)
+    dots = AverageChecker(3, 0).add(1, average, mine)
+    assert (dots.average_sq, dots.mine, dots.mine_sq) == pytest.approx(
+        (float(average @ average), float(average @ mine), float(mine @ mine)), rel=1e-6)
+    given, taken = AverageAudit(3, 0), AverageAudit(3, 0)
+    given.add(0, 1, average, mine, dots)
+    taken.add(0, 1, average, mine)
+    given.close_step(1)
+    taken.close_step(1)
+    assert given.row() == pytest.approx(taken.row(), rel=1e-6)
