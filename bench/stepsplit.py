@@ -11,6 +11,7 @@ the WAN job's split less the network-free job's, part by part.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,35 @@ HEAD = {"compute": "compute", "pipeline_wait": "pp wait", "transfer": "transfer"
 def measured_split(events: list[dict[str, Any]]) -> Breakdown:
     """The mean breakdown of the steps >= 2 of every rank (the first holds the start-up)."""
     return mean(measured(e) for e in events if e.get("event") == "step" and e["step"] >= 2)
+
+
+def by_replica(events: list[dict[str, Any]]) -> dict[int, Breakdown]:
+    """`measured_split` for each replica's pipeline apart (its ranks' steps >= 2): where one
+    pipeline's sync wait is the other's step difference, the wait is the faster replica
+    waiting for the slower one, not the exchange."""
+    replicas = sorted({e.get("replica", -1) for e in events if e.get("event") == "step"})
+    return {r: measured_split([e for e in events if e.get("replica", -1) == r])
+            for r in replicas if r >= 0}
+
+
+def latency_floor(grid: list[list[str]], links: dict[str, Any]) -> float:
+    """Seconds a step of exact synchronous training spends on one-way delays whatever its
+    schedule and codecs: each pipeline's activations cross its S - 1 links forward and their
+    gradients cross them back (a flushed pipeline's fill and drain), and stage 0's last
+    bucket (its embedding's gradient, the last that backward finishes) goes to its owner and
+    comes back averaged before the optimizer can step and the next step begin. So: the
+    slowest pipeline's delays both ways, plus twice the longest delay between stage 0's
+    replicas. `grid`: agent ids, a row per stage; `links`: a links file (`delay_ms`,
+    `agents`)."""
+    at = {a: i for i, a in enumerate(links["agents"])}
+    delay = links["delay_ms"]
+    pipes = []
+    for r in range(len(grid[0])):
+        col = [at[row[r]] for row in grid]
+        pipes.append(sum(delay[a][b] + delay[b][a] for a, b in itertools.pairwise(col)))
+    first = [at[a] for a in grid[0]]
+    dp = max((delay[a][b] for a in first for b in first if a != b), default=0.0)
+    return (max(pipes, default=0.0) + 2 * dp) / 1000
 
 
 def free_prediction(events: list[dict[str, Any]], model: str, stages: int, replicas: int,
@@ -80,15 +110,21 @@ def table(rows: list[tuple[str, Breakdown | None, bool]]) -> str:
 
 
 def report(wan: Breakdown, wan_predicted: Breakdown | None, free: Breakdown,
-           free_predicted: Breakdown) -> dict[str, Any]:
-    """The four splits, the lost time part by part (measured, and predicted), and the table."""
+           free_predicted: Breakdown, wan_replicas: dict[int, Breakdown] | None = None,
+           free_replicas: dict[int, Breakdown] | None = None) -> dict[str, Any]:
+    """The four splits, the lost time part by part (measured, and predicted), and the table;
+    each replica's pipeline's measured split below, where given (`by_replica`)."""
     lost = wan.minus(free)
     lost_predicted = wan_predicted.minus(free_predicted) if wan_predicted else None
-    text = table([("WAN, measured", wan, False), ("WAN, predicted", wan_predicted, True),
-                  ("network removed, measured", free, False),
-                  ("network removed, predicted", free_predicted, True),
-                  ("lost to the network, measured", lost, False),
-                  ("lost to the network, predicted", lost_predicted, True)])
+    rows = [("WAN, measured", wan, False), ("WAN, predicted", wan_predicted, True),
+            ("network removed, measured", free, False),
+            ("network removed, predicted", free_predicted, True),
+            ("lost to the network, measured", lost, False),
+            ("lost to the network, predicted", lost_predicted, True)]
+    rows += [(f"WAN, replica {r}", b, False) for r, b in (wan_replicas or {}).items()]
+    rows += [(f"network removed, replica {r}", b, False)
+             for r, b in (free_replicas or {}).items()]
+    text = table(rows)
     return {"wan": wan.to_json(), "wan_predicted": wan_predicted.to_json()
             if wan_predicted else None, "free": free.to_json(),
             "free_predicted": free_predicted.to_json(), "lost": lost.to_json(),

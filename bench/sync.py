@@ -158,6 +158,7 @@ def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
         "val_loss": statistics.median(done) if done else None,
         "drift_last": drifts[-1] if drifts else None,
         "split": stepsplit.measured_split(events).to_json(),
+        "split_by_replica": {r: b.to_json() for r, b in stepsplit.by_replica(events).items()},
         "sync_every_run": max((e.get("sync_every", 1) for e in steps), default=1),
     }
 
@@ -267,9 +268,13 @@ def loopback_ceiling(args: argparse.Namespace, agents: int, h: int) -> dict[str,
 def split_report(on: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
     """Everything on against the same job with the network removed, part by part."""
     predicted = on.get("predicted_breakdown")
+    def replicas(row: dict[str, Any]) -> dict[int, Breakdown]:
+        return {int(r): Breakdown(**b) for r, b in row.get("split_by_replica", {}).items()}
+
     return stepsplit.report(Breakdown(**on["split"]), Breakdown(**predicted) if predicted
                             else None, Breakdown(**ceiling["split"]),
-                            Breakdown(**ceiling["split_predicted"]))
+                            Breakdown(**ceiling["split_predicted"]), replicas(on),
+                            replicas(ceiling))
 
 
 def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -291,6 +296,9 @@ def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
                 "--outer-momentum", str(args.outer_momentum), "--seed", str(args.seed),
                 "--checkpoint-every", "0"], label=f"everything on, {m} micro-batches")
             on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
+            if on.get("grid"):  # what no exact schedule takes back (stepsplit.latency_floor)
+                on["latency_floor_s"] = stepsplit.latency_floor(
+                    on["grid"], json.loads(links.read_text()))
             ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"])
             pairs.append({"micro_batches": m, "everything_on": on, "ceiling": ceiling,
                           "breakdown": split_report(on, ceiling)})
@@ -351,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
                **breakdown_only(args)}
         for pair in out["pairs"]:
             print(f"{pair['micro_batches']} micro-batches:\n{pair['breakdown']['table']}")
+            if floor := pair["everything_on"].get("latency_floor_s"):
+                free = pair["ceiling"]["mean_step_s"]
+                print(f"one-way delays an exact schedule cannot take back on these links: "
+                      f"{floor:.3f} s a step; with nothing else lost, network-free / WAN "
+                      f"would be {free / (free + floor):.2f}x")
             print(f"network-free / everything on: {pair['breakdown']['ratio']:.2f}x the step; "
                   f"everything on {pair['everything_on']['tokens_per_s']:.0f} tok/s, network "
                   f"removed {pair['ceiling']['tokens_per_s']:.0f} tok/s")

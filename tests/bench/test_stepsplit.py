@@ -36,3 +36,27 @@ def test_the_network_free_prediction_and_the_lost_time() -> None:
     out = stepsplit.report(wan, None, stepsplit.measured_split(events()), free)
     assert out["lost"]["step_s"] == 0.0 and out["ratio"] == 1.0
     assert "lost to the network, measured" in out["table"]
+
+
+def test_each_replicas_pipeline_is_split_apart() -> None:
+    """A second replica whose ranks wait 0.5 s more at the sync point: its own split shows
+    it, the job's mean halves it, and the report lists both replicas."""
+    two = events() + [{**e, "replica": 1, "dp_s": 0.5, "step_s": e["step_s"] + 0.5}
+                      for e in events()]
+    split = stepsplit.by_replica(two)
+    assert sorted(split) == [0, 1]
+    assert (split[0].sync_wait, split[1].sync_wait) == (0.0, pytest.approx(0.5))
+    assert stepsplit.measured_split(two).sync_wait == pytest.approx(0.25)
+    out = stepsplit.report(split[0], None, split[0], split[0], split, split)
+    assert "WAN, replica 1" in out["table"] and "network removed, replica 0" in out["table"]
+
+
+def test_the_latency_floor_is_the_slowest_pipeline_both_ways_and_stage_0s_exchange() -> None:
+    """2 stages x 2 replicas: pipeline 0 is a-b (10 ms one way, 12 back), pipeline 1 c-d
+    (30 ms each way); stage 0's replicas a and c are 40 ms apart one way, 45 the other:
+    60 ms of pipeline plus twice 45 ms."""
+    agents = ["a", "b", "c", "d"]
+    delay = [[0, 10, 40, 0], [12, 0, 0, 0], [45, 0, 0, 30], [0, 0, 30, 0]]
+    floor = stepsplit.latency_floor([["a", "c"], ["b", "d"]],
+                                    {"agents": agents, "delay_ms": delay})
+    assert floor == pytest.approx(0.060 + 0.090)
