@@ -69,6 +69,14 @@ CONFIRMING = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_stale", "w
                         "avg_zero", "avg_stale", "grad_nonfinite", "avg_nonfinite",
                         "avg_mismatch", "avg_inputs", "avg_claims", "avg_equivocal",
                         "avg_share", NORM_DIFFERS})
+# Kinds whose records relay what one first-hand witness reported: a rank's norm that differs
+# (norm_differs) is seen by the replicas of a stage that compare their pipelines' tables, and
+# the table that shows it is the odd replica's own row, which a liar writes as it likes. So
+# the reporters that agree must be of at least `WITNESS_STAGES` stages: each stage's odd
+# replica is another witness of what the suspect sent (with one bad agent, at most one of
+# them lies). A two-stage job has one such witness: there it stays evidence.
+WITNESSED = frozenset({NORM_DIFFERS})
+WITNESS_STAGES = 2
 # Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
 PERSISTENT = frozenset({"grad_norm", "grad_noise"})
 PERSIST_STEPS = 3  # distinct steps within the window, per reporter, for a PERSISTENT kind
@@ -85,6 +93,7 @@ def _near(steps: Iterable[int], step: int) -> int:
 @dataclass
 class _Named:
     first: int  # the earliest step this reporter named the suspect at
+    stage: int = -1  # the reporter's stage in the epoch's layout (-1: not known)
     sure: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
     scored: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
 
@@ -121,8 +130,11 @@ class Corroboration:
             return False, rec.step, []
         by = self._named.setdefault(rec.agent_id, {})
         began = onset(rec.kind, rec.step, self.sync_every)
-        by.setdefault(rec.reporter, _Named(began)).note(rec.step, rec.kind, began)
+        by.setdefault(rec.reporter, _Named(began, rec.stage)).note(rec.step, rec.kind, began)
         recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
+        if rec.kind in WITNESSED and len({n.stage for n in recent.values()} - {-1}) < \
+                WITNESS_STAGES:
+            return False, rec.step, []
         if rec.reporter in recent and len(recent) >= AGREEING:
             return True, min(n.first for n in recent.values()), sorted(recent)
         return False, rec.step, []

@@ -180,10 +180,12 @@ def test_a_link_whose_ends_disagree_opens_a_dispute_and_explains_both_ends() -> 
         [e.detail for e in integrity.ledger.evidence("a3")])
 
 
-def norm_differs(agent: str, step: int, reporter: str = "a0") -> EvidenceRecord:
-    """`agent`'s pipeline partner's replicas name it for the norm it sent (normtable.py)."""
+def norm_differs(agent: str, step: int, reporter: str = "a0", stage: int = 0
+                 ) -> EvidenceRecord:
+    """`agent`'s pipeline partner's replicas (of `stage`) name it for the norm it sent
+    (normtable.py)."""
     return EvidenceRecord(agent, "norm_differs", step, "rank 1 sent its pipeline another "
-                          "squared norm", reporter, 1, 1.0, 1, (agent,), 0)
+                          "squared norm", reporter, 1, 1.0, 1, (agent,), stage)
 
 
 def test_a_norm_that_differs_waits_for_every_members_records_through_its_digest() -> None:
@@ -224,15 +226,15 @@ def jobs_integrity() -> JobIntegrity:
 @pytest.mark.parametrize("disputed", [True, False])
 def test_the_jobs_integrity_explains_a_norm_by_its_stages_dispute(disputed: bool) -> None:
     """`JobIntegrity`'s own-stage explanation, through the corroboration path: the receiver a1
-    (stage 1) and its owner a5 dispute an average at step 12, so the norm a1 sent at step 12
-    is no lie of a1's; without the dispute, the two reporters' records confirm once every
-    member's records have arrived (vetted)."""
+    and its owner a5 dispute an average at step 12, so the norm a1 sent at step 12 is no lie
+    of a1's; without the dispute, reporters of two other stages (two witnesses: a pipeline
+    of three stages or more) confirm it once every member's records have arrived (vetted)."""
     from coordinator.integrity.corroborate import Corroboration
     from tests.coordinator.test_integrity_disputes import dispute
     integrity = jobs_integrity()
     if disputed:
         assert integrity.settle([dispute("a1", "a5", 12, kind="avg_disagree", reporter="a1")])
-    Corroboration().feed([norm_differs("a1", 12, "a0"), norm_differs("a1", 12, "a2")],
+    Corroboration().feed([norm_differs("a1", 12, "a0", 0), norm_differs("a1", 12, "a2", 2)],
                          integrity.ledger, defer=integrity.defer)
     assert not integrity.ledger.exclusions  # waiting (or evidence)
     integrity.held.release(integrity.ledger, 21, 21)
@@ -243,3 +245,15 @@ def test_the_jobs_integrity_explains_a_norm_by_its_stages_dispute(disputed: bool
     else:
         assert set(integrity.ledger.exclusions) == {"a1"}
         assert integrity.ledger.exclusions["a1"].step == 12
+
+
+def test_a_norm_that_differs_needs_witnesses_of_two_stages() -> None:
+    """What the replicas of one stage report about a rank of their pipeline comes from one
+    table, the odd replica's own row, which a liar writes as it likes: records of one stage
+    (however many reporters) stay evidence; a second stage's records (another witness)
+    confirm."""
+    from coordinator.integrity.corroborate import Corroboration
+    c = Corroboration()
+    one_stage = [norm_differs("a1", 12, r, 0) for r in ("a0", "a2", "a4")]
+    assert not any(c.weigh(r)[0] for r in one_stage)
+    assert c.weigh(norm_differs("a1", 12, "a3", 2)) == (True, 12)

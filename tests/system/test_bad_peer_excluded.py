@@ -70,15 +70,15 @@ def test_an_owner_sending_back_noised_averages_is_excluded_and_the_job_rolls_bac
     assert "avg_mismatch" in exclusion["reason"], exclusion
 
 
-def two_stages_excluded_alone(daemons: Daemons, attack: str, kind: str
-                              ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run a 2 x 3 job (scheduled placement: a swap parts a disputed pair) with a bad agent
-    that makes `attack` from `ATTACK_AT` on, and check that the job finished, the bad agent
-    alone was excluded, for `kind` at `ATTACK_AT`, and nothing is confirmed against an honest
-    agent. The finished job and the exclusion."""
+def pipelined_excluded_alone(daemons: Daemons, attack: str, kind: str, stages: int = 2
+                             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run a `stages` x 3 job (scheduled placement: a swap parts a disputed pair) with a bad
+    agent that makes `attack` from `ATTACK_AT` on, and check that the job finished, the bad
+    agent alone was excluded, for `kind` at `ATTACK_AT`, and nothing is confirmed against an
+    honest agent. The finished job and the exclusion."""
     bad, status, rows = run_with_bad_peer(
-        daemons, 5, attack, ATTACK_AT, STEPS, "--stages", "2", "--replicas", "3",
-        "--batch", "6", "--layer-split", "even")
+        daemons, 3 * stages - 1, attack, ATTACK_AT, STEPS, "--stages", str(stages),
+        "--replicas", "3", "--batch", "6", "--layer-split", "even")
     done = status["job"]
     assert done["state"] == "done" and done["step"] == STEPS, done
     excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
@@ -106,7 +106,7 @@ def test_an_owner_that_sends_one_receiver_another_average_is_excluded_not_the_re
     confirmed against: each receiver's pipeline partner, whose weights differed for the norm
     the receiver sent it, is not named for it, and the receiver's norm is explained by its
     stage's dispute (agent/worker/normtable.py, coordinator/integrity/explained.py)."""
-    done, exclusion = two_stages_excluded_alone(daemons, "avg_one", "avg_disagree")
+    done, exclusion = pipelined_excluded_alone(daemons, "avg_one", "avg_disagree")
     assert "common to two disagreements" in exclusion["reason"], exclusion
     first = done["recoveries"][0]  # the dispute's: parted, rolled back before its exchange
     assert "avg_disagree" in first["reason"] and "apart" in first["reason"], first
@@ -119,9 +119,12 @@ def test_a_rank_lying_about_its_gradient_norm_is_excluded_not_its_pipeline_partn
     (`norm_lie`): its pipeline partner clips with another coefficient, and its weights alone
     differ from its replicas' at the next digest, which named it, the honest one. The
     pipelines' norms travel with the digest (agent/worker/normtable.py): the partner's
-    replicas name the bad agent for the norm it sent (`norm_differs`), which its own stage's
-    records do not explain (no average it got disputed), so it is excluded, rolled back
-    before the first such step; no honest agent is excluded or confirmed against."""
-    done, _ = two_stages_excluded_alone(daemons, "norm_lie", "norm_differs")
+    replicas name the bad agent for the norm it sent (`norm_differs`). Three stages: the
+    bad agent's two partners are two witnesses of what it sent (one stage's records relay
+    one table, the odd replica's own, which a liar could write: coordinator/integrity/
+    corroborate.py), and its own stage's records explain nothing (no average it got
+    disputed), so it is excluded, rolled back before the first such step; no honest agent is
+    excluded or confirmed against."""
+    done, _ = pipelined_excluded_alone(daemons, "norm_lie", "norm_differs", stages=3)
     first = done["recoveries"][0]
     assert first["resumed_step"] == newest_before(ATTACK_AT, 4), first
