@@ -106,10 +106,11 @@ class Equivocation:
         self.onset, self.step = onset, 0
         self.target: Hashable | None = None  # the receiver it equivocates to
 
-    def __call__(self, key: tuple[int, int], t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
+        receiver = key[1] if isinstance(key, tuple) else key
         if self.target is None:
-            self.target = key[1]
-        if self.step < self.onset or key[1] != self.target:
+            self.target = receiver
+        if self.step < self.onset or receiver != self.target:
             return t
         return t * SCALES["scale"]
 

@@ -162,9 +162,9 @@ class ReplicaChecks:
         if not found:
             return False
         if self._trace:
-            with open(self._trace, "a", encoding="utf-8") as f:
+            with open(self._trace, "a", encoding="utf-8") as trace:
                 for s in found:
-                    f.write(json.dumps({"step": step, "owner": self.rank,
+                    trace.write(json.dumps({"step": step, "owner": self.rank,
                                         "rank": self.dp_ranks[s.replica],
                                         "norm_ratio": s.norm_ratio, "cosine": s.cosine,
                                         "shape": s.shape, "quiet": s.quiet,
