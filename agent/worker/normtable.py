@@ -26,7 +26,7 @@ steps (`--sync-every`) replicas differ between sync points and nothing is kept.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,20 +38,20 @@ class NormTable:
     """One replica's pipeline's squared norms over the synchronous steps since a digest."""
 
     stages: int
-    _rows: list[list[float]] = field(default_factory=list)
+    _rows: deque[list[float]] = field(default_factory=lambda: deque(maxlen=MAX_STEPS))
 
     def add(self, step: int, squares: Sequence[float]) -> None:
         """The squared norms its pipeline exchanged at `step`, in stage order."""
         if len(squares) != self.stages:
             raise ValueError(f"{len(squares)} squared norms for a pipeline of {self.stages} "
                              f"stages")
-        self._rows = [*self._rows, [float(step), *map(float, squares)]][-MAX_STEPS:]
+        self._rows.append([float(step), *map(float, squares)])
 
     def take(self) -> list[float]:
         """The kept rows, flat, for `World.dp_gather` (the same length on every replica of
         a stage: they step together); spent."""
         flat = [v for row in self._rows for v in row]
-        self._rows = []
+        self._rows.clear()
         return flat
 
 

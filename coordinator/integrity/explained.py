@@ -19,10 +19,9 @@ because its own averaged gradient differs, which an owner that sent it another a
 causes; its own stage then reports a dispute of the two (`avg_disagree`) at the same digest,
 from other agents whose records may arrive later. So it waits until every member's records
 have arrived through the step of the report that delivered it, at or past the digest that
-found it (`vetted`: rollback.vetted_step), and is
-dropped where its stage disputed the average it got within a digest of the step
-(`explain_own`), confirmed otherwise. Where the owner was named outright, its exclusion ends
-the epoch first, and what waits lapses with it.
+found it (`vetted`: rollback.vetted_step), and is dropped where `explain_own` explains it
+(exclusion.py: a dispute of an average it got that is still remembered, or a pending
+rollback from before the step, which the owner named outright sets), confirmed otherwise.
 
 Only the kinds a wrong input can cause wait: a copy's norm or shape, a zeroed copy (gradients sent
 back as zeros zero the stage's own), a non-finite copy, and an owner's own share of its

@@ -98,18 +98,16 @@ def to_record(reporter: str, epoch: int, e: Any, members: Sequence[str],
 
     stage = e.reporter_rank % stages if stages > 0 and 0 <= e.reporter_rank < len(members) \
         else -1  # rank = replica * stages + stage
+    suspect = agent(e.suspect_rank)
+    candidates: tuple[str, ...] = ()
     if e.kind in REPORTER_PAIRS:  # a dispute of the reporter's own, with a replica of its stage
-        other = agent(e.suspect_rank)
-        pair = (stage >= 0 and members[e.reporter_rank] == reporter and other not in ("", reporter)
-                and e.suspect_rank % stages == stage)
-        return EvidenceRecord("", e.kind, int(e.step), e.detail, reporter, int(e.suspect_rank),
-                              float(e.score), int(epoch), (reporter, other) if pair else (),
-                              stage)
-    if e.suspect_rank >= 0:
-        candidates: tuple[str, ...] = (agent(e.suspect_rank),)
+        if (stage >= 0 and members[e.reporter_rank] == reporter
+                and suspect not in ("", reporter) and e.suspect_rank % stages == stage):
+            candidates = (reporter, suspect)
+        suspect = ""  # a pair names nobody alone
+    elif e.suspect_rank >= 0:
+        candidates = (suspect,)
     elif stage >= 0:
         candidates = tuple(members[r] for r in range(stage, len(members), stages))
-    else:
-        candidates = ()
-    return EvidenceRecord(agent(e.suspect_rank), e.kind, int(e.step), e.detail, reporter,
-                          int(e.suspect_rank), float(e.score), int(epoch), candidates, stage)
+    return EvidenceRecord(suspect, e.kind, int(e.step), e.detail, reporter, int(e.suspect_rank),
+                          float(e.score), int(epoch), candidates, stage)

@@ -55,3 +55,14 @@ def test_a_table_keeps_its_last_steps_and_is_spent_by_take() -> None:
     assert t.take() == []
     with pytest.raises(ValueError, match="3 squared norms for a pipeline of 2 stages"):
         t.add(1, [1.0, 2.0, 3.0])
+
+
+def test_a_lying_rows_non_finite_or_huge_values_find_only_that_row() -> None:
+    """A peer's row is its own to lie in (dp_gather: point to point, at the receiver's own
+    length): NaN, infinity or a huge value in it find that pipeline only, never an honest
+    one, and the majority stays the honest value."""
+    for bad in (float("nan"), float("inf"), 1e308):
+        lied = [[1.5, bad, 0.5], HONEST[1]]
+        got = rows([HONEST, lied, HONEST])
+        assert differing(got, 3, 1) == [(1, 1)]
+        assert differing(got, 3, 0) == [] and differing(got, 3, 2) == []
