@@ -66,6 +66,8 @@ class CoordinatorSession:
         self.heartbeat_interval_s = 1.0
         self.state = WorkerState.IDLE  # MEASURING while it measures links
         self._leaving = False  # set by say_goodbye: no heartbeat may follow the goodbye
+        self._welcomed_once = False  # a goodbye is owed only to a coordinator that knows us
+        self._beating = asyncio.Lock()  # held while a heartbeat is in flight
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         # by (peer id, address): two peers behind different NATs may advertise one address
@@ -93,6 +95,7 @@ class CoordinatorSession:
                         self.heartbeat_interval_s = paced_interval(
                             command.welcome.heartbeat_interval_s or 1.0)
                         self.connected = True
+                        self._welcomed_once = True
                         backoff = 0.25
                         log.info("joined coordinator %s as %s", self.target, self.info.agent_id)
                         if heartbeat is None:
@@ -307,8 +310,11 @@ class CoordinatorSession:
         assert self._stub is not None
         while not self._leaving:
             try:
-                progress, report = self.supervisor.progress, self.progress_report()
-                ack = await self._stub.ReportProgress(report, timeout=5.0)
+                async with self._beating:
+                    if self._leaving:
+                        return
+                    progress, report = self.supervisor.progress, self.progress_report()
+                    ack = await self._stub.ReportProgress(report, timeout=HEARTBEAT_TIMEOUT_S)
                 progress.delivered(len(report.integrity))
                 if ack.heartbeat_interval_s > 0:  # the coordinator paces us as agents join
                     self.heartbeat_interval_s = paced_interval(ack.heartbeat_interval_s)
@@ -343,21 +349,61 @@ class CoordinatorSession:
         """Tell the coordinator we are leaving on purpose, so it marks us left, not lost.
 
         Heartbeats stop first: one sent after the goodbye would bring us back to life in the
-        registry (a heartbeat from a known agent means it is alive).
+        registry (a heartbeat from a known agent means it is alive). The goodbye goes on a
+        channel of its own: the session's ends whenever a command arrives after the stop
+        began, and a goodbye that waited on it was skipped. A busy coordinator gets a few
+        tries within `GOODBYE_BUDGET_S`, so shutting down stays bounded when it is gone.
         """
         self._leaving = True
-        if self._stub is None or not self.connected:
+        if not self._welcomed_once:
             return
+        # a heartbeat still in flight could reach the coordinator after the goodbye and mark
+        # us alive again: let it land first
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
+                await self._beating.acquire()
+                self._beating.release()
         request = coordinator_pb2.LeaveRequest(agent_id=self.info.agent_id,
                                                agent_secret=self.secret, reason=clip(reason))
+        channel = rpc.open_channel(self.target, self.security)
         try:
-            await self._stub.Leave(request, timeout=2.0)
-        except grpc.aio.AioRpcError:
-            pass
-        except asyncio.CancelledError:  # the coordinator left first and run() closed the channel
+            problem = await send_goodbye(coordinator_pb2_grpc.CoordinatorStub(channel), request)
+        except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
+            problem = "cancelled"
+        finally:
+            await channel.close()
+        if problem:
+            log.warning("could not tell coordinator %s that this agent is leaving (%s); it will "
+                        "mark the agent lost when its heartbeats stop", self.target, problem)
+
+
+HEARTBEAT_TIMEOUT_S = 5.0
+GOODBYE_BUDGET_S = 6.0
+GOODBYE_TRY_S = 2.0
+GOODBYE_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def send_goodbye(stub: coordinator_pb2_grpc.CoordinatorStub,
+                       request: coordinator_pb2.LeaveRequest,
+                       budget_s: float = GOODBYE_BUDGET_S) -> str:
+    """Send `request` until the coordinator acknowledges it, a refusal that a retry cannot
+    change, or `budget_s` runs out. Returns "" when it was acknowledged, else why not."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    problem = "no time left to send it"
+    while (left := deadline - loop.time()) > 0.05:
+        try:
+            await stub.Leave(request, timeout=min(GOODBYE_TRY_S, left))
+            return ""
+        except grpc.aio.AioRpcError as exc:
+            problem = f"{exc.code().name}: {exc.details()}"
+            if exc.code() not in GOODBYE_RETRY:
+                return problem
+        await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+    return problem
 
 
 def evidence_messages(events: list[IntegrityEvent]) -> list[coordinator_pb2.IntegrityEvidence]:

@@ -1,0 +1,167 @@
+"""An agent that stops says goodbye, so the coordinator marks it left, not lost.
+
+Stop 58's CI saw an agent exit 0 on SIGTERM while the coordinator never marked it left. Two
+ways the goodbye was lost are pinned here against a real gRPC server:
+- a command that reached the session after the stop began ended the session's stream and
+  closed its channel, and the goodbye, which waited on that channel, was skipped;
+- a heartbeat still in flight could land after the goodbye and mark the agent alive again.
+A coordinator that answers the goodbye UNAVAILABLE once (busy) gets it again; one that refuses
+it for good is not asked for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agent.daemon.session import CoordinatorSession, send_goodbye
+from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.agent.servers import coordinator_server, session_to
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class LeavingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    """Welcomes, then sends a `reach` command whenever `push` is set; heartbeats take
+    `beat_s` to answer; the first `busy` goodbyes are answered UNAVAILABLE. `calls` is the
+    order in which calls finished (a goodbye says whether a heartbeat was still pending: in
+    the real coordinator that heartbeat, taken after the goodbye, marks the agent alive)."""
+
+    def __init__(self, beat_s: float = 0.0, busy: int = 0) -> None:
+        self.push = asyncio.Event()
+        self.beat_s, self.busy = beat_s, busy
+        self.beat_started = asyncio.Event()
+        self.calls: list[str] = []
+        self.beating = 0  # heartbeats not yet answered
+
+    async def Join(self, request: coordinator_pb2.JoinRequest,  # noqa: N802 - grpc's name
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[coordinator_pb2.Command]:
+        yield coordinator_pb2.Command(welcome=coordinator_pb2.Welcome(
+            agent_id=request.agent.agent_id, heartbeat_interval_s=0.05))
+        await self.push.wait()
+        yield coordinator_pb2.Command(reach=coordinator_pb2.Command().reach)
+        await asyncio.Event().wait()
+
+    async def ReportProgress(self, request: coordinator_pb2.ProgressReport,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> coordinator_pb2.Ack:
+        self.beat_started.set()
+        self.beating += 1
+        await asyncio.sleep(self.beat_s)
+        self.beating -= 1
+        self.calls.append("beat")
+        return coordinator_pb2.Ack(ok=True, heartbeat_interval_s=0.05)
+
+    async def Leave(self, request: coordinator_pb2.LeaveRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> coordinator_pb2.Ack:
+        if self.busy > 0:
+            self.busy -= 1
+            self.calls.append("busy")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+        self.calls.append("leave" if not self.beating else "leave while a heartbeat is pending")
+        return coordinator_pb2.Ack(ok=True)
+
+
+async def joined(servicer: LeavingCoordinator,
+                 tmp: Path) -> tuple[grpc.aio.Server, CoordinatorSession, asyncio.Task[None]]:
+    server, port = await coordinator_server(servicer)
+    session = session_to(port, tmp)
+    task = asyncio.create_task(session.run())
+    for _ in range(200):
+        if session.connected:
+            break
+        await asyncio.sleep(0.05)
+    assert session.connected, "the session never joined"
+    return server, session, task
+
+
+async def stopped(server: grpc.aio.Server, task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await server.stop(grace=None)
+
+
+def test_a_command_after_the_stop_began_does_not_lose_the_goodbye(tmp_path: Path) -> None:
+    async def main() -> None:
+        servicer = LeavingCoordinator()
+        server, session, task = await joined(servicer, tmp_path)
+        try:
+            session.stop_rejoining()
+            servicer.push.set()  # the command ends the session's stream and channel
+            await asyncio.wait_for(task, 10)
+            assert not session.connected
+            await session.say_goodbye()
+            assert servicer.calls[-1] == "leave", servicer.calls
+        finally:
+            await stopped(server, task)
+    asyncio.run(main())
+
+
+def test_the_goodbye_lands_after_a_heartbeat_in_flight(tmp_path: Path) -> None:
+    async def main() -> None:
+        servicer = LeavingCoordinator(beat_s=0.5)
+        server, session, task = await joined(servicer, tmp_path)
+        try:
+            servicer.beat_started.clear()
+            await asyncio.wait_for(servicer.beat_started.wait(), 10)  # one is in flight now
+            await session.say_goodbye()
+            assert servicer.calls[-2:] == ["beat", "leave"], servicer.calls
+            await asyncio.sleep(0.7)  # no heartbeat follows the goodbye
+            assert servicer.calls[-1] == "leave", servicer.calls
+        finally:
+            await stopped(server, task)
+    asyncio.run(main())
+
+
+def test_a_busy_coordinator_gets_the_goodbye_again(tmp_path: Path) -> None:
+    async def main() -> None:
+        servicer = LeavingCoordinator(busy=2)
+        server, session, task = await joined(servicer, tmp_path)
+        try:
+            await session.say_goodbye()
+            assert [c for c in servicer.calls if c != "beat"] == ["busy", "busy", "leave"]
+        finally:
+            await stopped(server, task)
+    asyncio.run(main())
+
+
+class RefusingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self) -> None:
+        self.leaves = 0
+
+    async def Leave(self, request: coordinator_pb2.LeaveRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> coordinator_pb2.Ack:
+        self.leaves += 1
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "agent has not joined")
+        return coordinator_pb2.Ack()
+
+
+def test_a_refused_goodbye_is_not_repeated_and_says_why() -> None:
+    async def main() -> None:
+        servicer = RefusingCoordinator()
+        server, port = await coordinator_server(servicer)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                problem = await send_goodbye(coordinator_pb2_grpc.CoordinatorStub(channel),
+                                             coordinator_pb2.LeaveRequest(agent_id="vm-test"))
+            assert servicer.leaves == 1
+            assert "FAILED_PRECONDITION" in problem and "has not joined" in problem
+        finally:
+            await server.stop(grace=None)
+    asyncio.run(main())
+
+
+def test_a_goodbye_to_nobody_ends_within_its_budget() -> None:
+    async def main() -> None:
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            problem = await send_goodbye(coordinator_pb2_grpc.CoordinatorStub(channel),
+                                         coordinator_pb2.LeaveRequest(agent_id="vm-test"),
+                                         budget_s=1.0)
+            assert loop.time() - began < 3.0
+            assert "UNAVAILABLE" in problem or "DEADLINE_EXCEEDED" in problem, problem
+    asyncio.run(main())
