@@ -351,8 +351,8 @@ class CoordinatorSession:
         Heartbeats stop first: one sent after the goodbye would bring us back to life in the
         registry (a heartbeat from a known agent means it is alive). The goodbye goes on a
         channel of its own: the session's ends whenever a command arrives after the stop
-        began, and a goodbye that waited on it was skipped. A busy coordinator gets a few
-        tries within `GOODBYE_BUDGET_S`, so shutting down stays bounded when it is gone.
+        began, and a goodbye that waited on it was skipped. A slow coordinator gets a few
+        tries within `GOODBYE_BUDGET_S` (`send_goodbye`), a gone one does not hold us up.
         """
         self._leaving = True
         if not self._welcomed_once:
@@ -381,26 +381,33 @@ class CoordinatorSession:
 
 
 HEARTBEAT_TIMEOUT_S = 5.0
-GOODBYE_BUDGET_S = 6.0
-GOODBYE_TRY_S = 2.0
-GOODBYE_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+GOODBYE_BUDGET_S = 5.0
+GOODBYE_TRY_S = 2.5
+GOODBYE_UNAVAILABLE_TRIES = 2  # a coordinator that is gone answers UNAVAILABLE at once
 
 
 async def send_goodbye(stub: coordinator_pb2_grpc.CoordinatorStub,
                        request: coordinator_pb2.LeaveRequest,
                        budget_s: float = GOODBYE_BUDGET_S) -> str:
-    """Send `request` until the coordinator acknowledges it, a refusal that a retry cannot
-    change, or `budget_s` runs out. Returns "" when it was acknowledged, else why not."""
+    """Send `request` until the coordinator acknowledges it, refuses it, or `budget_s` runs
+    out. Returns "" when it was acknowledged, else why not.
+
+    A goodbye that timed out is sent again while the budget lasts (a loaded coordinator is
+    slow, not gone); UNAVAILABLE gets one more try only, so an agent whose coordinator has
+    stopped is not held up shutting down."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_s
-    problem = "no time left to send it"
+    problem, unavailable = "no time left to send it", 0
     while (left := deadline - loop.time()) > 0.05:
         try:
             await stub.Leave(request, timeout=min(GOODBYE_TRY_S, left))
             return ""
         except grpc.aio.AioRpcError as exc:
             problem = f"{exc.code().name}: {exc.details()}"
-            if exc.code() not in GOODBYE_RETRY:
+            unavailable += exc.code() == grpc.StatusCode.UNAVAILABLE
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED and (
+                    exc.code() != grpc.StatusCode.UNAVAILABLE
+                    or unavailable >= GOODBYE_UNAVAILABLE_TRIES):
                 return problem
         await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
     return problem
