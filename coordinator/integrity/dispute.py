@@ -331,6 +331,26 @@ def swaps_part(placement_kind: str, stages: int) -> bool:
     return stages > 1 and placement_kind == "scheduled"
 
 
+def unsettled(placement_kind: str, stages: int, pinned: bool, spare_free: bool) -> str:
+    """Why an epoch of this placement cannot settle a dispute between two agents, "" where it
+    can: said when the epoch starts (a log warning and the job's state message), because an
+    operator who chose it learns otherwise only once a fault stays unexcluded."""
+    if swaps_part(placement_kind, stages):
+        return ""
+    if pinned:
+        why = "a pinned placement (--placement FILE) moves nobody"
+    elif spare_free:
+        return ""
+    else:
+        why = (f"no spare agent is free and {placement_kind} placement"
+               + (" of one stage" if stages == 1 else "") + " puts nobody elsewhere")
+    return (f"a dispute between two agents (replicas of a stage at R = 2, an average's "
+            f"owner and a receiver, a link's two ends) cannot be settled: {why}; it stays "
+            f"evidence and the job trains on. Start one agent more than the job uses"
+            + ("" if stages == 1 or pinned else ", or use --placement scheduled")
+            + (", or plan with `coordinator plan`, not a pinned file" if pinned else ""))
+
+
 @dataclass(frozen=True)
 class Apart:
     """Pairs of devices (or agents) to keep apart: `stage`, out of one stage (replicas that

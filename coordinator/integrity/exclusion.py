@@ -60,6 +60,7 @@ class JobIntegrity:
         self.checked = True
         self.separable = False  # whether this epoch can part two replicas (dispute.py)
         self.by_spare = False  # ... only by a spare in place of one of them (`Disputes.benched`)
+        self.unsettled = ""  # why this epoch cannot settle a dispute (`dispute.unsettled`)
         self.ledger = IntegrityLedger(saved)
         self.ledger.on_exclude = self._exclude
         self.disputes = dispute.restore(saved.get("disputes") if saved else None)
@@ -171,7 +172,8 @@ class JobIntegrity:
 
     def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,
                    separable: bool = False, rows: Sequence[Sequence[str]] = (),
-                   by_spare: bool = False, members: Sequence[str] = ()) -> None:
+                   by_spare: bool = False, members: Sequence[str] = (),
+                   unsettled: str = "") -> None:
         """Carry the pending rollback bound in the next epoch's assignments (`sync_every`:
         the epoch's H, where its checkpoints fall; `separable`: whether its layout and
         placement could part two replicas of a stage, `by_spare`: only by a spare agent in
@@ -189,6 +191,9 @@ class JobIntegrity:
             a.resume_before = self.planned_bound
         self.epoch_from = self.checkpoints.step
         self.checked = any(a.replicas > 1 for a in assignments)
+        said, self.unsettled = self.unsettled, unsettled if self.checked else ""
+        if self.unsettled and self.unsettled != said:
+            log.warning("integrity: %s", self.unsettled)
         self.held.epoch_ended()
         self._vetted = 0
         self._members = list(members)

@@ -48,7 +48,7 @@ from coordinator.daemon.reconcile import (
     stale_snapshot,
 )
 from coordinator.daemon.registry import AgentRecord, Registry
-from coordinator.integrity.dispute import separate, swaps_part
+from coordinator.integrity.dispute import separate, swaps_part, unsettled
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.job import failedpairs, jobsnapshot, jobstatus, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
@@ -71,6 +71,8 @@ from coordinator.scheduler.memory import DoesNotFit
 from coordinator.scheduler.placement import Placement
 from dtfm.core.assignment import build_assignments
 from dtfm.core.spec import SYNC_AUTO, WorkerState
+from dtfm.core.verify import Verify
+from dtfm.core.verify import resolve as resolve_verify
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -428,11 +430,13 @@ class Job:
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
         swaps = swaps_part(placement.kind, layout.stages)
+        spare = bool(self.membership.spares([r.agent_id for r in records]))
+        settle = "" if resolve_verify(cfg.train.verify, cfg.train.dp_mode) == Verify.OFF else (
+            unsettled(placement.kind, layout.stages, placement.pinned is not None, spare))
         self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
             assignments, train.sync_every, rows=self.planner.grid_ids, by_spare=not swaps,
-            members=[r.agent_id for r in records],
-            separable=swaps or (placement.pinned is None and bool(
-                self.membership.spares([r.agent_id for r in records]))))
+            members=[r.agent_id for r in records], unsettled=settle,
+            separable=swaps or (placement.pinned is None and spare))
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()
@@ -453,7 +457,8 @@ class Job:
                   + (f", resuming from checkpoints cut as "
                      f"{','.join(map(str, resplit))} layers per stage" if resplit else "")
                   + (f", around dead link(s) {linkfailure.describe(failures.dead)}"
-                     if failures.dead else ""))
+                     if failures.dead else "")
+                  + (f"; {settle}" if settle and self.integrity.checked else ""))
         self.replan.start_epoch(predicted.step_s)
         self.persist()
         await self._follow()
