@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from compress import files_under, progress_events  # noqa: E402
+from stepsplit import checks_share  # noqa: E402
 from wan import emulator_missing, measured_world  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "integrity_world.json"
@@ -107,12 +109,16 @@ def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify:
               f"{job['total_steps']} loss {job['loss']:.3f}", file=sys.stderr, flush=True)
 
     started = time.monotonic()
+    before = files_under(cluster.workdir, ".progress.jsonl")
     try:
         out = cluster.train(job_flags(args, verify), args.placement, links, args.timeout,
                             watch, prewarm=False, max_restarts=4)
     except RuntimeError as e:  # the job failed: a result, not a crash of the bench
         out = {"failed": str(e)}
-    return {"label": label, "wall_s": time.monotonic() - started, **out}
+    # the checks' own seconds in the step, from the workers' timers: the cost within this run
+    checks = checks_share(progress_events(files_under(cluster.workdir, ".progress.jsonl")
+                                          - before))
+    return {"label": label, "wall_s": time.monotonic() - started, "checks": checks, **out}
 
 
 def judged(row: dict[str, Any], bad_id: str, onset: int, honest: dict[str, Any]
@@ -155,18 +161,21 @@ def price(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'run':<14} {'bad excl.':>9} {'others':>6} {'steps':>5} {'val loss':>9} "
-            f"{'vs honest':>9} {'tok/s':>7}  reason")
+            f"{'vs honest':>9} {'tok/s':>7} {'checks':>6}  reason")
     lines = [head, "-" * len(head)]
     for r in rows:
         j = r.get("judged", {})
         steps = j.get("steps_to_exclusion")
         pct = j.get("val_loss_vs_honest_pct")
+        checks = r.get("checks")
+        checked = f"{100 * checks['share']:.1f}%" if checks else "-"
         lines.append(
             f"{r['label']:<14} {str(j.get('bad_excluded', '-')):>9} "
             f"{len(j.get('others_excluded', [])) if j else '-':>6} "
             f"{steps if steps is not None else '-':>5} {r.get('val_loss') or 0:>9.4f} "
             f"{f'{pct:+.2f} %' if pct is not None else '-':>9} "
-            f"{r.get('tokens_per_s') or 0:>7.0f}  "
+            f"{r.get('tokens_per_s') or 0:>7.0f} "
+            f"{checked:>6}  "
             f"{(j.get('reason') or r.get('failed') or '')[:60]}")
     return "\n".join(lines)
 
@@ -199,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
               f"(medians of {len(cost['pairs'])} pair(s); each pair: "
               f"{', '.join(f'{x:.3f}' for x in cost['pairs'])}), "
               f"{cost['bytes_per_step']:.3f}x the bytes per step")
+    for r in rows:
+        if r.get("checks") and r["label"].startswith("honest"):
+            c = r["checks"]
+            print(f"{r['label']}: the checks' own time, {100 * c['share']:.2f} % of the job's "
+                  f"step time ({c['verify_s_per_step'] * 1e3:.1f} ms a rank-step; the rank that "
+                  f"spends the most: {100 * c['worst_rank_share']:.2f} %)")
     Path(args.out).write_text(json.dumps({"args": vars(args), "bad_agent": bad_id,
                                           "cost": cost, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")

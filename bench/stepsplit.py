@@ -12,6 +12,7 @@ the WAN job's split less the network-free job's, part by part.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,27 @@ def by_replica(events: list[dict[str, Any]]) -> dict[int, Breakdown]:
     replicas = sorted({e.get("replica", -1) for e in events if e.get("event") == "step"})
     return {r: measured_split([e for e in events if e.get("replica", -1) == r])
             for r in replicas if r >= 0}
+
+
+def checks_share(events: list[dict[str, Any]]) -> dict[str, float] | None:
+    """What the replica checks (`--verify`) cost, read inside one run from the workers' own
+    timers (`StepEvent.verify_s`) rather than as two runs' tokens/s, which move by 15 % on a
+    shared machine: the job's seconds in the checks over its seconds of step (every rank's
+    steps >= 2), and the same for the rank that spends the most. None: no step says."""
+    steps = [e for e in events if e.get("event") == "step" and e["step"] >= 2
+             and isinstance(e.get("verify_s"), int | float) and math.isfinite(e["verify_s"])
+             and e.get("step_s", 0) > 0]
+    if not steps:
+        return None
+    by_rank: dict[int, list[float]] = {}
+    for e in steps:
+        got = by_rank.setdefault(e.get("rank", -1), [0.0, 0.0])
+        got[0] += e["verify_s"]
+        got[1] += e["step_s"]
+    return {"share": math.fsum(e["verify_s"] for e in steps) / math.fsum(e["step_s"]
+                                                                       for e in steps),
+            "worst_rank_share": max(v / s for v, s in by_rank.values()),
+            "verify_s_per_step": statistics.mean(e["verify_s"] for e in steps)}
 
 
 def latency_floor(grid: list[list[str]], links: dict[str, Any]) -> float:

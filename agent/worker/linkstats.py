@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 import torch
 
@@ -34,11 +35,14 @@ class LinkTally:
     def __init__(self) -> None:
         self._ss: dict[str, torch.Tensor] = {}
         self._n: dict[str, int] = {}
+        self.spent_s = 0.0  # seconds in `add` (the checks' cost: replicacheck.py reads it)
 
     def add(self, figure: str, t: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         ss = t.detach().float().square().sum()
         self._ss[figure] = self._ss[figure] + ss if figure in self._ss else ss
         self._n[figure] = self._n.get(figure, 0) + t.numel()
+        self.spent_s += time.perf_counter() - t0
 
     def take(self) -> list[float]:
         """The step's root mean square per figure (NaN: nothing on that link), and reset."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -100,6 +101,7 @@ class ReplicaChecks:
         # synchronous steps: the pipeline's squared norms, which the replicas' agree on
         self.norms = normtable.NormTable(stages) \
             if level != Verify.OFF and size > 1 and sync_every <= 1 else None
+        self.spent_s = 0.0  # this step's seconds in the checks (`take_spent`)
 
     def attach(self, pipe: Pipeline) -> None:
         """Tally `pipe`'s messages for the coordinator (`figures`), and arm a rehearsed
@@ -130,6 +132,22 @@ class ReplicaChecks:
 
     def end_step(self, step: int, last: int) -> None:
         """After the optimizer (and outer) step: disarm, judge, and digest when due."""
+        t0 = time.perf_counter()
+        try:
+            self._end_step(step, last)
+        finally:
+            self.spent_s += time.perf_counter() - t0
+
+    def take_spent(self) -> float:
+        """Seconds this step spent in the checks (the step event's `verify_s`), and reset:
+        the owner's scoring, the receivers' checks and audit, the link tally, the judging,
+        and the digest's exchange with its wait for the stage's replicas."""
+        spent, self.spent_s = self.spent_s, 0.0
+        if self.tally is not None:
+            spent, self.tally.spent_s = spent + self.tally.spent_s, 0.0
+        return spent
+
+    def _end_step(self, step: int, last: int) -> None:
         self.figures = {}
         if self.tally is not None and (got := self.windows.add(step, self.tally.take(), last)):
             self.figures = {f"link_{name}": v for name, v in zip(linkstats.FIGURES, got,
@@ -150,10 +168,13 @@ class ReplicaChecks:
     # ---- gradient copies at their owner ----
     def _inspect(self, bucket: int, copies: list[torch.Tensor]) -> torch.Tensor | None:
         assert self.scorer is not None
+        t0 = time.perf_counter()
         self.scorer.add(bucket, copies)
         if self.audit is not None:
             self.audit.hold(bucket, copies)
-        return gradscore.centered_clip(copies) if self.level == Verify.ROBUST else None
+        clipped = gradscore.centered_clip(copies) if self.level == Verify.ROBUST else None
+        self.spent_s += time.perf_counter() - t0
+        return clipped
 
     def _judge(self, step: int) -> bool:
         """Judge this step's copies of my shard; whether any was found bad."""
@@ -185,9 +206,11 @@ class ReplicaChecks:
     def _check_average(self, bucket: int, owner: int, average: torch.Tensor,
                        mine: torch.Tensor) -> None:
         assert self.averages is not None
+        t0 = time.perf_counter()
         dots = self.averages.add(owner, average, mine)  # taken once, for the audit too
         if self.audit is not None:
             self.audit.add(bucket, owner, average, mine, dots)
+        self.spent_s += time.perf_counter() - t0
 
     def _judge_averages(self, step: int, inputs_suspect: bool) -> None:
         assert self.averages is not None

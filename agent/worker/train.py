@@ -405,7 +405,8 @@ class Worker:
             dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s, pp_codec_s=times.codec_s,
             codec_hidden_s=hidden_s, cpu_s=times.cpu_s,
             resumed_step=self._resumed, sync_every=cfg.sync_every,
-            checkpoint_step=self._checkpointed, **outer, **self.checks.figures,
+            checkpoint_step=self._checkpointed, verify_s=self.checks.take_spent(), **outer,
+            **self.checks.figures,
         ))
 
     def _save(self, step: int, opt: torch.optim.Optimizer, sampler: Sampler) -> None:

@@ -108,6 +108,11 @@ class StepEvent:
     link_act_in: float = NAN
     link_grad_out: float = NAN
     link_grad_in: float = NAN
+    # The step's replica checks (--verify, agent/worker/replicacheck.py): scoring copies,
+    # checking and auditing averages, tallying pipeline links, and the weights digest with
+    # its wait for the stage's replicas; inside the timers above, not a part of the split:
+    # what the checks cost, read within one run (bench/integrity_world.py)
+    verify_s: float = NAN
 
 
 @dataclass(frozen=True)

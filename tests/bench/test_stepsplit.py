@@ -60,3 +60,17 @@ def test_the_latency_floor_is_the_slowest_pipeline_both_ways_and_stage_0s_exchan
     floor = stepsplit.latency_floor([["a", "c"], ["b", "d"]],
                                     {"agents": agents, "delay_ms": delay})
     assert floor == pytest.approx(0.060 + 0.090)
+
+
+def test_the_checks_share_is_their_seconds_over_the_steps_and_the_worst_rank() -> None:
+    evs = events()
+    for e in evs:
+        e["verify_s"] = 0.1 if e["stage"] == 0 else 0.02
+        e["rank"] = e["stage"]
+    evs.append({"event": "step", "step": 4, "rank": 2, "step_s": 1.0})  # an older worker's
+    got = stepsplit.checks_share(evs)
+    assert got is not None
+    assert got["share"] == pytest.approx(0.24 / 4.0)  # steps 2 and 3 of ranks 0 and 1
+    assert got["worst_rank_share"] == pytest.approx(0.1)
+    assert got["verify_s_per_step"] == pytest.approx(0.06)
+    assert stepsplit.checks_share(events()) is None  # no step says
