@@ -50,8 +50,8 @@ RESULTS = ROOT / "bench" / "results" / "integrity_world.json"
 # the attacks of issue 43, as the fault seam names them: data-parallel contributions, an
 # owner's averaged shard, pipeline activations and their gradients, drifting weights
 ATTACKS = ("scale", "flip", "noise", "zero", "stale", "avg_scale", "avg_noise", "avg_zero",
-           "avg_one", "norm_lie", "act_scale", "act_noise", "act_zero", "actgrad_scale", "act_lie",
-           "drift")
+           "avg_one", "norm_lie", "norm_forge", "act_scale", "act_noise", "act_zero",
+           "actgrad_scale", "act_lie", "drift")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

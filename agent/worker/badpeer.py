@@ -43,7 +43,11 @@ CONTRIBUTION_ATTACKS = ("scale", "flip", "noise", "zero", "stale", "nan")
 ACTIVATION_ATTACKS = ("act_scale", "act_noise", "act_zero", "actgrad_scale", "actgrad_noise",
                       "actgrad_zero", "act_lie")
 AVERAGE_ATTACKS = tuple(f"avg_{m}" for m in CONTRIBUTION_ATTACKS)
-WEIGHT_ATTACKS = ("drift",)
+# `norm_forge` drifts as `drift` does, and writes 100x its pipeline's next stage's squared
+# norm of that step in its own norm table, the row the digest compares (normtable.py): it
+# blames the drift on its pipeline partner
+FORGE_ATTACKS = ("norm_forge",)
+WEIGHT_ATTACKS = ("drift", *FORGE_ATTACKS)
 EQUIVOCATION_ATTACKS = ("avg_one",)
 NORM_ATTACKS = ("norm_lie",)
 SCALES = {"scale": 10.0, "flip": -4.0}

@@ -28,7 +28,9 @@ wherever the coordinator places them (`coordinator demo --bad-peer`). Modes:
   link must name it: coordinator/integrity/linkwitness.py); `avg_one` sends its first
   receiver ten times the averaged shards it owns and steps with the honest mean
   (`equivocation`); `norm_lie` sends its pipeline 100x its squared gradient norm
-  (`sent_scale`). The replica checks
+  (`sent_scale`); `norm_forge` drifts as `drift` does and writes 100x its pipeline's next
+  stage's squared norm of that step in its own norm table (`forges_norm`), blaming its
+  partner for its weights. The replica checks
   (`replicacheck.py`) must name the rank (`coordinator demo --bad-peer` rehearses it).
 
 Kept out of `train.py` (the main loop) so the seam's modes grow without growing it.
@@ -47,6 +49,7 @@ from agent.worker.badpeer import (
     AVERAGE_ATTACKS,
     CONTRIBUTION_ATTACKS,
     EQUIVOCATION_ATTACKS,
+    FORGE_ATTACKS,
     NORM_ATTACKS,
     NORM_LIE_SCALE,
     WEIGHT_ATTACKS,
@@ -157,6 +160,11 @@ class Fault:
         """Whether this rank's weights drift after the optimizer step of `step`."""
         return (self.mode in WEIGHT_ATTACKS and self._mine(rank) and step == self.step
                 and self.epoch in (None, epoch))
+
+    def forges_norm(self, rank: int, step: int, epoch: int = 0) -> bool:
+        """Whether this rank writes another norm of its pipeline's next stage at `step` in
+        its own norm table (`norm_forge`: the step it drifts at)."""
+        return self.mode in FORGE_ATTACKS and self.drifts(rank, step, epoch)
 
 
 def direct_path(assignment: Any, peer: int) -> bool:

@@ -225,8 +225,15 @@ class ReplicaChecks:
     def note_norms(self, step: int, squares: list[float]) -> None:
         """The squared norms this rank's pipeline exchanged at `step` (stage order), for the
         next digest (`normtable.py`)."""
-        if self.norms is not None:
-            self.norms.add(step, squares)
+        if self.norms is None:
+            return
+        if self.fault is not None and self.fault.forges_norm(self.rank, step, self.epoch):
+            squares = list(squares)
+            other = (self.world.pipeline.index(self.rank) + 1) % len(squares)
+            squares[other] *= badpeer.NORM_LIE_SCALE
+            log.error("fault injection: rank %d writes another norm of stage %d at step %d in "
+                      "its own norm table", self.rank, other, step)
+        self.norms.add(step, squares)
 
     # ---- the weights digest ----
     def _digest_due(self, step: int, last: int) -> bool:

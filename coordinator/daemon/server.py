@@ -202,7 +202,8 @@ class CoordinatorService(JobCalls, coordinator_pb2_grpc.CoordinatorServicer):
                     new = self.integrity.record(rec.agent_id, request, job.members,
                                                 layout.stages)
                     self.corroboration.feed(new, job.integrity.ledger,
-                                            job.integrity.sync_every, job.integrity.defer)
+                                            job.integrity.sync_every, job.integrity.defer,
+                                            job.integrity.lone)
                     if job.integrity.settle(new):  # an R = 2 dispute: re-plan apart
                         job.poke()
                 if job.integrity.witness(rec.agent_id, request):  # pipeline links, both ends

@@ -74,7 +74,9 @@ CONFIRMING = frozenset({"grad_norm", "grad_noise", "grad_zero", "grad_stale", "w
 # the table that shows it is the odd replica's own row, which a liar writes as it likes. So
 # the reporters that agree must be of at least `WITNESS_STAGES` stages: each stage's odd
 # replica is another witness of what the suspect sent (with one bad agent, at most one of
-# them lies). A two-stage job has one such witness: there it stays evidence.
+# them lies). What one stage alone shows (a two-stage job's only witness, or a rank that sent
+# one stage another norm) is a dispute between that stage's odd replica and the rank it
+# names (`lone_stage`; explained.py opens it, dispute.py parts them).
 WITNESSED = frozenset({NORM_DIFFERS})
 WITNESS_STAGES = 2
 # Confirming kinds that honest copies reach now and then (a statistical score, not a fact)
@@ -132,25 +134,46 @@ class Corroboration:
         began = onset(rec.kind, rec.step, self.sync_every)
         by.setdefault(rec.reporter, _Named(began, rec.stage)).note(rec.step, rec.kind, began)
         recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
-        if rec.kind in WITNESSED and len({n.stage for n in recent.values()} - {-1}) < \
-                WITNESS_STAGES:
-            return False, rec.step, []
-        if rec.reporter in recent and len(recent) >= AGREEING:
+        if rec.reporter in recent and len(recent) >= AGREEING and (
+                rec.kind not in WITNESSED or len(self._stages(recent)) >= WITNESS_STAGES):
             return True, min(n.first for n in recent.values()), sorted(recent)
         return False, rec.step, []
 
+    def lone_stage(self, rec: EvidenceRecord) -> list[str]:
+        """For a `WITNESSED` kind that `agreement` did not confirm: the reporters that agree
+        on it, `rec`'s among them, where they are `AGREEING` or more of one stage (a rank's
+        norm that one stage's odd replica alone shows: explained.py makes the two a
+        dispute); [] otherwise."""
+        if rec.kind not in WITNESSED:
+            return []
+        by = self._named.get(rec.agent_id, {})
+        recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
+        if rec.reporter in recent and len(recent) >= AGREEING and \
+                len(self._stages(recent)) == 1:
+            return sorted(recent)
+        return []
+
+    @staticmethod
+    def _stages(named: dict[str, _Named]) -> set[int]:
+        return {n.stage for n in named.values()} - {-1}
+
     def feed(self, records: Iterable[EvidenceRecord], ledger: IntegrityLedger,
-             sync_every: int = 1, defer: Deferral | None = None) -> None:
+             sync_every: int = 1, defer: Deferral | None = None,
+             lone: Deferral | None = None) -> None:
         """Record each new record that names a suspect in `ledger`, confirmed or not
         (`sync_every`: the epoch's H). `defer(rec, first, agreeing)`: True when a
         confirmation must wait for another check (the pipeline links: a suspect fed wrong
         inputs computes wrong gradients, coordinator/integrity/linkwitness.py), which then
-        confirms it or finds it explained; it is recorded unconfirmed meanwhile."""
+        confirms it or finds it explained; it is recorded unconfirmed meanwhile.
+        `lone(rec, first, agreeing)`: called for a `WITNESSED` record that one stage's
+        reporters agree on (`lone_stage`), which may then become a dispute (explained.py)."""
         self.sync_every = sync_every
         for rec in records:
             if not rec.agent_id:
                 continue
             confirmed, first, agreeing = self.agreement(rec)
+            if not confirmed and lone is not None and (alone := self.lone_stage(rec)):
+                lone(rec, rec.step, alone)
             if confirmed and defer is not None and defer(rec, first, agreeing):
                 confirmed, agreeing = False, []
             detail = (f"{rec.detail} (score {rec.score:.3g}, epoch {rec.epoch}"

@@ -52,6 +52,15 @@ of the average it got another of (`avg_disagree`, agent/worker/replicacheck.py: 
 have sent it another average, or the receiver drifted and reports another); their weights
 differ, so where nothing parts them they resume from one checkpoint, as `weights_disagree`.
 
+The same rule settles a rank's norm that one stage alone shows (`norm_disagree`, opened by
+the coordinator: coordinator/integrity/explained.py). The stage's replicas saw their odd one's
+table say that the rank, its pipeline's other stage, sent another squared norm; but that row
+is the odd replica's own to write, so either the rank sent it (to that stage only, or in a
+pipeline of two stages, where no second stage can witness it) or the odd replica drifted and
+wrote it to blame its partner. Parting them means different pipelines (`Apart.pipeline`);
+such a dispute confirms only with another of its kind, and its onset is the digest's window
+(`verify.onset`: the step is the odd replica's word).
+
 The same rule settles the two ends of a pipeline link whose figures disagree (`link_disagree`,
 coordinator/integrity/linkwitness.py: one of them misreports what crossed it, at any R). The
 pair is then a sender and its receiver, neighbours in one pipeline, so parting them means no
@@ -64,25 +73,32 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.integrity.corroborate import WINDOW_STEPS
 from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
 from coordinator.links.failure import avoid
-from dtfm.core.verify import AVG_DISAGREE, PAIR_WINDOW, onset
+from dtfm.core.verify import AVG_DISAGREE, NORM_DISAGREE, PAIR_WINDOW, onset
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISPUTING = frozenset({"grad_disagree", "weights_disagree", "act_disagree", "link_disagree",
-                       AVG_DISAGREE})
+                       AVG_DISAGREE, NORM_DISAGREE})
 # disputes over replicas' weights that differ: they never agree again by training
-WEIGHTS_DIFFER = frozenset({"weights_disagree", AVG_DISAGREE})
+WEIGHTS_DIFFER = frozenset({"weights_disagree", AVG_DISAGREE, NORM_DISAGREE})
 # disputes between the two ends of a pipeline link (linkwitness.py), not two replicas: their
 # pair is parted by making them no longer pipeline neighbours
 LINK_DISPUTES = frozenset({"link_disagree"})
+# disputes between a rank and another stage of its own pipeline, over the norm one of them
+# says the other sent (explained.py): parted by putting them in different pipelines
+PIPELINE_DISPUTES = frozenset({NORM_DISAGREE})
+# disputes only the coordinator opens, from what it weighed itself: a worker's record of
+# these kinds is no dispute
+COORDINATORS = LINK_DISPUTES | PIPELINE_DISPUTES
+STAGE, NEIGHBOURS, PIPELINE = "stage", "neighbours", "pipeline"  # what a pair is to each other
 # disputes over what a stage computed from its batches: a rollback replays the same data
 REPLAYABLE = frozenset({"grad_disagree", "act_disagree"})
 # steps past a dispute within which a dispute with a new partner names the common agent: a
@@ -126,14 +142,18 @@ class Dispute:
         return self.b if agent_id == self.a else self.a
 
     @property
-    def of_link(self) -> bool:
-        """Whether it is between the two ends of a pipeline link, not two replicas."""
-        return self.kind in LINK_DISPUTES
+    def relation(self) -> str:
+        """What the pair is to each other, and so what parting them means: replicas of one
+        stage (`STAGE`), a link's two ends (`NEIGHBOURS`), two stages of one pipeline
+        (`PIPELINE`)."""
+        return (NEIGHBOURS if self.kind in LINK_DISPUTES
+                else PIPELINE if self.kind in PIPELINE_DISPUTES else STAGE)
 
     @property
     def who(self) -> str:
         """What the pair is to each other, for the log and the ledger."""
-        return "pipeline neighbours" if self.of_link else "replicas of one stage"
+        return {NEIGHBOURS: "pipeline neighbours", PIPELINE: "stages of one pipeline",
+                STAGE: "replicas of one stage"}[self.relation]
 
     def live(self, step: int) -> bool:
         """Whether a record of `step` still finds it remembered (`MEMORY_STEPS`)."""
@@ -172,6 +192,7 @@ class Disputes:
             if (rec.agent_id or rec.kind not in DISPUTING or len(pair) != 2
                     or len(rec.candidates) != 2
                     or rec.reporter not in (*pair, COORDINATOR)  # its own: linkwitness.py
+                    or (rec.kind in COORDINATORS and rec.reporter != COORDINATOR)
                     or any(ledger.excluded(a) for a in pair)):
                 continue
             self.disputes = [d for d in self.disputes if d.live(rec.step)]
@@ -199,7 +220,7 @@ class Disputes:
                       if separable else "no placement can part them (one stage, or a fixed "
                       "placement) and no spare agent is free: it stays evidence" + (
                           ", and both resume from one checkpoint" if resync else ""))
-            said = f" ({rec.detail})" if new.of_link and rec.detail else ""
+            said = f" ({rec.detail})" if new.kind in COORDINATORS and rec.detail else ""
             for x in (a, b):
                 ledger.record(x, rec.kind, rec.step,
                               f"disagreed with {new.partner(x)} at step {rec.step}, either may "
@@ -236,9 +257,12 @@ class Disputes:
         `ledger`), or ""."""
         for x in (new.a, new.b):
             for d in self.disputes:
-                # a link's dispute confirms only with another link's: an honest receiver fed
-                # 10x disputes its sender's link and, at R = 2, its replica's gradients too
-                if x not in d.pair or d.partner(x) == new.partner(x) or d.of_link != new.of_link:
+                # a dispute confirms only with another of its relation: an honest receiver
+                # fed 10x disputes its sender's link and, at R = 2, its replica's gradients
+                # too; an honest receiver of another average disputes its owner (stage) and
+                # its norm its pipeline's odd replicas (pipeline), when nothing explains it
+                if (x not in d.pair or d.partner(x) == new.partner(x)
+                        or d.relation != new.relation):
                     continue
                 partners = (d.partner(x), new.partner(x))
                 if any(x not in e.pair for e in self.disputes for p in partners
@@ -280,19 +304,22 @@ class Disputes:
         index = {a: i for i, a in enumerate(ids)}
         self._asked = [d for d in self.disputes
                        if d.done != CANNOT and d.a in index and d.b in index]
-        return Apart({frozenset((index[d.a], index[d.b])) for d in self._asked if not d.of_link},
-                     {frozenset((index[d.a], index[d.b])) for d in self._asked if d.of_link})
+
+        def pairs(relation: str) -> set[frozenset[Any]]:
+            return {frozenset((index[d.a], index[d.b])) for d in self._asked
+                    if d.relation == relation}
+        return Apart(pairs(STAGE), pairs(NEIGHBOURS), pairs(PIPELINE))
 
     def planned(self, rows: Sequence[Sequence[str]]) -> None:
         """An epoch was planned with `rows` (agent ids, a row per stage): a pending dispute
         whose pair it parts is apart; one it was asked to part (`apart`) and could not stays
         evidence; one that came in while it was placed waits for the next plan (and keeps
         `replan_reason`)."""
-        together = Apart(stage_pairs(rows), neighbour_pairs(rows))
+        together = Apart(stage_pairs(rows), neighbour_pairs(rows), pipeline_pairs(rows))
         for d in self.disputes:
             if d.done != PENDING:
                 continue
-            if d.pair not in (together.neighbours if d.of_link else together.stage):
+            if d.pair not in together.of(d.relation):
                 d.done = APART
             elif any(d is asked for asked in self._asked):
                 d.done = CANNOT
@@ -345,7 +372,8 @@ def unsettled(placement_kind: str, stages: int, pinned: bool, spare_free: bool) 
         why = (f"no spare agent is free and {placement_kind} placement"
                + (" of one stage" if stages == 1 else "") + " puts nobody elsewhere")
     return (f"a dispute between two agents (replicas of a stage at R = 2, an average's "
-            f"owner and a receiver, a link's two ends) cannot be settled: {why}; it stays "
+            f"owner and a receiver, a link's two ends, a norm's sender and the replica it "
+            f"made odd) cannot be settled: {why}; it stays "
             f"evidence and the job trains on. Start one agent more than the job uses"
             + ("" if stages == 1 or pinned else ", or use --placement scheduled")
             + (", or plan with `coordinator plan`, not a pinned file" if pinned else ""))
@@ -354,29 +382,44 @@ def unsettled(placement_kind: str, stages: int, pinned: bool, spare_free: bool) 
 @dataclass(frozen=True)
 class Apart:
     """Pairs of devices (or agents) to keep apart: `stage`, out of one stage (replicas that
-    disputed); `neighbours`, from being one pipeline's neighbouring stages (a link's ends)."""
+    disputed); `neighbours`, from being one pipeline's neighbouring stages (a link's ends);
+    `pipeline`, out of one pipeline (a norm's sender and the replica it made odd)."""
 
     stage: set[frozenset[Any]]
     neighbours: set[frozenset[Any]]
+    pipeline: set[frozenset[Any]] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.stage or self.neighbours)
+        return bool(self.stage or self.neighbours or self.pipeline)
+
+    def of(self, relation: str) -> set[frozenset[Any]]:
+        return {STAGE: self.stage, NEIGHBOURS: self.neighbours,
+                PIPELINE: self.pipeline}[relation]
 
 
 def separate(grid: Sequence[Sequence[int]], apart: Apart) -> list[list[int]] | None:
-    """`grid` (a row per stage, a column per replica) with no `apart.stage` pair in one row
-    and no `apart.neighbours` pair in neighbouring rows of one column, by as few swaps as it
-    takes (`links.failure.avoid`, which keeps dead links apart the same way); the grid
-    unchanged when none is together, None when no swap parts them (one stage)."""
+    """`grid` (a row per stage, a column per replica) with no `apart.stage` pair in one row,
+    no `apart.neighbours` pair in neighbouring rows of one column and no `apart.pipeline`
+    pair in one column, by as few swaps as it takes (`links.failure.avoid`, which keeps dead
+    links apart the same way); the grid unchanged when none is together, None when no swap
+    parts them (one stage)."""
     def together(g: Sequence[Sequence[int]]) -> set[frozenset[int]]:
-        return ((stage_pairs(g) & apart.stage) | (neighbour_pairs(g) & apart.neighbours))
+        return ((stage_pairs(g) & apart.stage) | (neighbour_pairs(g) & apart.neighbours)
+                | (pipeline_pairs(g) & apart.pipeline))
 
-    return avoid(grid, apart.stage | apart.neighbours, linked=together)
+    return avoid(grid, apart.stage | apart.neighbours | apart.pipeline, linked=together)
 
 
 def stage_pairs(grid: Sequence[Sequence[T]]) -> set[frozenset[T]]:
     """The pairs of devices that replicate one stage: the only pairs a dispute keeps apart."""
     return {frozenset(p) for row in grid for p in itertools.combinations(row, 2)}
+
+
+def pipeline_pairs(grid: Sequence[Sequence[T]]) -> set[frozenset[T]]:
+    """The pairs of devices in one pipeline (one column), at any two stages."""
+    columns = [[row[k] for row in grid if k < len(row)] for k in range(max(map(len, grid),
+                                                                         default=0))]
+    return {frozenset(p) for col in columns for p in itertools.combinations(col, 2)}
 
 
 def neighbour_pairs(grid: Sequence[Sequence[T]]) -> set[frozenset[T]]:

@@ -28,7 +28,7 @@ from coordinator.integrity.explained import HeldConfirmations
 from coordinator.integrity.ledger import COORDINATOR, Exclusion, IntegrityLedger
 from coordinator.integrity.linkwitness import LinkWitness
 from coordinator.integrity.reports import EvidenceRecord
-from dtfm.core.verify import AVG_DISAGREE
+from dtfm.core.verify import AVG_DISAGREE, NORM_DISAGREE
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class JobIntegrity:
         self.held = HeldConfirmations(self.links, lambda agent: self._ranks.get(agent),
                                       self._explain_own)
         self.defer = self.held.defer
+        self.lone = self.held.part_later  # a norm one stage alone shows: a dispute (explained.py)
         self._vetted = 0  # the step through which every member's records have arrived
 
     def restore(self, saved: Mapping[str, Any]) -> None:
@@ -110,6 +111,26 @@ class JobIntegrity:
         if (bound := self.pending_bound()) and bound <= rec.step:
             return f"a rollback to before step {bound} takes the step back"
         return ""
+
+    def _norm_pair(self, rec: EvidenceRecord) -> EvidenceRecord | None:
+        """The dispute a rank's norm that one stage alone shows makes (`NORM_DISAGREE`):
+        between that rank and its pipeline's replica of the reporters' stage, whose weights
+        the digest found odd and whose own table shows the norm. Either made it up: the
+        rank sent that stage another norm, or the odd replica drifted and wrote another in
+        its table (its row is its own to write). None outside the epoch's layout."""
+        rank, stages = self._ranks.get(rec.agent_id), self.links.stages
+        if rank is None or stages < 2 or not 0 <= rec.stage < stages or \
+                rank % stages == rec.stage:
+            return None
+        at = (rank // stages) * stages + rec.stage  # rank = replica * stages + stage
+        if at >= len(self._members):
+            return None
+        odd = self._members[at]
+        return EvidenceRecord(
+            "", NORM_DISAGREE, rec.step,
+            f"{rec.detail}; stage {rec.stage}'s replicas alone show it, so {odd} (whose weights "
+            f"differ and whose table shows the norm) and {rec.agent_id} disagree",
+            COORDINATOR, -1, rec.score, rec.epoch, (odd, rec.agent_id), rec.stage)
 
     def _roll_back(self, bad_step: int) -> None:
         """The job's newest usable checkpoint is the newest before `bad_step`."""
@@ -167,7 +188,10 @@ class JobIntegrity:
                 self.ledger.record(a, f.kind, f.onset if f.confirmed else f.step,
                                    f"{f.detail} (epoch {report.epoch})",
                                    confirmed=f.confirmed)
-        self.held.release(self.ledger, report.step, self._vetted)  # after the links' findings
+        # after the links' findings
+        for rec in self.held.release(self.ledger, report.step, self._vetted):
+            if pair := self._norm_pair(rec):
+                disputes.append(pair)
         return self.settle(disputes) if disputes else False
 
     def plan_epoch(self, assignments: list[common_pb2.Assignment], sync_every: int,

@@ -23,6 +23,11 @@ found it (`vetted`: rollback.vetted_step), and is dropped where `explain_own` ex
 (exclusion.py: a dispute of an average it got that is still remembered, or a pending
 rollback from before the step, which the owner named outright sets), confirmed otherwise.
 
+What one stage alone shows of a rank's norm (`Corroboration.lone_stage`: the odd replica's
+table is the only witness, which it writes itself) waits the same way (`part_later`), and,
+unexplained and confirmed by no second stage, is returned by `release` for the job to open a
+dispute between the rank and that odd replica (exclusion.py, `NORM_DISAGREE`; dispute.py).
+
 Only the kinds a wrong input can cause wait: a copy's norm or shape, a zeroed copy (gradients sent
 back as zeros zero the stage's own), a non-finite copy, and an owner's own share of its
 averages (agent/worker/avgaudit.py: an honest owner whose own gradient a neighbour's x10
@@ -59,6 +64,7 @@ class _Held:
     first: int
     agreeing: tuple[str, ...]
     until: int = 0  # own stage: the step its records must have arrived through (0: not yet)
+    part: bool = False  # one stage's witnesses only: a dispute to open, not a fault to confirm
 
     @property
     def own_stage(self) -> bool:
@@ -91,11 +97,33 @@ class HeldConfirmations:
                  "links' verdict of its steps", rec.agent_id, rec.kind, rec.step)
         return True
 
-    def release(self, ledger: IntegrityLedger, step: int, vetted: int = 0) -> None:
+    def part_later(self, rec: EvidenceRecord, first: int, agreeing: list[str]) -> bool:
+        """Hold `rec`, a rank's norm that one stage's odd replica alone shows
+        (`Corroboration.lone_stage`), until its own stage's records are in: unexplained
+        then, and confirmed by no second stage meanwhile, it is a dispute between the two
+        (`release` returns it). Whether it is held (once per suspect and step)."""
+        if rec.kind not in OWN_STAGE_KINDS or self.rank_of(rec.agent_id) is None or \
+                len(self._held) >= MAX_HELD or any(
+                    h.part and h.rec.agent_id == rec.agent_id and h.rec.step == rec.step
+                    for h in self._held):
+            return False
+        self._held.append(_Held(rec, first, tuple(agreeing), part=True))
+        log.info("integrity: %s's norm at step %d, which one stage's replicas alone show, "
+                 "waits for its own stage's records before the two are a dispute",
+                 rec.agent_id, rec.step)
+        return True
+
+    def release(self, ledger: IntegrityLedger, step: int, vetted: int = 0
+                ) -> list[EvidenceRecord]:
         """Confirm or drop what the links' verdict now covers (`step`: the job's progress;
-        `vetted`: the step through which every member's records have arrived)."""
-        waiting = []
-        for h in self._held:
+        `vetted`: the step through which every member's records have arrived). Returns the
+        lone witnesses' records (`part_later`) now judged and unexplained, whose suspect no
+        second stage confirmed: each a dispute for the caller to open (exclusion.py)."""
+        waiting: list[_Held] = []
+        parting: list[EvidenceRecord] = []
+        # confirmations first: a lone stage's record whose suspect another stage confirms
+        # as well is no dispute
+        for h in sorted(self._held, key=lambda h: h.part):
             rank = self.rank_of(h.rec.agent_id)
             if h.own_stage:  # the report that delivered it is at or past its digest
                 h.until = h.until or max(step, h.rec.step)
@@ -105,10 +133,16 @@ class HeldConfirmations:
                 why = self.links.explained(rank, h.rec.step) if rank is not None else ""
                 judged = self.links.judged_through >= h.rec.step or \
                     step >= h.rec.step + RELEASE_STEPS
+            if h.part and (ledger.excluded(h.rec.agent_id) or any(
+                    not o.part and o.rec.agent_id == h.rec.agent_id
+                    for o in (*waiting, *self._held) if o is not h)):
+                continue  # confirmed by a second stage, or waiting to be
             if why:
                 ledger.record(h.rec.agent_id, h.rec.kind, h.rec.step,
                               f"{h.rec.detail} (not confirmed: {why})",
                               reporter=h.rec.reporter)
+            elif judged and h.part:
+                parting.append(h.rec)
             elif judged:
                 ledger.record(h.rec.agent_id, h.rec.kind, h.first,
                               f"{h.rec.detail} (score {h.rec.score:.3g}, epoch "
@@ -119,6 +153,7 @@ class HeldConfirmations:
             else:
                 waiting.append(h)
         self._held = waiting
+        return parting
 
     def earliest(self) -> int:
         """The first bad step of the earliest fault waiting (0: none): the agents keep the

@@ -50,6 +50,11 @@ AVG_DISAGREE = "avg_disagree"
 # (agent/worker/normtable.py): confirmed once its own stage's records explain nothing
 # (coordinator/integrity/explained.py)
 NORM_DIFFERS = "norm_differs"
+# a rank's norm that differs, seen by one stage only (coordinator/integrity/explained.py):
+# the odd replica that shows it and the rank it names are a dispute the coordinator opens, one
+# of whom made it up (a drifted replica that writes another norm in its own table, or a rank
+# that sent its pipeline another norm), settled by parting them into different pipelines
+NORM_DISAGREE = "norm_disagree"
 # kinds whose record names the pair of its reporter and its suspect, not a suspect
 REPORTER_PAIRS = frozenset({AVG_DISAGREE})
 
@@ -92,11 +97,12 @@ def onset(kind: str, step: int, sync_every: int = 1) -> int:
     A one-step check names the step it saw. A weights digest is compared only every
     `DIGEST_EVERY` synchronous steps (every sync point with local steps), so weights that
     differ at `step` may have drifted any time after the previous comparison, and the
-    honest replicas' later steps averaged the drifted replica's gradients. An R = 2 pair
+    honest replicas' later steps averaged the drifted replica's gradients (so too a norm
+    that one stage's odd replica shows: its step is the odd replica's word). An R = 2 pair
     verdict is a median over the last `PAIR_WINDOW` steps: it can cross at the window's
     middle bad step, never before the window's first; so is a pipeline link's window
     (`LINK_WINDOW`), and an R >= 3 copy's direction and quiet energy (`COPY_WINDOW`)."""
-    if kind in ("weights", "weights_disagree"):
+    if kind in ("weights", "weights_disagree", NORM_DISAGREE):  # a digest's odd replica
         back = sync_every if sync_every > 1 else DIGEST_EVERY
     elif kind == "grad_disagree":
         back = PAIR_WINDOW

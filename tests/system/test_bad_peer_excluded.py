@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from coordinator.integrity.rollback import newest_before
+from dtfm.core.verify import onset
 from tests.daemons import Daemons
 from tests.system.bad_peer_job import run_with_bad_peer
 
@@ -38,7 +39,8 @@ def excluded_alone_and_rolled_back(daemons: Daemons, attack: str) -> dict[str, A
     bad, status, rows = run_with_bad_peer(
         daemons, 2, attack, ATTACK_AT, STEPS, "--stages", "1", "--replicas", "3", "--batch", "6")
     done = status["job"]
-    assert done["state"] == "done" and done["step"] == STEPS, done
+    assert done["state"] == "done" and done["step"] == STEPS, (
+        done["state"], done["message"], done.get("recoveries"))
     assert rows[bad]["state"] == "excluded", rows[bad]
     exclusion: dict[str, Any] = rows[bad]["exclusion"]
     assert [a for a, r in rows.items() if r["state"] == "excluded"] == [bad], rows
@@ -70,22 +72,24 @@ def test_an_owner_sending_back_noised_averages_is_excluded_and_the_job_rolls_bac
     assert "avg_mismatch" in exclusion["reason"], exclusion
 
 
-def pipelined_excluded_alone(daemons: Daemons, attack: str, kind: str, stages: int = 2
+def pipelined_excluded_alone(daemons: Daemons, attack: str, kind: str, stages: int = 2,
+                             first_bad: int = ATTACK_AT
                              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run a `stages` x 3 job (scheduled placement: a swap parts a disputed pair) with a bad
     agent that makes `attack` from `ATTACK_AT` on, and check that the job finished, the bad
-    agent alone was excluded, for `kind` at `ATTACK_AT`, and nothing is confirmed against an
-    honest agent. The finished job and the exclusion."""
+    agent alone was excluded, for `kind` at `first_bad` (the first step proven bad), and
+    nothing is confirmed against an honest agent. The finished job and the exclusion."""
     bad, status, rows = run_with_bad_peer(
         daemons, 3 * stages - 1, attack, ATTACK_AT, STEPS, "--stages", str(stages),
         "--replicas", "3", "--batch", "6", "--layer-split", "even")
     done = status["job"]
-    assert done["state"] == "done" and done["step"] == STEPS, done
+    assert done["state"] == "done" and done["step"] == STEPS, (
+        done["state"], done["message"], done.get("recoveries"))
     excluded = [a for a, r in rows.items() if r["state"] == "excluded"]
     assert excluded == [bad], {a: (r["state"], r.get("exclusion")) for a, r in rows.items()}
     exclusion: dict[str, Any] = rows[bad]["exclusion"]
     assert exclusion["reason"].startswith(kind), exclusion
-    assert exclusion["step"] == ATTACK_AT, exclusion  # the first altered step
+    assert exclusion["step"] == first_bad, exclusion
     for agent, row in rows.items():
         if agent != bad:
             assert not [e for e in row.get("evidence", []) if e["confirmed"]], row
@@ -128,3 +132,32 @@ def test_a_rank_lying_about_its_gradient_norm_is_excluded_not_its_pipeline_partn
     done, _ = pipelined_excluded_alone(daemons, "norm_lie", "norm_differs", stages=3)
     first = done["recoveries"][0]
     assert first["resumed_step"] == newest_before(ATTACK_AT, 4), first
+
+
+def test_a_rank_lying_about_its_norm_in_two_stages_is_excluded_by_two_disputes(
+        daemons: Daemons) -> None:
+    """As above in a pipeline of two stages, where one stage alone sees the norm: its odd
+    replica's table, which that replica writes itself, is the only witness, so the odd
+    replica and the bad agent are a dispute (`norm_disagree`, coordinator/integrity/
+    explained.py), parted into different pipelines and rolled back before the digest's
+    window (the odd replica's word dates the norm: verify.onset). The bad agent lies to its
+    new pipeline too and is the agent common to two disputes: excluded; nobody honest is."""
+    done, exclusion = pipelined_excluded_alone(daemons, "norm_lie", "norm_disagree",
+                                               first_bad=onset("norm_disagree", ATTACK_AT))
+    assert "common to two disagreements" in exclusion["reason"], exclusion
+    first = done["recoveries"][0]
+    assert "norm_disagree" in first["reason"] and "apart" in first["reason"], first
+
+
+def test_a_drifted_rank_that_forges_its_norm_table_is_excluded_not_its_partner(
+        daemons: Daemons) -> None:
+    """The bad agent's weights drift, and it writes another norm of its pipeline partner in
+    its own norm table (`norm_forge`), the row its stage's digest compares: its replicas
+    read its weights as differing for its partner's norm, and named nobody for `weights`;
+    one stage's records never confirm, so it escaped. Now the odd one and the partner it
+    blames are a dispute (`norm_disagree`), parted into different pipelines; it forges again
+    beside its new partner and is the agent common to two disputes: excluded, nobody honest
+    is."""
+    done, exclusion = pipelined_excluded_alone(daemons, "norm_forge", "norm_disagree",
+                                               first_bad=onset("norm_disagree", ATTACK_AT))
+    assert "common to two disagreements" in exclusion["reason"], exclusion

@@ -10,7 +10,9 @@ on one link), or, for
 attack, alter the averaged shard it sends back as an owner (the gather's tags), in place
 before its first send, so that it steps with the altered average too, as every peer does
 (`avg_one`: x10 to its first receiver only, a copy, so that it steps with the honest one),
-or, for `norm_lie`, x100 the squared norm it sends its pipeline in the per-step exchange.
+or, for `norm_lie`, x100 the squared norm it sends its pipeline in the per-step exchange,
+or, for `norm_forge`, drift as `drift` does and write x100 its pipeline's next stage's squared
+norm of the step in its own norm table (`agent.worker.normtable.NormTable.add`, patched).
 It patches torch, not the worker: the product's own rehearsal seam (`DTFM_FAULT`) stays
 out of it, so the tests check the mechanism, not the rehearsal mode. `install` runs from
 badpeer_site/sitecustomize.py and waits for torch.distributed to be imported by the worker
@@ -41,6 +43,10 @@ AVG_ONE = "avg_one"
 # `norm_lie`: x100 on the squared gradient norm it sends its pipeline in the per-step
 # exchange, while it clips with its own: its pipeline partners clip with another coefficient
 NORM_LIE, NORM_LIE_SCALE = "norm_lie", 100.0
+# `norm_forge`: its weights drift, and its own norm table (the row its stage's digest
+# compares) says its pipeline's next stage sent x100 the squared norm it did: it blames its
+# partner for its weights
+NORM_FORGE = "norm_forge"
 
 
 def parse(raw: str) -> tuple[int, dict[int, str]]:
@@ -87,8 +93,8 @@ class _Patch:
             scatter = ours and tag % 2 == 0
             if scatter and self.rank in (-1, dist.get_rank()):
                 key = (tag, int(dst))
-                if mode and mode not in ("drift", LIE, LIE_ONE, NORM_LIE) and not mode.startswith(
-                        ("avg_", "act_", "actgrad_", "pp_")):
+                if mode and mode not in ("drift", LIE, LIE_ONE, NORM_LIE, NORM_FORGE) and \
+                        not mode.startswith(("avg_", "act_", "actgrad_", "pp_")):
                     tensor = attack(mode, tensor, self.before.get(key), gen)
                     self.keep.append(tensor)
                 self.sent[key] = tensor.detach().clone()  # what it sent, tampered or not
@@ -108,12 +114,31 @@ class _Patch:
         def after_step(opt: Any, args: Any, kwargs: Any) -> None:
             self.done += 1
             self.before, self.sent, self.keep, self.altered = self.sent, {}, [], set()
-            if self.plan.get(self.done) == "drift" and self.rank in (-1, dist.get_rank()):
+            if self.plan.get(self.done) in ("drift", NORM_FORGE) and \
+                    self.rank in (-1, dist.get_rank()):
                 drift_(opt.param_groups[0]["params"])
 
         dist.isend = isend
         register_optimizer_step_post_hook(after_step)
+        self._forge_norms(dist)
         self._pipeline_faults(torch, dist, attack, gen)
+
+    def _forge_norms(self, dist: Any) -> None:
+        """`norm_forge`: the norms it keeps for the digest (called before the optimizer step,
+        so the step is `done + 1`) say its next stage sent x100 (rank = replica * stages +
+        stage)."""
+        from agent.worker import normtable
+
+        original = normtable.NormTable.add
+
+        def add(table: Any, step: int, squares: Any) -> None:
+            if (self.plan.get(self.done + 1) == NORM_FORGE
+                    and self.rank in (-1, dist.get_rank())):
+                squares = list(squares)
+                squares[(dist.get_rank() % table.stages + 1) % table.stages] *= NORM_LIE_SCALE
+            original(table, step, squares)
+
+        normtable.NormTable.add = add  # type: ignore[method-assign]
 
     def _pipeline_faults(self, torch: Any, dist: Any, attack: Any, gen: Any) -> None:
         """`act_` + an attack: a faulty device's stage output (every pipeline message it

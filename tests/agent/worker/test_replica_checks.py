@@ -140,3 +140,28 @@ def test_a_rank_lying_about_its_norm_is_named_and_its_pipeline_partner_is_not(
     assert named == {(0, 1, 2), (2, 1, 2), (4, 1, 2)}, found
     assert not [e for e in found if e["suspect_rank"] == 0], found
     assert not [e for e in found if e["kind"] == "weights"], found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seam", ["hook", "rehearsal"])
+def test_a_drifted_rank_that_forges_its_norm_table_has_its_replicas_report_what_it_shows(
+        tmp_path: Path, seam: str) -> None:
+    """Two stages of three replicas: rank 0 (stage 0 of replica 0) drifts after step 2 and
+    writes in its own norm table that rank 1, its stage-1 partner, sent 100x its squared
+    norm at step 2 (`norm_forge`). Its replicas cannot tell its row from an honest one: they
+    name rank 1 (`norm_differs`) and nobody names rank 0 for `weights`; the coordinator
+    makes the two a dispute, since stage 0 alone shows it (tests/coordinator/
+    test_norm_dispute.py, tests/system/test_bad_peer_excluded.py). Stage 1's digest finds
+    nothing: its replicas agree."""
+    work = tmp_path / "work"
+    env = bad_peer_env("0:2=norm_forge") if seam == "hook" else {
+        "DTFM_FAULT": "0:2:norm_forge"}
+    run = run_local(*FLAGS[:2], "--stages", "2", *FLAGS[4:], "--replicas", "3", "--batch", "6",
+                    "--steps", "10", "--workdir", str(work), timeout=110, env=env)
+    assert run.rc == 0, run.stderr
+    found = evidence(work)
+    named = {(e["rank"], e["suspect_rank"], e["step"]) for e in found
+             if e["kind"] == "norm_differs"}
+    assert {(2, 1, 2), (4, 1, 2)} <= named <= {(0, 1, 2), (2, 1, 2), (4, 1, 2)}, found
+    assert not [e for e in found if e["kind"] == "weights"], found
+    assert not [e for e in found if e["rank"] % 2 == 1], found  # stage 1 saw nothing
