@@ -4,6 +4,7 @@ session that talks to one (`session_to(port, tmp)`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -48,3 +49,19 @@ def session_to(port: int, tmp: Path) -> CoordinatorSession:
         common_pb2.AgentInfo(agent_id="vm-test", host="127.0.0.1", port=1),
         f"127.0.0.1:{port}", rpc.Security(token=TOKEN),
         Supervisor(tmp / "work", prewarm=False), max_backoff_s=0.1, state_dir=str(tmp))
+
+
+async def joined_session(servicer: coordinator_pb2_grpc.CoordinatorServicer, tmp: Path
+                         ) -> tuple[grpc.aio.Server, CoordinatorSession, asyncio.Task[None]]:
+    """`servicer` served as a coordinator and the real session (`session_to`) running
+    against it until it joined (10 s at most): the server, the session and its task (the
+    caller cancels the task and stops the server)."""
+    server, port = await coordinator_server(servicer)
+    session = session_to(port, tmp)
+    task = asyncio.create_task(session.run())
+    for _ in range(200):
+        if session.connected:
+            break
+        await asyncio.sleep(0.05)
+    assert session.connected, "the session never joined"
+    return server, session, task

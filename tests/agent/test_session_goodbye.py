@@ -12,7 +12,7 @@ has stopped, is not asked for ever (the agent's shutdown waits on it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ import pytest
 from agent.daemon import session as session_module
 from agent.daemon.session import CoordinatorSession, send_goodbye
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.agent.servers import coordinator_server, session_to
+from tests.agent.servers import coordinator_server, joined_session
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,67 +66,52 @@ class LeavingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.Ack(ok=True)
 
 
-async def joined(servicer: LeavingCoordinator,
-                 tmp: Path) -> tuple[grpc.aio.Server, CoordinatorSession, asyncio.Task[None]]:
-    server, port = await coordinator_server(servicer)
-    session = session_to(port, tmp)
-    task = asyncio.create_task(session.run())
-    for _ in range(200):
-        if session.connected:
-            break
-        await asyncio.sleep(0.05)
-    assert session.connected, "the session never joined"
-    return server, session, task
+Body = Callable[[LeavingCoordinator, CoordinatorSession, "asyncio.Task[None]"], Awaitable[None]]
 
 
-async def stopped(server: grpc.aio.Server, task: asyncio.Task[None]) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await server.stop(grace=None)
+def run_joined(servicer: LeavingCoordinator, tmp: Path, body: Body) -> None:
+    """`body` beside a session joined to `servicer`; then the session and server stop."""
+    async def main() -> None:
+        server, session, task = await joined_session(servicer, tmp)
+        try:
+            await body(servicer, session, task)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(grace=None)
+    asyncio.run(main())
 
 
 def test_a_command_after_the_stop_began_does_not_lose_the_goodbye(tmp_path: Path) -> None:
-    async def main() -> None:
-        servicer = LeavingCoordinator()
-        server, session, task = await joined(servicer, tmp_path)
-        try:
-            session.stop_rejoining()
-            servicer.push.set()  # the command ends the session's stream and channel
-            await asyncio.wait_for(task, 10)
-            assert not session.connected
-            await session.say_goodbye()
-            assert servicer.calls[-1] == "leave", servicer.calls
-        finally:
-            await stopped(server, task)
-    asyncio.run(main())
+    async def body(servicer: LeavingCoordinator, session: CoordinatorSession,
+                   task: asyncio.Task[None]) -> None:
+        session.stop_rejoining()
+        servicer.push.set()  # the command ends the session's stream and channel
+        await asyncio.wait_for(task, 10)
+        assert not session.connected
+        await session.say_goodbye()
+        assert servicer.calls[-1] == "leave", servicer.calls
+    run_joined(LeavingCoordinator(), tmp_path, body)
 
 
 def test_the_goodbye_lands_after_a_heartbeat_in_flight(tmp_path: Path) -> None:
-    async def main() -> None:
-        servicer = LeavingCoordinator(beat_s=0.5)
-        server, session, task = await joined(servicer, tmp_path)
-        try:
-            servicer.beat_started.clear()
-            await asyncio.wait_for(servicer.beat_started.wait(), 10)  # one is in flight now
-            await session.say_goodbye()
-            assert servicer.calls[-2:] == ["beat", "leave"], servicer.calls
-            await asyncio.sleep(0.7)  # no heartbeat follows the goodbye
-            assert servicer.calls[-1] == "leave", servicer.calls
-        finally:
-            await stopped(server, task)
-    asyncio.run(main())
+    async def body(servicer: LeavingCoordinator, session: CoordinatorSession,
+                   task: asyncio.Task[None]) -> None:
+        servicer.beat_started.clear()
+        await asyncio.wait_for(servicer.beat_started.wait(), 10)  # one is in flight now
+        await session.say_goodbye()
+        assert servicer.calls[-2:] == ["beat", "leave"], servicer.calls
+        await asyncio.sleep(0.7)  # no heartbeat follows the goodbye
+        assert servicer.calls[-1] == "leave", servicer.calls
+    run_joined(LeavingCoordinator(beat_s=0.5), tmp_path, body)
 
 
 def test_a_busy_coordinator_gets_the_goodbye_again(tmp_path: Path) -> None:
-    async def main() -> None:
-        servicer = LeavingCoordinator(busy=1)
-        server, session, task = await joined(servicer, tmp_path)
-        try:
-            await session.say_goodbye()
-            assert [c for c in servicer.calls if c != "beat"] == ["busy", "leave"]
-        finally:
-            await stopped(server, task)
-    asyncio.run(main())
+    async def body(servicer: LeavingCoordinator, session: CoordinatorSession,
+                   task: asyncio.Task[None]) -> None:
+        await session.say_goodbye()
+        assert [c for c in servicer.calls if c != "beat"] == ["busy", "leave"]
+    run_joined(LeavingCoordinator(busy=1), tmp_path, body)
 
 
 class RefusingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -142,38 +127,32 @@ class RefusingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.Ack()
 
 
+async def goodbye_to(servicer: RefusingCoordinator, budget_s: float) -> str:
+    """`send_goodbye` to `servicer`, served for it; what it returned."""
+    server, port = await coordinator_server(servicer)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await send_goodbye(coordinator_pb2_grpc.CoordinatorStub(channel),
+                                      coordinator_pb2.LeaveRequest(agent_id="vm-test"),
+                                      budget_s=budget_s)
+    finally:
+        await server.stop(grace=None)
+
+
 def test_a_refused_goodbye_is_not_repeated_and_says_why() -> None:
-    async def main() -> None:
-        servicer = RefusingCoordinator()
-        server, port = await coordinator_server(servicer)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                problem = await send_goodbye(coordinator_pb2_grpc.CoordinatorStub(channel),
-                                             coordinator_pb2.LeaveRequest(agent_id="vm-test"))
-            assert servicer.leaves == 1
-            assert "FAILED_PRECONDITION" in problem and "has not joined" in problem
-        finally:
-            await server.stop(grace=None)
-    asyncio.run(main())
+    servicer = RefusingCoordinator()
+    problem = asyncio.run(goodbye_to(servicer, 5.0))
+    assert servicer.leaves == 1
+    assert "FAILED_PRECONDITION" in problem and "has not joined" in problem
 
 
 def test_a_slow_coordinator_is_asked_again_within_the_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(session_module, "GOODBYE_TRY_S", 0.3)
 
-    async def main() -> None:
-        servicer = RefusingCoordinator(slow_s=1.0)
-        server, port = await coordinator_server(servicer)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                problem = await send_goodbye(coordinator_pb2_grpc.CoordinatorStub(channel),
-                                             coordinator_pb2.LeaveRequest(agent_id="vm-test"),
-                                             budget_s=1.5)
-            assert servicer.leaves >= 3 and "DEADLINE_EXCEEDED" in problem, (servicer.leaves,
-                                                                            problem)
-        finally:
-            await server.stop(grace=None)
-    asyncio.run(main())
+    servicer = RefusingCoordinator(slow_s=1.0)
+    problem = asyncio.run(goodbye_to(servicer, 1.5))
+    assert servicer.leaves >= 3 and "DEADLINE_EXCEEDED" in problem, (servicer.leaves, problem)
 
 
 def test_a_goodbye_to_nobody_ends_within_its_budget() -> None:

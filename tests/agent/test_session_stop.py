@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from protos.dtfm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.agent.servers import coordinator_server, session_to
+from tests.agent.servers import joined_session
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,14 +43,7 @@ def test_a_cancelled_session_ends_instead_of_rejoining(tmp_path: Path,
                                                        server_stops_first: bool) -> None:
     async def main() -> None:
         servicer = HoldingCoordinator()
-        server, port = await coordinator_server(servicer)
-        session = session_to(port, tmp_path)
-        task = asyncio.create_task(session.run())
-        for _ in range(200):
-            if session.connected:
-                break
-            await asyncio.sleep(0.05)
-        assert session.connected, "the session never joined"
+        server, _, task = await joined_session(servicer, tmp_path)
         if server_stops_first:  # SIGTERM to both: the coordinator's side goes first
             stopping = asyncio.create_task(server.stop(grace=None))
             await asyncio.sleep(0)

@@ -8,8 +8,6 @@ two disputes: confirmed."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from coordinator.integrity.corroborate import Corroboration
 from coordinator.integrity.dispute import (
     APART,
@@ -19,15 +17,13 @@ from coordinator.integrity.dispute import (
     pipeline_pairs,
     separate,
 )
-from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.integrity.explained import HeldConfirmations
 from coordinator.integrity.ledger import COORDINATOR, IntegrityLedger
 from coordinator.integrity.linkwitness import LinkWitness
 from coordinator.integrity.reports import EvidenceRecord
 from dtfm.core.verify import NORM_DISAGREE
-from protos.dtfm.v1 import common_pb2, coordinator_pb2
-from tests.coordinator.test_explained import AGENTS, norm_differs
-from tests.coordinator.test_job_states import FakeRegistry
+from protos.dtfm.v1 import coordinator_pb2
+from tests.coordinator.test_explained import AGENTS, jobs_integrity, norm_differs
 
 
 def test_one_stages_agreeing_reporters_are_a_lone_witness_two_stages_confirm() -> None:
@@ -42,8 +38,11 @@ def test_one_stages_agreeing_reporters_are_a_lone_witness_two_stages_confirm() -
     c.feed([norm_differs("a1", 12, "a2", 0)], ledger, lone=note)
     assert lone == [("a2", 12, ("a0", "a2"))]
     confirmed: list[str] = []
-    c.feed([norm_differs("a1", 12, "a3", 2)], ledger, lone=note,
-           defer=lambda rec, first, agreeing: bool(confirmed.append(rec.reporter)) or True)
+
+    def wait(rec: EvidenceRecord, first: int, agreeing: list[str]) -> bool:
+        confirmed.append(rec.reporter)
+        return True
+    c.feed([norm_differs("a1", 12, "a3", 2)], ledger, lone=note, defer=wait)
     assert confirmed == ["a3"] and len(lone) == 1  # a second stage: confirming, not lone
 
 
@@ -121,12 +120,7 @@ def test_the_jobs_integrity_opens_the_dispute_a_lone_stage_shows() -> None:
     """2 x 3 (rank = replica * 2 + stage): stage 0's replicas a0, a2, a4 find a0 odd and a0's
     table shows another norm from a1, its pipeline's stage 1; stage 1's own digest finds
     nothing (a1's weights agree). Once every member's records are in, a0 and a1 dispute."""
-    registry = FakeRegistry()
-    registry.exclude = lambda agent_id, reason: None  # type: ignore[attr-defined]
-    integrity = JobIntegrity(registry, SimpleNamespace(step=0))  # type: ignore[arg-type]
-    integrity.plan_epoch([common_pb2.Assignment(epoch=1, stages=2, replicas=3, rank=r)
-                          for r in range(6)], 1, separable=True,
-                         rows=[AGENTS[0::2], AGENTS[1::2]], members=AGENTS)
+    integrity = jobs_integrity()
     Corroboration().feed([norm_differs("a1", 20, r) for r in ("a0", "a2", "a4")],
                          integrity.ledger, defer=integrity.defer, lone=integrity.lone)
     report = coordinator_pb2.ProgressReport(epoch=1, step=20)

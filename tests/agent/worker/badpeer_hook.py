@@ -138,7 +138,7 @@ class _Patch:
                 squares[(dist.get_rank() % table.stages + 1) % table.stages] *= NORM_LIE_SCALE
             original(table, step, squares)
 
-        normtable.NormTable.add = add  # type: ignore[method-assign]
+        normtable.NormTable.add = add  # type: ignore[assignment,method-assign]
 
     def _pipeline_faults(self, torch: Any, dist: Any, attack: Any, gen: Any) -> None:
         """`act_` + an attack: a faulty device's stage output (every pipeline message it

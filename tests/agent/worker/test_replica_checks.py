@@ -117,6 +117,15 @@ def test_an_owner_that_sends_one_receiver_another_average_is_disputed_not_the_re
         e["detail"] for e in found)
 
 
+def two_stages_of_three(tmp_path: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Ten steps of 2 x 3 with a bad peer made by `env`; the integrity events."""
+    work = tmp_path / "work"
+    run = run_local(*FLAGS[:2], "--stages", "2", *FLAGS[4:], "--replicas", "3", "--batch", "6",
+                    "--steps", "10", "--workdir", str(work), timeout=110, env=env)
+    assert run.rc == 0, run.stderr
+    return evidence(work)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seam", ["hook", "rehearsal"])
 def test_a_rank_lying_about_its_norm_is_named_and_its_pipeline_partner_is_not(
@@ -128,13 +137,9 @@ def test_a_rank_lying_about_its_norm_is_named_and_its_pipeline_partner_is_not(
     pipelines' squared norms travel with the digest (agent/worker/normtable.py): stage 0's
     replicas name rank 1 for the norm it sent (`norm_differs`, at the first such step), and
     nobody names rank 0. `rehearsal`: the product's seam (`DTFM_FAULT`) does the same."""
-    work = tmp_path / "work"
     plan = "1:" + ",".join(f"{s}=norm_lie" for s in range(2, 11))
-    env = bad_peer_env(plan) if seam == "hook" else {"DTFM_FAULT": "1:2:norm_lie"}
-    run = run_local(*FLAGS[:2], "--stages", "2", *FLAGS[4:], "--replicas", "3", "--batch", "6",
-                    "--steps", "10", "--workdir", str(work), timeout=110, env=env)
-    assert run.rc == 0, run.stderr
-    found = evidence(work)
+    found = two_stages_of_three(tmp_path, bad_peer_env(plan) if seam == "hook" else {
+        "DTFM_FAULT": "1:2:norm_lie"})
     named = {(e["rank"], e["suspect_rank"], e["step"]) for e in found
              if e["kind"] == "norm_differs"}
     assert named == {(0, 1, 2), (2, 1, 2), (4, 1, 2)}, found
@@ -153,13 +158,8 @@ def test_a_drifted_rank_that_forges_its_norm_table_has_its_replicas_report_what_
     makes the two a dispute, since stage 0 alone shows it (tests/coordinator/
     test_norm_dispute.py, tests/system/test_bad_peer_excluded.py). Stage 1's digest finds
     nothing: its replicas agree."""
-    work = tmp_path / "work"
-    env = bad_peer_env("0:2=norm_forge") if seam == "hook" else {
-        "DTFM_FAULT": "0:2:norm_forge"}
-    run = run_local(*FLAGS[:2], "--stages", "2", *FLAGS[4:], "--replicas", "3", "--batch", "6",
-                    "--steps", "10", "--workdir", str(work), timeout=110, env=env)
-    assert run.rc == 0, run.stderr
-    found = evidence(work)
+    found = two_stages_of_three(tmp_path, bad_peer_env("0:2=norm_forge") if seam == "hook"
+                                else {"DTFM_FAULT": "0:2:norm_forge"})
     named = {(e["rank"], e["suspect_rank"], e["step"]) for e in found
              if e["kind"] == "norm_differs"}
     assert {(2, 1, 2), (4, 1, 2)} <= named <= {(0, 1, 2), (2, 1, 2), (4, 1, 2)}, found
