@@ -124,22 +124,21 @@ def centered_clip(copies: list[torch.Tensor], iters: int = 3) -> torch.Tensor:
     return v.to(copies[0].dtype)
 
 
-def quiet_shares(copies: list[torch.Tensor]) -> list[float]:
+def quiet_shares(magnitudes: torch.Tensor, sq: list[float]) -> list[float]:
     """Each copy's share of its squared norm in the `QUIET_SHARE` of coordinates where the
-    copies are quietest (R >= 3). A coordinate's loudness is the copies' magnitudes' mean
+    copies are quietest (R >= 3; `magnitudes`: the copies' absolute values stacked, R x n,
+    squared in place: a bucket's temporaries are most of the scoring's time; `sq`: their
+    squared norms). A coordinate's loudness is the copies' magnitudes' mean
     without the largest and the smallest (the median at R = 3 and 4, at an elementwise
     cost: one bad copy cannot move it); the cut is read off an evenly strided sample of at
     most `QUIET_SAMPLE` coordinates (a sort of every coordinate cost 10x the rest)."""
-    x = torch.stack([c.abs() for c in copies])
-    loudness = (x.sum(0) - x.amax(0) - x.amin(0)) / (len(copies) - 2)
+    x = magnitudes
+    loudness = (x.sum(0) - x.amax(0) - x.amin(0)) / (x.shape[0] - 2)
     sample = loudness[::max(1, loudness.numel() // QUIET_SAMPLE)]
     cut = sample.kthvalue(max(1, int(sample.numel() * QUIET_SHARE))).values
-    quiet = loudness <= cut
-    out = []
-    for c in copies:
-        total = float(c.pow(2).sum())
-        out.append(float(torch.where(quiet, c, 0).pow(2).sum()) / total if total else 0.0)
-    return out
+    quiet = (loudness <= cut).to(x.dtype)
+    energy = torch.mv(x.square_(), quiet).tolist()  # one pass: each copy's quiet energy
+    return [e / total if total else 0.0 for e, total in zip(energy, sq, strict=True)]
 
 
 @dataclass
@@ -169,23 +168,25 @@ class ShardScorer:
 
     def add(self, bucket: int, copies: list[torch.Tensor]) -> None:
         """Score one bucket's copies of the owner's shard (replica order)."""
-        flat = [c.detach().reshape(-1).float() for c in copies]  # views: no copy
-        r, n = self.size, flat[0].numel()
-        gram = [[0.0] * r for _ in range(r)]
-        for i in range(r):
-            for j in range(i, r):
-                gram[i][j] = gram[j][i] = float(torch.dot(flat[i], flat[j]))
-        l1 = [float(torch.linalg.vector_norm(f, 1)) for f in flat]
-        totals = [float(f.sum()) for f in flat]
-        norms = [math.sqrt(max(gram[k][k], 0.0)) for k in range(r)]
+        # the copies stacked (R x n) and read in a few whole passes: per bucket, a dozen
+        # small tensor calls instead of one per pair of copies and per figure (the scoring
+        # was most of the checks' time, docs/benchmarks.md)
+        x = torch.stack([c.detach().reshape(-1).float() for c in copies])
+        r, n = self.size, x.shape[1]
+        gram: list[list[float]] = torch.mm(x, x.t()).tolist()
+        totals = x.sum(1).tolist()
+        sq = [gram[k][k] for k in range(r)]
+        norms = [math.sqrt(max(v, 0.0)) for v in sq]
         # R = 2: over each copy's own non-zeros. Rows of tokens one batch held and the other's
         # did not are sparsity, not shape, and the pair's mean has no third copy to outvote
         # it (R >= 3 keeps n: noise filling a sparse bucket's zeros is caught there)
-        support = [int(torch.count_nonzero(f)) for f in flat] if r == 2 else [n] * r
+        support = torch.count_nonzero(x, dim=1).tolist() if r == 2 else [n] * r
+        mag = x.abs_()  # the stack is ours: its magnitudes in place, x is spent
+        l1 = mag.sum(1).tolist()
         shapes = [a / (math.sqrt(m) * nk) if nk else 0.0
                   for a, m, nk in zip(l1, support, norms, strict=True)]
         mnorm, mshape = median(norms), median(shapes)
-        quiet = quiet_shares(flat) if r >= 3 and min(norms) > 0 else []
+        quiet = quiet_shares(mag, sq) if r >= 3 and min(norms) > 0 else []
         mquiet = median(quiet) if quiet else 0.0
         for k in range(self.size):
             self.sq[k] += gram[k][k]
