@@ -93,6 +93,9 @@ class WorkerProgress:
     integrity: list[IntegrityEvent] = field(default_factory=list)
     integrity_dropped: int = 0  # records past MAX_PENDING_EVIDENCE (newest dropped)
     dropped_from: int = 0  # the step of the first record dropped (0: none)
+    # the newest step whose records the worker has all emitted, as its last step event
+    # said (-1: that step's; a weights digest in flight keeps the steps it covers open)
+    judged_through: int = -1
     # the last step split into parts that add up to it (dtfm/core/breakdown.py)
     breakdown: Breakdown = field(default_factory=Breakdown)
     # (window step, its four pipeline-link figures) of the worker's newest windows, oldest
@@ -106,11 +109,12 @@ class WorkerProgress:
     def evidence_through(self, sending: int) -> int:
         """The newest step whose records will all have been sent once a heartbeat carrying
         the oldest `sending` of them is: the worker emits a step's records before its step
-        event, so with none left waiting that is its step. The coordinator waits for every
+        event, so with none left waiting that is its step, or the step before the ones a
+        weights digest still in flight covers (`judged_through`). The coordinator waits for every
         member's before it calls a checkpoint known-good, so a fast job whose evidence lags
         its steps by a heartbeat does not vet a checkpoint that evidence still in flight
         would have condemned."""
-        through = self.step
+        through = self.step if self.judged_through < 0 else min(self.step, self.judged_through)
         if waiting := self.integrity[sending:]:
             through = min(through, min(e.step for e in waiting) - 1)
         if self.dropped_from:  # those records are gone: nothing from there on is complete
@@ -122,6 +126,7 @@ class WorkerProgress:
         if isinstance(event, StepEvent):
             self.state = WorkerState.TRAINING
             self.step = event.step
+            self.judged_through = event.judged_through
             self.total_steps = event.total_steps or self.total_steps
             if not math.isnan(event.loss):
                 self.loss = event.loss

@@ -142,14 +142,16 @@ class AverageAudit:
 
     def row(self) -> list[float]:
         """The figures of the exchanges since the last digest, for `World.dp_gather` (the
-        same count on every replica of a stage: they exchange at the same steps)."""
-        return [v for entry in self._pending for v in entry]
+        same count on every replica of a stage: they exchange at the same steps); spent:
+        the next step's figures begin the next row while this one is judged."""
+        row, self._pending = [v for entry in self._pending for v in entry], []
+        return row
 
     def judge(self, rows: list[list[float]]) -> list[tuple[int, Finding]]:
         """(step, finding) for each check every replica's `rows` (dp-group order, `row()`
-        each) fail; the pending figures are spent, and `receivers` lists the exchanges'
+        each) fail, and `receivers` lists the exchanges'
         receivers of another average."""
-        self._pending, self.receivers = [], []
+        self.receivers = []
         w = width(self.size)
         out: list[tuple[int, Finding]] = []
         implied: dict[int, list[float]] = {}  # owner -> its implied own share, per exchange

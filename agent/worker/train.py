@@ -405,7 +405,8 @@ class Worker:
             dp_bytes=dp_bytes, codec_s=times.codec_s + codec_s, pp_codec_s=times.codec_s,
             codec_hidden_s=hidden_s, cpu_s=times.cpu_s,
             resumed_step=self._resumed, sync_every=cfg.sync_every,
-            checkpoint_step=self._checkpointed, verify_s=self.checks.take_spent(), **outer,
+            checkpoint_step=self._checkpointed, verify_s=self.checks.take_spent(),
+            judged_through=self.checks.judged_through, **outer,
             **self.checks.figures,
         ))
 

@@ -74,7 +74,7 @@ class Exchange:
     """A `pipeline_exchange`'s receives, posted: a buffer per peer rank and their works."""
 
     bufs: dict[int, torch.Tensor]
-    works: list[dist.Work]
+    works: list[Any]  # dist.Work (isend and irecv type them optional)
 
 
 @dataclass
@@ -138,8 +138,13 @@ class World:
         digest or audit figures as every other replica reads them, and have it named for
         its own lie (`replicacheck.py`). Point to point, a replica can lie about its own
         row only."""
+        return self.post_dp_gather(values).rows()
+
+    def post_dp_gather(self, values: list[float]) -> Gathering:
+        """`dp_gather` begun: its rows, `Gathering.rows()`, are read later (the weights
+        digest's, a step later, so that its exchange overlaps training)."""
         if self.dp_group is None:
-            return [list(values)]
+            return Gathering(self, [self.rank], self.rank, list(values), {}, [])
         ranks = dist.get_process_group_ranks(self.dp_group)
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         bufs = {r: torch.empty(len(values), dtype=torch.float64, device=self.device)
@@ -148,8 +153,7 @@ class World:
                  for r, buf in bufs.items()]
         works += [dist.isend(mine, dst=r, group=self.dp_group, tag=TAG_DP_GATHER)
                   for r in bufs]
-        self._wait(works, "gather over its data-parallel group", ranks)
-        return [list(values) if r == self.rank else bufs[r].tolist() for r in ranks]
+        return Gathering(self, ranks, self.rank, list(values), bufs, works, mine)
 
     def world_min(self, value: int) -> int:
         """The minimum over every rank: over the pipeline, then over the replicas."""
@@ -158,6 +162,29 @@ class World:
 
     def _wait(self, works: list[dist.Work], what: str, peers: list[int]) -> None:
         wait_all(works, self.deadline, f"rank {self.rank}: {what} {peers}")
+
+
+@dataclass
+class Gathering:
+    """A `World.post_dp_gather` in flight: the buffers it sends and receives stay alive
+    until `rows` waits for them."""
+
+    world: World
+    ranks: list[int]
+    rank: int
+    values: list[float]
+    bufs: dict[int, torch.Tensor]
+    works: list[Any]  # dist.Work (isend and irecv type them optional)
+    mine: torch.Tensor | None = None
+
+    def rows(self) -> list[list[float]]:
+        """Every replica's row, in dp-group order (waits for them)."""
+        if self.works:
+            wait_all(self.works, self.world.deadline,
+                     f"rank {self.rank}: gather over its data-parallel group {self.ranks}")
+            self.works = []
+        return [list(self.values) if r == self.rank else self.bufs[r].tolist()
+                for r in self.ranks]
 
 
 def join(a: Any, layout: Layout, deadline: Deadline, device: torch.device) -> World:

@@ -113,6 +113,10 @@ class StepEvent:
     # its wait for the stage's replicas; inside the timers above, not a part of the split:
     # what the checks cost, read within one run (bench/integrity_world.py)
     verify_s: float = NAN
+    # The newest step whose integrity records are all emitted (-1: this one's): a weights
+    # digest judged a step after it was taken leaves the steps it covers open until then
+    # (agent/daemon/supervisor.py, `evidence_through`)
+    judged_through: int = -1
 
 
 @dataclass(frozen=True)

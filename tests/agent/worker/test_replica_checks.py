@@ -165,3 +165,24 @@ def test_a_drifted_rank_that_forges_its_norm_table_has_its_replicas_report_what_
     assert {(2, 1, 2), (4, 1, 2)} <= named <= {(0, 1, 2), (2, 1, 2), (4, 1, 2)}, found
     assert not [e for e in found if e["kind"] == "weights"], found
     assert not [e for e in found if e["rank"] % 2 == 1], found  # stage 1 saw nothing
+
+
+@pytest.mark.timeout(120)
+def test_a_digest_is_judged_a_step_after_it_is_taken_and_says_so(tmp_path: Path) -> None:
+    """1 x 3, rank 2's weights drift after step 3; the digest of step 10 is posted to the
+    replicas then and judged at step 11's end (its exchange overlaps step 11): its `weights`
+    record, of step 10, comes after step 10's event and before step 11's, and step 10's
+    event says its records are out through step 0 only (`judged_through`), step 11's
+    through itself. The last step's digest is judged at once."""
+    work = tmp_path / "work"
+    run = run_local(*FLAGS, "--replicas", "3", "--batch", "6", "--steps", "12",
+                    "--workdir", str(work), timeout=110, env=bad_peer_env("2:3=drift"))
+    assert run.rc == 0, run.stderr
+    lines = [json.loads(line) for line in (work / "rank0.progress.jsonl").read_text()
+             .splitlines()]
+    order = [(e["event"], e["step"], e.get("kind"), e.get("judged_through"))
+             for e in lines if e["event"] in ("step", "integrity")]
+    at = order.index(("integrity", 10, "weights", None))
+    assert order[at - 1] == ("step", 10, None, 0) and order[at + 1] == ("step", 11, None, -1)
+    assert ("integrity", 12, "weights", None) in order  # the last digest, judged at once
+    assert ("step", 12, None, -1) in order

@@ -152,6 +152,18 @@ def test_a_heartbeat_says_through_which_step_its_evidence_is_complete() -> None:
     assert progress.integrity == [] and progress.evidence_through(MAX_EVIDENCE) == 8
 
 
+def test_a_digest_in_flight_keeps_the_steps_it_covers_open() -> None:
+    """The weights digest of step 10, covering steps 1-10, is judged at step 11's end
+    (replicacheck.py): the step event of step 10 says its records are out through step 0
+    only, so no heartbeat in between vets a checkpoint of those steps."""
+    progress = WorkerProgress()
+    progress.apply(StepEvent(step=10, judged_through=0))
+    assert progress.evidence_through(MAX_EVIDENCE) == 0
+    progress.apply(IntegrityEvent(step=10, kind="weights", suspect_rank=2, rank=0))
+    progress.apply(StepEvent(step=11))
+    assert progress.evidence_through(0) == 9 and progress.evidence_through(1) == 11
+
+
 def test_evidence_flows_from_the_worker_event_to_coordinator_records() -> None:
     event = IntegrityEvent(step=7, kind="grad_norm", suspect_rank=5, score=9.5,
                            detail="rank 5's copy ...", rank=1)
