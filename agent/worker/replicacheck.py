@@ -266,12 +266,6 @@ class ReplicaChecks:
             return sync_due(step, self.sync_every, last)
         return step % DIGEST_EVERY == 0 or step == last
 
-    def check_weights(self, step: int) -> None:
-        """Exchange this stage's weights digest with its replicas and report the odd one out,
-        at once."""
-        self._post_digest(step)
-        self._judge_digest()
-
     def _post_digest(self, step: int) -> None:
         """Send this stage's replicas the weights digest of `step` with the audit's figures
         and the norm table since the last one (`World.post_dp_gather`); `_judge_digest`

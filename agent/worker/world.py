@@ -144,7 +144,7 @@ class World:
         """`dp_gather` begun: its rows, `Gathering.rows()`, are read later (the weights
         digest's, a step later, so that its exchange overlaps training)."""
         if self.dp_group is None:
-            return Gathering(self, [self.rank], self.rank, list(values), {}, [])
+            return Gathering(self, [self.rank], list(values), {}, [])
         ranks = dist.get_process_group_ranks(self.dp_group)
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         bufs = {r: torch.empty(len(values), dtype=torch.float64, device=self.device)
@@ -153,7 +153,7 @@ class World:
                  for r, buf in bufs.items()]
         works += [dist.isend(mine, dst=r, group=self.dp_group, tag=TAG_DP_GATHER)
                   for r in bufs]
-        return Gathering(self, ranks, self.rank, list(values), bufs, works, mine)
+        return Gathering(self, ranks, list(values), bufs, works, mine)
 
     def world_min(self, value: int) -> int:
         """The minimum over every rank: over the pipeline, then over the replicas."""
@@ -171,7 +171,6 @@ class Gathering:
 
     world: World
     ranks: list[int]
-    rank: int
     values: list[float]
     bufs: dict[int, torch.Tensor]
     works: list[Any]  # dist.Work (isend and irecv type them optional)
@@ -180,10 +179,9 @@ class Gathering:
     def rows(self) -> list[list[float]]:
         """Every replica's row, in dp-group order (waits for them)."""
         if self.works:
-            wait_all(self.works, self.world.deadline,
-                     f"rank {self.rank}: gather over its data-parallel group {self.ranks}")
+            self.world._wait(self.works, "gather over its data-parallel group", self.ranks)
             self.works = []
-        return [list(self.values) if r == self.rank else self.bufs[r].tolist()
+        return [list(self.values) if r == self.world.rank else self.bufs[r].tolist()
                 for r in self.ranks]
 
 

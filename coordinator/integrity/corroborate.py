@@ -133,7 +133,7 @@ class Corroboration:
         by = self._named.setdefault(rec.agent_id, {})
         began = onset(rec.kind, rec.step, self.sync_every)
         by.setdefault(rec.reporter, _Named(began, rec.stage)).note(rec.step, rec.kind, began)
-        recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
+        recent = self._recent(rec)
         if rec.reporter in recent and len(recent) >= AGREEING and (
                 rec.kind not in WITNESSED or len(self._stages(recent)) >= WITNESS_STAGES):
             return True, min(n.first for n in recent.values()), sorted(recent)
@@ -146,12 +146,16 @@ class Corroboration:
         dispute); [] otherwise."""
         if rec.kind not in WITNESSED:
             return []
-        by = self._named.get(rec.agent_id, {})
-        recent = {r: n for r, n in by.items() if n.agrees_at(rec.step)}
+        recent = self._recent(rec)
         if rec.reporter in recent and len(recent) >= AGREEING and \
                 len(self._stages(recent)) == 1:
             return sorted(recent)
         return []
+
+    def _recent(self, rec: EvidenceRecord) -> dict[str, _Named]:
+        """The reporters whose namings of `rec`'s suspect near its step confirm."""
+        return {r: n for r, n in self._named.get(rec.agent_id, {}).items()
+                if n.agrees_at(rec.step)}
 
     @staticmethod
     def _stages(named: dict[str, _Named]) -> set[int]:

@@ -430,13 +430,13 @@ class Job:
             member_dialable=[r.reach.verdict != common_pb2.REACHABILITY_NOWHERE for r in records],
         )
         swaps = swaps_part(placement.kind, layout.stages)
-        spare = bool(self.membership.spares([r.agent_id for r in records]))
-        settle = "" if resolve_verify(cfg.train.verify, cfg.train.dp_mode) == Verify.OFF else (
-            unsettled(placement.kind, layout.stages, placement.pinned is not None, spare))
+        why = unsettled(placement.kind, layout.stages, placement.pinned is not None,
+                        bool(self.membership.spares([r.agent_id for r in records])))
+        settle = "" if resolve_verify(cfg.train.verify, cfg.train.dp_mode) == Verify.OFF \
+            else why
         self.integrity.plan_epoch(  # a rollback's bound; disputes parted or not
             assignments, train.sync_every, rows=self.planner.grid_ids, by_spare=not swaps,
-            members=[r.agent_id for r in records], unsettled=settle,
-            separable=swaps or (placement.pinned is None and spare))
+            members=[r.agent_id for r in records], unsettled=settle, separable=not why)
         self.members = [r.agent_id for r in records]
         self._progress.clear()
         self._steps.clear()
