@@ -36,6 +36,12 @@ message, so every replica still steps with identical gradients. The extra scalar
 travel in a bucket of their own, uncompressed, so the reported loss stays exact. The
 residuals live in memory only: a resumed run starts them at zero.
 
+An exchange may also run while the caller trains (`launch`, `progress`, `collect`: the
+outer step one round late, `outer.py`): the gradients are copied into the buckets and their
+sends started at once; `progress`, a poll between steps, sends back each bucket's average as
+soon as its copies are in; `collect` waits for the rest and writes the means back. The
+collectives, their order and their bits are those of `average_`.
+
 Seams for the replica checks (`replicacheck.py`, `--verify`): `inspect`, called at a
 shard's owner with every replica's copy of the shard (replica order, decoded), may score them
 and return the average to use instead of the mean (robust aggregation); `check`, called at
@@ -153,6 +159,7 @@ class GradAverager:
         # sharded: each replica's part of every bucket (None: equal shards, padded)
         self.shares = None if shares is None else check_shares(shares, len(ranks))
         self._armed, self._next, self._posted = False, 0, False
+        self._gathered = 0  # sharded: the buckets whose averages went back (in index order)
         self._extras = [0.0] * extras
         self.sent_bytes = 0  # this step's bytes to the other replicas
         self.codec_s = 0.0  # this step's compressing and decompressing
@@ -244,7 +251,7 @@ class GradAverager:
             b.ready = 0
             if self.mode == "allreduce":
                 b.works = []
-        self._armed, self._next = True, 0
+        self._armed, self._next, self._gathered = True, 0, 0
         self.sent_bytes, self.codec_s = 0, 0.0
 
     def finish(self) -> tuple[float, list[float]]:
@@ -256,13 +263,7 @@ class GradAverager:
         if self.size == 1:
             return 0.0, list(self._extras)
         t0, codec_before = time.perf_counter(), self.codec_s
-        self._armed = False
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for b in self.buckets[self._next :]:
-            self._copy_in(b)
-        self._launch_ready()
+        self._start_rest()
         self._complete()
         self.finish_codec_s = self.codec_s - codec_before
         last = self.buckets[-1]
@@ -274,6 +275,50 @@ class GradAverager:
         """Average without overlap (after backward): `arm` then `finish`."""
         self.arm(extras)
         return self.finish()
+
+    # ---- an exchange that runs while the caller trains (outer.py's --outer-delay 1) ----
+    def launch(self) -> None:
+        """Start averaging the gradients as they are now, and return without waiting.
+
+        Until `collect`, the caller may train on (the gradients were copied into the
+        buckets), but must hand `collect` the parameters' gradients holding this replica's
+        copies again (the receivers' check reads them, and the means are written there), and
+        must not use this averager for anything else meanwhile."""
+        self.arm()
+        if self.size > 1:
+            self._start_rest()
+
+    def progress(self) -> None:
+        """Send back the averages of every bucket (in order) whose copies have all arrived:
+        what `collect` would otherwise do a whole round later (`sharded`; a poll between
+        steps, which waits for nothing)."""
+        if self.size == 1 or self.mode != "sharded":
+            return
+        me = self.ranks.index(dist.get_rank())
+        while self._gathered < len(self.buckets):
+            b = self.buckets[self._gathered]
+            if not all(w.is_completed() for w in b.works):
+                return
+            self._gather_bucket(self._gathered, b, me)
+
+    def collect(self) -> float:
+        """Finish what `launch` started: wait, and write the means into the gradients.
+        Returns the seconds it waited and worked."""
+        if self.size == 1:
+            return 0.0
+        t0 = time.perf_counter()
+        self._complete()
+        return time.perf_counter() - t0
+
+    def _start_rest(self) -> None:
+        """Disarm the hooks, copy in every gradient they did not, and start its bucket."""
+        self._armed = False
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for b in self.buckets[self._next :]:
+            self._copy_in(b)
+        self._launch_ready()
 
     # ---- hooks and collectives ----
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -383,23 +428,28 @@ class GradAverager:
         """Sum my shard's copies in replica order (the same bits wherever it is summed),
         average, and exchange averaged shards directly with every peer."""
         me = self.ranks.index(dist.get_rank())
-        for i, b in enumerate(self.buckets):
-            self._wait(b.works)
-            if not b.sizes[me]:  # I own none of this bucket: only the averages to receive
-                b.works = b.gather_works
-                continue
-            if b.codec is not None:
-                self._gather_compressed(b, i, me)
-                continue
-            mine = self._average(i, b.parts, me)
-            chunks = b.flat.split(b.sizes)
-            chunks[me].copy_(mine)
-            tag = TAG_SCATTER + 2 * i + 1
-            b.works = b.gather_works + [
-                self._async(dist.isend(self._sent(i, k, chunks[me]), self.ranks[k], self.group,
-                                       tag))
-                for k in range(self.size) if k != me]
-            self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
+        while self._gathered < len(self.buckets):  # `progress` may have done the first ones
+            self._gather_bucket(self._gathered, self.buckets[self._gathered], me)
+
+    def _gather_bucket(self, i: int, b: _Bucket, me: int) -> None:
+        """`_gather_shards` for bucket i, the next one due."""
+        self._wait(b.works)
+        self._gathered = i + 1
+        if not b.sizes[me]:  # I own none of this bucket: only the averages to receive
+            b.works = b.gather_works
+            return
+        if b.codec is not None:
+            self._gather_compressed(b, i, me)
+            return
+        mine = self._average(i, b.parts, me)
+        chunks = b.flat.split(b.sizes)
+        chunks[me].copy_(mine)
+        tag = TAG_SCATTER + 2 * i + 1
+        b.works = b.gather_works + [
+            self._async(dist.isend(self._sent(i, k, chunks[me]), self.ranks[k], self.group,
+                                   tag))
+            for k in range(self.size) if k != me]
+        self.sent_bytes += (self.size - 1) * chunks[me].numel() * chunks[me].element_size()
 
     def _sent(self, i: int, k: int, shard: torch.Tensor) -> torch.Tensor:
         """My averaged shard of bucket i as receiver k gets it: a rehearsed owner that

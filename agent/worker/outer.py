@@ -22,11 +22,29 @@ checkpoint holds one of them: so at a checkpoint the replicas first average thei
 (`average_moments`, exact, through an uncompressed averager), and every replica resumes from
 the state it would have continued with. A replica lost mid-round loses its unsynced inner
 steps: the job resumes from the last sync point's checkpoint.
+
+`--outer-delay 1` (eager, one round late; Kale et al. 2025, "Eager updates for overlapped
+communication and computation in DiLoCo"; DiLoCoX's one-step-delay overlap): a sync point
+starts averaging its round's pseudo-gradient and returns at once, so the exchange runs while
+the next round trains (`GradAverager.launch`, `progress` between inner steps to send the
+averages back as soon as the copies are in, `collect` at the next sync point). Each replica
+keeps the anchor (the global model, the same bits on every replica) and trains on from the
+anchor minus its own newest pseudo-gradient, the eager stand-in for the average still in
+flight. At the next sync point it collects that average, takes the outer step with it on the
+anchor, one round late, and starts over from the new anchor minus the round just ended. So a
+round's progress is counted once: locally while its average travels, then through the average.
+The replicas' working weights differ by their own newest round; their anchors agree bit for
+bit, and the weights digest and the checksum compare the anchors. A checkpoint or the last
+step flushes: it collects the exchange in flight and averages the round just ended at once,
+so the replicas leave it holding the anchor, the same bits, and a run resumed there continues
+as the flushed run does. What a replica holds apart from a synchronous round (the pseudo-
+gradient in flight) is one more copy of the trained parameters.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,10 +84,12 @@ class OuterSync:
     """The outer optimizer of one stage on one replica: anchor, momentum, rounds."""
 
     def __init__(self, model: nn.Module, averager: GradAverager, *, every: int, lr: float,
-                 momentum: float) -> None:
+                 momentum: float, delay: int = 0) -> None:
         if every < 2:
             raise ValueError(f"local steps need --sync-every >= 2, got {every}")
-        self.every, self.lr, self.mu = every, lr, momentum
+        if delay not in (0, 1):
+            raise ValueError(f"--outer-delay must be 0 or 1, got {delay}")
+        self.every, self.lr, self.mu, self.delay = every, lr, momentum, delay
         self.averager = averager
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -77,12 +97,26 @@ class OuterSync:
         self.anchor = [p.detach().clone() for p in self.params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.rounds = 0  # sync points passed since step 0 of the job
+        # delay 1: this replica's pseudo-gradient whose average is in flight (None: nothing)
+        self.pending: list[torch.Tensor] | None = None
+        self.pending_step = 0  # the sync point that launched it
 
     def due(self, step: int, last: int) -> bool:
         return sync_due(step, self.every, last)
 
-    def sync(self, step: int) -> SyncResult:
-        """Average the pseudo-gradients over the stage's replicas and take the outer step."""
+    def synced(self) -> list[torch.Tensor]:
+        """The weights every replica of the stage holds the same bits of after a sync point:
+        the parameters, or with a delayed outer step the anchor (the parameters differ by each
+        replica's own newest round)."""
+        held: list[torch.Tensor] = self.anchor if self.delay else list(self.params)
+        return held
+
+    def sync(self, step: int, *, flush: bool = False) -> SyncResult:
+        """Average the pseudo-gradients over the stage's replicas and take the outer step
+        (delay 1: the previous round's, and start this round's; with `flush`,
+        both, leaving every replica on the anchor)."""
+        if self.delay:
+            return self._sync_late(step, flush)
         with torch.no_grad():
             for p, a in zip(self.params, self.anchor, strict=True):
                 p.grad = a - p.detach()
@@ -97,6 +131,71 @@ class OuterSync:
             checksum = sum(float(p.double().sum()) for p in self.params)
         self.rounds = round_of(step, self.every)
         return SyncResult(dp_s, self.averager.sent_bytes, self.averager.codec_s, drift, checksum)
+
+    def progress(self) -> None:
+        """Between inner steps: move the exchange in flight on (`GradAverager.progress`)."""
+        if self.pending is not None:
+            self.averager.progress()
+
+    def _sync_late(self, step: int, flush: bool) -> SyncResult:
+        with torch.no_grad():
+            # this round's pseudo-gradient, from where the round started: the anchor minus
+            # the round before's (its average still in flight)
+            delta = [a - p.detach() for p, a in zip(self.params, self.anchor, strict=True)]
+            if self.pending is not None:
+                for d, prev in zip(delta, self.pending, strict=True):
+                    d.sub_(prev)
+            drift = math.sqrt(sum(float(d.double().square().sum()) for d in delta))
+        dp_s, sent, codec_s = self._collect() if self.pending is not None else (0.0, 0, 0.0)
+        saved = [p.grad for p in self.params]
+        for p, d in zip(self.params, delta, strict=True):
+            p.grad = d
+        self.averager.step = step  # a peer's bad value in it is blamed at its sync point
+        if flush:  # average this round's at once: every replica ends on the anchor
+            t0 = time.perf_counter()
+            self.averager.average_()
+            dp_s += time.perf_counter() - t0
+            sent, codec_s = sent + self.averager.sent_bytes, codec_s + self.averager.codec_s
+            self._outer([p.grad for p in self.params])  # type: ignore[misc]
+        else:
+            t0 = time.perf_counter()
+            self.averager.launch()
+            dp_s += time.perf_counter() - t0
+            self.pending, self.pending_step = delta, step
+        with torch.no_grad():  # the eager stand-in: the anchor minus my round in flight
+            for p, a, d in zip(self.params, self.anchor, delta, strict=True):
+                p.copy_(a)
+                if not flush:
+                    p.sub_(d)
+        for p, g in zip(self.params, saved, strict=True):
+            p.grad = g
+        self.rounds = round_of(step, self.every)
+        return SyncResult(dp_s, sent, codec_s, drift, self._checksum())
+
+    def _collect(self) -> tuple[float, int, float]:
+        """Collect the average in flight into the pending tensors and take its outer step
+        on the anchor: (seconds, bytes sent, codec seconds) of that exchange."""
+        assert self.pending is not None
+        saved = [p.grad for p in self.params]
+        for p, d in zip(self.params, self.pending, strict=True):
+            p.grad = d  # my copy again: the receivers' check reads it, the means land there
+        self.averager.step = self.pending_step
+        dp_s = self.averager.collect()
+        self._outer(self.pending)
+        for p, g in zip(self.params, saved, strict=True):
+            p.grad = g
+        self.pending = None
+        return dp_s, self.averager.sent_bytes, self.averager.codec_s
+
+    def _outer(self, averaged: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for a, d, m in zip(self.anchor, averaged, self.momentum, strict=True):
+                outer_step_(a, d, m, self.lr, self.mu)
+
+    def _checksum(self) -> float:
+        """Of the weights every replica holds the same bits of (`synced`)."""
+        with torch.no_grad():
+            return sum(float(w.double().sum()) for w in self.synced())
 
     # ---- checkpoints ----
     def state_dict(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +85,12 @@ class ReplicaChecks:
     def __init__(self, level: Verify, *, world: World, averager: GradAverager,
                  model: nn.Module, dp_ranks: list[int], rank: int, sync_every: int,
                  emit: Callable[[IntegrityEvent], None], fault: Fault | None = None,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0,
+                 weights: Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
         self.level, self.world, self.averager, self.model = level, world, averager, model
+        # what the digest compares and a rehearsed drift moves: the weights the replicas hold
+        # the same bits of (with a delayed outer step, its anchor: `OuterSync.synced`)
+        self.weights = weights or (lambda: list(model.parameters()))
         self.dp_ranks, self.rank, self.sync_every, self.emit = dp_ranks, rank, sync_every, emit
         size = len(dp_ranks)
         self.scorer = gradscore.ShardScorer(size) if scores(level) and size > 1 else None
@@ -171,7 +175,7 @@ class ReplicaChecks:
         self.averager.check = self.averager.tamper_average = self.averager.tamper_sent = None
         if self.fault is not None and self.fault.drifts(self.rank, step, self.epoch):
             log.error("fault injection: rank %d's weights drift after step %d", self.rank, step)
-            badpeer.drift_([p for p in self.model.parameters()])
+            badpeer.drift_(list(self.weights()))
         if self.scorer is not None:
             inputs_suspect = self._judge(step)
             self._judge_averages(step, inputs_suspect)
@@ -273,7 +277,7 @@ class ReplicaChecks:
         round trip between them were nearly all the checks' time on the 16-agent world
         (39 of 44 ms a rank-step), time that training now overlaps; what it costs is a
         verdict one step later."""
-        mine = digest.weights_digest(self.model.parameters())
+        mine = digest.weights_digest(self.weights())
         audit = self.audit.row() if self.audit is not None else []
         norms = self.norms.take() if self.norms is not None else []
         start = self._covered_from if self._covered_from is not None else step

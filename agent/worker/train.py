@@ -133,6 +133,8 @@ class Worker:
         # extra checkpoints the agent asks for while this worker trains (dtfm.core.requests)
         self.requests = requests or CheckpointRequests(None)
         self._checkpointed = 0  # the newest step this run checkpointed, for step events
+        self._wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
+        self._save_now = False  # this step ends with a checkpoint (`_checkpoint_now`)
         self.at_step = 0  # the step it trains (or checkpoints, evaluates): its error event's
         self.spec = ModelSpec.from_proto(a.model)
         self.cfg = TrainConfig.from_proto(a.train)
@@ -221,7 +223,8 @@ class Worker:
         self.checks = ReplicaChecks(  # --verify: evidence against a bad peer (replicacheck.py)
             resolve(cfg.verify, cfg.dp_mode), world=world, averager=averager, model=self.stage,
             dp_ranks=self.dp_ranks, rank=self.rank, sync_every=cfg.sync_every,
-            emit=self.progress.emit, fault=self.fault, epoch=a.epoch)
+            emit=self.progress.emit, fault=self.fault, epoch=a.epoch,
+            weights=self.outer.synced if self.outer is not None else None)
         self.checks.attach(pipe)  # the pipeline links' figures, for the coordinator
         start = self._resumed = self._resume(opt, sampler)
         if cfg.init_from and (start == 0 or cfg.lora_rank):  # LoRA checkpoints hold no base
@@ -237,7 +240,6 @@ class Worker:
             sum(p.numel() for p in self.stage.parameters()), start + 1, cfg.steps,
         )
         self.deadline.start()
-        wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
         for step in range(start + 1, cfg.steps + 1):
             self.at_step = step
             if self.fault:
@@ -245,11 +247,8 @@ class Worker:
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
             self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
-            # a requested step counts only if heard of by its end: every rank then agrees
-            wanted |= bool(self.ckpt and (self.ckpt.due(step, cfg.steps)
-                                          or step == self.requests.step()))
-            if self.ckpt and wanted and (self.outer is None or self.outer.due(step, cfg.steps)):
-                wanted = False
+            if self.ckpt and self._save_now:
+                self._wanted = False
                 if self.outer is not None:  # one inner state for the checkpoint (outer.py)
                     self.deadline.sync_point()  # just synced: no round apart
                     average_moments(opt, self.outer.params, self._exact_averager())
@@ -308,7 +307,7 @@ class Worker:
         # local steps: the replicas average pseudo-gradients every sync_every steps (outer.py)
         self.outer = None if synchronous else OuterSync(
             self.stage, averager, every=cfg.sync_every, lr=cfg.outer_lr,
-            momentum=cfg.outer_mu())
+            momentum=cfg.outer_mu(), delay=cfg.outer_delay)
         return pipe, averager
 
     def _exact_averager(self) -> GradAverager:
@@ -353,6 +352,8 @@ class Worker:
                 lambda loss: averager.arm([loss] if last else [])),
             step=step,
         )
+        if outer is not None:  # --outer-delay 1: send back the averages whose copies are in
+            outer.progress()
         dp_s, extras = averager.finish() if outer is None else (0.0, [local_loss])
         t1 = time.perf_counter()
         sq = float(local_sq_norm(self.stage))
@@ -367,10 +368,12 @@ class Worker:
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
         synced, outer_s = None, 0.0
+        self._save_now = self._checkpoint_now(step)
         if outer and outer.due(step, cfg.steps):
             self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
             t2 = time.perf_counter()
-            synced = outer.sync(step)
+            # --outer-delay 1: a checkpoint and the last step hold no exchange in flight
+            synced = outer.sync(step, flush=self._save_now or step == cfg.steps)
             outer_s = time.perf_counter() - t2
         self.checks.end_step(step, cfg.steps)
         if self.device.type == "cuda":
@@ -378,6 +381,16 @@ class Worker:
         times.cpu_s = time.process_time() - cpu0  # every thread's: the cores it held
         self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
                         dp_s, sync_s, synced, outer_s)
+
+    def _checkpoint_now(self, step: int) -> bool:
+        """Whether this step ends with a checkpoint: one fell due (local steps: inside the
+        round, written at its end). Read before the step's outer sync, which it flushes, and
+        before its checks end, which then check what the flush exchanged. A requested step
+        counts only if heard of by then: every rank then agrees."""
+        cfg = self.cfg
+        self._wanted |= bool(self.ckpt and (self.ckpt.due(step, cfg.steps)
+                                            or step == self.requests.step()))
+        return self._wanted and (self.outer is None or self.outer.due(step, cfg.steps))
 
     def _emit_step(
         self, step: int, loss: float, norm: float, lr: float, dt: float, times: Timings,

@@ -345,6 +345,7 @@ class Job:
                         act_dtype=cfg.train.dtype,  # the worker sends activations in it
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
                         sync_every=self.planner.sync_every or 1,  # local steps: exchange every H
+                        outer_delay=cfg.train.outer_delay,  # ... overlapping the next round
                         lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets,
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
@@ -391,7 +392,9 @@ class Job:
                 self._set(S.JOB_STATE_FAILED, f"{cfg.model} with --sync-every "
                           f"{self.planner.sync_every} (auto) does not fit: {exc}")
                 return
-        train = replace(train, sync_every=self.planner.sync_every)
+        # auto's H = 1 leaves no round to delay an outer step into: plain synchronous steps
+        train = replace(train, sync_every=self.planner.sync_every,
+                        outer_delay=train.outer_delay if self.planner.sync_every > 1 else 0)
         self.epoch += 1
         self.planner.layout, self.planner.train = layout, train
         self.planner.grid_ids = [[ids[d] for d in row] for row in found["grid"]]

@@ -363,6 +363,12 @@ class TrainConfig:
         OUTER_MOMENTUM_AUTO, "momentum of the outer Nesterov step (with --sync-every > 1); "
         f"auto: 0.5 for rounds of up to {LONGEST_MEASURED_ROUND} steps, where DiLoCo's 0.9 "
         "overshoots, 0.9 for longer ones")
+    outer_delay: int = _option(
+        0, "with --sync-every > 1: 1 lets each sync point's exchange run while the next "
+        "round trains, and applies its outer step one round late, each replica keeping its "
+        "own newest round meanwhile (eager one-round-delayed DiLoCo: nobody waits at a sync "
+        "point, at a small loss per token); 0: the replicas wait for the exchange at every "
+        "sync point")
     lora_rank: int = _option(
         0, "train LoRA adapters of this rank beside a frozen base instead of every weight "
         "(0: off, full fine-tuning); only the adapters are optimized, exchanged between "
@@ -475,6 +481,12 @@ class TrainConfig:
         if self.outer_momentum != OUTER_MOMENTUM_AUTO and not 0 <= self.outer_momentum < 1:
             raise ValueError(f"--outer-momentum must be in [0, 1) or auto, got "
                              f"{self.outer_momentum}")
+        if self.outer_delay not in (0, 1):
+            raise ValueError(f"--outer-delay must be 0 (wait at each sync point) or 1 (apply "
+                             f"the outer step one round late), got {self.outer_delay}")
+        if self.outer_delay and self.sync_every == 1:
+            raise ValueError("--outer-delay 1 delays the outer step of local steps: give "
+                             "--sync-every H (H >= 2, or auto) with it, or leave it out")
 
     def to_proto(self) -> Any:
         from protos.dtfm.v1 import common_pb2
@@ -504,18 +516,24 @@ _FIELDS = {f.name: f for f in fields(TrainConfig)}
 # fingerprints stored before they existed still match.
 # (`verify` checks without changing the bits, except `robust`'s averaging: a tolerance choice)
 REPORTING_ONLY = ("eval_every", "verify")
+# Fields added after jobs were fingerprinted: left out at their default, so those jobs'
+# fingerprints still match and a restart resumes them.
+_LATER_AT_DEFAULT = ("outer_delay",)
 
 
 def fingerprinted(cfg: TrainConfig) -> dict[str, Any]:
-    """`cfg`'s fields as a job's fingerprint takes them: all but `REPORTING_ONLY`."""
-    return {k: v for k, v in asdict(cfg).items() if k not in REPORTING_ONLY}
+    """`cfg`'s fields as a job's fingerprint takes them: all but `REPORTING_ONLY`, and the
+    later fields at their default."""
+    return {k: v for k, v in asdict(cfg).items() if k not in REPORTING_ONLY
+            and not (k in _LATER_AT_DEFAULT and v == _FIELDS[k].default)}
 _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype,
                                           "moments_dtype": MomentsDtype, "verify": Verify}
 # Enum fields the wire gained after its first version: unset on the wire means the default.
 _ADDED_LATER = ("moments_dtype", "verify")
-_OUTER = ("sync_every", "outer_lr", "outer_momentum")  # unset on the wire: all their defaults
+# unset on the wire: all their defaults
+_OUTER = ("sync_every", "outer_lr", "outer_momentum", "outer_delay")
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches", "eval_every", "seq_len", "sync_every", "lora_rank")
+           "eval_batches", "eval_every", "seq_len", "sync_every", "lora_rank", "outer_delay")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:

@@ -89,7 +89,13 @@ def test_the_coordinators_fingerprint_ignores_how_often_a_job_evaluates() -> Non
     plain = JobConfig(model="gpt-tiny", agents=2)
     assert job_fingerprint(plain) == job_fingerprint(
         JobConfig(model="gpt-tiny", agents=2, train=TrainConfig(eval_every=5)))
-    before = {k: v for k, v in asdict(plain.train).items() if k not in REPORTING_ONLY}
+    # as stored before --outer-delay existed: its default leaves the fingerprint alone
+    before = {k: v for k, v in asdict(plain.train).items()
+              if k not in REPORTING_ONLY and k != "outer_delay"}
     assert job_fingerprint(plain) == core_fingerprint.fingerprint({
         "model": "gpt-tiny", "agents": 2, "stages": 0, "replicas": 0, "train": before,
         "placement": plain.placement, "layer_split": plain.layer_split, "seed": plain.seed})
+    # ... and a job that delays its outer step trains otherwise: another job
+    assert job_fingerprint(plain) != job_fingerprint(JobConfig(
+        model="gpt-tiny", agents=2, train=TrainConfig(sync_every=4, outer_delay=1))) != \
+        job_fingerprint(JobConfig(model="gpt-tiny", agents=2, train=TrainConfig(sync_every=4)))
