@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "variant (the same tokens for each; >= the largest H)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hs", default="4,16,64", help="comma-separated H for local steps")
+    p.add_argument("--outer-delays", default="0",
+                   help="comma-separated --outer-delay for each H > 1 (0,1: both, side by side)")
     p.add_argument("--compressed", default="int4/int3",
                    help="the compressed setting PP/DP each H (and synchronous) also runs with "
                    "('' for none)")
@@ -117,8 +119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
-    """(label, H, pp codec, dp codec), synchronous uncompressed first (the baseline)."""
+# (label, H, pp codec, dp codec, --outer-delay)
+Variant = tuple[str, int, str, str, int]
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """Synchronous uncompressed first (the baseline); each H > 1 once per `--outer-delays`."""
     settings = [("none", "none")]
     if args.compressed:
         pp, _, dp = args.compressed.partition("/")
@@ -128,12 +134,14 @@ def variants(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
     if too_long:
         raise SystemExit(f"--steps {args.steps} is shorter than H = {too_long[0]}: every "
                          f"variant must sync at least once; raise --steps")
-    return [(f"{'sync' if h == 1 else f'H={h}'} {pp}/{dp}", h, pp, dp)
-            for h in hs for pp, dp in settings]
+    delays = [int(d) for d in args.outer_delays.split(",") if d] or [0]
+    return [(f"{'sync' if h == 1 else f'H={h}'} {pp}/{dp}{' late' if d else ''}", h, pp, dp, d)
+            for h in hs for pp, dp in settings for d in (delays if h > 1 else [0])]
 
 
-def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str) -> list[str]:
+def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str, delay: int = 0) -> list[str]:
     return ["--sync-every", str(h), "--pp-compress", pp, "--dp-compress", dp,
+            *(["--outer-delay", str(delay)] if delay else []),
             "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
             "--seed", str(args.seed), "--checkpoint-every", "0"]
 
@@ -164,17 +172,17 @@ def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
 
 
 def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
-                 todo: list[tuple[str, int, str, str]], placement: str = "scheduled",
+                 todo: list[Variant], placement: str = "scheduled",
                  failed: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One job per variant; a job that fails is noted in `failed` (its variant and why) and
     the others still run: an hour of variants must not be lost to one."""
     tokens = args.batch * get_preset(args.model).seq_len
     rows = []
-    for label, h, pp, dp in todo:
+    for label, h, pp, dp, delay in todo:
         before = files_under(cluster.workdir, ".progress.jsonl")
         load_before = os.getloadavg()[0]
         try:
-            row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp),
+            row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp, delay),
                           label=label)
         except RuntimeError as exc:
             if failed is None:
@@ -182,7 +190,7 @@ def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
             print(f"  [{label}] FAILED: {exc}", file=sys.stderr, flush=True)
             failed.append({"variant": label, "sync_every": h, "error": str(exc)})
             continue
-        row.update(variant=label, sync_every=h, pp_compress=pp, dp_compress=dp,
+        row.update(variant=label, sync_every=h, pp_compress=pp, dp_compress=dp, outer_delay=delay,
                    load_before=load_before, load_after=os.getloadavg()[0])
         row.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
         row["prediction_err_pct"] = 100 * (row["predicted_step_s"] - row["mean_step_s"]) \
@@ -315,12 +323,12 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
     with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
                                                                               _):
         blind = run_variants(cluster, links, sub, [("rank-order sync none", 1, "none",
-                                                    "none")], placement="rank-order")[0]
+                                                    "none", 0)], placement="rank-order")[0]
         on, *also = run_variants(cluster, links, sub, [(f"scheduled H={h} {pp}/int3", h, pp,
-                                                        "int3") for pp in codecs])
+                                                        "int3", 0) for pp in codecs])
         pp, _, dp = (args.compressed or "int4/int3").partition("/")
         best_sync = run_variants(cluster, links, sub, [(f"scheduled sync {pp}/{dp or pp}", 1,
-                                                       pp, dp or pp)])[0]
+                                                       pp, dp or pp, 0)])[0]
         agents = cluster.agents
     ceiling = loopback_ceiling(args, agents, h) if args.ceiling else None
     if ceiling:

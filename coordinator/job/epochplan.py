@@ -203,6 +203,7 @@ class EpochPlanner:
         work = Workload(cfg.model_spec(), layout.stages, layout.replicas,
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
                         moments_dtype=cfg.train.moments_dtype, sync_every=self.sync_every or 1,
+                        outer_delay=cfg.train.outer_delay,
                         lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets)
         trained = self.checkpoints.trained_splits
         kept = trained if trained and len(trained) == layout.stages else None

@@ -17,7 +17,8 @@ Counted the way the worker really trains (pinned against torch by
   4 of gradient, 8 of AdamW state = 16 bytes per parameter (4 of AdamW state, 12 in all, with
   `--moments-dtype bf16`), plus 4 more for the gradient buckets when the stage has
   data-parallel peers, and 8 more for the outer optimizer's anchor and momentum with local
-  steps (`--sync-every` > 1, agent/worker/outer.py); under LoRA that is the adapters only,
+  steps (`--sync-every` > 1, agent/worker/outer.py), 4 more with `--outer-delay 1` (the
+  pseudo-gradient in flight); under LoRA that is the adapters only,
   and the frozen base costs its weights alone, in the training dtype (2 bytes under bf16);
 - per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
@@ -69,6 +70,7 @@ class MemoryShape:
     sync_every: int = 1  # > 1: local steps, with an fp32 anchor and momentum per parameter
     lora_rank: int = 0  # > 0: a frozen base (weights only, in `dtype`) plus adapters that train
     lora_targets: str = ""
+    outer_delay: int = 0  # 1: local steps also hold the pseudo-gradient in flight
 
 
 OUTER_STATE_BYTES = 2 * FP32  # local steps: the anchor and the outer momentum, fp32
@@ -143,7 +145,8 @@ def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
     """Peak bytes on one device holding `stage` with layers [begin, end)."""
     per_param = (param_state_bytes(shape.moments_dtype)
                  + (DP_BUCKET_BYTES if shape.replicas > 1 else 0)
-                 + (OUTER_STATE_BYTES if shape.sync_every > 1 else 0))
+                 + (OUTER_STATE_BYTES if shape.sync_every > 1 else 0)
+                 + (FP32 if shape.sync_every > 1 and shape.outer_delay else 0))
     held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
     params = shape.spec.stage_params(begin, end)
     trained = trained_params(shape.spec, begin, end, shape.lora_rank, shape.lora_targets)

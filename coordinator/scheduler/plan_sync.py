@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    default=sync_auto.DEFAULT_OVERHEAD, metavar="FRACTION",
                    help="with --sync-every auto: the share of a step the amortised exchange "
                    "may cost (default: %(default)s)")
+    flags.add_train_arg(g, "outer_delay")  # the training flag: price the overlapped exchange
 
 
 def every(args: argparse.Namespace) -> int:
@@ -58,7 +59,7 @@ def describe(net: Network, grid: list[list[int]], work: Workload, flops: list[fl
     def parts(t: StepTime) -> dict[str, float]:
         return {"step_s": t.step_s, "pipeline_s": t.pipeline_s, "dp_s": t.dp_s,
                 "dp_exchange_s": t.dp_exchange_s, "sync_s": t.sync_s,
-                "compute_s": t.compute_s}
+                "compute_s": t.compute_s, "hidden_s": t.hidden_s}
 
     return {"sync": {"every": work.sync_every, "note": note, "predicted": parts(local),
                      "synchronous": parts(sync)}}
@@ -74,6 +75,8 @@ def format_lines(out: dict[str, Any]) -> list[str]:
         return ["", *note]
     return ["", *note, f"local steps: sync every {h} steps: predicted step {p['step_s']:.3f} s = "
             f"pipeline {p['pipeline_s']:.3f} + norm exchange {p['sync_s']:.3f} + data-parallel "
-            f"{p['dp_s']:.4f} (one {p['dp_exchange_s']:.3f} s exchange every {h} steps); "
+            f"{p['dp_s']:.4f} (one {p['dp_exchange_s']:.3f} s exchange every {h} steps"
+            + (f", {p['hidden_s']:.3f} s of it under the next round" if p.get("hidden_s") else "")
+            + "); "
             f"synchronous {s['step_s']:.3f} s (data-parallel {s['dp_s']:.3f} s), "
             f"{s['step_s'] / p['step_s']:.2f}x"]

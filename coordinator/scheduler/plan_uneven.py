@@ -90,6 +90,7 @@ def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -
                     args.schedule, "fp32" if args.dtype == "fp32" else "bf16", args.dtype,
                     moments_dtype=args.moments_dtype,
                     sync_every=getattr(args, "sync_every", 1) or 1,  # auto: priced per H later
+                    outer_delay=getattr(args, "outer_delay", 0),
                     lora_rank=getattr(args, "lora_rank", 0),
                     lora_targets=getattr(args, "lora_targets", ""),
                     compression=plan_compress.compression(args))

@@ -30,7 +30,9 @@ the two against each other:
   pseudo-gradients (the same bytes and exchange as a gradient average, not hidden behind
   backward). The step is priced as its average over the round: the step without data-parallel
   traffic plus 1/H of the slowest group's exchange, so the polish and the placement weigh the
-  pipelines more the larger H is;
+  pipelines more the larger H is; with the outer step one round late (`StepShape.outer_delay`)
+  the exchange runs through the next round and only what outlasts it counts
+  (`exposed_exchange_s`);
 - with replica checks (`StepShape.verify_s`, from `--verify`: `dtfm.core.verify`), each stage's
   data-parallel group pays its checks after averaging: the owner's scoring of the copies it
   holds (a few passes over the stage's gradient bytes at `SCORE_GBPS`) and, amortized over
@@ -77,11 +79,22 @@ class StepTime:
     sync_s: float  # the norm exchange after data-parallel sync
     compute_s: float  # the busiest device's compute in one step
     sync_every: int = 1  # H: the data-parallel exchange runs once every H steps
+    hidden_s: float = 0.0  # of each exchange: what the next round hides (--outer-delay 1)
 
     @property
     def dp_exchange_s(self) -> float:
         """One data-parallel exchange, which runs once every `sync_every` steps."""
-        return self.dp_s * self.sync_every
+        return self.dp_s * self.sync_every + self.hidden_s
+
+
+def exposed_exchange_s(exchange_s: float, inner_s: float, every: int, delay: int) -> float:
+    """What of one exchange of pseudo-gradients a round waits for: all of it at a sync point
+    that waits (`delay` 0); with the outer step one round late, only what outlasts the next
+    round's H - 1 inner steps (the worker polls between inner steps, so the averages' hop back
+    starts at the first step's end at the earliest: `agent/worker/outer.py`)."""
+    if not delay:
+        return exchange_s
+    return max(0.0, exchange_s - (every - 1) * inner_s)
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class StepShape:
     compression: Compression | None = None  # None: every message as it is
     act_raw_bytes: int = 4  # bytes of one uncompressed activation (2 under bf16)
     sync_every: int = 1  # local steps: replicas exchange once every this many steps
+    outer_delay: int = 0  # 1: local steps' exchange overlaps the next round (outer.py)
     # per stage: forward's part of its compute (empty: 1/3 everywhere, full fine-tuning)
     forward_share: tuple[float, ...] = ()
     # per stage: seconds of replica checks per step (`verify_seconds`; empty: --verify off)
@@ -314,11 +328,12 @@ def _simulate(pp_net: Network, dp_net: Network, g: np.ndarray, shape: StepShape,
     if shape.sync_every > 1:  # the step without data-parallel traffic, plus 1/H of it
         inner = _finish(g, last_b, np.zeros(s), net)
         exchange = float(dp.max())
-        return StepTime(step_s=inner + exchange / shape.sync_every,
-                        pipeline_s=float(last_b.max()), dp_s=exchange / shape.sync_every,
+        waited = exposed_exchange_s(exchange, inner, shape.sync_every, shape.outer_delay)
+        return StepTime(step_s=inner + waited / shape.sync_every,
+                        pipeline_s=float(last_b.max()), dp_s=waited / shape.sync_every,
                         sync_s=inner - float(last_b.max()),
                         compute_s=float(comp.max() * shape.micro_batches),
-                        sync_every=shape.sync_every)
+                        sync_every=shape.sync_every, hidden_s=exchange - waited)
     finish = _finish(g, last_b, dp, net)
     dp_end = last_b.max(axis=1) + dp
     return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()), dp_s=float(dp.max()),
@@ -368,7 +383,8 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                micro_batches: int, schedule: str = "gpipe", act_dtype: str = "fp32",
                splits: Sequence[int] | None = None, dp_mode: str = "sharded",
                compression: Compression | None = None, sync_every: int = 1,
-               lora_rank: int = 0, lora_targets: str = "", verify: str = "off") -> StepShape:
+               lora_rank: int = 0, lora_targets: str = "", verify: str = "off",
+               outer_delay: int = 0) -> StepShape:
     """The messages of one step of `spec` as the runtime sends them (fp32 gradients: of the
     adapters only under LoRA, `lora_rank` > 0, whose stages also spend a larger part of their
     compute forward: a frozen base's backward costs about one forward, not two), how they are
@@ -384,7 +400,8 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                      act_bytes=spec.activation_bytes(micro_size, act_dtype),
                      grad_bytes=grads, schedule=schedule, dp_mode=dp_mode,
                      compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype],
-                     sync_every=sync_every, forward_share=forward,
+                     sync_every=sync_every, outer_delay=outer_delay if sync_every > 1 else 0,
+                     forward_share=forward,
                      verify_s=verify_seconds(verify, dp_mode, grads, [
                          spec.stage_params(b, e) * DTYPE_BYTES["fp32"] for b, e in ranges],
                          sync_every))

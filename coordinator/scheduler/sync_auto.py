@@ -4,8 +4,9 @@ Owns the rule. Fewer local steps between syncs is the more exact training: the r
 drift apart less, and the loss per token stays closest to synchronous training's
 (bench/sync.py measures it per H). So auto takes the smallest H whose data-parallel exchange,
 amortised over the H steps of a round, costs at most `--sync-overhead` (default 10 %) of the
-step without it, by the step model (`scheduler.steptime.simulate_step`) on the planned grid,
-the measured links and the devices' measured speed. H = 1, exact synchronous training, when
+step without it (with `--outer-delay 1`, what of it the next round does not hide), by the
+step model (`scheduler.steptime.simulate_step`) on the planned grid, the measured links and
+the devices' measured speed. H = 1, exact synchronous training, when
 its step (whose exchange overlaps the backward pass) is already within that overhead of the
 step without any exchange. H is a power of two up to MAX_AUTO (64, the largest H the
 benchmark measured), and at most the job's steps. A job where even 64 misses the overhead
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from coordinator.scheduler import Network
 from coordinator.scheduler.compute import Workload, tasklet_seconds
-from coordinator.scheduler.steptime import simulate_step
+from coordinator.scheduler.steptime import exposed_exchange_s, simulate_step
 
 MAX_AUTO = 64
 DEFAULT_OVERHEAD = 0.10
@@ -50,7 +51,8 @@ def choose(net: Network, grid: list[list[int]], work: Workload, flops: list[floa
     `flops`: each device's FLOP/s (0: unknown, priced as no compute, which errs toward a
     larger H). `measured`: whether `net` holds measured links (False: H = 1, see above)."""
     compute = tasklet_seconds(work, grid, [f if f > 0 else math.inf for f in flops], splits)
-    local = simulate_step(net, grid, replace(work, sync_every=2).step_shape(splits), compute)
+    local = simulate_step(net, grid, replace(work, sync_every=2, outer_delay=0).step_shape(
+        splits), compute)
     inner, exchange = local.step_s - local.dp_s, local.dp_exchange_s
     synchronous = simulate_step(net, grid, replace(work, sync_every=1).step_shape(splits),
                                 compute).step_s
@@ -69,13 +71,17 @@ def choose(net: Network, grid: list[list[int]], work: Workload, flops: list[floa
                f"within {budget}")
     if why:
         return SyncChoice(1, inner, exchange, synchronous, f"auto: every step ({why})")
+
+    def cost(every: int) -> float:  # a step's share of what a round waits for
+        return exposed_exchange_s(exchange, inner, every, work.outer_delay) / every
+
     every = 2
-    while every < limit and exchange / every > overhead * inner:
+    while every < limit and cost(every) > overhead * inner:
         every *= 2
     every = min(every, limit)
-    cost = exchange / every
-    within = cost <= overhead * inner
-    note = (f"auto: every {every} steps (one {exchange:.2f} s exchange every {every} steps "
-            f"adds {cost:.3f} s a step, {'within' if within else 'over'} {budget}"
+    within = cost(every) <= overhead * inner
+    late = ", overlapping the next round" if work.outer_delay else ""
+    note = (f"auto: every {every} steps (one {exchange:.2f} s exchange every {every} steps"
+            f"{late} adds {cost(every):.3f} s a step, {'within' if within else 'over'} {budget}"
             + ("" if within else f"; {every} is the most auto takes") + ")")
-    return SyncChoice(every, inner, exchange, inner + cost, note)
+    return SyncChoice(every, inner, exchange, inner + cost(every), note)

@@ -116,3 +116,42 @@ def test_coordinator_plan_prices_the_step_with_the_codecs_it_asks_for(tmp_path: 
     assert packed["dp_s"] == pytest.approx(want.dp_s)  # communication only: no compute
     assert packed["dp_s"] < plain["dp_s"] * 0.6  # int3: 9.1x fewer bytes, the same delays
     assert packed["pipeline_s"] < plain["pipeline_s"] * 0.8
+
+
+@pytest.mark.parametrize("h", [2, 4, 16])
+def test_a_delayed_outer_step_waits_only_for_what_outlasts_the_next_round(h: int) -> None:
+    """--outer-delay 1: the exchange runs through the next round; the step model charges the
+    round what outlasts its H - 1 inner steps, and counts the rest as hidden."""
+    net = scenarios.world(per_city=2)
+    grid = np.arange(16).reshape(4, 4).tolist()
+    shape = replace(step_shape(get_preset("gpt-mini"), 4, 4, 16, 4), sync_every=h)
+    waiting = simulate_step(net, grid, shape)
+    late = simulate_step(net, grid, replace(shape, outer_delay=1))
+    inner = waiting.step_s - waiting.dp_s
+    exchange = waiting.dp_exchange_s
+    assert late.step_s - late.dp_s == pytest.approx(inner)  # the inner step is unchanged
+    assert late.dp_exchange_s == pytest.approx(exchange)  # the same exchange, partly hidden
+    assert late.dp_s * h == pytest.approx(max(0.0, exchange - (h - 1) * inner))
+    assert late.hidden_s == pytest.approx(exchange - late.dp_s * h)
+    assert late.step_s <= waiting.step_s
+    # the world's 0.5 s exchange against a 1 s inner step: one step hides all of it
+    assert late.hidden_s == pytest.approx(exchange) and late.dp_s == 0
+
+
+def test_auto_with_a_delayed_outer_step_takes_no_larger_h() -> None:
+    """The exchange hidden by the next round, auto reaches its budget with H no larger than
+    without the delay, and says that the exchange overlaps the next round."""
+    from coordinator.scheduler import sync_auto
+    from coordinator.scheduler.compute import Workload
+
+    net = scenarios.world(per_city=2)
+    grid = np.arange(16).reshape(4, 4).tolist()
+    work = Workload(get_preset("gpt-mini"), 4, 4, 16, 4)
+    flops = [2e11] * 16
+    plain = sync_auto.choose(net, grid, work, flops, None, steps=1000, overhead=0.02)
+    late = sync_auto.choose(net, grid, replace(work, outer_delay=1), flops, None, steps=1000,
+                            overhead=0.02)
+    assert plain.every > 2, plain.note  # the budget is tight: waiting needs several steps
+    assert late.every < plain.every, (late.note, plain.note)
+    assert "overlapping the next round" in late.note
+    assert late.step_s <= plain.step_s
