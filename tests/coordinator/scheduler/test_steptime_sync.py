@@ -82,6 +82,16 @@ def test_coordinator_plan_shows_the_amortised_step() -> None:
     with contextlib.redirect_stdout(buf):
         assert main(args) == 0
     assert "sync every 8 steps: predicted step" in buf.getvalue()
+    assert "under the next round" not in buf.getvalue()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # the exchange under the next round's 7 steps
+        assert main([*args, "--outer-delay", "1", "--json"]) == 0
+    late = json.loads(buf.getvalue())["sync"]["predicted"]
+    assert late["hidden_s"] == pytest.approx(plain["dp_s"]) and late["dp_s"] == 0
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*args, "--outer-delay", "1"]) == 0
+    assert "of it under the next round" in buf.getvalue()
     with contextlib.redirect_stderr(io.StringIO()) as err:
         assert main(["--scenario", "world", "--sync-every", "8"]) == 2
     assert "--sync-every needs --model" in err.getvalue()
