@@ -110,7 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--headline-per-city world and the same job with the network removed, and "
                    "show where the step goes, measured and predicted (issue 44)")
     p.add_argument("--breakdown-flags", default="--pp-compress auto --dp-compress auto "
-                   "--sync-every auto", help="everything on's flags for --breakdown")
+                   "--sync-every auto", help="everything on's flags for --breakdown; several "
+                   "sets separated by ';' run one pair each on the same links")
     p.add_argument("--breakdown-micro-batches", default="4",
                    help="--breakdown: micro-batches per replica, comma-separated to compare")
     p.add_argument("--timeout", type=float, default=7200.0, help="per job, seconds")
@@ -289,26 +290,31 @@ def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
     """`--breakdown`: everything on (`--breakdown-flags`) on the `--headline-per-city` world,
     then the same job on loopback, uncompressed (`--ceiling`'s run, with the H the job ran):
     where each step's time goes, and what the network costs, part by part. With several
-    `--breakdown-micro-batches`, the pair runs once per count, each pair back to back on the
-    same measured links (the first count's is the headline)."""
+    `--breakdown-micro-batches` or ';'-separated `--breakdown-flags`, the pair runs once per
+    count and flag set, each pair back to back on the same measured links (the first is the
+    headline)."""
     tokens = args.batch * get_preset(args.model).seq_len
     pairs = []
     with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
                                                                               _):
-        for m in [int(x) for x in args.breakdown_micro_batches.split(",") if x]:
+        flag_sets = [f.split() for f in args.breakdown_flags.split(";") if f.strip()]
+        for m, flags in [(int(x), f) for x in args.breakdown_micro_batches.split(",") if x
+                         for f in flag_sets]:
             sub = argparse.Namespace(**{**vars(args), "stages": args.headline_stages,
                                         "micro_batches": m})
             before = files_under(cluster.workdir, ".progress.jsonl")
             on = run_job(cluster, sub, "scheduled", links, [
-                *args.breakdown_flags.split(), "--outer-lr", str(args.outer_lr),
+                *flags, "--outer-lr", str(args.outer_lr),
                 "--outer-momentum", str(args.outer_momentum), "--seed", str(args.seed),
                 "--checkpoint-every", "0"], label=f"everything on, {m} micro-batches")
+            on["flags"] = " ".join(flags)
             on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
             if on.get("grid"):  # what no exact schedule takes back (stepsplit.latency_floor)
                 on["latency_floor_s"] = stepsplit.latency_floor(
                     on["grid"], json.loads(links.read_text()))
             ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"])
-            pairs.append({"micro_batches": m, "everything_on": on, "ceiling": ceiling,
+            pairs.append({"micro_batches": m, "flags": on["flags"], "everything_on": on,
+                          "ceiling": ceiling,
                           "breakdown": split_report(on, ceiling)})
         agents = cluster.agents
     return {"agents": agents, **pairs[0], "pairs": pairs}
@@ -366,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
                **breakdown_only(args)}
         for pair in out["pairs"]:
-            print(f"{pair['micro_batches']} micro-batches:\n{pair['breakdown']['table']}")
+            print(f"{pair['micro_batches']} micro-batches, {pair['flags']}:\n"
+                  f"{pair['breakdown']['table']}")
             if floor := pair["everything_on"].get("latency_floor_s"):
                 free = pair["ceiling"]["mean_step_s"]
                 print(f"one-way delays an exact schedule cannot take back on these links: "

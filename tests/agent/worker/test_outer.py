@@ -8,7 +8,6 @@ continues with the losses of an uninterrupted one.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,7 +16,12 @@ import torch
 
 from agent.worker.outer import outer_step_
 from dtfm.core.rounds import newest_checkpoint, requested_checkpoint, round_of, sync_due
-from tests.agent.worker.testlib import assert_resumed, local_job_dir, run_local
+from tests.agent.worker.testlib import (
+    assert_resumed,
+    local_job_dir,
+    run_local,
+    step_events,
+)
 
 
 def test_outer_step_matches_a_hand_computed_nesterov_step() -> None:
@@ -81,16 +85,6 @@ COMMON = ("--model", "gpt-tiny", "--batch", "8", "--micro-batches", "2", "--step
           "--seed", "3", "--eval-batches", "1", "--timeout", "60", "--sync-every", "4")
 
 
-def _events(workdir: Path) -> dict[int, list[dict[str, object]]]:
-    """Every rank's step events, by rank."""
-    out: dict[int, list[dict[str, object]]] = {}
-    for path in sorted(workdir.glob("rank*.progress.jsonl")):
-        rank = int(path.name.removeprefix("rank").split(".")[0])
-        out[rank] = [e for line in path.read_text().splitlines()
-                     if (e := json.loads(line)).get("event") == "step"]
-    return out
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("stages", [1, 2], ids=["1x2", "2x2"])
 def test_local_steps_train_and_replicas_agree_after_each_sync(tmp_path: Path,
@@ -100,7 +94,7 @@ def test_local_steps_train_and_replicas_agree_after_each_sync(tmp_path: Path,
     assert run.rc == 0, run.stderr
     assert [s["step"] for s in run.steps] == list(range(1, 13))
     assert run.losses[-1] < run.losses[0] - 0.3, run.losses
-    events = _events(tmp_path)
+    events = step_events(tmp_path)
     assert len(events) == 2 * stages
     for stage in range(stages):
         replicas = [events[r * stages + stage] for r in (0, 1)]
@@ -126,12 +120,15 @@ RESUME = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--batch", 
 
 
 @pytest.mark.timeout(300)
-def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path) -> None:
-    full = run_local(*RESUME, "--checkpoint-dir", str(tmp_path / "full"))
+@pytest.mark.parametrize("delay", ["0", "1"], ids=["waiting", "outer-delay"])
+def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path, delay: str) -> None:
+    """With --outer-delay 1 too: the checkpoint's sync point flushed the exchange in flight."""
+    flags = (*RESUME, "--outer-delay", delay)
+    full = run_local(*flags, "--checkpoint-dir", str(tmp_path / "full"))
     assert full.rc == 0, full.stderr
     # the checkpoint asked for after step 6 waits for the end of the round, step 8
     ckpt = tmp_path / "crashy"
-    crashed = run_local(*RESUME, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:10"})
+    crashed = run_local(*flags, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:10"})
     assert crashed.rc != 0
     assert [s["step"] for s in crashed.steps] == list(range(1, 10))
     for stage in (0, 1):
@@ -143,4 +140,4 @@ def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path) -> None:
     assert state["outer"]["every"] == 4 and state["outer"]["rounds"] == 2
     assert any(float(m.abs().sum()) > 0 for m in state["outer"]["momentum"].values())
 
-    assert_resumed(run_local(*RESUME, "--checkpoint-dir", str(ckpt)), full, after=8)
+    assert_resumed(run_local(*flags, "--checkpoint-dir", str(ckpt)), full, after=8)

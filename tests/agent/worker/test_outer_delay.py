@@ -4,13 +4,12 @@ The arithmetic is pinned in one process, with an averager that averages two repl
 by hand (`outer.OuterSync` only launches, polls and collects through it); the real runs are
 `agent local` jobs over gloo: a 2 x 2 job learns as the waiting one does, every replica of a
 stage holds the same anchor after each sync point, the first sync point sends nothing it waits
-for and the last sends two rounds' averages, and a run resumed from a checkpoint continues
-with the losses of an uninterrupted one.
+for and the last sends two rounds' averages, and a run resumed from its flushed checkpoint
+continues with the losses of an uninterrupted one (test_outer.py's resume, with the delay).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,11 @@ from torch import nn
 
 from agent.worker.outer import OuterSync
 from dtfm.core.spec import TrainConfig
-from tests.agent.worker.testlib import assert_close, assert_resumed, run_local
+from tests.agent.worker.testlib import (
+    assert_close,
+    run_local,
+    step_events,
+)
 
 
 class _Pair:
@@ -164,15 +167,6 @@ COMMON = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--batch", 
           "--timeout", "60", "--sync-every", "4")
 
 
-def _steps(workdir: Path) -> dict[int, list[dict[str, object]]]:
-    out: dict[int, list[dict[str, object]]] = {}
-    for path in sorted(workdir.glob("rank*.progress.jsonl")):
-        rank = int(path.name.removeprefix("rank").split(".")[0])
-        out[rank] = [e for line in path.read_text().splitlines()
-                     if (e := json.loads(line)).get("event") == "step"]
-    return out
-
-
 @pytest.mark.timeout(240)
 def test_a_delayed_outer_step_trains_like_the_waiting_one_and_the_anchors_agree(
         tmp_path: Path) -> None:
@@ -186,7 +180,7 @@ def test_a_delayed_outer_step_trains_like_the_waiting_one_and_the_anchors_agree(
     assert_close(late.losses, waiting.losses, 0.02)
     assert late.done is not None and waiting.done is not None
     assert abs(late.done["val_loss"] - waiting.done["val_loss"]) < 0.01 * waiting.done["val_loss"]
-    events = _steps(tmp_path / "late")
+    events = step_events(tmp_path / "late")
     for stage in (0, 1):
         a, b = events[stage], events[2 + stage]
         synced = [(x, y) for x, y in zip(a, b, strict=True) if int(str(x["step"])) % 4 == 0]
@@ -198,21 +192,3 @@ def test_a_delayed_outer_step_trains_like_the_waiting_one_and_the_anchors_agree(
         # step 4 only launches; step 8 collects round 1; step 12 collects round 2 and
         # averages round 3 at once (the last step flushes)
         assert sent[0] == 0 and sent[1] > 0 and sent[2] == 2 * sent[1], sent
-
-
-RESUME = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--batch", "8",
-          "--micro-batches", "2", "--steps", "12", "--seed", "5", "--eval-batches", "1",
-          "--timeout", "60", "--sync-every", "4", "--checkpoint-every", "6",
-          "--outer-delay", "1")
-
-
-@pytest.mark.timeout(300)
-def test_a_delayed_outer_step_resumes_from_its_flushed_checkpoint_exactly(
-        tmp_path: Path) -> None:
-    full = run_local(*RESUME, "--checkpoint-dir", str(tmp_path / "full"))
-    assert full.rc == 0, full.stderr
-    ckpt = tmp_path / "crashy"
-    crashed = run_local(*RESUME, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:10"})
-    assert crashed.rc != 0
-    assert [s["step"] for s in crashed.steps] == list(range(1, 10))
-    assert_resumed(run_local(*RESUME, "--checkpoint-dir", str(ckpt)), full, after=8)

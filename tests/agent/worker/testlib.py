@@ -198,3 +198,13 @@ def shrink_to_one_stage(flags: Sequence[str], tmp_path: Path, rel: float) -> Shr
     log = (tmp_path / "one" / "rank0.log").read_text()
     assert "resumed at step 4 from stage 0 (layers 0-1), stage 1 (layers 2-3)" in log, log
     return Shrunk(full, ckpt, job_dir)
+
+
+def step_events(workdir: Path) -> dict[int, list[dict[str, object]]]:
+    """Every rank's step events in an `agent local --workdir` folder, by rank."""
+    out: dict[int, list[dict[str, object]]] = {}
+    for path in sorted(workdir.glob("rank*.progress.jsonl")):
+        rank = int(path.name.removeprefix("rank").split(".")[0])
+        out[rank] = [e for line in path.read_text().splitlines()
+                     if (e := json.loads(line)).get("event") == "step"]
+    return out
