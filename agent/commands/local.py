@@ -33,12 +33,12 @@ from dtfm.core import hfexport, lora
 from dtfm.core.assignment import build_assignments
 from dtfm.core.causes import EXPLAINED_BY_OTHERS, most_telling
 from dtfm.core.events import FAULT_EXIT_CODE, DoneEvent, ErrorEvent, EvalEvent, StepEvent
-from dtfm.core.fingerprint import is_local_job, local_job_id
+from dtfm.core.fingerprint import fingerprinted, is_local_job, local_job_id
 from dtfm.core.hfdir import check_dir, dir_hash, model_tokenizer_hash, resolve_spec
 from dtfm.core.layout import Layout, layer_ranges, layer_splits
 from dtfm.core.loradir import check_adapter_dir
 from dtfm.core.presets import PRESETS
-from dtfm.core.spec import SYNC_AUTO, TrainConfig, fingerprinted
+from dtfm.core.spec import SYNC_AUTO, TrainConfig
 from dtfm.core.tokenfiles import SPLITS, check_data_path
 from dtfm.core.words import stages_x_replicas
 from dtfm.launcher import (

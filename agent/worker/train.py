@@ -26,6 +26,7 @@ from agent.worker.compress import make_codec
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
 from agent.worker.deadline import Deadline, measure_flops
+from agent.worker.device import autocast_dtype, pick_device
 from agent.worker.fault import Fault
 from agent.worker.nonfinite import NonFinitePeerValue
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
@@ -98,30 +99,6 @@ class Progress:
     def close(self) -> None:
         if self._own:
             self._f.close()
-
-
-def pick_device(backend: str, rank: int, gpu: bool = False) -> torch.device:
-    """CPU for gloo; for NCCL, or the dtfm transport of a GPU job (`gpu`: the data plane's
-    `gpu`, every member has one), the GPU of this local rank (LOCAL_RANK, else rank modulo
-    count)."""
-    if backend != "nccl" and not gpu:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        asked = "NCCL" if backend == "nccl" else f"a GPU (the {backend} data plane's gpu flag)"
-        raise RuntimeError(f"the assignment asks for {asked} but this machine has no CUDA "
-                           f"device: the agent reported one at registration; check "
-                           f"nvidia-smi and CUDA_VISIBLE_DEVICES, then restart the agent")
-    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
-
-
-def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    if dtype == "fp32":
-        return None
-    if dtype == "bf16":
-        return torch.bfloat16
-    raise ValueError(f"dtype {dtype!r} is not supported by the worker; use fp32 or bf16")
 
 
 class Worker:

@@ -15,8 +15,9 @@ from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, fingerprint
 from coordinator.job.failedpairs import FailedPairs
 from coordinator.job.recovery import Recoveries
+from dtfm.core.fingerprint import fingerprinted
 from dtfm.core.layout import Layout
-from dtfm.core.spec import SYNC_AUTO, fingerprinted
+from dtfm.core.spec import SYNC_AUTO
 from protos.dtfm.v1 import coordinator_pb2
 
 if TYPE_CHECKING:

@@ -21,9 +21,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import asdict, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtfm.core.spec import TrainConfig
 
 LOCAL_PREFIX = "local-"  # agent local's job ids: local-<fingerprint>
+
+# Training fields that change what a run reports, not what it trains: a job's fingerprint
+# leaves them out, so a restart with another value resumes, and the fingerprints stored before
+# they existed still match.
+# (`verify` checks without changing the bits, except `robust`'s averaging: a tolerance choice)
+REPORTING_ONLY = ("eval_every", "verify")
+# Training fields added after jobs were fingerprinted: left out at their default, so those
+# jobs' fingerprints still match and a restart resumes them.
+LATER_AT_DEFAULT = ("outer_delay",)
+
+
+def fingerprinted(cfg: TrainConfig) -> dict[str, Any]:
+    """`cfg`'s fields as a job's fingerprint takes them: all but `REPORTING_ONLY`, and the
+    later fields only away from their default."""
+    defaults = {f.name: f.default for f in fields(cfg)}
+    return {k: v for k, v in asdict(cfg).items() if k not in REPORTING_ONLY
+            and not (k in LATER_AT_DEFAULT and v == defaults[k])}
 
 
 def fingerprint(job_flags: Mapping[str, Any]) -> str:

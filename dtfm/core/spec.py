@@ -511,21 +511,6 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
-# Fields that change what a run reports, not what it trains: a job's fingerprint
-# (dtfm.core.fingerprint) leaves them out, so a restart with another value resumes, and the
-# fingerprints stored before they existed still match.
-# (`verify` checks without changing the bits, except `robust`'s averaging: a tolerance choice)
-REPORTING_ONLY = ("eval_every", "verify")
-# Fields added after jobs were fingerprinted: left out at their default, so those jobs'
-# fingerprints still match and a restart resumes them.
-_LATER_AT_DEFAULT = ("outer_delay",)
-
-
-def fingerprinted(cfg: TrainConfig) -> dict[str, Any]:
-    """`cfg`'s fields as a job's fingerprint takes them: all but `REPORTING_ONLY`, and the
-    later fields at their default."""
-    return {k: v for k, v in asdict(cfg).items() if k not in REPORTING_ONLY
-            and not (k in _LATER_AT_DEFAULT and v == _FIELDS[k].default)}
 _ENUMS: dict[str, type[enum.StrEnum]] = {"schedule": Schedule, "dp_mode": DpMode, "dtype": Dtype,
                                           "moments_dtype": MomentsDtype, "verify": Verify}
 # Enum fields the wire gained after its first version: unset on the wire means the default.

@@ -67,6 +67,23 @@ def _dp_worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         else:
             _, extras = avg.average_([float(rank) + 0.25])
         results[overlap] = ([p.grad.clone() for p in model.parameters()], extras)
+    # launched (the outer step one round late): averaged while this replica trains on
+    model = _model()
+    avg = GradAverager(model, group, list(range(world)), mode, bucket_bytes=200)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for x in [torch.randn(4, 7, generator=gen) for _ in range(3)]:
+        model(x).pow(2).mean().backward()
+    mine = [p.grad for p in model.parameters()]
+    avg.launch()
+    for p in model.parameters():  # the next round's gradients, in the same parameters
+        p.grad = None
+    for _ in range(3):
+        model(torch.randn(4, 7)).pow(2).mean().backward()
+        avg.progress()
+    for p, g in zip(model.parameters(), mine, strict=True):
+        p.grad = g  # my copies handed back: the means land there
+    avg.collect()
+    results["launched"] = ([p.grad.clone() for p in model.parameters()], [])
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -95,6 +112,9 @@ def test_bucketed_overlapped_averaging_is_the_exact_mean(
                 assert torch.equal(a, b)
     for a, b in zip(got[0][True][0], got[0][False][0], strict=True):
         assert torch.equal(a, b)  # overlap changes nothing
+    for r in range(world):  # nor does launching it and training on meanwhile
+        for a, b in zip(got[r]["launched"][0], got[r][False][0], strict=True):
+            assert torch.equal(a, b)
 
 
 SHARES = (None, [0.2, 0.3, 0.5], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.worker.train import pick_device
+from agent.worker.device import pick_device
 
 
 def test_cpu_unless_nccl_or_a_gpu_data_plane() -> None:

@@ -84,14 +84,15 @@ def test_the_coordinators_fingerprint_ignores_how_often_a_job_evaluates() -> Non
 
     from coordinator.daemon.config import JobConfig
     from coordinator.job.jobsnapshot import job_fingerprint
-    from dtfm.core.spec import REPORTING_ONLY, TrainConfig
+    from dtfm.core.fingerprint import LATER_AT_DEFAULT, REPORTING_ONLY
+    from dtfm.core.spec import TrainConfig
 
     plain = JobConfig(model="gpt-tiny", agents=2)
     assert job_fingerprint(plain) == job_fingerprint(
         JobConfig(model="gpt-tiny", agents=2, train=TrainConfig(eval_every=5)))
     # as stored before --outer-delay existed: its default leaves the fingerprint alone
     before = {k: v for k, v in asdict(plain.train).items()
-              if k not in REPORTING_ONLY and k != "outer_delay"}
+              if k not in REPORTING_ONLY and k not in LATER_AT_DEFAULT}
     assert job_fingerprint(plain) == core_fingerprint.fingerprint({
         "model": "gpt-tiny", "agents": 2, "stages": 0, "replicas": 0, "train": before,
         "placement": plain.placement, "layer_split": plain.layer_split, "seed": plain.seed})
