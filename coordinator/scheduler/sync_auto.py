@@ -4,7 +4,7 @@ Owns the rule. Fewer local steps between syncs is the more exact training: the r
 drift apart less, and the loss per token stays closest to synchronous training's
 (bench/sync.py measures it per H). So auto takes the smallest H whose data-parallel exchange,
 amortised over the H steps of a round, costs at most `--sync-overhead` (default 10 %) of the
-step without it (with `--outer-delay 1`, what of it the next round does not hide), by the
+step without it, by the
 step model (`scheduler.steptime.simulate_step`) on the planned grid, the measured links and
 the devices' measured speed. H = 1, exact synchronous training, when
 its step (whose exchange overlaps the backward pass) is already within that overhead of the
@@ -20,6 +20,12 @@ speed-up nobody can predict, and says why; give a number to train with local ste
 The job decides once, on its first plan, and keeps H for its life (recoveries, re-plans and
 a restarted coordinator keep the rounds, and with them the checkpoints' sync points, where
 they were); `coordinator plan --sync-every auto` shows the choice for a links file.
+
+With `--outer-delay 1` auto takes the same H, by the waiting exchange, and predicts the step
+with what the next round does not hide. A smaller H that the delay would make cheap is not
+the more exact training: at 4 replicas a round late cost more validation loss at H = 4 than
+waiting at H = 16 (docs/benchmarks.md, "Outer step one round late"), so H stays the loss's
+choice and the delay only takes the wait away.
 """
 
 from __future__ import annotations
@@ -72,16 +78,17 @@ def choose(net: Network, grid: list[list[int]], work: Workload, flops: list[floa
     if why:
         return SyncChoice(1, inner, exchange, synchronous, f"auto: every step ({why})")
 
-    def cost(every: int) -> float:  # a step's share of what a round waits for
-        return exposed_exchange_s(exchange, inner, every, work.outer_delay) / every
+    def cost(every: int, delay: int) -> float:  # a step's share of what a round waits for
+        return exposed_exchange_s(exchange, inner, every, delay) / every
 
     every = 2
-    while every < limit and cost(every) > overhead * inner:
+    while every < limit and cost(every, 0) > overhead * inner:
         every *= 2
     every = min(every, limit)
-    within = cost(every) <= overhead * inner
-    late = ", overlapping the next round" if work.outer_delay else ""
-    note = (f"auto: every {every} steps (one {exchange:.2f} s exchange every {every} steps"
-            f"{late} adds {cost(every):.3f} s a step, {'within' if within else 'over'} {budget}"
-            + ("" if within else f"; {every} is the most auto takes") + ")")
-    return SyncChoice(every, inner, exchange, inner + cost(every), note)
+    within = cost(every, 0) <= overhead * inner
+    late = (f"; one round late, the next round hides all but {cost(every, 1):.3f} s a step"
+            if work.outer_delay else "")
+    note = (f"auto: every {every} steps (one {exchange:.2f} s exchange every {every} steps "
+            f"adds {cost(every, 0):.3f} s a step, {'within' if within else 'over'} {budget}"
+            + ("" if within else f"; {every} is the most auto takes") + late + ")")
+    return SyncChoice(every, inner, exchange, inner + cost(every, work.outer_delay), note)
