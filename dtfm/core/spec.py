@@ -367,8 +367,8 @@ class TrainConfig:
         0, "with --sync-every > 1: 1 lets each sync point's exchange run while the next "
         "round trains, and applies its outer step one round late, each replica keeping its "
         "own newest round meanwhile (eager one-round-delayed DiLoCo: nobody waits at a sync "
-        "point, at a small loss per token); 0: the replicas wait for the exchange at every "
-        "sync point")
+        "point, at a loss per token that grows with the replicas: raise H first); 0: the "
+        "replicas wait for the exchange at every sync point")
     lora_rank: int = _option(
         0, "train LoRA adapters of this rank beside a frozen base instead of every weight "
         "(0: off, full fine-tuning); only the adapters are optimized, exchanged between "
