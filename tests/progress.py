@@ -43,6 +43,12 @@ def step_losses(workdir: Path, job_id: str, epoch: int | None = None
             for rank, steps in found.items()}
 
 
+def step_events(workdir: Path, job_id: str, epoch: int) -> dict[int, list[StepEvent]]:
+    """rank -> its step events of one epoch, in the order written."""
+    return {rank: [ev for ev in events if isinstance(ev, StepEvent)]
+            for _, rank, events in _runs(workdir, job_id, epoch)}
+
+
 def job_losses(workdir: Path, job_id: str, epoch: int | None = None) -> dict[int, float]:
     """step -> loss of the job (`step_losses`, ranks merged): every rank reports the step's
     global loss, so any rank's is the job's."""
