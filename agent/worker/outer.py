@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,28 +148,24 @@ class OuterSync:
                     d.sub_(prev)
             drift = math.sqrt(sum(float(d.double().square().sum()) for d in delta))
         dp_s, sent, codec_s = self._collect() if self.pending is not None else (0.0, 0, 0.0)
-        saved = [p.grad for p in self.params]
-        for p, d in zip(self.params, delta, strict=True):
-            p.grad = d
         self.averager.step = step  # a peer's bad value in it is blamed at its sync point
-        if flush:  # average this round's at once: every replica ends on the anchor
+        with self._as_grads(delta):
             t0 = time.perf_counter()
-            self.averager.average_()
+            if flush:  # average this round's at once: every replica ends on the anchor
+                self.averager.average_()
+            else:
+                self.averager.launch()
             dp_s += time.perf_counter() - t0
+        if flush:
             sent, codec_s = sent + self.averager.sent_bytes, codec_s + self.averager.codec_s
-            self._outer([p.grad for p in self.params])  # type: ignore[misc]
+            self._outer(delta)  # the means were written into it
         else:
-            t0 = time.perf_counter()
-            self.averager.launch()
-            dp_s += time.perf_counter() - t0
             self.pending, self.pending_step = delta, step
         with torch.no_grad():  # the eager stand-in: the anchor minus my round in flight
             for p, a, d in zip(self.params, self.anchor, delta, strict=True):
                 p.copy_(a)
                 if not flush:
                     p.sub_(d)
-        for p, g in zip(self.params, saved, strict=True):
-            p.grad = g
         self.rounds = round_of(step, self.every)
         return SyncResult(dp_s, sent, codec_s, drift, self._checksum())
 
@@ -176,16 +173,25 @@ class OuterSync:
         """Collect the average in flight into the pending tensors and take its outer step
         on the anchor: (seconds, bytes sent, codec seconds) of that exchange."""
         assert self.pending is not None
-        saved = [p.grad for p in self.params]
-        for p, d in zip(self.params, self.pending, strict=True):
-            p.grad = d  # my copy again: the receivers' check reads it, the means land there
         self.averager.step = self.pending_step
-        dp_s = self.averager.collect()
+        with self._as_grads(self.pending):  # my copy again: the receivers' check reads it
+            dp_s = self.averager.collect()  # ... and the means land there
         self._outer(self.pending)
-        for p, g in zip(self.params, saved, strict=True):
-            p.grad = g
         self.pending = None
         return dp_s, self.averager.sent_bytes, self.averager.codec_s
+
+    @contextmanager
+    def _as_grads(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The parameters' gradients are `tensors` inside (what the averager reads and
+        writes), the inner step's again after."""
+        saved = [p.grad for p in self.params]
+        for p, t in zip(self.params, tensors, strict=True):
+            p.grad = t
+        try:
+            yield
+        finally:
+            for p, g in zip(self.params, saved, strict=True):
+                p.grad = g
 
     def _outer(self, averaged: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():

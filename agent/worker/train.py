@@ -111,7 +111,6 @@ class Worker:
         self.requests = requests or CheckpointRequests(None)
         self._checkpointed = 0  # the newest step this run checkpointed, for step events
         self._wanted = False  # a checkpoint fell due inside this round (local steps: at its end)
-        self._save_now = False  # this step ends with a checkpoint (`_checkpoint_now`)
         self.at_step = 0  # the step it trains (or checkpoints, evaluates): its error event's
         self.spec = ModelSpec.from_proto(a.model)
         self.cfg = TrainConfig.from_proto(a.train)
@@ -222,9 +221,9 @@ class Worker:
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, a.epoch, a)
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
-            self._step(step, pipe, averager, opt, sampler)
+            save = self._step(step, pipe, averager, opt, sampler)
             self.deadline.step_finished()
-            if self.ckpt and self._save_now:
+            if self.ckpt and save:
                 self._wanted = False
                 if self.outer is not None:  # one inner state for the checkpoint (outer.py)
                     self.deadline.sync_point()  # just synced: no round apart
@@ -303,8 +302,9 @@ class Worker:
     def _step(
         self, step: int, pipe: Pipeline, averager: GradAverager, opt: torch.optim.Optimizer,
         sampler: Sampler,
-    ) -> None:
-        """One optimizer step: pipeline (DP sync overlapped), norm exchange, clip, AdamW.
+    ) -> bool:
+        """One optimizer step: pipeline (DP sync overlapped), norm exchange, clip, AdamW;
+        whether it ends with a checkpoint (`_checkpoint_now`).
 
         With local steps (`self.outer`) the replicas exchange nothing here: the pipeline's
         loss and norm are this replica's, and a step that ends a round then syncs the
@@ -345,12 +345,12 @@ class Worker:
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
         synced, outer_s = None, 0.0
-        self._save_now = self._checkpoint_now(step)
+        save = self._checkpoint_now(step)
         if outer and outer.due(step, cfg.steps):
             self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
             t2 = time.perf_counter()
             # --outer-delay 1: a checkpoint and the last step hold no exchange in flight
-            synced = outer.sync(step, flush=self._save_now or step == cfg.steps)
+            synced = outer.sync(step, flush=save or step == cfg.steps)
             outer_s = time.perf_counter() - t2
         self.checks.end_step(step, cfg.steps)
         if self.device.type == "cuda":
@@ -358,6 +358,7 @@ class Worker:
         times.cpu_s = time.process_time() - cpu0  # every thread's: the cores it held
         self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
                         dp_s, sync_s, synced, outer_s)
+        return save
 
     def _checkpoint_now(self, step: int) -> bool:
         """Whether this step ends with a checkpoint: one fell due (local steps: inside the
