@@ -23,6 +23,7 @@ from agent.worker.outer import OuterSync
 from dtfm.core.spec import TrainConfig
 from tests.agent.worker.testlib import (
     assert_close,
+    rank_events,
     run_local,
     step_events,
 )
@@ -192,3 +193,23 @@ def test_a_delayed_outer_step_trains_like_the_waiting_one_and_the_anchors_agree(
         # step 4 only launches; step 8 collects round 1; step 12 collects round 2 and
         # averages round 3 at once (the last step flushes)
         assert sent[0] == 0 and sent[1] > 0 and sent[2] == 2 * sent[1], sent
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("fault", "kind", "bad"), [("1:2:zero", "grad_zero", 1),
+                                                    ("2:4:drift", "weights", 2)])
+def test_a_lying_replica_is_named_with_the_outer_step_one_round_late(
+        tmp_path: Path, fault: str, kind: str, bad: int) -> None:
+    """1 x 3 with H = 2 and the delay: a replica that zeroes the pseudo-gradients it sends
+    into the delayed exchange is named by the owners that score them when they arrive (a poll
+    or the next sync point); one whose weights drift is named by the digest, which compares
+    the anchors. Nobody honest is named, and training goes on to its end."""
+    work = tmp_path / "work"
+    run = run_local("--model", "gpt-tiny", "--stages", "1", "--replicas", "3", "--batch", "6",
+                    "--micro-batches", "2", "--steps", "10", "--seed", "3", "--eval-batches",
+                    "1", "--timeout", "60", "--sync-every", "2", "--outer-delay", "1",
+                    "--workdir", str(work), env={"DTFM_FAULT": fault})
+    assert run.rc == 0, run.stderr
+    found = [e for events in rank_events(work, "integrity").values() for e in events]
+    assert [e for e in found if e["kind"] == kind], found
+    assert {e["suspect_rank"] for e in found} == {bad}, found

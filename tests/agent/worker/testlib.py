@@ -202,9 +202,15 @@ def shrink_to_one_stage(flags: Sequence[str], tmp_path: Path, rel: float) -> Shr
 
 def step_events(workdir: Path) -> dict[int, list[dict[str, object]]]:
     """Every rank's step events in an `agent local --workdir` folder, by rank."""
+    return rank_events(workdir, "step")
+
+
+def rank_events(workdir: Path, kind: str) -> dict[int, list[dict[str, object]]]:
+    """Every rank's events of `kind` ("step", "integrity", ...) in an `agent local
+    --workdir` folder, by rank."""
     out: dict[int, list[dict[str, object]]] = {}
     for path in sorted(workdir.glob("rank*.progress.jsonl")):
         rank = int(path.name.removeprefix("rank").split(".")[0])
         out[rank] = [e for line in path.read_text().splitlines()
-                     if (e := json.loads(line)).get("event") == "step"]
+                     if (e := json.loads(line)).get("event") == kind]
     return out
