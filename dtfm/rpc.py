@@ -13,6 +13,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import random
 import socket
 import stat
 from collections.abc import Awaitable, Callable, Iterable
@@ -149,11 +150,47 @@ def split_hostport(value: str, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# Ports `free_port` draws from: below the kernel's ephemeral range and clear of the
+# coordinator's rendezvous ports (29500-30499, `EpochPlan.rendezvous_port`).
+_FIRST_PORT = 20000
+_RENDEZVOUS_PORTS = range(29500, 30500)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (for a rendezvous or a test daemon)."""
+    """A TCP port free on `host` right now (for a rendezvous or a test daemon).
+
+    Drawn at random below the kernel's ephemeral range, not with `bind(port 0)`: the caller
+    hands the number to a process that binds it seconds later (a worker importing torch), and
+    a port from the ephemeral range can meanwhile become the source port of any outgoing
+    connection or the port of any `bind(0)` on the machine (gloo opens dozens of each), which
+    then fails the rendezvous with "Address already in use". Below the range only another
+    explicit choice can take it. Falls back to `bind(0)` where the range leaves no room."""
+    low = _ephemeral_low()
+    ports = [p for p in range(_FIRST_PORT, low) if p not in _RENDEZVOUS_PORTS]
+    rng = random.SystemRandom()
+    for port in rng.sample(ports, min(64, len(ports))):
+        if _bindable(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port the kernel hands out on its own (32768 when it cannot be read)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def listening(address: str, timeout: float = 0.5) -> bool:
