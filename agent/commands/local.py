@@ -129,10 +129,18 @@ class Proc:
     kind: str = ""  # the error event's kind, "" until one arrives (dtfm/core/causes.py)
 
 
-def dp_bytes_per_step(procs: list[Proc]) -> int:
+def dp_bytes_per_step(procs: list[Proc], sync_every: int = 1) -> int:
     """The data-parallel bytes one step sends, summed over every rank: each rank's median
-    step (a first step or a resumed one may differ), measured by the workers' own counters."""
-    return sum(int(statistics.median(p.dp_bytes)) for p in procs if p.dp_bytes)
+    round of `sync_every` steps (a first step or a resumed one may differ) over its steps,
+    measured by the workers' own counters. By round, since with local steps only a sync
+    point sends (the median step would be 0)."""
+    total = 0
+    for p in procs:
+        rounds = [sum(p.dp_bytes[i:i + sync_every])
+                  for i in range(0, len(p.dp_bytes) - sync_every + 1, sync_every)]
+        if rounds:
+            total += int(statistics.median(rounds) / sync_every)
+    return total
 
 
 def root_failure(failed: list[Proc]) -> Proc:
@@ -386,7 +394,8 @@ class LocalJob:
                 val = None if done is None else done.val_loss
                 if self.args.json:
                     self._write({"done": True, "val_loss": val,
-                                 "dp_bytes_per_step": dp_bytes_per_step(self.procs)})
+                                 "dp_bytes_per_step": dp_bytes_per_step(self.procs,
+                                                                         self.train.sync_every)})
                 else:
                     print(f"done in {time.monotonic() - t_start:.1f}s | val loss {val:.4f}"
                           if isinstance(val, float) else "done", file=self.out, flush=True)

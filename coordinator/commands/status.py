@@ -169,6 +169,9 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
             lines.append(f"  stage {s}{held}: {'  '.join(row)}")
         if p["sync_note"]:
             lines.append(f"  replicas sync {p['sync_note']}")
+        if p.get("outer_delay"):
+            lines.append(f"  outer step one round late (--outer-delay 1): each sync's "
+                         f"exchange overlaps the next {p['sync_every']} steps")
     return "\n".join(lines)
 
 

@@ -131,6 +131,7 @@ class EpochPlanner:
             predicted_comm_s=self.model.comm_s, predicted_compute_s=predicted.compute_s,
             layer_splits=found["splits"], sync_every=self.sync_every,
             sync_note=self.sync_note,
+            outer_delay=self.train.outer_delay if (self.sync_every or 1) > 1 else 0,
         )
 
     def rendezvous_port(self, epoch: int) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agent.commands.local import Proc, root_failure
+from agent.commands.local import Proc, dp_bytes_per_step, root_failure
 from dtfm.core import causes
 from dtfm.core.events import FAULT_EXIT_CODE
 from tests.agent.worker.testlib import run_local
@@ -51,3 +51,18 @@ def test_a_worker_that_refuses_its_input_is_named_not_its_neighbour() -> None:
     assert "fault injection: rank 1 refuses its input before step 2" in run.stderr
     errors = [json.loads(line) for line in run.stdout.splitlines() if '"error"' in line]
     assert [e["rank"] for e in errors] == [1], run.stdout
+
+
+def test_bytes_per_step_count_whole_rounds_of_local_steps() -> None:
+    def sent(rank: int, per_step: list[int]) -> Proc:
+        p = proc(rank, "", 0)
+        p.dp_bytes = per_step
+        return p
+
+    # synchronous: each rank's median step (a resumed first step sends more)
+    assert dp_bytes_per_step([sent(0, [9, 4, 4, 4]), sent(1, [4, 4])]) == 8
+    # H = 4: only sync points send; per step is a round's bytes over 4, the round the median
+    # (the first delayed round sends nothing, the last collects two), a partial round left out
+    rounds = [0, 0, 0, 0, 0, 0, 0, 40, 0, 0, 0, 80, 0, 0]
+    assert dp_bytes_per_step([sent(0, rounds), sent(1, rounds)], 4) == 2 * 10
+    assert dp_bytes_per_step([sent(0, [0, 0, 0])], 4) == 0  # not one whole round

@@ -107,11 +107,13 @@ def test_coordinator_plan_shows_the_h_auto_would_choose(
     assert f"--sync-every auto: every {h} steps" in text and f"sync every {h} steps" in text
 
 
+@pytest.mark.parametrize("delay", [0, 1])
 def test_a_job_chooses_h_once_sends_it_to_every_worker_and_keeps_it_on_restart(
-        tmp_path: Path) -> None:
+        tmp_path: Path, delay: int) -> None:
     """The first plan resolves auto; every assignment carries that H (never auto, which a
     worker would read as synchronous), the plan says why, and a restarted coordinator that
-    adopts the job keeps the same H (the rounds, and the checkpoints' sync points, stay)."""
+    adopts the job keeps the same H (the rounds, and the checkpoints' sync points, stay).
+    With `--outer-delay 1` the assignments and the status say the outer step is late."""
     links = tmp_path / "links.json"
     n = 4
     links.write_text(json.dumps({
@@ -119,7 +121,7 @@ def test_a_job_chooses_h_once_sends_it_to_every_worker_and_keeps_it_on_restart(
         "delay_ms": [[0.0 if i == j else 50.0 for j in range(n)] for i in range(n)],
         "bandwidth_gbps": [[None if i == j else 0.01 for j in range(n)] for i in range(n)]}))
     cfg = config(links_file=str(links), search_seconds=0.3, sync_overhead=0.01)
-    cfg.train.sync_every, cfg.train.steps = SYNC_AUTO, 400
+    cfg.train.sync_every, cfg.train.steps, cfg.train.outer_delay = SYNC_AUTO, 400, delay
     cfg.validate()
     store = JobStore(tmp_path / "state")
 
@@ -139,6 +141,10 @@ def test_a_job_chooses_h_once_sends_it_to_every_worker_and_keeps_it_on_restart(
     assert h > 1 and note.startswith(f"auto: every {h} steps"), note
     assert f"  replicas sync {note}" in text, text
     assert {a.train.sync_every for a in got.values()} == {h}
+    assert {a.train.outer_delay for a in got.values()} == {delay}
+    late = f"outer step one round late (--outer-delay 1): each sync's exchange overlaps " \
+        f"the next {h} steps"
+    assert (late in text) == bool(delay), text
     registry, store_links = Registry(liveness_timeout_s=60), LinkStore()
     again = Job(cfg, registry, LinkMeasurer(registry, store_links), store_links, store)
     assert again.planner.sync_every == h and f"every {h} steps" in again.planner.sync_note

@@ -181,6 +181,8 @@ def test_a_delayed_outer_step_trains_like_the_waiting_one_and_the_anchors_agree(
     assert_close(late.losses, waiting.losses, 0.02)
     assert late.done is not None and waiting.done is not None
     assert abs(late.done["val_loss"] - waiting.done["val_loss"]) < 0.01 * waiting.done["val_loss"]
+    # the same exchanges, counted by round (one late); a step's median would say 0
+    assert late.done["dp_bytes_per_step"] == waiting.done["dp_bytes_per_step"] > 0
     events = step_events(tmp_path / "late")
     for stage in (0, 1):
         a, b = events[stage], events[2 + stage]
