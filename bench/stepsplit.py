@@ -66,15 +66,17 @@ def checks_share(events: list[dict[str, Any]]) -> dict[str, float] | None:
             "verify_s_per_step": statistics.mean(e["verify_s"] for e in steps)}
 
 
-def latency_floor(grid: list[list[str]], links: dict[str, Any]) -> float:
-    """Seconds a step of exact synchronous training spends on one-way delays whatever its
-    schedule and codecs: each pipeline's activations cross its S - 1 links forward and their
-    gradients cross them back (a flushed pipeline's fill and drain), and stage 0's last
-    bucket (its embedding's gradient, the last that backward finishes) goes to its owner and
-    comes back averaged before the optimizer can step and the next step begin. So: the
-    slowest pipeline's delays both ways, plus twice the longest delay between stage 0's
-    replicas. `grid`: agent ids, a row per stage; `links`: a links file (`delay_ms`,
-    `agents`)."""
+def latency_floor(grid: list[list[str]], links: dict[str, Any], sync_every: int = 1,
+                  outer_delay: int = 0) -> float:
+    """Seconds a step spends on one-way delays whatever its codecs, with a pipeline flushed
+    every step: each pipeline's activations cross its S - 1 links forward and their
+    gradients cross them back (the fill and drain), and stage 0's last bucket (its
+    embedding's gradient, the last that backward finishes) goes to its owner and comes back
+    averaged before the optimizer can step and the next step begin. So: the slowest
+    pipeline's delays both ways, plus twice the longest delay between stage 0's replicas,
+    the latter once per `sync_every` steps with local steps, and not at all with the outer
+    step one round late (`outer_delay`: the next round hides it). `grid`: agent ids, a row
+    per stage; `links`: a links file (`delay_ms`, `agents`)."""
     at = {a: i for i, a in enumerate(links["agents"])}
     delay = links["delay_ms"]
     pipes = []
@@ -83,7 +85,8 @@ def latency_floor(grid: list[list[str]], links: dict[str, Any]) -> float:
         pipes.append(sum(delay[a][b] + delay[b][a] for a, b in itertools.pairwise(col)))
     first = [at[a] for a in grid[0]]
     dp = max((delay[a][b] for a in first for b in first if a != b), default=0.0)
-    return (max(pipes, default=0.0) + 2 * dp) / 1000
+    exchange = 0.0 if outer_delay and sync_every > 1 else 2 * dp / max(sync_every, 1)
+    return (max(pipes, default=0.0) + exchange) / 1000
 
 
 def free_prediction(events: list[dict[str, Any]], model: str, stages: int, replicas: int,

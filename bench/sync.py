@@ -309,9 +309,12 @@ def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
                 "--checkpoint-every", "0"], label=f"everything on, {m} micro-batches")
             on["flags"] = " ".join(flags)
             on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
-            if on.get("grid"):  # what no exact schedule takes back (stepsplit.latency_floor)
+            if on.get("grid"):  # what no flushed schedule takes back (stepsplit.latency_floor)
+                delayed = "--outer-delay" in flags and \
+                    flags[flags.index("--outer-delay") + 1:][:1] == ["1"]
                 on["latency_floor_s"] = stepsplit.latency_floor(
-                    on["grid"], json.loads(links.read_text()))
+                    on["grid"], json.loads(links.read_text()), on["sync_every_run"],
+                    int(delayed))
             ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"])
             pairs.append({"micro_batches": m, "flags": on["flags"], "everything_on": on,
                           "ceiling": ceiling,
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pair['breakdown']['table']}")
             if floor := pair["everything_on"].get("latency_floor_s"):
                 free = pair["ceiling"]["mean_step_s"]
-                print(f"one-way delays an exact schedule cannot take back on these links: "
+                print(f"one-way delays a flushed schedule cannot take back on these links: "
                       f"{floor:.3f} s a step; with nothing else lost, network-free / WAN "
                       f"would be {free / (free + floor):.2f}x")
             print(f"network-free / everything on: {pair['breakdown']['ratio']:.2f}x the step; "

@@ -60,6 +60,12 @@ def test_the_latency_floor_is_the_slowest_pipeline_both_ways_and_stage_0s_exchan
     floor = stepsplit.latency_floor([["a", "c"], ["b", "d"]],
                                     {"agents": agents, "delay_ms": delay})
     assert floor == pytest.approx(0.060 + 0.090)
+    links = {"agents": agents, "delay_ms": delay}
+    grid = [["a", "c"], ["b", "d"]]
+    # local steps: the exchange once a round; one round late, hidden by the next round
+    assert stepsplit.latency_floor(grid, links, 3) == pytest.approx(0.060 + 0.030)
+    assert stepsplit.latency_floor(grid, links, 3, 1) == pytest.approx(0.060)
+    assert stepsplit.latency_floor(grid, links, 1, 1) == pytest.approx(0.060 + 0.090)
 
 
 def test_the_checks_share_is_their_seconds_over_the_steps_and_the_worst_rank() -> None:
