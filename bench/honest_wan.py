@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sync-every", type=int, default=8)
     p.add_argument("--pp-compress", default="int4")
+    p.add_argument("--outer-delay", type=int, default=0, choices=(0, 1),
+                   help="1: the outer step one round late (with --sync-every > 1)")
     p.add_argument("--kill-at", type=int, default=300, help="step of the agent's SIGKILL")
     p.add_argument("--restart-after", type=float, default=5.0, help="seconds")
     p.add_argument("--slow-at", type=int, default=600, help="step the link slows at")
@@ -70,7 +72,8 @@ def job_flags(args: argparse.Namespace) -> list[str]:
             "--micro-batches", "2", "--seed", "11", "--search-seconds", "1",
             "--eval-batches", "0", "--checkpoint-every", "8", "--heartbeat-interval", "0.5",
             "--dp-mode", "sharded", "--verify", "full", "--pp-compress", args.pp_compress,
-            "--sync-every", str(args.sync_every), "--max-restarts", "6"]
+            "--sync-every", str(args.sync_every), "--outer-delay", str(args.outer_delay),
+            "--max-restarts", "6"]
 
 
 def run(wan: WanEmulator, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     disputes = log.count("replicas of one stage, disagree")
     result = {
         "steps": args.steps, "sync_every": args.sync_every, "pp_compress": args.pp_compress,
+        "outer_delay": args.outer_delay,
         "agents": AGENTS, "layout": "2x3", "nat": NAT, "wall_s": round(got["wall_s"], 1),
         "state": job["state"], "step": job.get("step"), "loss": job.get("loss"),
         "message": job.get("message", ""), "events": got["events"],
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "excluded": excluded, "workdir": str(work)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"gpt-tiny 2 x 3 on 6 emulated hosts (agent 5 behind a NAT), {args.steps} honest "
-          f"steps, --pp-compress {args.pp_compress} --sync-every {args.sync_every}: "
+          f"steps, --pp-compress {args.pp_compress} --sync-every {args.sync_every} "
+          f"--outer-delay {args.outer_delay}: "
           f"{job['state']} at step {job.get('step')} in {got['wall_s']:.0f} s")
     for e in got["events"]:
         print(f"  {e['at_s']:7.1f} s, step {e['step']:5d}: {e['what']}")

@@ -218,7 +218,8 @@ function planFacts(plan) {
     `${plan.placement || "scheduled"}${plan.algorithm ? ` (${plan.algorithm})` : ""} · predicted step `,
     h("b", {}, fmt.s(plan.predicted_step_s)), ` (compute ${fmt.s(plan.predicted_compute_s)}, comm `,
     `${fmt.s(plan.predicted_comm_s)}) · cost ${fmt.n(plan.cost)} s`,
-    plan.sync_every > 1 ? ` · sync every ${plan.sync_every}` : "");
+    plan.sync_every > 1 ? ` · sync every ${plan.sync_every}` : "",
+    plan.sync_every > 1 && plan.outer_delay ? ` (outer step one round late)` : "");
 }
 
 function renderGrid(st) {
