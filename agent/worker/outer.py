@@ -119,10 +119,10 @@ class OuterSync:
         if self.delay:
             return self._sync_late(step, flush)
         with torch.no_grad():
-            for p, a in zip(self.params, self.anchor, strict=True):
-                p.grad = a - p.detach()
-            drift = math.sqrt(sum(float(p.grad.double().square().sum())  # type: ignore[union-attr]
-                                  for p in self.params))
+            grads = [a - p.detach() for p, a in zip(self.params, self.anchor, strict=True)]
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+            drift = _norm(grads)
             dp_s, _ = self.averager.average_()
             for p, a, m in zip(self.params, self.anchor, self.momentum, strict=True):
                 assert p.grad is not None
@@ -146,7 +146,7 @@ class OuterSync:
             if self.pending is not None:
                 for d, prev in zip(delta, self.pending, strict=True):
                     d.sub_(prev)
-            drift = math.sqrt(sum(float(d.double().square().sum()) for d in delta))
+            drift = _norm(delta)
         dp_s, sent, codec_s = self._collect() if self.pending is not None else (0.0, 0, 0.0)
         self.averager.step = step  # a peer's bad value in it is blamed at its sync point
         with self._as_grads(delta):
@@ -254,3 +254,8 @@ def average_moments(opt: torch.optim.Optimizer, params: Sequence[nn.Parameter],
     for p, g in saved.items():
         p.grad = g
 
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of `tensors` together, summed in float64 in their order (the drift each
+    replica reports: the same bits for the same tensors on every rank)."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
