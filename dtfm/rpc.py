@@ -150,10 +150,11 @@ def split_hostport(value: str, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-# Ports `free_port` draws from: below the kernel's ephemeral range and clear of the
-# coordinator's rendezvous ports (29500-30499, `EpochPlan.rendezvous_port`).
-_FIRST_PORT = 20000
-_RENDEZVOUS_PORTS = range(29500, 30500)
+# The ports a job's rank 0 hosts its rendezvous store on (`EpochPlanner.rendezvous_port`
+# draws the even ones), which `free_port` leaves alone.
+RENDEZVOUS_PORTS = range(29500, 30500)
+# `free_port` draws from here up to the kernel's ephemeral range.
+FREE_PORTS_FROM = 20000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -165,8 +166,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     connection or the port of any `bind(0)` on the machine (gloo opens dozens of each), which
     then fails the rendezvous with "Address already in use". Below the range only another
     explicit choice can take it. Falls back to `bind(0)` where the range leaves no room."""
-    low = _ephemeral_low()
-    ports = [p for p in range(_FIRST_PORT, low) if p not in _RENDEZVOUS_PORTS]
+    low = ephemeral_low()
+    ports = [p for p in range(FREE_PORTS_FROM, low) if p not in RENDEZVOUS_PORTS]
     rng = random.SystemRandom()
     for port in rng.sample(ports, min(64, len(ports))):
         if _bindable(host, port):
@@ -176,7 +177,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
     """The first port the kernel hands out on its own (32768 when it cannot be read)."""
     try:
         return int(Path(path).read_text().split()[0])

@@ -45,6 +45,7 @@ from dtfm.core.layout import Layout, layer_splits
 from dtfm.core.shape import choose_layout, elastic_layout
 from dtfm.core.spec import TrainConfig
 from dtfm.net import reach
+from dtfm.rpc import RENDEZVOUS_PORTS
 from protos.dtfm.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class EpochPlanner:
             predicted_comm_s=self.model.comm_s, predicted_compute_s=predicted.compute_s,
             layer_splits=found["splits"], sync_every=self.sync_every,
             sync_note=self.sync_note,
-            outer_delay=self.train.outer_delay if (self.sync_every or 1) > 1 else 0,
+            outer_delay=self.train.outer_delay,  # the epoch's: already 0 where H = 1
         )
 
     def rendezvous_port(self, epoch: int) -> int:
@@ -141,7 +142,7 @@ class EpochPlanner:
         this one, whose rank 0 may share a host with this one's)."""
         if self._port_epoch != epoch:
             taken = set(self.taken_ports())
-            free = [p for p in range(29500, 30500, 2) if p not in taken] or [29500]
+            free = [p for p in RENDEZVOUS_PORTS[::2] if p not in taken] or [RENDEZVOUS_PORTS[0]]
             self._port_epoch, self._port = epoch, free[secrets.randbelow(len(free))]
         return self._port
 

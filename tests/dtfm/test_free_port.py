@@ -31,8 +31,8 @@ def test_a_taken_port_is_never_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
             s.bind(("127.0.0.1", 0))
         taken = [s.getsockname()[1] for s in held]
         # a range of exactly the three held ports: nothing below it is bindable, so bind(0)
-        monkeypatch.setattr(rpc, "_FIRST_PORT", min(taken))
-        monkeypatch.setattr(rpc, "_ephemeral_low", lambda: min(taken) + 1)
+        monkeypatch.setattr(rpc, "FREE_PORTS_FROM", min(taken))
+        monkeypatch.setattr(rpc, "ephemeral_low", lambda: min(taken) + 1)
         assert free_port() not in taken
     finally:
         for s in held:
@@ -40,6 +40,6 @@ def test_a_taken_port_is_never_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_unreadable_range_means_the_usual_one(tmp_path: Path) -> None:
-    assert rpc._ephemeral_low(str(tmp_path / "missing")) == 32768
+    assert rpc.ephemeral_low(str(tmp_path / "missing")) == 32768
     (tmp_path / "range").write_text("40000\t60999\n")
-    assert rpc._ephemeral_low(str(tmp_path / "range")) == 40000
+    assert rpc.ephemeral_low(str(tmp_path / "range")) == 40000
