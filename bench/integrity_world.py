@@ -73,14 +73,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "ratio of the medians")
     p.add_argument("--verify", default="full")
     p.add_argument("--placement", default="rank-order")
-    p.add_argument("--bad-index", type=int, default=5,
-                   help="the bad agent, by its place in address order")
+    p.add_argument("--bad-index", default="5",
+                   help="the bad agent, by its place in address order; `middle`: the agent "
+                        "the honest run's first plan put at stage 1 of its first pipeline (for "
+                        "--placement scheduled, whose plan does not follow address order)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--workdir", default="")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     args.attacks = "" if args.attacks == "none" else args.attacks
+    if args.bad_index != "middle" and not args.bad_index.isdigit():
+        p.error(f"--bad-index: {args.bad_index!r} is neither a place in address order nor "
+                f"`middle`")
     unknown = set(filter(None, args.attacks.split(","))) - set(ATTACKS)
     if unknown:
         p.error(f"--attacks: unknown {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
@@ -103,8 +108,12 @@ def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify:
     """One job on the measured world; `bad` >= 0: that agent attacks with `attack`."""
     cluster.agent_env = {bad: {"DTFM_FAULT": f"*:{args.onset}:{attack}"}} if bad >= 0 else {}
 
+    first_grid: list[list[str]] = []
+
     def watch(status: dict[str, Any], now: float) -> None:
-        job = status["job"]
+        if not first_grid and (grid := (status.get("plan") or {}).get("grid")):
+            first_grid.extend(grid)  # where everyone began: the attacker's place before any
+        job = status["job"]  # exclusion re-planned the job
         print(f"  [{label}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
               f"{job['total_steps']} loss {job['loss']:.3f}", file=sys.stderr, flush=True)
 
@@ -118,7 +127,14 @@ def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify:
     # the checks' own seconds in the step, from the workers' timers: the cost within this run
     checks = checks_share(progress_events(files_under(cluster.workdir, ".progress.jsonl")
                                           - before))
-    return {"label": label, "wall_s": time.monotonic() - started, "checks": checks, **out}
+    return {"label": label, "wall_s": time.monotonic() - started, "checks": checks,
+            "first_grid": first_grid, **out}
+
+
+def place_of(grid: list[list[str]], agent_id: str) -> str:
+    """`stage S of pipeline P` where `grid` (a row per stage) put `agent_id`, "" if nowhere."""
+    return next((f"stage {s} of pipeline {p}" for s, row in enumerate(grid)
+                 for p, a in enumerate(row) if a == agent_id), "")
 
 
 def judged(row: dict[str, Any], bad_id: str, onset: int, honest: dict[str, Any]
@@ -138,7 +154,8 @@ def judged(row: dict[str, Any], bad_id: str, onset: int, honest: dict[str, Any]
             "others_evidence": {a: e for a, e in evidence.items() if a != bad_id},
             "steps_to_exclusion": (stopped[0] - onset + 1) if stopped else None,
             "val_loss_vs_honest_pct": 100 * (loss / base - 1) if loss and base else None,
-            "finished": "failed" not in row}
+            "finished": "failed" not in row,
+            "bad_placed_at": place_of(row.get("first_grid") or [], bad_id)}
 
 
 def price(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -159,9 +176,15 @@ def price(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
             "bytes_per_step": statistics.median(sent(h) / max(sent(o), 1) for h, o in done)}
 
 
+def short(place: str) -> str:
+    """`stage 1 of pipeline 0` as `s1p0`, for the table."""
+    words = place.split()
+    return f"s{words[1]}p{words[-1]}" if len(words) == 5 else "-"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'run':<14} {'bad excl.':>9} {'others':>6} {'steps':>5} {'val loss':>9} "
-            f"{'vs honest':>9} {'tok/s':>7} {'checks':>6}  reason")
+            f"{'vs honest':>9} {'tok/s':>7} {'checks':>6} {'bad at':>5}  reason")
     lines = [head, "-" * len(head)]
     for r in rows:
         j = r.get("judged", {})
@@ -175,9 +198,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{steps if steps is not None else '-':>5} {r.get('val_loss') or 0:>9.4f} "
             f"{f'{pct:+.2f} %' if pct is not None else '-':>9} "
             f"{r.get('tokens_per_s') or 0:>7.0f} "
-            f"{checked:>6}  "
+            f"{checked:>6} {short(j.get('bad_placed_at', '')):>5}  "
             f"{(j.get('reason') or r.get('failed') or '')[:60]}")
     return "\n".join(lines)
+
+
+def middle(honest: dict[str, Any], ids: list[str]) -> int:
+    """The place in address order of the agent at stage 1 of the honest run's first
+    pipeline: a middle stage, which sends activations on and their gradients back."""
+    grid = honest.get("first_grid") or []
+    if len(grid) < 3 or not grid[1] or grid[1][0] not in ids:
+        raise SystemExit(f"--bad-index middle: the honest run's first plan {grid} has no "
+                         f"middle stage (use --stages 3 or more, or a number)")
+    return ids.index(grid[1][0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows: list[dict[str, Any]] = []
     with measured_world(args.per_city, args.scale, args.workdir) as (cluster, links, city_of):
-        ids = [cluster.agent_id(i) for i in range(cluster.agents)]
-        bad_id = str(ids[args.bad_index])
-        print(f"the bad agent: {bad_id} ({city_of.get(bad_id, '?')})", file=sys.stderr)
+        ids = [str(cluster.agent_id(i)) for i in range(cluster.agents)]
         pairs = []
         for i in range(max(args.cost_repeats, 1)):
             suffix = f" #{i + 1}" if args.cost_repeats > 1 else ""
@@ -196,8 +227,13 @@ def main(argv: list[str] | None = None) -> int:
                           run(cluster, links, args, "verify off" + suffix, "off")))
             rows += pairs[-1]
         honest = pairs[0][0]
+        bad = middle(honest, ids) if args.bad_index == "middle" else int(args.bad_index)
+        bad_id = ids[bad]
+        print(f"the bad agent: {bad_id} ({city_of.get(bad_id, '?')}), placed by the honest "
+              f"run at {place_of(honest.get('first_grid') or [], bad_id) or '?'}",
+              file=sys.stderr)
         for attack in filter(None, args.attacks.split(",")):
-            row = run(cluster, links, args, attack, args.verify, args.bad_index, attack)
+            row = run(cluster, links, args, attack, args.verify, bad, attack)
             row["judged"] = judged(row, bad_id, args.onset, honest)
             rows.append(row)
             print(table(rows), file=sys.stderr)
