@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobStore
@@ -159,8 +162,12 @@ def test_progress_refills_the_restart_budget() -> None:
     run(churn_config(max_restarts=1), body, agents=6)
 
 
-def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync_every,outer_delay", [(1, 0), (4, 1)])
+def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path, sync_every: int,
+                                                        outer_delay: int) -> None:
     cfg = churn_config()
+    cfg.train = replace(cfg.train, sync_every=sync_every, outer_delay=outer_delay)
+    cfg.validate()
 
     async def main() -> None:
         first = with_state_dir(cfg, tmp_path)
@@ -178,6 +185,9 @@ def test_a_restarted_coordinator_adopts_the_running_job(tmp_path: Path) -> None:
         task = asyncio.get_running_loop().create_task(second.job.run())
         await until(lambda: second.job.state == S.JOB_STATE_RUNNING)
         assert second.job.members == members and second.measurer.rounds == []
+        plan = second.job.plan  # what status shows of the adopted epoch: its H and delay too
+        assert plan is not None and plan.placement == "adopted"
+        assert (plan.sync_every, plan.outer_delay) == (sync_every, outer_delay)
         report_all(second, 12)  # the workers trained on meanwhile
         report_all(second, 20, WorkerState.DONE)
         await until(lambda: second.job.state == S.JOB_STATE_DONE)
