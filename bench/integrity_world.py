@@ -12,7 +12,11 @@ measured once by the agents. Then, on that matrix, with the same seed and tokens
   own environment carries `DTFM_FAULT="*:ONSET:MODE"`, whatever rank it gets). Placement is
   `--placement` (default rank order: the bad agent, `--bad-index` in address order, then
   holds a middle stage, which sends both activations and their gradients, and the honest run
-  holds the same placement).
+  holds the same placement). Under `--placement scheduled` the search (bounded by seconds,
+  not candidates) places the bad agent anew each run, and its uneven data-parallel shares
+  leave most agents no gradient to own: every row records where its bad agent began and
+  what it owned, says when that left its attack nothing to act on (`?`), and `--tries N`
+  runs such an attack again.
 
 Per attack it reports who was excluded (the target: the bad agent, and nobody else), the
 step the job stood at when it stopped for the exclusion (the recovery's `last_step`) less the
@@ -76,16 +80,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bad-index", default="5",
                    help="the bad agent, by its place in address order; `middle`: the agent "
                         "the honest run's first plan put at stage 1 of its first pipeline (for "
-                        "--placement scheduled, whose plan does not follow address order)")
+                        "--placement scheduled, whose plan does not follow address order); "
+                        "`owner`: the agent that plan gave the largest share of a stage's "
+                        "gradient (sharded mode's uneven shares leave most agents none, and an "
+                        "average attack needs an owner)")
+    p.add_argument("--tries", type=int, default=1, metavar="N",
+                   help="run an attack up to N times while its bad agent began where the attack "
+                        "cannot act (scheduled placement may put it at the last stage, which "
+                        "sends no activations, or give it no gradient to own)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--workdir", default="")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     args.attacks = "" if args.attacks == "none" else args.attacks
-    if args.bad_index != "middle" and not args.bad_index.isdigit():
+    if args.bad_index not in ("middle", "owner") and not args.bad_index.isdigit():
         p.error(f"--bad-index: {args.bad_index!r} is neither a place in address order nor "
-                f"`middle`")
+                f"`middle` or `owner`")
     unknown = set(filter(None, args.attacks.split(","))) - set(ATTACKS)
     if unknown:
         p.error(f"--attacks: unknown {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
@@ -109,10 +120,12 @@ def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify:
     cluster.agent_env = {bad: {"DTFM_FAULT": f"*:{args.onset}:{attack}"}} if bad >= 0 else {}
 
     first_grid: list[list[str]] = []
+    first_shares: list[list[float]] = []
 
     def watch(status: dict[str, Any], now: float) -> None:
         if not first_grid and (grid := (status.get("plan") or {}).get("grid")):
             first_grid.extend(grid)  # where everyone began: the attacker's place before any
+            first_shares.extend(status["plan"].get("dp_shares") or [])  # and what it owned
         job = status["job"]  # exclusion re-planned the job
         print(f"  [{label}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
               f"{job['total_steps']} loss {job['loss']:.3f}", file=sys.stderr, flush=True)
@@ -128,7 +141,7 @@ def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify:
     checks = checks_share(progress_events(files_under(cluster.workdir, ".progress.jsonl")
                                           - before))
     return {"label": label, "wall_s": time.monotonic() - started, "checks": checks,
-            "first_grid": first_grid, **out}
+            "first_grid": first_grid, "first_shares": first_shares, **out}
 
 
 def place_of(grid: list[list[str]], agent_id: str) -> str:
@@ -155,7 +168,19 @@ def judged(row: dict[str, Any], bad_id: str, onset: int, honest: dict[str, Any]
             "steps_to_exclusion": (stopped[0] - onset + 1) if stopped else None,
             "val_loss_vs_honest_pct": 100 * (loss / base - 1) if loss and base else None,
             "finished": "failed" not in row,
-            "bad_placed_at": place_of(row.get("first_grid") or [], bad_id)}
+            "bad_placed_at": place_of(row.get("first_grid") or [], bad_id),
+            "bad_share": share_of(row.get("first_grid") or [], row.get("first_shares") or [],
+                                  bad_id)}
+
+
+def share_of(grid: list[list[str]], shares: list[list[float]], agent_id: str) -> float | None:
+    """The share of its stage's gradient `agent_id` owned in the first plan (sharded mode's
+    uneven shares: an agent that owns none cannot alter an average, so an average attack
+    from it cannot act); None where the plan gave no shares (even ones)."""
+    for s, row in enumerate(grid):
+        if agent_id in row and s < len(shares) and shares[s]:
+            return float(shares[s][row.index(agent_id)])
+    return None
 
 
 def price(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -182,9 +207,28 @@ def short(place: str) -> str:
     return f"s{words[1]}p{words[-1]}" if len(words) == 5 else "-"
 
 
+def could_act(attack: str, place: str, share: float | None, stages: int) -> bool:
+    """Whether the bad agent's first place let `attack` act: an average attack needs a share
+    of its stage's gradient to own, an attack on activations a stage after its own, one on
+    their gradients a stage before it. Other attacks act anywhere."""
+    words = place.split()
+    stage = int(words[1]) if len(words) == 5 else -1
+    if attack.startswith("avg_"):
+        return share is None or share > 0
+    if attack.startswith("actgrad_"):
+        return stage > 0
+    if attack.startswith("act_"):
+        return 0 <= stage < stages - 1
+    return True
+
+
+def owned(share: float | None) -> str:
+    return "-" if share is None else f"{share:.2f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'run':<14} {'bad excl.':>9} {'others':>6} {'steps':>5} {'val loss':>9} "
-            f"{'vs honest':>9} {'tok/s':>7} {'checks':>6} {'bad at':>5}  reason")
+            f"{'vs honest':>9} {'tok/s':>7} {'checks':>6} {'bad at':>5} {'owns':>4}  reason")
     lines = [head, "-" * len(head)]
     for r in rows:
         j = r.get("judged", {})
@@ -192,14 +236,18 @@ def table(rows: list[dict[str, Any]]) -> str:
         pct = j.get("val_loss_vs_honest_pct")
         checks = r.get("checks")
         checked = f"{100 * checks['share']:.1f}%" if checks else "-"
+        label = r["label"] + ("?" if j and not j.get("acted", True) else "")
         lines.append(
-            f"{r['label']:<14} {str(j.get('bad_excluded', '-')):>9} "
+            f"{label:<14} {str(j.get('bad_excluded', '-')):>9} "
             f"{len(j.get('others_excluded', [])) if j else '-':>6} "
             f"{steps if steps is not None else '-':>5} {r.get('val_loss') or 0:>9.4f} "
             f"{f'{pct:+.2f} %' if pct is not None else '-':>9} "
             f"{r.get('tokens_per_s') or 0:>7.0f} "
-            f"{checked:>6} {short(j.get('bad_placed_at', '')):>5}  "
+            f"{checked:>6} {short(j.get('bad_placed_at', '')):>5} "
+            f"{owned(j.get('bad_share')):>4}  "
             f"{(j.get('reason') or r.get('failed') or '')[:60]}")
+    if any(not r.get("judged", {}).get("acted", True) for r in rows):
+        lines.append("?: its bad agent began where the attack cannot act (bad at / owns)")
     return "\n".join(lines)
 
 
@@ -211,6 +259,18 @@ def middle(honest: dict[str, Any], ids: list[str]) -> int:
         raise SystemExit(f"--bad-index middle: the honest run's first plan {grid} has no "
                          f"middle stage (use --stages 3 or more, or a number)")
     return ids.index(grid[1][0])
+
+
+def owner(honest: dict[str, Any], ids: list[str]) -> int:
+    """The place in address order of the agent that the honest run's first plan gave the
+    largest share of a stage's gradient to own."""
+    grid, shares = honest.get("first_grid") or [], honest.get("first_shares") or []
+    owned = [(x, a) for row, got in zip(grid, shares, strict=False)
+             for a, x in zip(row, got, strict=False) if a in ids]
+    if not owned:
+        raise SystemExit("--bad-index owner: the honest run's first plan gave no shares "
+                         "(--dp-mode sharded, and replicas > 1)")
+    return ids.index(max(owned)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,16 +287,21 @@ def main(argv: list[str] | None = None) -> int:
                           run(cluster, links, args, "verify off" + suffix, "off")))
             rows += pairs[-1]
         honest = pairs[0][0]
-        bad = middle(honest, ids) if args.bad_index == "middle" else int(args.bad_index)
+        bad = (middle(honest, ids) if args.bad_index == "middle" else owner(honest, ids)
+               if args.bad_index == "owner" else int(args.bad_index))
         bad_id = ids[bad]
         print(f"the bad agent: {bad_id} ({city_of.get(bad_id, '?')}), placed by the honest "
               f"run at {place_of(honest.get('first_grid') or [], bad_id) or '?'}",
               file=sys.stderr)
         for attack in filter(None, args.attacks.split(",")):
-            row = run(cluster, links, args, attack, args.verify, bad, attack)
-            row["judged"] = judged(row, bad_id, args.onset, honest)
-            rows.append(row)
-            print(table(rows), file=sys.stderr)
+            for _ in range(max(args.tries, 1)):
+                row = run(cluster, links, args, attack, args.verify, bad, attack)
+                row["judged"] = j = judged(row, bad_id, args.onset, honest)
+                j["acted"] = could_act(attack, j["bad_placed_at"], j["bad_share"], args.stages)
+                rows.append(row)
+                print(table(rows), file=sys.stderr)
+                if j["acted"]:
+                    break
     cost = price(pairs)
     print(table(rows))
     if cost:
