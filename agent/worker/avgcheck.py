@@ -21,8 +21,9 @@ Per step and owner, over all buckets, `AverageChecker` scores
   `HISTORY` admitted steps (which cancels what the shard's position holds: one owner's slice
   of each bucket may carry larger gradients than another's, by 13x measured). A step joins
   the reference only near it (`ADMIT_NORM`, `ADMIT_SHAPE`), so an attack that starts under
-  the threshold does not become the reference. R >= 3 only: at R = 2 the one other average
-  is the receiver's own, too noisy a reference (honest ratios up to 13 measured);
+  the threshold does not become the reference. Only against two other averages or more
+  (`MIN_REFERENCE`; at R = 2 the one other average is the receiver's own, too noisy a
+  reference: honest ratios up to 13 measured; uneven shares can leave two owners at any R);
 - `shape`: the same, for L1 / (sqrt(n) L2): Gaussian noise flattens a heavy-tailed gradient;
 - `zero`: all zeros while the receiver's own copy is not; `stale`: its squared norm and sum
   equal, bit for bit, one of the same owner's last `STALE_STEPS` averages.
@@ -58,6 +59,11 @@ NORM_LOW = 0.05  # honest >= 0.075
 SHAPE_HIGH = 4.0  # honest <= 3.0; 1 sigma noise 0.7..11
 HISTORY = 8  # unflagged steps of each owner's ratios kept as its reference
 MIN_HISTORY = 3  # before this many, only cosine, zero and stale are judged
+# other averages of the step (the receiver's own among them) a norm or shape is taken
+# against: one is too noisy a reference (honest ratios up to 13 at R = 2). Uneven shares
+# (`dp_shares`, scheduled placement) can leave a stage two owners at any R, and a receiver
+# that owns nothing then has one: seen at 4.1-4.6x shape on an honest owner, 4 x 4 world
+MIN_REFERENCE = 2
 # A step's ratios join the reference only inside this band around it: an attack that starts
 # small enough to pass the thresholds must not become the reference it is judged against
 ADMIT_NORM, ADMIT_SHAPE = (0.5, 2.0), 1.5
@@ -145,7 +151,7 @@ class AverageChecker:
             cosine = s.dot / math.sqrt(s.a_sq * s.x_sq) if s.a_sq and s.x_sq else 1.0
             norm = shape = math.nan
             others = [v for j, v in stats.items() if j != k]
-            if k in stats and others and self.size > 2:
+            if k in stats and len(others) >= MIN_REFERENCE:
                 ratio = (stats[k][0] / median([v[0] for v in others]),
                          stats[k][1] / median([v[1] for v in others]))
                 held = self._ratios.setdefault(k, deque(maxlen=HISTORY))

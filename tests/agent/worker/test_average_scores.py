@@ -113,3 +113,29 @@ def test_a_bad_input_is_not_blamed_on_an_honest_owner() -> None:
     scores = checker.scores()
     assert judge(scores, inputs_suspect=True) == []
     assert not {f.kind for f in judge(scores, statistics=False)} - SELF_EVIDENT
+
+
+def test_uneven_shares_leaving_two_owners_give_no_reference() -> None:
+    """Uneven shares (scheduled placement's `dp_shares`) can leave a stage of four replicas
+    two owners; a receiver that owns nothing then has one other average to take a norm or a
+    shape against, as at R = 2, and judges neither (an honest owner's shape read 4.1-4.6x
+    there, and these honest norm ratios swing 0.2-4.3x); a zero average is still named, it
+    needs no reference."""
+    gen = torch.Generator().manual_seed(3)
+    checker = AverageChecker(4, 3)  # receiver 3 owns no shard: owners 0 and 1 hold it all
+
+    def two_owners(alter: str = "") -> list[tuple[int, str]]:
+        shards = copies(2, gen)
+        for k, cs in enumerate(shards):
+            mean = sum(cs) / 2
+            if k == 0 and alter == "noise":  # 3 sigma, as the test above: the threshold's
+                mean = mean + 3 * (attack("noise", mean, None, gen) - mean)
+            elif k == 0 and alter == "zero":
+                mean = torch.zeros_like(mean)
+            checker.add(k, mean, cs[0])
+        return [(f.replica, f.kind) for f in judge(checker.scores())]
+
+    for _ in range(5):
+        assert two_owners() == []
+    assert two_owners("noise") == []  # no reference to call it noise against
+    assert two_owners("zero") == [(0, "avg_zero")]
