@@ -123,10 +123,11 @@ def run(cluster: Any, links: Path, args: argparse.Namespace, label: str, verify:
     first_shares: list[list[float]] = []
 
     def watch(status: dict[str, Any], now: float) -> None:
+        # where everyone began, and what each owned, before any exclusion re-planned the job
         if not first_grid and (grid := (status.get("plan") or {}).get("grid")):
-            first_grid.extend(grid)  # where everyone began: the attacker's place before any
-            first_shares.extend(status["plan"].get("dp_shares") or [])  # and what it owned
-        job = status["job"]  # exclusion re-planned the job
+            first_grid.extend(grid)
+            first_shares.extend(status["plan"].get("dp_shares") or [])
+        job = status["job"]
         print(f"  [{label}] {now:6.0f}s {job['state']:<10} step {job['step']:>3}/"
               f"{job['total_steps']} loss {job['loss']:.3f}", file=sys.stderr, flush=True)
 
