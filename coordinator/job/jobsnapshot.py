@@ -9,6 +9,7 @@ machine decides when to save and what an adopted epoch does next.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from coordinator.daemon.config import JobConfig
@@ -18,7 +19,7 @@ from coordinator.job.recovery import Recoveries
 from dtfm.core.fingerprint import fingerprinted
 from dtfm.core.layout import Layout
 from dtfm.core.spec import SYNC_AUTO
-from protos.dtfm.v1 import coordinator_pb2
+from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 if TYPE_CHECKING:
     from coordinator.job.machine import Job
@@ -82,3 +83,18 @@ def restore(job: Job, snap: JobSnapshot) -> None:
     if planner.sync_every == SYNC_AUTO and snap.sync_every:
         planner.sync_every = snap.sync_every
         planner.sync_note = f"auto: every {snap.sync_every} steps, chosen on the first plan"
+
+
+def resume_running(job: Job, snap: JobSnapshot) -> None:
+    """`snap`'s running epoch as `job` goes on with it: its members, its training config,
+    and the plan status shows (with the job's H and `--outer-delay`, as the epoch had them)."""
+    job.members = list(snap.members)
+    sync, train = job.planner.sync_every, job.config.train  # `restore` put back auto's H
+    job.planner.train = replace(train, micro_batches=snap.micro_batches or train.micro_batches,
+                                sync_every=sync or train.sync_every,
+                                outer_delay=train.outer_delay if sync > 1 else 0)
+    job.plan = common_pb2.Plan(
+        stages=len(snap.grid), replicas=len(snap.grid[0]), epoch=job.epoch,
+        grid=[common_pb2.PlanStage(agent_ids=row) for row in snap.grid],
+        placement="adopted", layer_splits=snap.splits, sync_every=sync,
+        sync_note=job.planner.sync_note, outer_delay=job.planner.train.outer_delay)

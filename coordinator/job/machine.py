@@ -171,18 +171,7 @@ class Job:
         self.dataplane.adopted(self.job_id, self.epoch)
         jobsnapshot.restore(self, snap)
         if snap.state == "running" and snap.members:
-            self.members = list(snap.members)
-            sync = self.planner.sync_every  # jobsnapshot.restore put back auto's choice
-            train = self.config.train
-            self.planner.train = replace(train, micro_batches=snap.micro_batches
-                                         or train.micro_batches,
-                                         sync_every=sync or train.sync_every,
-                                         outer_delay=train.outer_delay if sync > 1 else 0)
-            self.plan = common_pb2.Plan(
-                stages=len(snap.grid), replicas=len(snap.grid[0]), epoch=self.epoch,
-                grid=[common_pb2.PlanStage(agent_ids=row) for row in snap.grid],
-                placement="adopted", layer_splits=snap.splits, sync_every=sync,
-                sync_note=self.planner.sync_note, outer_delay=self.planner.train.outer_delay)
+            jobsnapshot.resume_running(self, snap)
             self._adopt_deadline = adopt_deadline()
         log.info("job %s: adopted from the state directory after a coordinator restart "
                  "(epoch %d, %s, newest checkpoint step %d)", self.job_id, self.epoch,
