@@ -81,6 +81,13 @@ def split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work:
     return placed.best.grid, placed.best.splits, placed.reason
 
 
+def with_sync(train: TrainConfig, sync_every: int) -> TrainConfig:
+    """`train` as an epoch runs it at H = `sync_every` (0: auto not chosen yet, `train`'s
+    own H kept): H = 1 leaves no round to delay an outer step into, so no `--outer-delay`."""
+    return replace(train, sync_every=sync_every or train.sync_every,
+                   outer_delay=train.outer_delay if sync_every > 1 else 0)
+
+
 class EpochPlanner:
     """What each epoch trains on, and how the job finds it."""
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobSnapshot, fingerprint
+from coordinator.job.epochplan import with_sync
 from coordinator.job.failedpairs import FailedPairs
 from coordinator.job.recovery import Recoveries
 from dtfm.core.fingerprint import fingerprinted
@@ -90,9 +91,8 @@ def resume_running(job: Job, snap: JobSnapshot) -> None:
     and the plan status shows (with the job's H and `--outer-delay`, as the epoch had them)."""
     job.members = list(snap.members)
     sync, train = job.planner.sync_every, job.config.train  # `restore` put back auto's H
-    job.planner.train = replace(train, micro_batches=snap.micro_batches or train.micro_batches,
-                                sync_every=sync or train.sync_every,
-                                outer_delay=train.outer_delay if sync > 1 else 0)
+    job.planner.train = with_sync(replace(train, micro_batches=snap.micro_batches
+                                          or train.micro_batches), sync)
     job.plan = common_pb2.Plan(
         stages=len(snap.grid), replicas=len(snap.grid[0]), epoch=job.epoch,
         grid=[common_pb2.PlanStage(agent_ids=row) for row in snap.grid],

@@ -35,7 +35,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -54,7 +53,7 @@ from coordinator.job import failedpairs, jobsnapshot, jobstatus, rootcause
 from coordinator.job.checkpoints import CheckpointTracker
 from coordinator.job.dataplane import DataPlanes
 from coordinator.job.epochlinks import EpochLinkSource, NoLinks, avoid_dead_links
-from coordinator.job.epochplan import EpochPlanner
+from coordinator.job.epochplan import EpochPlanner, with_sync
 from coordinator.job.jobsnapshot import STATE_NAMES, job_fingerprint
 from coordinator.job.membership import Membership
 from coordinator.job.prediction import Prediction, agent_flops, device_figures
@@ -386,9 +385,7 @@ class Job:
                 self._set(S.JOB_STATE_FAILED, f"{cfg.model} with --sync-every "
                           f"{self.planner.sync_every} (auto) does not fit: {exc}")
                 return
-        # auto's H = 1 leaves no round to delay an outer step into: plain synchronous steps
-        train = replace(train, sync_every=self.planner.sync_every,
-                        outer_delay=train.outer_delay if self.planner.sync_every > 1 else 0)
+        train = with_sync(train, self.planner.sync_every)  # auto's H = 1: no delay
         self.epoch += 1
         self.planner.layout, self.planner.train = layout, train
         self.planner.grid_ids = [[ids[d] for d in row] for row in found["grid"]]
