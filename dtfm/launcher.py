@@ -42,13 +42,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtfm import spareprio
 from dtfm.core.events import ProgressEvent, WorkerEnv, parse_event
 from dtfm.core.files import open_private_append, write_private
 from dtfm.core.hfexport import ExportError
 from dtfm.core.mergerequest import EXPORT_ERROR_EXIT, MergeRequest
 from dtfm.forked import ForkedChild, Replies
 from dtfm.procs import terminate_all, terminate_all_async
-from dtfm.spareprio import raise_to_mine
 from protos.dtfm.v1 import common_pb2
 
 FOLLOW_POLL_S = 0.25
@@ -169,7 +169,9 @@ class Spare:
         becoming the one worker it is handed (`take`, still what a spare not yet warm does).
         `idle`: it imports at idle priority (beside a training worker); otherwise at ours.
         """
-        argv = [python, "-m", "agent.worker", "--spare", *([] if idle else ["--full-priority"])]
+        restore = spareprio.restorable_niceness() if idle else None
+        argv = [python, "-m", "agent.worker", "--spare",
+                *([] if restore is None else ["--restore-nice", str(restore)])]
         read_fd, write_fd = os.pipe() if zygote else (-1, -1)
         try:
             with open_private_append(workdir / SPARE_LOG) as log:
@@ -183,6 +185,8 @@ class Spare:
                 if fd >= 0:
                     os.close(fd)
             raise
+        if restore is not None:  # here, not in the spare: dtfm/spareprio.py says why
+            spareprio.lower_to_idle(popen.pid, restore)
         replies = None
         if zygote:
             os.close(write_fd)
@@ -240,7 +244,7 @@ class Spare:
             self.popen.stdin.close()
         except OSError:  # BrokenPipeError: it died since poll()
             return None
-        raise_to_mine(self.popen.pid)  # not left to the spare: dtfm/spareprio.py says why
+        spareprio.raise_to_mine(self.popen.pid)  # not left to the spare: spareprio says why
         return WorkerProcess(files, self.popen)
 
     def _close_stdin(self) -> None:

@@ -30,6 +30,7 @@ import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from agent.worker import zygote  # noqa: E402 - no torch: cheap
+from dtfm import spareprio  # noqa: E402 - nor here
 from dtfm.core.events import WorkerEnv  # noqa: E402 - no torch either
 from dtfm.core.files import open_private_append  # noqa: E402 - nor here
 
@@ -51,73 +52,27 @@ def die_with_supervisor() -> None:
         sys.exit("the agent that started this worker is gone")
 
 
-SPARE_NICE = 10  # a spare's priority while it imports and waits (see idle_priority)
+RESTORE_NICE_FLAG = "--restore-nice"
 
 
-def idle_priority() -> int | None:
-    """Lower this spare's CPU priority while it waits; the niceness to restore, or None.
-
-    An agent starts its next spare while its worker trains, and on a machine whose cores the
-    workers share the import (seconds of CPU) would slow their steps. Only where the niceness
-    can be raised back at hand-over (root, or an RLIMIT_NICE that allows it): a worker must
-    never train at a lower priority than its peers. Where it can, the spare also takes the
-    idle scheduling class (SCHED_IDLE) and the lowest autogroup niceness. The autogroup is
-    what made the nice alone useless: the spare runs in its own session, and where the kernel
-    groups sessions (`kernel.sched_autogroup_enabled`, on in most distributions) CPU time is
-    shared between sessions first, so a spare at any nice or class got as much CPU as a whole
-    agent, and 16 spares importing at once on 2 cores delayed the agents' pings by a second.
-    """
-    if not sys.platform.startswith("linux"):
+def restore_niceness(argv: list[str]) -> int | None:
+    """The niceness `--restore-nice N` names: the launcher lowered this spare to the idle
+    class (dtfm/spareprio.py) and it goes back to N at hand-over. None: it runs at its
+    launcher's priority already. Read before argparse is imported: the hand-over thread
+    starts before the imports."""
+    if RESTORE_NICE_FLAG not in argv[:-1]:
         return None
-    import resource
-
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
-    allowed = os.geteuid() == 0 or limit == resource.RLIM_INFINITY or 20 - limit <= current
-    if not allowed:
-        return None
-    os.setpriority(os.PRIO_PROCESS, 0, min(19, current + SPARE_NICE))
-    if hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # a kernel or a sandbox without it: the nice alone
-            pass
-    _set_autogroup_nice(19)
-    return current
-
-
-AUTOGROUP = Path("/proc/self/autogroup")  # "/autogroup-N nice K" where the kernel groups
-
-
-def _set_autogroup_nice(nice: int) -> None:
-    """This session's autogroup niceness, where the kernel has autogroups. Any process may
-    set 0..19 on its own group; without CAP_SYS_ADMIN the kernel takes one such write per
-    0.1 s from all processes together (EAGAIN otherwise), so this retries for up to 3 s."""
-    if not AUTOGROUP.exists():
-        return
-    for _ in range(60):
-        try:
-            AUTOGROUP.write_text(str(nice))
-            return
-        except BlockingIOError:
-            time.sleep(0.05)
-        except OSError:  # no autogroups after all, or a sandbox that forbids it
-            return
+    try:
+        return int(argv[argv.index(RESTORE_NICE_FLAG) + 1])
+    except ValueError:
+        return None  # argparse rejects it below, with the flag's name
 
 
 def restore_priority(niceness: int | None) -> None:
-    """Back to the launcher's niceness and the normal scheduling class, for every thread
-    (both are per thread on Linux)."""
-    if niceness is None:
-        return
-    _set_autogroup_nice(0)  # a new session's own group starts at 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except ProcessLookupError:  # a thread that just ended
-            continue
+    """Back to the launcher's niceness and the normal scheduling class, for every thread,
+    including those started since the launcher raised this process."""
+    if niceness is not None:
+        spareprio.raise_to(os.getpid(), niceness)
 
 
 class Handover(threading.Thread):
@@ -150,7 +105,7 @@ HANDOVER: Handover | None = None
 if __name__ == "__main__":
     die_with_supervisor()
     if "--spare" in sys.argv[1:]:
-        HANDOVER = Handover(None if "--full-priority" in sys.argv[1:] else idle_priority())
+        HANDOVER = Handover(restore_niceness(sys.argv[1:]))
         HANDOVER.start()
 
 import argparse  # noqa: E402
@@ -179,8 +134,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="wall-clock time the agent received the assignment (timing)")
     parser.add_argument("--spare", action="store_true",
                         help="import everything, then read the other flags from stdin")
-    parser.add_argument("--full-priority", action="store_true",
-                        help="with --spare: import at the launcher's priority, not idle")
+    parser.add_argument(RESTORE_NICE_FLAG, type=int, default=None,
+                        help="with --spare: the launcher lowered this process's priority "
+                             "(dtfm/spareprio.py); back to this niceness at hand-over")
     parser.add_argument("--reply-fd", type=int, default=None,
                         help="with --spare: stay a zygote that forks a worker per request "
                              "and answers on this descriptor (agent/worker/zygote.py)")
