@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtfm import spareprio
+from dtfm.core import spareprio
 from dtfm.core.events import ProgressEvent, WorkerEnv, parse_event
 from dtfm.core.files import open_private_append, write_private
 from dtfm.core.hfexport import ExportError
@@ -185,7 +185,7 @@ class Spare:
                 if fd >= 0:
                     os.close(fd)
             raise
-        if restore is not None:  # here, not in the spare: dtfm/spareprio.py says why
+        if restore is not None:  # here, not in the spare: dtfm/core/spareprio.py says why
             spareprio.lower_to_idle(popen.pid, restore)
         replies = None
         if zygote:

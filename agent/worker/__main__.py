@@ -30,7 +30,7 @@ import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from agent.worker import zygote  # noqa: E402 - no torch: cheap
-from dtfm import spareprio  # noqa: E402 - nor here
+from dtfm.core import spareprio  # noqa: E402 - nor here
 from dtfm.core.events import WorkerEnv  # noqa: E402 - no torch either
 from dtfm.core.files import open_private_append  # noqa: E402 - nor here
 
@@ -57,7 +57,7 @@ RESTORE_NICE_FLAG = "--restore-nice"
 
 def restore_niceness(argv: list[str]) -> int | None:
     """The niceness `--restore-nice N` names: the launcher lowered this spare to the idle
-    class (dtfm/spareprio.py) and it goes back to N at hand-over. None: it runs at its
+    class (dtfm/core/spareprio.py) and it goes back to N at hand-over. None: it runs at its
     launcher's priority already. Read before argparse is imported: the hand-over thread
     starts before the imports."""
     if RESTORE_NICE_FLAG not in argv[:-1]:
@@ -136,7 +136,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="import everything, then read the other flags from stdin")
     parser.add_argument(RESTORE_NICE_FLAG, type=int, default=None,
                         help="with --spare: the launcher lowered this process's priority "
-                             "(dtfm/spareprio.py); back to this niceness at hand-over")
+                             "(dtfm/core/spareprio.py); back to this niceness at hand-over")
     parser.add_argument("--reply-fd", type=int, default=None,
                         help="with --spare: stay a zygote that forks a worker per request "
                              "and answers on this descriptor (agent/worker/zygote.py)")

@@ -1,10 +1,11 @@
 """A spare handed its assignment runs at its launcher's priority at once, even while it cannot
-run itself (dtfm/spareprio.py: on a loaded machine its own restore came 65 s late).
+run itself (dtfm/core/spareprio.py: on a loaded machine its own restore came 65 s late).
 
 A real spare (`python -m agent.worker --spare` through `dtfm.launcher.Spare`) is lowered to
-the idle scheduling class by its launcher as it starts; the test then stops it (SIGSTOP: as starved as a spare can be,
-its own hand-over thread cannot run) and hands it an assignment. Its threads must be back in
-the normal class and at the launcher's niceness before it runs again.
+the idle scheduling class by its launcher as it starts; the test then stops it (SIGSTOP: as
+starved as a spare can be, its own hand-over thread cannot run) and hands it an assignment.
+Its threads must be back in the normal class and at the launcher's niceness before it runs
+again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dtfm import spareprio
+from dtfm.core import spareprio
 from dtfm.launcher import Spare, WorkerFiles, worker_env
 from dtfm.procs import wait_for
 from tests.dtfm.test_launcher import REPO, _assignment
