@@ -171,7 +171,7 @@ class Spare:
         """
         restore = spareprio.restorable_niceness() if idle else None
         argv = [python, "-m", "agent.worker", "--spare",
-                *([] if restore is None else ["--restore-nice", str(restore)])]
+                *([] if restore is None else [spareprio.RESTORE_NICE_FLAG, str(restore)])]
         read_fd, write_fd = os.pipe() if zygote else (-1, -1)
         try:
             with open_private_append(workdir / SPARE_LOG) as log:

@@ -52,7 +52,7 @@ def die_with_supervisor() -> None:
         sys.exit("the agent that started this worker is gone")
 
 
-RESTORE_NICE_FLAG = "--restore-nice"
+RESTORE_NICE_FLAG = spareprio.RESTORE_NICE_FLAG
 
 
 def restore_niceness(argv: list[str]) -> int | None:

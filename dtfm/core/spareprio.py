@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 IDLE_NICE_STEP = 10  # how much nicer than its launcher a waiting spare is
+# the flag that tells a spare its launcher lowered it, and the niceness to go back to
+RESTORE_NICE_FLAG = "--restore-nice"
 AUTOGROUP_IDLE_NICE = 19
 AUTOGROUP_TRIES = 5  # without CAP_SYS_ADMIN the kernel takes one autogroup write per 0.1 s
 AUTOGROUP_RETRY_S = 0.02
