@@ -72,7 +72,7 @@ def restore_priority(niceness: int | None) -> None:
     """Back to the launcher's niceness and the normal scheduling class, for every thread,
     including those started since the launcher raised this process."""
     if niceness is not None:
-        spareprio.raise_to(os.getpid(), niceness)
+        spareprio.raise_to(os.getpid(), niceness, spareprio.SPARE_PATIENCE_S)
 
 
 class Handover(threading.Thread):

@@ -34,7 +34,11 @@ IDLE_NICE_STEP = 10  # how much nicer than its launcher a waiting spare is
 # the flag that tells a spare its launcher lowered it, and the niceness to go back to
 RESTORE_NICE_FLAG = "--restore-nice"
 AUTOGROUP_IDLE_NICE = 19
-AUTOGROUP_TRIES = 5  # without CAP_SYS_ADMIN the kernel takes one autogroup write per 0.1 s
+# without CAP_SYS_ADMIN the kernel takes one autogroup write per 0.1 s from all processes
+# together (EAGAIN otherwise): the launcher retries briefly (it calls from its event loop's
+# thread), the spare raising itself as long as it used to (its own thread may wait)
+LAUNCHER_PATIENCE_S = 0.1
+SPARE_PATIENCE_S = 3.0
 AUTOGROUP_RETRY_S = 0.02
 
 
@@ -45,11 +49,11 @@ def _threads(pid: int) -> list[int]:
         return []
 
 
-def _set_autogroup_nice(pid: int, nice: int) -> None:
+def _set_autogroup_nice(pid: int, nice: int, patience_s: float) -> None:
     """`pid`'s session's autogroup niceness, where the kernel has autogroups; best effort,
-    and bounded (the launcher calls this from its event loop's thread)."""
+    retried for at most `patience_s` while the kernel's rate limit refuses it."""
     group = Path(f"/proc/{pid}/autogroup")
-    for _ in range(AUTOGROUP_TRIES):
+    for _ in range(max(1, round(patience_s / AUTOGROUP_RETRY_S))):
         try:
             group.write_text(str(nice))
             return
@@ -82,16 +86,17 @@ def lower_to_idle(pid: int, niceness: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, niceness + IDLE_NICE_STEP))
             if hasattr(os, "SCHED_IDLE"):
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    _set_autogroup_nice(pid, AUTOGROUP_IDLE_NICE)
+    _set_autogroup_nice(pid, AUTOGROUP_IDLE_NICE, LAUNCHER_PATIENCE_S)
 
 
-def raise_to(pid: int, niceness: int) -> None:
+def raise_to(pid: int, niceness: int, patience_s: float = LAUNCHER_PATIENCE_S) -> None:
     """Give process `pid` `niceness` and the normal scheduling class on every thread (both
     are per thread on Linux), and its autogroup niceness 0 (a new session's). Best effort:
-    where the kernel refuses, the spare's own restore does it when it runs."""
+    where the kernel refuses, the spare's own restore (`patience_s` = SPARE_PATIENCE_S)
+    does it when it runs."""
     if not sys.platform.startswith("linux"):
         return
-    _set_autogroup_nice(pid, 0)
+    _set_autogroup_nice(pid, 0, patience_s)
     for tid in _threads(pid):
         with contextlib.suppress(OSError):  # a thread that just ended
             if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE:
