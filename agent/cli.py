@@ -144,7 +144,7 @@ def _start(args: argparse.Namespace) -> int:
 async def _status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from dtfm.core.spec import WorkerState
+    from dtfm.core.workerstate import WorkerState
     from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc
 
     async with rpc.open_channel(args.agent, flags.security_from_args(args)) as channel:

@@ -268,6 +268,7 @@ _TRAIN_TYPES: dict[str, Callable[[str], Any] | type[enum.StrEnum]] = {
     "outer_lr": number(float, 0, above=True),
     "outer_momentum": outer_momentum_setting,
     "outer_delay": number(int, 0, maximum=1),
+    "pipeline_delay": number(int, 0, maximum=1),
     "lora_rank": count,
     "lora_alpha": number(float, 0, above=True),
     "lora_dropout": number(float, 0, maximum=0.999),

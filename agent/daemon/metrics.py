@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent.daemon.session import CoordinatorSession
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2
 
 # The supervisor's states: measuring belongs to the session, never to a worker process.

@@ -27,7 +27,7 @@ from agent.probing.tuning import TuningCheck
 from dtfm import rpc
 from dtfm.checkpoints.copies import CheckpointCopier, CheckpointStore
 from dtfm.checkpoints.push import CheckpointPushes
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from dtfm.net import probe, reach
 from dtfm.net.dataplane import NO_RANK, Hello
 from dtfm.net.front import DataHandler, Front

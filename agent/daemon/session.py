@@ -25,7 +25,7 @@ from dtfm import rpc
 from dtfm.core.assignment import resolve_relay
 from dtfm.core.events import IntegrityEvent
 from dtfm.core.limits import MAX_EVIDENCE, MAX_KIND, clip, finite
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from dtfm.net import reach
 from dtfm.net.handoff import DataHandoff
 from dtfm.net.relay import Relay

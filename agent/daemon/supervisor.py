@@ -51,7 +51,7 @@ from dtfm.core.events import (
 from dtfm.core.limits import MAX_LINK_WINDOWS, MAX_PENDING_EVIDENCE, MAX_VALIDATIONS
 from dtfm.core.requests import ask_checkpoint
 from dtfm.core.spareprio import raise_to_mine
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from dtfm.launcher import SPARE_LOG, Spare, WorkerFiles, WorkerProcess, launch, worker_env
 from dtfm.net.dataplane import HANDOFF_ENV
 from protos.dtfm.v1 import common_pb2

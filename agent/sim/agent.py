@@ -27,7 +27,7 @@ from agent.sim.world import World
 from dtfm import rpc
 from dtfm.core.events import StepEvent
 from dtfm.core.limits import MAX_PING_SPREAD_S, PING_SPACING_S
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)

@@ -183,3 +183,21 @@ def stage_tensors_hf(parts: Mapping[int, nn.Module], spec: ModelSpec) -> dict[st
             value = value.t() if tensor.transpose else value
             out[tensor.name] = value.to("cpu").contiguous()
     return out
+
+
+def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
+                   extra: bool) -> None:
+    """Refuse (ValueError: a config error, so the job fails instead of retrying) a
+    `--init-from` directory this machine lacks or holds another version of, and, with
+    `extra` (one rank checks, once), a checkpoint holding tensors the model does not use."""
+    from dtfm.core.hfdir import check_dir
+
+    check_dir(model_dir, expected_hash, spec)  # spec: its sizes, before Stage allocates them
+    if not extra:
+        return
+    extra_names = unexpected_tensors(spec, model_dir)
+    if extra_names:
+        raise ValueError(f"--init-from {model_dir}: its checkpoint holds {len(extra_names)} "
+                         f"tensor(s) no part of {spec.name} uses, such as {extra_names[0]} ("
+                         f"another "
+                         f"architecture, or a model with more layers than its config.json says)")

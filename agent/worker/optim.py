@@ -152,10 +152,10 @@ def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             v_store.copy_(v)
 
 
-def local_sq_norm(model: nn.Module) -> torch.Tensor:
-    """Sum of squared gradient entries of this stage (fp32 scalar)."""
-    squares = [p.grad.detach().float().pow(2).sum() for p in model.parameters()
-               if p.grad is not None]
+def local_sq_norm(model: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared gradient entries of this stage, or of these tensors (fp32 scalar)."""
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    squares = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
     if not squares:
         return torch.zeros((), dtype=torch.float32)
     return torch.stack(squares).sum().cpu()  # one device sync, not one per tensor

@@ -46,7 +46,7 @@ from agent.worker.deadline import DEFAULT_CEILING_S, Deadline
 from agent.worker.errors import wait_all
 from agent.worker.linkstats import LinkTally
 from agent.worker.stage import Stage, lm_loss
-from dtfm.core.layout import pipeline_ops
+from dtfm.core.layout import delayed_step_ops, pipeline_ops
 
 TAG_ACT = 1  # activations, stage s -> s+1
 TAG_GRAD = 2  # gradients of activations, stage s+1 -> s
@@ -129,7 +129,7 @@ class _Recv:
 
 
 @dataclass
-class _StepState:
+class StepState:
     """What one training step carries between its forward and backward operations."""
 
     inputs: list[torch.Tensor]
@@ -140,6 +140,15 @@ class _StepState:
     stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
     loss_sum: float = 0.0
     step: int = 0  # keys the stochastic rounding of gradients sent back (int4h)
+    # the weights its forwards run on (`--pipeline-delay 1`: a copy, delayed.py); None: the
+    # stage's own
+    params: dict[str, torch.Tensor] | None = None
+    backwards: int = 0  # backward passes run so far
+
+    @property
+    def loss(self) -> float:
+        """The micro-batch-averaged loss (the last stage's; 0.0 elsewhere)."""
+        return self.loss_sum / len(self.inputs)
 
 
 @dataclass
@@ -165,6 +174,8 @@ class Pipeline:
     tally: LinkTally | None = None
     attack: Any = None
     _sends: list[dist.Work] = field(default_factory=list)
+    # the next step's receives, posted with this one's by a step that does not flush
+    _next_recvs: tuple[list[_Recv | None], list[_Recv | None]] | None = None
 
     def _computed(self, t: Timings, t0: float) -> None:
         """Count compute since `t0`; on an emulated slower device, idle for the difference
@@ -266,14 +277,10 @@ class Pipeline:
         Returns the loss and timings.
         """
         micro = len(inputs)
-        ln = self.links
-        st = _StepState(inputs, targets, Timings(), step=step)
+        st = StepState(inputs, targets, Timings(), step=step)
         # Every receive of the step is posted up front: gloo sends a message only once it
         # knows the receiver is ready, so a receive posted late costs a one-way delay more.
-        st.fwd_recvs = [self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT, self.codec_prev)
-                        for _ in inputs]
-        st.bwd_recvs = [self._post_recv(ln.next, ln.bwd_from_next, TAG_GRAD, self.codec_next)
-                        for _ in inputs]
+        st.fwd_recvs, st.bwd_recvs = self._post_step_recvs(micro)
         ops = pipeline_ops(kind, self.stage_index, self.stages, micro)
         for n, (op, i) in enumerate(ops):
             if op == "F":
@@ -285,7 +292,52 @@ class Pipeline:
         self._drain_sends(st.times)
         return st.loss_sum / micro, st.times
 
-    def _forward(self, st: _StepState, i: int) -> None:
+    def delayed_step(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], *, step: int,
+        params: dict[str, torch.Tensor], carry: StepState | None, flush: bool,
+        grads_done: Callable[[StepState], None],
+    ) -> tuple[StepState | None, Timings]:
+        """One step of 1F1B without a flush after it (`--pipeline-delay 1`,
+        `layout.delayed_step_ops`): its forwards run on `params` (a copy of the weights,
+        where its gradients accumulate) and interleave with the cool-down backwards of
+        `carry`, the step before. `grads_done(state)` runs as a step's last backward ends
+        (the step before's, or with `flush` or on the last stage this one's). Returns this
+        step's state for the next call (None after a flush) and this call's timings.
+        """
+        t = Timings()
+        st = StepState(inputs, targets, t, step=step, params=params)
+        if self._next_recvs is not None:
+            st.fwd_recvs, st.bwd_recvs = map(list, self._next_recvs)
+        else:
+            st.fwd_recvs, st.bwd_recvs = self._post_step_recvs(len(inputs))
+        # posted a step ahead: the step before's ranks upstream start this one's sends
+        # while this rank still finishes the step before
+        self._next_recvs = None if flush else self._post_step_recvs(len(inputs))
+        if carry is not None:
+            carry.times = t
+        for op, offset, i in delayed_step_ops(self.stage_index, self.stages, len(inputs),
+                                              carried=carry is not None, flush=flush):
+            of = st if offset == 0 else carry
+            assert of is not None
+            if op == "F":
+                self._forward(of, i)
+                continue
+            self._backward(of, i)
+            if of.backwards == len(of.inputs):
+                grads_done(of)
+        if flush:
+            self._drain_sends(t)
+            return None, t
+        return st, t
+
+    def _post_step_recvs(self, micro: int) -> tuple[list[_Recv | None], list[_Recv | None]]:
+        ln = self.links
+        return ([self._post_recv(ln.prev, ln.fwd_from_prev, TAG_ACT, self.codec_prev)
+                 for _ in range(micro)],
+                [self._post_recv(ln.next, ln.bwd_from_next, TAG_GRAD, self.codec_next)
+                 for _ in range(micro)])
+
+    def _forward(self, st: StepState, i: int) -> None:
         ln, micro, t = self.links, len(st.inputs), st.times
         x_in: torch.Tensor | None = None
         if ln.prev is None:
@@ -298,7 +350,8 @@ class Pipeline:
             st.fwd_recvs[i] = None
         t0 = time.perf_counter()
         with self._autocast():
-            out = self.stage(x)
+            out = self.stage(x) if st.params is None else \
+                torch.func.functional_call(self.stage, st.params, (x,))
             if ln.next is None:
                 out = lm_loss(out, st.targets[i].to(self.device, non_blocking=True))
         self._computed(t, t0)
@@ -311,7 +364,7 @@ class Pipeline:
         st.stored[i] = (x_in, out)
         t.peak_stored = max(t.peak_stored, len(st.stored))
 
-    def _backward(self, st: _StepState, i: int) -> None:
+    def _backward(self, st: StepState, i: int) -> None:
         ln, t = self.links, st.times
         x_in, out = st.stored.pop(i)
         if ln.next is None:
@@ -325,6 +378,7 @@ class Pipeline:
             t0 = time.perf_counter()
             out.backward(grad.to(out.dtype))
         self._computed(t, t0)
+        st.backwards += 1
         if x_in is not None:
             assert x_in.grad is not None
             self._send(self._outgoing("grad_out", x_in.grad), ln.prev, ln.bwd_to_prev,

@@ -9,7 +9,6 @@ fault-injection seam tests use).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -26,13 +25,16 @@ from agent.worker.compress import make_codec
 from agent.worker.data import Position, Sampler, load_splits, replica_slice, val_batches
 from agent.worker.data_parallel import GradAverager
 from agent.worker.deadline import Deadline, measure_flops
+from agent.worker.delayed import DelayedSteps, Versions
 from agent.worker.device import autocast_dtype, pick_device
 from agent.worker.fault import Fault
+from agent.worker.hfload import check_init_dir
 from agent.worker.nonfinite import NonFinitePeerValue
 from agent.worker.optim import clip_, local_sq_norm, lr_at, make_optimizer, set_lr
 from agent.worker.outer import OuterSync, SyncResult, average_moments
 from agent.worker.pipeline import Pipeline, Timings
 from agent.worker.replicacheck import ReplicaChecks
+from agent.worker.slowdown import compute_slowdown
 from agent.worker.stage import Stage
 from agent.worker.transport import resume
 from agent.worker.world import DTFM, join
@@ -58,29 +60,6 @@ log = logging.getLogger(__name__)
 
 ENV_TIMEOUT = WorkerEnv.TIMEOUT  # the ceiling of any wait (deadline.py decides below it)
 ENV_THREADS = WorkerEnv.THREADS  # torch intra-op threads per worker
-ENV_SLOWDOWN = "DTFM_COMPUTE_SLOWDOWN"  # >= 1: emulate a device this many times slower
-# a file holding that factor, read before every step: the WAN emulator's live compute changes
-ENV_SLOWDOWN_FILE = "DTFM_COMPUTE_SLOWDOWN_FILE"
-
-
-def compute_slowdown() -> float:
-    """The test and benchmark seam for uneven devices on one machine: forward and backward
-    passes take this factor longer (the worker idles for the difference). The factor comes
-    from DTFM_COMPUTE_SLOWDOWN_FILE once that file exists (`WanEmulator.live.set_compute` writes
-    it while the job runs), else from DTFM_COMPUTE_SLOWDOWN."""
-    raw = os.environ.get(ENV_SLOWDOWN, "1")
-    if path := os.environ.get(ENV_SLOWDOWN_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            raw = Path(path).read_text().strip()
-    try:
-        factor = float(raw)
-    except ValueError:
-        factor = float("nan")
-    if not (1.0 <= factor < 1000.0):
-        raise ValueError(f"{ENV_SLOWDOWN}={raw!r}: give a factor >= 1 (2 = half as fast)")
-    return factor
-
-
 class Progress:
     """One JSON line per event, appended and flushed (a file, or stdout).
 
@@ -202,6 +181,12 @@ class Worker:
             emit=self.progress.emit, fault=self.fault, epoch=a.epoch,
             weights=self.outer.synced if self.outer is not None else None)
         self.checks.attach(pipe)  # the pipeline links' figures, for the coordinator
+        self.delayed = None if not cfg.pipeline_delay else DelayedSteps(
+            pipe, self.stage, world, opt, sampler, cfg.steps, cfg.global_batch,
+            cfg.micro_batches, cfg.lr, cfg.warmup_steps, cfg.grad_clip, a.replica, a.replicas,
+            self.stage.is_last, Versions(self.stage),
+            sent_scale=lambda s: self.fault.sent_scale(self.rank, s, a.epoch)
+            if self.fault else None)
         start = self._resumed = self._resume(opt, sampler)
         if cfg.init_from and (start == 0 or cfg.lora_rank):  # LoRA checkpoints hold no base
             self._import(cfg.init_from)
@@ -221,7 +206,8 @@ class Worker:
             if self.fault:
                 self.fault.maybe_fire(self.rank, step, a.epoch, a)
             pipe.slowdown = compute_slowdown()  # an emulated device may slow while it runs
-            save = self._step(step, pipe, averager, opt, sampler)
+            save = self._step(step, pipe, averager, opt, sampler) if self.delayed is None \
+                else self._delayed_step(step)
             self.deadline.step_finished()
             if self.ckpt and save:
                 self._wanted = False
@@ -358,6 +344,35 @@ class Worker:
         times.cpu_s = time.process_time() - cpu0  # every thread's: the cores it held
         self._emit_step(step, loss, norm, lr, time.perf_counter() - t0, times,
                         dp_s, sync_s, synced, outer_s)
+        return save
+
+    def _delayed_step(self, step: int) -> bool:
+        """One step that does not flush the pipeline (`--pipeline-delay 1`, delayed.py): the
+        updates that fell due are applied and reported; a flush step (a sync point, an
+        evaluation, a checkpoint, the last step) applies every pending one first."""
+        cfg, outer, delayed = self.cfg, self.outer, self.delayed
+        assert delayed is not None
+        self.checks.begin_step(step)
+        save = self._checkpoint_now(step)  # before the pass: it decides the flush
+        due = outer is not None and outer.due(step, cfg.steps)
+        flush = save or due or step == cfg.steps or bool(
+            cfg.eval_every and step % cfg.eval_every == 0)
+        applied = delayed.run(step, flush)
+        if outer is not None:  # --outer-delay 1: send back the averages whose copies are in
+            outer.progress()
+        synced, outer_s = None, 0.0
+        if outer is not None and due:
+            self.deadline.sync_point(outer.every)
+            t2 = time.perf_counter()
+            synced = outer.sync(step, flush=save or step == cfg.steps)
+            outer_s = time.perf_counter() - t2
+        self.checks.end_step(step, cfg.steps)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for u in applied:
+            mine = u.step == step
+            self._emit_step(u.step, u.loss, u.norm, u.lr, u.dt, u.times, 0.0, u.wait_s,
+                            synced if mine else None, outer_s if mine else 0.0)
         return save
 
     def _checkpoint_now(self, step: int) -> bool:
@@ -524,25 +539,6 @@ class Worker:
         val = loss_sum / (a.replicas * cfg.eval_batches)
         self.progress.emit(EvalEvent(step=step, val_loss=val, rank=self.rank))
         return val
-
-
-def check_init_dir(model_dir: str, expected_hash: str, spec: ModelSpec, *,
-                   extra: bool) -> None:
-    """Refuse (ValueError: a config error, so the job fails instead of retrying) a
-    `--init-from` directory this machine lacks or holds another version of, and, with
-    `extra` (one rank checks, once), a checkpoint holding tensors the model does not use."""
-    from agent.worker.hfload import unexpected_tensors
-    from dtfm.core.hfdir import check_dir
-
-    check_dir(model_dir, expected_hash, spec)  # spec: its sizes, before Stage allocates them
-    if not extra:
-        return
-    extra_names = unexpected_tensors(spec, model_dir)
-    if extra_names:
-        raise ValueError(f"--init-from {model_dir}: its checkpoint holds {len(extra_names)} "
-                         f"tensor(s) no part of {spec.name} uses, such as {extra_names[0]} ("
-                         f"another "
-                         f"architecture, or a model with more layers than its config.json says)")
 
 
 def run_assignment(a: common_pb2.Assignment, progress_path: str | None,

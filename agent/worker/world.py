@@ -43,7 +43,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -71,10 +71,12 @@ ENV_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 @dataclass
 class Exchange:
-    """A `pipeline_exchange`'s receives, posted: a buffer per peer rank and their works."""
+    """A `pipeline_exchange`'s receives, posted: a buffer per peer rank and their works
+    (with `start_exchange`'s sends among them once started)."""
 
     bufs: dict[int, torch.Tensor]
     works: list[Any]  # dist.Work (isend and irecv type them optional)
+    own: list[float] = field(default_factory=list)  # this rank's values, once started
 
 
 @dataclass
@@ -110,14 +112,26 @@ class World:
         float64 on the wire, so every rank holds the exact values each peer computed, and
         sums taken over the result in stage order are bitwise identical on every rank.
         """
+        return self.finish_exchange(self.start_exchange(values, posted, sent_scale))
+
+    def start_exchange(self, values: list[float], posted: Exchange | None = None,
+                       sent_scale: Sequence[float] | None = None) -> Exchange:
+        """`pipeline_exchange`'s sends, started: `finish_exchange` waits for it later, so a
+        step that does not flush (`--pipeline-delay 1`) sends its norm as its gradients are
+        complete and reads the table only when its update is due."""
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         if sent_scale is not None:
             mine = mine * torch.tensor(sent_scale, dtype=torch.float64, device=self.device)
         posted = posted or self.post_exchange(len(values))
         works = posted.works + [dist.isend(mine, dst=r, group=self.pipe_group, tag=TAG_EXCHANGE)
                                 for r in posted.bufs]
-        self._wait(works, "exchange the gradient norm and loss with", self.pipeline)
-        return [values if r == self.rank else posted.bufs[r].tolist() for r in self.pipeline]
+        return Exchange(posted.bufs, works, values)
+
+    def finish_exchange(self, started: Exchange) -> list[list[float]]:
+        """The table of a `start_exchange`, once every value has arrived (and been sent)."""
+        self._wait(started.works, "exchange the gradient norm and loss with", self.pipeline)
+        return [started.own if r == self.rank else started.bufs[r].tolist()
+                for r in self.pipeline]
 
     def dp_all_reduce(self, value: float | int, op: dist.ReduceOp.RedOpType) -> float | int:
         """`value` reduced over this stage's data-parallel group (float64 or int64)."""
@@ -174,6 +188,7 @@ class Gathering:
     values: list[float]
     bufs: dict[int, torch.Tensor]
     works: list[Any]  # dist.Work (isend and irecv type them optional)
+    own: list[float] = field(default_factory=list)  # this rank's values, once started
     mine: torch.Tensor | None = None
 
     def rows(self) -> list[list[float]]:

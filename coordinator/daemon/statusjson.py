@@ -16,7 +16,7 @@ from coordinator.integrity.status import agent_integrity_json
 from coordinator.job.replanlog import replans_to_json
 from coordinator.links.store import matrix_to_json
 from dtfm.core.breakdown import Breakdown, mean
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 

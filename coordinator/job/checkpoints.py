@@ -16,7 +16,8 @@ from coordinator.daemon.config import JobConfig
 from dtfm.core.assignment import mirror_stages
 from dtfm.core.layout import Layout
 from dtfm.core.rounds import newest_checkpoint
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from coordinator.job.dataplane import DataPlanes
 from coordinator.links import failure as linkfailure
 from dtfm.core.assignment import member_address
 from dtfm.core.causes import PEER
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)

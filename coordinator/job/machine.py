@@ -69,9 +69,10 @@ from coordinator.scheduler.compute import Workload
 from coordinator.scheduler.memory import DoesNotFit
 from coordinator.scheduler.placement import Placement
 from dtfm.core.assignment import build_assignments
-from dtfm.core.spec import SYNC_AUTO, WorkerState
+from dtfm.core.spec import SYNC_AUTO
 from dtfm.core.verify import Verify
 from dtfm.core.verify import resolve as resolve_verify
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)

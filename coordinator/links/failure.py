@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 
 # What a dead link costs in a plan: 1000 s one way and 1 bit/s. Finite, so the cost model,

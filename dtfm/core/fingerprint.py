@@ -36,7 +36,7 @@ LOCAL_PREFIX = "local-"  # agent local's job ids: local-<fingerprint>
 REPORTING_ONLY = ("eval_every", "verify")
 # Training fields added after jobs were fingerprinted: left out at their default, so those
 # jobs' fingerprints still match and a restart resumes them.
-LATER_AT_DEFAULT = ("outer_delay",)
+LATER_AT_DEFAULT = ("outer_delay", "pipeline_delay")
 
 
 def fingerprinted(cfg: TrainConfig) -> dict[str, Any]:

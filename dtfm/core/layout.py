@@ -138,3 +138,40 @@ def pipeline_ops(kind: str, stage: int, stages: int, micro: int) -> list[tuple[s
         f, b = f + 1, b + 1
     ops += [("B", i) for i in range(b, micro)]
     return ops
+
+
+def delayed_step_ops(stage: int, stages: int, micro: int, *, carried: bool,
+                     flush: bool) -> list[tuple[str, int, int]]:
+    """The ("F"|"B", step offset, micro-batch) sequence one stage runs in one step of 1F1B
+    that does not flush between steps (`--pipeline-delay 1`, PipeDream-2BW).
+
+    The steps between two flushes run as one 1F1B over all their micro-batches: a step's
+    warm-up forwards interleave with the previous step's cool-down backwards (offset -1)
+    instead of waiting for them, and only a `flush` step runs its own cool-down (the
+    previous step's last backward thus comes after this step's first forwards: 2BW trains
+    each step on the weights from two steps before, `agent/worker/delayed.py`). A step
+    after a flush (`carried` False) starts with its warm-up, as `pipeline_ops` does, so with
+    every step flushing this is `pipeline_ops("1f1b", ...)`. `delayed_run_ops` is the same
+    sequence over whole runs, which the step model replays.
+    """
+    warmup = min(stages - stage - 1, micro)
+    if carried:
+        ops = [op for j in range(warmup)
+               for op in (("F", 0, j), ("B", -1, micro - warmup + j))]
+    else:
+        ops = [("F", 0, j) for j in range(warmup)]
+    for i in range(micro - warmup):
+        ops += [("F", 0, warmup + i), ("B", 0, i)]
+    if flush:
+        ops += [("B", 0, i) for i in range(micro - warmup, micro)]
+    return ops
+
+
+def delayed_run_ops(stage: int, stages: int, micro: int, steps: int) -> list[tuple[str, int]]:
+    """`steps` steps of `delayed_step_ops`, the last flushing, with micro-batch indices
+    counted across them (step t's micro-batch i is t * micro + i). With at least
+    `stages - stage - 1` micro-batches a step that is one 1F1B over steps x micro
+    micro-batches; with fewer, each step's warm-up stays within its own micro-batches."""
+    return [(op, (t + off) * micro + i) for t in range(steps)
+            for op, off, i in delayed_step_ops(stage, stages, micro, carried=t > 0,
+                                               flush=t == steps - 1)]

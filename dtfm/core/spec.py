@@ -369,6 +369,13 @@ class TrainConfig:
         "own newest round meanwhile (eager one-round-delayed DiLoCo: nobody waits at a sync "
         "point, at a loss per token that grows with the replicas: raise H first); 0: the "
         "replicas wait for the exchange at every sync point")
+    pipeline_delay: int = _option(
+        0, "1: the pipeline does not flush between steps (PipeDream-2BW): a step's first "
+        "forwards run while the step before drains, each step training on the weights from "
+        "two steps before (its gradient applied one step late; the global-norm clip stays "
+        "exact); it flushes at sync points, evaluations, checkpoints and the last step; "
+        "needs --schedule 1f1b and, with replicas, --sync-every H >= 2; 0: every step "
+        "flushes (exact synchronous training)")
     lora_rank: int = _option(
         0, "train LoRA adapters of this rank beside a frozen base instead of every weight "
         "(0: off, full fine-tuning); only the adapters are optimized, exchanged between "
@@ -423,6 +430,7 @@ class TrainConfig:
         check_batch(self.global_batch, self.micro_batches, replicas)
         self._check_compression()
         check_verify(self.verify, self.dp_mode)
+        self._check_pipeline_delay(replicas)
 
     def _check_compression(self) -> None:
         from dtfm.core.codecs import check_setting
@@ -488,6 +496,20 @@ class TrainConfig:
             raise ValueError("--outer-delay 1 delays the outer step of local steps: give "
                              "--sync-every H (H >= 2, or auto) with it, or leave it out")
 
+    def _check_pipeline_delay(self, replicas: int) -> None:
+        if self.pipeline_delay not in (0, 1):
+            raise ValueError(f"--pipeline-delay must be 0 (flush every step) or 1 (apply "
+                             f"each step's update one step late), got {self.pipeline_delay}")
+        if not self.pipeline_delay:
+            return
+        if self.schedule != Schedule.ONE_F_ONE_B:
+            raise ValueError(f"--pipeline-delay 1 keeps 1F1B running across steps: give "
+                             f"--schedule 1f1b with it (got {self.schedule})")
+        if self.sync_every == 1 and replicas > 1:
+            raise ValueError("--pipeline-delay 1 with replicas needs local steps, which "
+                             "average between replicas only at sync points, where the "
+                             "pipeline flushes: give --sync-every H (H >= 2, or auto) with it")
+
     def to_proto(self) -> Any:
         from protos.dtfm.v1 import common_pb2
 
@@ -518,7 +540,8 @@ _ADDED_LATER = ("moments_dtype", "verify")
 # unset on the wire: all their defaults
 _OUTER = ("sync_every", "outer_lr", "outer_momentum", "outer_delay")
 _COUNTS = ("global_batch", "micro_batches", "steps", "warmup_steps", "checkpoint_every",
-           "eval_batches", "eval_every", "seq_len", "sync_every", "lora_rank", "outer_delay")
+           "eval_batches", "eval_every", "seq_len", "sync_every", "lora_rank", "outer_delay",
+           "pipeline_delay")
 
 
 def _values(kind: type[enum.StrEnum]) -> tuple[str, ...]:
@@ -542,54 +565,3 @@ def check_batch(global_batch: int, micro_batches: int, replicas: int) -> None:
             f"{micro_batches} micro-batches: it is not divisible by {unit}; use a multiple of "
             f"replicas x micro-batches = {unit}, such as {(global_batch // unit + 1) * unit}"
         )
-
-
-# --- what a worker reports: dtfm.v1.WorkerState ---
-
-
-class WorkerState(enum.StrEnum):
-    """What an agent's worker is doing, as the agent reports it to the coordinator.
-
-    One schema for producer and consumers (supervisor, heartbeat, registry, job, status,
-    metrics), so a misspelt state is an AttributeError here instead of a report nobody reads.
-    A StrEnum, so logs, `coordinator status` and metric labels keep printing the lowercase
-    names the wire's free-text field used to carry. `to_wire`/`from_wire` map it to the
-    wire's enum by name (a test pins that the two list the same states), so no module
-    hard-codes the other's numbers.
-    """
-
-    IDLE = "idle"  # no worker, and the agent is not measuring
-    MEASURING = "measuring"  # no worker; the agent measures its links (a session state)
-    STARTING = "starting"  # worker spawned, no step finished yet
-    TRAINING = "training"
-    DONE = "done"  # finished every step and exited cleanly
-    FAILED = "failed"  # see the report's error and error_kind
-    STOPPED = "stopped"  # being stopped (a stop command, a new assignment, shutdown)
-
-    def to_wire(self) -> int:
-        """This state's `dtfm.v1.WorkerState` number."""
-        from protos.dtfm.v1 import common_pb2
-
-        return int(common_pb2.WorkerState.Value(f"WORKER_STATE_{self.name}"))
-
-    @classmethod
-    def from_wire(cls, value: int) -> WorkerState:
-        """The state a `dtfm.v1.WorkerState` number names; unset (UNSPECIFIED) reads as idle.
-
-        Raises ValueError for a number the wire enum does not define (a newer or broken
-        peer): validate a report before reading its state.
-        """
-        from protos.dtfm.v1 import common_pb2
-
-        if value == common_pb2.WORKER_STATE_UNSPECIFIED:
-            return cls.IDLE
-        return cls[common_pb2.WorkerState.Name(value).removeprefix("WORKER_STATE_")]
-
-    @classmethod
-    def label(cls, value: int) -> str:
-        """The lowercase name people and scripts see for a wire number, never raising: a
-        status printer may talk to a newer peer whose states this one does not know."""
-        try:
-            return cls.from_wire(value).value
-        except ValueError:
-            return f"unknown ({value})"

@@ -19,7 +19,7 @@ from coordinator.daemon.statusjson import status_to_json
 from coordinator.daemon.validate import validate_progress
 from dtfm.core.breakdown import Breakdown
 from dtfm.core.events import parse_event
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.agent.worker.testlib import run_local
 

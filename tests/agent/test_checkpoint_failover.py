@@ -32,7 +32,8 @@ from dtfm.core import checkpoints as ondisk
 from dtfm.core.assignment import build_assignments
 from dtfm.core.layout import Layout
 from dtfm.core.presets import get_preset
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2
 from tests.daemons import TOKEN
 

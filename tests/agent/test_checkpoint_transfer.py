@@ -27,7 +27,7 @@ from dtfm.checkpoints.copies import CHUNK_BYTES, CheckpointCopier, CheckpointSto
 from dtfm.core import checkpoints as ondisk
 from dtfm.core.checkpoints import FileEntry, Manifest
 from dtfm.core.presets import get_preset
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from tests.agent.servers import serving as serving_agent
 from tests.daemons import TOKEN

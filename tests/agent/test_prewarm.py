@@ -27,7 +27,8 @@ from agent.daemon.supervisor import Supervisor
 from dtfm.core.assignment import build_assignments
 from dtfm.core.layout import Layout
 from dtfm.core.presets import get_preset
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
+from dtfm.core.workerstate import WorkerState
 from dtfm.rpc import free_port
 from protos.dtfm.v1 import common_pb2
 from tests.daemons import TOKEN

@@ -19,7 +19,7 @@ import pytest
 
 from agent.daemon.supervisor import Supervisor
 from agent.worker.zygote import ZygoteError, exit_code, parse_request, serve
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from dtfm.forked import Replies
 from tests.agent.test_prewarm import ENDED, alive, assignment, run, startup_line, until
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from tests.coordinator.test_job_states import FAILED, RECOVERING, Harness, config, run, until
 
 CLOSED = "PeerError: rank 1: pipeline receive failed after 0.2 s: Connection closed by peer"

@@ -20,7 +20,7 @@ from coordinator.daemon.jobstore import JobSnapshot, JobStore
 from coordinator.job import failedpairs as fp
 from coordinator.job.dataplane import PeerTable, peer_table
 from coordinator.links import failure as lf
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from dtfm.net import reach
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.test_job_states import FakeAgent, Harness, config, run, until

@@ -19,8 +19,9 @@ from coordinator.integrity.dispute import (
 from coordinator.integrity.exclusion import JobIntegrity
 from coordinator.integrity.ledger import IntegrityLedger
 from coordinator.integrity.reports import EvidenceRecord
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
 from dtfm.core.verify import COPY_WINDOW, DIGEST_EVERY, PAIR_WINDOW, onset
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_integrity_exclusion import excluding
 from tests.coordinator.test_job_churn import report_all

@@ -25,7 +25,7 @@ from coordinator.commands.admit import admit
 from coordinator.commands.status import status_to_json, status_to_text
 from coordinator.daemon.metrics import coordinator_registry
 from dtfm import rpc
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.agent.test_checkpoint_transfer import SECURITY
 from tests.coordinator.test_checkpoint_copies import coordinator

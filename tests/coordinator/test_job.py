@@ -21,7 +21,8 @@ from coordinator.daemon.registry import Registry
 from coordinator.job.machine import Job
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import LinkStore
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 S = coordinator_pb2

@@ -15,7 +15,8 @@ import pytest
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobStore
 from coordinator.job.machine import job_fingerprint
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_job_states import Harness, RecordingJob, run, until
 

@@ -21,7 +21,8 @@ import pytest
 from coordinator.daemon.config import JobConfig
 from coordinator.daemon.jobstore import JobStore
 from coordinator.job.machine import Job
-from dtfm.core.spec import TrainConfig, WorkerState
+from dtfm.core.spec import TrainConfig
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 
 S = coordinator_pb2

@@ -12,7 +12,7 @@ import numpy as np
 
 from coordinator.links import failure as lf
 from coordinator.scheduler import Network, plan_cost
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_job_states import Harness, config, run
 

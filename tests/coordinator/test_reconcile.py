@@ -24,7 +24,7 @@ from coordinator.daemon.registry import Registry
 from coordinator.job.machine import Job
 from coordinator.links.measure import LinkMeasurer
 from coordinator.links.store import LinkStore
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_job_churn import churn_config, report_all, with_state_dir
 from tests.coordinator.test_job_states import Harness, until

@@ -31,7 +31,7 @@ from coordinator.job.weigh import (
     settle_remeasured,
 )
 from coordinator.scheduler import Network
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.test_job import Cluster, _until, config, run
 

@@ -14,8 +14,8 @@ import time
 
 from coordinator.job import rootcause
 from dtfm.core import staleentry
-from dtfm.core.spec import WorkerState
 from dtfm.core.staleentry import StaleEntry
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import coordinator_pb2
 from tests.coordinator.test_job_states import FAILED, RECOVERING, Harness, config, run, until
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from coordinator.commands.status import status_to_text
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2, coordinator_pb2
 from tests.coordinator.test_job_churn import churn_config, report_all, with_state_dir
 from tests.coordinator.test_job_states import until

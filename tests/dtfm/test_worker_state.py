@@ -1,4 +1,4 @@
-"""`dtfm.core.spec.WorkerState` and the wire's `dtfm.v1.WorkerState` list the same states.
+"""`dtfm.core.workerstate.WorkerState` and the wire's `dtfm.v1.WorkerState` list the same states.
 
 Conversions go by name, so a state added to one enum and not the other would only fail when
 some agent first reports it; this pins the two together instead.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtfm.core.spec import WorkerState
+from dtfm.core.workerstate import WorkerState
 from protos.dtfm.v1 import common_pb2
 
 

@@ -168,7 +168,7 @@ class ModelSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., seq_len: _Optional[int] = ..., d_ff: _Optional[int] = ..., arch: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., norm_eps: _Optional[float] = ..., activation: _Optional[str] = ..., rope_theta: _Optional[float] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., rope_low_freq_factor: _Optional[float] = ..., rope_high_freq_factor: _Optional[float] = ..., rope_original_max_positions: _Optional[int] = ..., qkv_bias: _Optional[bool] = ..., max_positions: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "eval_every", "pp_compress", "dp_compress", "moments_dtype", "init_from", "seq_len", "sync_every", "outer_lr", "outer_momentum", "outer_delay", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_init", "verify")
+    __slots__ = ("global_batch", "micro_batches", "steps", "seed", "schedule", "dp_mode", "lr", "warmup_steps", "grad_clip", "weight_decay", "data_path", "checkpoint_dir", "dtype", "checkpoint_every", "eval_batches", "eval_every", "pp_compress", "dp_compress", "moments_dtype", "init_from", "seq_len", "sync_every", "outer_lr", "outer_momentum", "outer_delay", "pipeline_delay", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_init", "verify")
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class TrainConfig(_message.Message):
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     OUTER_DELAY_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_DELAY_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
     LORA_DROPOUT_FIELD_NUMBER: _ClassVar[int]
@@ -225,13 +226,14 @@ class TrainConfig(_message.Message):
     outer_lr: float
     outer_momentum: float
     outer_delay: int
+    pipeline_delay: int
     lora_rank: int
     lora_alpha: float
     lora_dropout: float
     lora_targets: str
     lora_init: str
     verify: str
-    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., eval_every: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., init_from: _Optional[str] = ..., seq_len: _Optional[int] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_delay: _Optional[int] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., lora_dropout: _Optional[float] = ..., lora_targets: _Optional[str] = ..., lora_init: _Optional[str] = ..., verify: _Optional[str] = ...) -> None: ...
+    def __init__(self, global_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., schedule: _Optional[str] = ..., dp_mode: _Optional[str] = ..., lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., grad_clip: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., eval_every: _Optional[int] = ..., pp_compress: _Optional[str] = ..., dp_compress: _Optional[str] = ..., moments_dtype: _Optional[str] = ..., init_from: _Optional[str] = ..., seq_len: _Optional[int] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_delay: _Optional[int] = ..., pipeline_delay: _Optional[int] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., lora_dropout: _Optional[float] = ..., lora_targets: _Optional[str] = ..., lora_init: _Optional[str] = ..., verify: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("job_id", "epoch", "master_addr", "master_port", "world_size", "rank", "stage", "replica", "stages", "replicas", "layer_begin", "layer_end", "dp_group_ranks", "prev_rank", "next_rank", "model", "train", "backend", "layer_splits", "bind_addr", "pp_compress_prev", "pp_compress_next", "dp_compress", "checkpoint_peers", "mirrors", "checkpoint_splits", "dp_shares", "checkpoint_pushes", "init_hash", "data_plane", "resume_before")

@@ -68,7 +68,7 @@ def test_control_refuses_bad_requests_and_changes_nothing(request_: dict, says: 
 
 def test_compute_factor_is_written_where_workers_read_it(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.worker.train import ENV_SLOWDOWN_FILE, compute_slowdown
+    from agent.worker.slowdown import ENV_SLOWDOWN_FILE, compute_slowdown
 
     fwd = _forwarder(tmp_path)
     monkeypatch.setenv(ENV_SLOWDOWN_FILE, str(tmp_path / "2"))
