@@ -246,17 +246,31 @@ def best_h(rows: list[dict[str, Any]]) -> int:
     return max(ok, key=lambda r: r["tokens_per_s"])["sync_every"] if ok else 16
 
 
-def loopback_ceiling(args: argparse.Namespace, agents: int, h: int) -> dict[str, Any]:
-    """Everything on's job (same model, layout, batch, steps, H) on this machine's loopback
-    with nothing compressed: the network free and no codec work, so its tokens/s is the most
-    any placement or codec can reach on these cores, where all the emulated devices share
-    them. Rank order's tokens/s against it is the ceiling of part 2's ratio here."""
+SCHEDULE_FLAGS = ("--schedule", "--outer-delay", "--pipeline-delay")  # what the job runs
+
+
+def schedule_flags(flags: list[str], sync_every: int) -> list[str]:
+    """Of a job's flags, those that decide its schedule rather than its bytes, as a job that
+    ran at H = `sync_every` took them (at H = 1 replicas drop both delays:
+    `epochplan.with_sync`): its network-free twin runs them too, so the pair differs by the
+    network (and the codecs) only."""
+    return [x for i, f in enumerate(flags) if f in SCHEDULE_FLAGS
+            and (sync_every > 1 or "delay" not in f) for x in flags[i:i + 2]]
+
+
+def loopback_ceiling(args: argparse.Namespace, agents: int, h: int,
+                     schedule: list[str] | None = None) -> dict[str, Any]:
+    """Everything on's job (same model, layout, batch, steps, H, and `schedule`: the
+    `SCHEDULE_FLAGS` it ran) on this machine's loopback with nothing compressed: the network
+    free and no codec work, so its tokens/s is the most any placement or codec can reach on
+    these cores, where all the emulated devices share them. Rank order's tokens/s against it
+    is the ceiling of part 2's ratio here."""
     with tempfile.TemporaryDirectory(prefix="dtfm-bench-ceiling-") as wd:
         cmd = [sys.executable, "-m", "agent", "local", "--model", args.model,
                "--stages", str(args.headline_stages),
                "--replicas", str(agents // args.headline_stages), "--steps", str(args.steps),
                "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
-               "--workdir", wd, *job_flags(args, h, "none", "none")]
+               "--workdir", wd, *job_flags(args, h, "none", "none"), *(schedule or [])]
         print(f"  [ceiling] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, timeout=args.timeout)
@@ -315,7 +329,8 @@ def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
                 on["latency_floor_s"] = stepsplit.latency_floor(
                     on["grid"], json.loads(links.read_text()), on["sync_every_run"],
                     int(delayed))
-            ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"])
+            ceiling = loopback_ceiling(sub, cluster.agents, on["sync_every_run"],
+                                       schedule_flags(flags, on["sync_every_run"]))
             pairs.append({"micro_batches": m, "flags": on["flags"], "everything_on": on,
                           "ceiling": ceiling,
                           "breakdown": split_report(on, ceiling)})

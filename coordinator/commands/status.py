@@ -172,6 +172,9 @@ def status_to_text(status: coordinator_pb2.ClusterStatus) -> str:
         if p.get("outer_delay"):
             lines.append(f"  outer step one round late (--outer-delay 1): each sync's "
                          f"exchange overlaps the next {p['sync_every']} steps")
+        if p.get("pipeline_delay"):
+            lines.append("  pipeline flushes only at sync points (--pipeline-delay 1): each "
+                         "step trains on the weights from two steps before")
     return "\n".join(lines)
 
 

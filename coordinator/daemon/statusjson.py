@@ -78,6 +78,7 @@ def status_to_json(status: coordinator_pb2.ClusterStatus) -> dict[str, Any]:
                 "layer_splits": list(status.plan.layer_splits),
                 "sync_every": status.plan.sync_every or 1,
                 "outer_delay": status.plan.outer_delay,
+                "pipeline_delay": status.plan.pipeline_delay,
                 "predicted_breakdown": Breakdown.from_proto(
                     status.plan.predicted_breakdown).to_json()
                 if status.plan.HasField("predicted_breakdown") else None,

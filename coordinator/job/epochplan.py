@@ -81,11 +81,14 @@ def split(delay: np.ndarray, bandwidth: np.ndarray, grid: list[list[int]], work:
     return placed.best.grid, placed.best.splits, placed.reason
 
 
-def with_sync(train: TrainConfig, sync_every: int) -> TrainConfig:
-    """`train` as an epoch runs it at H = `sync_every` (0: auto not chosen yet, `train`'s
-    own H kept): H = 1 leaves no round to delay an outer step into, so no `--outer-delay`."""
-    return replace(train, sync_every=sync_every or train.sync_every,
-                   outer_delay=train.outer_delay if sync_every > 1 else 0)
+def with_sync(train: TrainConfig, sync_every: int, replicas: int) -> TrainConfig:
+    """`train` as an epoch of `replicas` replicas runs it at H = `sync_every` (0: auto not
+    chosen yet, `train`'s own H kept): H = 1 leaves no round to delay an outer step into, so
+    no `--outer-delay`, and replicas that average every step flush the pipeline every step,
+    so no `--pipeline-delay` (agent/worker/delayed.py) unless there is one replica."""
+    h = sync_every or train.sync_every
+    return replace(train, sync_every=h, outer_delay=train.outer_delay if sync_every > 1 else 0,
+                   pipeline_delay=train.pipeline_delay if h != 1 or replicas == 1 else 0)
 
 
 class EpochPlanner:
@@ -140,6 +143,7 @@ class EpochPlanner:
             layer_splits=found["splits"], sync_every=self.sync_every,
             sync_note=self.sync_note,
             outer_delay=self.train.outer_delay,  # the epoch's: already 0 where H = 1
+            pipeline_delay=self.train.pipeline_delay,  # the epoch's: 0 where replicas sync
         )
 
     def rendezvous_port(self, epoch: int) -> int:
@@ -213,6 +217,7 @@ class EpochPlanner:
                         cfg.train.global_batch, micro, cfg.train.schedule, cfg.train.dtype,
                         moments_dtype=cfg.train.moments_dtype, sync_every=self.sync_every or 1,
                         outer_delay=cfg.train.outer_delay,
+                        pipeline_delay=cfg.train.pipeline_delay,
                         lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets)
         trained = self.checkpoints.trained_splits
         kept = trained if trained and len(trained) == layout.stages else None

@@ -92,9 +92,10 @@ def resume_running(job: Job, snap: JobSnapshot) -> None:
     job.members = list(snap.members)
     sync, train = job.planner.sync_every, job.config.train  # `restore` put back auto's H
     job.planner.train = with_sync(replace(train, micro_batches=snap.micro_batches
-                                          or train.micro_batches), sync)
+                                          or train.micro_batches), sync, len(snap.grid[0]))
     job.plan = common_pb2.Plan(
         stages=len(snap.grid), replicas=len(snap.grid[0]), epoch=job.epoch,
         grid=[common_pb2.PlanStage(agent_ids=row) for row in snap.grid],
         placement="adopted", layer_splits=snap.splits, sync_every=sync,
-        sync_note=job.planner.sync_note, outer_delay=job.planner.train.outer_delay)
+        sync_note=job.planner.sync_note, outer_delay=job.planner.train.outer_delay,
+        pipeline_delay=job.planner.train.pipeline_delay)

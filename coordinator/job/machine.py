@@ -340,6 +340,7 @@ class Job:
                         dp_mode=cfg.train.dp_mode, moments_dtype=cfg.train.moments_dtype,
                         sync_every=self.planner.sync_every or 1,  # local steps: exchange every H
                         outer_delay=cfg.train.outer_delay,  # ... overlapping the next round
+                        pipeline_delay=cfg.train.pipeline_delay,  # flushing at sync points
                         lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets,
                         compression=Compression.for_job(  # --pp/--dp-compress, counted per link
                             cfg.train.pp_compress, cfg.train.dp_compress, dtype=cfg.train.dtype,
@@ -386,7 +387,8 @@ class Job:
                 self._set(S.JOB_STATE_FAILED, f"{cfg.model} with --sync-every "
                           f"{self.planner.sync_every} (auto) does not fit: {exc}")
                 return
-        train = with_sync(train, self.planner.sync_every)  # auto's H = 1: no delay
+        train = with_sync(train, self.planner.sync_every,  # auto's H = 1: no delay
+                          layout.replicas)
         self.epoch += 1
         self.planner.layout, self.planner.train = layout, train
         self.planner.grid_ids = [[ids[d] for d in row] for row in found["grid"]]

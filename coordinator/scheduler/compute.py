@@ -61,6 +61,7 @@ class Workload:
     moments_dtype: str = "fp32"  # what AdamW stores its moments in (memory only)
     sync_every: int = 1  # local steps: the data-parallel exchange every this many steps
     outer_delay: int = 0  # 1: that exchange overlaps the next round (--outer-delay)
+    pipeline_delay: int = 0  # 1: no flush between steps but at sync points (--pipeline-delay)
     lora_rank: int = 0  # LoRA: only the adapters are exchanged and hold optimizer state
     lora_targets: str = ""
     # replica checks (--verify) priced into the step (coordinator/job/machine.py passes the
@@ -75,13 +76,14 @@ class Workload:
         return step_shape(self.spec, self.stages, self.replicas, self.global_batch,
                           self.micro_batches, self.schedule, self.act_dtype, splits,
                           self.dp_mode, self.compression, self.sync_every,
-                          self.lora_rank, self.lora_targets, self.verify, self.outer_delay)
+                          self.lora_rank, self.lora_targets, self.verify, self.outer_delay,
+                          self.pipeline_delay)
 
     def memory(self) -> MemoryShape:
         return MemoryShape(self.spec, self.stages, self.replicas, self.micro_size,
                            self.micro_batches, self.schedule, self.dtype, self.moments_dtype,
                            self.sync_every, self.lora_rank, self.lora_targets,
-                           self.outer_delay)
+                           self.outer_delay, self.pipeline_delay)
 
 
 def tasklet_seconds(work: Workload, grid: Sequence[Sequence[int]], flops: Sequence[float],

@@ -71,9 +71,12 @@ class MemoryShape:
     lora_rank: int = 0  # > 0: a frozen base (weights only, in `dtype`) plus adapters that train
     lora_targets: str = ""
     outer_delay: int = 0  # 1: local steps also hold the pseudo-gradient in flight
+    pipeline_delay: int = 0  # 1: two copies of the trained weights, each with its gradient
 
 
 OUTER_STATE_BYTES = 2 * FP32  # local steps: the anchor and the outer momentum, fp32
+# --pipeline-delay 1: the weights of the two steps in flight, each copy with its gradient
+DELAYED_COPIES_BYTES = 2 * 2 * FP32
 
 
 def param_state_bytes(moments_dtype: str = "fp32") -> int:
@@ -146,7 +149,8 @@ def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
     per_param = (param_state_bytes(shape.moments_dtype)
                  + (DP_BUCKET_BYTES if shape.replicas > 1 else 0)
                  + (OUTER_STATE_BYTES if shape.sync_every > 1 else 0)
-                 + (FP32 if shape.sync_every > 1 and shape.outer_delay else 0))
+                 + (FP32 if shape.sync_every > 1 and shape.outer_delay else 0)
+                 + (DELAYED_COPIES_BYTES if shape.pipeline_delay else 0))
     held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
     params = shape.spec.stage_params(begin, end)
     trained = trained_params(shape.spec, begin, end, shape.lora_rank, shape.lora_targets)

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --sync-every auto: the share of a step the amortised exchange "
                    "may cost (default: %(default)s)")
     flags.add_train_arg(g, "outer_delay")  # the training flag: price the overlapped exchange
+    flags.add_train_arg(g, "pipeline_delay")  # ... and the pipeline flushing at sync points
 
 
 def every(args: argparse.Namespace) -> int:

@@ -91,6 +91,7 @@ def workload(args: argparse.Namespace, stages: int, replicas: int, batch: int) -
                     moments_dtype=args.moments_dtype,
                     sync_every=getattr(args, "sync_every", 1) or 1,  # auto: priced per H later
                     outer_delay=getattr(args, "outer_delay", 0),
+                    pipeline_delay=getattr(args, "pipeline_delay", 0),
                     lora_rank=getattr(args, "lora_rank", 0),
                     lora_targets=getattr(args, "lora_targets", ""),
                     compression=plan_compress.compression(args))

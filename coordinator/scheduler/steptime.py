@@ -58,7 +58,7 @@ from coordinator.scheduler.network import Network
 from dtfm.core.breakdown import Breakdown
 from dtfm.core.buckets import dp_bucket_count
 from dtfm.core.codecs import NONE, Codec, parse_codec
-from dtfm.core.layout import layer_ranges, pipeline_ops
+from dtfm.core.layout import delayed_run_ops, layer_ranges, pipeline_ops
 from dtfm.core.lora import trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec, check_batch
 from dtfm.core.verify import DIGEST_EVERY, Verify, resolve, scores
@@ -110,6 +110,9 @@ class StepShape:
     act_raw_bytes: int = 4  # bytes of one uncompressed activation (2 under bf16)
     sync_every: int = 1  # local steps: replicas exchange once every this many steps
     outer_delay: int = 0  # 1: local steps' exchange overlaps the next round (outer.py)
+    # steps between pipeline flushes (--pipeline-delay 1: H, or `FLUSH_FREE_RUN` without
+    # local steps; 1: every step flushes)
+    flush_every: int = 1
     # per stage: forward's part of its compute (empty: 1/3 everywhere, full fine-tuning)
     forward_share: tuple[float, ...] = ()
     # per stage: seconds of replica checks per step (`verify_seconds`; empty: --verify off)
@@ -120,6 +123,9 @@ class StepShape:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.flush_every < 1 or (self.flush_every > 1 and self.schedule != "1f1b"):
+            raise ValueError(f"flush_every must be >= 1, and > 1 only under 1f1b, got "
+                             f"{self.flush_every} under {self.schedule}")
         if not (self.act_bytes >= 0 and all(b >= 0 for b in self.grad_bytes)):
             raise ValueError("message sizes must be >= 0 bytes")
         if not all(0 < f < 1 for f in self.forward_share):
@@ -152,10 +158,13 @@ def _act_message(shape: StepShape, codec: Codec) -> tuple[float, float]:
 def _pipeline(net: Network, devices: Sequence[int], shape: StepShape,
               compute: Sequence[float], codecs: Sequence[Codec] | None = None) -> list[float]:
     """End of each stage's last op in one pipeline (device order = stage order); `codecs[j]`
-    compresses the link from stage j to j+1 (both directions)."""
+    compresses the link from stage j to j+1 (both directions). With `shape.flush_every` > 1:
+    of that many steps that do not flush between them (`--pipeline-delay 1`)."""
     s, m = len(devices), shape.micro_batches
     msgs = [_act_message(shape, c) for c in (codecs or [NONE] * (s - 1))]
-    ops = [pipeline_ops(shape.schedule, j, s, m) for j in range(s)]
+    n = shape.flush_every
+    ops = [delayed_run_ops(j, s, m, n) if n > 1 else pipeline_ops(shape.schedule, j, s, m)
+           for j in range(s)]
     forward = [shape.forward_of(j) for j in range(s)]
     arrive_f: list[dict[int, float]] = [{} for _ in range(s)]
     arrive_b: list[dict[int, float]] = [{} for _ in range(s)]
@@ -321,23 +330,25 @@ def _simulate(pp_net: Network, dp_net: Network, g: np.ndarray, shape: StepShape,
         return memo[key]  # type: ignore[return-value]
 
     net = dp_net  # the norm exchange's delays: the same on both
-    last_b = np.array([pipeline(k) for k in range(r)]).T  # (stage, replica)
+    # (stage, replica); without flushes between steps, of `runs` steps, then taken per step
+    last_b = np.array([pipeline(k) for k in range(r)]).T
+    runs = shape.flush_every
     dp = np.array([dp_group(j) for j in range(s)])
     if shape.verify_s and r > 1:
         dp = dp + np.asarray(shape.verify_s)
     if shape.sync_every > 1:  # the step without data-parallel traffic, plus 1/H of it
-        inner = _finish(g, last_b, np.zeros(s), net)
+        inner = _finish(g, last_b, np.zeros(s), net) / runs
         exchange = float(dp.max())
         waited = exposed_exchange_s(exchange, inner, shape.sync_every, shape.outer_delay)
         return StepTime(step_s=inner + waited / shape.sync_every,
-                        pipeline_s=float(last_b.max()), dp_s=waited / shape.sync_every,
-                        sync_s=inner - float(last_b.max()),
+                        pipeline_s=float(last_b.max()) / runs, dp_s=waited / shape.sync_every,
+                        sync_s=inner - float(last_b.max()) / runs,
                         compute_s=float(comp.max() * shape.micro_batches),
                         sync_every=shape.sync_every, hidden_s=exchange - waited)
-    finish = _finish(g, last_b, dp, net)
-    dp_end = last_b.max(axis=1) + dp
-    return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()), dp_s=float(dp.max()),
-                    sync_s=float(finish - dp_end.max()),
+    finish = _finish(g, last_b, dp, net) / runs  # runs > 1 here: one replica, nothing in dp
+    dp_end = last_b.max(axis=1) / runs + dp
+    return StepTime(step_s=float(finish), pipeline_s=float(last_b.max()) / runs,
+                    dp_s=float(dp.max()), sync_s=float(finish - dp_end.max()),
                     compute_s=float(comp.max() * shape.micro_batches))
 
 
@@ -384,11 +395,12 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                splits: Sequence[int] | None = None, dp_mode: str = "sharded",
                compression: Compression | None = None, sync_every: int = 1,
                lora_rank: int = 0, lora_targets: str = "", verify: str = "off",
-               outer_delay: int = 0) -> StepShape:
+               outer_delay: int = 0, pipeline_delay: int = 0) -> StepShape:
     """The messages of one step of `spec` as the runtime sends them (fp32 gradients: of the
     adapters only under LoRA, `lora_rank` > 0, whose stages also spend a larger part of their
     compute forward: a frozen base's backward costs about one forward, not two), how they are
-    compressed (None: not at all), and how often replicas sync (`sync_every`)."""
+    compressed (None: not at all), how often replicas sync (`sync_every`) and the pipeline
+    flushes (`pipeline_delay` 1: at sync points)."""
     check_batch(global_batch, micro_batches, replicas)
     micro_size = global_batch // (replicas * micro_batches)
     ranges = layer_ranges(spec.n_layers, stages, splits)
@@ -401,10 +413,23 @@ def step_shape(spec: ModelSpec, stages: int, replicas: int, global_batch: int,
                      grad_bytes=grads, schedule=schedule, dp_mode=dp_mode,
                      compression=compression, act_raw_bytes=DTYPE_BYTES[act_dtype],
                      sync_every=sync_every, outer_delay=outer_delay if sync_every > 1 else 0,
+                     flush_every=flush_every(pipeline_delay, sync_every, schedule),
                      forward_share=forward,
                      verify_s=verify_seconds(verify, dp_mode, grads, [
                          spec.stage_params(b, e) * DTYPE_BYTES["fp32"] for b, e in ranges],
                          sync_every))
+
+
+FLUSH_FREE_RUN = 8  # steps priced between flushes without local steps (evaluations, checkpoints)
+
+
+def flush_every(pipeline_delay: int, sync_every: int, schedule: str) -> int:
+    """Steps between the pipeline's flushes as the worker runs them (agent/worker/delayed.py):
+    every step without `--pipeline-delay 1`; with it, each sync point, or without local steps
+    (one replica) the evaluations and checkpoints, priced as every `FLUSH_FREE_RUN` steps."""
+    if not pipeline_delay or schedule != "1f1b":
+        return 1
+    return sync_every if sync_every > 1 else FLUSH_FREE_RUN
 
 
 def verify_seconds(verify: str, dp_mode: str, grad_bytes: Sequence[float],

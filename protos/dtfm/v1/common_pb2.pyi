@@ -414,7 +414,7 @@ class PlanStage(_message.Message):
     def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., dp_shares: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s", "layer_splits", "sync_every", "sync_note", "outer_delay", "predicted_breakdown")
+    __slots__ = ("stages", "replicas", "grid", "cost", "dp_cost", "pp_cost", "seconds", "algorithm", "epoch", "placement", "predicted_step_s", "predicted_comm_s", "predicted_compute_s", "layer_splits", "sync_every", "sync_note", "outer_delay", "pipeline_delay", "predicted_breakdown")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     GRID_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +432,7 @@ class Plan(_message.Message):
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     SYNC_NOTE_FIELD_NUMBER: _ClassVar[int]
     OUTER_DELAY_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_DELAY_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     stages: int
     replicas: int
@@ -450,8 +451,9 @@ class Plan(_message.Message):
     sync_every: int
     sync_note: str
     outer_delay: int
+    pipeline_delay: int
     predicted_breakdown: StepBreakdown
-    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ..., layer_splits: _Optional[_Iterable[int]] = ..., sync_every: _Optional[int] = ..., sync_note: _Optional[str] = ..., outer_delay: _Optional[int] = ..., predicted_breakdown: _Optional[_Union[StepBreakdown, _Mapping]] = ...) -> None: ...
+    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., grid: _Optional[_Iterable[_Union[PlanStage, _Mapping]]] = ..., cost: _Optional[float] = ..., dp_cost: _Optional[float] = ..., pp_cost: _Optional[float] = ..., seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., epoch: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., predicted_comm_s: _Optional[float] = ..., predicted_compute_s: _Optional[float] = ..., layer_splits: _Optional[_Iterable[int]] = ..., sync_every: _Optional[int] = ..., sync_note: _Optional[str] = ..., outer_delay: _Optional[int] = ..., pipeline_delay: _Optional[int] = ..., predicted_breakdown: _Optional[_Union[StepBreakdown, _Mapping]] = ...) -> None: ...
 
 class StepBreakdown(_message.Message):
     __slots__ = ("step_s", "compute", "pipeline_wait", "norm_wait", "transfer", "latency_bubble", "sync_wait", "codec", "other")
