@@ -321,6 +321,8 @@ class Pipeline:
             assert of is not None
             if op == "F":
                 self._forward(of, i)
+                held = len(st.stored) + (len(carry.stored) if carry is not None else 0)
+                t.peak_stored = max(t.peak_stored, held)  # both steps' activations
                 continue
             self._backward(of, i)
             if of.backwards == len(of.inputs):

@@ -18,7 +18,9 @@ Counted the way the worker really trains (pinned against torch by
   `--moments-dtype bf16`), plus 4 more for the gradient buckets when the stage has
   data-parallel peers, and 8 more for the outer optimizer's anchor and momentum with local
   steps (`--sync-every` > 1, agent/worker/outer.py), 4 more with `--outer-delay 1` (the
-  pseudo-gradient in flight); under LoRA that is the adapters only,
+  pseudo-gradient in flight), 16 more with `--pipeline-delay 1` (the weights of the two
+  steps in flight, each with its gradient; agent/worker/delayed.py); under LoRA that is the
+  adapters only,
   and the frozen base costs its weights alone, in the training dtype (2 bytes under bf16);
 - per token of a micro-batch, a layer keeps its two LayerNorm inputs in fp32 and 6d + 2ff
   elements in the compute dtype, plus LayerNorm statistics and the attention's log-sum-exp;
@@ -44,7 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dtfm.core.layout import layer_ranges
+from dtfm.core.layout import delayed_warmup, layer_ranges
 from dtfm.core.lora import stage_adapter_params, trained_params
 from dtfm.core.spec import DTYPE_BYTES, ModelSpec
 
@@ -137,8 +139,12 @@ def _llama_saved(spec: ModelSpec, dtype: str) -> tuple[int, int, int]:
     return per_layer, 2 * spec.seq_len * spec.head_size, head
 
 
-def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once (GPipe: all; 1F1B: S - stage)."""
+def micro_batches_held(schedule: str, stage: int, stages: int, micro_batches: int,
+                       pipeline_delay: int = 0) -> int:
+    """Micro-batches whose activations a stage holds at once (GPipe: all; 1F1B: S - stage;
+    without flushes between steps, its warm-up's and one more: `layout.delayed_warmup`)."""
+    if schedule == "1f1b" and pipeline_delay:
+        return delayed_warmup(stage, stages, micro_batches) + 1
     if schedule == "1f1b":
         return min(micro_batches, stages - stage)
     return micro_batches
@@ -151,7 +157,8 @@ def stage_bytes(shape: MemoryShape, stage: int, begin: int, end: int) -> int:
                  + (OUTER_STATE_BYTES if shape.sync_every > 1 else 0)
                  + (FP32 if shape.sync_every > 1 and shape.outer_delay else 0)
                  + (DELAYED_COPIES_BYTES if shape.pipeline_delay else 0))
-    held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches)
+    held = micro_batches_held(shape.schedule, stage, shape.stages, shape.micro_batches,
+                              shape.pipeline_delay)
     params = shape.spec.stage_params(begin, end)
     trained = trained_params(shape.spec, begin, end, shape.lora_rank, shape.lora_targets)
     # LoRA: the base has no gradient and no AdamW state, and is held in the training dtype

@@ -130,31 +130,44 @@ def pipeline_ops(kind: str, stage: int, stages: int, micro: int) -> list[tuple[s
         return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
     if kind != "1f1b":
         raise ValueError(f"unknown schedule {kind!r}; use 'gpipe' or '1f1b'")
-    warmup = min(stages - stage - 1, micro)
+    return one_f_one_b(min(stages - stage - 1, micro), micro)
+
+
+def one_f_one_b(warmup: int, micro: int) -> list[tuple[str, int]]:
+    """`warmup` forwards, then one forward and one backward alternately, then the remaining
+    backwards: a stage holds at most `warmup` + 1 micro-batches' activations."""
     ops = [("F", i) for i in range(warmup)]
-    f, b = warmup, 0
-    while f < micro:
-        ops += [("F", f), ("B", b)]
-        f, b = f + 1, b + 1
-    ops += [("B", i) for i in range(b, micro)]
-    return ops
+    for i in range(micro - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    return ops + [("B", i) for i in range(micro - warmup, micro)]
+
+
+def delayed_warmup(stage: int, stages: int, micro: int) -> int:
+    """Warm-up forwards of a stage whose pipeline does not flush between steps: as deep as
+    2BW's two weight copies allow (the step before's last backward must come before the
+    step after next's first forward: at most `micro`), each stage one less than the one
+    before it (so a stage's gradient always comes from a slot its successor already ran),
+    none on the last stage. With fewer micro-batches than stages - 1, 1F1B's own."""
+    if stage == stages - 1:
+        return 0
+    return min(micro, max(stages - stage - 1, micro - stage))
 
 
 def delayed_step_ops(stage: int, stages: int, micro: int, *, carried: bool,
                      flush: bool) -> list[tuple[str, int, int]]:
-    """The ("F"|"B", step offset, micro-batch) sequence one stage runs in one step of 1F1B
-    that does not flush between steps (`--pipeline-delay 1`, PipeDream-2BW).
+    """The ("F"|"B", step offset, micro-batch) sequence one stage runs in one step of a
+    pipeline that does not flush between steps (`--pipeline-delay 1`, PipeDream-2BW).
 
-    The steps between two flushes run as one 1F1B over all their micro-batches: a step's
-    warm-up forwards interleave with the previous step's cool-down backwards (offset -1)
-    instead of waiting for them, and only a `flush` step runs its own cool-down (the
-    previous step's last backward thus comes after this step's first forwards: 2BW trains
-    each step on the weights from two steps before, `agent/worker/delayed.py`). A step
-    after a flush (`carried` False) starts with its warm-up, as `pipeline_ops` does, so with
-    every step flushing this is `pipeline_ops("1f1b", ...)`. `delayed_run_ops` is the same
-    sequence over whole runs, which the step model replays.
+    The steps between two flushes run as one pipeline over all their micro-batches: a step's
+    warm-up forwards (`delayed_warmup`: deeper than 1F1B's where the micro-batches allow, so
+    more of them are in flight while the links' delays pass) interleave with the previous
+    step's cool-down backwards (offset -1) instead of waiting for them, and only a `flush`
+    step runs its own cool-down (the previous step's last backward thus comes after this
+    step's first forwards: 2BW trains each step on the weights from two steps before,
+    `agent/worker/delayed.py`). `delayed_run_ops` is the same sequence over whole runs,
+    which the step model replays.
     """
-    warmup = min(stages - stage - 1, micro)
+    warmup = delayed_warmup(stage, stages, micro)
     if carried:
         ops = [op for j in range(warmup)
                for op in (("F", 0, j), ("B", -1, micro - warmup + j))]
@@ -169,9 +182,8 @@ def delayed_step_ops(stage: int, stages: int, micro: int, *, carried: bool,
 
 def delayed_run_ops(stage: int, stages: int, micro: int, steps: int) -> list[tuple[str, int]]:
     """`steps` steps of `delayed_step_ops`, the last flushing, with micro-batch indices
-    counted across them (step t's micro-batch i is t * micro + i). With at least
-    `stages - stage - 1` micro-batches a step that is one 1F1B over steps x micro
-    micro-batches; with fewer, each step's warm-up stays within its own micro-batches."""
+    counted across them (step t's micro-batch i is t * micro + i): `one_f_one_b` over
+    steps x micro micro-batches with `delayed_warmup`'s warm-up."""
     return [(op, (t + off) * micro + i) for t in range(steps)
             for op, off, i in delayed_step_ops(stage, stages, micro, carried=t > 0,
                                                flush=t == steps - 1)]

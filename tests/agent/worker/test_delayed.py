@@ -9,7 +9,9 @@ workers report; real processes over gloo (`agent local`).
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,14 @@ import torch
 from agent.worker.data import Sampler, load_splits, replica_slice
 from agent.worker.optim import lr_at, make_optimizer, set_lr
 from agent.worker.stage import Stage, lm_loss
-from dtfm.core.layout import delayed_run_ops, delayed_step_ops, pipeline_ops
+from coordinator.scheduler.memory import micro_batches_held
+from dtfm.core.layout import (
+    delayed_run_ops,
+    delayed_step_ops,
+    delayed_warmup,
+    one_f_one_b,
+    pipeline_ops,
+)
 from dtfm.core.presets import get_preset
 from dtfm.core.spec import TrainConfig
 from tests.agent.worker.testlib import assert_close, run_local
@@ -28,14 +37,25 @@ COMMON = ("--model", "gpt-tiny", "--batch", str(BATCH), "--steps", str(STEPS), "
 REL = 1e-4
 
 
-def test_steps_that_do_not_flush_are_one_1f1b_over_their_micro_batches() -> None:
-    for stage in range(4):
-        for micro in (3, 4, 8):
-            assert delayed_run_ops(stage, 4, micro, 3) == pipeline_ops("1f1b", stage, 4,
-                                                                       3 * micro)
-        for micro in (1, 2, 4):  # a flushed step is 1F1B's own step
-            ops = delayed_step_ops(stage, 4, micro, carried=False, flush=True)
-            assert [(op, i) for op, _, i in ops] == pipeline_ops("1f1b", stage, 4, micro)
+def test_steps_that_do_not_flush_are_one_pipeline_over_their_micro_batches() -> None:
+    for stages in (2, 4, 6):
+        for stage in range(stages):
+            for micro in (1, 2, 3, 4, 8):
+                warmup = delayed_warmup(stage, stages, micro)
+                assert delayed_run_ops(stage, stages, micro, 3) == one_f_one_b(warmup,
+                                                                               3 * micro)
+                # 2BW's two copies: the step before's last backward precedes the step
+                # after next's first forward
+                assert warmup <= micro
+                if stage + 1 < stages:  # a gradient comes from a slot already run
+                    assert warmup >= delayed_warmup(stage + 1, stages, micro) + 1 \
+                        or warmup == micro == min(micro, stages - stage - 1)
+    # deeper than 1F1B where the micro-batches allow (more in flight across the links'
+    # delays); 1F1B's own where they do not
+    assert [delayed_warmup(s, 4, 8) for s in range(4)] == [8, 7, 6, 0]
+    assert [delayed_warmup(s, 4, 2) for s in range(4)] == [2, 2, 1, 0]
+    ops = delayed_step_ops(1, 4, 2, carried=False, flush=True)
+    assert [(op, i) for op, _, i in ops] == pipeline_ops("1f1b", 1, 4, 2)
 
 
 def _reference_2bw(micro: int) -> list[float]:
@@ -80,13 +100,20 @@ def _reference_2bw(micro: int) -> list[float]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("micro", [4, 2], ids=["4-micro", "2-micro-fewer-than-warm-up"])
-def test_a_pipeline_that_does_not_flush_trains_the_2bw_rule(micro: int) -> None:
+def test_a_pipeline_that_does_not_flush_trains_the_2bw_rule(micro: int,
+                                                            tmp_path: Path) -> None:
     run = run_local(*COMMON, "--stages", "4", "--replicas", "1", "--micro-batches",
-                    str(micro), "--pipeline-delay", "1")
+                    str(micro), "--pipeline-delay", "1", "--workdir", str(tmp_path))
     assert run.rc == 0, run.stderr
     assert [s["step"] for s in run.steps] == list(range(1, STEPS + 1))
     reference = _reference_2bw(micro)
     assert_close(run.losses, reference, REL)
+    # what each stage held at once, as the memory model counts it
+    for rank in range(4):
+        events = [json.loads(line) for line in
+                  (tmp_path / f"rank{rank}.progress.jsonl").read_text().splitlines()]
+        peak = max(e["stored_peak"] for e in events if e.get("event") == "step")
+        assert peak == micro_batches_held("1f1b", rank, 4, micro, pipeline_delay=1), rank
     # the check can fail: flushing every step trains other weights from step 2 on
     flushed = run_local(*COMMON, "--stages", "4", "--replicas", "1", "--micro-batches",
                         str(micro))

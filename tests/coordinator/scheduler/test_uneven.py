@@ -184,6 +184,9 @@ def test_memory_counts_optimizer_state_buckets_and_held_micro_batches() -> None:
     assert b - a == 4 * spec.stage_params(0, 3)  # the data-parallel gradient buckets
     assert micro_batches_held("gpipe", 0, 4, 8) == 8
     assert [micro_batches_held("1f1b", j, 4, 8) for j in range(4)] == [4, 3, 2, 1]
+    # without flushes: the deeper warm-up's (layout.delayed_warmup), the worker's peak
+    # (tests/agent/worker/test_delayed.py)
+    assert [micro_batches_held("1f1b", j, 4, 8, 1) for j in range(4)] == [9, 8, 7, 1]
     one_f = MemoryShape(spec, 2, 1, micro_size=2, micro_batches=4, schedule="1f1b")
     assert stage_bytes(one_f, 1, 3, 6) < stage_bytes(alone, 1, 3, 6)
 
