@@ -80,6 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hs", default="4,16,64", help="comma-separated H for local steps")
     p.add_argument("--outer-delays", default="0",
                    help="comma-separated --outer-delay for each H > 1 (0,1: both, side by side)")
+    p.add_argument("--pipeline-delays", default="0",
+                   help="comma-separated --pipeline-delay for each H > 1 (1: the pipeline "
+                   "flushes only at sync points; runs --schedule 1f1b)")
+    p.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"),
+                   help="every variant's pipeline schedule (--pipeline-delay 1: 1f1b)")
     p.add_argument("--compressed", default="int4/int3",
                    help="the compressed setting PP/DP each H (and synchronous) also runs with "
                    "('' for none)")
@@ -120,8 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# (label, H, pp codec, dp codec, --outer-delay)
-Variant = tuple[str, int, str, str, int]
+# (label, H, pp codec, dp codec, --outer-delay, --pipeline-delay)
+Variant = tuple[str, int, str, str, int, int]
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
@@ -136,13 +141,19 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         raise SystemExit(f"--steps {args.steps} is shorter than H = {too_long[0]}: every "
                          f"variant must sync at least once; raise --steps")
     delays = [int(d) for d in args.outer_delays.split(",") if d] or [0]
-    return [(f"{'sync' if h == 1 else f'H={h}'} {pp}/{dp}{' late' if d else ''}", h, pp, dp, d)
-            for h in hs for pp, dp in settings for d in (delays if h > 1 else [0])]
+    pipes = [int(d) for d in args.pipeline_delays.split(",") if d] or [0]
+    return [(f"{'sync' if h == 1 else f'H={h}'} {pp}/{dp}{' late' if d else ''}"
+             f"{' 2bw' if q else ''}", h, pp, dp, d, q)
+            for h in hs for pp, dp in settings for d in (delays if h > 1 else [0])
+            for q in (pipes if h > 1 else [0])]
 
 
-def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str, delay: int = 0) -> list[str]:
+def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str, delay: int = 0,
+              pipeline_delay: int = 0) -> list[str]:
+    schedule = "1f1b" if pipeline_delay else getattr(args, "schedule", "gpipe")
     return ["--sync-every", str(h), "--pp-compress", pp, "--dp-compress", dp,
             *(["--outer-delay", str(delay)] if delay else []),
+            *(["--pipeline-delay", "1"] if pipeline_delay else []), "--schedule", schedule,
             "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
             "--seed", str(args.seed), "--checkpoint-every", "0"]
 
@@ -179,12 +190,12 @@ def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
     the others still run: an hour of variants must not be lost to one."""
     tokens = args.batch * get_preset(args.model).seq_len
     rows = []
-    for label, h, pp, dp, delay in todo:
+    for label, h, pp, dp, delay, pipe in todo:
         before = files_under(cluster.workdir, ".progress.jsonl")
         load_before = os.getloadavg()[0]
         try:
-            row = run_job(cluster, args, placement, links, job_flags(args, h, pp, dp, delay),
-                          label=label)
+            row = run_job(cluster, args, placement, links,
+                          job_flags(args, h, pp, dp, delay, pipe), label=label)
         except RuntimeError as exc:
             if failed is None:
                 raise
@@ -192,6 +203,7 @@ def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
             failed.append({"variant": label, "sync_every": h, "error": str(exc)})
             continue
         row.update(variant=label, sync_every=h, pp_compress=pp, dp_compress=dp, outer_delay=delay,
+                   pipeline_delay=pipe,
                    load_before=load_before, load_after=os.getloadavg()[0])
         row.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
         row["prediction_err_pct"] = 100 * (row["predicted_step_s"] - row["mean_step_s"]) \
@@ -347,12 +359,12 @@ def headline(args: argparse.Namespace, h: int) -> dict[str, Any]:
     with measured_world(args.headline_per_city, args.scale, args.workdir) as (cluster, links,
                                                                               _):
         blind = run_variants(cluster, links, sub, [("rank-order sync none", 1, "none",
-                                                    "none", 0)], placement="rank-order")[0]
+                                                    "none", 0, 0)], placement="rank-order")[0]
         on, *also = run_variants(cluster, links, sub, [(f"scheduled H={h} {pp}/int3", h, pp,
-                                                        "int3", 0) for pp in codecs])
+                                                        "int3", 0, 0) for pp in codecs])
         pp, _, dp = (args.compressed or "int4/int3").partition("/")
         best_sync = run_variants(cluster, links, sub, [(f"scheduled sync {pp}/{dp or pp}", 1,
-                                                       pp, dp or pp, 0)])[0]
+                                                       pp, dp or pp, 0, 0)])[0]
         agents = cluster.agents
     ceiling = loopback_ceiling(args, agents, h) if args.ceiling else None
     if ceiling:
