@@ -34,6 +34,7 @@ from torch import nn
 
 from agent.worker import globalnorm
 from agent.worker.data import Sampler, replica_slice
+from agent.worker.linkstats import LinkTally
 from agent.worker.optim import clip_, local_sq_norm, lr_at, set_lr
 from agent.worker.pipeline import Pipeline, StepState, Timings
 from agent.worker.world import Exchange, World
@@ -78,6 +79,7 @@ class _Step:
     exchange: Exchange | None = None  # started once its gradients are complete
     times: Timings = field(default_factory=Timings)
     dt: float = 0.0  # wall-clock seconds of the pass that ran its forwards
+    tally: LinkTally | None = None  # its pipeline messages (None: not tallied)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class DelayedSteps:
     sent_scale: Callable[[int], list[float] | None] = lambda step: None
     _carry: StepState | None = None  # the pipeline's state of the step before, draining
     _steps: deque[_Step] = field(default_factory=deque)
+    _tallied: deque[_Step] = field(default_factory=deque)  # steps whose figures are not out
 
     def run(self, step: int, flush: bool) -> list[Applied]:
         """Step `step`'s pass (with the cool-down of the step before), after the updates
@@ -129,17 +132,31 @@ class DelayedSteps:
                             self.replicas)
         x, y = self.sampler.windows(ids)
         me = _Step(step, lr_at(step - 1, self.lr, self.warmup_steps, self.total_steps),
-                   self.versions.snapshot(), self.world.post_exchange(2))
+                   self.versions.snapshot(), self.world.post_exchange(2),
+                   tally=LinkTally() if self.pipe.tally is not None else None)
         self._steps.append(me)
+        self._tallied.append(me)
         self._carry, me.times = self.pipe.delayed_step(
             list(x.chunk(self.micro_batches)), list(y.chunk(self.micro_batches)), step=step,
-            params=me.params, carry=self._carry, flush=flush, grads_done=self._grads_done)
+            params=me.params, carry=self._carry, flush=flush, grads_done=self._grads_done,
+            tally=me.tally)
         me.dt = time.perf_counter() - t0
         me.times.cpu_s = time.process_time() - cpu0
+        self._hand_over_figures(step, flush)
         if flush:
             while self._steps:
                 applied.append(self._apply(self._steps.popleft()))
         return applied
+
+    def _hand_over_figures(self, step: int, flush: bool) -> None:
+        """Into the pipeline's tally, which the checks take as this step's (replicacheck.py):
+        the figures of the steps every rank has finished by now, the step before (and this
+        one at a flush). A stage's last backward of a step comes a pass later on some stages
+        than on others; whole steps keep both ends of each link counting the same messages."""
+        while self._tallied and (self._tallied[0].step < step or flush):
+            done = self._tallied.popleft()
+            if done.tally is not None and self.pipe.tally is not None:
+                self.pipe.tally.merge(done.tally)
 
     def _grads_done(self, state: StepState) -> None:
         """A step's last backward ended: send its norm (and loss) to the pipeline now."""

@@ -44,6 +44,13 @@ class LinkTally:
         self._n[figure] = self._n.get(figure, 0) + t.numel()
         self.spent_s += time.perf_counter() - t0
 
+    def merge(self, other: LinkTally) -> None:
+        """Fold in `other`'s messages (a step tallied apart, `Pipeline.delayed_step`)."""
+        for f, ss in other._ss.items():
+            self._ss[f] = self._ss[f] + ss if f in self._ss else ss
+            self._n[f] = self._n.get(f, 0) + other._n[f]
+        self.spent_s += other.spent_s
+
     def take(self) -> list[float]:
         """The step's root mean square per figure (NaN: nothing on that link), and reset."""
         out = [finite(math.sqrt(float(self._ss[f]) / self._n[f]), LARGEST)

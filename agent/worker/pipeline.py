@@ -144,6 +144,9 @@ class StepState:
     # stage's own
     params: dict[str, torch.Tensor] | None = None
     backwards: int = 0  # backward passes run so far
+    # where its messages are tallied (None: the pipeline's `tally`): a step that does not
+    # flush tallies apart, so both ends of a link count its gradients in the same step
+    tally: LinkTally | None = None
 
     @property
     def loss(self) -> float:
@@ -242,13 +245,13 @@ class Pipeline:
         self._sends.clear()
         t.send_wait_s += time.perf_counter() - t0
 
-    def _outgoing(self, figure: str, t: torch.Tensor) -> torch.Tensor:
+    def _outgoing(self, figure: str, t: torch.Tensor, st: StepState) -> torch.Tensor:
         """`t` as this rank sends it (a rehearsed attack, `attack`), tallied (`tally`)."""
         att = self.attack
         if att is not None and not att.lies:
             t = att(figure, t)
-        if self.tally is not None:
-            self.tally.add(figure, t)
+        if (tally := st.tally or self.tally) is not None:
+            tally.add(figure, t)
         return att(figure, t) if att is not None and att.lies else t
 
     @contextlib.contextmanager
@@ -295,17 +298,18 @@ class Pipeline:
     def delayed_step(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], *, step: int,
         params: dict[str, torch.Tensor], carry: StepState | None, flush: bool,
-        grads_done: Callable[[StepState], None],
+        grads_done: Callable[[StepState], None], tally: LinkTally | None = None,
     ) -> tuple[StepState | None, Timings]:
         """One step of 1F1B without a flush after it (`--pipeline-delay 1`,
         `layout.delayed_step_ops`): its forwards run on `params` (a copy of the weights,
         where its gradients accumulate) and interleave with the cool-down backwards of
         `carry`, the step before. `grads_done(state)` runs as a step's last backward ends
         (the step before's, or with `flush` or on the last stage this one's). Returns this
-        step's state for the next call (None after a flush) and this call's timings.
+        step's state for the next call (None after a flush) and this call's timings. Its
+        messages go to `tally` (None: the pipeline's).
         """
         t = Timings()
-        st = StepState(inputs, targets, t, step=step, params=params)
+        st = StepState(inputs, targets, t, step=step, params=params, tally=tally)
         if self._next_recvs is not None:
             st.fwd_recvs, st.bwd_recvs = map(list, self._next_recvs)
         else:
@@ -346,8 +350,8 @@ class Pipeline:
             x = st.inputs[i].to(self.device, non_blocking=True)
         else:
             x = self._wait(st.fwd_recvs[i], t, f"activations of micro-batch {i}", ln.prev)
-            if self.tally is not None:
-                self.tally.add("act_in", x)
+            if (tally := st.tally or self.tally) is not None:
+                tally.add("act_in", x)
             x = x_in = x.requires_grad_(True)
             st.fwd_recvs[i] = None
         t0 = time.perf_counter()
@@ -361,7 +365,7 @@ class Pipeline:
             st.loss_sum += float(out.detach())
             out = out / micro
         else:
-            self._send(self._outgoing("act_out", out.detach()), ln.next, ln.fwd_to_next,
+            self._send(self._outgoing("act_out", out.detach(), st), ln.next, ln.fwd_to_next,
                        TAG_ACT, t, self.codec_next)
         st.stored[i] = (x_in, out)
         t.peak_stored = max(t.peak_stored, len(st.stored))
@@ -374,8 +378,8 @@ class Pipeline:
             out.backward()
         else:
             grad = self._wait(st.bwd_recvs[i], t, f"gradients of micro-batch {i}", ln.next)
-            if self.tally is not None:
-                self.tally.add("grad_in", grad)
+            if (tally := st.tally or self.tally) is not None:
+                tally.add("grad_in", grad)
             st.bwd_recvs[i] = None
             t0 = time.perf_counter()
             out.backward(grad.to(out.dtype))
@@ -383,7 +387,7 @@ class Pipeline:
         st.backwards += 1
         if x_in is not None:
             assert x_in.grad is not None
-            self._send(self._outgoing("grad_out", x_in.grad), ln.prev, ln.bwd_to_prev,
+            self._send(self._outgoing("grad_out", x_in.grad, st), ln.prev, ln.bwd_to_prev,
                        TAG_GRAD, t, self.codec_prev, key=(st.step << 20) + i)
 
     @torch.no_grad()

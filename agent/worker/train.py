@@ -115,6 +115,7 @@ class Worker:
                                       self.cfg.checkpoint_every)
         self._resumed = -1  # the checkpoint step this run resumed after, once known
         self.outer: OuterSync | None = None  # with --sync-every > 1 (`_build_comm`)
+        self._held_figures: dict[str, float] = {}  # --pipeline-delay: not yet in an event
         self._moments_averager: GradAverager | None = None
 
     def _deadline(self) -> Deadline:
@@ -367,9 +368,13 @@ class Worker:
             synced = outer.sync(step, flush=save or step == cfg.steps)
             outer_s = time.perf_counter() - t2
         self.checks.end_step(step, cfg.steps)
+        # a window's link figures go out once, with the next step event: a pass reports none
+        # after a flush, several at a flush
+        held = self._held_figures = self.checks.figures or self._held_figures
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for u in applied:
+            self.checks.figures, held, self._held_figures = held, {}, {}
             mine = u.step == step
             self._emit_step(u.step, u.loss, u.norm, u.lr, u.dt, u.times, 0.0, u.wait_s,
                             synced if mine else None, outer_s if mine else 0.0)

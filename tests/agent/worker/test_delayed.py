@@ -154,3 +154,28 @@ def test_a_pipeline_delay_the_worker_cannot_train_is_refused(flags: tuple[str, .
             args[name[2:].replace("-", "_")] = int(value) if value.isdigit() else value
     with pytest.raises(ValueError, match=says.replace("-", r"\-")):
         TrainConfig(**args).validate(replicas)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(240)
+def test_both_ends_of_a_link_report_the_same_figures_without_flushes(tmp_path: Path) -> None:
+    """A stage's last backward of a step comes a pass later on some stages than on others;
+    the coordinator's link check compares both ends (coordinator/integrity/linkwitness.py), so
+    each end tallies whole steps. Uncompressed on loopback the two ends see the same bits."""
+    run = run_local(*COMMON, "--stages", "3", "--replicas", "1", "--micro-batches", "4",
+                    "--pipeline-delay", "1", "--workdir", str(tmp_path))
+    assert run.rc == 0, run.stderr
+    figures: dict[int, dict[str, list[float]]] = {}
+    for rank in range(3):
+        events = [json.loads(line) for line in
+                  (tmp_path / f"rank{rank}.progress.jsonl").read_text().splitlines()]
+        steps = [e for e in events if e.get("event") == "step"]
+        assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+        figures[rank] = {k: [e[k] for e in steps if e.get(k) is not None
+                             and math.isfinite(e[k])]
+                         for k in ("link_act_out", "link_act_in", "link_grad_out",
+                                   "link_grad_in")}
+    for rank in range(2):  # the link from rank to rank + 1
+        sent, got = figures[rank], figures[rank + 1]
+        assert len(sent["link_act_out"]) == 3, sent  # windows of 5 steps: 3 of 16 steps
+        assert_close(got["link_act_in"], sent["link_act_out"], 1e-6)
+        assert_close(sent["link_grad_in"], got["link_grad_out"], 1e-6)
