@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +36,7 @@ from agent.worker import globalnorm
 from agent.worker.data import Sampler, replica_slice
 from agent.worker.linkstats import LinkTally
 from agent.worker.optim import clip_, local_sq_norm, lr_at, set_lr
+from agent.worker.outer import SyncResult
 from agent.worker.pipeline import Pipeline, StepState, Timings
 from agent.worker.world import Exchange, World
 
@@ -69,8 +70,9 @@ class Versions:
 
 
 @dataclass
-class _Step:
-    """A step between its pass and its update."""
+class Pass:
+    """One step's pass and what it ran, from its start until its update is applied: its
+    step event reports the pass (the step's own timings), whenever the update comes."""
 
     step: int
     lr: float
@@ -78,21 +80,24 @@ class _Step:
     posted: Exchange  # the norm exchange's receives, posted at the step's start
     exchange: Exchange | None = None  # started once its gradients are complete
     times: Timings = field(default_factory=Timings)
-    dt: float = 0.0  # wall-clock seconds of the pass that ran its forwards
+    # wall-clock seconds of the whole pass (the worker sets it: the updates applied and the
+    # outer step in it too), and of that the waits for norm tables (at a flush: the drain)
+    dt: float = 0.0
+    wait_s: float = 0.0
     tally: LinkTally | None = None  # its pipeline messages (None: not tallied)
+    outer_s: float = 0.0  # its sync point's outer step (the worker sets both)
+    synced: SyncResult | None = None  # what that sync exchanged
 
 
 @dataclass(frozen=True)
 class Applied:
-    """A step's update, applied: what its step event reports."""
+    """A step's update, applied: what its step event reports (with its `Pass`)."""
 
     step: int
     loss: float
     norm: float
     lr: float
-    dt: float
-    times: Timings
-    wait_s: float  # waiting for the norm table (at a flush: the pipeline's drain)
+    of: Pass
 
 
 @dataclass
@@ -115,23 +120,24 @@ class DelayedSteps:
     last: bool  # the last stage: its loss goes into the norm table
     versions: Versions
     # the fault seam's scale of what this rank sends in the exchange (step -> scale or None)
-    sent_scale: Callable[[int], list[float] | None] = lambda step: None
+    sent_scale: Callable[[int], Sequence[float] | None] = lambda step: None
     _carry: StepState | None = None  # the pipeline's state of the step before, draining
-    _steps: deque[_Step] = field(default_factory=deque)
-    _tallied: deque[_Step] = field(default_factory=deque)  # steps whose figures are not out
+    _steps: deque[Pass] = field(default_factory=deque)
+    _tallied: deque[Pass] = field(default_factory=deque)  # steps whose figures are not out
+    _waited: float = 0.0  # this pass's waits for norm tables so far
+    current: Pass | None = None  # the newest step's pass
 
     def run(self, step: int, flush: bool) -> list[Applied]:
         """Step `step`'s pass (with the cool-down of the step before), after the updates
         due before its first forward; with `flush`, every update through `step`. Returns the
-        updates applied, oldest first."""
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        applied = []
+        updates applied, oldest first; the pass is `current`, whose `dt` the caller sets."""
+        applied: list[Applied] = []
         while self._steps and self._steps[0].step <= step - 2:
             applied.append(self._apply(self._steps.popleft()))
         ids = replica_slice(self.sampler.next_global(self.global_batch), self.replica,
                             self.replicas)
         x, y = self.sampler.windows(ids)
-        me = _Step(step, lr_at(step - 1, self.lr, self.warmup_steps, self.total_steps),
+        me = Pass(step, lr_at(step - 1, self.lr, self.warmup_steps, self.total_steps),
                    self.versions.snapshot(), self.world.post_exchange(2),
                    tally=LinkTally() if self.pipe.tally is not None else None)
         self._steps.append(me)
@@ -140,12 +146,12 @@ class DelayedSteps:
             list(x.chunk(self.micro_batches)), list(y.chunk(self.micro_batches)), step=step,
             params=me.params, carry=self._carry, flush=flush, grads_done=self._grads_done,
             tally=me.tally)
-        me.dt = time.perf_counter() - t0
-        me.times.cpu_s = time.process_time() - cpu0
         self._hand_over_figures(step, flush)
         if flush:
             while self._steps:
                 applied.append(self._apply(self._steps.popleft()))
+        me.wait_s, self._waited = self._waited, 0.0
+        self.current = me
         return applied
 
     def _hand_over_figures(self, step: int, flush: bool) -> None:
@@ -166,11 +172,11 @@ class DelayedSteps:
         me.exchange = self.world.start_exchange([sq, loss], me.posted,
                                                 self.sent_scale(state.step))
 
-    def _apply(self, me: _Step) -> Applied:
+    def _apply(self, me: Pass) -> Applied:
         assert me.exchange is not None, f"step {me.step}'s gradients are not complete"
         t0 = time.perf_counter()
         table = self.world.finish_exchange(me.exchange)
-        wait_s = time.perf_counter() - t0
+        self._waited += time.perf_counter() - t0
         w = self.world
         norm, loss = globalnorm.checked(table, w.pipeline, w.rank, self.replica, me.step)
         self.versions.hand_over(me.params)
@@ -178,4 +184,4 @@ class DelayedSteps:
         clip_(self.stage, norm, self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return Applied(me.step, loss, norm, me.lr, me.dt, me.times, wait_s)
+        return Applied(me.step, loss, norm, me.lr, me)

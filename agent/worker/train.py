@@ -353,6 +353,7 @@ class Worker:
         evaluation, a checkpoint, the last step) applies every pending one first."""
         cfg, outer, delayed = self.cfg, self.outer, self.delayed
         assert delayed is not None
+        t0, cpu0 = time.perf_counter(), time.process_time()
         self.checks.begin_step(step)
         save = self._checkpoint_now(step)  # before the pass: it decides the flush
         due = outer is not None and outer.due(step, cfg.steps)
@@ -373,11 +374,15 @@ class Worker:
         held = self._held_figures = self.checks.figures or self._held_figures
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for u in applied:
+        this = delayed.current
+        assert this is not None
+        this.dt, this.times.cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        this.outer_s, this.synced = outer_s, synced
+        for u in applied:  # each with its own pass's figures
             self.checks.figures, held, self._held_figures = held, {}, {}
-            mine = u.step == step
-            self._emit_step(u.step, u.loss, u.norm, u.lr, u.dt, u.times, 0.0, u.wait_s,
-                            synced if mine else None, outer_s if mine else 0.0)
+            p = u.of
+            self._emit_step(u.step, u.loss, u.norm, u.lr, p.dt, p.times, 0.0, p.wait_s,
+                            p.synced, p.outer_s)
         return save
 
     def _checkpoint_now(self, step: int) -> bool:
