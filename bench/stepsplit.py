@@ -90,9 +90,11 @@ def latency_floor(grid: list[list[str]], links: dict[str, Any], sync_every: int 
 
 
 def free_prediction(events: list[dict[str, Any]], model: str, stages: int, replicas: int,
-                    batch: int, micro_batches: int, sync_every: int) -> Breakdown:
-    """The step model's split of this job's step with every link free (0 ms, unbounded):
-    each tasklet's compute is its rank's median measured compute (steps >= 2)."""
+                    batch: int, micro_batches: int, sync_every: int, schedule: str = "gpipe",
+                    pipeline_delay: int = 0) -> Breakdown:
+    """The step model's split of this job's step (its `schedule`, flushing as
+    `pipeline_delay` says) with every link free (0 ms, unbounded): each tasklet's compute
+    is its rank's median measured compute (steps >= 2)."""
     compute: dict[tuple[int, int], list[float]] = {}
     for e in events:
         if e.get("event") == "step" and e["step"] >= 2:
@@ -102,8 +104,8 @@ def free_prediction(events: list[dict[str, Any]], model: str, stages: int, repli
                  for j in range(stages)]
     n = stages * replicas
     free = Network(np.zeros((n, n)), np.full((n, n), 1e6))
-    shape = step_shape(get_preset(model), stages, replicas, batch, micro_batches,
-                       sync_every=sync_every)
+    shape = step_shape(get_preset(model), stages, replicas, batch, micro_batches, schedule,
+                       sync_every=sync_every, pipeline_delay=pipeline_delay)
     return step_breakdown(free, grid, shape, per_micro)
 
 

@@ -292,9 +292,11 @@ def loopback_ceiling(args: argparse.Namespace, agents: int, h: int,
         files = set(Path(wd).glob("**/*.progress.jsonl"))
         out = figures(files, tokens)
         events = progress_events(files)
+        ran = dict(zip(schedule[::2], schedule[1::2], strict=True)) if schedule else {}
         out["split_predicted"] = stepsplit.free_prediction(
             events, args.model, args.headline_stages,
-            agents // args.headline_stages, args.batch, args.micro_batches, h).to_json()
+            agents // args.headline_stages, args.batch, args.micro_batches, h,
+            ran.get("--schedule", "gpipe"), int(ran.get("--pipeline-delay", 0))).to_json()
         out["cores"] = os.cpu_count() or 1
         out["cores_bound_s"] = stepsplit.cores_bound(events, out["cores"])
         return out
