@@ -35,7 +35,7 @@ from torch import nn
 from agent.worker import globalnorm
 from agent.worker.data import Sampler, replica_slice
 from agent.worker.linkstats import LinkTally
-from agent.worker.optim import clip_, local_sq_norm, lr_at, set_lr
+from agent.worker.optim import clip_, local_sq_norm, lr_at, predict_step_, set_lr
 from agent.worker.outer import SyncResult
 from agent.worker.pipeline import Pipeline, StepState, Timings
 from agent.worker.world import Exchange, World
@@ -50,17 +50,23 @@ class Versions:
         self.live = [p for _, p in named]
         self._free: list[dict[str, torch.Tensor]] = []
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """The live weights, copied into leaves that collect a step's gradients."""
+    def snapshot(self, ahead: tuple[torch.optim.Optimizer, float] | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """The live weights, copied into leaves that collect a step's gradients; with
+        `ahead` (the optimizer and the learning rate of an update still in flight), moved
+        by that update as the optimizer's moments predict it (`optim.predict_step_`)."""
         if self._free:
             copy = self._free.pop()
             with torch.no_grad():
                 for t, p in zip(copy.values(), self.live, strict=True):
                     t.copy_(p)
                     t.grad = None
-            return copy
-        return {n: p.detach().clone().requires_grad_(True)
-                for n, p in zip(self.names, self.live, strict=True)}
+        else:
+            copy = {n: p.detach().clone().requires_grad_(True)
+                    for n, p in zip(self.names, self.live, strict=True)}
+        if ahead is not None:
+            predict_step_(copy.values(), self.live, *ahead)
+        return copy
 
     def hand_over(self, copy: dict[str, torch.Tensor]) -> None:
         """Move the gradients `copy` collected onto the live weights; `copy` is free again."""
@@ -121,6 +127,7 @@ class DelayedSteps:
     versions: Versions
     # the fault seam's scale of what this rank sends in the exchange (step -> scale or None)
     sent_scale: Callable[[int], Sequence[float] | None] = lambda step: None
+    predict: bool = True  # forwards on the weights the update in flight will about give
     _carry: StepState | None = None  # the pipeline's state of the step before, draining
     _steps: deque[Pass] = field(default_factory=deque)
     _tallied: deque[Pass] = field(default_factory=deque)  # steps whose figures are not out
@@ -137,8 +144,9 @@ class DelayedSteps:
         ids = replica_slice(self.sampler.next_global(self.global_batch), self.replica,
                             self.replicas)
         x, y = self.sampler.windows(ids)
+        ahead = (self.opt, self._steps[-1].lr) if self._steps and self.predict else None
         me = Pass(step, lr_at(step - 1, self.lr, self.warmup_steps, self.total_steps),
-                   self.versions.snapshot(), self.world.post_exchange(2),
+                   self.versions.snapshot(ahead), self.world.post_exchange(2),
                    tally=LinkTally() if self.pipe.tally is not None else None)
         self._steps.append(me)
         self._tallied.append(me)

@@ -152,6 +152,26 @@ def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             v_store.copy_(v)
 
 
+@torch.no_grad()
+def predict_step_(copies: Iterable[torch.Tensor], params: Iterable[torch.Tensor],
+                  opt: torch.optim.Optimizer, lr: float) -> None:
+    """Move `copies` (of `params`) by the AdamW step `opt` would take with its moments as
+    they stand: where the next step, whose gradient is not in yet, will about leave them
+    (SpecTrain's weight prediction; a parameter with no moments yet stays)."""
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
+    for t, p in zip(copies, params, strict=True):
+        state = opt.state.get(p)
+        if not state or "exp_avg" not in state:
+            continue
+        group = group_of[p]
+        beta1, beta2 = group["betas"]
+        step = float(state["step"])
+        m = state["exp_avg"].float() / (1 - beta1 ** step)
+        v = state["exp_avg_sq"].float() / (1 - beta2 ** step)
+        t.mul_(1 - lr * group["weight_decay"])
+        t.addcdiv_(m, v.sqrt_().add_(group["eps"]), value=-lr)
+
+
 def local_sq_norm(model: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of squared gradient entries of this stage, or of these tensors (fp32 scalar)."""
     params = model.parameters() if isinstance(model, nn.Module) else model

@@ -20,29 +20,25 @@ from dtfm.wan.cluster import WanCluster, measurement_wan
 from tests.agent.worker.testlib import assert_close, run_local
 from tests.progress import step_events
 from tests.system.test_wan_nat_job import DELAY, RATE
+from tests.system.test_wan_outer_delay import JOB as OUTER_JOB
 
 AVAILABLE, WHY = WanEmulator.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"no WAN emulator here: {WHY}")
 
 STEPS = 8
-TRAIN = ["--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--steps", str(STEPS),
-         "--batch", "8", "--micro-batches", "2", "--seed", "5", "--eval-batches", "0",
-         "--sync-every", "4", "--outer-delay", "1", "--schedule", "1f1b",
-         "--pipeline-delay", "1", "--checkpoint-every", "0"]
-JOB = [*TRAIN, "--agents", "4", "--search-seconds", "1", "--heartbeat-interval", "0.5",
-       "--layer-split", "even", "--placement", "rank-order"]
+# the delayed-outer-step job (same NATed stage, same seed), at H = 4 with 1F1B and no flushes
+JOB = [*OUTER_JOB[:OUTER_JOB.index("--sync-every")], "--sync-every", "4", "--outer-delay", "1",
+       "--placement", "rank-order", "--checkpoint-every", "0", "--schedule", "1f1b",
+       "--pipeline-delay", "1"]
+COORDINATOR_ONLY = ("--agents", "--search-seconds", "--heartbeat-interval", "--layer-split",
+                    "--placement")
 
 
 @pytest.mark.timeout(600)
 def test_steps_that_do_not_flush_train_across_natted_hosts_as_on_loopback(
         tmp_path: Path) -> None:
     with measurement_wan(DELAY, RATE, nat=[1, 2], coordinator_link=(20.0, 50.0)) as wan:
-        cluster = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB)
-        try:
-            cluster.start(timeout=90)
-            status = cluster.wait_job(400)
-        finally:
-            cluster.stop()
+        _, status = WanCluster(wan, tmp_path, agents=4, coordinator_args=JOB).run_to_end(400)
     job = status["job"]
     assert job["state"] == "done" and job["step"] == STEPS, job
     assert job["epoch"] == 1 and not job["recoveries"], job
@@ -51,6 +47,7 @@ def test_steps_that_do_not_flush_train_across_natted_hosts_as_on_loopback(
     assert sorted(events) == [0, 1, 2, 3], sorted(events)
     for rank, evs in events.items():
         assert [e.step for e in evs] == list(range(1, STEPS + 1)), rank
-    local = run_local(*TRAIN, "--timeout", "120")
+    local = run_local(*[x for i, f in enumerate(JOB[::2]) if f not in COORDINATOR_ONLY
+                        for x in JOB[2 * i:2 * i + 2]], "--timeout", "120")
     assert local.rc == 0, local.stderr
     assert_close([e.loss for e in events[1]], local.losses, 1e-5)

@@ -1,10 +1,12 @@
-"""`--pipeline-delay 1` trains exactly PipeDream-2BW's rule, whatever the layout.
+"""`--pipeline-delay 1` trains exactly its rule, whatever the layout.
 
-The rule (agent/worker/delayed.py): step t's forwards and backwards run on the weights after
-step t - 2, its clipped gradient updates the newest weights, and a flush (here: the last step)
-applies every pending update. A reference written here from that rule alone, in one process,
-with the worker's model, data and optimizer as a library, must give the losses the pipelined
-workers report; real processes over gloo (`agent local`).
+The rule (agent/worker/delayed.py, PipeDream-2BW with SpecTrain's weight prediction): step
+t's forwards and backwards run on the weights after step t - 2 moved by AdamW's step t - 1 as
+the moments predict it (that update is still in flight), its clipped gradient updates the
+newest weights, and a flush (here: the last step) applies every pending update. A reference
+written here from that rule alone, in one process, with the worker's model, data and
+optimizer as a library, must give the losses the pipelined workers report; real processes
+over gloo (`agent local`).
 """
 
 from __future__ import annotations
@@ -80,11 +82,29 @@ def _reference_2bw(micro: int) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def predicted(step: int) -> dict[str, torch.Tensor]:
+        """The live weights moved by AdamW's step `step` with the moments as they stand."""
+        lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, STEPS)
+        out = {}
+        for group in opt.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                w = p.detach().clone()
+                if (st := opt.state.get(p)) and "exp_avg" in st:
+                    n = float(st["step"])
+                    m, v = st["exp_avg"] / (1 - b1 ** n), st["exp_avg_sq"] / (1 - b2 ** n)
+                    w = w * (1 - lr * group["weight_decay"]) - lr * m / (v.sqrt() + group["eps"])
+                out[id(p)] = w
+        return {n: out[id(p)].requires_grad_(True) for n, p in model.named_parameters()}
+
     for step in range(1, STEPS + 1):
         while pending and pending[0][0] <= step - 2:
             apply(*pending.pop(0))
-        weights = {n: p.detach().clone().requires_grad_(True)
-                   for n, p in model.named_parameters()}
+        if pending:  # the step before is in flight: the weights its update will about give
+            weights = predicted(pending[0][0])
+        else:
+            weights = {n: p.detach().clone().requires_grad_(True)
+                       for n, p in model.named_parameters()}
         x, y = sampler.windows(replica_slice(sampler.next_global(BATCH), 0, 1))
         total = 0.0
         for xi, yi in zip(x.chunk(micro), y.chunk(micro), strict=True):
