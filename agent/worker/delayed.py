@@ -7,10 +7,13 @@ while the step before still drains (`layout.delayed_step_ops`), so those delays 
 per flush instead of once per step.
 
 What is trained changes, in one well-defined way (Narayanan et al. 2021, PipeDream-2BW):
-step t's forwards and backwards all run on the weights after step t - 2 (a copy, `Versions`),
-on every stage alike, and its gradient updates the newest weights:
-W(t) = W(t-1) - update(grad f(W(t-2))). So every micro-batch sees one consistent model, and
-the update is exact but one step stale. The global-norm clip stays exact: a stage sends its
+step t's forwards and backwards all run on one copy of the weights (`Versions`), on every
+stage alike, and its gradient updates the newest weights. The copy is the weights after step
+t - 2 moved by step t - 1's update as AdamW's moments predict it, since that update is still
+in flight (SpecTrain's weight prediction, Chen et al. 2018: plain 2BW, the weights after
+t - 2 as they are, lost 9-21 % validation loss on gpt-mini where this loses 8 %:
+docs/benchmarks.md). So every micro-batch sees one consistent model, and the update is exact
+for it but about one step stale. The global-norm clip stays exact: a stage sends its
 squared norm as its gradients are complete and reads the table only when the update is due,
 before step t + 2's first forward, a step's time later. A flush (sync points, evaluations,
 checkpoints, the last step) applies every pending update, so checkpoints, evaluations and
