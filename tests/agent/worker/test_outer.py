@@ -120,17 +120,21 @@ RESUME = ("--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--batch", 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("delay", ["0", "1"], ids=["waiting", "outer-delay"])
+@pytest.mark.parametrize("delay", ["0", "1", "2bw"], ids=["waiting", "outer-delay", "no-flush"])
 def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path, delay: str) -> None:
-    """With --outer-delay 1 too: the checkpoint's sync point flushed the exchange in flight."""
-    flags = (*RESUME, "--outer-delay", delay)
+    """With --outer-delay 1 too: the checkpoint's sync point flushed the exchange in flight;
+    and with --pipeline-delay 1, whose sync points flush the pipeline and its updates."""
+    flags = (*RESUME, "--outer-delay", delay) if delay != "2bw" else (
+        *RESUME, "--outer-delay", "1", "--schedule", "1f1b", "--pipeline-delay", "1")
     full = run_local(*flags, "--checkpoint-dir", str(tmp_path / "full"))
     assert full.rc == 0, full.stderr
     # the checkpoint asked for after step 6 waits for the end of the round, step 8
     ckpt = tmp_path / "crashy"
     crashed = run_local(*flags, "--checkpoint-dir", str(ckpt), env={"DTFM_FAULT": "1:10"})
     assert crashed.rc != 0
-    assert [s["step"] for s in crashed.steps] == list(range(1, 10))
+    # without flushes a step is reported when its update is applied: step 9's, at step 11
+    reported = 8 if delay == "2bw" else 9
+    assert [s["step"] for s in crashed.steps] == list(range(1, reported + 1))
     for stage in (0, 1):
         names = sorted(p.name for p in (local_job_dir(ckpt) / f"stage-{stage}").iterdir())
         # step 8's files only (the manifest, the .pt, the weights): no step 6 or temp files
