@@ -349,15 +349,16 @@ class Worker:
 
     def _delayed_step(self, step: int) -> bool:
         """One step that does not flush the pipeline (`--pipeline-delay 1`, delayed.py): the
-        updates that fell due are applied and reported; a flush step (a sync point, an
-        evaluation, a checkpoint, the last step) applies every pending one first."""
+        updates that fell due are applied and reported; a flush step (a step of the learning
+        rate's warm-up, a sync point, an evaluation, a checkpoint, the last step) applies
+        every pending one first."""
         cfg, outer, delayed = self.cfg, self.outer, self.delayed
         assert delayed is not None
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.checks.begin_step(step)
         save = self._checkpoint_now(step)  # before the pass: it decides the flush
         due = outer is not None and outer.due(step, cfg.steps)
-        flush = save or due or step == cfg.steps or bool(
+        flush = save or due or step == cfg.steps or step <= cfg.warmup_steps or bool(
             cfg.eval_every and step % cfg.eval_every == 0)
         applied = delayed.run(step, flush)
         if outer is not None:  # --outer-delay 1: send back the averages whose copies are in

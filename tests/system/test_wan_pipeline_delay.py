@@ -29,7 +29,7 @@ STEPS = 8
 # the delayed-outer-step job (same NATed stage, same seed), at H = 4 with 1F1B and no flushes
 JOB = [*OUTER_JOB[:OUTER_JOB.index("--sync-every")], "--sync-every", "4", "--outer-delay", "1",
        "--placement", "rank-order", "--checkpoint-every", "0", "--schedule", "1f1b",
-       "--pipeline-delay", "1"]
+       "--pipeline-delay", "1", "--warmup-steps", "1"]  # the warm-up's steps flush
 COORDINATOR_ONLY = ("--agents", "--search-seconds", "--heartbeat-interval", "--layer-split",
                     "--placement")
 

@@ -125,7 +125,8 @@ def test_local_steps_resume_from_a_sync_point_exactly(tmp_path: Path, delay: str
     """With --outer-delay 1 too: the checkpoint's sync point flushed the exchange in flight;
     and with --pipeline-delay 1, whose sync points flush the pipeline and its updates."""
     flags = (*RESUME, "--outer-delay", delay) if delay != "2bw" else (
-        *RESUME, "--outer-delay", "1", "--schedule", "1f1b", "--pipeline-delay", "1")
+        *RESUME, "--outer-delay", "1", "--schedule", "1f1b", "--pipeline-delay", "1",
+        "--warmup-steps", "1")  # the warm-up's steps flush
     full = run_local(*flags, "--checkpoint-dir", str(tmp_path / "full"))
     assert full.rc == 0, full.stderr
     # the checkpoint asked for after step 6 waits for the end of the round, step 8
