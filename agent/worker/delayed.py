@@ -15,7 +15,8 @@ t - 2 as they are, lost 9-21 % validation loss on gpt-mini where this loses 8 %:
 docs/benchmarks.md). So every micro-batch sees one consistent model, and the update is exact
 for it but about one step stale. The global-norm clip stays exact: a stage sends its
 squared norm as its gradients are complete and reads the table only when the update is due,
-before step t + 2's first forward, a step's time later. A flush (sync points, evaluations,
+before step t + 2's first forward, a step's time later. A flush (the learning rate's warm-up, where
+staleness costs most; sync points, evaluations,
 checkpoints, the last step) applies every pending update, so checkpoints, evaluations and
 outer steps see the same state a flushed run would hold at that step, and a run resumed from
 a checkpoint repeats an uninterrupted one.

@@ -374,10 +374,10 @@ class TrainConfig:
         "forwards run while the step before drains, each step training on the weights from "
         "two steps before moved as AdamW predicts the update in flight (its gradient "
         "applied one step late; the global-norm clip stays exact); faster on slow links, at "
-        "a loss per token (+7-8 per cent on gpt-mini at 48-128 steps: docs/benchmarks.md); it "
-        "flushes at sync points, evaluations, checkpoints and the last step; needs "
-        "--schedule 1f1b and, with replicas, --sync-every H >= 2; 0: every step flushes "
-        "(exact synchronous training)")
+        "a loss per token (+3-7 per cent on gpt-mini at 48-128 steps: docs/benchmarks.md); "
+        "it flushes in the learning rate's warm-up, at sync points, evaluations, checkpoints "
+        "and the last step; needs --schedule 1f1b and, with replicas, --sync-every H >= 2; "
+        "0: every step flushes (exact synchronous training)")
     lora_rank: int = _option(
         0, "train LoRA adapters of this rank beside a frozen base instead of every weight "
         "(0: off, full fine-tuning); only the adapters are optimized, exchanged between "
