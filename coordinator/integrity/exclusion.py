@@ -224,7 +224,8 @@ class JobIntegrity:
         self._ranks = {a: r for r, a in enumerate(self._members)}
         if assignments:
             first = assignments[0]
-            self.links.plan(first.epoch, first.stages, first.replicas)
+            self.links.plan(first.epoch, first.stages, first.replicas,
+                            judge_gains=not first.train.pipeline_delay)
 
     def checkpointed(self) -> None:
         """Every member passed a checkpoint this epoch wrote: an epoch planned with the

@@ -133,6 +133,11 @@ class LinkWitness:
     stages: int = 0
     replicas: int = 0
     epoch: int = -1
+    # whether middle stages' gains are judged: not where the pipeline does not flush
+    # (`--pipeline-delay 1`), whose stale steps' honest gains spread past the thresholds
+    # (3.8x between two replicas on the 8-city world, docs/benchmarks.md); activations and
+    # zeros still are
+    judge_gains: bool = True
     _windows: dict[int, dict[int, tuple[float, ...]]] = field(default_factory=dict)
     _judged: set[int] = field(default_factory=set)
     _suspected: dict[int, int] = field(default_factory=dict)  # sender rank -> windows in a row
@@ -141,9 +146,10 @@ class LinkWitness:
     # the wrong links found, newest last: (onset, step, the pipelines it touched, sender)
     _roots: list[tuple[int, int, frozenset[int], int]] = field(default_factory=list)
 
-    def plan(self, epoch: int, stages: int, replicas: int) -> None:
+    def plan(self, epoch: int, stages: int, replicas: int, judge_gains: bool = True) -> None:
         """A new epoch and its layout: what the last one reported no longer applies."""
         self.epoch, self.stages, self.replicas = epoch, stages, replicas
+        self.judge_gains = judge_gains
         self._windows, self._judged, self._suspected, self._newest = {}, set(), {}, {}
         self.judged_through, self._roots = 0, []
 
@@ -219,6 +225,9 @@ class LinkWitness:
             else:
                 agreed[link] = got
         measured, gained = _gains(agreed)
+        if not self.judge_gains:
+            measured = {k: v for k, v in measured.items() if k not in gained}
+            gained = set()
         wrong = self._outliers(measured, gained)
         per = 2 * (self.stages - 1)  # `links` lists each pipeline's in turn
         pipelines = [every[r * per:(r + 1) * per] for r in range(self.replicas)]

@@ -37,9 +37,9 @@ def witness(stages: int = S, replicas: int = R) -> LinkWitness:
     return w
 
 
-def feed(w: LinkWitness, step: int, figures: dict[int, list[float]]) -> list:
+def feed(w: LinkWitness, step: int, figures: dict[int, list[float]], epoch: int = 2) -> list:
     for rank, f in figures.items():
-        w.add(2, rank, step, f)
+        w.add(epoch, rank, step, f)
     return w.judge()
 
 
@@ -220,3 +220,25 @@ def test_what_follows_a_link_whose_ends_disagree_blames_nobody_downstream() -> N
     assert [(x.kind, set(x.suspects), x.confirmed) for x in found] == [
         ("link_disagree", {3, 4}, False)]
     assert "2 later link(s)" in found[0].detail
+
+
+def test_without_flushes_gains_are_not_judged_but_activations_and_zeros_are() -> None:
+    """`--pipeline-delay 1`: a stale step's honest gains spread past the thresholds (4.7
+    against 1.25 between two replicas of one stage on the 8-city world), so the witness of
+    such an epoch leaves gains alone."""
+    w = LinkWitness()
+    w.plan(2, 3, 2, judge_gains=False)
+    f = honest(3, 2)
+    f[4][2] = f[3][3] = 0.1  # rank 4's gain 10x its replica's: disputed with flushes, not here
+    assert feed(w, 5, f) == []
+    f = honest(3, 2)
+    f[4][0] = f[5][1] = 10.0  # activations are still judged
+    f[5][2] = f[4][3] = f[4][2] = f[3][3] = 0.1
+    assert [(x.kind, x.suspects) for x in feed(w, 10, f)] == [("act_disagree", (1, 4))]
+    f = honest(3, 2)
+    f[0][0] = f[1][1] = 0.0  # and zeros
+    assert [(x.kind, x.suspects) for x in feed(w, 15, f)] == [("act_zero", (0,))]
+    w.plan(3, 3, 2)  # the next epoch flushes again: gains judged
+    f = honest(3, 2)
+    f[4][2] = f[3][3] = 0.1
+    assert [x.kind for x in feed(w, 5, f, epoch=3)] == ["act_disagree"]
