@@ -77,6 +77,7 @@ class Exchange:
     bufs: dict[int, torch.Tensor]
     works: list[Any]  # dist.Work (isend and irecv type them optional)
     own: list[float] = field(default_factory=list)  # this rank's values, once started
+    sent: torch.Tensor | None = None  # what the sends read: alive until they are waited for
 
 
 @dataclass
@@ -125,7 +126,7 @@ class World:
         posted = posted or self.post_exchange(len(values))
         works = posted.works + [dist.isend(mine, dst=r, group=self.pipe_group, tag=TAG_EXCHANGE)
                                 for r in posted.bufs]
-        return Exchange(posted.bufs, works, values)
+        return Exchange(posted.bufs, works, values, mine)
 
     def finish_exchange(self, started: Exchange) -> list[list[float]]:
         """The table of a `start_exchange`, once every value has arrived (and been sent)."""
@@ -188,7 +189,6 @@ class Gathering:
     values: list[float]
     bufs: dict[int, torch.Tensor]
     works: list[Any]  # dist.Work (isend and irecv type them optional)
-    own: list[float] = field(default_factory=list)  # this rank's values, once started
     mine: torch.Tensor | None = None
 
     def rows(self) -> list[list[float]]:
