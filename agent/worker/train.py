@@ -331,14 +331,8 @@ class Worker:
             self.checks.note_norms(step, [row[0] for row in table])
         clip_(self.stage, norm, cfg.grad_clip)
         opt.step()
-        synced, outer_s = None, 0.0
         save = self._checkpoint_now(step)
-        if outer and outer.due(step, cfg.steps):
-            self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
-            t2 = time.perf_counter()
-            # --outer-delay 1: a checkpoint and the last step hold no exchange in flight
-            synced = outer.sync(step, flush=save or step == cfg.steps)
-            outer_s = time.perf_counter() - t2
+        synced, outer_s = self._sync_point(step, save)
         self.checks.end_step(step, cfg.steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -363,12 +357,7 @@ class Worker:
         applied = delayed.run(step, flush)
         if outer is not None:  # --outer-delay 1: send back the averages whose copies are in
             outer.progress()
-        synced, outer_s = None, 0.0
-        if outer is not None and due:
-            self.deadline.sync_point(outer.every)
-            t2 = time.perf_counter()
-            synced = outer.sync(step, flush=save or step == cfg.steps)
-            outer_s = time.perf_counter() - t2
+        synced, outer_s = self._sync_point(step, save)
         self.checks.end_step(step, cfg.steps)
         # a window's link figures go out once, with the next step event: a pass reports none
         # after a flush, several at a flush
@@ -385,6 +374,18 @@ class Worker:
             self._emit_step(u.step, u.loss, u.norm, u.lr, p.dt, p.times, 0.0, p.wait_s,
                             p.synced, p.outer_s)
         return save
+
+    def _sync_point(self, step: int, save: bool) -> tuple[SyncResult | None, float]:
+        """With local steps, a step that ends a round syncs the replicas (`OuterSync.sync`):
+        what it exchanged and its seconds; (None, 0.0) on any other step."""
+        outer = self.outer
+        if outer is None or not outer.due(step, self.cfg.steps):
+            return None, 0.0
+        self.deadline.sync_point(outer.every)  # the exchange's waits: not an inner step's
+        t2 = time.perf_counter()
+        # --outer-delay 1: a checkpoint and the last step hold no exchange in flight
+        synced = outer.sync(step, flush=save or step == self.cfg.steps)
+        return synced, time.perf_counter() - t2
 
     def _checkpoint_now(self, step: int) -> bool:
         """Whether this step ends with a checkpoint: one fell due (local steps: inside the
