@@ -17,11 +17,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
-from agent.worker.data import Sampler, load_splits, replica_slice
-from agent.worker.optim import lr_at, make_optimizer, set_lr
-from agent.worker.stage import Stage, lm_loss
+from bench.staleness import Rule, replay
 from coordinator.scheduler.memory import micro_batches_held
 from dtfm.core.layout import (
     delayed_run_ops,
@@ -30,7 +27,6 @@ from dtfm.core.layout import (
     one_f_one_b,
     pipeline_ops,
 )
-from dtfm.core.presets import get_preset
 from dtfm.core.spec import TrainConfig
 from tests.agent.worker.testlib import assert_close, run_local
 
@@ -63,63 +59,9 @@ def test_steps_that_do_not_flush_are_one_pipeline_over_their_micro_batches() -> 
 
 
 def _reference_2bw(micro: int) -> list[float]:
-    """gpt-tiny trained by the rule, in one process: each step's loss."""
-    cfg = TrainConfig(warmup_steps=WARMUP)
-    spec = get_preset("gpt-tiny")
-    torch.manual_seed(SEED)
-    model = Stage(spec, 0, spec.n_layers, SEED)
-    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.moments_dtype)
-    train, _ = load_splits(cfg.data_path, spec.vocab_size, "")
-    sampler = Sampler(train, spec.seq_len, SEED)
-    live = list(model.parameters())
-    pending: list[tuple[int, list[torch.Tensor]]] = []  # (step, its gradients)
-    losses = []
-
-    def apply(step: int, grads: list[torch.Tensor]) -> None:
-        norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
-        coef = min(1.0, cfg.grad_clip / (norm + 1e-6))
-        for p, g in zip(live, grads, strict=True):
-            p.grad = g * coef if coef < 1.0 else g
-        set_lr(opt, lr_at(step - 1, cfg.lr, cfg.warmup_steps, STEPS))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def predicted(step: int) -> dict[str, torch.Tensor]:
-        """The live weights moved by AdamW's step `step` with the moments as they stand."""
-        lr = lr_at(step - 1, cfg.lr, cfg.warmup_steps, STEPS)
-        out = {}
-        for group in opt.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                w = p.detach().clone()
-                if (st := opt.state.get(p)) and "exp_avg" in st:
-                    n = float(st["step"])
-                    m, v = st["exp_avg"] / (1 - b1 ** n), st["exp_avg_sq"] / (1 - b2 ** n)
-                    w = w * (1 - lr * group["weight_decay"]) - lr * m / (v.sqrt() + group["eps"])
-                out[id(p)] = w
-        return {n: out[id(p)].requires_grad_(True) for n, p in model.named_parameters()}
-
-    for step in range(1, STEPS + 1):
-        while pending and pending[0][0] <= step - 2:
-            apply(*pending.pop(0))
-        if pending:  # the step before is in flight: the weights its update will about give
-            weights = predicted(pending[0][0])
-        else:
-            weights = {n: p.detach().clone().requires_grad_(True)
-                       for n, p in model.named_parameters()}
-        x, y = sampler.windows(replica_slice(sampler.next_global(BATCH), 0, 1))
-        total = 0.0
-        for xi, yi in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            loss = lm_loss(torch.func.functional_call(model, weights, (xi,)), yi)
-            (loss / micro).backward()
-            total += float(loss.detach())
-        losses.append(total / micro)
-        pending.append((step, [w.grad for w in weights.values()]))
-        if step <= WARMUP or step == STEPS:  # a flush: every update in
-            for done, grads in pending:
-                apply(done, grads)
-            pending.clear()
-    return losses
+    """gpt-tiny trained by the rule, in one process: each step's loss (bench/staleness.py's
+    replay, written from the rule alone with the worker's model, data and optimizer)."""
+    return replay("gpt-tiny", Rule(), STEPS, BATCH, WARMUP, SEED, micro=micro).losses
 
 
 @pytest.mark.timeout(240)
