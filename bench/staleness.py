@@ -14,7 +14,10 @@ instead of a pipeline run and the cause of the gap can be read off:
   the momentum's part of the step in flight but its new gradient's;
 - `dc:L`: the product's rule plus delay compensation (DC-ASGD, Zheng et al. 2017): the
   gradient g computed at the copy w' is corrected to g + L * g * g * (w - w') before the
-  update of the newest weights w.
+  update of the newest weights w;
+- `every:K`: the product's rule, flushed every K steps as well (what `--sync-every K` does
+  with replicas);
+- any of them `@B1`: with AdamW's beta1 at B1 instead of 0.9.
 
 The same replay is the one-process reference `tests/agent/worker/test_delayed.py` pins the
 pipelined workers to (`replay`, rule `predicted`), so the two cannot drift apart.
@@ -58,11 +61,13 @@ class Rule:
     predict: float = 1.0  # the share of the in-flight AdamW step the copy is moved by
     compensate: float = 0.0  # DC-ASGD's lambda; 0: none
     beta1: float | None = None  # AdamW's first-moment decay; None: the product's
+    flush_every: int = 0  # also flush every this many steps; 0: only where the worker does
 
     @classmethod
     def parse(cls, name: str) -> Rule:
-        """`flushed`, `plain`, `predicted[:G]` or `dc:L`, each optionally `@B1` (AdamW's
-        beta1 for that run: asynchrony acts as momentum, Mitliagkas et al. 2016)."""
+        """`flushed`, `plain`, `predicted[:G]`, `dc:L` or `every:K` (the rule, flushed every
+        K steps as well), each optionally `@B1` (AdamW's beta1 for that run: asynchrony acts
+        as momentum, Mitliagkas et al. 2016)."""
         head, _, b1 = name.partition("@")
         kind, _, arg = head.partition(":")
         try:
@@ -80,8 +85,10 @@ class Rule:
             return cls(predict=1.0 if value is None else value, beta1=beta1)
         if kind == "dc" and value is not None:
             return cls(compensate=value, beta1=beta1)
+        if kind == "every" and value is not None and value >= 1 and value == int(value):
+            return cls(flush_every=int(value), beta1=beta1)
         raise SystemExit(f"unknown variant {name!r}: one of flushed, plain, predicted, "
-                         f"predicted:G, dc:L, each with an optional @BETA1")
+                         f"predicted:G, dc:L, every:K, each with an optional @BETA1")
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,8 @@ def replay(model_name: str, rule: Rule, steps: int, batch: int, warmup: int, see
         losses.append(total / micro)
         pending.append((step, [w.grad for w in weights.values()],
                         [w.detach() for w in weights.values()]))
-        if not rule.delayed or step <= warmup or step == steps:  # a flush: every update in
+        if not rule.delayed or step <= warmup or step == steps or (
+                rule.flush_every and step % rule.flush_every == 0):  # a flush: all in
             for done in pending:
                 apply(*done)
             pending.clear()
