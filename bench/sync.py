@@ -65,6 +65,7 @@ from wan import add_world_arguments, emulator_missing, measured_world, run_job
 
 from dtfm.core.breakdown import Breakdown
 from dtfm.core.presets import get_preset
+from dtfm.core.spec import TrainConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
 TARGETS = {"dp_cut": 100.0, "val_loss_pct": 3.0, "speedup_over_sync": 1.5,
@@ -158,16 +159,21 @@ def job_flags(args: argparse.Namespace, h: int, pp: str, dp: str, delay: int = 0
             "--seed", str(args.seed), "--checkpoint-every", "0"]
 
 
-def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
+def figures(progress: set[Path], tokens_per_step: int,
+            warmup_steps: int | None = None) -> dict[str, Any]:
     """Bytes per step (summed over ranks, averaged over every step), the mean step time and
     tokens/s (steps >= 2: the first holds the start-up), the validation loss and the drift
     at the last sync point, and where the mean step went (`stepsplit.measured_split`), from
-    the workers' own progress files."""
+    the workers' own progress files. With `warmup_steps`, also the mean step after the
+    learning rate's warm-up (`mean_step_after_warmup_s`): `--pipeline-delay 1` flushes every
+    warm-up step, a share of a short bench run that a long job does not pay."""
     events = progress_events(progress)
     steps = [e for e in events if e.get("event") == "step"]
     count = len({e["step"] for e in steps}) or 1
     steady = [e["step_s"] for e in steps if e["step"] >= 2 and e.get("step_s")]
     mean_step = statistics.fmean(steady) if steady else float("nan")
+    after = [e["step_s"] for e in steps
+             if warmup_steps is not None and e["step"] > max(1, warmup_steps) and e.get("step_s")]
     drifts = [e["drift"] for e in steps
               if isinstance(e.get("drift"), float) and math.isfinite(e["drift"])]
     done = [e["val_loss"] for e in events if e.get("event") == "done" and e.get("val_loss")]
@@ -180,7 +186,16 @@ def figures(progress: set[Path], tokens_per_step: int) -> dict[str, Any]:
         "split": stepsplit.measured_split(events).to_json(),
         "split_by_replica": {r: b.to_json() for r, b in stepsplit.by_replica(events).items()},
         "sync_every_run": max((e.get("sync_every", 1) for e in steps), default=1),
+        **({"mean_step_after_warmup_s": statistics.fmean(after)} if after else {}),
     }
+
+
+def warmup_of(flags: list[str]) -> int:
+    """The learning-rate warm-up a job with these flags runs (its `--warmup-steps`, or the
+    default)."""
+    if "--warmup-steps" in flags[:-1]:
+        return int(flags[flags.index("--warmup-steps") + 1])
+    return TrainConfig().warmup_steps
 
 
 def run_variants(cluster: Any, links: Path, args: argparse.Namespace,
@@ -258,7 +273,8 @@ def best_h(rows: list[dict[str, Any]]) -> int:
     return max(ok, key=lambda r: r["tokens_per_s"])["sync_every"] if ok else 16
 
 
-SCHEDULE_FLAGS = ("--schedule", "--outer-delay", "--pipeline-delay")  # what the job runs
+SCHEDULE_FLAGS = ("--schedule", "--outer-delay", "--pipeline-delay",  # what the job runs
+                  "--warmup-steps")  # (--pipeline-delay 1 flushes every warm-up step)
 
 
 def schedule_flags(flags: list[str], sync_every: int) -> list[str]:
@@ -290,7 +306,7 @@ def loopback_ceiling(args: argparse.Namespace, agents: int, h: int,
             raise RuntimeError(f"the loopback ceiling run failed: {done.stderr[-2000:]}")
         tokens = args.batch * get_preset(args.model).seq_len
         files = set(Path(wd).glob("**/*.progress.jsonl"))
-        out = figures(files, tokens)
+        out = figures(files, tokens, warmup_of(schedule or []))
         events = progress_events(files)
         ran = dict(zip(schedule[::2], schedule[1::2], strict=True)) if schedule else {}
         out["split_predicted"] = stepsplit.free_prediction(
@@ -336,7 +352,8 @@ def breakdown_only(args: argparse.Namespace) -> dict[str, Any]:
                 "--outer-momentum", str(args.outer_momentum), "--seed", str(args.seed),
                 "--checkpoint-every", "0"], label=f"everything on, {m} micro-batches")
             on["flags"] = " ".join(flags)
-            on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens))
+            on.update(figures(files_under(cluster.workdir, ".progress.jsonl") - before, tokens,
+                              warmup_of(flags)))
             if on.get("grid"):  # what no flushed schedule takes back (stepsplit.latency_floor)
                 delayed = "--outer-delay" in flags and \
                     flags[flags.index("--outer-delay") + 1:][:1] == ["1"]
@@ -414,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"network-free / everything on: {pair['breakdown']['ratio']:.2f}x the step; "
                   f"everything on {pair['everything_on']['tokens_per_s']:.0f} tok/s, network "
                   f"removed {pair['ceiling']['tokens_per_s']:.0f} tok/s")
+            wan_after = pair["everything_on"].get("mean_step_after_warmup_s")
+            free_after = pair["ceiling"].get("mean_step_after_warmup_s")
+            if wan_after and free_after:
+                print(f"after the learning rate's warm-up: {free_after / wan_after:.2f}x the "
+                      f"step ({wan_after:.3f} s against {free_after:.3f} s network-free)")
             if (bound := pair["ceiling"]["cores_bound_s"]) is not None:
                 print(f"network removed: the ranks' CPU time over {pair['ceiling']['cores']} "
                       f"cores bounds its step at {bound:.3f} s")
