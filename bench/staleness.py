@@ -154,8 +154,9 @@ def replay(model_name: str, rule: Rule, steps: int, batch: int, warmup: int, see
             (loss / micro).backward()
             total += float(loss.detach())
         losses.append(total / micro)
-        pending.append((step, [w.grad for w in weights.values()],
-                        [w.detach() for w in weights.values()]))
+        grads = [w.grad if w.grad is not None else torch.zeros_like(w)  # unused: none
+                 for w in weights.values()]
+        pending.append((step, grads, [w.detach() for w in weights.values()]))
         if not rule.delayed or step <= warmup or step == steps or (
                 rule.flush_every and step % rule.flush_every == 0):  # a flush: all in
             for done in pending:
