@@ -28,7 +28,11 @@ def test_dead_worker_stops_the_job_with_its_rank_and_code() -> None:
     assert run.rc != 0
     assert "rank 3 (stage 1, replica 1) exited with code 17" in run.stderr, run.stderr
     assert "fault injection" in run.stderr  # the dead rank's last stderr lines are shown
-    assert [s["step"] for s in run.steps] == [1, 2]
+    # rank 3 dies before its step 3, so every rank had begun step 2 (rank 0's step-1 event
+    # is out); rank 0 ends step 2 about when rank 3 does, and a dead worker stops the job at
+    # once, so its step-2 event may not be written yet (a fresh clone's suite on a loaded
+    # machine saw [1]); nothing past step 2 can be
+    assert [s["step"] for s in run.steps] in ([1], [1, 2])
     assert run.done is None
     assert elapsed < 60
 
