@@ -154,7 +154,7 @@ def replay(model_name: str, rule: Rule, steps: int, batch: int, warmup: int, see
             (loss / micro).backward()
             total += float(loss.detach())
         losses.append(total / micro)
-        grads = [w.grad if w.grad is not None else torch.zeros_like(w)  # unused: none
+        grads = [w.grad if w.grad is not None else torch.zeros_like(w)  # no loss reached it
                  for w in weights.values()]
         pending.append((step, grads, [w.detach() for w in weights.values()]))
         if not rule.delayed or step <= warmup or step == steps or (
